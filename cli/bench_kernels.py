@@ -1,0 +1,60 @@
+"""``kvdiag bench kernels``: eviction kernels vs their torch reference and the obvious composition."""
+
+from __future__ import annotations
+
+import torch
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvdiag.errors import UserError
+from kvdiag.kernels import triton_available
+from kvdiag.kernels.bench import run_kernel_bench
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def bench_kernels(
+    device: str = typer.Option("cpu", help="cpu, cuda or cuda:N"),
+    n: int = typer.Option(64, "--n", help="candidate rows N of shared_prefix_attention"),
+    prefix: int = typer.Option(512, help="shared prefix length P"),
+    window: int = typer.Option(16, help="teacher-forced window W (suffix length)"),
+    heads: int = typer.Option(9, help="query heads H"),
+    kv_heads: int = typer.Option(3, help="KV heads Hkv"),
+    head_dim: int = typer.Option(64, help="head dim d"),
+    exclude: int = typer.Option(1, help="excluded prefix entries per row E"),
+    trace_len: int = typer.Option(4096, help="cache length T for compact_kv and window_attention_mass"),
+    obs_window: int = typer.Option(32, help="observation-window queries of window_attention_mass"),
+    keep_fraction: float = typer.Option(0.5, help="fraction of the T entries compact_kv keeps"),
+    dtype: str = typer.Option("float32", help="float32, float16 or bfloat16"),
+    repeats: int = typer.Option(5, help="timed calls per implementation (median reported)"),
+    seed: int = typer.Option(0, help="seed of the random inputs"),
+) -> None:
+    """Time and peak memory of each eviction kernel: Triton (CUDA), torch reference, obvious composition."""
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r} is not supported: use one of {', '.join(DTYPES)}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: CUDA is not available here; use --device cpu")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise UserError(f"--device {device!r} is not supported: use cpu, cuda or cuda:N")
+    if heads % kv_heads:
+        raise UserError(f"--heads {heads} must be a multiple of --kv-heads {kv_heads}")
+    if not 0 < keep_fraction <= 1:
+        raise UserError(f"--keep-fraction {keep_fraction} must be in (0, 1]")
+    rows = run_kernel_bench(
+        device, n, prefix, window, heads, kv_heads, head_dim, exclude, trace_len, obs_window,
+        keep_fraction, DTYPES[dtype], repeats, seed,
+    )
+    obvious = {r.op: r for r in rows if r.impl == "obvious"}
+    table = Table(title=f"eviction kernels on {device} ({dtype}, threads={torch.get_num_threads()}, "
+                  f"triton={'yes' if triton_available() else 'no'})")
+    for col in ("op", "impl", "ms", "speed-up vs obvious", "peak MB", "memory vs obvious", "max |err| vs torch"):
+        table.add_column(col, justify="left" if col in ("op", "impl") else "right")
+    for r in rows:
+        base = obvious[r.op]
+        mem_ratio = f"{r.peak_mb / base.peak_mb:.2f}x" if r.peak_mb and base.peak_mb else "n/a"
+        table.add_row(
+            r.op, r.impl, f"{r.ms:.2f}", f"{base.ms / r.ms:.2f}x",
+            "n/a" if r.peak_mb is None else f"{r.peak_mb:.1f}", mem_ratio, f"{r.max_err:.1e}",
+        )
+    Console().print(table)

@@ -1,0 +1,48 @@
+"""``kvdiag trace``: generate reasoning traces and record post-RoPE q/k/v per layer and head."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from cli import common
+
+
+def trace(
+    out: Path = typer.Option(..., "--out", help="Trace directory (created; a rerun continues it)"),
+    model: str = common.Model,
+    prompts: str = common.Prompts,
+    max_new_tokens: int = typer.Option(512, "--max-new-tokens"),
+    limit: int | None = common.Limit,
+    seed: int = common.Seed,
+    sample: bool = typer.Option(False, "--sample/--greedy", help="sampling (T=0.6, top-p 0.95) or greedy decoding"),
+    chat: bool = typer.Option(True, "--chat/--no-chat", help="apply the tokenizer's chat template"),
+    instruction: str = typer.Option(None, "--instruction", help="text appended to each prompt (default: step-by-step + \\boxed{})"),
+    no_instruction: bool = typer.Option(False, "--no-instruction", help="append nothing to the prompts"),
+    storage_dtype: str = typer.Option("float16", "--storage-dtype", help="dtype of the stored q/k/v"),
+    dtype: str = common.Dtype,
+    device: str = common.Device,
+    revision: str | None = common.Revision,
+    trust_remote_code: bool = common.TrustRemoteCode,
+    quiet: bool = common.Quiet,
+) -> None:
+    """Generate each prompt's trace and write the Trace directory (manifest, tokens, per-layer q/k/v)."""
+    from kvdiag.models import load_model
+    from kvdiag.prompts import DEFAULT_INSTRUCTION, load_prompts
+    from kvdiag.trace import GenerationSettings, trace_prompts
+
+    common.quiet_transformers()
+    if max_new_tokens <= 0:  # checked before the (slow) model load
+        from kvdiag.errors import UserError
+
+        raise UserError(f"--max-new-tokens {max_new_tokens}: must be a positive number of tokens")
+    items = load_prompts(prompts, limit=limit, seed=seed)
+    lm = load_model(model, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code)
+    settings = GenerationSettings(
+        max_new_tokens=max_new_tokens, sample=sample, seed=seed, chat=chat, storage_dtype=storage_dtype,
+        instruction=None if no_instruction else (instruction or DEFAULT_INSTRUCTION),
+    )
+    root = trace_prompts(lm, items, out, settings, prompts_source=prompts, show_progress=not quiet)
+    Console().print(f"Trace written to [bold]{root}[/] ({len(items)} prompts)")

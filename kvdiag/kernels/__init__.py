@@ -1,0 +1,155 @@
+"""Eviction kernels: physical compaction, shared-prefix attention with per-row exclusions, window mass.
+
+Each op takes ``backend="auto" | "torch" | "triton"``. ``auto`` picks Triton when the tensors are on
+CUDA and triton imports (``pip install 'kvdiag[cuda]'``), the torch reference otherwise. Both backends
+compute in fp32 (Triton: fp32 accumulation, inputs in their own dtype) and agree within the tolerances
+stated in ``tests/test_kernels.py``. Shapes: see ``kvdiag.kernels.torch_ref``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Literal
+
+import torch
+
+from kvdiag.attention import group_size
+from kvdiag.errors import UserError
+from kvdiag.kernels import torch_ref
+
+Backend = Literal["auto", "torch", "triton"]
+BACKENDS = ("auto", "torch", "triton")
+
+__all__ = [
+    "BACKENDS",
+    "compact_kv",
+    "normalize_exclude",
+    "resolve_backend",
+    "shared_prefix_attention",
+    "triton_available",
+    "window_attention_mass",
+]
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether the optional ``triton`` package is installed (the ``kvdiag[cuda]`` extra)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``"torch"`` or ``"triton"`` for tensors on ``device`` (see the module docstring for ``auto``)."""
+    if backend not in BACKENDS:
+        raise UserError(f"unknown kernel backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if backend == "triton" and not triton_available():
+        raise UserError("kernel backend 'triton' needs triton: pip install 'kvdiag[cuda]'")
+    return backend
+
+
+def _triton():
+    from kvdiag.kernels import triton_kernels
+
+    return triton_kernels
+
+
+def normalize_exclude(exclude: torch.Tensor | None, n: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
+    """Exclusions as int64 [N, Hkv, E]: ``None`` -> E = 0; [N, E] applies to every KV head (a stride-0
+    view, no copy); [N, Hkv, E] is per KV head. ``-1`` = no exclusion; repeated indices are allowed."""
+    if exclude is None:
+        return torch.empty(n, num_kv_heads, 0, dtype=torch.int64, device=device)
+    exclude = exclude.to(device=device, dtype=torch.int64)
+    if exclude.dim() == 2 and exclude.shape[0] == n:
+        return exclude[:, None, :].expand(n, num_kv_heads, exclude.shape[1])
+    if exclude.dim() == 3 and exclude.shape[:2] == (n, num_kv_heads):
+        return exclude
+    raise ValueError(f"exclude must be [N, E] or [N, Hkv, E] with N={n}, Hkv={num_kv_heads}; got {list(exclude.shape)}")
+
+
+def compact_kv(
+    keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, backend: Backend = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Physical eviction (per-head gather of kept entries).
+
+    keys, values [Hkv, T, d]; keep [Hkv, B] kept positions per head, ascending to keep temporal
+    order. Returns ``(keys [Hkv, B, d], values [Hkv, B, d])`` in the input dtype.
+    """
+    if keys.dim() != 3 or values.shape != keys.shape or keep.dim() != 2 or keep.shape[0] != keys.shape[0]:
+        raise ValueError(
+            f"compact_kv needs keys/values [Hkv, T, d] and keep [Hkv, B]; got {list(keys.shape)}, "
+            f"{list(values.shape)}, {list(keep.shape)}"
+        )
+    if resolve_backend(backend, keys.device) == "triton":
+        return _triton().compact_kv(keys, values, keep)
+    return torch_ref.compact_kv(keys, values, keep)
+
+
+def shared_prefix_attention(
+    q: torch.Tensor,
+    prefix_k: torch.Tensor,
+    prefix_v: torch.Tensor,
+    suffix_k: torch.Tensor,
+    suffix_v: torch.Tensor,
+    exclude: torch.Tensor | None,
+    scale: float,
+    backend: Backend = "auto",
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """Attention of N candidate rows over one shared prefix plus each row's own causal suffix.
+
+    q [N, H, W, d] (the last W suffix positions of each row); prefix_k, prefix_v [Hkv, P, d] (shared,
+    never copied per row); suffix_k, suffix_v [N, Hkv, S, d] with S >= W; exclude [N, E] (all KV heads)
+    or [N, Hkv, E] (per KV head) prefix positions each row does not see, ``-1`` = none, or ``None``.
+    Query head h reads KV head h // g. ``chunk``: rows per chunk on the torch backend.
+    Returns [N, H, W, d] in q's dtype; equals deleting the excluded entries from each row's cache.
+    """
+    N, H, W, d = q.shape
+    Hkv, P, _ = prefix_k.shape
+    group_size(H, Hkv)
+    S = suffix_k.shape[2]
+    if (
+        prefix_v.shape != prefix_k.shape
+        or prefix_k.shape[2] != d
+        or suffix_k.shape != (N, Hkv, S, d)
+        or suffix_v.shape != suffix_k.shape
+        or S < W
+    ):
+        raise ValueError(
+            f"shared_prefix_attention needs q [N, H, W, d], prefix [Hkv, P, d], suffix [N, Hkv, S>=W, d]; got "
+            f"{list(q.shape)}, {list(prefix_k.shape)}/{list(prefix_v.shape)}, {list(suffix_k.shape)}/{list(suffix_v.shape)}"
+        )
+    if len({t.dtype for t in (q, prefix_k, prefix_v, suffix_k, suffix_v)}) != 1:
+        raise ValueError("shared_prefix_attention needs q, prefix and suffix tensors of one dtype")
+    ex = normalize_exclude(exclude, N, Hkv, q.device)
+    if resolve_backend(backend, q.device) == "triton":
+        return _triton().shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, ex, scale)
+    return torch_ref.shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, ex, scale, chunk)
+
+
+def window_attention_mass(
+    q_window: torch.Tensor,
+    keys: torch.Tensor,
+    query_positions: torch.Tensor,
+    scale: float,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Attention mass that window queries put on each key, never materializing [H, W, T].
+
+    q_window [H, W, d] at absolute ``query_positions [W]`` (>= 0); keys [Hkv, T, d]. The query at
+    position tau sees keys j <= tau (exact softmax). Returns fp32 [Hkv, T]: for KV head kv, the sum
+    over the W queries and the g query heads h // g == kv of their softmax probability on key j
+    (each row sums to g * W). Pass ``keys[:, :t]`` when only keys before a checkpoint matter.
+    """
+    H, W, d = q_window.shape
+    Hkv, T, dk = keys.shape
+    group_size(H, Hkv)
+    if dk != d or query_positions.shape != (W,):
+        raise ValueError(
+            f"window_attention_mass needs q_window [H, W, d], keys [Hkv, T, d], query_positions [W]; got "
+            f"{list(q_window.shape)}, {list(keys.shape)}, {list(query_positions.shape)}"
+        )
+    if resolve_backend(backend, keys.device) == "triton":
+        return _triton().window_attention_mass(q_window, keys, query_positions, scale)
+    return torch_ref.window_attention_mass(q_window, keys, query_positions, scale)

@@ -1,0 +1,208 @@
+"""Benchmark of the eviction kernels: each backend vs the obvious torch composition, time and peak memory.
+
+``run_kernel_bench`` returns one row per (op, implementation); ``kvdiag bench kernels`` prints them.
+The "obvious" implementations are what one writes without these kernels (and what transformers' sdpa
+path does with a 4D mask): copy the prefix per row, repeat KV heads, mask, SDPA; index per head;
+materialize the window's attention rows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvdiag import kernels
+from kvdiag.kernels import torch_ref
+
+# glibc mallopt(M_MMAP_THRESHOLD): a fixed threshold makes every large tensor an mmap that is
+# unmapped on free, so RSS tracks live tensors (the default dynamic threshold keeps freed blocks
+# resident and hides the peak of later calls).
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+@dataclass
+class KernelBenchRow:
+    op: str
+    impl: str
+    ms: float  # median wall time per call
+    peak_mb: float | None  # peak extra memory of one call, output included (None: not measurable here)
+    max_err: float  # max |out - torch reference| (fp32)
+
+
+def obvious_shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, exclude, scale):
+    """The composition without the kernel: q [N, H, W, d], prefix [Hkv, P, d], suffix [N, Hkv, S, d],
+    exclude [N, E] -> [N, H, W, d]. Copies the prefix per row (expand + cat), repeats KV heads,
+    builds a bool mask [N, 1, W, P + S] and calls SDPA."""
+    N, H, W, _ = q.shape
+    Hkv, P, _ = prefix_k.shape
+    S = suffix_k.shape[2]
+    g = H // Hkv
+    k = torch.cat([prefix_k.expand(N, -1, -1, -1), suffix_k], 2).repeat_interleave(g, 1)
+    v = torch.cat([prefix_v.expand(N, -1, -1, -1), suffix_v], 2).repeat_interleave(g, 1)
+    seen = torch.ones(N, P + 1, dtype=torch.bool, device=q.device)  # column P absorbs -1
+    seen.scatter_(1, torch.where(exclude < 0, P, exclude), False)
+    causal = torch.arange(S, device=q.device)[None, :] <= (S - W + torch.arange(W, device=q.device))[:, None]
+    mask = torch.cat([seen[:, None, None, :P].expand(N, 1, W, P), causal.expand(N, 1, W, S)], -1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def obvious_compact_kv(keys, values, keep):
+    """Per-head indexing: keys, values [Hkv, T, d], keep [Hkv, B] -> ([Hkv, B, d], [Hkv, B, d])."""
+    return (
+        torch.stack([keys[h, keep[h]] for h in range(keys.shape[0])]),
+        torch.stack([values[h, keep[h]] for h in range(keys.shape[0])]),
+    )
+
+
+def obvious_window_attention_mass(q_window, keys, query_positions, scale):
+    """Materialized softmax [H, W, T], then summed over the window and the group: -> fp32 [Hkv, T]."""
+    H, W, d = q_window.shape
+    Hkv, T, _ = keys.shape
+    logits = torch.einsum("hwd,htd->hwt", q_window.float(), keys.float().repeat_interleave(H // Hkv, 0)) * scale
+    hidden = torch.arange(T, device=keys.device)[None, :] > query_positions.to(keys.device)[:, None]
+    probs = logits.masked_fill_(hidden, float("-inf")).softmax(-1)
+    return probs.view(Hkv, H // Hkv, W, T).sum((1, 2))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    fn()  # warm-up: Triton compilation, allocator
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _rss_kb(field: str) -> int:
+    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
+
+
+def _cpu_peak_supported() -> bool:
+    """Linux lets a process reset its own peak RSS (VmHWM) by writing 5 to /proc/self/clear_refs."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    except OSError:
+        return False
+    return True
+
+
+def _peak_mb(fn: Callable[[], object], device: torch.device, cpu_peak: bool) -> float | None:
+    if device.type == "cuda":
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        _sync(device)
+        return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    if not cpu_peak:
+        return None
+    Path("/proc/self/clear_refs").write_text("5")
+    base = _rss_kb("VmRSS")
+    fn()
+    return (_rss_kb("VmHWM") - base) / 1024
+
+
+def run_kernel_bench(
+    device: str = "cpu",
+    n: int = 64,
+    prefix: int = 512,
+    window: int = 16,
+    heads: int = 9,
+    kv_heads: int = 3,
+    head_dim: int = 64,
+    exclude: int = 1,
+    trace_len: int = 4096,
+    obs_window: int = 32,
+    keep_fraction: float = 0.5,
+    dtype: torch.dtype = torch.float32,
+    repeats: int = 5,
+    seed: int = 0,
+) -> list[KernelBenchRow]:
+    """Time and peak memory of every implementation of the three ops on ``device``.
+
+    shared_prefix_attention: N rows, prefix P, window W (= suffix length), E exclusions per row
+    ([N, E], every KV head); compact_kv: T = ``trace_len`` entries, ``keep_fraction`` of them kept;
+    window_attention_mass: ``obs_window`` queries at the last positions of a T-token trace.
+    Implementations: "triton" (CUDA with triton only), "torch" (reference), "obvious".
+    """
+    dev = torch.device(device)
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device=dev, dtype=dtype)
+
+    scale = head_dim**-0.5
+    spa = (
+        rand(n, heads, window, head_dim),
+        rand(kv_heads, prefix, head_dim),
+        rand(kv_heads, prefix, head_dim),
+        rand(n, kv_heads, window, head_dim),
+        rand(n, kv_heads, window, head_dim),
+        torch.randint(0, prefix, (n, exclude), generator=gen).to(dev),
+        scale,
+    )
+    keys, values = rand(kv_heads, trace_len, head_dim), rand(kv_heads, trace_len, head_dim)
+    budget = max(1, int(keep_fraction * trace_len))
+    keep = torch.stack([torch.randperm(trace_len, generator=gen)[:budget].sort().values for _ in range(kv_heads)]).to(dev)
+    mass = (rand(heads, obs_window, head_dim), keys, torch.arange(trace_len - obs_window, trace_len, device=dev), scale)
+
+    triton_ok = dev.type == "cuda" and kernels.triton_available()
+    cases: list[tuple[str, Callable, dict[str, Callable[[], object]]]] = [
+        (
+            "shared_prefix_attention",
+            lambda: torch_ref.shared_prefix_attention(*spa[:5], kernels.normalize_exclude(spa[5], n, kv_heads, dev), scale),
+            {
+                "triton": lambda: kernels.shared_prefix_attention(*spa, backend="triton"),
+                "torch": lambda: kernels.shared_prefix_attention(*spa, backend="torch"),
+                "obvious": lambda: obvious_shared_prefix_attention(*spa),
+            },
+        ),
+        (
+            "compact_kv",
+            lambda: torch_ref.compact_kv(keys, values, keep)[0],
+            {
+                "triton": lambda: kernels.compact_kv(keys, values, keep, backend="triton"),
+                "torch": lambda: kernels.compact_kv(keys, values, keep, backend="torch"),
+                "obvious": lambda: obvious_compact_kv(keys, values, keep),
+            },
+        ),
+        (
+            "window_attention_mass",
+            lambda: torch_ref.window_attention_mass(*mass),
+            {
+                "triton": lambda: kernels.window_attention_mass(*mass, backend="triton"),
+                "torch": lambda: kernels.window_attention_mass(*mass, backend="torch"),
+                "obvious": lambda: obvious_window_attention_mass(*mass),
+            },
+        ),
+    ]
+    timed = []
+    for op, reference, impls in cases:
+        ref = reference().float()
+        for impl, fn in impls.items():
+            if impl == "triton" and not triton_ok:
+                continue
+            out = fn()
+            err = (torch.as_tensor(out[0] if isinstance(out, tuple) else out).float() - ref).abs().max().item()
+            timed.append((op, impl, fn, _time_ms(fn, dev, repeats), err))
+    # memory after all timings: the CPU probe fixes malloc's mmap threshold for the whole process
+    cpu_peak = dev.type == "cpu" and _cpu_peak_supported()
+    return [KernelBenchRow(op, impl, ms, _peak_mb(fn, dev, cpu_peak), err) for op, impl, fn, ms, err in timed]

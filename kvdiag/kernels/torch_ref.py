@@ -1,0 +1,129 @@
+"""Torch reference implementations of the eviction kernels (the CPU path of the oracle and the replay).
+
+Every function computes in fp32 and returns the dtype documented on it. Shapes:
+``N`` candidate rows, ``H`` query heads, ``Hkv`` KV heads, ``g = H // Hkv`` (query head ``h`` reads KV
+head ``h // g``), ``P`` shared-prefix length, ``W`` queries per row, ``S >= W`` suffix length per row,
+``E`` exclusions per row, ``d`` head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Shared-prefix attention processes candidate rows in chunks whose prefix logits
+# [Hkv, rows, g*W, P] (fp32) take about this many bytes: small enough to stay in cache on
+# CPU (faster than one huge buffer, measured 1.5-3x at P=512..2048) and to bound memory.
+LOGITS_CHUNK_BYTES = 4 << 20
+
+# Window attention mass recomputes logits in key blocks of this many keys per pass.
+MASS_KEY_CHUNK = 4096
+
+
+def compact_kv(
+    keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Physical eviction: per-head gather of kept cache entries.
+
+    keys, values [Hkv, T, d]; keep [Hkv, B] (int) positions kept per head. Returns ``(keys [Hkv, B, d],
+    values [Hkv, B, d])`` with entry ``b`` of head ``h`` = entry ``keep[h, b]``: pass ascending ``keep``
+    (e.g. ``topk(...).indices.sort().values``) to preserve the cache's temporal order.
+    """
+    idx = keep.long()[..., None].expand(-1, -1, keys.shape[-1])
+    return keys.gather(1, idx), values.gather(1, idx)
+
+
+def shared_prefix_attention(
+    q: torch.Tensor,
+    prefix_k: torch.Tensor,
+    prefix_v: torch.Tensor,
+    suffix_k: torch.Tensor,
+    suffix_v: torch.Tensor,
+    exclude: torch.Tensor,
+    scale: float,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """Attention of N rows over one shared prefix (never copied per row) plus each row's causal suffix.
+
+    q [N, H, W, d]: the row's queries, at suffix positions ``S - W .. S - 1``.
+    prefix_k, prefix_v [Hkv, P, d]: shared by all rows; every query sees every non-excluded entry.
+    suffix_k, suffix_v [N, Hkv, S, d]: the row's own keys; query ``w`` sees suffix keys ``j <= S - W + w``.
+    exclude [N, Hkv, E] (int): prefix positions row ``n`` does not see at KV head ``h``; ``-1`` = none;
+    repeats allowed (see ``kvdiag.kernels.normalize_exclude`` for the [N, E] form).
+    chunk: candidate rows per chunk (default: prefix logits of about ``LOGITS_CHUNK_BYTES``).
+    Returns [N, H, W, d] in q's dtype. Masking entry ``i`` here equals deleting it from the cache.
+
+    Prefix logits are one bmm per KV head, ``[Hkv, rows*g*W, d] @ [Hkv, d, P]``; the softmax over
+    prefix and suffix is joint (shared row max and normalizer) in fp32.
+    """
+    N, H, W, d = q.shape
+    Hkv, P, _ = prefix_k.shape
+    S = suffix_k.shape[2]
+    g = H // Hkv
+    rows = g * W
+    if chunk is None:
+        chunk = max(1, LOGITS_CHUNK_BYTES // (4 * Hkv * rows * max(P, 1)))
+    pk_t = prefix_k.float().transpose(1, 2)  # [Hkv, d, P]
+    pv = prefix_v.float()
+    # query w sits at suffix position S - W + w and sees suffix keys j <= S - W + w
+    w_of_row = torch.arange(rows, device=q.device) % W
+    hidden = torch.arange(S, device=q.device)[None, :] > (S - W + w_of_row)[:, None]  # [g*W, S]
+    out = torch.empty(N, Hkv, rows, d, dtype=q.dtype, device=q.device)
+    for n0 in range(0, N, chunk):
+        n1 = min(N, n0 + chunk)
+        c = n1 - n0
+        qc = q[n0:n1].float().reshape(c, Hkv, rows, d) * scale  # query head h = kv*g + r // W
+        suf = qc @ suffix_k[n0:n1].float().transpose(-1, -2)  # [c, Hkv, rows, S]
+        suf.masked_fill_(hidden, float("-inf"))
+        suf = suf.transpose(0, 1)  # [Hkv, c, rows, S]
+        pre = torch.bmm(qc.transpose(0, 1).reshape(Hkv, c * rows, d), pk_t).view(Hkv, c, rows, P)
+        ex = exclude[n0:n1].transpose(0, 1)  # [Hkv, c, E]
+        if ex.shape[-1] and P:
+            # adding -inf hides an entry; -1 adds 0 to column 0, a no-op
+            idx = ex.clamp(min=0)[:, :, None, :].expand(-1, -1, rows, -1)
+            add = torch.where(ex < 0, 0.0, float("-inf"))[:, :, None, :].expand(-1, -1, rows, -1)
+            pre.scatter_add_(-1, idx, add)
+        m = suf.amax(-1, keepdim=True)  # finite: every query sees at least its own suffix key
+        if P:
+            m = torch.maximum(m, pre.amax(-1, keepdim=True))
+        pre.sub_(m).exp_()
+        suf.sub_(m).exp_()
+        z = pre.sum(-1, keepdim=True) + suf.sum(-1, keepdim=True)
+        o = torch.bmm(pre.view(Hkv, c * rows, P), pv).view(Hkv, c, rows, d)
+        o += suf @ suffix_v[n0:n1].float().transpose(0, 1)
+        out[n0:n1] = (o / z).transpose(0, 1)
+    return out.view(N, H, W, d)
+
+
+def window_attention_mass(
+    q_window: torch.Tensor,
+    keys: torch.Tensor,
+    query_positions: torch.Tensor,
+    scale: float,
+    chunk: int = MASS_KEY_CHUNK,
+) -> torch.Tensor:
+    """Attention mass that window queries put on each key, without materializing [H, W, T].
+
+    q_window [H, W, d] (queries at absolute ``query_positions [W]``), keys [Hkv, T, d]. Query at
+    position ``tau`` sees keys ``j <= tau`` (exact softmax over them). Returns fp32 [Hkv, T]:
+    ``mass[kv, j] = sum over the W queries and the g query heads of group kv of softmax prob of key j``,
+    so each head's row sums to ``g * W`` (divide by ``g * W`` for a mean). Two passes over key chunks:
+    pass 1 the per-query logsumexp, pass 2 ``exp(logit - lse)`` summed per key.
+    """
+    H, W, d = q_window.shape
+    Hkv, T, _ = keys.shape
+    g = H // Hkv
+    qg = q_window.float().reshape(Hkv, g * W, d) * scale  # row r: head kv*g + r // W, query r % W
+    pos = query_positions.to(keys.device).repeat(g)[:, None]  # [g*W, 1]
+    kf = keys.float()
+
+    def logits(j0: int) -> torch.Tensor:
+        j = torch.arange(j0, min(T, j0 + chunk), device=keys.device)
+        return (qg @ kf[:, j0 : j0 + chunk].transpose(1, 2)).masked_fill_(j[None, :] > pos, float("-inf"))
+
+    lse = torch.full((Hkv, g * W), float("-inf"), device=keys.device)
+    for j0 in range(0, T, chunk):
+        lse = torch.logaddexp(lse, logits(j0).logsumexp(-1))
+    mass = torch.empty(Hkv, T, device=keys.device)
+    for j0 in range(0, T, chunk):
+        mass[:, j0 : j0 + chunk] = (logits(j0) - lse[..., None]).exp_().sum(1)
+    return mass

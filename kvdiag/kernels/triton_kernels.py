@@ -1,0 +1,275 @@
+"""Triton implementations of the eviction kernels (CUDA; CPU tensors only under ``TRITON_INTERPRET=1``).
+
+Same contracts as ``kvdiag.kernels.torch_ref`` (shapes documented there). Imported lazily by
+``kvdiag.kernels`` so the package works without triton. ``triton.jit`` reads ``TRITON_INTERPRET``
+when this module is executed (at decoration time), not at launch: set it before the first import.
+
+Layout trick shared by the attention kernels: the ``g`` query heads of one KV head are processed as
+one block of ``g * W`` query rows (row ``r`` = head ``kv * g + r // W``, query ``r % W``), so each
+key block is loaded once per KV head, also when ``W = 1``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = bool(triton.knobs.runtime.interpret)
+
+# Key-block width of the attention loops; tests pass smaller blocks to cross block boundaries.
+BLOCK_N = 64
+# Most query rows per program (``g * W`` rows are split into blocks of at most this many).
+MAX_BLOCK_M = 64
+
+
+def _block(n: int, cap: int | None = None) -> int:
+    """Power of two >= n and >= 16 (``tl.dot`` needs dims >= 16), at most ``cap``."""
+    b = max(16, triton.next_power_of_2(n))
+    return min(b, cap) if cap else b
+
+
+def _check_launchable(t: torch.Tensor) -> None:
+    if not t.is_cuda and not INTERPRET:
+        raise ValueError(
+            "Triton kernels need CUDA tensors; on CPU set TRITON_INTERPRET=1 before "
+            "kvdiag.kernels.triton_kernels is first imported, or use backend='torch'"
+        )
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: exact fp32 products ("tf32" would cost ~1e-3 relative error and blur small KLs)
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _gather_rows_kernel(
+    SRC, IDX, DST,
+    s_h, s_t, s_d,
+    i_h, i_b,
+    o_h, o_b, o_d,
+    B, D,
+    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    kv = tl.program_id(1)
+    b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    dd = tl.arange(0, BLOCK_D)
+    ok = (b < B)[:, None] & (dd < D)[None, :]
+    t = tl.load(IDX + kv * i_h + b * i_b, mask=b < B, other=0)
+    x = tl.load(SRC + kv * s_h + t[:, None] * s_t + dd[None, :] * s_d, mask=ok)
+    tl.store(DST + kv * o_h + b[:, None] * o_b + dd[None, :] * o_d, x, mask=ok)
+
+
+def compact_kv(
+    keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, block_b: int = 64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton ``compact_kv``: keys, values [Hkv, T, d]; keep [Hkv, B] -> ([Hkv, B, d], [Hkv, B, d])."""
+    _check_launchable(keys)
+    Hkv, _, d = keys.shape
+    B = keep.shape[1]
+    outs = []
+    for src in (keys, values):
+        dst = torch.empty(Hkv, B, d, dtype=src.dtype, device=src.device)
+        if B:
+            _gather_rows_kernel[(triton.cdiv(B, block_b), Hkv)](
+                src, keep, dst, *src.stride(), *keep.stride(), *dst.stride(), B, d,
+                BLOCK_B=block_b, BLOCK_D=triton.next_power_of_2(d),
+            )
+        outs.append(dst)
+    return outs[0], outs[1]
+
+
+@triton.jit
+def _shared_prefix_kernel(
+    Q, PK, PV, SK, SV, EX, O,
+    q_n, q_h, q_w, q_d,
+    pk_h, pk_p, pk_d,
+    pv_h, pv_p, pv_d,
+    sk_n, sk_h, sk_s, sk_d,
+    sv_n, sv_h, sv_s, sv_d,
+    ex_n, ex_h, ex_e,
+    o_n, o_h, o_w, o_d,
+    P, S, W, E, D, scale,
+    HKV: tl.constexpr, G: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # one program: candidate row n, KV head kv, a block of its g*W query rows
+    n = tl.program_id(1) // HKV
+    kv = tl.program_id(1) % HKV
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    r_ok = r < G * W
+    head = kv * G + r // W
+    w = r % W
+    last_key = S - W + w  # the query's own suffix position: it sees suffix keys <= last_key
+    dd = tl.arange(0, BLOCK_D)
+    d_ok = dd < D
+    q = tl.load(Q + n * q_n + head[:, None] * q_h + w[:, None] * q_w + dd[None, :] * q_d,
+                mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+    ee = tl.arange(0, BLOCK_E)
+    ex = tl.load(EX + n * ex_n + kv * ex_h + ee * ex_e, mask=ee < E, other=-1)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # shared prefix: all queries see every entry that is not excluded for this row
+    for start in range(0, P, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        j_ok = j < P
+        kv_ok = j_ok[:, None] & d_ok[None, :]
+        k = tl.load(PK + kv * pk_h + j[:, None] * pk_p + dd[None, :] * pk_d, mask=kv_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        hit = tl.sum((j[:, None] == ex[None, :]).to(tl.int32), axis=1)
+        s = tl.where((j_ok & (hit == 0))[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully hidden block adds nothing
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        v = tl.load(PV + kv * pv_h + j[:, None] * pv_p + dd[None, :] * pv_d, mask=kv_ok, other=0.0)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    # the row's own suffix, causal
+    for start in range(0, S, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        j_ok = j < S
+        kv_ok = j_ok[:, None] & d_ok[None, :]
+        k = tl.load(SK + n * sk_n + kv * sk_h + j[:, None] * sk_s + dd[None, :] * sk_d, mask=kv_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.where(j_ok[None, :] & (j[None, :] <= last_key[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        v = tl.load(SV + n * sv_n + kv * sv_h + j[:, None] * sv_s + dd[None, :] * sv_d, mask=kv_ok, other=0.0)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / l_i[:, None]  # l_i > 0: every query sees its own suffix key
+    tl.store(O + n * o_n + head[:, None] * o_h + w[:, None] * o_w + dd[None, :] * o_d,
+             out.to(O.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+
+
+def shared_prefix_attention(
+    q: torch.Tensor,
+    prefix_k: torch.Tensor,
+    prefix_v: torch.Tensor,
+    suffix_k: torch.Tensor,
+    suffix_v: torch.Tensor,
+    exclude: torch.Tensor,
+    scale: float,
+    block_n: int = BLOCK_N,
+) -> torch.Tensor:
+    """Triton ``shared_prefix_attention`` (flash-style online softmax over prefix blocks, then the suffix).
+
+    q [N, H, W, d]; prefix_k/v [Hkv, P, d]; suffix_k/v [N, Hkv, S, d]; exclude [N, Hkv, E] (-1 = none)
+    -> [N, H, W, d] in q's dtype. ``block_n``: keys per block (power of two >= 16).
+    """
+    _check_launchable(q)
+    N, H, W, d = q.shape
+    Hkv, P, _ = prefix_k.shape
+    S = suffix_k.shape[2]
+    g = H // Hkv
+    E = exclude.shape[2]
+    out = torch.empty_like(q)
+    block_m = _block(g * W, MAX_BLOCK_M)
+    _shared_prefix_kernel[(triton.cdiv(g * W, block_m), N * Hkv)](
+        q, prefix_k, prefix_v, suffix_k, suffix_v, exclude, out,
+        *q.stride(), *prefix_k.stride(), *prefix_v.stride(), *suffix_k.stride(), *suffix_v.stride(),
+        *exclude.stride(), *out.stride(),
+        P, S, W, E, d, scale,
+        HKV=Hkv, G=g, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block(d),
+        BLOCK_E=triton.next_power_of_2(max(E, 1)), PRECISION=_precision(q.dtype),
+    )
+    return out
+
+
+@triton.jit
+def _window_lse_kernel(
+    Q, K, POS, LSE,
+    q_h, q_w, q_d,
+    k_h, k_t, k_d,
+    T, W, D, scale,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # pass 1: logsumexp of each query row over its visible keys; LSE is contiguous [H, W]
+    kv = tl.program_id(1)
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    r_ok = r < G * W
+    head = kv * G + r // W
+    w = r % W
+    pos = tl.load(POS + w, mask=r_ok, other=0)
+    dd = tl.arange(0, BLOCK_D)
+    d_ok = dd < D
+    q = tl.load(Q + head[:, None] * q_h + w[:, None] * q_w + dd[None, :] * q_d,
+                mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    for start in range(0, T, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        k = tl.load(K + kv * k_h + j[:, None] * k_t + dd[None, :] * k_d,
+                    mask=(j < T)[:, None] & d_ok[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.where((j[None, :] < T) & (j[None, :] <= pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
+        m_i = m_new
+    tl.store(LSE + head * W + w, m_i + tl.log(l_i), mask=r_ok)
+
+
+@triton.jit
+def _window_mass_kernel(
+    Q, K, POS, LSE, MASS,
+    q_h, q_w, q_d,
+    k_h, k_t, k_d,
+    T, W, D, scale,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # pass 2: one program per key block sums exp(logit - lse) over all g*W query rows of its KV head
+    kv = tl.program_id(1)
+    j = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    dd = tl.arange(0, BLOCK_D)
+    d_ok = dd < D
+    k = tl.load(K + kv * k_h + j[:, None] * k_t + dd[None, :] * k_d,
+                mask=(j < T)[:, None] & d_ok[None, :], other=0.0)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for r0 in range(0, G * W, BLOCK_M):
+        r = r0 + tl.arange(0, BLOCK_M)
+        r_ok = r < G * W
+        head = kv * G + r // W
+        w = r % W
+        pos = tl.load(POS + w, mask=r_ok, other=-1)
+        lse = tl.load(LSE + head * W + w, mask=r_ok, other=0.0)
+        q = tl.load(Q + head[:, None] * q_h + w[:, None] * q_w + dd[None, :] * q_d,
+                    mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        p = tl.where(r_ok[:, None] & (j[None, :] <= pos[:, None]), tl.exp(s - lse[:, None]), 0.0)
+        acc += tl.sum(p, axis=0)
+    tl.store(MASS + kv * T + j, acc, mask=j < T)
+
+
+def window_attention_mass(
+    q_window: torch.Tensor,
+    keys: torch.Tensor,
+    query_positions: torch.Tensor,
+    scale: float,
+    block_n: int = BLOCK_N,
+) -> torch.Tensor:
+    """Triton ``window_attention_mass`` (two passes): q_window [H, W, d], keys [Hkv, T, d],
+    query_positions [W] -> fp32 [Hkv, T]. ``block_n``: keys per block (power of two >= 16)."""
+    _check_launchable(keys)
+    H, W, d = q_window.shape
+    Hkv, T, _ = keys.shape
+    g = H // Hkv
+    pos = query_positions.to(device=keys.device, dtype=torch.int64).contiguous()
+    lse = torch.empty(H, W, dtype=torch.float32, device=keys.device)
+    mass = torch.empty(Hkv, T, dtype=torch.float32, device=keys.device)
+    block_m = _block(g * W, MAX_BLOCK_M)
+    common = dict(G=g, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block(d), PRECISION=_precision(keys.dtype))
+    args = (*q_window.stride(), *keys.stride(), T, W, d, scale)
+    _window_lse_kernel[(triton.cdiv(g * W, block_m), Hkv)](q_window, keys, pos, lse, *args, **common)
+    _window_mass_kernel[(triton.cdiv(T, block_n), Hkv)](q_window, keys, pos, lse, mass, *args, **common)
+    return mass

@@ -1,0 +1,128 @@
+"""Prompt sources: JSONL (MATH-500 / AIME fields), plain text, and ``builtin:arith``.
+
+``load_prompts(source)`` returns ``Prompt`` records; ``encode_prompt`` turns one into token ids,
+applying the tokenizer's chat template when the model has one (``chat=True``).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvdiag.errors import UserError
+
+# Appended to math prompts, as in the R1 / R-KV MATH-500 setups. A named default, overridable.
+DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+TEXT_FIELDS = ("problem", "question", "prompt")
+ID_FIELDS = ("unique_id", "id")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: ``prompt_id`` is filesystem-safe; ``source_id`` is the id as the source wrote it."""
+
+    prompt_id: str
+    text: str
+    answer: str | None = None
+    source_id: str | None = None
+
+
+def safe_id(raw: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", raw).strip("._") or "prompt"
+
+
+def load_prompts(source: str, limit: int | None = None, seed: int = 0) -> list[Prompt]:
+    """Prompts from ``source``: ``builtin:arith[:N]``, a ``.jsonl`` file, or a text file (one prompt a line)."""
+    if limit is not None and limit <= 0:
+        raise UserError(f"--limit {limit}: must be a positive number of prompts")
+    if source.startswith("builtin:"):
+        name, _, count = source.removeprefix("builtin:").partition(":")
+        if name != "arith":
+            raise UserError(f"--prompts {source}: unknown builtin source; use builtin:arith (or builtin:arith:N)")
+        prompts = arith_prompts(int(count) if count else (limit or 20), seed)
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise UserError(f"--prompts {source}: file not found; pass a .jsonl or .txt file, or builtin:arith")
+        prompts = _jsonl(path) if path.suffix == ".jsonl" else _text(path)
+    if not prompts:
+        raise UserError(f"--prompts {source}: no prompts found; the file is empty")
+    ids = [p.prompt_id for p in prompts]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise UserError(f"--prompts {source}: prompt id {dup!r} occurs twice; make the ids unique")
+    return prompts[:limit] if limit else prompts
+
+
+def _jsonl(path: Path) -> list[Prompt]:
+    prompts = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UserError(f"--prompts {path}: line {lineno} is not valid JSON ({err.msg}); fix or remove that line") from err
+        if not isinstance(rec, dict):
+            raise UserError(f"--prompts {path}: line {lineno} is not a JSON object; each line must be an object")
+        text = next((rec[f] for f in TEXT_FIELDS if isinstance(rec.get(f), str)), None)
+        if text is None:
+            raise UserError(f"--prompts {path}: line {lineno} has none of the fields {', '.join(TEXT_FIELDS)}")
+        raw_id = next((str(rec[f]) for f in ID_FIELDS if rec.get(f) is not None), f"p{len(prompts):04d}")
+        answer = rec.get("answer")
+        prompts.append(Prompt(safe_id(raw_id), text, None if answer is None else str(answer), raw_id))
+    return prompts
+
+
+def _text(path: Path) -> list[Prompt]:
+    lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
+    return [Prompt(f"p{i:04d}", ln, None, None) for i, ln in enumerate(l for l in lines if l)]
+
+
+# --------------------------------------------------------------------------- builtin:arith
+
+NAMES = ["Ava", "Ben", "Chloe", "Dev", "Elena", "Farid", "Grace", "Hugo", "Ines", "Jonas", "Kira", "Liam"]
+ITEMS = ["apples", "marbles", "stickers", "pencils", "coins", "books", "cards", "shells"]
+
+
+def arith_prompts(n: int, seed: int = 0) -> list[Prompt]:
+    """``n`` seeded multi-step arithmetic word problems (3–5 steps) with their integer answers."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        name, item = rng.choice(NAMES), rng.choice(ITEMS)
+        total = rng.randint(5, 40)
+        sentences = [f"{name} has {total} {item}."]
+        for _ in range(rng.randint(2, 4)):
+            op = rng.choice(["buy", "give", "double", "boxes"])
+            if op == "buy":
+                k = rng.randint(2, 25)
+                total += k
+                sentences.append(f"Then {name} buys {k} more {item}.")
+            elif op == "give" and total > 2:
+                k = rng.randint(1, total - 1)
+                total -= k
+                sentences.append(f"Then {name} gives {k} {item} to a friend.")
+            elif op == "double" and total < 200:
+                total *= 2
+                sentences.append(f"Then the number of {item} {name} has doubles.")
+            else:
+                boxes, per = rng.randint(2, 6), rng.randint(2, 9)
+                total += boxes * per
+                sentences.append(f"Then {name} receives {boxes} boxes with {per} {item} in each box.")
+        sentences.append(f"How many {item} does {name} have now?")
+        out.append(Prompt(f"arith{i:03d}", " ".join(sentences), str(total), f"arith{i:03d}"))
+    return out
+
+
+def encode_prompt(tokenizer, prompt: Prompt, chat: bool = True, instruction: str | None = DEFAULT_INSTRUCTION) -> list[int]:
+    """Token ids of ``prompt``; with ``chat`` and a chat template, as a user turn plus the generation prompt."""
+    text = f"{prompt.text}\n{instruction}" if instruction else prompt.text
+    if chat and getattr(tokenizer, "chat_template", None):
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        return tokenizer(rendered, add_special_tokens=False).input_ids
+    ids = tokenizer(text).input_ids
+    return ids

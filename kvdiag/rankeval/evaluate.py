@@ -1,0 +1,395 @@
+"""``rank_eval``: how well each scorer ranks the candidates of a labels file by eviction damage.
+
+Labels and scores are joined on their keys; each score column is a scorer. Harmful = ``kl_mean``
+strictly above the harm threshold. Every metric is reported pooled over all candidates and as a macro
+average over checkpoints (eviction decisions are made within one cache, so the ranking within a
+checkpoint is what matters), with cluster-bootstrap CIs over prompts and paired differences against a
+reference scorer. Definitions and conventions: docs/rank-eval.md.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import polars as pl
+
+from kvdiag.errors import UserError
+from kvdiag.rankeval.bootstrap import holm, paired_p_value, percentile_ci, prompt_multiplicities
+from kvdiag.rankeval.metrics import _div, eviction_counts, ranking_metrics
+
+KEYS = ("prompt_id", "checkpoint", "position", "granularity", "layer", "kv_head")
+_KEY_TYPES = {
+    "prompt_id": pl.String,
+    "checkpoint": pl.Int64,
+    "position": pl.Int64,
+    "granularity": pl.String,
+    "layer": pl.Int64,
+    "kv_head": pl.Int64,
+}
+METRICS = ("auroc", "ap", "prevalence", "topk_recall", "fsr", "fnr", "spearman")
+SCOPES = ("pooled", "macro")
+# bootstrap resamples evaluated together: bounds the [chunk, N] weight matrices to ~2M floats
+_CHUNK_CELLS = 2_000_000
+
+
+@dataclass(frozen=True)
+class RankEvalConfig:
+    """Every setting of one rank-eval run (written to config.json)."""
+
+    harm: str = "quantile:0.9"  # harmful: kl_mean > threshold; quantile:Q of the evaluated labels, or abs:TAU (nats)
+    rho: float = 0.5  # eviction fraction: the floor(rho * C) lowest-scored candidates of a checkpoint are evicted
+    reference: str | None = "avokv_e"  # scorer of the paired comparisons; None: no paired table
+    n_boot: int = 1000  # cluster-bootstrap resamples over prompts (0: no CIs)
+    seed: int = 0  # seed of the bootstrap's numpy Generator
+    include_unresolved: bool = False  # keep labels at or below their checkpoint's noise floor
+    noise_mult: float = 1.0  # a label is unresolved when kl_mean <= noise_mult * noise_floor
+    kl_floor: float = 1e-12  # Spearman uses log(max(kl_mean, kl_floor)) (KL can be exactly 0)
+    ci_level: float = 0.95  # percentile bootstrap interval
+    granularity: str | None = None  # which granularity to evaluate; None: the only one present
+    scorers: tuple[str, ...] | None = None  # score columns to evaluate; None: all of them
+
+
+@dataclass
+class RankEvalResult:
+    """Tables of one run. ``metrics``: scorer, metric, scope, value, ci_low, ci_high, n, n_boot, note.
+    ``paired``: scorer, reference, metric, scope, value, reference_value, diff, ci_low, ci_high, p_value,
+    p_holm, n_boot, note. ``summary``: counts, harm threshold, prevalence, warnings."""
+
+    metrics: pl.DataFrame
+    paired: pl.DataFrame
+    summary: dict
+    config: RankEvalConfig
+    scorers: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Data:
+    """Joined, filtered rows sorted by (prompt, checkpoint); checkpoint c is rows starts[c]:starts[c+1]."""
+
+    y: np.ndarray  # [N] 1.0 = harmful
+    logkl: np.ndarray  # [N]
+    scores: dict[str, np.ndarray]  # name -> [N]
+    prompt: np.ndarray  # [N] prompt index
+    starts: np.ndarray  # [K + 1]
+    ckpt_prompt: np.ndarray  # [K] prompt index of each checkpoint
+    n_prompts: int
+
+
+@dataclass
+class _Estimate:
+    value: float
+    reps: np.ndarray  # [B] bootstrap replicates (NaN where undefined)
+    n: int  # candidates (pooled) or contributing checkpoints (macro)
+    note: str = ""
+
+
+def parse_harm(spec: str) -> tuple[str, float]:
+    """``quantile:Q`` (0 < Q < 1) or ``abs:TAU`` (nats) -> (kind, value)."""
+    kind, _, raw = spec.partition(":")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if (kind == "quantile" and 0 < value < 1) or (kind == "abs" and np.isfinite(value) and value >= 0):
+        return kind, value
+    raise UserError(f"--harm {spec!r} is not quantile:Q with 0 < Q < 1 or abs:TAU with TAU >= 0 nats: e.g. quantile:0.9")
+
+
+def harm_threshold(kl: np.ndarray, spec: str) -> float:
+    """The KL above which a label is harmful: the Q-quantile (linear interpolation) of ``kl [N]``, or TAU."""
+    kind, value = parse_harm(spec)
+    return float(np.quantile(kl, value)) if kind == "quantile" else value
+
+
+def _validate(cfg: RankEvalConfig) -> None:
+    parse_harm(cfg.harm)
+    if not 0 < cfg.rho < 1:
+        raise UserError(f"--rho {cfg.rho} is not an eviction fraction: pass 0 < rho < 1, e.g. 0.5")
+    if cfg.n_boot < 0:
+        raise UserError(f"--bootstrap {cfg.n_boot} is negative: pass a number of resamples, e.g. 1000 (0: no CIs)")
+    if not 0 < cfg.ci_level < 1:
+        raise UserError(f"ci_level {cfg.ci_level} is not a confidence level: pass e.g. 0.95")
+    if cfg.noise_mult < 0 or cfg.kl_floor <= 0:
+        raise UserError("noise_mult must be >= 0 and kl_floor > 0")
+
+
+def _keyed(df: pl.DataFrame, what: str, fix: str) -> pl.DataFrame:
+    missing = [k for k in KEYS if k not in df.columns]
+    if missing:
+        raise UserError(f"{what} lacks key column(s) {', '.join(missing)}: {fix}")
+    try:
+        df = df.with_columns(pl.col(k).cast(t) for k, t in _KEY_TYPES.items())
+    except pl.exceptions.PolarsError as err:
+        raise UserError(f"{what} has key columns of the wrong type ({err.__class__.__name__}): {fix}") from err
+    dup = df.height - df.select(KEYS).unique().height
+    if dup:
+        raise UserError(f"{what} has {dup} duplicate rows on ({', '.join(KEYS)}): {fix}")
+    return df
+
+
+def _select_scorers(scores: pl.DataFrame, wanted: tuple[str, ...] | None) -> list[str]:
+    columns = [c for c in scores.columns if c not in KEYS]
+    if wanted is not None:
+        unknown = [c for c in wanted if c not in columns]
+        if unknown:
+            raise UserError(f"--scorers {', '.join(unknown)} not in the scores file: choose from {', '.join(columns)}")
+        columns = list(wanted)
+    for c in columns:
+        if not scores.schema[c].is_numeric():
+            raise UserError(f"scores column {c!r} is {scores.schema[c]}, not a numeric score: leave it out with --scorers")
+    if not columns:
+        raise UserError("the scores file has no score column besides the keys: run kvdiag score first")
+    return columns
+
+
+def _join(labels: pl.DataFrame, scores: pl.DataFrame, cfg: RankEvalConfig, warnings: list[str]) -> tuple[pl.DataFrame, list[str], dict]:
+    fix = "pass a labels file written by kvdiag label"
+    labels = _keyed(labels, "labels", fix)
+    for c in ("kl_mean", "noise_floor"):
+        if c not in labels.columns:
+            raise UserError(f"labels lacks column {c!r}: {fix}")
+    scores = _keyed(scores, "scores", "pass a scores file written by kvdiag score")
+    names = _select_scorers(scores, cfg.scorers)
+    if cfg.granularity is not None:
+        present = sorted(labels["granularity"].unique().to_list())
+        if cfg.granularity not in present:
+            raise UserError(f"--granularity {cfg.granularity} not in the labels: choose from {', '.join(present)}")
+        labels = labels.filter(pl.col("granularity") == cfg.granularity)
+    joined = labels.select(*KEYS, _kl=pl.col("kl_mean"), _floor=pl.col("noise_floor")).join(
+        scores.select(*KEYS, *names), on=list(KEYS), how="inner"
+    )
+    if joined.height == 0:
+        shared = len(set(labels["prompt_id"].unique()) & set(scores["prompt_id"].unique()))
+        raise UserError(
+            f"labels ({labels.height} rows) and scores ({scores.height} rows) match on 0 rows of "
+            f"({', '.join(KEYS)}); {shared} prompt_ids in common: score the same labels file (kvdiag score --labels ...)"
+        )
+    grans = sorted(joined["granularity"].unique().to_list())
+    if len(grans) > 1:
+        raise UserError(f"labels and scores share granularities {', '.join(grans)}: evaluate one with --granularity")
+    labels_g = labels.filter(pl.col("granularity") == grans[0]).height
+    if joined.height < labels_g:
+        warnings.append(f"only {joined.height} of {labels_g} label rows ({grans[0]}) have scores; the rest are not evaluated")
+    counts = {"n_label_rows": labels_g, "n_score_rows": scores.height, "n_matched": joined.height, "granularity": grans[0]}
+    return joined, names, counts
+
+
+def _prepare(labels: pl.DataFrame, scores: pl.DataFrame, cfg: RankEvalConfig) -> tuple[_Data, dict]:
+    warnings: list[str] = []
+    df, names, summary = _join(labels, scores, cfg, warnings)
+    for c in names:
+        bad = df.select((pl.col(c).is_null() | pl.col(c).cast(pl.Float64).is_nan()).sum()).item()
+        if bad == df.height:
+            raise UserError(f"scores column {c!r} is NaN for all {bad} matched rows: rescore it or leave it out with --scorers")
+        if bad:
+            raise UserError(f"scores column {c!r} is NaN for {bad} of {df.height} matched rows: rescore it or leave it out with --scorers")
+    bad_kl = df.select((pl.col("_kl").is_null() | pl.col("_kl").is_nan()).sum()).item()
+    if bad_kl:
+        raise UserError(f"labels kl_mean is missing or NaN in {bad_kl} of {df.height} matched rows: relabel them")
+    unresolved = pl.col("_kl") <= cfg.noise_mult * pl.col("_floor")
+    if not cfg.include_unresolved:
+        no_floor = df.select((pl.col("_floor").is_null() | pl.col("_floor").is_nan()).sum()).item()
+        if no_floor:
+            raise UserError(f"labels noise_floor is missing in {no_floor} rows: relabel, or pass --include-unresolved")
+    n_unresolved = df.select(unresolved.fill_null(False).sum()).item()
+    if not cfg.include_unresolved:
+        df = df.filter(~unresolved)
+        if df.height == 0:
+            raise UserError(f"all {n_unresolved} labels are at or below their checkpoint's noise floor: pass --include-unresolved")
+    df = df.sort("prompt_id", "checkpoint", "position", "layer", "kv_head")
+
+    kl = df["_kl"].to_numpy().astype(float)
+    threshold = harm_threshold(kl, cfg.harm)
+    y = (kl > threshold).astype(float)
+    n_pos = int(y.sum())
+    if n_pos == 0 or n_pos == len(y):
+        which = "no harmful" if n_pos == 0 else "no safe"
+        raise UserError(
+            f"--harm {cfg.harm} (threshold {threshold:.4g} nats) leaves {which} label among {len(y)} "
+            f"(kl_mean from {kl.min():.4g} to {kl.max():.4g}): choose another threshold"
+        )
+    pids, prompt = np.unique(df["prompt_id"].to_numpy(), return_inverse=True)
+    ckpt = df["checkpoint"].to_numpy()
+    new = np.r_[True, (prompt[1:] != prompt[:-1]) | (ckpt[1:] != ckpt[:-1])]
+    starts = np.r_[np.flatnonzero(new), len(y)]
+    data = _Data(
+        y=y,
+        logkl=np.log(np.maximum(kl, cfg.kl_floor)),
+        scores={c: df[c].cast(pl.Float64).to_numpy() for c in names},
+        prompt=prompt,
+        starts=starts,
+        ckpt_prompt=prompt[starts[:-1]],
+        n_prompts=len(pids),
+    )
+    summary.update(
+        n_unresolved=n_unresolved,
+        unresolved_excluded=not cfg.include_unresolved,
+        n_evaluated=len(y),
+        n_prompts=len(pids),
+        n_checkpoints=len(starts) - 1,
+        harm_threshold=threshold,
+        n_harmful=n_pos,
+        prevalence=n_pos / len(y),
+        scorers=names,
+        warnings=warnings,
+    )
+    return data, summary
+
+
+def _macro(v: np.ndarray, defined: np.ndarray, mc: np.ndarray, skipped: dict[str, int]) -> _Estimate:
+    """Mean of per-checkpoint values ``v [K]`` over the checkpoints where defined; replicates weight each
+    checkpoint by its prompt's multiplicity ``mc [B, K]``."""
+    k = int(defined.sum())
+    reasons = "; ".join(f"{n} with {why}" for why, n in skipped.items() if n)
+    if k == 0:
+        return _Estimate(float("nan"), np.full(len(mc), np.nan), 0, f"undefined: no checkpoint qualifies ({reasons})")
+    reps = _div(mc[:, defined] @ v[defined], mc[:, defined].sum(axis=1))
+    note = f"{len(v) - k} of {len(v)} checkpoints skipped: {reasons}" if k < len(v) else ""
+    return _Estimate(float(v[defined].mean()), reps, k, note)
+
+
+def _ratio(num: np.ndarray, den: np.ndarray, mc: np.ndarray, n: int, undefined: str) -> _Estimate:
+    """Pooled ratio of per-checkpoint counts ``sum(num) / sum(den)``."""
+    value = float(_div(num.sum(), den.sum()))
+    return _Estimate(value, _div(mc @ num, mc @ den), n, "" if np.isfinite(value) else f"undefined: {undefined}")
+
+
+def _scorer_estimates(data: _Data, s: np.ndarray, cfg: RankEvalConfig, mult: np.ndarray) -> dict[tuple[str, str], _Estimate]:
+    """All (metric, scope) estimates of one scorer ``s [N]``; ``mult [B, P]`` prompt multiplicities."""
+    y, x, starts = data.y, data.logkl, data.starts
+    n_rows, n_ckpt = len(y), len(starts) - 1
+    mc = mult[:, data.ckpt_prompt].astype(float)  # [B, K]
+
+    # per checkpoint (one cache): values computed once, replicates reweight them
+    per = {m: np.full(n_ckpt, np.nan) for m in ("auroc", "ap", "topk_recall", "spearman")}
+    n_c, pos_c, ev_c, hev_c = (np.zeros(n_ckpt) for _ in range(4))
+    for c in range(n_ckpt):
+        sl = slice(starts[c], starts[c + 1])
+        for m, v in ranking_metrics(y[sl], s[sl], x[sl]).items():
+            per[m][c] = v[0]
+        n_c[c], pos_c[c] = sl.stop - sl.start, y[sl].sum()
+        ev_c[c], hev_c[c] = eviction_counts(y[sl], s[sl], cfg.rho)
+    neg_c = n_c - pos_c
+    no_pos, no_neg = {"no harmful entry": int((pos_c == 0).sum())}, {"no safe entry": int((neg_c == 0).sum())}
+    both = (pos_c > 0) & (neg_c > 0)
+
+    out = {
+        ("auroc", "macro"): _macro(per["auroc"], both, mc, no_pos | no_neg),
+        ("ap", "macro"): _macro(per["ap"], both, mc, no_pos | no_neg),
+        ("topk_recall", "macro"): _macro(per["topk_recall"], pos_c > 0, mc, no_pos),
+        ("spearman", "macro"): _macro(per["spearman"], np.isfinite(per["spearman"]), mc, {"a constant score or KL": int(np.isnan(per["spearman"]).sum())}),
+        ("prevalence", "macro"): _macro(pos_c / n_c, n_c > 0, mc, {}),
+        ("fsr", "macro"): _macro(_div(hev_c, ev_c), ev_c > 0, mc, {f"floor(rho*C) = 0 (C < {1 / cfg.rho:.3g})": int((ev_c == 0).sum())}),
+        ("fnr", "macro"): _macro(_div(hev_c, pos_c), pos_c > 0, mc, no_pos),
+        ("prevalence", "pooled"): _ratio(pos_c, n_c, mc, n_rows, ""),
+        ("fsr", "pooled"): _ratio(hev_c, ev_c, mc, n_rows, f"floor(rho*C) = 0 in every checkpoint (C < {1 / cfg.rho:.3g})"),
+        ("fnr", "pooled"): _ratio(hev_c, pos_c, mc, n_rows, "no harmful entry"),
+    }
+
+    # pooled ranking metrics: each resample is a row weighting (prompt multiplicity), in chunks
+    point = ranking_metrics(y, s, x)
+    reps = {m: np.empty(len(mult)) for m in point}
+    chunk = max(1, _CHUNK_CELLS // n_rows)
+    for lo in range(0, len(mult), chunk):
+        w = mult[lo : lo + chunk].T[data.prompt].astype(float)  # [N, b]
+        for m, v in ranking_metrics(y, s, x, w).items():
+            reps[m][lo : lo + chunk] = v
+    for m, v in point.items():
+        note = "" if np.isfinite(v[0]) else "undefined: constant score"
+        out[(m, "pooled")] = _Estimate(float(v[0]), reps[m], n_rows, note)
+    return out
+
+
+def _ci_note(n_valid: int, cfg: RankEvalConfig, n_prompts: int, what: str = "CI") -> str:
+    if cfg.n_boot == 0:
+        return "no bootstrap (n_boot = 0)"
+    if n_prompts == 1:
+        return f"{what} degenerate: 1 prompt"
+    if n_valid < cfg.n_boot:
+        return f"CI from {n_valid} of {cfg.n_boot} resamples (the others undefined)"
+    return ""
+
+
+def _paired(est: dict, names: list[str], cfg: RankEvalConfig, n_prompts: int) -> pl.DataFrame:
+    """Differences scorer - reference on the same resamples, with Holm-adjusted p-values per (metric, scope)."""
+    rows = []
+    if cfg.reference is not None:
+        for metric in METRICS:
+            if metric == "prevalence":  # a property of the labels, the same for every scorer
+                continue
+            for scope in SCOPES:
+                family = []
+                ref = est[cfg.reference][(metric, scope)]
+                for name in names:
+                    if name == cfg.reference:
+                        continue
+                    a = est[name][(metric, scope)]
+                    diffs = a.reps - ref.reps
+                    low, high, n_valid = percentile_ci(diffs, cfg.ci_level)
+                    diff = a.value - ref.value
+                    if np.isfinite(diff):
+                        note = _ci_note(n_valid, cfg, n_prompts, "CI and p-value")
+                        p = paired_p_value(diffs) if cfg.n_boot and n_prompts > 1 else float("nan")
+                    else:
+                        note, p = "undefined: " + (a.note or ref.note).removeprefix("undefined: "), float("nan")
+                    family.append(
+                        dict(scorer=name, reference=cfg.reference, metric=metric, scope=scope, value=a.value,
+                             reference_value=ref.value, diff=diff, ci_low=low, ci_high=high, p_value=p, n_boot=n_valid, note=note)
+                    )
+                for row, ph in zip(family, holm(np.array([r["p_value"] for r in family]))):
+                    row["p_holm"] = float(ph)
+                rows += family
+    return pl.DataFrame(rows, schema=_PAIRED_SCHEMA)
+
+
+def _join_notes(*notes: str) -> str:
+    return "; ".join(n for n in notes if n)
+
+
+def rank_eval(labels: pl.DataFrame, scores: pl.DataFrame, config: RankEvalConfig | None = None, **settings) -> RankEvalResult:
+    """Rank every scorer of ``scores`` against the oracle labels of ``labels``.
+
+    ``labels``: a labels table (keys + ``kl_mean``, ``noise_floor``); ``scores``: keys + one numeric
+    column per scorer. Settings are the fields of ``RankEvalConfig`` (given as ``config`` and/or as
+    keyword arguments, e.g. ``rank_eval(l, s, harm="abs:0.01", rho=0.75)``). Bad input raises
+    ``UserError``.
+    """
+    cfg = replace(config or RankEvalConfig(), **settings)
+    if cfg.scorers is not None:
+        cfg = replace(cfg, scorers=tuple(cfg.scorers))
+    _validate(cfg)
+    t0 = time.perf_counter()
+    data, summary = _prepare(labels, scores, cfg)
+    names = summary["scorers"]
+    if cfg.reference is not None and cfg.reference not in names:
+        raise UserError(f"--reference {cfg.reference} is not a scorer of the scores file: choose from {', '.join(names)}, or none")
+
+    mult = prompt_multiplicities(data.n_prompts, cfg.n_boot, np.random.default_rng(cfg.seed))
+    est = {name: _scorer_estimates(data, data.scores[name], cfg, mult) for name in names}
+
+    rows = []
+    for name in names:
+        for metric in METRICS:
+            for scope in SCOPES:
+                e = est[name][(metric, scope)]
+                low, high, n_valid = percentile_ci(e.reps, cfg.ci_level)
+                note = _join_notes(e.note, _ci_note(n_valid, cfg, data.n_prompts) if np.isfinite(e.value) else "")
+                rows.append(dict(scorer=name, metric=metric, scope=scope, value=e.value, ci_low=low, ci_high=high, n=e.n, n_boot=n_valid, note=note))
+    metrics = pl.DataFrame(rows, schema=_METRICS_SCHEMA)
+
+    paired = _paired(est, names, cfg, data.n_prompts)
+    summary["seconds"] = round(time.perf_counter() - t0, 3)
+    return RankEvalResult(metrics=metrics, paired=paired, summary=summary, config=cfg, scorers=names)
+
+
+_METRICS_SCHEMA = {
+    "scorer": pl.String, "metric": pl.String, "scope": pl.String, "value": pl.Float64, "ci_low": pl.Float64,
+    "ci_high": pl.Float64, "n": pl.Int64, "n_boot": pl.Int64, "note": pl.String,
+}
+_PAIRED_SCHEMA = {
+    "scorer": pl.String, "reference": pl.String, "metric": pl.String, "scope": pl.String, "value": pl.Float64,
+    "reference_value": pl.Float64, "diff": pl.Float64, "ci_low": pl.Float64, "ci_high": pl.Float64,
+    "p_value": pl.Float64, "p_holm": pl.Float64, "n_boot": pl.Int64, "note": pl.String,
+}

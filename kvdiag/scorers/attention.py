@@ -1,0 +1,34 @@
+"""Attention-only: how strongly the observation window reads each entry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvdiag.features import group_reduce
+from kvdiag.scorers.base import ScoreContext, Scorer, check_positive, register_scorer
+
+
+@register_scorer("attention")
+@dataclass
+class AttentionScorer(Scorer):
+    """Attention-only score: the mean attention of the last ``window`` queries on each entry.
+
+    Source: the "attention only" row of AvoKV-E's Table 3, which publishes no formula; this definition is ours.
+    Queries ``[t - window, t)``, exact softmax over every key they can see (fp32), mean over the window and over
+    the query heads of the GQA group (as kvpress and VaSE). No pooling and no protected entries: entries younger
+    than the window are read by fewer queries, which is exactly the routing-only view AvoKV-E criticizes.
+
+    Parameters
+    ----------
+    window : observation window W_obs (DESIGN default 32).
+    """
+
+    window: int = 32
+
+    def __post_init__(self):
+        check_positive(f"{self.name}.window", self.window)
+
+    def scores(self, ctx: ScoreContext) -> torch.Tensor:
+        return group_reduce(ctx.window_attention(self.window).mean(dim=1), ctx.num_kv_heads)

