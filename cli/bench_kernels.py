@@ -27,7 +27,7 @@ def bench_kernels(
     obs_window: int = typer.Option(32, help="observation-window queries of window_attention_mass"),
     keep_fraction: float = typer.Option(0.5, help="fraction of the T entries compact_kv keeps"),
     dtype: str = typer.Option("float32", help="float32, float16 or bfloat16"),
-    repeats: int = typer.Option(5, help="timed calls per implementation (median reported)"),
+    repeats: int = typer.Option(5, help="timed calls per implementation (best reported)"),
     seed: int = typer.Option(0, help="seed of the random inputs"),
 ) -> None:
     """Time and peak memory of each eviction kernel: Triton (CUDA), torch reference, obvious composition."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import re
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,18 +21,12 @@ import torch.nn.functional as F
 from kvdiag import kernels
 from kvdiag.kernels import torch_ref
 
-# glibc mallopt(M_MMAP_THRESHOLD): a fixed threshold makes every large tensor an mmap that is
-# unmapped on free, so RSS tracks live tensors (the default dynamic threshold keeps freed blocks
-# resident and hides the peak of later calls).
-_M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD_BYTES = 1 << 20
-
 
 @dataclass
 class KernelBenchRow:
     op: str
     impl: str
-    ms: float  # median wall time per call
+    ms: float  # best wall time per call over the repeats (least disturbed by other processes)
     peak_mb: float | None  # peak extra memory of one call, output included (None: not measurable here)
     max_err: float  # max |out - torch reference| (fp32)
 
@@ -87,24 +80,31 @@ def _time_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> fl
         fn()
         _sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return min(times)
 
 
 def _rss_kb(field: str) -> int:
     return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
 
 
-def _cpu_peak_supported() -> bool:
-    """Linux lets a process reset its own peak RSS (VmHWM) by writing 5 to /proc/self/clear_refs."""
+def _cpu_peak_probe() -> Callable[[], None] | None:
+    """A reset of the peak-RSS counter, or None where unsupported. Linux resets a process's VmHWM when
+    it writes 5 to /proc/self/clear_refs; glibc's malloc_trim first returns freed heap pages, which
+    would otherwise be reused without showing up in RSS."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
-        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-    except OSError:
-        return False
-    return True
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+    def reset() -> None:
+        trim(0)
+        Path("/proc/self/clear_refs").write_text("5")
+
+    return reset
 
 
-def _peak_mb(fn: Callable[[], object], device: torch.device, cpu_peak: bool) -> float | None:
+def _peak_mb(fn: Callable[[], object], device: torch.device, cpu_reset: Callable[[], None] | None) -> float | None:
     if device.type == "cuda":
         _sync(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -112,9 +112,9 @@ def _peak_mb(fn: Callable[[], object], device: torch.device, cpu_peak: bool) -> 
         fn()
         _sync(device)
         return (torch.cuda.max_memory_allocated(device) - base) / 2**20
-    if not cpu_peak:
+    if cpu_reset is None:
         return None
-    Path("/proc/self/clear_refs").write_text("5")
+    cpu_reset()
     base = _rss_kb("VmRSS")
     fn()
     return (_rss_kb("VmHWM") - base) / 1024
@@ -203,6 +203,5 @@ def run_kernel_bench(
             out = fn()
             err = (torch.as_tensor(out[0] if isinstance(out, tuple) else out).float() - ref).abs().max().item()
             timed.append((op, impl, fn, _time_ms(fn, dev, repeats), err))
-    # memory after all timings: the CPU probe fixes malloc's mmap threshold for the whole process
-    cpu_peak = dev.type == "cpu" and _cpu_peak_supported()
-    return [KernelBenchRow(op, impl, ms, _peak_mb(fn, dev, cpu_peak), err) for op, impl, fn, ms, err in timed]
+    cpu_reset = _cpu_peak_probe() if dev.type == "cpu" else None
+    return [KernelBenchRow(op, impl, ms, _peak_mb(fn, dev, cpu_reset), err) for op, impl, fn, ms, err in timed]

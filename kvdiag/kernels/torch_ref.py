@@ -106,8 +106,9 @@ def window_attention_mass(
     q_window [H, W, d] (queries at absolute ``query_positions [W]``), keys [Hkv, T, d]. Query at
     position ``tau`` sees keys ``j <= tau`` (exact softmax over them). Returns fp32 [Hkv, T]:
     ``mass[kv, j] = sum over the W queries and the g query heads of group kv of softmax prob of key j``,
-    so each head's row sums to ``g * W`` (divide by ``g * W`` for a mean). Two passes over key chunks:
-    pass 1 the per-query logsumexp, pass 2 ``exp(logit - lse)`` summed per key.
+    so each head's row sums to ``g * W`` (divide by ``g * W`` for a mean). Two passes over key chunks of
+    ``chunk`` keys (one pass when T <= chunk): pass 1 the per-query logsumexp, pass 2 ``exp(logit - lse)``
+    summed per key. Memory: O(H * W * chunk).
     """
     H, W, d = q_window.shape
     Hkv, T, _ = keys.shape
@@ -120,6 +121,9 @@ def window_attention_mass(
         j = torch.arange(j0, min(T, j0 + chunk), device=keys.device)
         return (qg @ kf[:, j0 : j0 + chunk].transpose(1, 2)).masked_fill_(j[None, :] > pos, float("-inf"))
 
+    if T <= chunk:  # one block: the logits are computed once
+        lg = logits(0)
+        return (lg - lg.logsumexp(-1, keepdim=True)).exp_().sum(1)
     lse = torch.full((Hkv, g * W), float("-inf"), device=keys.device)
     for j0 in range(0, T, chunk):
         lse = torch.logaddexp(lse, logits(j0).logsumexp(-1))

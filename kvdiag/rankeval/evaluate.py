@@ -17,7 +17,7 @@ import polars as pl
 
 from kvdiag.errors import UserError
 from kvdiag.rankeval.bootstrap import holm, paired_p_value, percentile_ci, prompt_multiplicities
-from kvdiag.rankeval.metrics import _div, eviction_counts, ranking_metrics
+from kvdiag.rankeval.metrics import RANKING_METRICS, _div, eviction_counts, ranking_metrics
 
 KEYS = ("prompt_id", "checkpoint", "position", "granularity", "layer", "kv_head")
 _KEY_TYPES = {
@@ -31,7 +31,7 @@ _KEY_TYPES = {
 METRICS = ("auroc", "ap", "prevalence", "topk_recall", "fsr", "fnr", "spearman")
 SCOPES = ("pooled", "macro")
 # bootstrap resamples evaluated together: bounds the [chunk, N] weight matrices to ~2M floats
-_CHUNK_CELLS = 2_000_000
+_CHUNK_CELLS = 100000
 
 
 @dataclass(frozen=True)
@@ -256,49 +256,56 @@ def _ratio(num: np.ndarray, den: np.ndarray, mc: np.ndarray, n: int, undefined: 
     return _Estimate(value, _div(mc @ num, mc @ den), n, "" if np.isfinite(value) else f"undefined: {undefined}")
 
 
-def _scorer_estimates(data: _Data, s: np.ndarray, cfg: RankEvalConfig, mult: np.ndarray) -> dict[tuple[str, str], _Estimate]:
-    """All (metric, scope) estimates of one scorer ``s [N]``; ``mult [B, P]`` prompt multiplicities."""
+def _estimates(data: _Data, names: list[str], cfg: RankEvalConfig, mult: np.ndarray) -> dict[str, dict[tuple[str, str], _Estimate]]:
+    """Every (metric, scope) estimate of every scorer; ``mult [B, P]`` prompt multiplicities."""
     y, x, starts = data.y, data.logkl, data.starts
+    scores = np.stack([data.scores[n] for n in names])  # [S, N]
     n_rows, n_ckpt = len(y), len(starts) - 1
     mc = mult[:, data.ckpt_prompt].astype(float)  # [B, K]
 
-    # per checkpoint (one cache): values computed once, replicates reweight them
-    per = {m: np.full(n_ckpt, np.nan) for m in ("auroc", "ap", "topk_recall", "spearman")}
-    n_c, pos_c, ev_c, hev_c = (np.zeros(n_ckpt) for _ in range(4))
+    # per checkpoint (one cache): values computed once; a resample reweights checkpoints
+    per = {m: np.empty((len(names), n_ckpt)) for m in RANKING_METRICS}
+    ev_c, hev_c = np.zeros((len(names), n_ckpt)), np.zeros((len(names), n_ckpt))
     for c in range(n_ckpt):
         sl = slice(starts[c], starts[c + 1])
-        for m, v in ranking_metrics(y[sl], s[sl], x[sl]).items():
-            per[m][c] = v[0]
-        n_c[c], pos_c[c] = sl.stop - sl.start, y[sl].sum()
-        ev_c[c], hev_c[c] = eviction_counts(y[sl], s[sl], cfg.rho)
+        for m, v in ranking_metrics(y[sl], scores[:, sl], x[sl]).items():
+            per[m][:, c] = v[:, 0]
+        for j in range(len(names)):
+            ev_c[j, c], hev_c[j, c] = eviction_counts(y[sl], scores[j, sl], cfg.rho)
+    n_c = np.diff(starts).astype(float)
+    pos_c = np.add.reduceat(y, starts[:-1])
     neg_c = n_c - pos_c
     no_pos, no_neg = {"no harmful entry": int((pos_c == 0).sum())}, {"no safe entry": int((neg_c == 0).sum())}
     both = (pos_c > 0) & (neg_c > 0)
 
-    out = {
-        ("auroc", "macro"): _macro(per["auroc"], both, mc, no_pos | no_neg),
-        ("ap", "macro"): _macro(per["ap"], both, mc, no_pos | no_neg),
-        ("topk_recall", "macro"): _macro(per["topk_recall"], pos_c > 0, mc, no_pos),
-        ("spearman", "macro"): _macro(per["spearman"], np.isfinite(per["spearman"]), mc, {"a constant score or KL": int(np.isnan(per["spearman"]).sum())}),
-        ("prevalence", "macro"): _macro(pos_c / n_c, n_c > 0, mc, {}),
-        ("fsr", "macro"): _macro(_div(hev_c, ev_c), ev_c > 0, mc, {f"floor(rho*C) = 0 (C < {1 / cfg.rho:.3g})": int((ev_c == 0).sum())}),
-        ("fnr", "macro"): _macro(_div(hev_c, pos_c), pos_c > 0, mc, no_pos),
-        ("prevalence", "pooled"): _ratio(pos_c, n_c, mc, n_rows, ""),
-        ("fsr", "pooled"): _ratio(hev_c, ev_c, mc, n_rows, f"floor(rho*C) = 0 in every checkpoint (C < {1 / cfg.rho:.3g})"),
-        ("fnr", "pooled"): _ratio(hev_c, pos_c, mc, n_rows, "no harmful entry"),
-    }
-
-    # pooled ranking metrics: each resample is a row weighting (prompt multiplicity), in chunks
-    point = ranking_metrics(y, s, x)
-    reps = {m: np.empty(len(mult)) for m in point}
+    # pooled ranking metrics: a resample is a row weighting (prompt multiplicity), in chunks of resamples
+    point = ranking_metrics(y, scores, x)
+    reps = {m: np.empty((len(names), len(mult))) for m in RANKING_METRICS}
     chunk = max(1, _CHUNK_CELLS // n_rows)
     for lo in range(0, len(mult), chunk):
         w = mult[lo : lo + chunk].T[data.prompt].astype(float)  # [N, b]
-        for m, v in ranking_metrics(y, s, x, w).items():
-            reps[m][lo : lo + chunk] = v
-    for m, v in point.items():
-        note = "" if np.isfinite(v[0]) else "undefined: constant score"
-        out[(m, "pooled")] = _Estimate(float(v[0]), reps[m], n_rows, note)
+        for m, v in ranking_metrics(y, scores, x, w).items():
+            reps[m][:, lo : lo + chunk] = v
+
+    out = {}
+    for j, name in enumerate(names):
+        ev, hev, sp = ev_c[j], hev_c[j], per["spearman"][j]
+        est = {
+            ("auroc", "macro"): _macro(per["auroc"][j], both, mc, no_pos | no_neg),
+            ("ap", "macro"): _macro(per["ap"][j], both, mc, no_pos | no_neg),
+            ("topk_recall", "macro"): _macro(per["topk_recall"][j], pos_c > 0, mc, no_pos),
+            ("spearman", "macro"): _macro(sp, np.isfinite(sp), mc, {"a constant score or KL": int(np.isnan(sp).sum())}),
+            ("prevalence", "macro"): _macro(pos_c / n_c, n_c > 0, mc, {}),
+            ("fsr", "macro"): _macro(_div(hev, ev), ev > 0, mc, {f"floor(rho*C) = 0 (C < {1 / cfg.rho:.3g})": int((ev == 0).sum())}),
+            ("fnr", "macro"): _macro(_div(hev, pos_c), pos_c > 0, mc, no_pos),
+            ("prevalence", "pooled"): _ratio(pos_c, n_c, mc, n_rows, ""),
+            ("fsr", "pooled"): _ratio(hev, ev, mc, n_rows, f"floor(rho*C) = 0 in every checkpoint (C < {1 / cfg.rho:.3g})"),
+            ("fnr", "pooled"): _ratio(hev, pos_c, mc, n_rows, "no harmful entry"),
+        }
+        for m in RANKING_METRICS:
+            value = float(point[m][j, 0])
+            est[(m, "pooled")] = _Estimate(value, reps[m][j], n_rows, "" if np.isfinite(value) else "undefined: constant score")
+        out[name] = est
     return out
 
 
@@ -367,7 +374,7 @@ def rank_eval(labels: pl.DataFrame, scores: pl.DataFrame, config: RankEvalConfig
         raise UserError(f"--reference {cfg.reference} is not a scorer of the scores file: choose from {', '.join(names)}, or none")
 
     mult = prompt_multiplicities(data.n_prompts, cfg.n_boot, np.random.default_rng(cfg.seed))
-    est = {name: _scorer_estimates(data, data.scores[name], cfg, mult) for name in names}
+    est = _estimates(data, names, cfg, mult)
 
     rows = []
     for name in names:

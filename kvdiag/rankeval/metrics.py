@@ -60,59 +60,81 @@ class _TieGroups:
 
     def sums(self, v: np.ndarray) -> np.ndarray:
         """Per-group sums of row values ``v [N, B]`` -> [G, B], groups ascending."""
+        if len(self.starts) == len(self.order):  # no ties: a plain gather is much faster
+            return v[self.order]
         return np.add.reduceat(v[self.order], self.starts, axis=0)
 
-    def ranks(self, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Average ranks ``[N, B]`` of the rows in the weighted (= duplicated) data, and the number
-        of distinct values that carry weight ``[B]``."""
-        gw = self.sums(w)
-        grank = np.cumsum(gw, axis=0) - gw + (gw + 1) / 2
-        ranks = np.empty_like(w)
-        ranks[self.order] = np.repeat(grank, self.sizes, axis=0)
-        return ranks, (gw > 0).sum(axis=0)
+
+# The metrics below work on the tie groups of one score, ascending: ``pos [G, B]`` weighted harmful
+# count, ``tot [G, B]`` weighted count, and their cumulative sums ``cpos``, ``ctot`` (weights are
+# integer-valued, so the differences of cumulative sums are exact). They run on B bootstrap resamples
+# at once, hence the in-place arithmetic and einsum reductions.
+
+# x / max(n, _TINY) is 0 where x = n = 0 (an empty group contributes nothing)
+_TINY = np.finfo(float).tiny
 
 
-def _take(pos: np.ndarray, neg: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """Expected harmful count among the first ``k [B]`` rows, groups ``pos/neg [G, B]`` in taking order."""
-    tot = pos + neg
-    before = np.cumsum(tot, axis=0) - tot
-    taken = np.clip(k - before, 0.0, tot)
-    return (taken * _div(pos, tot, fill=0.0)).sum(axis=0)
+def _dot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Column-wise dot product of [G, B] arrays -> [B]."""
+    return np.einsum("gb,gb->b", a, b)
 
 
-def _class_sums(y: np.ndarray, groups: _TieGroups, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Weighted harmful and safe counts per tie group of the score, ascending: [G, B] each."""
-    pos = groups.sums(w * y[:, None])
-    return pos, groups.sums(w) - pos
-
-
-def _auroc(pos: np.ndarray, neg: np.ndarray) -> np.ndarray:
+def _auroc(pos, tot, cpos, ctot):
     # Mann-Whitney: each harmful entry beats the safe entries scored below it, ties count 1/2
-    below = np.cumsum(neg, axis=0) - neg
-    u = (pos * (below + 0.5 * neg)).sum(axis=0)
-    return _div(u, pos.sum(axis=0) * neg.sum(axis=0))
+    safe_below = ctot - cpos
+    safe_below -= 0.5 * (tot - pos)
+    return _div(_dot(pos, safe_below), cpos[-1] * (ctot[-1] - cpos[-1]))
 
 
-def _average_precision(pos: np.ndarray, neg: np.ndarray) -> np.ndarray:
-    # scikit-learn's non-interpolated AP: sum over score thresholds (descending) of
-    # (recall increment) * precision, one threshold per distinct score
-    pos, neg = pos[::-1], neg[::-1]
-    tp, fp = np.cumsum(pos, axis=0), np.cumsum(neg, axis=0)
-    precision = _div(tp, tp + fp, fill=0.0)
-    return _div((pos * precision).sum(axis=0), tp[-1])
+def _average_precision(pos, tot, cpos, ctot):
+    # scikit-learn's non-interpolated AP: sum over thresholds (one per distinct score, descending)
+    # of recall increment * precision; the threshold at group g keeps groups >= g
+    precision = cpos[-1] - cpos + pos
+    precision /= np.maximum(ctot[-1] - ctot + tot, _TINY)
+    return _div(_dot(pos, precision), cpos[-1])
 
 
-def _topk_recall(pos: np.ndarray, neg: np.ndarray) -> np.ndarray:
-    k = pos.sum(axis=0)
-    return _div(_take(pos[::-1], neg[::-1], k), k)
+def _topk_recall(pos, tot, cpos, ctot):
+    k = cpos[-1]
+    taken = k - (ctot[-1] - ctot)  # k minus the weight scored strictly higher than group g
+    np.clip(taken, 0.0, tot, out=taken)
+    taken /= np.maximum(tot, _TINY)  # share of the group taken (its harmful share, in expectation)
+    return _div(_dot(pos, taken), k)
 
 
-def _spearman(rx: np.ndarray, ry: np.ndarray, w: np.ndarray) -> np.ndarray:
-    # Pearson correlation of average ranks, rows weighted by multiplicity
-    tot = w.sum(axis=0)
-    dx = rx - _div((w * rx).sum(axis=0), tot)
-    dy = ry - _div((w * ry).sum(axis=0), tot)
-    return _div((w * dx * dy).sum(axis=0), np.sqrt((w * dx * dx).sum(axis=0) * (w * dy * dy).sum(axis=0)))
+def _centered_ranks(tot, ctot):
+    """Average ranks of the groups in the weighted (= duplicated) data, minus their weighted mean:
+    ``d [G, B]``, its weighted sum of squares ``[B]`` and the number of distinct values present ``[B]``."""
+    d = ctot - 0.5 * (tot - 1)
+    d -= _div(_dot(tot, d), ctot[-1])
+    return d, _dot(tot * d, d), np.count_nonzero(tot, axis=0)
+
+
+class _DamageRanks:
+    """Weighted centered ranks of the continuous damage ``x [N]`` under weights ``w [N, B]``, shared
+    by every scorer: ``wdx [N, B]`` (weight * centered rank), ``var [B]``, ``distinct [B]``."""
+
+    def __init__(self, x: np.ndarray, w: np.ndarray):
+        groups = _TieGroups(np.asarray(x))
+        tot = groups.sums(w)
+        d, self.var, self.distinct = _centered_ranks(tot, np.cumsum(tot, axis=0))
+        dx = np.empty_like(w)
+        dx[groups.order] = np.repeat(d, groups.sizes, axis=0)
+        self.wdx = w * dx
+
+
+def _spearman(tot, ctot, gwdx, damage: _DamageRanks):
+    # Pearson correlation of average ranks; gwdx [G, B]: per score group, sum of weight * damage rank
+    d, var, distinct = _centered_ranks(tot, ctot)
+    rho = _div(_dot(gwdx, d), np.sqrt(damage.var * var))
+    return np.where((distinct > 1) & (damage.distinct > 1), rho, np.nan)
+
+
+def _score_groups(y: np.ndarray, s: np.ndarray, w: np.ndarray):
+    """``pos, tot, cpos, ctot`` of score ``s [N]`` under weights ``w [N, B]``."""
+    groups = _TieGroups(np.asarray(s))
+    pos, tot = groups.sums(w * np.asarray(y, float)[:, None]), groups.sums(w)
+    return pos, tot, np.cumsum(pos, axis=0), np.cumsum(tot, axis=0)
 
 
 def auroc(y: np.ndarray, s: np.ndarray, w: np.ndarray | None = None) -> float | np.ndarray:
@@ -121,49 +143,56 @@ def auroc(y: np.ndarray, s: np.ndarray, w: np.ndarray | None = None) -> float | 
     Harmful entries should be *kept*, so a good scorer has AUROC near 1. NaN without both classes.
     """
     w, scalar = _weights(w, len(y))
-    return _out(_auroc(*_class_sums(np.asarray(y, float), _TieGroups(np.asarray(s)), w)), scalar)
+    return _out(_auroc(*_score_groups(y, s, w)), scalar)
 
 
 def average_precision(y: np.ndarray, s: np.ndarray, w: np.ndarray | None = None) -> float | np.ndarray:
     """scikit-learn's ``average_precision_score`` with harmful as positive; NaN without positives."""
     w, scalar = _weights(w, len(y))
-    return _out(_average_precision(*_class_sums(np.asarray(y, float), _TieGroups(np.asarray(s)), w)), scalar)
+    return _out(_average_precision(*_score_groups(y, s, w)), scalar)
 
 
 def topk_recall(y: np.ndarray, s: np.ndarray, w: np.ndarray | None = None) -> float | np.ndarray:
     """Share of the harmful entries found among the k highest scores, k = number of harmful entries
     (so a perfect scorer gets 1 and a random one the prevalence). NaN without positives."""
     w, scalar = _weights(w, len(y))
-    return _out(_topk_recall(*_class_sums(np.asarray(y, float), _TieGroups(np.asarray(s)), w)), scalar)
+    return _out(_topk_recall(*_score_groups(y, s, w)), scalar)
 
 
 def spearman(x: np.ndarray, s: np.ndarray, w: np.ndarray | None = None) -> float | np.ndarray:
     """Spearman correlation of ``s [N]`` and ``x [N]`` (average ranks); NaN if either is constant."""
     w, scalar = _weights(w, len(x))
-    rx, nx = _TieGroups(np.asarray(x)).ranks(w)
-    rs, ns = _TieGroups(np.asarray(s)).ranks(w)
-    rho = _spearman(rx, rs, w)
-    return _out(np.where((nx > 1) & (ns > 1), rho, np.nan), scalar)
-
-
-def ranking_metrics(y: np.ndarray, s: np.ndarray, x: np.ndarray, w: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """AUROC, AP, top-k recall and Spearman(s, x) in one pass over one sort of ``s``.
-
-    ``y [N]`` harm label, ``s [N]`` score, ``x [N]`` continuous damage (log KL), ``w [N, B]`` or None.
-    Returns a dict of arrays ``[B]`` (``[1]`` when ``w`` is None).
-    """
-    w, _ = _weights(w, len(y))
-    y = np.asarray(y, float)
+    damage = _DamageRanks(x, w)
     groups = _TieGroups(np.asarray(s))
-    pos, neg = _class_sums(y, groups, w)
-    rx, nx = _TieGroups(np.asarray(x)).ranks(w)
-    rs, ns = groups.ranks(w)
-    return {
-        "auroc": _auroc(pos, neg),
-        "ap": _average_precision(pos, neg),
-        "topk_recall": _topk_recall(pos, neg),
-        "spearman": np.where((nx > 1) & (ns > 1), _spearman(rx, rs, w), np.nan),
-    }
+    tot = groups.sums(w)
+    return _out(_spearman(tot, np.cumsum(tot, axis=0), groups.sums(damage.wdx), damage), scalar)
+
+
+RANKING_METRICS = ("auroc", "ap", "topk_recall", "spearman")
+
+
+def ranking_metrics(y: np.ndarray, scores: np.ndarray, x: np.ndarray, w: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """AUROC, AP, top-k recall and Spearman(score, x) of several scorers, one sort per scorer.
+
+    ``y [N]`` harm label, ``scores [S, N]``, ``x [N]`` continuous damage (log KL), ``w [N, B]`` weights
+    or None (all 1). Returns ``{metric: [S, B]}``.
+    """
+    scores = np.atleast_2d(scores)
+    w, _ = _weights(w, len(y))
+    n_b = w.shape[1]
+    damage = _DamageRanks(x, w)
+    # one gather + one segmented sum per scorer for the three row quantities
+    rows = np.concatenate([w * np.asarray(y, float)[:, None], w, damage.wdx], axis=1)  # [N, 3B]
+    out = {m: np.empty((len(scores), n_b)) for m in RANKING_METRICS}
+    for j, s in enumerate(scores):
+        sums = _TieGroups(s).sums(rows)
+        pos, tot, gwdx = sums[:, :n_b], sums[:, n_b : 2 * n_b], sums[:, 2 * n_b :]
+        cpos, ctot = np.cumsum(pos, axis=0), np.cumsum(tot, axis=0)
+        out["auroc"][j] = _auroc(pos, tot, cpos, ctot)
+        out["ap"][j] = _average_precision(pos, tot, cpos, ctot)
+        out["topk_recall"][j] = _topk_recall(pos, tot, cpos, ctot)
+        out["spearman"][j] = _spearman(tot, ctot, gwdx, damage)
+    return out
 
 
 def eviction_counts(y: np.ndarray, s: np.ndarray, rho: float) -> tuple[int, float]:
@@ -173,7 +202,7 @@ def eviction_counts(y: np.ndarray, s: np.ndarray, rho: float) -> tuple[int, floa
     entries evicted); the latter is fractional only when a tie group straddles the boundary.
     FSR = harmful evicted / evicted, FNR = harmful evicted / harmful.
     """
-    y = np.asarray(y, float)
     n = n_evicted(rho, len(y))
-    pos, neg = _class_sums(y, _TieGroups(np.asarray(s)), np.ones((len(y), 1)))
-    return n, float(_take(pos, neg, np.array([float(n)]))[0])
+    pos, tot, _, ctot = _score_groups(y, s, np.ones((len(y), 1)))
+    taken = np.clip(n - (ctot - tot), 0.0, tot)  # lowest first
+    return n, float(_dot(pos, taken / np.maximum(tot, _TINY))[0])

@@ -1,0 +1,45 @@
+"""``kvdiag label``: oracle labels (single-entry eviction KL) for a Trace's checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from cli import common
+
+
+def label(
+    trace: Path = typer.Option(..., "--trace", help="Trace directory from `kvdiag trace`"),
+    out: Path = typer.Option(..., "--out", help="labels.parquet (parts are kept beside it in OUT.parts/)"),
+    checkpoints: str = typer.Option("every:128", "--checkpoints", help="every:K (generated tokens) or absolute positions t1,t2,..."),
+    horizon: int = typer.Option(16, "--horizon", help="teacher-forced steps H"),
+    candidates: str = typer.Option("64", "--candidates", help="N (seeded sample per checkpoint) or all"),
+    granularity: str = typer.Option("token", "--granularity", help="token | layer | head"),
+    layers: str = typer.Option(None, "--layers", help="layer/head granularity: comma-separated layers (default all)"),
+    w_obs: int = typer.Option(32, "--w-obs", help="every:K starts once W_obs tokens are generated"),
+    batch_size: int = typer.Option(64, "--batch-size", help="candidate rows per forward"),
+    seed: int = common.Seed,
+    model: str = typer.Option(None, "--model", help="override the Trace's model (refused if different unless --force)"),
+    force: bool = typer.Option(False, "--force", help="label with a model other than the Trace's"),
+    dtype: str = typer.Option(None, "--dtype", help="default: the Trace's model dtype"),
+    device: str = common.Device,
+    backend: str = typer.Option("auto", "--backend", help="kernel backend: auto | torch | triton"),
+    shard: str = typer.Option(None, "--shard", help="i/n: label only work items i, i+n, ... (Slurm arrays); merge with a final run without --shard"),
+    quiet: bool = common.Quiet,
+) -> None:
+    """Evict single cache entries at checkpoints and measure the KL damage to the next H predictions."""
+    from kvdiag.distributed import run_label
+
+    common.quiet_transformers()
+    from kvdiag.label import LabelConfig
+
+    cfg = LabelConfig(
+        checkpoints=checkpoints, horizon=horizon, candidates=candidates, granularity=granularity,
+        layers=[int(x) for x in layers.split(",")] if layers else None, w_obs=w_obs, batch_size=batch_size,
+        seed=seed, backend=backend,
+    )
+    path = run_label(trace, out, cfg, model=model, force=force, dtype=dtype, device=device, shard=shard, quiet=quiet)
+    if path is not None:
+        Console().print(f"labels written to [bold]{path}[/]")

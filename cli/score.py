@@ -1,0 +1,72 @@
+"""``kvdiag score``: one column per scorer for the labeled (or chosen) candidates of a Trace."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from kvdiag.errors import UserError
+
+
+def score(
+    trace: Path = typer.Option(..., "--trace", help="Trace directory written by `kvdiag trace`."),
+    out: Path = typer.Option(..., "--out", help="Output scores.parquet."),
+    labels: Path | None = typer.Option(None, "--labels", help="labels.parquet: score exactly its candidates (same keys)."),
+    checkpoints: str | None = typer.Option(
+        None, "--checkpoints", help="Without --labels: 'default' (every 128 generated tokens) or positions t, e.g. 256,384; every entry < t is scored."),
+    granularity: str = typer.Option("token", "--granularity", help="With --checkpoints: token, layer and/or head, comma-separated."),
+    scorers: str = typer.Option("all", "--scorers", help="'all' or comma-separated scorer names."),
+    param: list[str] | None = typer.Option(None, "--param", help="scorer.key=value, repeatable (e.g. rkv.mix_lambda=0.07)."),
+    plugin: list[str] | None = typer.Option(None, "--plugin", help="Module (or .py file) whose import registers scorers, repeatable."),
+    aggregation: str = typer.Option("mean_rank", "--aggregation", help="How token/layer rows combine per-(layer, head) scores: mean_rank or mean_raw."),
+    model: str | None = typer.Option(None, "--model", help="The Trace's model, only for payload wo_l2 (‖W_O v‖₂): its o_proj weights are read."),
+) -> None:
+    """Score candidates of a Trace with the scorer zoo (higher = keep) and write scores.parquet."""
+    from kvdiag.io import read_table, write_table
+    from kvdiag.scorers import parse_params, score_trace
+    from kvdiag.trace import Trace
+
+    if (labels is None) == (checkpoints is None):
+        raise UserError("pass exactly one of --labels labels.parquet or --checkpoints default|t1,t2,...")
+    tr = Trace(trace)
+    keys, cps = None, None
+    if labels is not None:
+        keys, labels_meta = read_table(labels, what=f"--labels {labels}")
+        tr.check_belongs(labels_meta, f"--labels {labels}")
+    else:
+        cps = parse_checkpoints(checkpoints)
+    df, meta = score_trace(
+        tr, keys=keys, checkpoints=cps, scorers=scorers, params=parse_params(param), plugins=plugin or (),
+        aggregation=aggregation, granularity=[g.strip() for g in granularity.split(",") if g.strip()],
+        o_proj=load_o_proj(model, tr) if model else None, progress=True,
+    )
+    meta["source"] = {"labels": str(labels)} if labels is not None else {"checkpoints": checkpoints, "granularity": granularity}
+    write_table(df, out, meta)
+    Console(stderr=True).print(f"wrote {df.height} rows × {len(meta['scorers'])} scorers to {out}")
+
+
+def parse_checkpoints(text: str) -> str | list[int]:
+    """``default`` or comma-separated positive integers."""
+    if text.strip() == "default":
+        return "default"
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"--checkpoints {text!r}: use 'default' or comma-separated positions, e.g. 256,384") from None
+    if not values:
+        raise UserError("--checkpoints is empty: use 'default' or comma-separated positions, e.g. 256,384")
+    return values
+
+
+def load_o_proj(spec: str, trace) -> dict:
+    """layer -> o_proj weight of ``spec``, refused unless it is the Trace's model (same weights hash)."""
+    from kvdiag.features import o_proj_weights
+    from kvdiag.models import load_model
+
+    lm = load_model(spec, dtype=trace.manifest["model"].get("dtype", "float32"))
+    want = trace.manifest["model"].get("weights_hash")
+    if want and lm.weights_hash != want:
+        raise UserError(f"--model {spec} is not the Trace's model (weights {lm.weights_hash}, Trace {want}); pass {trace.manifest['model']['spec']}")
+    return o_proj_weights(lm.model)

@@ -1,0 +1,176 @@
+"""The counterfactual oracle: single-entry eviction KL at a checkpoint, batched over candidates.
+
+For checkpoint ``t`` (the cache holds positions ``[0, t)``) and a candidate entry ``i < t``:
+the recorded continuation ``x_t .. x_{t+H-1}`` is teacher-forced at its original absolute positions
+with entry ``i`` evicted (from every layer and KV head, one layer, or one layer and KV head), and
+``KL(P_full(.|tau) || P_evict(.|tau))`` is measured in fp32 on the full vocabulary at each of the
+H query positions ``tau = t .. t+H-1``.
+
+The prefix cache is computed once per checkpoint (and extended, not recomputed, from one checkpoint
+to the next). Candidate rows are batched: each row runs the same H tokens and reads the shared prefix
+through ``kvdiag.kernels.shared_prefix_attention`` with its own exclusions, so a batch of N rows costs
+about one forward of N x H tokens and no per-row copy of the prefix. ``P_full`` comes from the plain
+model path (SDPA over a standard cache); a null row (nothing evicted) through the batched path measures
+the numerical noise floor of each checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from kvdiag.errors import UserError
+from kvdiag.label.hooks import EvictionBatch, evicting
+from kvdiag.models import LoadedModel
+
+GRANULARITIES = ("token", "layer", "head")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One counterfactual: evict ``position`` at (``layer``, ``kv_head``); -1 = all. position -1 = null row."""
+
+    position: int
+    layer: int = -1
+    kv_head: int = -1
+
+
+def candidate_rows(positions: list[int], granularity: str, num_layers: int, num_kv_heads: int,
+                   layers: list[int] | None = None) -> list[Row]:
+    """Rows for ``positions`` at ``granularity``: token -> one row each; layer -> one per layer;
+    head -> one per (layer, KV head). ``layers`` restricts the layers (default: all)."""
+    if granularity not in GRANULARITIES:
+        raise UserError(f"--granularity {granularity}: use one of {', '.join(GRANULARITIES)}")
+    layers = list(range(num_layers)) if layers is None else layers
+    if granularity == "token":
+        return [Row(p) for p in positions]
+    if granularity == "layer":
+        return [Row(p, l) for p in positions for l in layers]
+    return [Row(p, l, h) for p in positions for l in layers for h in range(num_kv_heads)]
+
+
+@dataclass
+class RowResult:
+    """Divergences of one row: kl_steps [H] (nats), js_steps [H], nll_delta [H-1 or H], top1_flips."""
+
+    kl_steps: torch.Tensor
+    js_steps: torch.Tensor
+    nll_delta: torch.Tensor
+    top1_flips: int
+
+
+def divergences(logp_full: torch.Tensor, logp_ev: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """logp_full [W, V], logp_ev [N, W, V] (fp32 log-probs), targets [W'] realized next tokens (W' <= W).
+
+    Returns kl [N, W] = KL(full || evicted), js [N, W], nll_delta [N, W'] = NLL_evicted - NLL_full of the
+    realized tokens, flips [N] = steps whose top-1 token changed.
+    """
+    p = logp_full.exp()
+    kl = (p * (logp_full - logp_ev)).sum(-1)
+    q = logp_ev.exp()
+    log_m = torch.logaddexp(logp_full, logp_ev) - torch.log(torch.tensor(2.0))
+    js = 0.5 * (p * (logp_full - log_m)).sum(-1) + 0.5 * (q * (logp_ev - log_m)).sum(-1)
+    Wt = targets.shape[0]
+    idx = targets[None, :, None].expand(logp_ev.shape[0], Wt, 1)
+    nll_delta = logp_full[:Wt].gather(-1, targets[:, None]).squeeze(-1) - logp_ev[:, :Wt].gather(-1, idx).squeeze(-1)
+    flips = (logp_ev.argmax(-1) != logp_full.argmax(-1)).sum(-1)
+    return {"kl": kl.clamp_min(0.0), "js": js.clamp_min(0.0), "nll_delta": nll_delta, "flips": flips}
+
+
+class OracleEngine:
+    """Labels candidates of one prompt's checkpoints; build it once per (model, token sequence)."""
+
+    def __init__(self, lm: LoadedModel, token_ids: torch.Tensor, horizon: int, batch_size: int = 64,
+                 backend: str = "auto"):
+        if horizon <= 0:
+            raise UserError(f"--horizon {horizon}: must be a positive number of steps")
+        self.lm, self.model = lm, lm.model
+        self.ids = token_ids.to(self.model.device)
+        self.T, self.H, self.batch_size, self.backend = len(token_ids), horizon, batch_size, backend
+        self._cache = DynamicCache(config=self.model.config)  # the golden prefix, extended checkpoint by checkpoint
+        self._cached = 0
+        cfg = self.model.config
+        self.num_layers, self.num_kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
+        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+            raise UserError(f"--model {lm.spec}: sliding-window attention is not supported by the oracle engine yet")
+
+    def check_checkpoint(self, t: int) -> None:
+        if not 1 <= t <= self.T - self.H:
+            raise UserError(f"checkpoint {t} is outside [1, {self.T - self.H}] (trace length {self.T}, horizon {self.H}); choose earlier checkpoints or a shorter --horizon")
+
+    @torch.no_grad()
+    def prefix(self, t: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Post-RoPE K/V of positions [0, t) per layer, each [Hkv, t, d] (views; never copied per row)."""
+        self.check_checkpoint(t)
+        if t < self._cached:  # checkpoints are visited in order; going back means starting over
+            self._cache, self._cached = DynamicCache(config=self.model.config), 0
+        if t > self._cached:
+            pos = torch.arange(self._cached, t, device=self.ids.device)[None]
+            self.model(self.ids[None, self._cached : t], cache=self._cache, position_ids=pos, use_cache=True, logits_to_keep=1)
+            self._cached = t
+        return [(layer.keys[0], layer.values[0]) for layer in self._cache.layers]
+
+    @torch.no_grad()
+    def full_logprobs(self, t: int, prefix) -> torch.Tensor:
+        """log P_full [H, V] (fp32) of the plain model path: SDPA over a standard cache of the prefix."""
+        cache = DynamicCache(config=self.model.config)
+        for layer, (k, v) in zip(cache.layers, prefix):
+            layer.lazy_initialization(k[None], v[None])
+            layer.keys, layer.values = k[None], v[None]  # zero-copy; update() rebinds, never writes into them
+        pos = torch.arange(t, t + self.H, device=self.ids.device)[None]
+        logits = self.model(self.ids[None, t : t + self.H], cache=cache, position_ids=pos, use_cache=True).logits[0]
+        return self._logprobs(logits, t)
+
+    def _logprobs(self, logits: torch.Tensor, t: int) -> torch.Tensor:
+        if not torch.isfinite(logits).all():
+            raise UserError(f"non-finite logits at checkpoint {t}: the model overflows in {self.lm.dtype}; rerun with --dtype float32")
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def _exclusions(self, rows: list[Row]) -> list[torch.Tensor | None]:
+        """Per layer: int64 [N, Hkv, 1] with the row's position where it applies, -1 elsewhere."""
+        n = len(rows)
+        pos = torch.tensor([r.position for r in rows], dtype=torch.long)
+        layer = torch.tensor([r.layer for r in rows], dtype=torch.long)
+        head = torch.tensor([r.kv_head for r in rows], dtype=torch.long)
+        heads = torch.arange(self.num_kv_heads)
+        out = []
+        for l in range(self.num_layers):
+            applies = ((layer == -1) | (layer == l))[:, None] & ((head[:, None] == -1) | (head[:, None] == heads[None]))
+            ex = torch.where(applies, pos[:, None], -1)[:, :, None]  # [N, Hkv, 1]
+            out.append(ex.to(self.ids.device) if (ex >= 0).any() else None)
+        return out
+
+    @torch.no_grad()
+    def evicted_logprobs(self, t: int, prefix, rows: list[Row]) -> torch.Tensor:
+        """log P_evict [N, H, V] (fp32) for ``rows`` through the batched shared-prefix path."""
+        n = len(rows)
+        ids = self.ids[None, t : t + self.H].expand(n, -1)
+        pos = torch.arange(t, t + self.H, device=self.ids.device)[None].expand(n, -1)
+        batch = EvictionBatch(prefix=prefix, exclude=self._exclusions(rows), backend=self.backend)
+        with evicting(self.model, batch):
+            logits = self.model(ids, position_ids=pos, use_cache=False).logits
+        return self._logprobs(logits, t)
+
+    def label(self, t: int, rows: list[Row], progress=None) -> tuple[dict[str, torch.Tensor], float]:
+        """Label ``rows`` at checkpoint ``t``. Returns (per-row tensors: kl [N, H], js [N, H],
+        nll_delta [N, H'], flips [N]) and the checkpoint's noise floor (mean KL of the null row)."""
+        for r in rows:
+            if not 0 <= r.position < t:
+                raise UserError(f"candidate position {r.position} at checkpoint {t}: candidates must lie in [0, {t})")
+        prefix = self.prefix(t)
+        logp_full = self.full_logprobs(t, prefix)
+        targets = self.ids[t + 1 : t + self.H + 1]  # the realized next tokens (the last step may have none)
+        all_rows = [Row(-1)] + list(rows)  # the null row rides in the first batch
+        parts: dict[str, list[torch.Tensor]] = {}
+        for s in range(0, len(all_rows), self.batch_size):
+            chunk = all_rows[s : s + self.batch_size]
+            div = divergences(logp_full, self.evicted_logprobs(t, prefix, chunk), targets)
+            for key, val in div.items():
+                parts.setdefault(key, []).append(val.cpu())
+            if progress is not None:
+                progress(len(chunk) - (s == 0))
+        out = {key: torch.cat(val) for key, val in parts.items()}
+        noise = float(out["kl"][0].mean())
+        return {key: val[1:] for key, val in out.items()}, noise

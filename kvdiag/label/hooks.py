@@ -1,0 +1,65 @@
+"""The eviction attention function: N candidate rows over one shared prefix, each with its exclusions.
+
+Registered as ``kvdiag_evict``. The model runs the W teacher-forced tokens of every row without a
+cache object (``use_cache=False``), so ``key``/``value`` are exactly the rows' own suffixes; the
+shared prefix (never copied per row) and the per-layer exclusions travel in a context variable.
+Attention itself is ``kvdiag.kernels.shared_prefix_attention`` (Triton on CUDA, torch on CPU).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from kvdiag.kernels import shared_prefix_attention
+from kvdiag.trace.hooks import attn_implementation
+
+EVICT_ATTN = "kvdiag_evict"
+
+
+@dataclass
+class EvictionBatch:
+    """prefix[l] = (k [Hkv, P, d], v [Hkv, P, d]); exclude[l] = int64 [N, Hkv, E] (-1 = none) or None."""
+
+    prefix: list[tuple[torch.Tensor, torch.Tensor]]
+    exclude: list[torch.Tensor | None]
+    backend: str = "auto"
+
+
+_BATCH: ContextVar[EvictionBatch | None] = ContextVar("kvdiag_eviction_batch", default=None)
+
+
+def evict_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """query [N, H, W, d], key/value [N, Hkv, W, d] (the rows' suffixes) -> [N, W, H, d]."""
+    batch = _BATCH.get()
+    if batch is None:
+        raise RuntimeError(f"{EVICT_ATTN} attention called outside kvdiag.label.hooks.evicting()")
+    pk, pv = batch.prefix[module.layer_idx]
+    out = shared_prefix_attention(
+        query, pk, pv, key, value, batch.exclude[module.layer_idx], scale=scaling, backend=batch.backend
+    )
+    return out.transpose(1, 2), None
+
+
+def _no_mask(*args, **kwargs):
+    """The kernel applies causality and exclusions itself; skip building HF's mask."""
+    return None
+
+
+AttentionInterface.register(EVICT_ATTN, evict_attention)
+AttentionMaskInterface.register(EVICT_ATTN, _no_mask)
+
+
+@contextmanager
+def evicting(model, batch: EvictionBatch):
+    token = _BATCH.set(batch)
+    try:
+        with attn_implementation(model, EVICT_ATTN):
+            yield
+    finally:
+        _BATCH.reset(token)

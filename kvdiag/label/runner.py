@@ -1,0 +1,216 @@
+"""``label_trace``: work items (prompt, checkpoint) -> atomic Parquet parts -> one labels table.
+
+Each item is written as ``<out>.parts/<prompt_id>__<checkpoint>.parquet`` atomically; a rerun skips
+items whose part exists, so an interrupted run loses no finished work. ``merge_parts`` makes the
+output table. Items can be split over processes (``shard=(i, n)``, or torchrun ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import polars as pl
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from kvdiag import __version__
+from kvdiag.errors import UserError
+from kvdiag.io import write_table
+from kvdiag.label.engine import OracleEngine, candidate_rows
+from kvdiag.models import LoadedModel
+from kvdiag.trace import Trace
+
+LABEL_SCHEMA = {
+    "prompt_id": pl.String, "checkpoint": pl.Int64, "position": pl.Int64, "granularity": pl.String,
+    "layer": pl.Int64, "kv_head": pl.Int64, "horizon": pl.Int64, "kl_mean": pl.Float64, "kl_max": pl.Float64,
+    "kl_steps": pl.List(pl.Float64), "js_mean": pl.Float64, "nll_delta": pl.Float64, "top1_flips": pl.Int64,
+    "noise_floor": pl.Float64, "age": pl.Int64, "token_id": pl.Int64,
+}
+
+
+@dataclass
+class LabelConfig:
+    """How labels are made; written into every labels file."""
+
+    checkpoints: str = "every:128"  # "every:K" (generated tokens, R-KV's schedule) or "t1,t2,..." absolute positions
+    horizon: int = 16
+    candidates: str = "64"  # "N" (seeded sample) or "all"
+    granularity: str = "token"
+    layers: list[int] | None = None  # layer/head granularity: which layers (None = all)
+    w_obs: int = 32  # checkpoints start once W_obs tokens have been generated (DESIGN.md)
+    batch_size: int = 64
+    seed: int = 0
+    backend: str = "auto"
+    sampling: str = field(default="", init=False)
+
+    def __post_init__(self):
+        self.sampling = ("every cached entry [0, t)" if self.candidates == "all"
+                         else f"uniform without replacement over [0, t), seed {self.seed} + checkpoint")
+
+
+def checkpoints_for(spec: str, prompt_len: int, length: int, horizon: int, w_obs: int) -> list[int]:
+    """Absolute checkpoint positions of one prompt. ``every:K``: t = prompt_len + K*j with
+    ``t - prompt_len >= w_obs`` and ``t + horizon <= length``. A list is taken as given (validated later)."""
+    if m := re.fullmatch(r"every:(\d+)", spec):
+        k = int(m.group(1))
+        if k <= 0:
+            raise UserError(f"--checkpoints {spec}: the interval must be positive")
+        return [t for t in range(prompt_len + k, length - horizon + 1, k) if t - prompt_len >= w_obs]
+    try:
+        return sorted({int(x) for x in spec.split(",") if x.strip()})
+    except ValueError as err:
+        raise UserError(f"--checkpoints {spec}: use every:K or a comma-separated list of positions") from err
+
+
+def sample_candidates(t: int, spec: str, seed: int) -> list[int]:
+    """Candidate positions at checkpoint ``t``: all of [0, t) or a seeded sample of N (sorted)."""
+    if spec == "all":
+        return list(range(t))
+    try:
+        n = int(spec)
+    except ValueError as err:
+        raise UserError(f"--candidates {spec}: use a number or all") from err
+    if n <= 0:
+        raise UserError(f"--candidates {spec}: must be positive")
+    if n >= t:
+        return list(range(t))
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + t)
+    return sorted(torch.randperm(t, generator=gen)[:n].tolist())
+
+
+def part_path(parts: Path, pid: str, t: int) -> Path:
+    return parts / f"{pid}__{t:07d}.parquet"
+
+
+def work_items(trace: Trace, cfg: LabelConfig, prompt_ids: list[str] | None = None) -> list[tuple[str, int]]:
+    """Every (prompt_id, checkpoint) to label, validated against the Trace."""
+    items = []
+    for pid in prompt_ids or trace.prompt_ids:
+        P, T = trace.prompt_len(pid), trace.length(pid)
+        if cfg.horizon >= T:
+            raise UserError(f"--horizon {cfg.horizon} reaches beyond the end of prompt {pid} (length {T}); use a shorter horizon")
+        for t in checkpoints_for(cfg.checkpoints, P, T, cfg.horizon, cfg.w_obs):
+            if not 1 <= t <= T - cfg.horizon:
+                raise UserError(f"--checkpoints: {t} is outside [1, {T - cfg.horizon}] for prompt {pid} (length {T}, horizon {cfg.horizon})")
+            items.append((pid, t))
+    if not items:
+        raise UserError(f"--checkpoints {cfg.checkpoints}: no checkpoint fits the Trace (needs t - prompt_len >= W_obs={cfg.w_obs} "
+                        f"and t + horizon <= length); use a smaller interval, --w-obs, --horizon, or explicit positions")
+    return items
+
+
+def label_item(engine: OracleEngine, trace: Trace, pid: str, t: int, cfg: LabelConfig, token_ids, progress=None) -> pl.DataFrame:
+    """Label one checkpoint; returns its rows in ``LABEL_SCHEMA``."""
+    positions = sample_candidates(t, cfg.candidates, cfg.seed)
+    rows = candidate_rows(positions, cfg.granularity, engine.num_layers, engine.num_kv_heads, cfg.layers)
+    res, noise = engine.label(t, rows, progress=progress)
+    kl = res["kl"].double()
+    return pl.DataFrame({
+        "prompt_id": [pid] * len(rows),
+        "checkpoint": [t] * len(rows),
+        "position": [r.position for r in rows],
+        "granularity": [cfg.granularity] * len(rows),
+        "layer": [r.layer for r in rows],
+        "kv_head": [r.kv_head for r in rows],
+        "horizon": [cfg.horizon] * len(rows),
+        "kl_mean": kl.mean(1).tolist(),
+        "kl_max": kl.amax(1).tolist(),
+        "kl_steps": kl.tolist(),
+        "js_mean": res["js"].double().mean(1).tolist(),
+        "nll_delta": res["nll_delta"].double().mean(1).tolist(),
+        "top1_flips": res["flips"].tolist(),
+        "noise_floor": [noise] * len(rows),
+        "age": [t - r.position for r in rows],
+        "token_id": [int(token_ids[r.position]) for r in rows],
+    }, schema=LABEL_SCHEMA)
+
+
+def labels_meta(trace: Trace, lm: LoadedModel, cfg: LabelConfig) -> dict:
+    return {"kind": "labels", "kvdiag_version": __version__, "trace": trace.provenance, "model": lm.info,
+            "config": asdict(cfg),
+            "label": "KL(P_full || P_evict) per step, fp32, full vocabulary; kl_mean = mean over the horizon"}
+
+
+def check_model(trace: Trace, lm: LoadedModel, force: bool) -> None:
+    had = trace.manifest["model"]
+    if (had["config_hash"], had["weights_hash"]) != (lm.config_hash, lm.weights_hash) and not force:
+        raise UserError(f"--model {lm.spec} is not the model of the Trace ({had['spec']}, weights {had['weights_hash']}); drop --model or pass --force")
+
+
+def label_trace(trace: Trace, lm: LoadedModel, out: str | os.PathLike, cfg: LabelConfig, *, shard: tuple[int, int] = (0, 1),
+                merge: bool = True, show_progress: bool = True, force_model: bool = False) -> Path:
+    """Label every work item of ``shard`` (items i with i % n == shard index), writing parts; merge at the end."""
+    check_model(trace, lm, force_model)
+    out = Path(out)
+    parts = out.with_name(out.name + ".parts")
+    try:
+        parts.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"--out {out}: cannot create {parts} ({err.strerror}); choose a writable path") from err
+    meta = labels_meta(trace, lm, cfg)
+    items = work_items(trace, cfg)
+    _check_parts_config(parts, meta)
+    mine = [it for i, it in enumerate(items) if i % shard[1] == shard[0]]
+    todo = [it for it in mine if not part_path(parts, *it).exists()]
+    n_rows = len(candidate_rows([0], cfg.granularity, trace.num_layers, trace.num_kv_heads, cfg.layers))
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TimeRemainingColumn(), disable=not show_progress) as progress:
+        item_task = progress.add_task("label: checkpoints", total=len(mine), completed=len(mine) - len(todo))
+        cand_task = progress.add_task("  candidate rows", total=None)
+        by_prompt: dict[str, list[int]] = {}
+        for pid, t in todo:
+            by_prompt.setdefault(pid, []).append(t)
+        for pid, ts in by_prompt.items():
+            ids = trace.token_ids(pid)
+            engine = OracleEngine(lm, ids, cfg.horizon, cfg.batch_size, cfg.backend)
+            for t in sorted(ts):  # ascending: the engine extends one prefix cache
+                total = min(t, int(cfg.candidates)) if cfg.candidates != "all" else t
+                progress.reset(cand_task, total=total * n_rows, description=f"  {pid} @ {t}")
+                df = label_item(engine, trace, pid, t, cfg, ids, progress=lambda k: progress.advance(cand_task, k))
+                write_table(df, part_path(parts, pid, t), meta)
+                progress.advance(item_task)
+    if merge:
+        return merge_parts(parts, out, [part_path(parts, *it) for it in items], meta)
+    return out
+
+
+def _check_parts_config(parts: Path, meta: dict) -> None:
+    """A parts directory made with other settings or another Trace must not be mixed in."""
+    stamp = parts / "config.json"
+    cfg = meta["config"]
+    # only what changes a part's content; the schedule, batch size and backend may differ between runs
+    want = {"trace": meta["trace"]["fingerprint"], "model": meta["model"]["weights_hash"],
+            **{k: cfg[k] for k in ("horizon", "candidates", "granularity", "layers", "seed")}}
+    if stamp.exists():
+        have = json.loads(stamp.read_text())
+        if have != want:
+            raise UserError(f"{parts} holds parts made with other settings or another Trace; use another --out or delete {parts}")
+    else:
+        tmp = stamp.with_name(f".config.json.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(want, indent=2, default=str))
+        os.replace(tmp, stamp)
+
+
+def merge_parts(parts: Path, out: Path, expected: list[Path], meta: dict) -> Path:
+    """Concatenate the parts into ``out``; every expected part must exist."""
+    missing = [p for p in expected if not p.exists()]
+    if missing:
+        raise UserError(f"{len(missing)} of {len(expected)} work items are not labeled yet (e.g. {missing[0].name}); rerun the same command to finish them")
+    frames = [pl.read_parquet(p) for p in expected]
+    df = pl.concat(frames) if frames else pl.DataFrame(schema=LABEL_SCHEMA)
+    write_table(df.sort(["prompt_id", "checkpoint", "position", "layer", "kv_head"]), out, meta)
+    return out
+
+
+def read_labels(path) -> tuple[pl.DataFrame, dict]:
+    from kvdiag.io import read_table
+
+    df, meta = read_table(path, what="labels")
+    missing = set(LABEL_SCHEMA) - set(df.columns)
+    if missing:
+        raise UserError(f"labels {path} lacks columns {sorted(missing)}: it is not a kvdiag labels file")
+    return df, meta

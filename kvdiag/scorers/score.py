@@ -1,0 +1,291 @@
+"""``score_trace``: every selected scorer on the labeled (or chosen) candidates of a Trace.
+
+Loop order: prompt → layer → checkpoint (increasing) → scorer. A layer's q/k/v are read once, the features
+shared across checkpoints (cumulative attention, recurrence state, sparsity) stream forward once per layer,
+and the features shared by scorers (window attention, payload, redundancy) are computed once per checkpoint.
+Each scorer sees the whole cache ``[0, t)``, so candidate-normalized features never depend on which
+candidates were sampled for labeling.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvdiag import __version__
+from kvdiag.errors import UserError
+from kvdiag.features import AttentionHistory
+from kvdiag.scorers.base import (
+    AGGREGATIONS, SCORERS, ScoreContext, Scorer, aggregation_values, get_scorer, register_scorer, scorer_names,
+)
+
+ENTRY_POINT_GROUP = "kvdiag.scorers"
+KEY_COLUMNS = ["prompt_id", "checkpoint", "position", "granularity", "layer", "kv_head"]
+KEY_SCHEMA = {"prompt_id": pl.String, "checkpoint": pl.Int64, "position": pl.Int64, "granularity": pl.String,
+              "layer": pl.Int64, "kv_head": pl.Int64}
+GRANULARITIES = ("token", "layer", "head")
+# DESIGN.md: a checkpoint every 128 generated tokens (R-KV's compression interval)
+CHECKPOINT_INTERVAL = 128
+KEEP_SCORE = "protected entries score max + 1 + |max| of their row's other scores"
+
+
+def load_plugins(modules: Iterable[str] = ()) -> list[str]:
+    """Register plugin scorers: every installed entry point of group ``kvdiag.scorers`` (a Scorer class, or a
+    module that registers on import), then each of ``modules`` (a module name importable from the current
+    directory or ``PYTHONPATH``, or a ``.py`` file). Returns what was loaded."""
+    loaded = []
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            obj = ep.load()
+        except Exception as err:  # a broken third-party plugin: name it
+            raise UserError(f"scorer plugin {ep.name} = {ep.value} failed to load ({err.__class__.__name__}: {err}); fix or uninstall it") from err
+        if isinstance(obj, type) and issubclass(obj, Scorer):
+            register_scorer(obj, ep.name)
+        loaded.append(f"{ep.name} = {ep.value}")
+    for module in modules:
+        _import_plugin(module)
+        loaded.append(module)
+    return loaded
+
+
+def _import_plugin(module: str) -> None:
+    path = Path(module)
+    try:
+        if module.endswith(".py"):
+            if not path.is_file():
+                raise UserError(f"--plugin {module}: file not found; pass a .py file or an importable module name")
+            spec = importlib.util.spec_from_file_location(f"kvdiag_plugin_{path.stem}", path)
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = mod
+            spec.loader.exec_module(mod)
+        else:
+            if os.getcwd() not in sys.path:  # console scripts do not put the working directory on sys.path
+                sys.path.append(os.getcwd())
+            importlib.import_module(module)
+    except ImportError as err:
+        raise UserError(f"--plugin {module}: cannot import it ({err}); pass a module on PYTHONPATH or a .py file") from err
+
+
+def resolve_scorers(names: str | Iterable[str] = "all", params: dict[str, dict] | None = None, plugins: Iterable[str] = ()) -> dict[str, Scorer]:
+    """Instances of the named scorers (``"all"``, ``"a,b"`` or a list) with ``params[name]`` applied."""
+    load_plugins(plugins)
+    if isinstance(names, str):
+        names = scorer_names() if names.strip() == "all" else [n.strip() for n in names.split(",") if n.strip()]
+    names = list(dict.fromkeys(names))
+    if not names:
+        raise UserError(f"--scorers is empty: use all or some of {', '.join(SCORERS)}")
+    params = params or {}
+    for name in list(names) + list(params):
+        if name not in SCORERS:
+            raise UserError(f"unknown scorer {name!r}: use one of {', '.join(SCORERS)} (or load yours with --plugin)")
+    stray = [n for n in params if n not in names]
+    if stray:
+        raise UserError(f"--param {stray[0]}.…: scorer {stray[0]} is not in --scorers; add it or drop the parameter")
+    return {name: get_scorer(name, **params.get(name, {})) for name in names}
+
+
+def default_checkpoints(prompt_len: int, length: int, interval: int = CHECKPOINT_INTERVAL) -> list[int]:
+    """DESIGN.md's schedule: ``t = prompt_len + k·interval`` for ``k >= 1`` while ``t <= length``."""
+    return list(range(prompt_len + interval, length + 1, interval))
+
+
+def checkpoint_keys(trace, checkpoints: str | Iterable[int] | dict[str, Iterable[int]] = "default",
+                    granularity: Iterable[str] = ("token",)) -> pl.DataFrame:
+    """Key rows for every cached entry ``i < t`` at the chosen checkpoints of every prompt.
+
+    ``checkpoints``: ``"default"`` (:func:`default_checkpoints`), positions applied to every prompt, or a dict
+    prompt_id -> positions. ``granularity``: any of token, layer (one row per layer), head (per layer and KV head).
+    """
+    granularity = list(granularity)
+    for g in granularity:
+        if g not in GRANULARITIES:
+            raise UserError(f"--granularity {g!r} is unknown: use token, layer and/or head")
+    frames = []
+    for pid in trace.prompt_ids:
+        if checkpoints == "default":
+            cps = default_checkpoints(trace.prompt_len(pid), trace.length(pid))
+        elif isinstance(checkpoints, dict):
+            cps = list(checkpoints.get(pid, []))
+        else:
+            cps = list(checkpoints)
+        for t in sorted(set(cps)):
+            _check_checkpoint(trace, pid, t)
+            pos = np.arange(t)
+            units = []
+            if "token" in granularity:
+                units.append(("token", -1, -1))
+            if "layer" in granularity:
+                units += [("layer", layer, -1) for layer in range(trace.num_layers)]
+            if "head" in granularity:
+                units += [("head", layer, h) for layer in range(trace.num_layers) for h in range(trace.num_kv_heads)]
+            for gran, layer, head in units:
+                frames.append(pl.DataFrame({
+                    "prompt_id": [pid] * t, "checkpoint": np.full(t, t), "position": pos,
+                    "granularity": [gran] * t, "layer": np.full(t, layer), "kv_head": np.full(t, head),
+                }, schema=KEY_SCHEMA))
+    if not frames:
+        raise UserError("no checkpoints to score: the Trace's prompts are too short for the default schedule; pass --checkpoints")
+    return pl.concat(frames)
+
+
+def _check_checkpoint(trace, pid: str, t: int) -> None:
+    T = trace.length(pid)
+    if not 1 <= t <= T:
+        raise UserError(f"checkpoint {t} of prompt {pid!r} is not in the Trace (it has positions 0..{T - 1}; a checkpoint t is in 1..{T})")
+
+
+def check_keys(trace, keys: pl.DataFrame, what: str = "labels") -> pl.DataFrame:
+    """The distinct key rows of ``keys`` (first-seen order), validated against the Trace."""
+    missing = [c for c in KEY_COLUMNS if c not in keys.columns]
+    if missing:
+        raise UserError(f"{what} lacks the column(s) {', '.join(missing)}: pass a labels table written by `kvdiag label`")
+    keys = keys.select(KEY_COLUMNS).cast(KEY_SCHEMA).unique(maintain_order=True)
+    if keys.height == 0:
+        raise UserError(f"{what} has no rows: nothing to score")
+    if keys.null_count().sum_horizontal().item():
+        raise UserError(f"{what} has missing values in its key columns; regenerate it")
+    unknown = sorted(set(keys["prompt_id"].unique().to_list()) - set(trace.prompt_ids))
+    if unknown:
+        raise UserError(f"{what} names prompt {unknown[0]!r}, which is not in the Trace {getattr(trace, 'path', '')}; pass the matching --trace")
+    bad_g = sorted(set(keys["granularity"].unique().to_list()) - set(GRANULARITIES))
+    if bad_g:
+        raise UserError(f"{what} has granularity {bad_g[0]!r}; only token, layer and head exist")
+    for pid, t in keys.select("prompt_id", "checkpoint").unique().iter_rows():
+        _check_checkpoint(trace, pid, t)
+    bad = keys.filter((pl.col("position") < 0) | (pl.col("position") >= pl.col("checkpoint")))
+    if bad.height:
+        row = bad.row(0, named=True)
+        raise UserError(f"{what}: position {row['position']} is not cached at checkpoint {row['checkpoint']} (need 0 <= position < checkpoint)")
+    L, Hkv = trace.num_layers, trace.num_kv_heads
+    bad = keys.filter(
+        ((pl.col("granularity") == "token") & ((pl.col("layer") != -1) | (pl.col("kv_head") != -1)))
+        | ((pl.col("granularity") != "token") & ((pl.col("layer") < 0) | (pl.col("layer") >= L)))
+        | ((pl.col("granularity") == "layer") & (pl.col("kv_head") != -1))
+        | ((pl.col("granularity") == "head") & ((pl.col("kv_head") < 0) | (pl.col("kv_head") >= Hkv)))
+    )
+    if bad.height:
+        row = bad.row(0, named=True)
+        raise UserError(f"{what}: granularity {row['granularity']} with layer {row['layer']}, kv_head {row['kv_head']} does not fit "
+                        f"a Trace of {L} layers and {Hkv} KV heads (token rows use -1, -1; layer rows kv_head -1)")
+    return keys
+
+
+def score_trace(
+    trace,
+    keys: pl.DataFrame | None = None,
+    checkpoints: str | Iterable[int] | dict[str, Iterable[int]] | None = None,
+    scorers: str | Iterable[str] = "all",
+    params: dict[str, dict] | None = None,
+    plugins: Iterable[str] = (),
+    aggregation: str = "mean_rank",
+    granularity: Iterable[str] = ("token",),
+    o_proj: dict[int, torch.Tensor] | None = None,
+    progress: bool = False,
+    timings: dict[str, float] | None = None,
+) -> tuple[pl.DataFrame, dict]:
+    """Score candidates of a Trace with every selected scorer.
+
+    Parameters
+    ----------
+    trace : a :class:`kvdiag.trace.Trace` (or an object with the same reader API).
+    keys : rows with the key columns (prompt_id, checkpoint, position, granularity, layer, kv_head), e.g. a
+        labels table; or None with ``checkpoints`` (:func:`checkpoint_keys`, every entry ``< t``).
+    scorers, params, plugins : see :func:`resolve_scorers`; params maps scorer -> {field: value}.
+    aggregation : how token/layer rows combine per-(layer, KV head) scores (``AGGREGATIONS``).
+    o_proj : layer -> the model's o_proj weight [hidden, H*d], for the ``wo_l2`` payload.
+    timings : if given, seconds spent per scorer are added to it (shared features are charged to the first
+        scorer that needs them at each checkpoint).
+
+    Returns the keys with one Float64 column per scorer (rows in the keys' order) and the metadata dict.
+    """
+    if aggregation not in AGGREGATIONS:
+        raise UserError(f"--aggregation {aggregation!r} is unknown: use one of {', '.join(AGGREGATIONS)}")
+    selected = resolve_scorers(scorers, params, plugins)
+    if keys is None:
+        keys = checkpoint_keys(trace, checkpoints or "default", granularity)
+    keys = check_keys(trace, keys)
+    keys = keys.with_row_index("_row")
+    out = {name: np.full(keys.height, np.nan) for name in selected}
+    prompts = keys["prompt_id"].unique(maintain_order=True).to_list()
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  disable=not progress) as bar:
+        task = bar.add_task("score: prompt × layer", total=len(prompts) * trace.num_layers)
+        for pid in prompts:
+            _score_prompt(trace, pid, keys.filter(pl.col("prompt_id") == pid), selected, aggregation, o_proj, out,
+                          timings, lambda: bar.advance(task))
+    df = keys.drop("_row").with_columns(pl.Series(name, values, dtype=pl.Float64) for name, values in out.items())
+    meta = {
+        "kind": "scores",
+        "trace": trace.provenance if hasattr(trace, "provenance") else {"fingerprint": trace.fingerprint},
+        "scorers": {name: s.params for name, s in selected.items()},
+        "scorer_classes": {name: f"{type(s).__module__}.{type(s).__qualname__}" for name, s in selected.items()},
+        "aggregation": aggregation,
+        "aggregation_doc": AGGREGATIONS[aggregation],
+        "keep_score": KEEP_SCORE,
+        "kvdiag_version": __version__,
+    }
+    return df, meta
+
+
+def _score_prompt(trace, pid, keys, selected, aggregation, o_proj, out, timings, advance) -> None:
+    """Fill ``out[name][rows]`` for the key rows of one prompt."""
+    groups: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+    for (t, gran, layer, head), grp in keys.group_by(["checkpoint", "granularity", "layer", "kv_head"]):
+        groups[(t, gran, layer, head)] = (grp["position"].to_numpy(), grp["_row"].to_numpy())
+    token_t = sorted(t for (t, gran, _, _) in groups if gran == "token")
+    token_sum = {name: {t: np.zeros(len(groups[(t, "token", -1, -1)][0])) for t in token_t} for name in selected}
+    by_layer = defaultdict(list)  # layer -> [(t, head or -1 for the layer row, positions, rows)]
+    for (t, gran, layer, head), (pos, rows) in groups.items():
+        if gran != "token":
+            by_layer[layer].append((t, head, pos, rows))
+    P, ids, scale = trace.prompt_len(pid), trace.token_ids(pid), float(trace.scale)
+    L = trace.num_layers
+    for layer in range(L):
+        cps = sorted(set(token_t) | {t for t, *_ in by_layer[layer]})
+        if not cps:
+            advance()
+            continue
+        qkv = trace.layer(pid, layer)
+        q, k, v = qkv.q.float(), qkv.k.float(), qkv.v.float()
+        del qkv
+        history = AttentionHistory(q, k, scale)
+        for t in cps:
+            ctx = ScoreContext(q[:, :t], k[:, :t], v[:, :t], scale, P, layer, pid, ids[:t],
+                               o_proj=o_proj.get(layer) if o_proj else None, history=history)
+            for name, scorer in selected.items():
+                start = time.perf_counter()
+                scores = scorer.scores(ctx)
+                _check_scores(name, scores, ctx)
+                values = aggregation_values(scores, aggregation).numpy()
+                if t in token_sum[name]:
+                    token_sum[name][t] += values[:, groups[(t, "token", -1, -1)][0]].sum(axis=0)
+                for tt, head, pos, rows in by_layer[layer]:
+                    if tt == t:
+                        out[name][rows] = values[:, pos].mean(axis=0) if head < 0 else values[head, pos]
+                if timings is not None:
+                    timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+        del q, k, v, history
+        advance()
+    for name in selected:
+        for t in token_t:
+            out[name][groups[(t, "token", -1, -1)][1]] = token_sum[name][t] / (L * trace.num_kv_heads)
+
+
+def _check_scores(name: str, scores: torch.Tensor, ctx: ScoreContext) -> None:
+    expected = (ctx.num_kv_heads, ctx.t)
+    if tuple(scores.shape) != expected:
+        raise UserError(f"scorer {name} returned shape {tuple(scores.shape)}, expected [Hkv, t] = {list(expected)}; fix its scores()")
+    if not bool(torch.isfinite(scores).all()):
+        raise UserError(f"scorer {name} returned non-finite scores at layer {ctx.layer}, checkpoint {ctx.t}; fix its scores()")
