@@ -23,7 +23,7 @@ def bench_kernels(
     kv_heads: int = typer.Option(3, help="KV heads Hkv"),
     head_dim: int = typer.Option(64, help="head dim d"),
     exclude: int = typer.Option(1, help="excluded prefix entries per row E"),
-    trace_len: int = typer.Option(4096, help="cache length T for compact_kv and window_attention_mass"),
+    trace_len: int = typer.Option(16384, help="cache length T for compact_kv and window_attention_mass"),
     obs_window: int = typer.Option(32, help="observation-window queries of window_attention_mass"),
     keep_fraction: float = typer.Option(0.5, help="fraction of the T entries compact_kv keeps"),
     dtype: str = typer.Option("float32", help="float32, float16 or bfloat16"),
@@ -48,8 +48,10 @@ def bench_kernels(
     obvious = {r.op: r for r in rows if r.impl == "obvious"}
     table = Table(title=f"eviction kernels on {device} ({dtype}, threads={torch.get_num_threads()}, "
                   f"triton={'yes' if triton_available() else 'no'})")
-    for col in ("op", "impl", "ms", "speed-up vs obvious", "peak MB", "memory vs obvious", "max |err| vs torch"):
-        table.add_column(col, justify="left" if col in ("op", "impl") else "right")
+    table.add_column("op", no_wrap=True)
+    table.add_column("impl", no_wrap=True)
+    for col in ("ms", "speed-up vs obvious", "peak MB", "memory vs obvious", "max |err| vs torch"):
+        table.add_column(col, justify="right")
     for r in rows:
         base = obvious[r.op]
         mem_ratio = f"{r.peak_mb / base.peak_mb:.2f}x" if r.peak_mb and base.peak_mb else "n/a"
@@ -57,4 +59,4 @@ def bench_kernels(
             r.op, r.impl, f"{r.ms:.2f}", f"{base.ms / r.ms:.2f}x",
             "n/a" if r.peak_mb is None else f"{r.peak_mb:.1f}", mem_ratio, f"{r.max_err:.1e}",
         )
-    Console().print(table)
+    Console(width=max(110, Console().width)).print(table)  # piped output defaults to 80 columns

@@ -2,7 +2,7 @@
 
 ``run_kernel_bench`` returns one row per (op, implementation); ``kvdiag bench kernels`` prints them.
 The "obvious" implementations are what one writes without these kernels (and what transformers' sdpa
-path does with a 4D mask): copy the prefix per row, repeat KV heads, mask, SDPA; index per head;
+path does with a 4D mask): copy the prefix per row, repeat KV heads, mask, SDPA; ``torch.gather``;
 materialize the window's attention rows.
 """
 
@@ -49,11 +49,9 @@ def obvious_shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, e
 
 
 def obvious_compact_kv(keys, values, keep):
-    """Per-head indexing: keys, values [Hkv, T, d], keep [Hkv, B] -> ([Hkv, B, d], [Hkv, B, d])."""
-    return (
-        torch.stack([keys[h, keep[h]] for h in range(keys.shape[0])]),
-        torch.stack([values[h, keep[h]] for h in range(keys.shape[0])]),
-    )
+    """``torch.gather`` with the index expanded over d: keys, values [Hkv, T, d], keep [Hkv, B]."""
+    idx = keep[..., None].expand(-1, -1, keys.shape[-1])
+    return keys.gather(1, idx), values.gather(1, idx)
 
 
 def obvious_window_attention_mass(q_window, keys, query_positions, scale):
@@ -129,7 +127,7 @@ def run_kernel_bench(
     kv_heads: int = 3,
     head_dim: int = 64,
     exclude: int = 1,
-    trace_len: int = 4096,
+    trace_len: int = 16384,
     obs_window: int = 32,
     keep_fraction: float = 0.5,
     dtype: torch.dtype = torch.float32,

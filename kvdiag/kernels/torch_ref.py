@@ -28,8 +28,13 @@ def compact_kv(
     values [Hkv, B, d])`` with entry ``b`` of head ``h`` = entry ``keep[h, b]``: pass ascending ``keep``
     (e.g. ``topk(...).indices.sort().values``) to preserve the cache's temporal order.
     """
-    idx = keep.long()[..., None].expand(-1, -1, keys.shape[-1])
-    return keys.gather(1, idx), values.gather(1, idx)
+    Hkv, T, d = keys.shape
+    # one row-wise index_select over [Hkv * T, d] copies whole rows (faster than an element-wise gather)
+    flat = (keep.long() + torch.arange(Hkv, device=keep.device)[:, None] * T).flatten()
+    return (
+        keys.reshape(Hkv * T, d).index_select(0, flat).view(Hkv, -1, d),
+        values.reshape(Hkv * T, d).index_select(0, flat).view(Hkv, -1, d),
+    )
 
 
 def shared_prefix_attention(

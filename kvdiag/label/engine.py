@@ -156,6 +156,7 @@ class OracleEngine:
     def label(self, t: int, rows: list[Row], progress=None) -> tuple[dict[str, torch.Tensor], float]:
         """Label ``rows`` at checkpoint ``t``. Returns (per-row tensors: kl [N, H], js [N, H],
         nll_delta [N, H'], flips [N]) and the checkpoint's noise floor (mean KL of the null row)."""
+        self.check_checkpoint(t)
         for r in rows:
             if not 0 <= r.position < t:
                 raise UserError(f"candidate position {r.position} at checkpoint {t}: candidates must lie in [0, {t})")

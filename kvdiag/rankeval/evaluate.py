@@ -30,8 +30,8 @@ _KEY_TYPES = {
 }
 METRICS = ("auroc", "ap", "prevalence", "topk_recall", "fsr", "fnr", "spearman")
 SCOPES = ("pooled", "macro")
-# bootstrap resamples evaluated together: bounds the [chunk, N] weight matrices to ~2M floats
-_CHUNK_CELLS = 100000
+# bootstrap resamples evaluated together: [N, chunk] float64 arrays of ~1 MB stay in cache
+_CHUNK_CELLS = 1 << 17
 
 
 @dataclass(frozen=True)
@@ -53,15 +53,22 @@ class RankEvalConfig:
 
 @dataclass
 class RankEvalResult:
-    """Tables of one run. ``metrics``: scorer, metric, scope, value, ci_low, ci_high, n, n_boot, note.
+    """Tables of one run.
+
+    ``metrics``: scorer, metric, scope, value, ci_low, ci_high, n, n_boot, note.
     ``paired``: scorer, reference, metric, scope, value, reference_value, diff, ci_low, ci_high, p_value,
-    p_holm, n_boot, note. ``summary``: counts, harm threshold, prevalence, warnings."""
+    p_holm, n_boot, note. ``summary``: counts, harm threshold, prevalence, warnings.
+    ``replicates[(scorer, metric, scope)] [B]``: the metric on each bootstrap resample; resample b draws
+    the p-th prompt (prompt ids sorted) ``mult[b, p]`` times, with
+    ``mult = prompt_multiplicities(n_prompts, n_boot, np.random.default_rng(seed))``.
+    """
 
     metrics: pl.DataFrame
     paired: pl.DataFrame
     summary: dict
     config: RankEvalConfig
     scorers: list[str] = field(default_factory=list)
+    replicates: dict[tuple[str, str, str], np.ndarray] = field(default_factory=dict, repr=False)
 
 
 @dataclass
@@ -101,6 +108,19 @@ def harm_threshold(kl: np.ndarray, spec: str) -> float:
     """The KL above which a label is harmful: the Q-quantile (linear interpolation) of ``kl [N]``, or TAU."""
     kind, value = parse_harm(spec)
     return float(np.quantile(kl, value)) if kind == "quantile" else value
+
+
+def check_inputs(labels_meta: dict, scores_meta: dict) -> None:
+    """The provenance of a labels and a scores file (``kvdiag.io.read_meta``) must fit together: each file
+    of its own kind, and both from the same trace when both record its fingerprint."""
+    for meta, want, command in ((labels_meta, "labels", "label"), (scores_meta, "scores", "score")):
+        kind = meta.get("kind")
+        if kind is not None and kind != want:
+            raise UserError(f"--{want} is a {kind} table, not {want}: pass the {want}.parquet written by kvdiag {command}")
+    fp_l = (labels_meta.get("trace") or {}).get("fingerprint")
+    fp_s = (scores_meta.get("trace") or {}).get("fingerprint")
+    if fp_l and fp_s and fp_l != fp_s:
+        raise UserError(f"labels (trace {fp_l}) and scores (trace {fp_s}) come from different traces: score the trace the labels were made from")
 
 
 def _validate(cfg: RankEvalConfig) -> None:
@@ -320,34 +340,33 @@ def _ci_note(n_valid: int, cfg: RankEvalConfig, n_prompts: int, what: str = "CI"
 
 
 def _paired(est: dict, names: list[str], cfg: RankEvalConfig, n_prompts: int) -> pl.DataFrame:
-    """Differences scorer - reference on the same resamples, with Holm-adjusted p-values per (metric, scope)."""
+    """Differences scorer - reference on the same resamples; Holm-adjusted p-values per (metric, scope)
+    over the scorers compared."""
     rows = []
-    if cfg.reference is not None:
+    others = [n for n in names if n != cfg.reference] if cfg.reference is not None else []
+    for name in others:
         for metric in METRICS:
             if metric == "prevalence":  # a property of the labels, the same for every scorer
                 continue
             for scope in SCOPES:
-                family = []
-                ref = est[cfg.reference][(metric, scope)]
-                for name in names:
-                    if name == cfg.reference:
-                        continue
-                    a = est[name][(metric, scope)]
-                    diffs = a.reps - ref.reps
-                    low, high, n_valid = percentile_ci(diffs, cfg.ci_level)
-                    diff = a.value - ref.value
-                    if np.isfinite(diff):
-                        note = _ci_note(n_valid, cfg, n_prompts, "CI and p-value")
-                        p = paired_p_value(diffs) if cfg.n_boot and n_prompts > 1 else float("nan")
-                    else:
-                        note, p = "undefined: " + (a.note or ref.note).removeprefix("undefined: "), float("nan")
-                    family.append(
-                        dict(scorer=name, reference=cfg.reference, metric=metric, scope=scope, value=a.value,
-                             reference_value=ref.value, diff=diff, ci_low=low, ci_high=high, p_value=p, n_boot=n_valid, note=note)
-                    )
-                for row, ph in zip(family, holm(np.array([r["p_value"] for r in family]))):
-                    row["p_holm"] = float(ph)
-                rows += family
+                a, ref = est[name][(metric, scope)], est[cfg.reference][(metric, scope)]
+                diffs = a.reps - ref.reps
+                low, high, n_valid = percentile_ci(diffs, cfg.ci_level)
+                diff = a.value - ref.value
+                if np.isfinite(diff):
+                    note = _ci_note(n_valid, cfg, n_prompts, "CI and p-value")
+                    p = paired_p_value(diffs) if cfg.n_boot and n_prompts > 1 else float("nan")
+                else:
+                    note, p = "undefined: " + (a.note or ref.note).removeprefix("undefined: "), float("nan")
+                rows.append(
+                    dict(scorer=name, reference=cfg.reference, metric=metric, scope=scope, value=a.value,
+                         reference_value=ref.value, diff=diff, ci_low=low, ci_high=high, p_value=p, n_boot=n_valid, note=note)
+                )
+    for metric in METRICS:
+        for scope in SCOPES:
+            family = [r for r in rows if r["metric"] == metric and r["scope"] == scope]
+            for r, p_holm in zip(family, holm(np.array([r["p_value"] for r in family]))):
+                r["p_holm"] = float(p_holm)
     return pl.DataFrame(rows, schema=_PAIRED_SCHEMA)
 
 
@@ -388,7 +407,8 @@ def rank_eval(labels: pl.DataFrame, scores: pl.DataFrame, config: RankEvalConfig
 
     paired = _paired(est, names, cfg, data.n_prompts)
     summary["seconds"] = round(time.perf_counter() - t0, 3)
-    return RankEvalResult(metrics=metrics, paired=paired, summary=summary, config=cfg, scorers=names)
+    replicates = {(name, m, scope): e.reps for name in names for (m, scope), e in est[name].items()}
+    return RankEvalResult(metrics=metrics, paired=paired, summary=summary, config=cfg, scorers=names, replicates=replicates)
 
 
 _METRICS_SCHEMA = {

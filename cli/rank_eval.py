@@ -1,0 +1,113 @@
+"""``kvdiag rank-eval``: rank every scorer against the oracle labels; tables in Markdown, CSV and LaTeX."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import polars as pl
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvdiag.errors import UserError
+from kvdiag.io import read_table
+from kvdiag.rankeval import RankEvalResult, check_inputs, to_latex, to_markdown
+from kvdiag.rankeval import rank_eval as run_rank_eval
+from kvdiag.rankeval.tables import TABLE3_COLUMNS
+
+OUTPUTS = ("metrics.csv", "paired.csv", "table.md", "table.tex", "config.json")
+
+
+def _kvdiag_version() -> str:
+    try:
+        return version("kvdiag")
+    except PackageNotFoundError:  # running from a source checkout that is not installed
+        return "unknown"
+
+
+def _print_summary(result: RankEvalResult, scope: str, out: Path, console: Console) -> None:
+    s, c = result.summary, result.config
+    console.print(
+        f"[bold]rank-eval[/]: {s['n_evaluated']:,} candidates, {s['n_prompts']} prompts, {s['n_checkpoints']} checkpoints "
+        f"({s['granularity']}); harmful: kl_mean > {s['harm_threshold']:.4g} ({c.harm}), prevalence {s['prevalence']:.3f}; "
+        f"unresolved: {s['n_unresolved']} ({'excluded' if s['unresolved_excluded'] else 'included'})",
+        highlight=False,
+    )
+    for warning in s["warnings"]:
+        console.print(f"[bold yellow]warning:[/] {warning}", highlight=False)
+    table = Table(title=f"{scope} metrics, FSR at rho = {c.rho:g}, {c.ci_level:.0%} CI over prompts (B = {c.n_boot})")
+    table.add_column("Score")
+    for _, header in TABLE3_COLUMNS:
+        table.add_column(header, justify="right")
+    rows = {(r["scorer"], r["metric"]): r for r in result.metrics.filter(pl.col("scope") == scope).iter_rows(named=True)}
+    for name in result.scorers:
+        cells = []
+        for metric, _ in TABLE3_COLUMNS:
+            r = rows[(name, metric)]
+            if math.isnan(r["value"]):
+                cells.append("[red]n/a[/]")
+            elif math.isnan(r["ci_low"]):
+                cells.append(f"{r['value']:.3f}")
+            else:
+                cells.append(f"{r['value']:.3f} [dim][{r['ci_low']:.3f}, {r['ci_high']:.3f}][/]")
+        table.add_row(name + (" (ref)" if name == c.reference else ""), *cells)
+    console.print(table)
+    console.print(f"wrote {', '.join(OUTPUTS)} to {out}", highlight=False)
+
+
+def rank_eval(
+    labels: Path = typer.Option(..., "--labels", help="labels.parquet written by kvdiag label"),
+    scores: Path = typer.Option(..., "--scores", help="scores.parquet written by kvdiag score (one column per scorer)"),
+    out: Path = typer.Option(..., "--out", help="output directory"),
+    harm: str = typer.Option("quantile:0.9", help="harmful = kl_mean above quantile:Q of the evaluated labels, or above abs:TAU nats"),
+    rho: float = typer.Option(0.5, help="eviction fraction: the lowest-scored floor(rho*C) candidates of a checkpoint are evicted"),
+    reference: str = typer.Option("avokv_e", help="scorer for the paired comparisons ('none': no paired table)"),
+    bootstrap: int = typer.Option(1000, help="cluster-bootstrap resamples over prompts (0: no CIs)"),
+    seed: int = typer.Option(0, help="seed of the bootstrap"),
+    include_unresolved: bool = typer.Option(False, "--include-unresolved", help="keep labels at or below their noise floor"),
+    noise_mult: float = typer.Option(1.0, help="unresolved: kl_mean <= noise_mult * noise_floor"),
+    granularity: str | None = typer.Option(None, help="granularity to evaluate (token, layer, head) when the inputs hold several"),
+    scorers: str | None = typer.Option(None, help="comma-separated score columns to evaluate (default: all)"),
+    table_scope: str = typer.Option("pooled", help="scope of table.md / table.tex: pooled or macro"),
+) -> None:
+    """Rank every scorer against the oracle labels: AUROC, AP, top-k recall, false-safe rate, Spearman."""
+    if table_scope not in ("pooled", "macro"):
+        raise UserError(f"--table-scope {table_scope} is not pooled or macro")
+    label_df, label_meta = read_table(labels, "labels")
+    score_df, score_meta = read_table(scores, "scores")
+    check_inputs(label_meta, score_meta)
+    result = run_rank_eval(
+        label_df,
+        score_df,
+        harm=harm,
+        rho=rho,
+        reference=None if reference.lower() == "none" else reference,
+        n_boot=bootstrap,
+        seed=seed,
+        include_unresolved=include_unresolved,
+        noise_mult=noise_mult,
+        granularity=granularity,
+        scorers=None if scorers is None else tuple(x.strip() for x in scorers.split(",") if x.strip()),
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    result.metrics.write_csv(out / "metrics.csv")
+    result.paired.write_csv(out / "paired.csv")
+    (out / "table.md").write_text(to_markdown(result, table_scope))
+    (out / "table.tex").write_text(to_latex(result, table_scope))
+    config = {
+        "command": "rank-eval",
+        "kvdiag_version": _kvdiag_version(),
+        "config": asdict(result.config) | {"table_scope": table_scope},
+        "inputs": {
+            "labels": {"path": str(labels.resolve()), "meta": label_meta},
+            "scores": {"path": str(scores.resolve()), "meta": score_meta},
+        },
+        "summary": result.summary,
+        "outputs": list(OUTPUTS),
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
+    _print_summary(result, table_scope, out, Console())

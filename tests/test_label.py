@@ -1,0 +1,155 @@
+"""The oracle engine is exact: batched masked eviction equals physical deletion, row for row."""
+
+from __future__ import annotations
+
+import polars as pl
+import pytest
+import torch
+
+from kvdiag.errors import UserError
+from kvdiag.label import LabelConfig, OracleEngine, Row, candidate_rows, divergences, label_trace
+from kvdiag.label.reference import reference_logprobs
+
+T_CKPT, H = 40, 5
+
+
+def _ids(n=60, seed=0):
+    return torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("granularity", ["token", "layer", "head"])
+def test_batched_equals_physical_deletion(tiny_model, granularity):
+    """Relative error <= 1e-4 on kl_steps, plus an absolute 1e-6 for the fp32 resolution of a KL sum
+    (both paths differ by ~2e-7 nats on every row, which matters only for labels near zero)."""
+    ids = _ids()
+    eng = OracleEngine(tiny_model, ids, horizon=H, batch_size=5)
+    rows = candidate_rows([0, 1, 17, T_CKPT - 1], granularity, eng.num_layers, eng.num_kv_heads)
+    got, _ = eng.label(T_CKPT, rows)
+    prefix = eng.prefix(T_CKPT)
+    logp_full = eng.full_logprobs(T_CKPT, prefix)
+    targets = eng.ids[T_CKPT + 1 : T_CKPT + H + 1]
+    for j, row in enumerate(rows):
+        ref = reference_logprobs(tiny_model.model, eng.ids, T_CKPT, H, prefix, row)
+        want = divergences(logp_full, ref[None], targets)
+        torch.testing.assert_close(got["kl"][j], want["kl"][0], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(got["nll_delta"][j], want["nll_delta"][0], rtol=1e-4, atol=1e-5)
+        assert got["flips"][j] == want["flips"][0]
+    assert got["kl"].mean() > 1e-3  # the evictions really do something on this model
+
+
+def test_null_eviction_is_below_1e6(tiny_model):
+    eng = OracleEngine(tiny_model, _ids(), horizon=H)
+    _, noise = eng.label(T_CKPT, [Row(3)])
+    assert 0 <= noise <= 1e-6
+    prefix = eng.prefix(T_CKPT)
+    null = eng.evicted_logprobs(T_CKPT, prefix, [Row(-1)])
+    assert divergences(eng.full_logprobs(T_CKPT, prefix), null, eng.ids[T_CKPT + 1 : T_CKPT + H + 1])["kl"].max() <= 1e-6
+
+
+def test_entry_no_query_reads_changes_nothing(tiny_llama):
+    """A KV head whose attention output the model discards (its query heads' o_proj columns are zero):
+    no later query can read its entries, so evicting one there changes nothing, while the same
+    eviction in a live head does."""
+    import copy
+
+    from kvdiag.models import LoadedModel
+
+    model = copy.deepcopy(tiny_llama.model)
+    attn = model.model.layers[0].self_attn
+    d, g = attn.head_dim, model.config.num_attention_heads // model.config.num_key_value_heads
+    with torch.no_grad():
+        attn.o_proj.weight[:, 0 : g * d] = 0.0  # query heads of KV head 0
+    lm = LoadedModel(model, tiny_llama.tokenizer, "tiny:llama-deaf", "float32", "cpu", None, "x", "y")
+    eng = OracleEngine(lm, _ids(), horizon=H)
+    got, noise = eng.label(T_CKPT, [Row(10, 0, 0), Row(10, 0, 1)])
+    assert got["kl"][0].max() <= max(noise, 1e-7) * 10
+    assert got["kl"][1].mean() > 1e-4 and got["kl"][1].mean() > 1000 * got["kl"][0].mean()
+
+
+def test_batch_size_does_not_matter(tiny_qwen3):
+    rows = candidate_rows(list(range(0, T_CKPT, 3)), "token", 2, 2)
+    a, na = OracleEngine(tiny_qwen3, _ids(), horizon=H, batch_size=64).label(T_CKPT, rows)
+    b, nb = OracleEngine(tiny_qwen3, _ids(), horizon=H, batch_size=3).label(T_CKPT, rows)
+    torch.testing.assert_close(a["kl"], b["kl"], rtol=1e-5, atol=1e-7)
+    assert abs(na - nb) < 1e-7
+
+
+def test_prefix_extension_matches_fresh_prefill(tiny_llama):
+    """Checkpoints visited in order extend one cache; that must equal a fresh prefill."""
+    ids = _ids()
+    eng = OracleEngine(tiny_llama, ids, horizon=H)
+    eng.prefix(20)
+    extended = eng.prefix(T_CKPT)
+    fresh = OracleEngine(tiny_llama, ids, horizon=H).prefix(T_CKPT)
+    for (k1, v1), (k2, v2) in zip(extended, fresh):
+        torch.testing.assert_close(k1, k2, rtol=0, atol=1e-5)
+        torch.testing.assert_close(v1, v2, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "t, rows, needle",
+    [(0, [Row(0)], "outside"), (60 - H + 1, [Row(0)], "outside"), (T_CKPT, [Row(T_CKPT)], "candidates must lie")],
+)
+def test_bad_checkpoints_and_candidates(tiny_llama, t, rows, needle):
+    with pytest.raises(UserError, match=needle):
+        OracleEngine(tiny_llama, _ids(), horizon=H).label(t, rows)
+
+
+def test_non_finite_logits_name_the_checkpoint(tiny_llama):
+    import copy
+
+    from kvdiag.models import LoadedModel
+
+    model = copy.deepcopy(tiny_llama.model)
+    with torch.no_grad():
+        model.lm_head.weight[5] = float("inf")
+    lm = LoadedModel(model, tiny_llama.tokenizer, "tiny", "float16", "cpu", None, "x", "y")
+    with pytest.raises(UserError, match="checkpoint 40.*float32"):
+        OracleEngine(lm, _ids(), horizon=H).label(T_CKPT, [Row(1)])
+
+
+def test_runner_resumes_without_redoing_items(tiny_llama, tiny_trace, tmp_path):
+    cfg = LabelConfig(checkpoints="every:10", w_obs=10, horizon=4, candidates="6")
+    out = tmp_path / "labels.parquet"
+    calls = []
+
+    def interrupt_after_first(k):
+        calls.append(k)
+        if len(calls) == 2:  # the second checkpoint is interrupted mid-way
+            raise KeyboardInterrupt
+
+    import kvdiag.label.runner as runner
+
+    orig = runner.label_item
+    runner.label_item = lambda *a, **kw: orig(*a, **{**kw, "progress": interrupt_after_first})
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            label_trace(tiny_trace, tiny_llama, out, cfg, show_progress=False)
+    finally:
+        runner.label_item = orig
+    parts = sorted((tmp_path / "labels.parquet.parts").glob("*.parquet"))
+    assert len(parts) == 1 and not out.exists()
+    mtime = parts[0].stat().st_mtime_ns
+    label_trace(tiny_trace, tiny_llama, out, cfg, show_progress=False)
+    assert parts[0].stat().st_mtime_ns == mtime  # finished work kept, not redone
+    df = pl.read_parquet(out)
+    assert df.select("prompt_id", "checkpoint", "position").is_duplicated().sum() == 0
+    n_items = df.select("prompt_id", "checkpoint").unique().height
+    assert n_items > 2 and df.height == 6 * n_items
+    assert (df["age"] == df["checkpoint"] - df["position"]).all() and (df["position"] < df["checkpoint"]).all()
+    # the same labels from scratch (a resumed prompt prefills its prefix in one go instead of extending
+    # it, which moves KL by float rounding only)
+    from polars.testing import assert_frame_equal
+
+    fresh = tmp_path / "fresh.parquet"
+    label_trace(tiny_trace, tiny_llama, fresh, cfg, show_progress=False)
+    assert_frame_equal(pl.read_parquet(fresh), df, rel_tol=1e-4, abs_tol=1e-6)
+
+
+def test_runner_refuses_bad_schedule_and_other_model(tiny_trace, tiny_qwen3, tiny_llama, tmp_path):
+    with pytest.raises(UserError, match="not the model of the Trace"):
+        label_trace(tiny_trace, tiny_qwen3, tmp_path / "l.parquet", LabelConfig(), show_progress=False)
+    with pytest.raises(UserError, match="beyond the end"):
+        label_trace(tiny_trace, tiny_llama, tmp_path / "l.parquet", LabelConfig(horizon=10_000), show_progress=False)
+    with pytest.raises(UserError, match="outside"):
+        label_trace(tiny_trace, tiny_llama, tmp_path / "l.parquet", LabelConfig(checkpoints="0,5"), show_progress=False)
