@@ -46,8 +46,8 @@ def bench_kernels(
         keep_fraction, DTYPES[dtype], repeats, seed,
     )
     obvious = {r.op: r for r in rows if r.impl == "obvious"}
-    table = Table(title=f"eviction kernels on {device} ({dtype}, threads={torch.get_num_threads()}, "
-                  f"triton={'yes' if triton_available() else 'no'})")
+    triton = ("yes" if triton_available() else "not installed") if device.startswith("cuda") else "CUDA only"
+    table = Table(title=f"eviction kernels on {device} ({dtype}, threads={torch.get_num_threads()}, triton: {triton})")
     table.add_column("op", no_wrap=True)
     table.add_column("impl", no_wrap=True)
     for col in ("ms", "speed-up vs obvious", "peak MB", "memory vs obvious", "max |err| vs torch"):

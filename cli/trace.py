@@ -26,12 +26,13 @@ def trace(
     device: str = common.Device,
     revision: str | None = common.Revision,
     trust_remote_code: bool = common.TrustRemoteCode,
+    shard: str | None = typer.Option(None, "--shard", help="i/n: trace only prompts i, i+n, ... (Slurm arrays); merge with a final run without --shard"),
     quiet: bool = common.Quiet,
 ) -> None:
     """Generate each prompt's trace and write the Trace directory (manifest, tokens, per-layer q/k/v)."""
-    from kvdiag.models import load_model
+    from kvdiag.distributed import run_trace
     from kvdiag.prompts import DEFAULT_INSTRUCTION, load_prompts
-    from kvdiag.trace import GenerationSettings, trace_prompts
+    from kvdiag.trace import GenerationSettings
 
     common.quiet_transformers()
     if max_new_tokens <= 0:  # checked before the (slow) model load
@@ -39,10 +40,13 @@ def trace(
 
         raise UserError(f"--max-new-tokens {max_new_tokens}: must be a positive number of tokens")
     items = load_prompts(prompts, limit=limit, seed=seed)
-    lm = load_model(model, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code)
     settings = GenerationSettings(
         max_new_tokens=max_new_tokens, sample=sample, seed=seed, chat=chat, storage_dtype=storage_dtype,
         instruction=None if no_instruction else (instruction or DEFAULT_INSTRUCTION),
     )
-    root = trace_prompts(lm, items, out, settings, prompts_source=prompts, show_progress=not quiet)
-    Console().print(f"Trace written to [bold]{root}[/] ({len(items)} prompts)")
+    root = run_trace(items, out, settings, model=model, dtype=dtype, device=device, revision=revision,
+                     trust_remote_code=trust_remote_code, prompts_source=prompts, shard=shard, quiet=quiet)
+    if root is not None:
+        Console().print(f"Trace written to [bold]{root}[/] ({len(items)} prompts)")
+    elif shard is not None:
+        Console().print(f"shard {shard} traced into {out}/parts; run once more without --shard to merge")

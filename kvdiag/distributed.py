@@ -1,19 +1,31 @@
 """Splitting work items over processes: torchrun (torch.distributed) or a Slurm-style ``--shard i/n``.
 
-Under ``torchrun`` every rank labels the items ``i`` with ``i % world_size == rank`` on its own device
-(``cuda:LOCAL_RANK``, or the CPU with the gloo backend), each item written as its own Parquet part;
-after a barrier rank 0 merges. A rerun redoes only missing items.
+Under ``torchrun`` every rank does the items ``i`` with ``i % world_size == rank`` on its own device
+(``cuda:LOCAL_RANK``, or the CPU), each item written as its own part; after a barrier rank 0 merges.
+A rerun redoes only missing items. ``kvdiag label`` splits (prompt, checkpoint) items, ``kvdiag trace``
+prompts. With ``--shard i/n`` (no torchrun) a process does its share without merging; a later run
+without ``--shard`` merges (and does whatever is still missing).
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from kvdiag.errors import UserError
+
+# Ranks only wait for each other at the end (the barrier before rank 0 merges), so the wait is the gap
+# between the fastest and the slowest share; torch's default (30 min) would end long unbalanced runs.
+# A rank that dies makes torchrun stop the others; this bounds the wait only if a whole host vanishes.
+BARRIER_TIMEOUT = timedelta(hours=24)
+
+R = TypeVar("R")
 
 
 def dist_env() -> tuple[int, int, int]:
@@ -31,18 +43,24 @@ def parse_shard(spec: str | None) -> tuple[int, int] | None:
 
 
 class Group:
-    """A torch.distributed process group for the duration of a run (a no-op for one process)."""
+    """A torch.distributed process group for the duration of a run (a no-op for one process), and how
+    the work is split: torchrun's ranks, else ``shard`` (i, n), else all of it.
 
-    def __init__(self, device: str):
+    The group only synchronizes (one barrier) and moves no tensors, so it is gloo on every device:
+    no NCCL set-up, and the same code path on CPU (tests) as on GPUs."""
+
+    def __init__(self, device: str, shard: tuple[int, int] | None = None):
         self.rank, self.world, self.local_rank = dist_env()
-        self.device = device
+        if shard is not None and self.world > 1:
+            raise UserError("--shard and torchrun split the work two ways; use one of them")
+        self.device, self.shard = device, shard
         if self.world > 1 and device.startswith("cuda"):
             self.device = f"cuda:{self.local_rank}"
             torch.cuda.set_device(self.local_rank)
 
     def __enter__(self):
         if self.world > 1 and not torch.distributed.is_initialized():
-            torch.distributed.init_process_group("nccl" if self.device.startswith("cuda") else "gloo")
+            torch.distributed.init_process_group("gloo", timeout=BARRIER_TIMEOUT)
         return self
 
     def barrier(self) -> None:
@@ -53,6 +71,18 @@ class Group:
         if self.world > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
+    def split(self, work: Callable[[tuple[int, int], bool, bool], R]) -> R | None:
+        """Run ``work(shard, merge, show_progress)`` on this process's share. Under torchrun each rank does
+        its share without merging, then rank 0 merges once every rank is done. Returns ``work``'s result
+        where this process merged, else None."""
+        if self.world == 1:
+            result = work(self.shard or (0, 1), self.shard is None, True)
+            return result if self.shard is None else None
+        work((self.rank, self.world), False, self.rank == 0)
+        self.barrier()
+        # rank 0 sees every part by now; the merging call finds nothing left to do but the merge
+        return work((0, 1), True, False) if self.rank == 0 else None
+
 
 def run_label(trace_dir: Path, out: Path, cfg, *, model: str | None, force: bool, dtype: str | None, device: str,
               shard: str | None, quiet: bool) -> Path | None:
@@ -62,15 +92,21 @@ def run_label(trace_dir: Path, out: Path, cfg, *, model: str | None, force: bool
     from kvdiag.trace import Trace
 
     tr = Trace(trace_dir)
-    sh = parse_shard(shard)
-    with Group(device) as group:
-        if sh is not None and group.world > 1:
-            raise UserError("--shard and torchrun split the work two ways; use one of them")
+    with Group(device, parse_shard(shard)) as group:
         spec = model or tr.manifest["model"]["spec"]
         lm = load_model(spec, dtype=dtype or tr.manifest["model"]["dtype"], device=group.device)
-        if group.world > 1:
-            label_trace(tr, lm, out, cfg, shard=(group.rank, group.world), merge=False, force_model=force,
-                        show_progress=not quiet and group.rank == 0)
-            group.barrier()
-            return label_trace(tr, lm, out, cfg, shard=(0, 1), merge=True, force_model=force, show_progress=False) if group.rank == 0 else None
-        return label_trace(tr, lm, out, cfg, shard=sh or (0, 1), merge=sh is None, force_model=force, show_progress=not quiet)
+        return group.split(lambda part, merge, show: label_trace(
+            tr, lm, out, cfg, shard=part, merge=merge, force_model=force, show_progress=show and not quiet))
+
+
+def run_trace(prompts: list, out: Path, settings, *, model: str, dtype: str, device: str, revision: str | None,
+              trust_remote_code: bool, prompts_source: str, shard: str | None, quiet: bool) -> Path | None:
+    """Trace this process's share of ``prompts``; returns the Trace directory where this process merged."""
+    from kvdiag.models import load_model
+    from kvdiag.trace import trace_prompts
+
+    with Group(device, parse_shard(shard)) as group:
+        lm = load_model(model, dtype=dtype, device=group.device, revision=revision, trust_remote_code=trust_remote_code)
+        return group.split(lambda part, merge, show: trace_prompts(
+            lm, prompts, out, settings, prompts_source=prompts_source, shard=part, merge=merge,
+            show_progress=show and not quiet))

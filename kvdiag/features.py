@@ -71,27 +71,36 @@ def mean_cosine_redundancy(k: torch.Tensor, candidates: torch.Tensor, eps: float
     return (dots.squeeze(-1) - own) / others.clamp_min(1.0)
 
 
-def rkv_redundancy(k: torch.Tensor, threshold: float = 0.5, eps: float = 1e-8, chunk: int | None = None) -> torch.Tensor:
+def rkv_redundancy(k: torch.Tensor, threshold: float = 0.5, eps: float = 1e-8, block: int = 256) -> torch.Tensor:
     """R-KV's redundancy ``R`` over all ``n`` keys of each head (``cal_similarity``, retain_direction "last").
 
     k [Hkv, n, d] -> ``[Hkv, n]``, summing to 1 per head. Cosine matrix ``S`` with a zero diagonal; in each row
     ``i`` the entry of the largest ``j`` with ``S_ij > threshold`` (or column 0 when there is none, R-KV's quirk)
-    is zeroed; ``R = softmax_j(mean_i S_ij)``. Rows are processed in chunks, so memory is ``O(chunk · n)``
-    instead of R-KV's ``n × n``; fp32 (R-KV runs in bf16, which creates ties).
+    is zeroed; ``R = softmax_j(mean_i S_ij)``. fp32 (R-KV runs in bf16, which creates ties).
+
+    Same result without R-KV's ``n × n`` matrix: the column sums of ``S`` are ``k̂_j·Σ_i k̂_i − k̂_j·k̂_j``
+    (linear in n); the retain rule then removes one entry per row, ``S[i, j*(i)]``, and ``j*`` is found by
+    scanning ``block`` keys at a time from the newest, so most rows stop after the first block. Memory
+    ``O(block · n)``; the worst case (rows without a near-duplicate) scans every block, ``O(n² d)`` as R-KV.
     """
     Hkv, n, _ = k.shape
     kn = k / (k.norm(dim=-1, keepdim=True) + eps)
-    chunk = chunk or max(1, CHUNK_ELEMENTS // max(1, Hkv * n))
-    col_sum = torch.zeros(Hkv, n)
-    cols = torch.arange(n)
-    for s in range(0, n, chunk):
-        rows = torch.arange(s, min(n, s + chunk))
-        sim = kn[:, rows] @ kn.transpose(1, 2)  # [Hkv, c, n]
-        sim[:, torch.arange(len(rows)), rows] = 0.0
-        last = torch.where(sim > threshold, cols, 0).amax(dim=-1, keepdim=True)  # [Hkv, c, 1]
-        sim.scatter_(-1, last, 0.0)
-        col_sum += sim.sum(dim=1)
-    return torch.softmax(col_sum / n, dim=-1)
+    col_sum = (kn @ kn.sum(dim=1).unsqueeze(-1)).squeeze(-1) - (kn * kn).sum(dim=-1)
+    last = torch.zeros(Hkv, n, dtype=torch.long)
+    for h in range(Hkv):
+        pending = torch.arange(n)
+        for end in range(n, 0, -block):
+            start = max(0, end - block)
+            hit = kn[h, pending] @ kn[h, start:end].T > threshold  # [p, b]
+            hit &= pending[:, None] != torch.arange(start, end)  # the diagonal is zero
+            found = hit.any(dim=1)
+            last[h, pending[found]] = end - 1 - hit[found].flip(1).int().argmax(dim=1)
+            pending = pending[~found]
+            if not len(pending):
+                break
+    removed = (kn * kn.gather(1, last.unsqueeze(-1).expand_as(kn))).sum(dim=-1)  # S[i, j*(i)]
+    removed[:, 0] = torch.where(last[:, 0] == 0, 0.0, removed[:, 0])  # row 0 without a match hits the zero diagonal
+    return torch.softmax(col_sum.scatter_add(1, last, -removed) / n, dim=-1)
 
 
 def o_proj_weights(model: torch.nn.Module) -> dict[int, torch.Tensor]:

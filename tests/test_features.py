@@ -93,12 +93,14 @@ def test_rkv_redundancy_by_hand():
     torch.testing.assert_close(F.rkv_redundancy(k)[0], expected.float())
 
 
-def test_rkv_redundancy_chunked_equals_reference():
-    _, k, _ = qkv(T=33, d=4)
+@pytest.mark.parametrize("d", [4, 16])  # d = 16: many rows without a near-duplicate (column-0 quirk)
+def test_rkv_redundancy_blocks_equal_reference(d):
+    _, k, _ = qkv(T=33, d=d)
     k[:, 10] = k[:, 3] * 2  # near-duplicates exercise the retain rule
+    k[:, 0] = k[:, 20]  # row 0 with a match
     ref = rkv_cal_similarity_reference(k)
-    torch.testing.assert_close(F.rkv_redundancy(k), ref)
-    torch.testing.assert_close(F.rkv_redundancy(k, chunk=5), ref)
+    for block in (256, 5, 1):
+        torch.testing.assert_close(F.rkv_redundancy(k, block=block), ref)
 
 
 def test_value_payload_kinds_by_hand():

@@ -42,10 +42,10 @@ def test_ranking_metrics_match_single_metric_functions_for_several_scorers():
     scores = np.stack([s, -s, x])
     got = ranking_metrics(y, scores, x)
     for j, sj in enumerate(scores):
-        assert got["auroc"][j, 0] == pytest.approx(roc_auc_score(y, sj))
-        assert got["ap"][j, 0] == pytest.approx(average_precision_score(y, sj))
-        assert got["topk_recall"][j, 0] == pytest.approx(topk_recall(y, sj))
-        assert got["spearman"][j, 0] == pytest.approx(spearmanr(x, sj).statistic)
+        assert got["auroc"][j, 0, 0] == pytest.approx(roc_auc_score(y, sj))
+        assert got["ap"][j, 0, 0] == pytest.approx(average_precision_score(y, sj))
+        assert got["topk_recall"][j, 0, 0] == pytest.approx(topk_recall(y, sj))
+        assert got["spearman"][j, 0, 0] == pytest.approx(spearmanr(x, sj).statistic)
 
 
 def test_integer_weights_equal_repeated_rows():
@@ -59,10 +59,10 @@ def test_integer_weights_equal_repeated_rows():
             yy, ss, xx = y[idx], s[idx], x[idx]
             if yy.min() == yy.max() or ss.min() == ss.max():
                 continue
-            assert batched["auroc"][0, b] == pytest.approx(roc_auc_score(yy, ss))
-            assert batched["ap"][0, b] == pytest.approx(average_precision_score(yy, ss))
-            assert batched["topk_recall"][0, b] == pytest.approx(topk_recall(yy, ss))
-            assert batched["spearman"][0, b] == pytest.approx(spearmanr(xx, ss).statistic)
+            assert batched["auroc"][0, 0, b] == pytest.approx(roc_auc_score(yy, ss))
+            assert batched["ap"][0, 0, b] == pytest.approx(average_precision_score(yy, ss))
+            assert batched["topk_recall"][0, 0, b] == pytest.approx(topk_recall(yy, ss))
+            assert batched["spearman"][0, 0, b] == pytest.approx(spearmanr(xx, ss).statistic)
 
 
 def test_topk_recall_hand_cases():
@@ -82,16 +82,31 @@ def test_tie_handling_is_the_mean_over_random_tie_breaks():
     assert topk_recall(y, s) == pytest.approx(np.mean([topk_recall(y, s + b) for b in breaks]))
     assert auroc(y, s) == pytest.approx(np.mean([auroc(y, s + b) for b in breaks]))
     n, h = eviction_counts(y, s, 0.5)
-    assert (n, h) == (3, pytest.approx(np.mean([eviction_counts(y, s + b, 0.5)[1] for b in breaks])))
+    assert n[0] == 3 and h[0] == pytest.approx(np.mean([eviction_counts(y, s + b, 0.5)[1][0] for b in breaks]))
 
 
 def test_eviction_counts_hand_cases():
     y = np.array([1, 0, 0, 1, 0.0])
     # floor(0.5 * 5) = 2 lowest: rows 1 (score 0) and 3 (score 1) -> one harmful evicted
-    assert eviction_counts(y, np.array([4, 0, 3, 1, 2.0]), 0.5) == (2, 1.0)
-    assert eviction_counts(y, np.array([4, 0, 3, 1, 2.0]), 0.1) == (0, 0.0)
+    assert [v.tolist() for v in eviction_counts(y, np.array([4, 0, 3, 1, 2.0]), 0.5)] == [[2], [1.0]]
+    assert [v.tolist() for v in eviction_counts(y, np.array([4, 0, 3, 1, 2.0]), 0.1)] == [[0], [0.0]]
     assert n_evicted(0.29, 100) == 29  # 0.29 * 100 = 28.999999999999996 in floating point
     assert n_evicted(0.5, 7) == 3
+
+
+def test_segments_equal_separate_calls():
+    # all checkpoints in one vectorized pass = one call per checkpoint
+    cases = _cases(12, seed=5)
+    y, s, x = (np.concatenate(v) for v in zip(*cases))
+    seg = np.repeat(np.arange(len(cases))[::-1] * 7, [len(c[0]) for c in cases])  # any integer codes
+    got = ranking_metrics(y, np.stack([s, x]), x, segments=seg)
+    n, h = eviction_counts(y, s, 0.4, seg)
+    for k, (yk, sk, xk) in enumerate(reversed(cases)):  # segments come in ascending code order
+        want = ranking_metrics(yk, np.stack([sk, xk]), xk)
+        for m in want:
+            np.testing.assert_allclose(got[m][:, k], want[m][:, 0], atol=1e-12)
+        nk, hk = eviction_counts(yk, sk, 0.4)
+        assert (n[k], h[k]) == (nk[0], pytest.approx(hk[0]))
 
 
 def test_undefined_cases_are_nan():

@@ -9,7 +9,6 @@ stated in ``tests/test_kernels.py``. Shapes: see ``kvdiag.kernels.torch_ref``.
 from __future__ import annotations
 
 import functools
-import importlib.util
 from typing import Literal
 
 import torch
@@ -34,8 +33,12 @@ __all__ = [
 
 @functools.cache
 def triton_available() -> bool:
-    """Whether the optional ``triton`` package is installed (the ``kvdiag[cuda]`` extra)."""
-    return importlib.util.find_spec("triton") is not None
+    """Whether the optional ``triton`` package (the ``kvdiag[cuda]`` extra) imports."""
+    try:
+        import triton  # noqa: F401
+    except (ImportError, RuntimeError):
+        return False
+    return True
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -93,7 +96,7 @@ def shared_prefix_attention(
     suffix_k: torch.Tensor,
     suffix_v: torch.Tensor,
     exclude: torch.Tensor | None,
-    scale: float,
+    scale: float | None = None,
     backend: Backend = "auto",
     chunk: int | None = None,
 ) -> torch.Tensor:
@@ -102,7 +105,8 @@ def shared_prefix_attention(
     q [N, H, W, d] (the last W suffix positions of each row); prefix_k, prefix_v [Hkv, P, d] (shared,
     never copied per row); suffix_k, suffix_v [N, Hkv, S, d] with S >= W; exclude [N, E] (all KV heads)
     or [N, Hkv, E] (per KV head) prefix positions each row does not see, ``-1`` = none, or ``None``.
-    Query head h reads KV head h // g. ``chunk``: rows per chunk on the torch backend.
+    Query head h reads KV head h // g; ``scale`` defaults to d ** -0.5. ``chunk``: rows per chunk on
+    the torch backend (default: ``torch_ref.LOGITS_CHUNK_BYTES`` of prefix logits).
     Returns [N, H, W, d] in q's dtype; equals deleting the excluded entries from each row's cache.
     """
     N, H, W, d = q.shape
@@ -123,6 +127,7 @@ def shared_prefix_attention(
     if len({t.dtype for t in (q, prefix_k, prefix_v, suffix_k, suffix_v)}) != 1:
         raise ValueError("shared_prefix_attention needs q, prefix and suffix tensors of one dtype")
     ex = normalize_exclude(exclude, N, Hkv, q.device)
+    scale = d**-0.5 if scale is None else scale
     if resolve_backend(backend, q.device) == "triton":
         return _triton().shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, ex, scale)
     return torch_ref.shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, ex, scale, chunk)

@@ -1,8 +1,9 @@
 """Triton implementations of the eviction kernels (CUDA; CPU tensors only under ``TRITON_INTERPRET=1``).
 
 Same contracts as ``kvdiag.kernels.torch_ref`` (shapes documented there). Imported lazily by
-``kvdiag.kernels`` so the package works without triton. ``triton.jit`` reads ``TRITON_INTERPRET``
-when this module is executed (at decoration time), not at launch: set it before the first import.
+``kvdiag.kernels`` so the package works without triton. ``triton.jit`` reads ``TRITON_INTERPRET`` at
+decoration time, and triton's own library functions are decorated when triton is imported, so the
+interpreter is chosen per process: set ``TRITON_INTERPRET=1`` before triton is first imported.
 
 Layout trick shared by the attention kernels: the ``g`` query heads of one KV head are processed as
 one block of ``g * W`` query rows (row ``r`` = head ``kv * g + r // W``, query ``r % W``), so each
@@ -14,8 +15,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-INTERPRET = bool(triton.knobs.runtime.interpret)
+from triton.runtime.jit import JITFunction
 
 # Key-block width of the attention loops; tests pass smaller blocks to cross block boundaries.
 BLOCK_N = 64
@@ -29,11 +29,16 @@ def _block(n: int, cap: int | None = None) -> int:
     return min(b, cap) if cap else b
 
 
+def _interpreted() -> bool:
+    """Whether this module's kernels were built for the interpreter (TRITON_INTERPRET=1 at import)."""
+    return not isinstance(_gather_rows_kernel, JITFunction)
+
+
 def _check_launchable(t: torch.Tensor) -> None:
-    if not t.is_cuda and not INTERPRET:
+    if not t.is_cuda and not _interpreted():
         raise ValueError(
-            "Triton kernels need CUDA tensors; on CPU set TRITON_INTERPRET=1 before "
-            "kvdiag.kernels.triton_kernels is first imported, or use backend='torch'"
+            "Triton kernels need CUDA tensors; on CPU start the process with TRITON_INTERPRET=1 "
+            "(before triton is imported) or use backend='torch'"
         )
 
 
@@ -179,7 +184,7 @@ def shared_prefix_attention(
         *exclude.stride(), *out.stride(),
         P, S, W, E, d, scale,
         HKV=Hkv, G=g, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block(d),
-        BLOCK_E=triton.next_power_of_2(max(E, 1)), PRECISION=_precision(q.dtype),
+        BLOCK_E=triton.next_power_of_2(max(E, 2)), PRECISION=_precision(q.dtype),
     )
     return out
 

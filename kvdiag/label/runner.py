@@ -161,13 +161,21 @@ def label_trace(trace: Trace, lm: LoadedModel, out: str | os.PathLike, cfg: Labe
                   TimeRemainingColumn(), disable=not show_progress) as progress:
         item_task = progress.add_task("label: checkpoints", total=len(mine), completed=len(mine) - len(todo))
         cand_task = progress.add_task("  candidate rows", total=None)
-        by_prompt: dict[str, list[int]] = {}
+        schedule: dict[str, list[int]] = {}  # every checkpoint of each prompt, ascending
+        for pid, t in items:
+            schedule.setdefault(pid, []).append(t)
+        by_prompt: dict[str, set[int]] = {}
         for pid, t in todo:
-            by_prompt.setdefault(pid, []).append(t)
+            by_prompt.setdefault(pid, set()).add(t)
         for pid, ts in by_prompt.items():
             ids = trace.token_ids(pid)
             engine = OracleEngine(lm, ids, cfg.horizon, cfg.batch_size, cfg.backend)
-            for t in sorted(ts):  # ascending: the engine extends one prefix cache
+            for t in (c for c in schedule[pid] if c <= max(ts)):  # ascending: the engine extends one prefix cache
+                if t not in ts:
+                    # extend the cache in the same steps as a run that labels every checkpoint: the prefix's
+                    # float rounding, hence every label, is then the same whatever the split or the resume
+                    engine.prefix(t)
+                    continue
                 total = min(t, int(cfg.candidates)) if cfg.candidates != "all" else t
                 progress.reset(cand_task, total=total * n_rows, description=f"  {pid} @ {t}")
                 df = label_item(engine, trace, pid, t, cfg, ids, progress=lambda k: progress.advance(cand_task, k))

@@ -13,6 +13,7 @@ from kvdiag.rankeval.evaluate import (
     rank_eval,
 )
 from kvdiag.rankeval.metrics import (
+    Rankings,
     auroc,
     average_precision,
     eviction_counts,
@@ -30,6 +31,7 @@ __all__ = [
     "TABLE3_COLUMNS",
     "RankEvalConfig",
     "RankEvalResult",
+    "Rankings",
     "auroc",
     "average_precision",
     "caption",

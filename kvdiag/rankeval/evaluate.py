@@ -17,7 +17,7 @@ import polars as pl
 
 from kvdiag.errors import UserError
 from kvdiag.rankeval.bootstrap import holm, paired_p_value, percentile_ci, prompt_multiplicities
-from kvdiag.rankeval.metrics import RANKING_METRICS, _div, eviction_counts, ranking_metrics
+from kvdiag.rankeval.metrics import RANKING_METRICS, Rankings, _div, eviction_counts, n_evicted, ranking_metrics
 
 KEYS = ("prompt_id", "checkpoint", "position", "granularity", "layer", "kv_head")
 _KEY_TYPES = {
@@ -32,6 +32,7 @@ METRICS = ("auroc", "ap", "prevalence", "topk_recall", "fsr", "fnr", "spearman")
 SCOPES = ("pooled", "macro")
 # bootstrap resamples evaluated together: [N, chunk] float64 arrays of ~1 MB stay in cache
 _CHUNK_CELLS = 1 << 17
+_MIN_CHUNK = 16  # ... but not so few resamples that per-call overhead dominates
 
 
 @dataclass(frozen=True)
@@ -208,13 +209,12 @@ def _prepare(labels: pl.DataFrame, scores: pl.DataFrame, cfg: RankEvalConfig) ->
     bad_kl = df.select((pl.col("_kl").is_null() | pl.col("_kl").is_nan()).sum()).item()
     if bad_kl:
         raise UserError(f"labels kl_mean is missing or NaN in {bad_kl} of {df.height} matched rows: relabel them")
-    unresolved = pl.col("_kl") <= cfg.noise_mult * pl.col("_floor")
+    unresolved = (pl.col("_kl") <= cfg.noise_mult * pl.col("_floor")).fill_null(False)
+    n_unresolved = df.select(unresolved.sum()).item()
     if not cfg.include_unresolved:
         no_floor = df.select((pl.col("_floor").is_null() | pl.col("_floor").is_nan()).sum()).item()
         if no_floor:
             raise UserError(f"labels noise_floor is missing in {no_floor} rows: relabel, or pass --include-unresolved")
-    n_unresolved = df.select(unresolved.fill_null(False).sum()).item()
-    if not cfg.include_unresolved:
         df = df.filter(~unresolved)
         if df.height == 0:
             raise UserError(f"all {n_unresolved} labels are at or below their checkpoint's noise floor: pass --include-unresolved")
@@ -284,47 +284,44 @@ def _estimates(data: _Data, names: list[str], cfg: RankEvalConfig, mult: np.ndar
     mc = mult[:, data.ckpt_prompt].astype(float)  # [B, K]
 
     # per checkpoint (one cache): values computed once; a resample reweights checkpoints
-    per = {m: np.empty((len(names), n_ckpt)) for m in RANKING_METRICS}
-    ev_c, hev_c = np.zeros((len(names), n_ckpt)), np.zeros((len(names), n_ckpt))
-    for c in range(n_ckpt):
-        sl = slice(starts[c], starts[c + 1])
-        for m, v in ranking_metrics(y[sl], scores[:, sl], x[sl]).items():
-            per[m][:, c] = v[:, 0]
-        for j in range(len(names)):
-            ev_c[j, c], hev_c[j, c] = eviction_counts(y[sl], scores[j, sl], cfg.rho)
+    ckpt = np.repeat(np.arange(n_ckpt), np.diff(starts))  # [N] checkpoint index
+    per = {m: v[:, :, 0] for m, v in ranking_metrics(y, scores, x, segments=ckpt).items()}  # [S, K]
     n_c = np.diff(starts).astype(float)
+    ev_c = n_evicted(cfg.rho, n_c).astype(float)  # the same for every scorer
+    hev_c = np.stack([eviction_counts(y, s, cfg.rho, ckpt)[1] for s in scores])  # [S, K] harmful evicted
     pos_c = np.add.reduceat(y, starts[:-1])
     neg_c = n_c - pos_c
     no_pos, no_neg = {"no harmful entry": int((pos_c == 0).sum())}, {"no safe entry": int((neg_c == 0).sum())}
     both = (pos_c > 0) & (neg_c > 0)
 
     # pooled ranking metrics: a resample is a row weighting (prompt multiplicity), in chunks of resamples
-    point = ranking_metrics(y, scores, x)
+    rankings = Rankings(y, scores, x)
+    point = rankings()
     reps = {m: np.empty((len(names), len(mult))) for m in RANKING_METRICS}
-    chunk = max(1, _CHUNK_CELLS // n_rows)
+    chunk = max(_MIN_CHUNK, _CHUNK_CELLS // n_rows)
     for lo in range(0, len(mult), chunk):
         w = mult[lo : lo + chunk].T[data.prompt].astype(float)  # [N, b]
-        for m, v in ranking_metrics(y, scores, x, w).items():
-            reps[m][:, lo : lo + chunk] = v
+        for m, v in rankings(w).items():
+            reps[m][:, lo : lo + chunk] = v[:, 0]
 
     out = {}
     for j, name in enumerate(names):
-        ev, hev, sp = ev_c[j], hev_c[j], per["spearman"][j]
+        hev, sp = hev_c[j], per["spearman"][j]
         est = {
             ("auroc", "macro"): _macro(per["auroc"][j], both, mc, no_pos | no_neg),
             ("ap", "macro"): _macro(per["ap"][j], both, mc, no_pos | no_neg),
             ("topk_recall", "macro"): _macro(per["topk_recall"][j], pos_c > 0, mc, no_pos),
             ("spearman", "macro"): _macro(sp, np.isfinite(sp), mc, {"a constant score or KL": int(np.isnan(sp).sum())}),
             ("prevalence", "macro"): _macro(pos_c / n_c, n_c > 0, mc, {}),
-            ("fsr", "macro"): _macro(_div(hev, ev), ev > 0, mc, {f"floor(rho*C) = 0 (C < {1 / cfg.rho:.3g})": int((ev == 0).sum())}),
+            ("fsr", "macro"): _macro(_div(hev, ev_c), ev_c > 0, mc, {f"floor(rho*C) = 0 (C < {1 / cfg.rho:.3g})": int((ev_c == 0).sum())}),
             ("fnr", "macro"): _macro(_div(hev, pos_c), pos_c > 0, mc, no_pos),
             ("prevalence", "pooled"): _ratio(pos_c, n_c, mc, n_rows, ""),
-            ("fsr", "pooled"): _ratio(hev, ev, mc, n_rows, f"floor(rho*C) = 0 in every checkpoint (C < {1 / cfg.rho:.3g})"),
+            ("fsr", "pooled"): _ratio(hev, ev_c, mc, n_rows, f"floor(rho*C) = 0 in every checkpoint (C < {1 / cfg.rho:.3g})"),
             ("fnr", "pooled"): _ratio(hev, pos_c, mc, n_rows, "no harmful entry"),
         }
         for m in RANKING_METRICS:
-            value = float(point[m][j, 0])
-            est[(m, "pooled")] = _Estimate(value, reps[m][j], n_rows, "" if np.isfinite(value) else "undefined: constant score")
+            value = float(point[m][j, 0, 0])
+            est[(m, "pooled")] = _Estimate(value, reps[m][j], n_rows, "" if np.isfinite(value) else "undefined: constant score or KL")
         out[name] = est
     return out
 

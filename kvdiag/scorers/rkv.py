@@ -21,7 +21,7 @@ def rkv_importance(q_window: torch.Tensor, k_candidates: torch.Tensor, scale: fl
     H, W, d = q_window.shape
     Hkv = k_candidates.shape[0]
     logits = q_window.reshape(Hkv, H // Hkv, W, d) @ k_candidates.unsqueeze(1).transpose(2, 3) * scale
-    pooled = logits.mean(dim=1)  # [Hkv, W, m]
+    pooled = logits.amax(dim=1) if pooling == "max" else logits.mean(dim=1)  # [Hkv, W, m]
     return max_pool(torch.softmax(pooled, dim=-1).mean(dim=1), kernel_size)
 
 

@@ -2,8 +2,10 @@
 
 Layout: ``manifest.json``, ``tokens.parquet``, ``tensors/<prompt_id>/layer_<LLL>.safetensors`` with
 ``q [H, T, d]``, ``k [Hkv, T, d]``, ``v [Hkv, T, d]`` (post-RoPE, storage dtype). Each finished prompt
-is committed atomically (tensors, then its token part, then the manifest); an interrupted run keeps
-finished prompts and a rerun continues with the rest.
+is committed atomically (tensors, then its token part ``parts/<prompt_id>.parquet``, then its manifest
+entry ``parts/<prompt_id>.json``); an interrupted run keeps finished prompts and a rerun continues with
+the rest. Prompts can be split over processes (``shard=(i, n)``, torchrun ranks): each writes only its
+own parts, and one process (``merge=True``) rebuilds ``manifest.json`` and ``tokens.parquet`` from them.
 """
 
 from __future__ import annotations
@@ -69,6 +71,10 @@ def _manifest_path(root: Path) -> Path:
     return root / "manifest.json"
 
 
+def _header_path(root: Path) -> Path:
+    return root / "parts" / "_header.json"  # no prompt id starts with "_" (prompts.safe_id)
+
+
 def _write_json(path: Path, obj: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(obj, indent=2, default=str))
@@ -93,8 +99,13 @@ def trace_prompts(
     settings: GenerationSettings | None = None,
     prompts_source: str | None = None,
     show_progress: bool = True,
+    shard: tuple[int, int] = (0, 1),
+    merge: bool = True,
 ) -> Path:
-    """Generate a trace for each prompt and write/extend the Trace directory ``out``; returns its path."""
+    """Generate a trace for each prompt of ``shard`` (prompts i with i % n == shard index) into the Trace
+    directory ``out``; returns its path. With ``merge`` this process is the only writer: it merges the
+    parts of other processes and keeps ``manifest.json`` and ``tokens.parquet`` up to date after every
+    prompt. Without it, only parts are written (several processes at once)."""
     settings = settings or GenerationSettings()
     if settings.max_new_tokens <= 0:
         raise UserError(f"--max-new-tokens {settings.max_new_tokens}: must be a positive number of tokens")
@@ -105,33 +116,14 @@ def trace_prompts(
         (root / "parts").mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UserError(f"--out {root}: cannot create the directory ({err.strerror}); choose a writable path") from err
-    model, tok = lm.model, lm.tokenizer
-    cfg = model.config
-    manifest_file = _manifest_path(root)
-    if manifest_file.exists():
-        manifest = json.loads(manifest_file.read_text())
-        _check_compatible(manifest, lm, settings, root)
-    else:
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "kvdiag_version": __version__,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "model": lm.info,
-            "attn_implementation": f"sdpa (recorded through the registered attention function {TRACE_ATTN!r})",
-            "scale": attention_scale(model),
-            "num_layers": cfg.num_hidden_layers,
-            "num_heads": cfg.num_attention_heads,
-            "num_kv_heads": cfg.num_key_value_heads,
-            "head_dim": lm.info["head_dim"],
-            "tensors": "q [H, T, d], k [Hkv, T, d], v [Hkv, T, d]: post-RoPE (and post q/k-norm)",
-            "storage_dtype": settings.storage_dtype,
-            "generation": asdict(settings),
-            "prompts_source": prompts_source,
-            "prompts": {},
-        }
-    merge_tokens(root, manifest)  # a run interrupted between manifest and merge left it stale
-    todo = [p for p in prompts if p.prompt_id not in manifest["prompts"]]
-    storage = STORAGE_DTYPES[settings.storage_dtype]
+    header = _header(root, lm, settings, prompts_source)
+    done = _finished(root, prompts)
+    manifest = {**header, "prompts": done}
+    if merge and done:
+        _write_manifest(root, manifest)  # parts of other processes, or a run interrupted before its merge
+    mine = [p for i, p in enumerate(prompts) if i % shard[1] == shard[0]]
+    todo = [p for p in mine if p.prompt_id not in done]
+    storage, tok = STORAGE_DTYPES[settings.storage_dtype], lm.tokenizer
     gen_cfg = GenerationConfig(
         max_new_tokens=settings.max_new_tokens,
         do_sample=settings.sample,
@@ -147,11 +139,13 @@ def trace_prompts(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         disable=not show_progress, transient=False,
     ) as progress:
-        prompt_task = progress.add_task("trace: prompts", total=len(prompts), completed=len(prompts) - len(todo))
+        prompt_task = progress.add_task("trace: prompts", total=len(mine), completed=len(mine) - len(todo))
         for prompt in todo:
             token_task = progress.add_task(f"  {prompt.prompt_id}", total=settings.max_new_tokens)
             record = _trace_one(lm, prompt, settings, gen_cfg, storage, _TokenProgress(progress, token_task))
-            _commit_prompt(root, prompt, record, manifest)
+            manifest["prompts"][prompt.prompt_id] = _commit_prompt(root, prompt, record)
+            if merge:
+                _write_manifest(root, manifest)
             progress.remove_task(token_task)
             progress.advance(prompt_task)
     return root
@@ -185,8 +179,56 @@ def _trace_one(lm: LoadedModel, prompt: Prompt, settings: GenerationSettings, ge
     }
 
 
-def _commit_prompt(root: Path, prompt: Prompt, record: dict, manifest: dict) -> None:
-    """Tensors, then the token part, then the manifest: a prompt counts as finished once it is in the manifest."""
+def _header(root: Path, lm: LoadedModel, settings: GenerationSettings, prompts_source: str | None) -> dict:
+    """The manifest without its prompts: that of the existing Trace (checked against this run), else a new one.
+
+    A new header is stamped into ``parts/_header.json`` before any part is written, so that the parts of
+    several processes are checked against one model and one set of settings before a manifest exists."""
+    for path in (_manifest_path(root), _header_path(root)):
+        if path.exists():
+            header = json.loads(path.read_text())
+            _check_compatible(header, lm, settings, root)
+            header.pop("prompts", None)
+            return header
+    cfg = lm.model.config
+    header = {
+        "format_version": FORMAT_VERSION,
+        "kvdiag_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "model": lm.info,
+        "attn_implementation": f"sdpa (recorded through the registered attention function {TRACE_ATTN!r})",
+        "scale": attention_scale(lm.model),
+        "num_layers": cfg.num_hidden_layers,
+        "num_heads": cfg.num_attention_heads,
+        "num_kv_heads": cfg.num_key_value_heads,
+        "head_dim": lm.info["head_dim"],
+        "tensors": "q [H, T, d], k [Hkv, T, d], v [Hkv, T, d]: post-RoPE (and post q/k-norm)",
+        "storage_dtype": settings.storage_dtype,
+        "generation": asdict(settings),
+        "prompts_source": prompts_source,
+    }
+    # processes starting together may each write it: same model and settings, so any copy is right
+    _write_json(_header_path(root), header)
+    return header
+
+
+def _finished(root: Path, prompts: list[Prompt]) -> dict[str, dict]:
+    """Manifest entries of the finished prompts: those in manifest.json (in its order), then those with a
+    ``parts/<prompt_id>.json`` (in the order of ``prompts``, then by id), so a merge orders them as one
+    process would have."""
+    manifest = _manifest_path(root)
+    done = dict(json.loads(manifest.read_text())["prompts"]) if manifest.exists() else {}
+    order = {p.prompt_id: i for i, p in enumerate(prompts)}
+    entries = sorted((root / "parts").glob("*.json"), key=lambda f: (order.get(f.stem, len(order)), f.stem))
+    for f in entries:
+        if f != _header_path(root) and f.stem not in done:
+            done[f.stem] = json.loads(f.read_text())
+    return done
+
+
+def _commit_prompt(root: Path, prompt: Prompt, record: dict) -> dict:
+    """Tensors, then the token part, then the manifest entry ``parts/<pid>.json``: a prompt counts as
+    finished once its entry exists. Returns the entry."""
     pid, ids = prompt.prompt_id, record["ids"]
     T, P = len(ids), record["prompt_len"]
     tensors = root / "tensors" / pid
@@ -209,16 +251,17 @@ def _commit_prompt(root: Path, prompt: Prompt, record: dict, manifest: dict) -> 
         "entropy": null + record["entropy"].tolist(),
     }, schema_overrides={"logprob": pl.Float64, "entropy": pl.Float64})
     write_table(part, root / "parts" / f"{pid}.parquet", {"kind": "trace_tokens", "prompt_id": pid})
-    manifest["prompts"][pid] = {
+    entry = {
         "prompt_len": P, "length": T, "generated": G, "stop": record["stop"],
         "source_id": prompt.source_id, "answer": prompt.answer, "text": prompt.text,
     }
+    _write_json(root / "parts" / f"{pid}.json", entry)
+    return entry
+
+
+def _write_manifest(root: Path, manifest: dict) -> None:
+    """The manifest, then ``tokens.parquet`` rebuilt from the token parts of its prompts (a run interrupted
+    in between leaves it stale; the next merging run repairs it)."""
     _write_json(_manifest_path(root), manifest)
-    merge_tokens(root, manifest)
-
-
-def merge_tokens(root: Path, manifest: dict) -> None:
-    """Rebuild ``tokens.parquet`` from the token parts of the finished prompts."""
     parts = [pl.read_parquet(root / "parts" / f"{pid}.parquet") for pid in manifest["prompts"]]
-    if parts:
-        write_table(pl.concat(parts), root / "tokens.parquet", {"kind": "trace_tokens"})
+    write_table(pl.concat(parts), root / "tokens.parquet", {"kind": "trace_tokens"})

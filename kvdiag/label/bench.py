@@ -1,0 +1,109 @@
+"""``kvdiag bench label``: the oracle engine vs the naive per-candidate loop and a plain batched forward.
+
+All three label (or, for the ceiling, merely run) the same N candidates x H teacher-forced tokens over
+one P-token prefix of the same model, in one process, so their ratio is meaningful on a noisy machine:
+
+- engine: ``OracleEngine`` rows through the shared-prefix kernel (prefix never copied per row),
+  plus the full-cache reference row, the null row and the KL/JS/NLL of every row;
+- naive: what a careful user writes with transformers alone: per candidate, copy the cache, delete
+  the entry in every layer, teacher-force the H tokens in one forward with explicit positions, KL;
+- plain: the N x H tokens in one batched forward of the stock model (SDPA, a DynamicCache holding the
+  prefix expanded to N rows) with no eviction and no KL: the practical ceiling.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from kvdiag.kernels.bench import _cpu_peak_probe, _peak_mb
+from kvdiag.label.engine import OracleEngine, Row, divergences
+from kvdiag.models import LoadedModel
+from kvdiag.prompts import arith_prompts
+
+
+@dataclass
+class LabelBenchRow:
+    method: str
+    seconds: float
+    tokens_per_s: float
+    peak_mb: float | None
+
+
+def bench_tokens(lm: LoadedModel, n: int) -> torch.Tensor:
+    """``n`` real text tokens: builtin problems concatenated (teacher-forced, so no generation needed)."""
+    ids: list[int] = []
+    k = 8
+    while len(ids) < n:
+        ids = lm.tokenizer(" ".join(p.text for p in arith_prompts(k))).input_ids
+        k *= 2
+    return torch.tensor(ids[:n])
+
+
+def _cache_of(model, prefix, rows: int) -> DynamicCache:
+    cache = DynamicCache(config=model.config)
+    for layer, (k, v) in zip(cache.layers, prefix):
+        k, v = k[None].expand(rows, -1, -1, -1), v[None].expand(rows, -1, -1, -1)
+        layer.lazy_initialization(k, v)
+        layer.keys, layer.values = k, v
+    return cache
+
+
+@torch.no_grad()
+def naive_label(eng: OracleEngine, t: int, prefix, positions: list[int]) -> torch.Tensor:
+    """Per candidate: copy + delete in every layer + one H-token forward with explicit positions -> kl [N, H]."""
+    model, H = eng.model, eng.H
+    logp_full = eng.full_logprobs(t, prefix)
+    pos = torch.arange(t, t + H, device=eng.ids.device)[None]
+    kls = []
+    for i in positions:
+        keep = torch.arange(t, device=eng.ids.device) != i
+        cache = _cache_of(model, [(k[:, keep].clone(), v[:, keep].clone()) for k, v in prefix], 1)
+        logits = model(eng.ids[None, t : t + H], cache=cache, position_ids=pos, use_cache=True).logits
+        kls.append(divergences(logp_full, torch.log_softmax(logits.float(), -1), eng.ids[t + 1 : t + H + 1])["kl"])
+    return torch.cat(kls)
+
+
+@torch.no_grad()
+def plain_forward(eng: OracleEngine, t: int, prefix, n: int) -> torch.Tensor:
+    """The ceiling: N x H tokens, one batched stock forward over the prefix expanded to N rows, log-softmax."""
+    H = eng.H
+    pos = torch.arange(t, t + H, device=eng.ids.device)[None].expand(n, -1)
+    logits = eng.model(eng.ids[None, t : t + H].expand(n, -1), cache=_cache_of(eng.model, prefix, n),
+                       position_ids=pos, use_cache=True).logits
+    return torch.log_softmax(logits.float(), -1)
+
+
+def run_label_bench(lm: LoadedModel, prefix_len: int = 512, n: int = 64, horizon: int = 16, repeats: int = 2,
+                    batch_size: int | None = None, backend: str = "auto") -> list[LabelBenchRow]:
+    """Time the three methods (best of ``repeats``) and their peak extra memory; see the module docstring."""
+    ids = bench_tokens(lm, prefix_len + horizon + 1)
+    eng = OracleEngine(lm, ids, horizon, batch_size or n, backend)
+    t = prefix_len
+    prefix = eng.prefix(t)  # shared by every method; not timed
+    positions = torch.linspace(0, t - 1, n).long().tolist()
+    rows = [Row(p) for p in positions]
+    device = torch.device(lm.device)
+    methods = {
+        "engine (shared prefix, batched)": lambda: eng.label(t, rows),
+        "naive per-candidate loop": lambda: naive_label(eng, t, prefix, positions),
+        "plain batched forward (no eviction)": lambda: plain_forward(eng, t, prefix, n),
+    }
+    probe = _cpu_peak_probe() if device.type == "cpu" else None
+    out = []
+    for name, fn in methods.items():
+        fn()  # warm-up
+        best = float("inf")
+        for _ in range(repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - start)
+        out.append(LabelBenchRow(name, best, n * horizon / best, _peak_mb(fn, device, probe)))
+    return out

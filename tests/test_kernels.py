@@ -1,0 +1,337 @@
+"""Eviction kernels: torch reference vs slow obvious references; Triton vs the torch reference.
+
+Tolerances (max abs error; outputs are O(1), masses are at most g * W):
+- torch reference vs the float64 slow reference, fp32 inputs: 1e-5 (attention), 1e-5 relative (mass).
+- Triton vs torch reference (which computes in fp32 from the same inputs):
+  fp32 atol = rtol = 1e-5; fp16 atol = rtol = 2e-3 (probabilities and outputs rounded to fp16);
+  bf16 atol = rtol = 2e-2 (CUDA only: the Triton interpreter does not support bf16 ``tl.dot``, it
+  multiplies the raw bit patterns, triton-lang/triton#11584); compact_kv is exact in every dtype.
+
+Triton tests run on CPU under ``TRITON_INTERPRET=1`` in a child pytest process
+(``test_triton_kernels_under_interpreter``): the interpreter must be chosen before triton itself is
+imported (triton's own library functions are decorated at import), so it cannot be switched on inside
+a process that may already hold a compiled-mode triton, and must not leak into other tests.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from cli.main import app, main
+from kvdiag import kernels
+from kvdiag.attention import attention_rows
+from kvdiag.errors import UserError
+from kvdiag.kernels import torch_ref
+from kvdiag.kernels.bench import run_kernel_bench
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def slow_shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, exclude, scale):
+    """Per row and KV head: physically delete the excluded prefix entries, append the row's suffix,
+    plain causal softmax attention in float64. exclude [N, Hkv, E] (-1 = none)."""
+    N, H, W, d = q.shape
+    Hkv, P, _ = prefix_k.shape
+    S = suffix_k.shape[2]
+    g = H // Hkv
+    out = torch.empty(N, H, W, d, dtype=torch.float64)
+    for n in range(N):
+        for kv in range(Hkv):
+            gone = set(exclude[n, kv].tolist()) - {-1}
+            kept = torch.tensor([i for i in range(P) if i not in gone], dtype=torch.long)
+            k = torch.cat([prefix_k[kv, kept], suffix_k[n, kv]]).double()
+            v = torch.cat([prefix_v[kv, kept], suffix_v[n, kv]]).double()
+            # query w is cache entry len(kept) + S - W + w and sees every entry up to itself
+            own = len(kept) + S - W + torch.arange(W)
+            hidden = torch.arange(k.shape[0])[None, :] > own[:, None]
+            for h in range(kv * g, (kv + 1) * g):
+                logits = (q[n, h].double() @ k.T * scale).masked_fill(hidden, float("-inf"))
+                out[n, h] = logits.softmax(-1) @ v
+    return out
+
+
+def rand_case(N, H, Hkv, W, S, P, d, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    return r(N, H, W, d), r(Hkv, P, d), r(Hkv, P, d), r(N, Hkv, S, d), r(N, Hkv, S, d)
+
+
+def exclusions(kind, N, Hkv, P, seed=0):
+    """Exclusion tensors of every accepted form: None, [N, 0], [N, E], [N, Hkv, E], with -1 and repeats."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "none":
+        return None
+    if kind == "empty":
+        return torch.empty(N, 0, dtype=torch.long)
+    if kind == "all_minus_one":
+        return torch.full((N, 3), -1)
+    if kind == "shared":
+        ex = torch.randint(0, P, (N, 4), generator=gen)
+        ex[0, 1] = ex[0, 0]  # a repeat
+        ex[-1, 2] = -1
+        return ex
+    if kind == "per_head":
+        ex = torch.randint(-1, P, (N, Hkv, 3), generator=gen)
+        ex[0, 0] = torch.tensor([0, 0, P - 1])  # first and last entry, repeated
+        return ex
+    raise ValueError(kind)
+
+
+# ---- torch reference -----------------------------------------------------------------------------
+
+SHAPES = {  # N, H, Hkv, W, S, P, d
+    "gqa": (4, 6, 2, 5, 5, 37, 16),
+    "gqa_9_3_w1": (3, 9, 3, 1, 1, 50, 32),
+    "mha_long_suffix": (3, 4, 4, 3, 7, 20, 8),  # S > W: queries are the last W suffix positions
+    "mqa": (2, 4, 1, 4, 4, 11, 16),
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("kind", ["none", "empty", "all_minus_one", "shared", "per_head"])
+@pytest.mark.parametrize("chunk", [None, 1, 3])
+def test_torch_shared_prefix_attention_equals_physical_deletion(shape, kind, chunk):
+    N, H, Hkv, W, S, P, d = SHAPES[shape]
+    q, pk, pv, sk, sv = rand_case(N, H, Hkv, W, S, P, d)
+    ex = exclusions(kind, N, Hkv, P)
+    out = kernels.shared_prefix_attention(q, pk, pv, sk, sv, ex, 0.3, backend="torch", chunk=chunk)
+    want = slow_shared_prefix_attention(q, pk, pv, sk, sv, kernels.normalize_exclude(ex, N, Hkv, q.device), 0.3)
+    assert out.dtype == q.dtype and out.shape == (N, H, W, d)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_torch_shared_prefix_attention_edges():
+    N, H, Hkv, W, S, P, d = 2, 4, 2, 3, 3, 6, 8
+    q, pk, pv, sk, sv = rand_case(N, H, Hkv, W, S, P, d, seed=1)
+    # a row that excludes the whole prefix attends to its suffix only
+    everything = torch.arange(P).expand(N, P)
+    out = kernels.shared_prefix_attention(q, pk, pv, sk, sv, everything, 0.5, backend="torch")
+    alone = kernels.shared_prefix_attention(q, pk[:, :0], pv[:, :0], sk, sv, None, 0.5, backend="torch")
+    torch.testing.assert_close(out, alone, atol=1e-6, rtol=1e-6)
+    # a huge logit on an excluded entry must not leak (the -inf mask, not a large negative number)
+    spiky = pk.clone()
+    spiky[:, 2] = 1e4 * q[0, 0, 0]
+    ex = torch.full((N, 1), 2)
+    out = kernels.shared_prefix_attention(q, spiky, pv, sk, sv, ex, 0.5, backend="torch")
+    torch.testing.assert_close(out, kernels.shared_prefix_attention(q, pk, pv, sk, sv, ex, 0.5, backend="torch"))
+    # default scale is d ** -0.5; low-precision inputs come back in their dtype
+    half = [t.half() for t in (q, pk, pv, sk, sv)]
+    out = kernels.shared_prefix_attention(*half, ex)
+    assert out.dtype == torch.float16
+    want = slow_shared_prefix_attention(*half, kernels.normalize_exclude(ex, N, Hkv, q.device), d**-0.5)
+    torch.testing.assert_close(out.double(), want, atol=TOL[torch.float16], rtol=TOL[torch.float16])
+
+
+def test_torch_shared_prefix_attention_reads_the_prefix_in_place():
+    """The prefix is never copied per row: no intermediate comes near N copies of it."""
+    N, H, Hkv, W, S, P, d = 8, 4, 2, 2, 2, 512, 16
+    q, pk, pv, sk, sv = rand_case(N, H, Hkv, W, S, P, d)
+    with torch.profiler.profile(profile_memory=True) as prof:
+        kernels.shared_prefix_attention(q, pk, pv, sk, sv, torch.zeros(N, 1, dtype=torch.long), 0.3, backend="torch")
+    # largest legitimate intermediate: the logits [Hkv, N*g*W, P] = N*Hkv*P*16 bytes here
+    biggest = max(e.cpu_memory_usage for e in prof.events())
+    assert 0 < biggest < N * Hkv * P * d * 4 / 2
+
+
+def test_compact_kv_torch():
+    keys, values = torch.randn(3, 40, 8), torch.randn(3, 40, 8)
+    keep = torch.stack([torch.randperm(40)[:17].sort().values for _ in range(3)])
+    k, v = kernels.compact_kv(keys, values, keep, backend="torch")
+    assert torch.equal(k, torch.stack([keys[h][keep[h]] for h in range(3)]))
+    assert torch.equal(v, torch.stack([values[h][keep[h]] for h in range(3)]))
+    k, _ = kernels.compact_kv(keys.half(), values.half(), keep[:, :0], backend="torch")
+    assert k.shape == (3, 0, 8) and k.dtype == torch.float16
+
+
+@pytest.mark.parametrize("chunk", [None, 16, 7])
+@pytest.mark.parametrize("positions", [[3, 20, 21, 40, 44], [30, 31, 32, 33, 44]])
+def test_torch_window_attention_mass(chunk, positions):
+    H, Hkv, W, T, d = 6, 2, 5, 50, 16
+    q, k = torch.randn(H, W, d), torch.randn(Hkv, T, d)
+    pos = torch.tensor(positions)  # no query sees keys 45..49
+    mass = torch_ref.window_attention_mass(q, k, pos, 0.4, chunk)
+    want = attention_rows(q, k, pos, 0.4).view(Hkv, H // Hkv, W, T).sum((1, 2))
+    torch.testing.assert_close(mass, want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(mass.sum(-1), torch.full((Hkv,), float(H // Hkv * W)))
+    assert (mass[:, 45:] == 0).all()
+
+
+# ---- dispatcher -----------------------------------------------------------------------------------
+
+
+def test_dispatcher_backends(monkeypatch):
+    assert kernels.resolve_backend("auto", torch.device("cpu")) == "torch"
+    want = "triton" if kernels.triton_available() else "torch"
+    assert kernels.resolve_backend("auto", torch.device("cuda")) == want  # no CUDA tensor needed to decide
+    with pytest.raises(UserError, match="unknown kernel backend"):
+        kernels.resolve_backend("cuda", torch.device("cpu"))
+    monkeypatch.setattr(kernels, "triton_available", lambda: False)
+    with pytest.raises(UserError, match=r"kvdiag\[cuda\]"):
+        kernels.resolve_backend("triton", torch.device("cpu"))
+
+
+def test_triton_backend_refuses_cpu_tensors_without_interpreter(monkeypatch):
+    tk = pytest.importorskip("kvdiag.kernels.triton_kernels")
+    monkeypatch.setattr(tk, "_interpreted", lambda: False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        kernels.compact_kv(torch.zeros(1, 4, 2), torch.zeros(1, 4, 2), torch.zeros(1, 2, dtype=torch.long), backend="triton")
+
+
+def test_shapes_are_checked():
+    q, pk, pv, sk, sv = rand_case(2, 4, 2, 3, 3, 10, 8)
+    assert kernels.normalize_exclude(torch.zeros(2, 3, dtype=torch.long), 2, 2, q.device).stride(1) == 0
+    with pytest.raises(ValueError, match="exclude"):
+        kernels.shared_prefix_attention(q, pk, pv, sk, sv, torch.zeros(3, 1, dtype=torch.long), 0.3)
+    with pytest.raises(ValueError, match="S>=W"):
+        kernels.shared_prefix_attention(q, pk, pv, sk[:, :, :2], sv[:, :, :2], None, 0.3)
+    with pytest.raises(ValueError, match="multiple"):
+        kernels.shared_prefix_attention(q[:, :3], pk, pv, sk, sv, None, 0.3)
+    with pytest.raises(ValueError, match="one dtype"):
+        kernels.shared_prefix_attention(q.half(), pk, pv, sk, sv, None, 0.3)
+
+
+# ---- Triton (interpreter on CPU, in a child process) ------------------------------------------------
+
+
+def test_triton_kernels_under_interpreter():
+    """Runs ``TestTritonInterpreted`` in a fresh process with TRITON_INTERPRET=1."""
+    pytest.importorskip("triton")
+    if INTERPRETED:
+        pytest.skip("this process is the interpreter run")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", f"{Path(__file__).resolve()}::TestTritonInterpreted", "-q",
+         "-p", "no:cacheprovider"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-3000:]
+
+
+# (N, H, Hkv, W, S, P, d, block_n, exclusions)
+TRITON_CASES = {
+    # GQA, exclusions on both sides of every 16-key block boundary, per KV head
+    "gqa_boundaries": (2, 6, 2, 4, 4, 50, 16, 16, torch.tensor([[[15, 16, 31, 32], [47, 48, 49, -1]]] * 2)),
+    # W = 1 decode step, P not a multiple of the block, shared exclusions with repeats and -1
+    "w1_ragged": (2, 9, 3, 1, 1, 200, 32, 32, torch.tensor([[0, 64, 199], [-1, 63, 63]])),
+    # g*W = 80 rows -> two row blocks; no exclusions; head dim not a power of two; S > W
+    "row_blocks": (2, 4, 1, 20, 23, 37, 24, 16, None),
+    # empty exclusion list, d = 64, MHA
+    "mha_empty": (2, 2, 2, 3, 3, 70, 64, 32, torch.empty(2, 0, dtype=torch.long)),
+}
+
+
+@pytest.fixture(scope="module")
+def tk():
+    """The Triton kernels, interpreted: only in the TRITON_INTERPRET=1 child."""
+    if not INTERPRETED:
+        pytest.skip("run in a TRITON_INTERPRET=1 child by test_triton_kernels_under_interpreter")
+    from kvdiag.kernels import triton_kernels
+
+    assert triton_kernels._interpreted()
+    return triton_kernels
+
+
+class TestTritonInterpreted:
+    @pytest.mark.parametrize("case", TRITON_CASES)
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+    def test_shared_prefix_attention(self, tk, case, dtype):
+        N, H, Hkv, W, S, P, d, block_n, ex = TRITON_CASES[case]
+        inputs = rand_case(N, H, Hkv, W, S, P, d, dtype)
+        ex = kernels.normalize_exclude(ex, N, Hkv, torch.device("cpu"))
+        out = tk.shared_prefix_attention(*inputs, ex, 0.3, block_n=block_n)
+        want = torch_ref.shared_prefix_attention(*inputs, ex, 0.3)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+    def test_shared_prefix_attention_dispatch(self, tk):
+        N, H, Hkv, W, S, P, d = 2, 4, 2, 2, 2, 20, 16
+        inputs = rand_case(N, H, Hkv, W, S, P, d)
+        ex = torch.tensor([[3], [19]])
+        out = kernels.shared_prefix_attention(*inputs, ex, 0.3, backend="triton")
+        want = slow_shared_prefix_attention(*inputs, kernels.normalize_exclude(ex, N, Hkv, torch.device("cpu")), 0.3)
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+    def test_compact_kv(self, tk, dtype):
+        keys, values = torch.randn(3, 90, 24).to(dtype), torch.randn(3, 90, 24).to(dtype)
+        keep = torch.stack([torch.randperm(90)[:37].sort().values for _ in range(3)])  # 37: ragged blocks
+        k, v = tk.compact_kv(keys, values, keep, block_b=16)
+        k_ref, v_ref = torch_ref.compact_kv(keys, values, keep)
+        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
+    @pytest.mark.parametrize(
+        "H, Hkv, W, T, d, block_n",
+        [(9, 3, 24, 150, 16, 32), (4, 2, 1, 40, 64, 16), (2, 2, 5, 33, 32, 16)],  # 72 rows = 2 row blocks
+    )
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+    def test_window_attention_mass(self, tk, H, Hkv, W, T, d, block_n, dtype):
+        gen = torch.Generator().manual_seed(0)
+        q, k = torch.randn(H, W, d, generator=gen).to(dtype), torch.randn(Hkv, T, d, generator=gen).to(dtype)
+        pos = torch.sort(torch.randperm(T, generator=gen)[:W]).values
+        mass = tk.window_attention_mass(q, k, pos, 0.25, block_n=block_n)
+        want = torch_ref.window_attention_mass(q, k, pos, 0.25)
+        # each entry sums up to g*W probabilities: scale the per-probability tolerance accordingly
+        tol = TOL[dtype] * H // Hkv * W
+        torch.testing.assert_close(mass, want, atol=tol, rtol=TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not kernels.triton_available(), reason="needs CUDA and triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_triton_on_cuda(dtype):
+    N, H, Hkv, W, S, P, d = 8, 32, 8, 16, 16, 1000, 128
+    inputs = [t.cuda() for t in rand_case(N, H, Hkv, W, S, P, d, dtype)]
+    ex = torch.randint(-1, P, (N, Hkv, 3)).cuda()
+    out = kernels.shared_prefix_attention(*inputs, ex, d**-0.5, backend="triton")
+    want = kernels.shared_prefix_attention(*inputs, ex, d**-0.5, backend="torch")
+    torch.testing.assert_close(out.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    keys, q = inputs[1], inputs[0][0]
+    mass = kernels.window_attention_mass(q, keys, torch.arange(P - W, P).cuda(), d**-0.5, backend="triton")
+    want = kernels.window_attention_mass(q, keys, torch.arange(P - W, P).cuda(), d**-0.5, backend="torch")
+    torch.testing.assert_close(mass, want, atol=TOL[dtype] * H // Hkv * W, rtol=TOL[dtype])
+    keep = torch.arange(0, P, 3, device="cuda").expand(Hkv, -1)
+    for got, ref in zip(kernels.compact_kv(keys, inputs[2], keep, backend="triton"), torch_ref.compact_kv(keys, inputs[2], keep)):
+        assert torch.equal(got, ref)
+
+
+# ---- bench ------------------------------------------------------------------------------------------
+
+SMALL = ["--n", "3", "--prefix", "40", "--window", "4", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+         "--exclude", "2", "--trace-len", "64", "--obs-window", "4", "--repeats", "1"]
+
+
+def test_bench_kernels_rows_agree_with_the_reference():
+    rows = run_kernel_bench("cpu", 3, 40, 4, 4, 2, 16, 2, 64, 4, 0.5, torch.float32, 1, 0)
+    assert {(r.op, r.impl) for r in rows} == {
+        (op, impl) for op in ("shared_prefix_attention", "compact_kv", "window_attention_mass") for impl in ("torch", "obvious")
+    }
+    for r in rows:
+        assert r.ms > 0 and r.max_err < 1e-5, r
+
+
+def test_bench_kernels_cli():
+    result = CliRunner().invoke(app, ["bench", "kernels", *SMALL])
+    assert result.exit_code == 0, result.output
+    for word in ("shared_prefix_attention", "compact_kv", "window_attention_mass", "obvious", "speed-up"):
+        assert word in result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+@pytest.mark.parametrize("args", [["--device", "cuda"], ["--dtype", "float64"], ["--heads", "5"]])
+def test_bench_kernels_bad_input_exits_2(args):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "kernels", *SMALL, *args])
+    assert exc.value.code == 2
