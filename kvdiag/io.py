@@ -36,7 +36,7 @@ def write_table(df: pl.DataFrame, path: str | os.PathLike, meta: dict | None = N
 
 def read_meta(path: str | os.PathLike) -> dict:
     """The ``kvdiag`` metadata dict of a Parquet file written by ``write_table`` ({} if none)."""
-    kv = pq.read_schema(path).metadata or {}
+    kv = pq.read_metadata(path).metadata or {}  # polars writes file-level key-value metadata
     raw = kv.get(META_KEY.encode())
     return json.loads(raw) if raw else {}
 

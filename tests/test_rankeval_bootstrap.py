@@ -8,7 +8,7 @@ import pytest
 from scipy.stats import norm
 
 import kvdiag.rankeval.evaluate as evaluate
-from kvdiag.rankeval import KEYS, METRICS, SCOPES, holm, paired_p_value, percentile_ci, prompt_multiplicities, rank_eval
+from kvdiag.rankeval import METRICS, SCOPES, holm, paired_p_value, percentile_ci, prompt_multiplicities, rank_eval
 
 
 def _tables(prompt_rows: list[tuple[np.ndarray, dict[str, np.ndarray]]], n_ckpt: int = 1):
@@ -111,9 +111,9 @@ def test_cluster_bootstrap_intervals_cover_the_true_auroc():
 
 
 def test_percentile_interval_and_paired_p_value_by_hand():
-    reps = np.r_[np.arange(1.0, 101.0), np.nan]
-    low, high, n = percentile_ci(reps, 0.9)
-    assert (low, high, n) == (pytest.approx(np.quantile(np.arange(1.0, 101.0), 0.05)), pytest.approx(np.quantile(np.arange(1.0, 101.0), 0.95)), 100)
+    values = np.arange(1.0, 101.0)
+    low, high, n = percentile_ci(np.r_[values, np.nan], 0.9)  # NaN replicates are dropped
+    assert (low, high, n) == (pytest.approx(np.quantile(values, 0.05)), pytest.approx(np.quantile(values, 0.95)), 100)
     assert percentile_ci(np.full(3, np.nan))[2] == 0
     assert paired_p_value(np.array([1.0, 2.0, 3.0, -1.0])) == 0.5  # 2 * (1 of 4 at or below 0)
     assert paired_p_value(np.zeros(10)) == 1.0
@@ -125,7 +125,3 @@ def test_holm_by_hand():
     got = holm(np.array([0.01, 0.04, 0.03, np.nan]))
     assert got[:3] == pytest.approx([0.03, 0.06, 0.06]) and np.isnan(got[3])
     assert holm(np.array([0.5, 0.9])) == pytest.approx([1.0, 1.0])
-
-
-def test_keys_are_the_contract_keys():
-    assert KEYS == ("prompt_id", "checkpoint", "position", "granularity", "layer", "kv_head")

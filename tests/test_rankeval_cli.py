@@ -61,7 +61,9 @@ def test_cli_writes_tables_and_config(inputs, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["config"]["rho"] == 0.25 and config["config"]["n_boot"] == 50 and config["config"]["harm"] == "quantile:0.9"
     assert config["inputs"]["labels"]["path"] == str(lp.resolve())
-    assert config["summary"]["n_evaluated"] == 240 and config["summary"]["warnings"] == []
+    assert config["summary"]["n_evaluated"] == 240
+    assert [w.split(":")[0] for w in config["summary"]["warnings"]] == ["4 prompt(s) only"]
+    assert "4 prompt(s) only" in res.output
 
 
 def test_cli_reference_none_and_scorer_subset(inputs, tmp_path):

@@ -153,6 +153,7 @@ def test_one_prompt_marks_degenerate_intervals():
     assert row["ci_low"] == row["ci_high"] == row["value"] and "degenerate: 1 prompt" in row["note"]
     paired = r.paired.filter(scorer="random", metric="auroc", scope="pooled").row(0, named=True)
     assert math.isnan(paired["p_value"]) and "degenerate" in paired["note"]
+    assert any("1 prompt(s) only" in w for w in r.summary["warnings"])
 
 
 def test_partial_join_warns_and_counts():
@@ -176,9 +177,15 @@ def test_granularity_must_be_one():
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        (lambda l, s: (l, s.with_columns(prompt_id="x" + pl.col("prompt_id"))), r"labels \(720 rows\) and scores \(720 rows\) match on 0 rows.*0 prompt_ids in common"),
+        (
+            lambda l, s: (l, s.with_columns(prompt_id="x" + pl.col("prompt_id"))),
+            r"labels \(720 rows\) and scores \(720 rows\) match on 0 rows.*0 prompt_ids in common",
+        ),
         (lambda l, s: (l, s.with_columns(random=pl.lit(float("nan")))), "'random' is NaN for all 720"),
-        (lambda l, s: (l, s.with_columns(random=pl.when(pl.col("position") == 3).then(None).otherwise(pl.col("random")))), "'random' is NaN for 18 of 720"),
+        (
+            lambda l, s: (l, s.with_columns(random=pl.when(pl.col("position") == 3).then(None).otherwise(pl.col("random")))),
+            "'random' is NaN for 18 of 720",
+        ),
         (lambda l, s: (l, s.with_columns(name=pl.lit("x"))), "'name' is String, not a numeric score"),
         (lambda l, s: (l.drop("kl_mean"), s), "lacks column 'kl_mean'"),
         (lambda l, s: (l, s.drop("kv_head")), r"scores lacks key column\(s\) kv_head"),

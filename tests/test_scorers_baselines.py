@@ -200,6 +200,15 @@ def test_random_is_seeded_and_candidate_independent(case):
     torch.testing.assert_close(get_scorer("random")(ctx), a[:, [3, 17]])
 
 
+@pytest.mark.parametrize("t,prompt_len", [(1, 0), (2, 2), (5, 1), (40, 3)])
+def test_every_scorer_is_finite_on_tiny_caches(t, prompt_len):
+    q, k, v = qkv(T=t, seed=t)
+    ctx = ScoreContext(q, k, v, 0.3, prompt_len)
+    for name in SCORERS:
+        s = get_scorer(name).scores(ctx)
+        assert s.shape == (HKV, t) and torch.isfinite(s).all(), name
+
+
 @pytest.mark.parametrize("name", sorted(SCORERS))
 def test_no_scorer_sees_the_future(name):
     """Scores at t are the same whether the layer's tensors end at t or continue with other data."""

@@ -30,6 +30,8 @@ _KEY_TYPES = {
 }
 METRICS = ("auroc", "ap", "prevalence", "topk_recall", "fsr", "fnr", "spearman")
 SCOPES = ("pooled", "macro")
+# below this many prompts, a percentile bootstrap over prompts has too few clusters to be trusted: warn
+FEW_PROMPTS = 10
 # bootstrap resamples evaluated together: [N, chunk] float64 arrays of ~1 MB stay in cache
 _CHUNK_CELLS = 1 << 17
 _MIN_CHUNK = 16  # ... but not so few resamples that per-call overhead dominates
@@ -121,7 +123,9 @@ def check_inputs(labels_meta: dict, scores_meta: dict) -> None:
     fp_l = (labels_meta.get("trace") or {}).get("fingerprint")
     fp_s = (scores_meta.get("trace") or {}).get("fingerprint")
     if fp_l and fp_s and fp_l != fp_s:
-        raise UserError(f"labels (trace {fp_l}) and scores (trace {fp_s}) come from different traces: score the trace the labels were made from")
+        raise UserError(
+            f"labels (trace {fp_l}) and scores (trace {fp_s}) come from different traces: score the trace the labels were made from"
+        )
 
 
 def _validate(cfg: RankEvalConfig) -> None:
@@ -231,6 +235,8 @@ def _prepare(labels: pl.DataFrame, scores: pl.DataFrame, cfg: RankEvalConfig) ->
             f"(kl_mean from {kl.min():.4g} to {kl.max():.4g}): choose another threshold"
         )
     pids, prompt = np.unique(df["prompt_id"].to_numpy(), return_inverse=True)
+    if len(pids) < FEW_PROMPTS and cfg.n_boot:
+        warnings.append(f"{len(pids)} prompt(s) only: intervals from a bootstrap over so few clusters are rough (label more prompts)")
     ckpt = df["checkpoint"].to_numpy()
     new = np.r_[True, (prompt[1:] != prompt[:-1]) | (ckpt[1:] != ckpt[:-1])]
     starts = np.r_[np.flatnonzero(new), len(y)]
@@ -399,7 +405,9 @@ def rank_eval(labels: pl.DataFrame, scores: pl.DataFrame, config: RankEvalConfig
                 e = est[name][(metric, scope)]
                 low, high, n_valid = percentile_ci(e.reps, cfg.ci_level)
                 note = _join_notes(e.note, _ci_note(n_valid, cfg, data.n_prompts) if np.isfinite(e.value) else "")
-                rows.append(dict(scorer=name, metric=metric, scope=scope, value=e.value, ci_low=low, ci_high=high, n=e.n, n_boot=n_valid, note=note))
+                rows.append(
+                    dict(scorer=name, metric=metric, scope=scope, value=e.value, ci_low=low, ci_high=high, n=e.n, n_boot=n_valid, note=note)
+                )
     metrics = pl.DataFrame(rows, schema=_METRICS_SCHEMA)
 
     paired = _paired(est, names, cfg, data.n_prompts)

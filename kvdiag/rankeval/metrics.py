@@ -212,8 +212,10 @@ def spearman(x: np.ndarray, s: np.ndarray, w: np.ndarray | None = None) -> float
     """Spearman correlation of ``s [N]`` and ``x [N]`` (average ranks); NaN if either is constant."""
     w, single = _weights(w, len(x))
     damage = _DamageRanks(_Groups(x), w)
-    st = _Stats.of(np.zeros(len(x)), s, w)
-    out = _spearman(st, st.groups.sums(damage.wdx), damage)[0]
+    groups = _Groups(s)
+    tot = groups.sums(w)
+    st = _Stats(groups, np.zeros_like(tot), tot)  # ranks need only the counts
+    out = _spearman(st, groups.sums(damage.wdx), damage)[0]
     return float(out[0]) if single else out
 
 

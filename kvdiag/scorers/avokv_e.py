@@ -33,7 +33,7 @@ def avokv_score(
 @register_scorer("avokv_e")
 @dataclass
 class AvoKVE(Scorer):
-    """AvoKV-E (Yu et al. 2026, arXiv 2610.03007), **reconstructed from the abstract**: the paper's formulas,
+    """AvoKV-E (Yu et al., Oct 2026), **reconstructed from the abstract**: the paper's formulas,
     windows and weights are unpublished, so every choice below is ours and a parameter (DESIGN.md).
 
     1. Eligibility: entries with age ``t - i > w_delay`` are candidates ``C_t``; younger ones are kept.

@@ -268,6 +268,8 @@ def percentile_rank(x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.
 
 def zscore(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``(x - mean) / std`` over the masked entries of the last axis (population std; 0 where std is 0)."""
+    if not bool(mask.any()):
+        return torch.full_like(x, float("nan"))
     sel = x[..., mask]
     mean = sel.mean(dim=-1, keepdim=True)
     std = sel.std(dim=-1, unbiased=False, keepdim=True)

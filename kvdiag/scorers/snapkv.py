@@ -40,8 +40,8 @@ class SnapKV(Scorer):
     def scores(self, ctx: ScoreContext) -> torch.Tensor:
         attn = ctx.window_attention(self.window)  # [H, w, t]
         prefix = ctx.t - attn.shape[1]
-        pool = avg_pool if self.pooling == "avgpool" else max_pool
-        pooled = pool(attn[:, :, :prefix].sum(dim=1), self.kernel_size)
         out = torch.zeros(ctx.num_kv_heads, ctx.t)
-        out[:, :prefix] = group_reduce(pooled, ctx.num_kv_heads)
+        if prefix > 0:
+            pool = avg_pool if self.pooling == "avgpool" else max_pool
+            out[:, :prefix] = group_reduce(pool(attn[:, :, :prefix].sum(dim=1), self.kernel_size), ctx.num_kv_heads)
         return protect(out, recent(ctx.t, attn.shape[1]))

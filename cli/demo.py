@@ -1,0 +1,73 @@
+"""``kvdiag demo``: the whole pipeline on the embedded model and builtin prompts, ending with a report.
+
+Each stage is the same command a user would type; the demo runs them in this process, records the
+exact command lines in the run directory (the report quotes them), and skips stages whose output
+exists, so an interrupted demo continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from cli import common
+
+
+def demo_commands(out: Path, model: str, prompts: str, limit: int, max_new_tokens: int, candidates: int,
+                  horizon: int, interval: int, bootstrap: int) -> list[tuple[str, Path, list[str]]]:
+    """(stage, output that marks it done, argv) for every stage of the pipeline."""
+    trace, labels, scores = out / "trace", out / "labels.parquet", out / "scores.parquet"
+    return [
+        ("trace", trace / "manifest.json",
+         ["trace", "--model", model, "--prompts", prompts, "--limit", str(limit), "--max-new-tokens", str(max_new_tokens),
+          "--out", str(trace)]),
+        ("label", labels,
+         ["label", "--trace", str(trace), "--out", str(labels), "--checkpoints", f"every:{interval}",
+          "--candidates", str(candidates), "--horizon", str(horizon)]),
+        ("score", scores, ["score", "--trace", str(trace), "--labels", str(labels), "--scorers", "all", "--out", str(scores)]),
+        ("rank-eval", out / "rank-eval" / "metrics.csv",
+         ["rank-eval", "--labels", str(labels), "--scores", str(scores), "--out", str(out / "rank-eval"),
+          "--bootstrap", str(bootstrap)]),
+        ("figures", out / "figures" / "stats.json",
+         ["figures", "--trace", str(trace), "--labels", str(labels), "--scores", str(scores), "--out", str(out / "figures"),
+          "--rank-eval", str(out / "rank-eval")]),
+        ("report", out / "report.md", ["report", "--run", str(out)]),
+    ]
+
+
+def demo(
+    out: Path = typer.Option(Path("runs/demo"), "--out", help="run directory"),
+    model: str = common.Model,
+    prompts: str = common.Prompts,
+    limit: int = typer.Option(6, "--limit", help="prompts to trace"),
+    max_new_tokens: int = typer.Option(384, "--max-new-tokens"),
+    candidates: int = typer.Option(64, "--candidates", help="labeled candidates per checkpoint"),
+    horizon: int = typer.Option(16, "--horizon"),
+    interval: int = typer.Option(64, "--interval", help="checkpoint every K generated tokens"),
+    bootstrap: int = typer.Option(1000, "--bootstrap"),
+) -> None:
+    """Run trace -> label -> score -> rank-eval -> figures -> report and print the report's path."""
+    from cli.main import app
+    from kvdiag.report import record_command
+
+    console = Console()
+    out.mkdir(parents=True, exist_ok=True)
+    stages = demo_commands(out, model, prompts, limit, max_new_tokens, candidates, horizon, interval, bootstrap)
+    start = time.perf_counter()
+    for i, (stage, done, argv) in enumerate(stages, 1):
+        line = "kvdiag " + shlex.join(argv)
+        if done.exists():
+            console.rule(f"[{i}/{len(stages)}] {stage}: done before, skipped")
+            continue
+        console.rule(f"[{i}/{len(stages)}] {stage}")
+        console.print(f"[dim]$ {line}[/]", highlight=False)
+        t0 = time.perf_counter()
+        app(args=argv, standalone_mode=False)
+        record_command(out, argv, seconds=time.perf_counter() - t0)
+    minutes = (time.perf_counter() - start) / 60
+    console.rule()
+    console.print(f"demo finished in {minutes:.1f} min; report: [bold]{out / 'report.md'}[/] (and {out / 'report.html'})")

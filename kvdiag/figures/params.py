@@ -1,0 +1,77 @@
+"""``FigureParams``: every threshold and definition of the Appendix D figures (ours unless noted; docs/figures.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvdiag.errors import UserError
+from kvdiag.rankeval import parse_harm
+
+PAYLOAD_KINDS = ("l2", "l1", "range", "var")  # features.value_payload kinds computable from the Trace alone
+READ_REDUCES = ("mean", "max")
+SCOPES = ("pooled", "macro")
+
+
+@dataclass(frozen=True)
+class FigureParams:
+    """Settings of ``make_figures`` (written to figures.json). Defaults are ours; see docs/figures.md.
+
+    Token-level features (per prompt, checkpoint ``t``, labeled candidate ``i``), averaged over layers and KV
+    heads (the mean over layers of each layer's KV-head mean):
+
+    - read pressure ``p_i``: DESIGN.md's candidate-normalized window attention mass
+      (``features.read_pressure`` over the window queries ``[t - w_obs, t)``), the candidate set being the
+      entries of age ``t - i > w_delay`` as in the ``avokv_e`` scorer (``w_delay = 0``: the whole cache);
+    - value payload ``b_i``: ``features.value_payload(v, payload)`` (``l2``: ``‖v_i‖₂``).
+    """
+
+    # --- features
+    w_obs: int = 32  # observation window W_obs: p's window queries [t - w_obs, t); (b)'s first window [i+1, i+1+w_obs)
+    w_delay: int = 128  # p is normalized over the entries of age > w_delay (AvoKV-E's C_t); 0: the whole cache
+    payload: str = "l2"  # value payload kind: l2 (‖v‖₂), l1, range (VaSE), var
+    # --- which labels are analysed (as rank-eval)
+    harm: str = "quantile:0.9"  # high damage: kl_mean > threshold; quantile:Q of the analysed labels, or abs:TAU nats
+    include_unresolved: bool = False  # keep labels with kl_mean <= noise_mult * noise_floor
+    noise_mult: float = 1.0
+    # --- (a) attention-only blind spot
+    low_attention_quantile: float = 0.5  # low attention: p < this quantile of p over the checkpoint's analysed candidates
+    large_payload_quantile: float = 0.75  # large payload: b > this quantile of b over the checkpoint's analysed candidates
+    # --- (b) delayed reads
+    read_reduce: str = "mean"  # read strength of query tau on key i: attention prob, mean (or max) over layers and query heads
+    strong_read_mult: float = 4.0  # strong read: read strength >= strong_read_mult / (tau + 1), i.e. that many times uniform attention
+    interval: int = 128  # a window-only rule compresses at t = prompt_len + k * interval (k >= 1), R-KV's schedule
+    # --- statistics
+    min_group: int = 5  # a test needs at least this many candidates in each group compared (else NaN + note)
+    ci_level: float = 0.95  # odds-ratio CI level; component CIs come from rank-eval's bootstrap at this level
+    # --- component figure (rank-eval settings, used when the metrics are computed here)
+    rho: float = 0.5  # eviction fraction of the false-safe rate
+    n_boot: int = 1000  # cluster-bootstrap resamples over prompts
+    seed: int = 0
+    scope: str = "pooled"  # pooled or macro (mean over checkpoints) metrics
+    # --- plotting and memory
+    log_floor: float = 1e-12  # values are drawn at max(x, log_floor) on log axes (the CSVs hold the raw values)
+    chunk_elements: int = 2**24  # attention probabilities [H, queries, keys] per chunk (64 MiB in fp32)
+    strength_elements: int = 2**26  # read-strength accumulator [T, candidates] per column block (256 MiB in fp32)
+
+    def __post_init__(self):
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise UserError(f"figure parameter {what}")
+
+        need(self.w_obs >= 1, f"w_obs={self.w_obs} must be >= 1 (e.g. 32)")
+        need(self.w_delay >= 0, f"w_delay={self.w_delay} must be >= 0 (0: normalize over the whole cache)")
+        need(self.payload in PAYLOAD_KINDS, f"payload={self.payload!r} must be one of {', '.join(PAYLOAD_KINDS)}")
+        parse_harm(self.harm)
+        need(self.noise_mult >= 0, f"noise_mult={self.noise_mult} must be >= 0")
+        for name in ("low_attention_quantile", "large_payload_quantile"):
+            need(0 < getattr(self, name) < 1, f"{name}={getattr(self, name)} must lie in (0, 1)")
+        need(self.read_reduce in READ_REDUCES, f"read_reduce={self.read_reduce!r} must be mean or max")
+        need(self.strong_read_mult > 0, f"strong_read_mult={self.strong_read_mult} must be > 0 (e.g. 4)")
+        need(self.interval >= 1, f"interval={self.interval} must be >= 1 (e.g. 128)")
+        need(self.min_group >= 1, f"min_group={self.min_group} must be >= 1")
+        need(0 < self.ci_level < 1, f"ci_level={self.ci_level} must lie in (0, 1)")
+        need(0 < self.rho < 1, f"rho={self.rho} must lie in (0, 1)")
+        need(self.n_boot >= 0, f"n_boot={self.n_boot} must be >= 0")
+        need(self.scope in SCOPES, f"scope={self.scope!r} must be pooled or macro")
+        need(self.log_floor > 0, f"log_floor={self.log_floor} must be > 0")
+        need(self.chunk_elements >= 1 and self.strength_elements >= 1, "chunk_elements and strength_elements must be >= 1")

@@ -1,0 +1,442 @@
+"""``build_report``: one Markdown report and one self-contained HTML page (images embedded) of a run directory.
+
+Run directory layout (every piece optional; the report lists the missing ones and the command that makes each)::
+
+    RUN/
+      commands.json      the exact commands run, in order: [{"argv": [...], "cwd", "time", "kvdiag_version"}]
+                         (appended by record_command(RUN, argv) — whoever runs a step records it)
+      trace/             kvdiag trace --out RUN/trace
+      labels.parquet     kvdiag label --trace RUN/trace --out RUN/labels.parquet
+      scores.parquet     kvdiag score --trace RUN/trace --labels RUN/labels.parquet --out RUN/scores.parquet
+      rank-eval/         kvdiag rank-eval --labels ... --scores ... --out RUN/rank-eval
+      figures/           kvdiag figures --trace ... --labels ... --scores ... --out RUN/figures
+      report.md, report.html   kvdiag report --run RUN
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+import os
+import re
+import shlex
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+from markdown_it import MarkdownIt
+
+from kvdiag import __version__
+from kvdiag.errors import UserError
+
+# piece -> (path in the run, command that makes it)
+LAYOUT = {
+    "trace": ("trace", "kvdiag trace --model MODEL --prompts PROMPTS --out RUN/trace"),
+    "labels": ("labels.parquet", "kvdiag label --trace RUN/trace --out RUN/labels.parquet"),
+    "scores": ("scores.parquet", "kvdiag score --trace RUN/trace --labels RUN/labels.parquet --out RUN/scores.parquet"),
+    "rank-eval": ("rank-eval", "kvdiag rank-eval --labels RUN/labels.parquet --scores RUN/scores.parquet --out RUN/rank-eval"),
+    "figures": ("figures", "kvdiag figures --trace RUN/trace --labels RUN/labels.parquet --scores RUN/scores.parquet --out RUN/figures"),
+    "commands": ("commands.json", "kvdiag.report.record_command(RUN, argv) after each step"),
+}
+KL_QUANTILES = (0.0, 0.1, 0.5, 0.9, 0.99, 1.0)
+DEFAULT_HARM = "quantile:0.9"
+HTML_STYLE = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;line-height:1.45;color:#222}
+table{border-collapse:collapse;margin:0.8em 0;font-size:0.9em}th,td{border:1px solid #ccc;padding:3px 8px}
+th{background:#f3f3f3}img{max-width:100%;border:1px solid #eee}pre{background:#f7f7f7;padding:0.7em;overflow-x:auto;
+font-size:0.85em}code{font-size:0.9em}h2{border-bottom:1px solid #ddd;padding-bottom:0.2em;margin-top:1.6em}"""
+
+
+def record_command(run_dir: str | os.PathLike, argv: list[str], cwd: str | os.PathLike | None = None) -> Path:
+    """Append one command (``argv`` as run, e.g. ``["kvdiag", "label", "--trace", ...]``) to RUN/commands.json
+    (created if missing; written atomically). Returns its path."""
+    run = Path(run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    path = run / "commands.json"
+    commands = _read_commands(path) if path.exists() else []
+    commands.append({"argv": [str(a) for a in argv], "cwd": str(cwd or os.getcwd()),
+                     "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "kvdiag_version": __version__})
+    fd, tmp = tempfile.mkstemp(dir=run, prefix=".commands.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(commands, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _read_commands(path: Path) -> list[dict]:
+    try:
+        commands = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path} is not valid JSON ({err.msg}): fix or delete it") from err
+    if not isinstance(commands, list):
+        raise UserError(f"{path} is not a list of commands: fix or delete it")
+    return commands
+
+
+# --------------------------------------------------------------------------- small Markdown helpers
+
+
+def _num(x, digits: int = 4) -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, (bool, np.bool_)):
+        return str(bool(x))
+    if isinstance(x, (int, np.integer)):
+        return f"{int(x):,}"
+    x = float(x)
+    if math.isnan(x):
+        return "n/a"
+    if x == int(x) and abs(x) < 1e9:
+        return f"{int(x):,}"
+    return f"{x:.{digits}g}"
+
+
+def _cell(x) -> str:
+    text = x if isinstance(x, str) else _num(x)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def md_table(headers: list[str], rows: list[list], align: str | None = None) -> str:
+    """A Markdown table; ``align`` one char per column (l or r; default: l then r)."""
+    align = align or "l" + "r" * (len(headers) - 1)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"]
+    lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _json_block(obj) -> str:
+    return "```json\n" + json.dumps(obj, indent=2, default=str) + "\n```\n"
+
+
+# --------------------------------------------------------------------------- sections
+
+
+class _Run:
+    """The pieces of a run directory, each loaded once; ``status[piece]`` says present / missing / unreadable."""
+
+    def __init__(self, run: Path):
+        self.run = run
+        self.status: dict[str, str] = {}
+        self.trace = self._load("trace", self._trace)
+        self.labels = self._load("labels", lambda p: self._table(p, "labels"))
+        self.scores = self._load("scores", lambda p: self._table(p, "scores"))
+        self.rank_eval = self._load("rank-eval", self._rank_eval)
+        self.figures = self._load("figures", self._figures)
+        self.commands = self._load("commands", _read_commands)
+
+    def _load(self, piece: str, loader):
+        path = self.run / LAYOUT[piece][0]
+        if not path.exists():
+            self.status[piece] = "missing"
+            return None
+        try:
+            value = loader(path)
+        except (UserError, OSError, ValueError) as err:
+            self.status[piece] = f"unreadable: {err}"
+            return None
+        self.status[piece] = "present"
+        return value
+
+    @staticmethod
+    def _trace(path: Path):
+        from kvdiag.trace import Trace
+
+        return Trace(path)
+
+    @staticmethod
+    def _table(path: Path, what: str):
+        from kvdiag.io import read_table
+
+        return read_table(path, what)
+
+    @staticmethod
+    def _rank_eval(path: Path) -> dict:
+        config = path / "config.json"
+        if not config.is_file():
+            raise UserError("config.json is missing (rank-eval did not finish)")
+        out = {"config": json.loads(config.read_text())}
+        for name in ("table.md", "metrics.csv"):
+            if (path / name).is_file():
+                out[name] = (path / name).read_text() if name.endswith(".md") else pl.read_csv(path / name)
+        return out
+
+    @staticmethod
+    def _figures(path: Path) -> dict:
+        info = path / "figures.json"
+        if not info.is_file():
+            raise UserError("figures.json is missing (kvdiag figures did not finish)")
+        return json.loads(info.read_text())
+
+
+def _contents(r: _Run) -> str:
+    rows = []
+    for piece, (rel, command) in LAYOUT.items():
+        status = r.status[piece]
+        rows.append([f"`{rel}`", status if status == "present" else f"**{status}**", "" if status == "present" else f"`{command}`"])
+    out = "## Contents of the run\n\n" + md_table(["piece", "status", "made by"], rows, "lll")
+    missing = [p for p, s in r.status.items() if s != "present"]
+    if missing:
+        out += f"\nMissing or unreadable: {', '.join(missing)}; their sections below say so.\n"
+    return out + _consistency(r)
+
+
+def _fingerprints(r: _Run) -> dict[str, str]:
+    """Which Trace each piece says it was made from."""
+    fps = {}
+    if r.trace is not None:
+        fps["trace"] = r.trace.fingerprint
+    for piece, loaded in (("labels", r.labels), ("scores", r.scores)):
+        if loaded is not None and (fp := (loaded[1].get("trace") or {}).get("fingerprint")):
+            fps[piece] = fp
+    if r.rank_eval is not None:
+        for what, info in r.rank_eval["config"].get("inputs", {}).items():
+            if fp := ((info.get("meta") or {}).get("trace") or {}).get("fingerprint"):
+                fps[f"rank-eval {what}"] = fp
+    if r.figures is not None and (fp := ((r.figures.get("inputs") or {}).get("trace") or {}).get("fingerprint")):
+        fps["figures"] = fp
+    return fps
+
+
+def _consistency(r: _Run) -> str:
+    fps = _fingerprints(r)
+    if not fps:
+        return "\nNo piece records a Trace fingerprint: consistency not checked.\n"
+    if len(set(fps.values())) == 1:
+        return f"\nAll pieces that record a Trace come from the same one (fingerprint `{next(iter(fps.values()))}`).\n"
+    listing = ", ".join(f"{k}: `{v}`" for k, v in fps.items())
+    return f"\n**Warning: the pieces come from different Traces** ({listing}); rerun the mismatched steps on one Trace.\n"
+
+
+def _trace_section(r: _Run) -> str:
+    out = "## What was traced\n\n"
+    if r.trace is None:
+        return out + f"The Trace is {r.status['trace']}: `{LAYOUT['trace'][1]}`.\n"
+    m = r.trace.manifest
+    model = m.get("model", {})
+    gen = m.get("generation", {})
+    out += md_table(["setting", "value"], [
+        ["model", f"`{model.get('spec')}` ({model.get('architecture', '?')}, dtype {model.get('dtype')}, device {model.get('device')})"],
+        ["weights / config hash", f"{model.get('weights_hash')} / {model.get('config_hash')}"],
+        ["layers × query heads × KV heads × head dim", f"{m['num_layers']} × {m['num_heads']} × {m['num_kv_heads']} × {m['head_dim']}"],
+        ["attention", str(m.get("attn_implementation"))],
+        ["storage dtype", str(m.get("storage_dtype"))],
+        ["generation", ", ".join(f"{k}={v}" for k, v in gen.items())],
+        ["prompts source", str(m.get("prompts_source"))],
+        ["Trace fingerprint", f"`{r.trace.fingerprint}`"],
+    ], "ll")
+    prompts = m.get("prompts", {})
+    rows = [[pid, p.get("prompt_len"), p.get("generated", p["length"] - p["prompt_len"]), p.get("length"), str(p.get("stop", ""))]
+            for pid, p in prompts.items()]
+    total = sum(p["length"] for p in prompts.values())
+    out += f"\n{len(prompts)} prompts, {total:,} positions in all.\n\n"
+    return out + md_table(["prompt", "prompt tokens", "generated", "length T", "stop"], rows, "lrrrl")
+
+
+def _harm(r: _Run) -> tuple[str, float, str]:
+    """The harm spec, noise multiplier and where they come from (rank-eval's config, else the figures', else defaults)."""
+    if r.rank_eval is not None:
+        cfg = r.rank_eval["config"].get("config", {})
+        return cfg.get("harm", DEFAULT_HARM), float(cfg.get("noise_mult", 1.0)), "rank-eval's settings"
+    if r.figures is not None:
+        p = r.figures.get("params", {})
+        return p.get("harm", DEFAULT_HARM), float(p.get("noise_mult", 1.0)), "the figures' settings"
+    return DEFAULT_HARM, 1.0, "the default settings"
+
+
+def label_statistics(labels: pl.DataFrame, harm: str = DEFAULT_HARM, noise_mult: float = 1.0) -> dict[str, dict]:
+    """Per granularity: counts, noise floors (one per checkpoint), the kl_mean distribution, unresolved labels
+    (``kl_mean <= noise_mult * noise_floor``) and the harm threshold and prevalence over the resolved ones."""
+    from kvdiag.rankeval import harm_threshold
+
+    out = {}
+    for (gran,), df in labels.sort("granularity").group_by("granularity", maintain_order=True):
+        kl = df["kl_mean"].to_numpy().astype(float)
+        floors = df.group_by("prompt_id", "checkpoint").agg(pl.col("noise_floor").first())["noise_floor"].to_numpy().astype(float)
+        unresolved = kl <= noise_mult * df["noise_floor"].to_numpy().astype(float)
+        resolved = kl[~unresolved]
+        threshold = harm_threshold(resolved, harm) if len(resolved) else float("nan")
+        s = {
+            "rows": df.height,
+            "prompts": df["prompt_id"].n_unique(),
+            "checkpoints": len(floors),
+            "candidates per checkpoint (median)": float(df.group_by("prompt_id", "checkpoint").len()["len"].median()),
+            "noise floor min": floors.min(), "noise floor median": float(np.median(floors)), "noise floor max": floors.max(),
+            "kl_mean mean": kl.mean(),
+            **{f"kl_mean q{q:g}": float(np.quantile(kl, q)) for q in KL_QUANTILES},
+            "unresolved": int(unresolved.sum()),
+            "unresolved share": float(unresolved.mean()),
+            "harm threshold": threshold,
+            "harmful": int((resolved > threshold).sum()) if len(resolved) else 0,
+            "prevalence": float((resolved > threshold).mean()) if len(resolved) else float("nan"),
+        }
+        out[gran] = s
+    return out
+
+
+def _labels_section(r: _Run) -> str:
+    out = "## Labels\n\n"
+    if r.labels is None:
+        return out + f"The labels are {r.status['labels']}: `{LAYOUT['labels'][1]}`.\n"
+    df, meta = r.labels
+    cfg = meta.get("config", {})
+    if meta.get("label"):
+        out += f"Label: {meta['label']}.\n\n"
+    if cfg:
+        out += "Settings: " + ", ".join(f"{k} = {v}" for k, v in cfg.items()) + ".\n\n"
+    harm, noise_mult, source = _harm(r)
+    stats = label_statistics(df, harm, noise_mult)
+    grans = list(stats)
+    names = list(next(iter(stats.values()))) if stats else []
+    out += md_table(["statistic", *grans], [[n, *(stats[g][n] for g in grans)] for n in names], "l" + "r" * len(grans))
+    return out + (f"\nNoise floor: the KL of a null eviction at each checkpoint. Unresolved: kl_mean <= {noise_mult:g} × noise floor. "
+                  f"Harmful: kl_mean above the threshold of `{harm}` over the resolved labels ({source}).\n")
+
+
+def _scores_section(r: _Run) -> str:
+    out = "## Scores\n\n"
+    if r.scores is None:
+        return out + f"The scores are {r.status['scores']}: `{LAYOUT['scores'][1]}`.\n"
+    df, meta = r.scores
+    scorers = meta.get("scorers") or {c: {} for c in df.columns if df.schema[c].is_float()}
+    out += f"{df.height:,} rows; aggregation `{meta.get('aggregation', '?')}`"
+    out += f" ({meta['aggregation_doc']}).\n\n" if meta.get("aggregation_doc") else ".\n\n"
+    rows = [[f"`{name}`", ", ".join(f"{k}={v}" for k, v in (params or {}).items()) or "—"] for name, params in scorers.items()]
+    return out + md_table(["scorer", "parameters"], rows, "ll")
+
+
+def _rank_eval_section(r: _Run) -> str:
+    out = "## Ranking metrics (Table 3)\n\n"
+    if r.rank_eval is None:
+        return out + f"rank-eval is {r.status['rank-eval']}: `{LAYOUT['rank-eval'][1]}`.\n"
+    cfg = r.rank_eval["config"]
+    out += r.rank_eval.get("table.md", "*table.md is missing.*\n")
+    warnings = cfg.get("summary", {}).get("warnings") or []
+    if warnings:
+        out += "\n" + "\n".join(f"- warning: {w}" for w in warnings) + "\n"
+    return out + "\nAll metrics with their CIs and notes: `rank-eval/metrics.csv`; paired differences: `rank-eval/paired.csv`.\n"
+
+
+def _stats_table(path: Path) -> str:
+    df = pl.read_csv(path, schema_overrides={"value": pl.Float64, "note": pl.String})
+    return md_table(["statistic", "value", "note"], [[r["statistic"], r["value"], r["note"] or ""] for r in df.iter_rows(named=True)], "lrl")
+
+
+def _components_table(path: Path) -> str:
+    from kvdiag.figures.components import METRICS, RANDOM_SCORER
+
+    df = pl.read_csv(path, schema_overrides={"value": pl.Float64, "ci_low": pl.Float64, "ci_high": pl.Float64, "note": pl.String})
+    rows = []
+    for (variant,), g in df.filter(pl.col("scorer") != RANDOM_SCORER).group_by("variant", maintain_order=True):
+        cells = []
+        for metric, _ in METRICS:
+            hit = g.filter(pl.col("metric") == metric)
+            v, lo, hi = (hit.row(0)[hit.columns.index(c)] for c in ("value", "ci_low", "ci_high")) if hit.height else (None,) * 3
+            cells.append("n/a" if v is None or math.isnan(v) else f"{v:.3f}" + ("" if lo is None or math.isnan(lo) else f" [{lo:.3f}, {hi:.3f}]"))
+        rows.append([variant, *cells])
+    return md_table(["Variant", *(h for _, h in METRICS)], rows, "l" + "r" * len(METRICS))
+
+
+def _figures_section(r: _Run, rel: str) -> str:
+    from kvdiag.figures import FIGURES
+
+    out = "## Figures\n\n"
+    if r.figures is None:
+        return out + f"The figures are {r.status['figures']}: `{LAYOUT['figures'][1]}`.\n"
+    fig_dir = r.run / "figures"
+    params = r.figures.get("params", {})
+    out += "Parameters: " + ", ".join(f"{k} = {v}" for k, v in params.items()) + " (docs/figures.md).\n\n"
+    for name, (title, csvs) in FIGURES.items():
+        out += f"### {title}\n\n"
+        png = fig_dir / f"{name}.png"
+        if png.is_file():
+            out += f"![{title}]({rel}/figures/{name}.png)\n\n"
+            out += f"[PDF]({rel}/figures/{name}.pdf) · " + " · ".join(f"[{c}]({rel}/figures/{c})" for c in csvs) + "\n\n"
+        else:
+            out += f"**{name}.png is missing** from figures/.\n\n"
+        main = fig_dir / csvs[0]
+        if main.is_file():
+            out += _components_table(main) if name == "components" else _stats_table(main)
+            out += "\n"
+    notes = r.figures.get("summary", {}).get("notes") or []
+    if notes:
+        out += "### Notes\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+    return out
+
+
+def _commands_section(r: _Run) -> str:
+    out = "## Commands and configuration\n\n"
+    if r.commands:
+        out += "The commands that produced this run, in order (`commands.json`):\n\n```bash\n"
+        out += "".join(f"# {c.get('time', '')}  (cwd {c.get('cwd', '?')})\n{shlex.join(c['argv'])}\n" for c in r.commands) + "```\n\n"
+    else:
+        out += f"`commands.json` is {r.status['commands']}: the exact commands were not recorded (record them with "
+        out += "`kvdiag.report.record_command(RUN, argv)`); the configurations below determine the outputs.\n\n"
+        if r.figures is not None and r.figures.get("argv"):
+            out += f"The figures were made by:\n\n```bash\n{shlex.join(r.figures['argv'])}\n```\n\n"
+    configs = []
+    if r.labels is not None:
+        configs.append(("labels (`labels.parquet` metadata)", {k: r.labels[1].get(k) for k in ("config", "model", "trace") if k in r.labels[1]}))
+    if r.scores is not None:
+        configs.append(("scores (`scores.parquet` metadata)", {k: r.scores[1].get(k) for k in ("scorers", "aggregation", "source", "trace") if k in r.scores[1]}))
+    if r.rank_eval is not None:
+        configs.append(("rank-eval (`rank-eval/config.json`)", r.rank_eval["config"].get("config", {})))
+    if r.figures is not None:
+        configs.append(("figures (`figures/figures.json`)", r.figures.get("params", {})))
+    for title, cfg in configs:
+        out += f"**{title}**\n\n" + _json_block(cfg) + "\n"
+    return out
+
+
+# --------------------------------------------------------------------------- Markdown -> HTML
+
+
+def markdown_to_html(markdown: str, base: Path, title: str) -> str:
+    """A self-contained HTML page: Markdown rendered by markdown-it (tables on), local PNG images embedded as
+    base64 data URIs (paths relative to ``base``)."""
+    body = MarkdownIt("commonmark", {"html": False}).enable("table").render(markdown)
+
+    def embed(match: re.Match) -> str:
+        src = html.unescape(match.group(1))
+        path = (base / src).resolve()
+        if src.startswith(("data:", "http:", "https:")) or not path.is_file():
+            return match.group(0)
+        data = base64.b64encode(path.read_bytes()).decode()
+        return f'src="data:image/png;base64,{data}"'
+
+    body = re.sub(r'src="([^"]+\.png)"', embed, body)
+    return (f"<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>{html.escape(title)}</title>\n"
+            f"<style>\n{HTML_STYLE}\n</style>\n</head>\n<body>\n{body}</body>\n</html>\n")
+
+
+def build_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> tuple[Path, Path]:
+    """Write ``report.md`` and ``report.html`` (self-contained) for the run directory ``run_dir`` (layout: module
+    docstring) into ``out_dir`` (default: the run directory). Returns ``(md_path, html_path)``.
+
+    Missing or unreadable pieces are listed and skipped; pieces made from different Traces are flagged.
+    A run directory that does not exist or holds no piece at all is a ``UserError``.
+    """
+    from kvdiag.figures import writable_dir
+
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise UserError(f"--run {run} is not a directory: pass the run directory (trace/, labels.parquet, ...)")
+    r = _Run(run)
+    if all(s == "missing" for s in r.status.values()):
+        expected = ", ".join(rel for rel, _ in LAYOUT.values())
+        raise UserError(f"--run {run} holds no kvdiag run piece (expected some of {expected}); pass the run directory")
+    out = writable_dir(out_dir or run, "--out")
+    rel = os.path.relpath(run.resolve(), out.resolve()).replace(os.sep, "/")
+    title = f"kvdiag report: {run.resolve().name}"
+    md = "\n".join([
+        f"# {title}\n",
+        f"Run directory `{run.resolve()}`; report made {time.strftime('%Y-%m-%d %H:%M:%S %Z')} by kvdiag {__version__}.\n",
+        _contents(r), _trace_section(r), _labels_section(r), _scores_section(r), _rank_eval_section(r),
+        _figures_section(r, rel), _commands_section(r),
+    ])
+    md_path, html_path = out / "report.md", out / "report.html"
+    md_path.write_text(md)
+    html_path.write_text(markdown_to_html(md, out, title))
+    return md_path, html_path

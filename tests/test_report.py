@@ -1,0 +1,184 @@
+"""``kvdiag report``: the Markdown and self-contained HTML report of a run directory; missing pieces; bad input."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import re
+import shlex
+import shutil
+
+import numpy as np
+import polars as pl
+import pytest
+from typer.testing import CliRunner
+
+import cli.main
+from kvdiag.errors import UserError
+from kvdiag.figures import FigureParams, make_figures
+from kvdiag.io import write_table
+from kvdiag.label import LABEL_SCHEMA
+from kvdiag.rankeval import KEYS
+from kvdiag.report import build_report, label_statistics, record_command
+
+
+def synthetic_labels(trace, seed: int = 0) -> pl.DataFrame:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for pid in trace.prompt_ids:
+        T, ids = trace.length(pid), trace.token_ids(pid)
+        for t in (T - 60, T):
+            for i in np.sort(rng.choice(t, 30, replace=False)):
+                kl = float(np.exp(rng.normal(-6, 2)))
+                rows.append(dict(prompt_id=pid, checkpoint=t, position=int(i), granularity="token", layer=-1, kv_head=-1,
+                                 horizon=16, kl_mean=kl, kl_max=kl, kl_steps=[kl], js_mean=kl / 4, nll_delta=0.0, top1_flips=0,
+                                 noise_floor=1e-4 * (1 + (t == T)), age=t - int(i), token_id=int(ids[i])))
+    return pl.DataFrame(rows, schema=LABEL_SCHEMA)
+
+
+def table_value(md: str, name: str) -> str:
+    """The first value cell of the Markdown table row whose first cell is ``name``."""
+    match = re.search(rf"^\| {re.escape(name)} \| ([^|]*) \|", md, re.MULTILINE)
+    assert match, name
+    return match.group(1).strip()
+
+
+def as_float(cell: str) -> float:
+    return float("nan") if cell == "n/a" else float(cell.replace(",", ""))
+
+
+@pytest.fixture(scope="module")
+def run(tiny_trace, tmp_path_factory):
+    """A complete run directory, made the way ``kvdiag demo`` would: each step recorded in commands.json."""
+    root = tmp_path_factory.mktemp("report") / "run"
+    shutil.copytree(tiny_trace.path, root / "trace")
+    labels = synthetic_labels(tiny_trace)
+    rng = np.random.default_rng(1)
+    scores = labels.select(KEYS).with_columns(**{n: pl.Series(rng.normal(size=labels.height))
+                                                 for n in ("attention", "rkv", "avokv_e", "avokv_e_no_payload")})
+    prov = {"trace": tiny_trace.provenance}
+    write_table(labels, root / "labels.parquet", {"kind": "labels", **prov})
+    write_table(scores, root / "scores.parquet", {"kind": "scores", **prov})
+    record_command(root, ["kvdiag", "trace", "--model", "tiny:llama", "--out", root / "trace"])
+    argv = ["rank-eval", "--labels", str(root / "labels.parquet"), "--scores", str(root / "scores.parquet"),
+            "--out", str(root / "rank-eval"), "--bootstrap", "50"]
+    assert CliRunner().invoke(cli.main.app, argv).exit_code == 0
+    record_command(root, ["kvdiag", *argv])
+    fig_argv = ["kvdiag", "figures", "--trace", str(root / "trace"), "--w-obs", "8"]
+    make_figures(tiny_trace, labels, scores, root / "figures", FigureParams(w_obs=8, w_delay=64, n_boot=20), command=fig_argv)
+    record_command(root, fig_argv)
+    md_path, html_path = build_report(root)
+    return {"root": root, "labels": labels, "md": md_path.read_text(), "html": html_path.read_text(), "paths": (md_path, html_path)}
+
+
+def test_record_command_appends_in_order(tmp_path):
+    record_command(tmp_path, ["kvdiag", "label", "--out", tmp_path / "l.parquet"])
+    path = record_command(tmp_path, ["kvdiag", "score", "--scorers", "a b"])
+    commands = json.loads(path.read_text())
+    assert [c["argv"][1] for c in commands] == ["label", "score"]
+    assert commands[1]["argv"][-1] == "a b" and commands[0]["kvdiag_version"]
+
+
+def test_report_describes_the_whole_run(run, tiny_trace):
+    md, root = run["md"], run["root"]
+    assert run["paths"] == (root / "report.md", root / "report.html")
+    for heading in ("Contents of the run", "What was traced", "Labels", "Scores", "Ranking metrics (Table 3)", "Figures",
+                    "Commands and configuration"):
+        assert f"## {heading}" in md
+    assert "**missing**" not in md and "Warning" not in md
+    assert f"same one (fingerprint `{tiny_trace.fingerprint}`)" in md
+    for pid in tiny_trace.prompt_ids:
+        assert re.search(rf"^\| {pid} \| {tiny_trace.prompt_len(pid)} \| \d+ \| {tiny_trace.length(pid)} \|", md, re.MULTILINE)
+    assert (root / "rank-eval" / "table.md").read_text() in md  # the Table-3-shaped table with CIs, verbatim
+    commands = json.loads((root / "commands.json").read_text())
+    for c in commands:
+        assert shlex.join(c["argv"]) in md
+    assert '"w_obs": 8' in md  # the figures' configuration
+
+
+def test_label_statistics_match_an_independent_computation(run):
+    md, labels = run["md"], run["labels"]
+    kl = labels["kl_mean"].to_numpy()
+    unresolved = kl <= labels["noise_floor"].to_numpy()
+    resolved = np.sort(kl[~unresolved])
+    h = (len(resolved) - 1) * 0.9
+    threshold = resolved[int(h)] + (h - int(h)) * (resolved[int(h) + 1] - resolved[int(h)])
+    expected = {
+        "rows": labels.height, "checkpoints": 4, "unresolved": int(unresolved.sum()),
+        "noise floor min": 1e-4, "noise floor max": 2e-4, "kl_mean q0.5": float(np.median(kl)),
+        "harm threshold": threshold, "harmful": int((resolved > threshold).sum()),
+        "prevalence": float((resolved > threshold).mean()),
+    }
+    assert expected["unresolved"] > 0
+    for name, value in expected.items():
+        assert as_float(table_value(md, name)) == pytest.approx(value, rel=1e-3), name
+    stats = label_statistics(labels)["token"]
+    assert stats["kl_mean q0.99"] == pytest.approx(float(np.quantile(kl, 0.99)))
+
+
+def test_figure_statistics_in_the_report_are_the_csv_numbers(run):
+    md, fig = run["md"], run["root"] / "figures"
+    for csv in ("blind_spot_stats.csv", "delayed_reads_stats.csv"):
+        stats = pl.read_csv(fig / csv, schema_overrides={"value": pl.Float64, "note": pl.String})
+        for r in stats.iter_rows(named=True):
+            shown = as_float(table_value(md.split(f"[{csv}]", 1)[1], r["statistic"]))
+            assert (math.isnan(shown) and math.isnan(r["value"])) or shown == pytest.approx(r["value"], rel=1e-3), r["statistic"]
+    comp = pl.read_csv(fig / "components.csv", schema_overrides={"note": pl.String})
+    auroc = comp.filter((pl.col("scorer") == "avokv_e") & (pl.col("metric") == "auroc")).row(0, named=True)
+    assert table_value(md, "AvoKV-E") == f"{auroc['value']:.3f} [{auroc['ci_low']:.3f}, {auroc['ci_high']:.3f}]"
+    assert table_value(md, "− rank norm. (raw)") == "n/a"  # not scored: said so, not dropped
+
+
+def test_html_is_self_contained(run):
+    page, fig = run["html"], run["root"] / "figures"
+    sources = re.findall(r'<img src="([^"]+)"', page)
+    assert len(sources) == 3 and all(s.startswith("data:image/png;base64,") for s in sources)
+    embedded = {base64.b64decode(s.split(",", 1)[1]) for s in sources}
+    assert embedded == {(fig / f"{n}.png").read_bytes() for n in ("blind_spot", "delayed_reads", "components")}
+    assert page.count("<table>") >= 6 and "<h2>Ranking metrics (Table 3)</h2>" in page
+
+
+def test_missing_pieces_are_listed(run, tmp_path):
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    shutil.copy(run["root"] / "labels.parquet", partial / "labels.parquet")
+    (partial / "figures").mkdir()  # started but unfinished: no figures.json
+    md = build_report(partial)[0].read_text()
+    assert table_value(md, "`labels.parquet`") == "present"
+    assert table_value(md, "`trace`") == "**missing**"
+    assert table_value(md, "`figures`").startswith("**unreadable: figures.json is missing")
+    assert "kvdiag rank-eval --labels RUN/labels.parquet" in md and "commands were not recorded" in md
+    assert as_float(table_value(md, "rows")) == run["labels"].height
+
+
+def test_pieces_from_different_traces_are_flagged(run, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(run["root"], other)
+    info = json.loads((other / "figures" / "figures.json").read_text())
+    info["inputs"]["trace"]["fingerprint"] = "feedfacefeedface"
+    (other / "figures" / "figures.json").write_text(json.dumps(info))
+    md = build_report(other, tmp_path / "elsewhere")[0].read_text()
+    assert "Warning: the pieces come from different Traces" in md and "figures: `feedfacefeedface`" in md
+    assert "](../other/figures/blind_spot.png)" in md  # images relative to the report's own directory
+
+
+def test_bad_run_directory(tmp_path, capsys, run):
+    with pytest.raises(UserError, match="not a directory"):
+        build_report(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="holds no kvdiag run piece"):
+        build_report(tmp_path / "empty")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(UserError, match="not a writable directory"):
+        build_report(run["root"], blocker / "out")
+    with pytest.raises(SystemExit) as err:
+        cli.main.main(["report", "--run", str(tmp_path / "empty")])
+    assert err.value.code == 2 and "holds no kvdiag run piece" in capsys.readouterr().err
+
+
+def test_cli_report(run, tmp_path):
+    result = CliRunner().invoke(cli.main.app, ["report", "--run", str(run["root"]), "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "report.html").stat().st_size > 100_000 and "## Figures" in (tmp_path / "report.md").read_text()
