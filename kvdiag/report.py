@@ -158,9 +158,8 @@ class _Run:
         if not config.is_file():
             raise UserError("config.json is missing (rank-eval did not finish)")
         out = {"config": json.loads(config.read_text())}
-        for name in ("table.md", "metrics.csv"):
-            if (path / name).is_file():
-                out[name] = (path / name).read_text() if name.endswith(".md") else pl.read_csv(path / name)
+        if (path / "table.md").is_file():
+            out["table.md"] = (path / "table.md").read_text()
         return out
 
     @staticmethod
@@ -328,14 +327,15 @@ def _components_table(path: Path) -> str:
     from kvdiag.figures.components import METRICS, RANDOM_SCORER
 
     df = pl.read_csv(path, schema_overrides={"value": pl.Float64, "ci_low": pl.Float64, "ci_high": pl.Float64, "note": pl.String})
-    rows = []
-    for (variant,), g in df.filter(pl.col("scorer") != RANDOM_SCORER).group_by("variant", maintain_order=True):
-        cells = []
-        for metric, _ in METRICS:
-            hit = g.filter(pl.col("metric") == metric)
-            v, lo, hi = (hit.row(0)[hit.columns.index(c)] for c in ("value", "ci_low", "ci_high")) if hit.height else (None,) * 3
-            cells.append("n/a" if v is None or math.isnan(v) else f"{v:.3f}" + ("" if lo is None or math.isnan(lo) else f" [{lo:.3f}, {hi:.3f}]"))
-        rows.append([variant, *cells])
+    cells = {(r["variant"], r["metric"]): r for r in df.filter(pl.col("scorer") != RANDOM_SCORER).iter_rows(named=True)}
+
+    def cell(r: dict | None) -> str:
+        if r is None or math.isnan(r["value"]):
+            return "n/a"
+        return f"{r['value']:.3f}" + ("" if math.isnan(r["ci_low"]) else f" [{r['ci_low']:.3f}, {r['ci_high']:.3f}]")
+
+    variants = list(dict.fromkeys(v for v, _ in cells))
+    rows = [[v, *(cell(cells.get((v, m))) for m, _ in METRICS)] for v in variants]
     return md_table(["Variant", *(h for _, h in METRICS)], rows, "l" + "r" * len(METRICS))
 
 
@@ -376,11 +376,14 @@ def _commands_section(r: _Run) -> str:
         out += "`kvdiag.report.record_command(RUN, argv)`); the configurations below determine the outputs.\n\n"
         if r.figures is not None and r.figures.get("argv"):
             out += f"The figures were made by:\n\n```bash\n{shlex.join(r.figures['argv'])}\n```\n\n"
+    def pick(meta: dict, keys: tuple[str, ...]) -> dict:
+        return {k: meta[k] for k in keys if k in meta}
+
     configs = []
     if r.labels is not None:
-        configs.append(("labels (`labels.parquet` metadata)", {k: r.labels[1].get(k) for k in ("config", "model", "trace") if k in r.labels[1]}))
+        configs.append(("labels (`labels.parquet` metadata)", pick(r.labels[1], ("config", "model", "trace"))))
     if r.scores is not None:
-        configs.append(("scores (`scores.parquet` metadata)", {k: r.scores[1].get(k) for k in ("scorers", "aggregation", "source", "trace") if k in r.scores[1]}))
+        configs.append(("scores (`scores.parquet` metadata)", pick(r.scores[1], ("scorers", "aggregation", "source", "trace"))))
     if r.rank_eval is not None:
         configs.append(("rank-eval (`rank-eval/config.json`)", r.rank_eval["config"].get("config", {})))
     if r.figures is not None:

@@ -153,3 +153,21 @@ def test_runner_refuses_bad_schedule_and_other_model(tiny_trace, tiny_qwen3, tin
         label_trace(tiny_trace, tiny_llama, tmp_path / "l.parquet", LabelConfig(horizon=10_000), show_progress=False)
     with pytest.raises(UserError, match="outside"):
         label_trace(tiny_trace, tiny_llama, tmp_path / "l.parquet", LabelConfig(checkpoints="0,5"), show_progress=False)
+
+
+def test_divergences_match_textbook_formulas():
+    """KL, JS (via m = (p+q)/2), NLL delta and flips against direct float64 formulas."""
+    g = torch.Generator().manual_seed(1)
+    lf = torch.log_softmax(torch.randn(3, 50, generator=g) * 3, -1)
+    le = torch.log_softmax(lf[None] + torch.randn(5, 3, 50, generator=g) * torch.tensor([0, 1e-3, 0.1, 1, 5])[:, None, None], -1)
+    targets = torch.tensor([4, 7])
+    got = divergences(lf, le, targets, chunk=2)
+    p, q = lf.double().exp()[None], le.double().exp()
+    m = (p + q) / 2
+    kl = (p * (p.log() - q.log())).sum(-1)
+    js = 0.5 * (p * (p / m).log()).sum(-1) + 0.5 * (q * (q / m).log()).sum(-1)
+    torch.testing.assert_close(got["kl"].double(), kl, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(got["js"].double(), js, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(got["nll_delta"], lf[[0, 1], targets] - le[:, [0, 1], targets], rtol=0, atol=1e-6)
+    assert got["kl"][0].abs().max() == 0 and got["js"][0].abs().max() == 0
+    assert got["flips"].tolist() == (le.argmax(-1) != lf.argmax(-1)).sum(-1).tolist()

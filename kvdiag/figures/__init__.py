@@ -168,7 +168,7 @@ def make_figures(
     rows_a, files_a = blind_spot_figure(points, threshold, params, out, extra)
 
     entry_kl = analysed.group_by("prompt_id", "position").agg(kl=pl.col("kl_mean").mean())
-    reads = reads.join(entry_kl, on=["prompt_id", "position"], how="left")
+    reads = reads.join(entry_kl, on=["prompt_id", "position"], how="left", maintain_order="left")
     rows_b, files_b = delayed_reads_figure(reads, params, out)
 
     note, given = "", metrics is not None

@@ -132,9 +132,10 @@ def plot_delayed_reads(entries: pl.DataFrame, hist: pl.DataFrame, rows: list[dic
                 sns.boxplot(x=groups, y=y, order=order, hue=groups, hue_order=order, palette="deep", showfliers=False, ax=ax3, legend=False)
             sns.stripplot(x=groups, y=y, order=order, color="black", size=2.5, alpha=0.6, ax=ax3)
             ax3.set_yscale("log")
-        ax3.set_xlabel(f"weak first-window reads: {int(s['n_kl_delayed'])} delayed, {int(s['n_kl_never'])} never read")
+        ax3.set_xlabel(f"delayed: n = {int(s['n_kl_delayed'])}, never read: n = {int(s['n_kl_never'])}")
         ax3.set_ylabel("eviction KL (mean kl_mean, nats)")
-        ax3.set_title(f"eviction KL, Mann-Whitney U (delayed > never):\np = {fmt(s['mwu_p'])}, rank-biserial r = {fmt(s['rank_biserial'])}", fontsize=8)
+        ax3.set_title("eviction KL, Mann-Whitney U (delayed > never):\n"
+                      f"p = {fmt(s['mwu_p'])}, rank-biserial r = {fmt(s['rank_biserial'])}", fontsize=8)
         if "mwu_p" in notes:
             note_on(ax3, notes["mwu_p"], width=45)
         fig.suptitle("(b) delayed-read effect", fontsize=10)

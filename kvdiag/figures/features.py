@@ -70,7 +70,7 @@ def trace_pressure_payload(trace, keys: pl.DataFrame, w_obs: int, w_delay: int, 
             "value_payload": np.concatenate([(b_sum[t] / L).numpy() for t in positions]),
         }, schema={"prompt_id": pl.String, "checkpoint": pl.Int64, "position": pl.Int64,
                    "read_pressure": pl.Float64, "value_payload": pl.Float64}))
-    return keys.join(pl.concat(frames), on=["prompt_id", "checkpoint", "position"], how="left") if frames else keys
+    return keys.join(pl.concat(frames), on=["prompt_id", "checkpoint", "position"], how="left", maintain_order="left") if frames else keys
 
 
 def layer_read_strength(

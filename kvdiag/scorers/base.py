@@ -28,9 +28,16 @@ from kvdiag.errors import UserError
 class ScoreContext:
     """Everything a scorer may read at one (prompt, checkpoint ``t``, layer): the cache ``[0, t)``.
 
+    A *live* context (``positions`` given, as in ``kvdiag replay``) describes a compacted cache instead: it
+    holds the ``t`` entries at absolute ``positions`` (ascending) of a checkpoint ``checkpoint``, and ``q``
+    only the last ``w`` queries, at positions ``[checkpoint - w, checkpoint)`` (what a real compressor keeps).
+    Causality, ages, recent windows and sinks then follow the absolute positions; features that need every
+    past query (:meth:`column_sum`, :meth:`recurrence`, :meth:`sparsity`) raise :class:`HistoryUnavailable`.
+
     Parameters
     ----------
-    q : [H, t, d] fp32 post-RoPE queries at positions ``< t`` only (a scorer never sees the future).
+    q : [H, t, d] fp32 post-RoPE queries at positions ``< t`` only (a scorer never sees the future);
+        live: [H, w, d], the queries at positions ``[checkpoint - w, checkpoint)``.
     k, v : [Hkv, t, d] fp32 cached keys and values.
     scale : the model's attention scale (1/√d for Llama/Qwen).
     prompt_len : prompt tokens; positions ``>= prompt_len`` were generated.
@@ -40,6 +47,9 @@ class ScoreContext:
     o_proj : the layer's output projection [hidden, H*d] (only for the ``wo_l2`` payload), or None.
     history : the layer's :class:`kvdiag.features.AttentionHistory` shared across checkpoints; built from
         ``q``/``k`` on first use when None.
+    positions : LongTensor [t], ascending absolute positions of the cached entries (live context), or None:
+        the full cache, ``arange(t)``.
+    checkpoint : the absolute checkpoint (live: required, ``> positions[-1]``); None: ``t``.
     """
 
     q: torch.Tensor
@@ -54,11 +64,22 @@ class ScoreContext:
     o_proj: torch.Tensor | None = None
     history: F.AttentionHistory | None = None
     cache: dict = field(default_factory=dict, repr=False)
+    positions: torch.Tensor | None = None
+    checkpoint: int | None = None
+    live: bool = field(init=False, repr=False)
 
     def __post_init__(self):
         self.q, self.k, self.v = self.q.float(), self.k.float(), self.v.float()
-        if self.q.shape[1] != self.t or self.v.shape[1] != self.t:
+        self.live = self.positions is not None
+        if self.v.shape[1] != self.t or (not self.live and self.q.shape[1] != self.t):
             raise ValueError(f"q {tuple(self.q.shape)}, k {tuple(self.k.shape)}, v {tuple(self.v.shape)}: need the same t")
+        if self.live:
+            if self.checkpoint is None or self.positions.shape != (self.t,):
+                raise ValueError(f"a live context needs positions [t={self.t}] and a checkpoint")
+            if (self.t and int(self.positions[-1]) >= self.checkpoint) or self.q.shape[1] > self.checkpoint:
+                raise ValueError(f"live context: entries and queries must precede the checkpoint {self.checkpoint}")
+        else:
+            self.positions, self.checkpoint = torch.arange(self.t), self.t
         group_size(self.num_heads, self.num_kv_heads)
         if self.candidates is None:
             self.candidates = torch.arange(self.t)
@@ -67,7 +88,7 @@ class ScoreContext:
 
     @property
     def t(self) -> int:
-        """The checkpoint: number of cached entries."""
+        """Number of cached entries (the checkpoint, unless the context is live)."""
         return self.k.shape[1]
 
     @property
@@ -80,8 +101,23 @@ class ScoreContext:
 
     @property
     def age(self) -> torch.Tensor:
-        """[t] ``t - i`` for every cached entry ``i``."""
-        return self.t - torch.arange(self.t)
+        """[t] ``checkpoint - position`` of every cached entry (``t - i`` for the full cache)."""
+        return self.checkpoint - self.positions
+
+    def recent(self, window: int) -> torch.Tensor:
+        """[t] bool: entries at positions ``>= checkpoint - window`` (the last ``window`` of the full cache)."""
+        return self.positions >= self.checkpoint - window
+
+    def sinks(self, n_sink: int) -> torch.Tensor:
+        """[t] bool: entries at positions ``< n_sink`` (attention sinks, if still cached)."""
+        return self.positions < n_sink
+
+    def window_queries(self, window: int) -> torch.Tensor:
+        """[H, w, d] the queries at positions ``[checkpoint - window, checkpoint)`` (clipped at 0)."""
+        w = min(window, self.checkpoint)
+        if w > self.q.shape[1]:
+            raise ValueError(f"a window of {window} queries was asked, the live context holds {self.q.shape[1]}")
+        return self.q[:, self.q.shape[1] - w :]
 
     def cached(self, key: tuple, compute: Callable[[], Any]) -> Any:
         """``compute()`` once per context (features shared by the scorers of one checkpoint and layer)."""
@@ -90,14 +126,20 @@ class ScoreContext:
         return self.cache[key]
 
     def window_attention(self, window: int) -> torch.Tensor:
-        """[H, w, t] attention of the queries ``[t - window, t)`` (see ``features.window_attention``)."""
+        """[H, w, t] attention of the queries ``[t - window, t)`` (see ``features.window_attention``; live:
+        :func:`live_attention` over the cached entries)."""
         wider = [key for key in self.cache if key[0] == "window" and key[1] >= window]
         if wider:  # the last rows of a wider window are this window
             rows = self.cache[min(wider)]
-            return rows[:, rows.shape[1] - min(window, self.t) :]
-        return self.cached(("window", window), lambda: F.window_attention(self.q, self.k, self.scale, window))
+            return rows[:, rows.shape[1] - min(window, self.checkpoint) :]
+        if not self.live:
+            return self.cached(("window", window), lambda: F.window_attention(self.q, self.k, self.scale, window))
+        return self.cached(("window", window), lambda: live_attention(
+            self.window_queries(window), self.k, self.positions, self.checkpoint, self.scale))
 
     def _history(self) -> F.AttentionHistory:
+        if self.live:
+            raise HistoryUnavailable("this scorer needs the attention of every past query, which a live (compacted) cache does not keep")
         if self.history is None:
             self.history = F.AttentionHistory(self.q, self.k, self.scale)
         return self.history
@@ -122,6 +164,26 @@ class ScoreContext:
     def payload(self, kind: str) -> torch.Tensor:
         """[Hkv, t] value payload (``features.value_payload``)."""
         return self.cached(("payload", kind), lambda: F.value_payload(self.v, kind, self.o_proj, self.num_heads))
+
+
+class HistoryUnavailable(UserError):
+    """A scorer asked a live context for a feature of every past query (cumulative attention, recurrence)."""
+
+
+def live_attention(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, checkpoint: int, scale: float) -> torch.Tensor:
+    """Exact fp32 attention of the queries at ``[checkpoint - w, checkpoint)`` over a compacted cache.
+
+    q [H, w, d], k [Hkv, n, d] at absolute ``positions [n]``: query ``tau`` sees the cached entries at positions
+    ``<= tau`` (causality by absolute position, whatever was evicted). Returns [H, w, n].
+    """
+    H, w, d = q.shape
+    Hkv, n, _ = k.shape
+    g = group_size(H, Hkv)
+    logits = (q.reshape(Hkv, g * w, d) @ k.transpose(1, 2)).reshape(H, w, n) * scale
+    hidden = positions[None, :] > torch.arange(checkpoint - w, checkpoint)[:, None]  # [w, n]
+    probs = torch.softmax(logits.masked_fill(hidden, float("-inf")), dim=-1)
+    # a query whose visible entries were all evicted reads nothing (instead of a NaN row)
+    return torch.where(hidden.all(dim=-1)[None, :, None], 0.0, probs)
 
 
 @dataclass

@@ -26,6 +26,6 @@ class RandomScorer(Scorer):
     seed: int = 0
 
     def scores(self, ctx: ScoreContext) -> torch.Tensor:
-        key = f"{self.seed}:{ctx.prompt_id}:{ctx.t}:{ctx.layer}".encode()
+        key = f"{self.seed}:{ctx.prompt_id}:{ctx.checkpoint}:{ctx.layer}".encode()
         gen = torch.Generator().manual_seed(zlib.crc32(key))
         return torch.rand(ctx.num_kv_heads, ctx.t, generator=gen)

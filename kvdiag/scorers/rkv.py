@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdiag.features import max_pool, rkv_redundancy
-from kvdiag.scorers.base import ScoreContext, Scorer, check_choice, check_positive, protect, recent, register_scorer
+from kvdiag.scorers.base import ScoreContext, Scorer, check_choice, check_positive, protect, register_scorer
 
 
 def rkv_importance(q_window: torch.Tensor, k_candidates: torch.Tensor, scale: float, pooling: str, kernel_size: int) -> torch.Tensor:
@@ -59,11 +59,12 @@ class RKV(Scorer):
         check_choice(self.pooling, ("max", "mean"), f"{self.name}.pooling")
 
     def scores(self, ctx: ScoreContext) -> torch.Tensor:
-        t, w = ctx.t, min(self.window, ctx.t)
-        m = t - w
-        out = torch.zeros(ctx.num_kv_heads, t)
+        q_window = ctx.window_queries(self.window)
+        window = ctx.recent(q_window.shape[1])
+        m = int((~window).sum())  # entries are in position order: the candidates come first
+        out = torch.zeros(ctx.num_kv_heads, ctx.t)
         if m > 0:
-            importance = rkv_importance(ctx.q[:, m:t], ctx.k[:, :m], ctx.scale, self.pooling, self.kernel_size)
+            importance = rkv_importance(q_window, ctx.k[:, :m], ctx.scale, self.pooling, self.kernel_size)
             redundancy = ctx.cached(("rkv_redundancy", self.threshold), lambda: rkv_redundancy(ctx.k, self.threshold))
             out[:, :m] = self.mix_lambda * importance - (1 - self.mix_lambda) * redundancy[:, :m]
-        return protect(out, recent(t, w))
+        return protect(out, window)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdiag.features import avg_pool, group_reduce, max_pool
-from kvdiag.scorers.base import ScoreContext, Scorer, check_choice, check_positive, protect, recent, register_scorer
+from kvdiag.scorers.base import ScoreContext, Scorer, check_choice, check_positive, protect, register_scorer
 
 
 @register_scorer("snapkv")
@@ -39,9 +39,10 @@ class SnapKV(Scorer):
 
     def scores(self, ctx: ScoreContext) -> torch.Tensor:
         attn = ctx.window_attention(self.window)  # [H, w, t]
-        prefix = ctx.t - attn.shape[1]
+        window = ctx.recent(attn.shape[1])
+        prefix = int((~window).sum())  # entries are in position order: the window comes last
         out = torch.zeros(ctx.num_kv_heads, ctx.t)
         if prefix > 0:
             pool = avg_pool if self.pooling == "avgpool" else max_pool
             out[:, :prefix] = group_reduce(pool(attn[:, :, :prefix].sum(dim=1), self.kernel_size), ctx.num_kv_heads)
-        return protect(out, recent(ctx.t, attn.shape[1]))
+        return protect(out, window)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdiag.scorers.base import ScoreContext, Scorer, check_positive, protect, register_scorer, sinks
+from kvdiag.scorers.base import ScoreContext, Scorer, check_positive, protect, register_scorer
 
 
 @register_scorer("streamingllm")
@@ -30,5 +30,5 @@ class StreamingLLM(Scorer):
         check_positive(f"{self.name}.n_sink", self.n_sink, 0)
 
     def scores(self, ctx: ScoreContext) -> torch.Tensor:
-        position = torch.arange(ctx.t, dtype=torch.float32).expand(ctx.num_kv_heads, -1)
-        return protect(position, sinks(ctx.t, self.n_sink))
+        position = ctx.positions.float().expand(ctx.num_kv_heads, -1)
+        return protect(position, ctx.sinks(self.n_sink))

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdiag.features import PAYLOADS
-from kvdiag.scorers.base import ScoreContext, Scorer, check_choice, check_positive, protect, register_scorer, sinks
+from kvdiag.scorers.base import ScoreContext, Scorer, check_choice, check_positive, protect, register_scorer
 
 
 @register_scorer("value_norm")
@@ -32,4 +32,4 @@ class ValueNorm(Scorer):
         check_positive(f"{self.name}.n_sink", self.n_sink, 0)
 
     def scores(self, ctx: ScoreContext) -> torch.Tensor:
-        return protect(ctx.payload(self.kind), sinks(ctx.t, self.n_sink))
+        return protect(ctx.payload(self.kind), ctx.sinks(self.n_sink))

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdiag.features import group_reduce
-from kvdiag.scorers.base import ScoreContext, Scorer, check_choice, check_positive, protect, register_scorer, sinks
+from kvdiag.scorers.base import ScoreContext, Scorer, check_choice, check_positive, protect, register_scorer
 
 
 @register_scorer("vatp")
@@ -42,4 +42,4 @@ class VATP(Scorer):
         else:
             attention = ctx.window_attention(self.window).mean(dim=1)
         score = group_reduce(attention, ctx.num_kv_heads) * ctx.payload("l1")
-        return protect(score, sinks(ctx.t, self.n_sink))
+        return protect(score, ctx.sinks(self.n_sink))

@@ -1,0 +1,88 @@
+"""The bounded cache: a transformers ``DynamicCache`` whose entries carry absolute positions, compacted in place.
+
+Compaction is physical (``kvdiag.kernels.compact_kv``: a per-head gather of the kept entries, Triton on CUDA),
+and the kept entries keep the RoPE rotation of their original positions: new tokens are fed with explicit
+absolute ``position_ids`` (transformers' default, ``cache length + i``, would renumber them after an eviction).
+The causal mask works on slots, which is consistent with a compacted cache (new keys are appended last).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from kvdiag.errors import UserError
+from kvdiag.kernels import compact_kv
+from kvdiag.replay.live import SELECTIONS, query_window_size
+from kvdiag.scorers import Scorer
+from kvdiag.scorers.base import check_choice
+
+
+@dataclass
+class Policy:
+    """How a sequence is decoded under a bounded cache.
+
+    At every checkpoint (the end of each prompt chunk, then every ``interval`` generated tokens, R-KV's schedule)
+    a cache holding more than ``budget`` entries is compacted to ``budget``: ``scorer`` scores the live cache from
+    its query window and each (layer, KV head) keeps its ``budget`` highest-scored entries (``per-head``) or all
+    keep the same entries (``per-token``). The cache therefore never holds more than ``budget + interval`` entries.
+
+    Parameters
+    ----------
+    scorer : the scoring rule (must run on a live cache, see ``live.check_live_scorer``).
+    budget : B, entries kept per (layer, KV head) after a compaction.
+    interval : generated tokens between checkpoints (R-KV's ``divide_length``, 128).
+    selection : ``per-head`` (R-KV) or ``per-token``.
+    backend : kernel backend of the compaction (``auto``, ``torch``, ``triton``).
+    """
+
+    scorer: Scorer
+    budget: int
+    interval: int = 128
+    selection: str = "per-head"
+    backend: str = "auto"
+
+    def __post_init__(self):
+        if self.budget < 1:
+            raise UserError(f"--budget {self.budget}: must be a positive number of cache entries")
+        if self.interval < 1:
+            raise UserError(f"--interval {self.interval}: must be a positive number of tokens between compressions")
+        check_choice(self.selection, SELECTIONS, "--selection")
+
+    @property
+    def query_window(self) -> int:
+        """W_q: post-RoPE queries the compressor keeps per layer (the scorer's largest observation window)."""
+        return query_window_size(self.scorer)
+
+
+class ReplayCache:
+    """A ``DynamicCache`` plus the absolute position of every entry, ``positions [L, Hkv, n]``."""
+
+    def __init__(self, config):
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+            raise UserError("--model: sliding-window attention is not supported by replay; use a model with full attention")
+        self.cache = DynamicCache(config=config)
+        self.positions = torch.empty(config.num_hidden_layers, config.num_key_value_heads, 0, dtype=torch.long)
+
+    def __len__(self) -> int:
+        """n: entries per (layer, KV head); every head holds the same number."""
+        return self.positions.shape[-1]
+
+    def extend(self, start: int, count: int) -> None:
+        """Record that the model appended the tokens at positions ``[start, start + count)``."""
+        new = torch.arange(start, start + count).expand(*self.positions.shape[:2], count)
+        self.positions = torch.cat([self.positions, new], dim=-1)
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values [Hkv, n, d] of ``layer`` (batch row 0, views)."""
+        entry = self.cache.layers[layer]
+        return entry.keys[0], entry.values[0]
+
+    def compact(self, keep: torch.Tensor, backend: str = "auto") -> None:
+        """Keep the slots ``keep [L, Hkv, B]`` (ascending per head) of every layer, physically."""
+        for layer, entry in enumerate(self.cache.layers):
+            k, v = compact_kv(entry.keys[0], entry.values[0], keep[layer].to(entry.keys.device), backend=backend)
+            entry.keys, entry.values = k[None], v[None]
+        self.positions = self.positions.gather(-1, keep)
