@@ -360,4 +360,7 @@ def test_cli_writes_the_figures_and_exits_2_on_bad_input(run, tmp_path, capsys):
     shifted = write_table(run["labels"].head(60).with_columns(token_id=pl.col("token_id") + 1), tmp_path / "other.parquet",
                           {"kind": "labels"})
     assert "another Trace" in exits_2("figures", "--trace", str(tr.path), "--labels", str(shifted), "--scores", str(sp), "--out", str(out))
+    foreign = write_table(run["labels"].head(60), tmp_path / "foreign.parquet", {"kind": "labels", "trace": {"fingerprint": "0123456789abcdef"}})
+    assert "come from different traces" in exits_2("figures", "--trace", str(tr.path), "--labels", str(foreign), "--scores", str(sp),
+                                                   "--out", str(out))
     assert "low_attention_quantile" in exits_2(*base, "--out", str(out), "--low-attention-quantile", "1.5")

@@ -8,7 +8,6 @@ Attention itself is ``kvdiag.kernels.shared_prefix_attention`` (Triton on CUDA, 
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -17,7 +16,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvdiag.kernels import shared_prefix_attention
-from kvdiag.trace.hooks import attn_implementation
+from kvdiag.trace.hooks import attention_context
 
 EVICT_ATTN = "kvdiag_evict"
 
@@ -55,11 +54,6 @@ AttentionInterface.register(EVICT_ATTN, evict_attention)
 AttentionMaskInterface.register(EVICT_ATTN, _no_mask)
 
 
-@contextmanager
 def evicting(model, batch: EvictionBatch):
-    token = _BATCH.set(batch)
-    try:
-        with attn_implementation(model, EVICT_ATTN):
-            yield
-    finally:
-        _BATCH.reset(token)
+    """Run ``model``'s attention as N candidate rows over ``batch``'s shared prefix."""
+    return attention_context(model, EVICT_ATTN, _BATCH, batch)

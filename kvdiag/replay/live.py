@@ -120,14 +120,14 @@ def live_scorer_names(group: int = 2, head_dim: int = 16) -> list[str]:
     return names
 
 
-def check_live_scorer(scorer: Scorer, budget: int, interval: int, group: int, head_dim: int) -> int:
-    """Refuse ``scorer`` unless it runs on a live cache and its protected entries fit ``budget``.
+def check_live_scorer(scorer: Scorer, budget: int | None = None, interval: int = 0, group: int = 2, head_dim: int = 16) -> int:
+    """Refuse ``scorer`` unless it runs on a live cache and (with a ``budget``) its protected entries fit it.
 
     The protected entries are found by probing a cache of ``budget + interval`` entries (the most a
     compression ever sees): entries a rule keeps unconditionally share :func:`~kvdiag.scorers.protect`'s kept
     score, so they are the entries tied at the top of the probe's scores. Returns their number.
     """
-    n = budget + interval
+    n = PROBE_ENTRIES if budget is None else budget + interval
     try:
         scores = probe_scores(scorer, n, group, head_dim, query_window_size(scorer))
     except HistoryUnavailable:
@@ -138,7 +138,7 @@ def check_live_scorer(scorer: Scorer, budget: int, interval: int, group: int, he
         raise UserError(f"--scorer {scorer.name} cannot score a live cache ({err}); set its window with --w-obs or --param") from err
     top = scores == scores.max()
     protected = int(top.sum()) if int(top.sum()) > 1 else 0
-    if protected > budget:
+    if budget is not None and protected > budget:
         raise UserError(
             f"--budget {budget} is smaller than the {protected} entries {scorer.name} always keeps (its protected windows "
             f"at {n} cached entries); use --budget >= {protected} or shrink its windows with --param/--w-obs")

@@ -58,14 +58,19 @@ AttentionMaskInterface.register(TRACE_ATTN, sdpa_mask)
 
 
 @contextmanager
+def attention_context(model, name: str, var: ContextVar, value):
+    """Run ``model`` with the registered attention function ``name``, which reads ``value`` from ``var``."""
+    token = var.set(value)
+    try:
+        with attn_implementation(model, name):
+            yield value
+    finally:
+        var.reset(token)
+
+
 def recording(model, recorder: Recorder):
     """Route ``model``'s attention through the tracing function and record into ``recorder``."""
-    token = _RECORDER.set(recorder)
-    try:
-        with attn_implementation(model, TRACE_ATTN):
-            yield recorder
-    finally:
-        _RECORDER.reset(token)
+    return attention_context(model, TRACE_ATTN, _RECORDER, recorder)
 
 
 @contextmanager

@@ -1,0 +1,105 @@
+"""``kvdiag replay``: decode with a bounded cache compacted on a schedule, and measure the damage."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from cli import common
+from kvdiag.errors import UserError
+
+
+def replay(
+    scorer: str = typer.Option(..., "--scorer", help="Scorer name(s), comma-separated, e.g. rkv,attention,avokv_e."),
+    budget: str = typer.Option("256", "--budget", help="KV budget(s): entries kept per layer and KV head, comma-separated for a sweep, e.g. 128,256."),
+    interval: int = typer.Option(128, "--interval", help="Generated tokens between compressions (R-KV: 128)."),
+    w_obs: int | None = typer.Option(None, "--w-obs", help="Observation window for every scorer's window/w_obs (default: each scorer's own)."),
+    selection: str = typer.Option("per-head", "--selection", help="per-head (each layer and KV head keeps its own top B, R-KV) or per-token (one keep set)."),
+    max_new_tokens: int = typer.Option(512, "--max-new-tokens", help="Generation cap; stopping there is a max-length hit."),
+    teacher_forced: Path | None = typer.Option(None, "--teacher-forced", help="Trace directory: replay its tokens and report per-step KL instead of generating."),
+    out: Path = typer.Option(Path("runs/replay"), "--out", help="Output directory (a rerun with the same settings reuses finished parts)."),
+    model: str | None = typer.Option(None, "--model", help="Model (default: smollm2; with --teacher-forced the Trace's model)."),
+    prompts: str | None = typer.Option(None, "--prompts", help="file.jsonl, file.txt or builtin:arith (default); not with --teacher-forced."),
+    limit: int | None = common.Limit,
+    param: list[str] | None = typer.Option(None, "--param", help="scorer.key=value, repeatable (e.g. rkv.mix_lambda=0.07)."),
+    plugin: list[str] | None = typer.Option(None, "--plugin", help="Module (or .py file) whose import registers scorers, repeatable."),
+    full_kv: bool = typer.Option(True, "--full-kv/--no-full-kv", help="Also generate with the full cache (the FullKV reference row)."),
+    kl: bool = typer.Option(True, "--kl/--no-kl", help="Free-running: KL of each generation against a full-cache forward of it."),
+    chat: bool = typer.Option(True, "--chat/--no-chat", help="Apply the tokenizer's chat template."),
+    instruction: str | None = typer.Option(None, "--instruction", help="Text appended to each prompt (default: step-by-step + \\boxed{})."),
+    no_instruction: bool = typer.Option(False, "--no-instruction", help="Append nothing to the prompts."),
+    backend: str = typer.Option("auto", "--backend", help="Compaction kernel: auto | torch | triton."),
+    seed: int = common.Seed,
+    dtype: str | None = typer.Option(None, "--dtype", help="float32 (default) | float16 | bfloat16; with --teacher-forced the Trace's dtype."),
+    device: str = common.Device,
+    revision: str | None = common.Revision,
+    trust_remote_code: bool = common.TrustRemoteCode,
+    quiet: bool = common.Quiet,
+) -> None:
+    """Generate (or teacher-force a Trace) under a KV budget compacted every --interval tokens; write
+    generations.parquet, a Table-2-shaped summary and an accuracy/KL-vs-budget figure."""
+    from kvdiag.models import load_model
+    from kvdiag.prompts import DEFAULT_INSTRUCTION, load_prompts
+    from kvdiag.replay import ReplaySettings, replay as run_replay
+    from kvdiag.scorers import load_plugins, parse_params
+
+    common.quiet_transformers()
+    load_plugins(plugin or ())
+    settings = ReplaySettings(
+        scorers=[s.strip() for s in scorer.split(",") if s.strip()], budgets=parse_budgets(budget), interval=interval,
+        w_obs=w_obs, selection=selection, max_new_tokens=max_new_tokens, full_kv=full_kv, kl=kl, chat=chat,
+        instruction=None if no_instruction else (instruction or DEFAULT_INSTRUCTION), params=parse_params(param),
+        backend=backend,
+    )
+    check_settings(settings)  # before the (slow) model load
+    if teacher_forced is not None:
+        from kvdiag.trace import Trace
+
+        if prompts is not None:
+            raise UserError("--prompts does not apply with --teacher-forced: the Trace's prompts are replayed")
+        tr = Trace(teacher_forced)
+        had = tr.manifest["model"]
+        lm = load_model(model or had["spec"], dtype=dtype or had.get("dtype", "float32"), device=device, revision=revision,
+                        trust_remote_code=trust_remote_code, seed=seed)
+        if lm.weights_hash != had["weights_hash"]:
+            raise UserError(f"--model {lm.spec} is not the Trace's model ({had['spec']}, weights {had['weights_hash']}); drop --model")
+        ids = tr.prompt_ids[:limit] if limit else tr.prompt_ids
+        path = run_replay(lm, out, settings, trace=tr, prompt_ids=ids, source=str(teacher_forced), show_progress=not quiet)
+    else:
+        source = prompts or "builtin:arith"
+        items = load_prompts(source, limit=limit, seed=seed)
+        lm = load_model(model or "smollm2", dtype=dtype or "float32", device=device, revision=revision,
+                        trust_remote_code=trust_remote_code, seed=seed)
+        path = run_replay(lm, out, settings, prompts=items, source=source, show_progress=not quiet)
+    Console(stderr=True).print(f"replay written to {path} (generations.parquet, summary.md, budget.png)")
+    if not quiet:
+        Console().print((path / "summary.md").read_text())
+
+
+def parse_budgets(text: str) -> list[int]:
+    """``"128,256"`` -> ``[128, 256]`` (each a positive integer, duplicates dropped)."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"--budget {text!r}: use positive integers, comma-separated, e.g. 128,256") from None
+    if not values or min(values) < 1:
+        raise UserError(f"--budget {text!r}: use positive integers, comma-separated, e.g. 128,256")
+    return list(dict.fromkeys(values))
+
+
+def check_settings(settings) -> None:
+    """The checks that need no model: interval, windows, selection, and scorers a live cache can run."""
+    from kvdiag.replay.live import SELECTIONS, check_live_scorer, make_scorer
+    from kvdiag.scorers.base import check_choice
+
+    if settings.interval < 1:
+        raise UserError(f"--interval {settings.interval}: must be a positive number of tokens between compressions")
+    if settings.w_obs is not None and settings.w_obs < 1:
+        raise UserError(f"--w-obs {settings.w_obs}: must be a positive number of queries")
+    if settings.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens {settings.max_new_tokens}: must be a positive number of tokens")
+    check_choice(settings.selection, SELECTIONS, "--selection")
+    for name in settings.scorers:
+        check_live_scorer(make_scorer(name, settings.params.get(name), settings.w_obs))

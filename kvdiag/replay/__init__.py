@@ -1,0 +1,21 @@
+"""``kvdiag replay``: decode under a bounded, periodically compacted cache and measure the damage.
+
+Flat API::
+
+    from kvdiag.replay import Policy, decode, teacher_force, full_logprobs, kl_steps, replay, ReplaySettings
+"""
+
+from kvdiag.replay.cache import Policy, ReplayCache
+from kvdiag.replay.live import (
+    QueryWindow, check_live_scorer, live_scorer_names, make_scorer, observing, score_layer, select_keep,
+)
+from kvdiag.replay.run import (
+    FULL_KV, Decoded, ReplaySettings, check_answer, decode, full_logprobs, kl_steps, prompt_chunks, replay,
+    teacher_force,
+)
+
+__all__ = [
+    "FULL_KV", "Decoded", "Policy", "QueryWindow", "ReplayCache", "ReplaySettings", "check_answer",
+    "check_live_scorer", "decode", "full_logprobs", "kl_steps", "live_scorer_names", "make_scorer", "observing",
+    "prompt_chunks", "replay", "score_layer", "select_keep", "teacher_force",
+]

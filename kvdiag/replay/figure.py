@@ -1,0 +1,122 @@
+"""The replay summary (shaped like the paper's Table 2) and the accuracy / KL versus budget figure."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import polars as pl
+import seaborn as sns
+
+from kvdiag.figures.common import new_figure, save_figure, style
+
+FULL_LABEL = "FullKV"
+
+
+def summarize(df: pl.DataFrame) -> pl.DataFrame:
+    """One row per (scorer, budget): prompts, accuracy (share correct among prompts with an answer), max-length
+    hits, mean KL (mean over prompts of each generation's mean per-step KL), mean and peak active KV."""
+    return (
+        df.group_by("scorer", "budget", maintain_order=True)
+        .agg(
+            pl.len().alias("prompts"),
+            pl.col("correct").is_not_null().sum().alias("answered"),
+            pl.col("correct").cast(pl.Float64).mean().alias("accuracy"),
+            pl.col("max_length_hit").sum().alias("max_length_hits"),
+            pl.col("kl_mean").mean().alias("kl_mean"),
+            pl.col("mean_kv").mean().alias("mean_kv"),
+            pl.col("peak_kv").max().alias("peak_kv"),
+        )
+    )
+
+
+def table2(summary: pl.DataFrame, scorers: list[str], budgets: list[int]) -> pl.DataFrame:
+    """Rows = scorer, columns per budget: ``accuracy@B`` (%), ``max_length_hits@B``, ``kl_mean@B``. The FullKV row
+    (no budget) repeats its values under every budget, as the paper's dotted FullKV line."""
+    rows = []
+    for scorer in scorers:
+        row = {"scorer": FULL_LABEL if scorer == "full_kv" else scorer}
+        for b in budgets:
+            sel = summary.filter((pl.col("scorer") == scorer) & (pl.col("budget").is_null() if scorer == "full_kv" else pl.col("budget") == b))
+            rec = sel.row(0, named=True) if sel.height else {}
+            acc = rec.get("accuracy")
+            row[f"accuracy@{b}"] = None if acc is None else 100.0 * acc
+            row[f"max_length_hits@{b}"] = rec.get("max_length_hits")
+            row[f"kl_mean@{b}"] = rec.get("kl_mean")
+        rows.append(row)
+    return pl.DataFrame(rows, schema={"scorer": pl.String, **{
+        f"{m}@{b}": (pl.Int64 if m == "max_length_hits" else pl.Float64)
+        for b in budgets for m in ("accuracy", "max_length_hits", "kl_mean")}})
+
+
+def markdown(table: pl.DataFrame, budgets: list[int], prompts: int, teacher_forced: bool) -> str:
+    """The Table-2-shaped summary as Markdown (accuracy %, max-length hits out of ``prompts``, mean KL)."""
+    metrics = [("kl_mean", "KL")] if teacher_forced else [("accuracy", "acc %"), ("max_length_hits", "max-len"), ("kl_mean", "KL")]
+    head = ["scorer"] + [f"{label} @{b}" for b in budgets for _, label in metrics]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in table.iter_rows(named=True):
+        cells = [row["scorer"]]
+        for b in budgets:
+            for key, _ in metrics:
+                cells.append(_cell(key, row[f"{key}@{b}"], prompts))
+        lines.append("| " + " | ".join(cells) + " |")
+    mode = "teacher-forced on a Trace" if teacher_forced else "free-running greedy decoding"
+    notes = [
+        f"Replay ({mode}) over {prompts} prompts; budget = entries kept per layer and KV head.",
+        "acc %: math-verify accuracy among prompts with an answer; max-len: generations that hit --max-new-tokens; "
+        "KL: mean over prompts of the mean per-step KL(P_full || P_policy) in nats.",
+    ]
+    if not teacher_forced:
+        notes.append(f"{FULL_LABEL} (uncompressed) does not depend on the budget: its values repeat under every budget.")
+    return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
+
+
+def _cell(key: str, value, prompts: int) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    if key == "accuracy":
+        return f"{value:.1f}"
+    if key == "max_length_hits":
+        return f"{value}/{prompts}"
+    return f"{value:.3g}"
+
+
+def budget_figure(summary: pl.DataFrame, scorers: list[str], out_dir: Path) -> list[Path]:
+    """``budget.png``/``.pdf``: accuracy and mean KL versus budget, one line per scorer (FullKV dotted)."""
+    panels = [(m, label) for m, label in (("accuracy", "accuracy (%)"), ("kl_mean", "mean KL(P_full || P_policy), nats"))
+              if summary.filter(pl.col("budget").is_not_null())[m].drop_nulls().len()]
+    if not panels:
+        return []
+    colors = dict(zip([s for s in scorers if s != "full_kv"], sns.color_palette("colorblind", len(scorers))))
+    with style():
+        fig, axes = new_figure(len(panels), 4.2 * len(panels), 3.2)
+        for ax, (metric, label) in zip(axes, panels):
+            scale = 100.0 if metric == "accuracy" else 1.0
+            for scorer, color in colors.items():
+                rows = summary.filter((pl.col("scorer") == scorer) & pl.col(metric).is_not_null()).sort("budget")
+                ax.plot(rows["budget"].to_list(), [v * scale for v in rows[metric].to_list()], marker="o", color=color, label=scorer)
+            full = summary.filter((pl.col("scorer") == "full_kv") & pl.col(metric).is_not_null())
+            if full.height:
+                ax.axhline(full[metric][0] * scale, color="black", linestyle=":", label=FULL_LABEL)
+            ax.set_xscale("log", base=2)
+            values = summary.filter(pl.col("budget").is_not_null())[metric].drop_nulls()
+            if metric == "kl_mean" and bool((values > 0).all()):
+                ax.set_yscale("log")
+            ax.set_xlabel("KV budget (entries per layer and KV head)")
+            ax.set_ylabel(label)
+        axes[0].legend(fontsize=7)
+        return save_figure(fig, out_dir, "budget")
+
+
+def write_summary(df: pl.DataFrame, out_dir: Path, scorers: list[str], budgets: list[int]) -> pl.DataFrame:
+    """``summary.md``, ``summary.csv`` (Table-2 shape), ``budget.csv`` (every number of the figure, long form)
+    and the figure, from the rows of ``generations.parquet``."""
+    summary = summarize(df)
+    teacher_forced = bool((df["mode"] == "teacher_forced").all())
+    table = table2(summary, scorers, sorted(budgets))
+    table.write_csv(out_dir / "summary.csv")
+    prompts = df["prompt_id"].n_unique()
+    (out_dir / "summary.md").write_text(markdown(table, sorted(budgets), prompts, teacher_forced))
+    summary.write_csv(out_dir / "budget.csv")
+    budget_figure(summary, scorers, out_dir)
+    return table
