@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(BIN)/kvdiag demo --out runs/demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --dist loadgroup -q
+	$(BIN)/python -m pytest -n 2 -q
 
 clean:
 	rm -rf runs .pytest_cache

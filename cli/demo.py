@@ -32,7 +32,7 @@ def demo_commands(out: Path, model: str, prompts: str, limit: int, max_new_token
         ("rank-eval", out / "rank-eval" / "metrics.csv",
          ["rank-eval", "--labels", str(labels), "--scores", str(scores), "--out", str(out / "rank-eval"),
           "--bootstrap", str(bootstrap)]),
-        ("figures", out / "figures" / "stats.json",
+        ("figures", out / "figures" / "figures.json",
          ["figures", "--trace", str(trace), "--labels", str(labels), "--scores", str(scores), "--out", str(out / "figures"),
           "--rank-eval", str(out / "rank-eval")]),
         ("report", out / "report.md", ["report", "--run", str(out)]),
@@ -65,9 +65,8 @@ def demo(
             continue
         console.rule(f"[{i}/{len(stages)}] {stage}")
         console.print(f"[dim]$ {line}[/]", highlight=False)
-        t0 = time.perf_counter()
         app(args=argv, standalone_mode=False)
-        record_command(out, argv, seconds=time.perf_counter() - t0)
+        record_command(out, ["kvdiag", *argv])
     minutes = (time.perf_counter() - start) / 60
     console.rule()
     console.print(f"demo finished in {minutes:.1f} min; report: [bold]{out / 'report.md'}[/] (and {out / 'report.html'})")

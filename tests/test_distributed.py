@@ -25,7 +25,6 @@ from kvdiag.trace import GenerationSettings, trace_prompts
 
 pytestmark = [
     pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available"),
-    pytest.mark.xdist_group("torchrun"),  # each test starts two ranks: run them one after another
 ]
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,7 +22,6 @@ from kvdiag.io import write_table
 from kvdiag.label import LABEL_SCHEMA
 from kvdiag.rankeval import KEYS
 
-pytestmark = pytest.mark.xdist_group("figures")  # one worker builds the module's run once
 
 PARAMS = FigureParams(w_obs=8, w_delay=64, interval=16, n_boot=50, min_group=3)
 PLANTED_SCORERS = ("avokv_e", "avokv_e_no_payload", "rkv")

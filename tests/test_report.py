@@ -23,7 +23,6 @@ from kvdiag.rankeval import KEYS
 from kvdiag.report import build_report, label_statistics, record_command
 
 
-pytestmark = pytest.mark.xdist_group("report")  # one worker builds the module's run once
 
 def synthetic_labels(trace, seed: int = 0) -> pl.DataFrame:
     rng = np.random.default_rng(seed)

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
+from scipy.stats import rankdata
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -21,7 +22,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from kvdiag.attention import group_size
 from kvdiag.errors import UserError
 from kvdiag.scorers import SCORERS, ScoreContext, Scorer, get_scorer
-from kvdiag.scorers.base import HistoryUnavailable, aggregation_values, check_choice
+from kvdiag.scorers.base import HistoryUnavailable, check_choice
 from kvdiag.trace.hooks import attn_implementation
 
 REPLAY_ATTN = "kvdiag_replay"
@@ -159,7 +160,7 @@ def score_layer(
     ``[checkpoint - w, checkpoint)``; token_ids [checkpoint]. ``per-token``: every head holds the same positions
     and one context scores the layer. ``per-head``: one context per KV head (its group of query heads), so each
     head's ages and windows follow its own positions; such a context's ``prompt_id`` is ``"<id>/kv<h>"`` so that
-    seeded scorers draw per head.
+    seeded scorers draw per head, and a rule that pools over all query heads (TOVA) pools over the group.
     """
     keys, values, queries = keys.float().cpu(), values.float().cpu(), queries.float().cpu()
     Hkv = keys.shape[0]
@@ -197,7 +198,7 @@ def top_slots(scores: torch.Tensor, budget: int) -> torch.Tensor:
 
 
 def select_keep(scores: list[torch.Tensor], budget: int, selection: str) -> torch.Tensor:
-    """Slots to keep [L, Hkv, budget] (ascending) from per-layer scores ``[Hkv, n]``.
+    """Slots to keep [L, Hkv, budget] (ascending) from per-layer scores ``[Hkv, n]``; ties keep the newer entry.
 
     ``per-head``: each (layer, KV head) keeps its own top ``budget`` (R-KV). ``per-token``: one keep set for every
     layer and head, ranked by the mean over layers and heads of each row's percentile rank (``mean_rank``, the
@@ -208,5 +209,7 @@ def select_keep(scores: list[torch.Tensor], budget: int, selection: str) -> torc
     if selection == "per-head":
         return top_slots(stacked, budget)
     L, Hkv, n = stacked.shape
-    ranks = torch.stack([aggregation_values(s, "mean_rank") for s in scores]).mean(dim=(0, 1))  # [n]
-    return top_slots(ranks, budget).expand(L, Hkv, budget)
+    # every row ranks the same n entries, so the mean percentile rank orders entries as the sum of average
+    # ranks, which is exact in fp64 (half-integers): float noise never breaks a tie
+    ranks = rankdata(stacked.reshape(L * Hkv, n).double().numpy(), method="average", axis=-1).sum(axis=0)
+    return top_slots(torch.from_numpy(ranks), budget).expand(L, Hkv, budget)

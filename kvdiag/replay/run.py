@@ -15,6 +15,7 @@ so the cache never holds more than ``budget + interval`` entries. The end of the
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -337,7 +338,7 @@ def replay(
     if teacher_forced == (prompts is not None):
         raise ValueError("pass exactly one of prompts (free-running) or trace (teacher-forced)")
     if teacher_forced:
-        settings.full_kv = False  # teacher-forced KL is measured against the full cache itself
+        settings = dataclasses.replace(settings, full_kv=False)  # the KL reference is the full cache itself
     policies = build_policies(lm, settings)
     items = _trace_items(trace, prompt_ids) if teacher_forced else _prompt_items(lm, prompts, settings)
     out = Path(out)
