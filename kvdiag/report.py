@@ -175,7 +175,7 @@ def _contents(r: _Run) -> str:
     for piece, (rel, command) in LAYOUT.items():
         status = r.status[piece]
         rows.append([f"`{rel}`", status if status == "present" else f"**{status}**", "" if status == "present" else f"`{command}`"])
-    out = "## Contents of the run\n\n" + md_table(["piece", "status", "made by"], rows, "lll")
+    out = "## Contents of the run\n\n" + md_table(["piece", "status", "to make it"], rows, "lll")
     missing = [p for p, s in r.status.items() if s != "present"]
     if missing:
         out += f"\nMissing or unreadable: {', '.join(missing)}; their sections below say so.\n"
