@@ -6,7 +6,6 @@ Each command lives in its own module of ``cli/`` and is registered here. User er
 
 from __future__ import annotations
 
-import importlib
 import sys
 
 import typer
@@ -24,32 +23,24 @@ app = typer.Typer(
 bench_app = typer.Typer(help="Benchmarks: ratios measured in one run.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
-# command name -> module in cli/ that defines a function of the same name (``-`` -> ``_``)
-COMMANDS = ["trace", "label", "score", "rank-eval", "figures", "report", "replay", "demo"]
-BENCHES = ["trace", "label", "score", "kernels"]
+from cli.bench_kernels import bench_kernels  # noqa: E402  (after the apps exist)
+from cli.bench_label import bench_label  # noqa: E402
+from cli.bench_score import bench_score  # noqa: E402
+from cli.bench_trace import bench_trace  # noqa: E402
+from cli.demo import demo  # noqa: E402
+from cli.figures import figures  # noqa: E402
+from cli.label import label  # noqa: E402
+from cli.rank_eval import rank_eval  # noqa: E402
+from cli.replay import replay  # noqa: E402
+from cli.report import report  # noqa: E402
+from cli.score import score  # noqa: E402
+from cli.trace import trace  # noqa: E402
 
-
-def _register() -> None:
-    for name in COMMANDS:
-        mod_name = name.replace("-", "_")
-        try:
-            mod = importlib.import_module(f"cli.{mod_name}")
-        except ModuleNotFoundError as err:
-            if err.name != f"cli.{mod_name}":
-                raise
-            continue
-        app.command(name)(getattr(mod, mod_name))
-    for name in BENCHES:
-        try:
-            mod = importlib.import_module(f"cli.bench_{name}")
-        except ModuleNotFoundError as err:
-            if err.name != f"cli.bench_{name}":
-                raise
-            continue
-        bench_app.command(name)(getattr(mod, f"bench_{name}"))
-
-
-_register()
+for _name, _fn in [("trace", trace), ("label", label), ("score", score), ("rank-eval", rank_eval), ("figures", figures),
+                   ("report", report), ("replay", replay), ("demo", demo)]:
+    app.command(_name)(_fn)
+for _name, _fn in [("trace", bench_trace), ("label", bench_label), ("score", bench_score), ("kernels", bench_kernels)]:
+    bench_app.command(_name)(_fn)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -42,7 +42,7 @@ def replay(
     generations.parquet, a Table-2-shaped summary and an accuracy/KL-vs-budget figure."""
     from kvdiag.models import load_model
     from kvdiag.prompts import DEFAULT_INSTRUCTION, load_prompts
-    from kvdiag.replay import ReplaySettings, replay as run_replay
+    from kvdiag.replay import ReplaySettings, check_settings, replay as run_replay
     from kvdiag.scorers import load_plugins, parse_params
 
     common.quiet_transformers()
@@ -87,19 +87,3 @@ def parse_budgets(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise UserError(f"--budget {text!r}: use positive integers, comma-separated, e.g. 128,256")
     return list(dict.fromkeys(values))
-
-
-def check_settings(settings) -> None:
-    """The checks that need no model: interval, windows, selection, and scorers a live cache can run."""
-    from kvdiag.replay.live import SELECTIONS, check_live_scorer, make_scorer
-    from kvdiag.scorers.base import check_choice
-
-    if settings.interval < 1:
-        raise UserError(f"--interval {settings.interval}: must be a positive number of tokens between compressions")
-    if settings.w_obs is not None and settings.w_obs < 1:
-        raise UserError(f"--w-obs {settings.w_obs}: must be a positive number of queries")
-    if settings.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens {settings.max_new_tokens}: must be a positive number of tokens")
-    check_choice(settings.selection, SELECTIONS, "--selection")
-    for name in settings.scorers:
-        check_live_scorer(make_scorer(name, settings.params.get(name), settings.w_obs))

@@ -10,12 +10,12 @@ from kvdiag.replay.live import (
     QueryWindow, check_live_scorer, live_scorer_names, make_scorer, observing, score_layer, select_keep,
 )
 from kvdiag.replay.run import (
-    FULL_KV, Decoded, ReplaySettings, check_answer, decode, full_logprobs, kl_steps, prompt_chunks, replay,
+    FULL_KV, Decoded, ReplaySettings, check_answer, check_settings, decode, full_logprobs, kl_steps, prompt_chunks, replay,
     teacher_force,
 )
 
 __all__ = [
     "FULL_KV", "Decoded", "Policy", "QueryWindow", "ReplayCache", "ReplaySettings", "check_answer",
-    "check_live_scorer", "decode", "full_logprobs", "kl_steps", "live_scorer_names", "make_scorer", "observing",
+    "check_live_scorer", "check_settings", "decode", "full_logprobs", "kl_steps", "live_scorer_names", "make_scorer", "observing",
     "prompt_chunks", "replay", "score_layer", "select_keep", "teacher_force",
 ]

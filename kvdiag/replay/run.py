@@ -37,7 +37,10 @@ from kvdiag.io import read_meta, write_table
 from kvdiag.models import LoadedModel
 from kvdiag.prompts import DEFAULT_INSTRUCTION, Prompt, encode_prompt, safe_id
 from kvdiag.replay.cache import Policy, ReplayCache
-from kvdiag.replay.live import QueryWindow, check_live_scorer, make_scorer, needs_o_proj, observing, score_layer, select_keep
+from kvdiag.replay.live import (
+    SELECTIONS, QueryWindow, check_live_scorer, make_scorer, needs_o_proj, observing, score_layer, select_keep,
+)
+from kvdiag.scorers.base import check_choice
 from kvdiag.trace.hooks import attention_scale
 
 FULL_KV = "full_kv"  # the scorer name of the uncompressed reference rows (the paper's FullKV)
@@ -282,19 +285,30 @@ class Item:
     answer: str | None
 
 
-def build_policies(lm: LoadedModel, settings: ReplaySettings) -> dict[tuple[str, int | None], Policy | None]:
-    """(scorer, budget) -> Policy for the sweep, each checked against a live cache (bad input: UserError)."""
+def check_settings(settings: ReplaySettings) -> None:
+    """The checks that need no model (bad input: UserError): sizes, selection, scorers that run on a live cache."""
     if not settings.scorers:
         raise UserError("--scorer is empty: name at least one scorer, e.g. rkv")
-    if not settings.budgets:
-        raise UserError("--budget is empty: give at least one budget, e.g. 256")
+    if not settings.budgets or min(settings.budgets) < 1:
+        raise UserError(f"--budget {settings.budgets}: give positive budgets (cache entries), e.g. 128,256")
     if settings.interval < 1:
         raise UserError(f"--interval {settings.interval}: must be a positive number of tokens between compressions")
     if settings.w_obs is not None and settings.w_obs < 1:
         raise UserError(f"--w-obs {settings.w_obs}: must be a positive number of queries")
+    if settings.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens {settings.max_new_tokens}: must be a positive number of tokens")
+    check_choice(settings.selection, SELECTIONS, "--selection")
     stray = [name for name in settings.params if name not in settings.scorers]
     if stray:
         raise UserError(f"--param {stray[0]}.…: scorer {stray[0]} is not in --scorer; add it or drop the parameter")
+    for name in settings.scorers:
+        check_live_scorer(make_scorer(name, settings.params.get(name), settings.w_obs))
+
+
+def build_policies(lm: LoadedModel, settings: ReplaySettings) -> dict[tuple[str, int | None], Policy | None]:
+    """(scorer, budget) -> Policy for the sweep (None: FullKV), each budget checked against the scorer's
+    protected windows on a live cache of the model's head shape (bad input: UserError)."""
+    check_settings(settings)
     cfg = lm.model.config
     group, head_dim = cfg.num_attention_heads // cfg.num_key_value_heads, lm.info["head_dim"]
     policies: dict[tuple[str, int | None], Policy | None] = {(FULL_KV, None): None} if settings.full_kv else {}
@@ -348,7 +362,7 @@ def replay(
         raise UserError(f"--out {out}: cannot create the directory ({err.strerror}); choose a writable path") from err
     mode = "teacher_forced" if teacher_forced else "free"
     common = {"mode": mode, "model": {k: lm.info[k] for k in ("config_hash", "weights_hash", "dtype")},
-              "settings": {k: v for k, v in asdict(settings).items() if k not in ("scorers", "budgets", "params", "backend")},
+              "settings": {k: v for k, v in asdict(settings).items() if k not in ("scorers", "budgets", "params", "backend", "full_kv")},
               "trace": trace.fingerprint if teacher_forced else None}
     config = {
         "kind": "replay_config", "kvdiag_version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
