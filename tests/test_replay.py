@@ -15,7 +15,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from kvdiag.replay import (
     Policy, ReplaySettings, check_answer, decode, full_logprobs, kl_steps, make_scorer, prompt_chunks, replay,
-    select_keep, teacher_force,
+    score_layer, select_keep, teacher_force,
 )
 from kvdiag.replay.live import live_scorer_names, top_slots
 from kvdiag.scorers import ScoreContext, get_scorer
@@ -148,6 +148,22 @@ def test_live_context_over_the_full_cache_equals_the_trace_scorer(name):
     full = scorer.scores(ScoreContext(q, k, v, 0.3, 20, layer=1, prompt_id="p"))
     live = scorer.scores(ScoreContext(q[:, t - w :], k, v, 0.3, 20, layer=1, prompt_id="p", positions=torch.arange(t), checkpoint=t))
     assert torch.allclose(full, live, atol=1e-6)
+
+
+@pytest.mark.parametrize("name, params", [("rkv", {}), ("snapkv", {}), ("attention_x_age", {}),
+                                          ("avokv_e", {"payload": "wo_l2", "w_delay": 40})])
+def test_per_head_contexts_equal_the_layer_context(name, params):
+    """One context per KV head (its query group, its o_proj columns) scores as the whole layer does when the
+    heads hold the same positions."""
+    gen = torch.Generator().manual_seed(2)
+    n, w, d = 50, 32, 8
+    k, v, q = torch.randn(2, n, d, generator=gen), torch.randn(2, n, d, generator=gen), torch.randn(4, w, d, generator=gen)
+    positions = torch.sort(torch.randperm(90, generator=gen)[:n]).values.expand(2, n)
+    args = (k, v, positions, q, 90, 0.3, 10, 0, "p", torch.arange(90))
+    o_proj = torch.randn(16, 4 * d, generator=gen)
+    scorer = make_scorer(name, params)
+    per_head = score_layer(scorer, *args, "per-head", o_proj)
+    assert torch.allclose(per_head, score_layer(scorer, *args, "per-token", o_proj), atol=1e-5)
 
 
 def test_live_attention_is_causal_by_absolute_position():

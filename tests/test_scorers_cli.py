@@ -19,7 +19,7 @@ from kvdiag.scorers import SCORERS, ScoreContext, checkpoint_keys, get_scorer, p
 from kvdiag.scorers import score as score_mod
 from tests.conftest import make_trace
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "scorers.md"
+DOCS = Path(__file__).resolve().parents[1] / "README.md"
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +154,7 @@ def test_labels_from_another_trace_or_out_of_range(trace, labels, tmp_path, caps
 
 
 def readme_plugin(tmp_path) -> Path:
-    """The plugin example of docs/scorers.md, written to a file as a user would."""
+    """The plugin example of the README, written to a file as a user would."""
     block = re.search(r"```python\n(# my_scorer\.py.*?)```", DOCS.read_text(), re.S).group(1)
     assert len(block.strip().splitlines()) <= 15
     path = tmp_path / "my_scorer.py"

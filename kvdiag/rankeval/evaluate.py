@@ -4,7 +4,7 @@ Labels and scores are joined on their keys; each score column is a scorer. Harmf
 strictly above the harm threshold. Every metric is reported pooled over all candidates and as a macro
 average over checkpoints (eviction decisions are made within one cache, so the ranking within a
 checkpoint is what matters), with cluster-bootstrap CIs over prompts and paired differences against a
-reference scorer. Definitions and conventions: docs/rank-eval.md.
+reference scorer. Definitions and conventions: README, "Ranking metrics".
 """
 
 from __future__ import annotations

@@ -64,7 +64,8 @@ def markdown(table: pl.DataFrame, budgets: list[int], prompts: int, teacher_forc
     notes = [
         f"Replay ({mode}) over {prompts} prompts; budget = entries kept per layer and KV head.",
         "acc %: math-verify accuracy among prompts with an answer; max-len: generations that hit --max-new-tokens; "
-        "KL: mean over prompts of the mean per-step KL(P_full || P_policy) in nats.",
+        "KL: mean over prompts of the mean per-step KL(P_full || P_policy) in nats"
+        + (" on the Trace's tokens." if teacher_forced else ", along each policy's own generation."),
     ]
     if not teacher_forced:
         notes.append(f"{FULL_LABEL} (uncompressed) does not depend on the budget: its values repeat under every budget.")
@@ -98,9 +99,14 @@ def budget_figure(summary: pl.DataFrame, scorers: list[str], out_dir: Path) -> l
             full = summary.filter((pl.col("scorer") == "full_kv") & pl.col(metric).is_not_null())
             if full.height:
                 ax.axhline(full[metric][0] * scale, color="black", linestyle=":", label=FULL_LABEL)
+            budgets = sorted(summary["budget"].drop_nulls().unique().to_list())
             ax.set_xscale("log", base=2)
+            ax.set_xticks(budgets, [str(b) for b in budgets])
+            ax.minorticks_off()
             values = summary.filter(pl.col("budget").is_not_null())[metric].drop_nulls()
-            if metric == "kl_mean" and bool((values > 0).all()):
+            if metric == "accuracy":
+                ax.set_ylim(-2, 102)
+            elif bool((values > 0).all()):
                 ax.set_yscale("log")
             ax.set_xlabel("KV budget (entries per layer and KV head)")
             ax.set_ylabel(label)

@@ -10,7 +10,6 @@ attention over the cached keys, causal by absolute position, ages ``t - position
 from __future__ import annotations
 
 import dataclasses
-from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
@@ -23,7 +22,7 @@ from kvdiag.attention import group_size
 from kvdiag.errors import UserError
 from kvdiag.scorers import SCORERS, ScoreContext, Scorer, get_scorer
 from kvdiag.scorers.base import HistoryUnavailable, check_choice
-from kvdiag.trace.hooks import attn_implementation
+from kvdiag.trace.hooks import attention_context
 
 REPLAY_ATTN = "kvdiag_replay"
 SELECTIONS = ("per-head", "per-token")
@@ -65,15 +64,9 @@ AttentionInterface.register(REPLAY_ATTN, replay_attention)
 AttentionMaskInterface.register(REPLAY_ATTN, sdpa_mask)  # without it SDPA mis-slices q > 1 over a cache
 
 
-@contextmanager
 def observing(model, window: QueryWindow | None):
     """Run ``model`` through the recording SDPA function, filling ``window`` (None: record nothing)."""
-    token = _WINDOW.set(window)
-    try:
-        with attn_implementation(model, REPLAY_ATTN):
-            yield window
-    finally:
-        _WINDOW.reset(token)
+    return attention_context(model, REPLAY_ATTN, _WINDOW, window)
 
 
 # --------------------------------------------------------------------------- scorers in a live cache
@@ -115,7 +108,7 @@ def live_scorer_names(group: int = 2, head_dim: int = 16) -> list[str]:
         scorer = cls()
         try:
             probe_scores(scorer, PROBE_ENTRIES, group, head_dim, query_window_size(scorer))
-        except HistoryUnavailable:
+        except (UserError, ValueError):  # HistoryUnavailable, or a plugin that cannot score a live cache
             continue
         names.append(name)
     return names

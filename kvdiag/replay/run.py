@@ -84,11 +84,16 @@ class Decoded:
 
 
 class Session:
-    """The model, its bounded cache and the compressor's query window for one sequence."""
+    """The model, its bounded cache and the compressor's query window for one sequence.
+
+    o_proj : layer -> W_O [hidden, H*d] for the ``wo_l2`` payload (read from the model when needed and not given).
+    """
 
     def __init__(self, lm: LoadedModel, policy: Policy | None, prompt_id: str, prompt_len: int,
                  o_proj: dict[int, torch.Tensor] | None = None, keep_history: bool = False):
         self.model, self.policy, self.prompt_id, self.prompt_len = lm.model, policy, prompt_id, prompt_len
+        if o_proj is None and policy is not None and needs_o_proj(policy.scorer):
+            o_proj = o_proj_weights(self.model)
         self.o_proj, self.keep_history = o_proj or {}, keep_history
         cfg = self.model.config
         self.num_layers, self.scale = cfg.num_hidden_layers, attention_scale(self.model)
@@ -392,7 +397,8 @@ def replay(
             policy = policies[(name, budget)]
             path = part_path(out, it.prompt_id, name, budget)
             paths.append(path)
-            fp = fingerprint({**common, "scorer": name, "budget": budget, "params": policy.scorer.params if policy else None})
+            fp = fingerprint({**common, "tokens": it.token_ids, "scorer": name, "budget": budget,
+                              "params": policy.scorer.params if policy else None})
             if path.exists() and read_meta(path).get("fingerprint") == fp:
                 progress.advance(task)
                 continue

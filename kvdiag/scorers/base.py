@@ -358,11 +358,6 @@ def recent(t: int, window: int) -> torch.Tensor:
     return torch.arange(t) >= t - window
 
 
-def sinks(t: int, n_sink: int) -> torch.Tensor:
-    """[t] bool: the first ``n_sink`` positions (attention sinks)."""
-    return torch.arange(t) < n_sink
-
-
 # --------------------------------------------------------------------------- aggregation over layers and heads
 
 AGGREGATIONS = {
