@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import resource
 import time
 from pathlib import Path
 
@@ -22,6 +21,7 @@ def bench_score(
 ) -> None:
     """Time `kvdiag score` over every checkpoint (token granularity, all cached entries) and report s/checkpoint."""
     from cli.score import parse_checkpoints
+    from kvdiag.kernels.bench import rss_kb
     from kvdiag.scorers import checkpoint_keys, parse_params, score_trace
     from kvdiag.trace import Trace
 
@@ -32,7 +32,7 @@ def bench_score(
     start = time.perf_counter()
     score_trace(tr, keys=keys, scorers=scorers, params=parse_params(param), plugins=plugin or (), timings=timings, progress=True)
     total = time.perf_counter() - start
-    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    peak_mib = rss_kb("VmHWM") / 1024
     table = Table(title=f"kvdiag score on {trace}: {n_cp} checkpoints, {tr.num_layers} layers, {keys.height} entries")
     table.add_column("scorer")
     table.add_column("s / checkpoint", justify="right")

@@ -347,7 +347,7 @@ def _figures_section(r: _Run, rel: str) -> str:
         return out + f"The figures are {r.status['figures']}: `{LAYOUT['figures'][1]}`.\n"
     fig_dir = r.run / "figures"
     params = r.figures.get("params", {})
-    out += "Parameters: " + ", ".join(f"{k} = {v}" for k, v in params.items()) + " (README, "Figures").\n\n"
+    out += "Parameters: " + ", ".join(f"{k} = {v}" for k, v in params.items()) + " (README, section Figures).\n\n"
     for name, (title, csvs) in FIGURES.items():
         out += f"### {title}\n\n"
         png = fig_dir / f"{name}.png"

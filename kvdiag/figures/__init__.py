@@ -1,6 +1,6 @@
 """Appendix D diagnostics: (a) the attention-only blind spot, (b) the delayed-read effect, and the AvoKV-E
 component figure (Table 4 in diagnostic form). Each figure as PNG and PDF with every plotted number in a CSV
-beside it; definitions and parameters: :class:`FigureParams` and README, "Figures".
+beside it; definitions and parameters: :class:`FigureParams` and README, section Figures.
 
     from kvdiag.figures import FigureParams, make_figures
     stats = make_figures(Trace("run/trace"), labels_df, scores_df, "run/figures", FigureParams(w_obs=32))

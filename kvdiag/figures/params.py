@@ -1,4 +1,4 @@
-"""``FigureParams``: every threshold and definition of the Appendix D figures (ours unless noted; README, "Figures")."""
+"""``FigureParams``: every threshold and definition of the Appendix D figures (ours unless noted; README, section Figures)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ SCOPES = ("pooled", "macro")
 
 @dataclass(frozen=True)
 class FigureParams:
-    """Settings of ``make_figures`` (written to figures.json). Defaults are ours; see README, "Figures".
+    """Settings of ``make_figures`` (written to figures.json). Defaults are ours; see README, section Figures.
 
     Token-level features (per prompt, checkpoint ``t``, labeled candidate ``i``), averaged over layers and KV
     heads (the mean over layers of each layer's KV-head mean):

@@ -81,7 +81,9 @@ def _time_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> fl
     return min(times)
 
 
-def _rss_kb(field: str) -> int:
+def rss_kb(field: str) -> int:
+    """A memory field of /proc/self/status in KiB: ``VmRSS`` now, ``VmHWM`` the peak of this process image
+    (unlike ``getrusage``'s ru_maxrss, which keeps the peak of the process that forked us across exec)."""
     return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
 
 
@@ -113,9 +115,9 @@ def _peak_mb(fn: Callable[[], object], device: torch.device, cpu_reset: Callable
     if cpu_reset is None:
         return None
     cpu_reset()
-    base = _rss_kb("VmRSS")
+    base = rss_kb("VmRSS")
     fn()
-    return (_rss_kb("VmHWM") - base) / 1024
+    return (rss_kb("VmHWM") - base) / 1024
 
 
 def run_kernel_bench(
