@@ -63,7 +63,7 @@ def naive_label(eng: OracleEngine, t: int, prefix, positions: list[int]) -> torc
         keep = torch.arange(t, device=eng.ids.device) != i
         cache = _cache_of(model, [(k[:, keep].clone(), v[:, keep].clone()) for k, v in prefix], 1)
         logits = model(eng.ids[None, t : t + H], cache=cache, position_ids=pos, use_cache=True).logits
-        kls.append(divergences(logp_full, torch.log_softmax(logits.float(), -1), eng.ids[t + 1 : t + H + 1])["kl"])
+        kls.append(divergences(logp_full, logits, eng.ids[t + 1 : t + H + 1])["kl"])
     return torch.cat(kls)
 
 

@@ -63,8 +63,9 @@ class RowResult:
     top1_flips: int
 
 
-def divergences(logp_full: torch.Tensor, logp_ev: torch.Tensor, targets: torch.Tensor, chunk: int = 16) -> dict[str, torch.Tensor]:
-    """logp_full [W, V], logp_ev [N, W, V] (fp32 log-probs), targets [W'] realized next tokens (W' <= W).
+def divergences(logp_full: torch.Tensor, logits_ev: torch.Tensor, targets: torch.Tensor, chunk: int = 16) -> dict[str, torch.Tensor]:
+    """logp_full [W, V] fp32 log-probs, logits_ev [N, W, V] logits (or log-probs: both are normalized here, one
+    chunk of rows at a time, so the full [N, W, V] log-probs never exist), targets [W'] realized next tokens.
 
     Returns kl [N, W] = KL(full || evicted), js [N, W], nll_delta [N, W'] = NLL_evicted - NLL_full of the
     realized tokens, flips [N] = steps whose top-1 token changed. Rows are processed in chunks of
@@ -76,8 +77,8 @@ def divergences(logp_full: torch.Tensor, logp_ev: torch.Tensor, targets: torch.T
     nll_full = logp_full[:Wt].gather(-1, targets[:, None]).squeeze(-1)
     log2 = math.log(2.0)
     out: dict[str, list[torch.Tensor]] = {"kl": [], "js": [], "nll_delta": [], "flips": []}
-    for s in range(0, logp_ev.shape[0], chunk):
-        le = logp_ev[s : s + chunk]
+    for s in range(0, logits_ev.shape[0], chunk):
+        le = torch.log_softmax(logits_ev[s : s + chunk].float(), dim=-1)
         # differences are taken elementwise first: near-zero labels must not cancel out of two large sums
         d = logp_full - le  # log p - log q
         out["kl"].append(torch.einsum("wv,nwv->nw", p, d))
@@ -135,12 +136,12 @@ class OracleEngine:
             layer.keys, layer.values = k[None], v[None]  # zero-copy; update() rebinds, never writes into them
         pos = torch.arange(t, t + self.H, device=self.ids.device)[None]
         logits = self.model(self.ids[None, t : t + self.H], cache=cache, position_ids=pos, use_cache=True).logits[0]
-        return self._logprobs(logits, t)
+        self._check_finite(logits, t)
+        return torch.log_softmax(logits.float(), dim=-1)
 
-    def _logprobs(self, logits: torch.Tensor, t: int) -> torch.Tensor:
+    def _check_finite(self, logits: torch.Tensor, t: int) -> None:
         if not torch.isfinite(logits.sum()):  # one reduction: any inf/nan makes the sum non-finite
             raise UserError(f"non-finite logits at checkpoint {t}: the model overflows in {self.lm.dtype}; rerun with --dtype float32")
-        return torch.log_softmax(logits.float(), dim=-1)
 
     def _exclusions(self, rows: list[Row]) -> list[torch.Tensor | None]:
         """Per layer: int64 [N, Hkv, 1] with the row's position where it applies, -1 elsewhere."""
@@ -157,15 +158,16 @@ class OracleEngine:
         return out
 
     @torch.no_grad()
-    def evicted_logprobs(self, t: int, prefix, rows: list[Row]) -> torch.Tensor:
-        """log P_evict [N, H, V] (fp32) for ``rows`` through the batched shared-prefix path."""
+    def evicted_logits(self, t: int, prefix, rows: list[Row]) -> torch.Tensor:
+        """Logits [N, H, V] for ``rows`` through the batched shared-prefix path (finite, else a UserError)."""
         n = len(rows)
         ids = self.ids[None, t : t + self.H].expand(n, -1)
         pos = torch.arange(t, t + self.H, device=self.ids.device)[None].expand(n, -1)
         batch = EvictionBatch(prefix=prefix, exclude=self._exclusions(rows), backend=self.backend)
         with evicting(self.model, batch):
             logits = self.model(ids, position_ids=pos, use_cache=False).logits
-        return self._logprobs(logits, t)
+        self._check_finite(logits, t)
+        return logits
 
     def label(self, t: int, rows: list[Row], progress=None) -> tuple[dict[str, torch.Tensor], float]:
         """Label ``rows`` at checkpoint ``t``. Returns (per-row tensors: kl [N, H], js [N, H],
@@ -181,7 +183,7 @@ class OracleEngine:
         parts: dict[str, list[torch.Tensor]] = {}
         for s in range(0, len(all_rows), self.batch_size):
             chunk = all_rows[s : s + self.batch_size]
-            div = divergences(logp_full, self.evicted_logprobs(t, prefix, chunk), targets)
+            div = divergences(logp_full, self.evicted_logits(t, prefix, chunk), targets)
             for key, val in div.items():
                 parts.setdefault(key, []).append(val.cpu())
             if progress is not None:
