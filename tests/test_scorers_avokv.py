@@ -6,19 +6,9 @@ import pytest
 import torch
 
 from kvdiag.scorers import ScoreContext, avokv_score, get_scorer, percentile_rank
+from tests.conftest import dense_attention, random_qkv
 
 
-def qkv(H=4, Hkv=2, T=40, d=8, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(H, T, d, generator=gen) * 2, torch.randn(Hkv, T, d, generator=gen) * 2,
-            torch.randn(Hkv, T, d, generator=gen))
-
-
-def dense_attention(q, k, scale):
-    """Reference: full causal attention [H, T, T] with repeat_kv (query head h reads KV head h // g)."""
-    T = q.shape[1]
-    logits = q @ k.repeat_interleave(q.shape[0] // k.shape[0], dim=0).transpose(1, 2) * scale
-    return torch.softmax(logits.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")), dim=-1)
 
 # Table 5 of the AvoKV-E paper: four tokens at one checkpoint, all eligible
 TOKENS = ["I", "cook", "dinner", "myself"]
@@ -70,7 +60,7 @@ def ranks(values):
 
 
 def test_full_scorer_matches_slow_reference():
-    q, k, v = qkv(H=4, Hkv=2, T=20, d=6, seed=5)
+    q, k, v = random_qkv(H=4, Hkv=2, T=20, d=6, seed=5)
     t, w_obs, w_delay = 20, 3, 6
     ctx = ScoreContext(q, k, v, 0.4, prompt_len=5)
     got = get_scorer("avokv_e", w_obs=w_obs, w_delay=w_delay).scores(ctx)
@@ -90,7 +80,7 @@ def test_full_scorer_matches_slow_reference():
 
 
 def test_ablation_classes_change_one_thing():
-    q, k, v = qkv(T=200, seed=2)
+    q, k, v = random_qkv(T=200, seed=2)
     ctx = ScoreContext(q, k, v, 0.3, prompt_len=50)
     full = get_scorer("avokv_e")
     assert (full.w_obs, full.w_delay, full.lambda_p, full.lambda_r, full.lambda_b) == (32, 128, 1.0, 1.0, 1.0)
@@ -106,7 +96,7 @@ def test_ablation_classes_change_one_thing():
 
 
 def test_payload_options():
-    q, k, v = qkv(T=40, seed=1)
+    q, k, v = random_qkv(T=40, seed=1)
     ctx = ScoreContext(q, k, v, 0.3, prompt_len=10)
     only_b = get_scorer("avokv_e", w_obs=4, w_delay=8, lambda_p=0.0, lambda_r=0.0, payload="range")
     s = only_b.scores(ctx)

@@ -3,27 +3,19 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
 
 from kvdiag.features import AttentionHistory
 from kvdiag.scorers import SCORERS, ScoreContext, get_scorer, lazyeviction_score
+from tests.conftest import dense_attention, random_qkv
 
 H, HKV, T, D, PROMPT = 4, 2, 24, 6, 8
 
 
-def qkv(H=H, Hkv=HKV, T=T, d=D, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(H, T, d, generator=gen) * 2, torch.randn(Hkv, T, d, generator=gen) * 2,
-            torch.randn(Hkv, T, d, generator=gen))
-
-
-def dense_attention(q, k, scale):
-    """Reference: full causal attention [H, T, T] with repeat_kv (query head h reads KV head h // g)."""
-    n = q.shape[1]
-    logits = q @ k.repeat_interleave(q.shape[0] // k.shape[0], dim=0).transpose(1, 2) * scale
-    return torch.softmax(logits.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")), dim=-1)
+qkv = partial(random_qkv, H=H, Hkv=HKV, T=T, d=D)
 
 
 def group_mean(x):
