@@ -87,7 +87,7 @@ def rss_kb(field: str) -> int:
     return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
 
 
-def _cpu_peak_probe() -> Callable[[], None] | None:
+def cpu_peak_probe() -> Callable[[], None] | None:
     """A reset of the peak-RSS counter, or None where unsupported. Linux resets a process's VmHWM when
     it writes 5 to /proc/self/clear_refs; glibc's malloc_trim first returns freed heap pages, which
     would otherwise be reused without showing up in RSS."""
@@ -104,7 +104,7 @@ def _cpu_peak_probe() -> Callable[[], None] | None:
     return reset
 
 
-def _peak_mb(fn: Callable[[], object], device: torch.device, cpu_reset: Callable[[], None] | None) -> float | None:
+def peak_mb(fn: Callable[[], object], device: torch.device, cpu_reset: Callable[[], None] | None) -> float | None:
     if device.type == "cuda":
         _sync(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -203,5 +203,5 @@ def run_kernel_bench(
             out = fn()
             err = (torch.as_tensor(out[0] if isinstance(out, tuple) else out).float() - ref).abs().max().item()
             timed.append((op, impl, fn, _time_ms(fn, dev, repeats), err))
-    cpu_reset = _cpu_peak_probe() if dev.type == "cpu" else None
-    return [KernelBenchRow(op, impl, ms, _peak_mb(fn, dev, cpu_reset), err) for op, impl, fn, ms, err in timed]
+    cpu_reset = cpu_peak_probe() if dev.type == "cpu" else None
+    return [KernelBenchRow(op, impl, ms, peak_mb(fn, dev, cpu_reset), err) for op, impl, fn, ms, err in timed]

@@ -17,10 +17,9 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
-from kvdiag.kernels.bench import _cpu_peak_probe, _peak_mb
-from kvdiag.label.engine import OracleEngine, Row, divergences
+from kvdiag.kernels.bench import cpu_peak_probe, peak_mb
+from kvdiag.label.engine import OracleEngine, Row, cache_from_prefix, divergences
 from kvdiag.models import LoadedModel
 from kvdiag.prompts import arith_prompts
 
@@ -43,15 +42,6 @@ def bench_tokens(lm: LoadedModel, n: int) -> torch.Tensor:
     return torch.tensor(ids[:n])
 
 
-def _cache_of(model, prefix, rows: int) -> DynamicCache:
-    cache = DynamicCache(config=model.config)
-    for layer, (k, v) in zip(cache.layers, prefix):
-        k, v = k[None].expand(rows, -1, -1, -1), v[None].expand(rows, -1, -1, -1)
-        layer.lazy_initialization(k, v)
-        layer.keys, layer.values = k, v
-    return cache
-
-
 @torch.no_grad()
 def naive_label(eng: OracleEngine, t: int, prefix, positions: list[int]) -> torch.Tensor:
     """Per candidate: copy + delete in every layer + one H-token forward with explicit positions -> kl [N, H]."""
@@ -61,7 +51,7 @@ def naive_label(eng: OracleEngine, t: int, prefix, positions: list[int]) -> torc
     kls = []
     for i in positions:
         keep = torch.arange(t, device=eng.ids.device) != i
-        cache = _cache_of(model, [(k[:, keep].clone(), v[:, keep].clone()) for k, v in prefix], 1)
+        cache = cache_from_prefix(model.config, [(k[:, keep].clone(), v[:, keep].clone()) for k, v in prefix])
         logits = model(eng.ids[None, t : t + H], cache=cache, position_ids=pos, use_cache=True).logits
         kls.append(divergences(logp_full, logits, eng.ids[t + 1 : t + H + 1])["kl"])
     return torch.cat(kls)
@@ -72,7 +62,7 @@ def plain_forward(eng: OracleEngine, t: int, prefix, n: int) -> torch.Tensor:
     """The ceiling: N x H tokens, one batched stock forward over the prefix expanded to N rows, log-softmax."""
     H = eng.H
     pos = torch.arange(t, t + H, device=eng.ids.device)[None].expand(n, -1)
-    logits = eng.model(eng.ids[None, t : t + H].expand(n, -1), cache=_cache_of(eng.model, prefix, n),
+    logits = eng.model(eng.ids[None, t : t + H].expand(n, -1), cache=cache_from_prefix(eng.model.config, prefix, n),
                        position_ids=pos, use_cache=True).logits
     return torch.log_softmax(logits.float(), -1)
 
@@ -92,7 +82,7 @@ def run_label_bench(lm: LoadedModel, prefix_len: int = 512, n: int = 64, horizon
         "naive per-candidate loop": lambda: naive_label(eng, t, prefix, positions),
         "plain batched forward (no eviction)": lambda: plain_forward(eng, t, prefix, n),
     }
-    probe = _cpu_peak_probe() if device.type == "cpu" else None
+    probe = cpu_peak_probe() if device.type == "cpu" else None
     out = []
     for name, fn in methods.items():
         fn()  # warm-up
@@ -105,5 +95,5 @@ def run_label_bench(lm: LoadedModel, prefix_len: int = 512, n: int = 64, horizon
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             best = min(best, time.perf_counter() - start)
-        out.append(LabelBenchRow(name, best, n * horizon / best, _peak_mb(fn, device, probe)))
+        out.append(LabelBenchRow(name, best, n * horizon / best, peak_mb(fn, device, probe)))
     return out

@@ -53,6 +53,17 @@ def candidate_rows(positions: list[int], granularity: str, num_layers: int, num_
     return [Row(p, l, h) for p in positions for l in layers for h in range(num_kv_heads)]
 
 
+def cache_from_prefix(config, prefix: list[tuple[torch.Tensor, torch.Tensor]], rows: int = 1) -> DynamicCache:
+    """A ``DynamicCache`` over prefix[l] = (k, v) [Hkv, P, d], viewed as ``rows`` batch rows without a copy
+    (``update()`` rebinds the layer tensors and never writes into them)."""
+    cache = DynamicCache(config=config)
+    for layer, (k, v) in zip(cache.layers, prefix):
+        k, v = k[None].expand(rows, -1, -1, -1), v[None].expand(rows, -1, -1, -1)
+        layer.lazy_initialization(k, v)
+        layer.keys, layer.values = k, v
+    return cache
+
+
 @dataclass
 class RowResult:
     """Divergences of one row: kl_steps [H] (nats), js_steps [H], nll_delta [H-1 or H], top1_flips."""
@@ -130,10 +141,7 @@ class OracleEngine:
     @torch.no_grad()
     def full_logprobs(self, t: int, prefix) -> torch.Tensor:
         """log P_full [H, V] (fp32) of the plain model path: SDPA over a standard cache of the prefix."""
-        cache = DynamicCache(config=self.model.config)
-        for layer, (k, v) in zip(cache.layers, prefix):
-            layer.lazy_initialization(k[None], v[None])
-            layer.keys, layer.values = k[None], v[None]  # zero-copy; update() rebinds, never writes into them
+        cache = cache_from_prefix(self.model.config, prefix)
         pos = torch.arange(t, t + self.H, device=self.ids.device)[None]
         logits = self.model(self.ids[None, t : t + self.H], cache=cache, position_ids=pos, use_cache=True).logits[0]
         self._check_finite(logits, t)

@@ -12,11 +12,11 @@ from __future__ import annotations
 from contextlib import contextmanager, nullcontext
 
 import torch
-from transformers import AttentionInterface, DynamicCache
+from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kvdiag.label.engine import Row
+from kvdiag.label.engine import Row, cache_from_prefix
 from kvdiag.trace.hooks import attn_implementation
 
 HEAD_DELETE_ATTN = "kvdiag_head_delete"
@@ -60,14 +60,13 @@ def _head_target(model, layer: int, kv_head: int, slot: int):
 @torch.no_grad()
 def reference_logprobs(model, ids: torch.Tensor, t: int, horizon: int, prefix, row: Row) -> torch.Tensor:
     """log P [H, V] (fp32) with ``row``'s entry physically deleted from a copied cache; prefix[l] = (k, v) [Hkv, t, d]."""
-    cache = DynamicCache(config=model.config)
-    for l, (layer, (k, v)) in enumerate(zip(cache.layers, prefix)):
-        k, v = k[None].clone(), v[None].clone()
+    copied = []
+    for l, (k, v) in enumerate(prefix):
         if row.position >= 0 and row.kv_head < 0 and row.layer in (-1, l):
-            keep = torch.arange(k.shape[2], device=k.device) != row.position
-            k, v = k[:, :, keep], v[:, :, keep]
-        layer.lazy_initialization(k, v)
-        layer.keys, layer.values = k, v
+            keep = torch.arange(k.shape[1], device=k.device) != row.position
+            k, v = k[:, keep], v[:, keep]
+        copied.append((k.clone(), v.clone()))
+    cache = cache_from_prefix(model.config, copied)
     ctx = _head_target(model, row.layer, row.kv_head, row.position) if row.kv_head >= 0 else nullcontext()
     out = []
     with ctx:
