@@ -14,7 +14,7 @@ def bench_label(
     prefix: int = typer.Option(512, "--prefix", help="prefix length P (the checkpoint)"),
     n: int = typer.Option(64, "--n", help="candidates N"),
     horizon: int = typer.Option(16, "--horizon", help="teacher-forced tokens H"),
-    repeats: int = typer.Option(2, "--repeats", help="timed runs per method (best reported)"),
+    repeats: int = typer.Option(3, "--repeats", help="timed runs per method, round-robin (best reported)"),
     dtype: str = common.Dtype,
     device: str = common.Device,
     backend: str = typer.Option("auto", "--backend", help="kernel backend of the engine"),

@@ -11,6 +11,7 @@ import sys
 import typer
 from rich.console import Console
 
+from kvdiag.allocator import reuse_freed_memory
 from kvdiag.errors import UserError
 
 app = typer.Typer(
@@ -44,6 +45,7 @@ for _name, _fn in [("trace", bench_trace), ("label", bench_label), ("score", ben
 
 
 def main(argv: list[str] | None = None) -> None:
+    reuse_freed_memory()
     try:
         app(args=argv, standalone_mode=True)
     except UserError as err:

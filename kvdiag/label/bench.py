@@ -51,7 +51,7 @@ def naive_label(eng: OracleEngine, t: int, prefix, positions: list[int]) -> torc
     kls = []
     for i in positions:
         keep = torch.arange(t, device=eng.ids.device) != i
-        cache = cache_from_prefix(model.config, [(k[:, keep].clone(), v[:, keep].clone()) for k, v in prefix])
+        cache = cache_from_prefix(model.config, [(k[:, keep], v[:, keep]) for k, v in prefix])  # indexing copies
         logits = model(eng.ids[None, t : t + H], cache=cache, position_ids=pos, use_cache=True).logits
         kls.append(divergences(logp_full, logits, eng.ids[t + 1 : t + H + 1])["kl"])
     return torch.cat(kls)
@@ -67,7 +67,7 @@ def plain_forward(eng: OracleEngine, t: int, prefix, n: int) -> torch.Tensor:
     return torch.log_softmax(logits.float(), -1)
 
 
-def run_label_bench(lm: LoadedModel, prefix_len: int = 512, n: int = 64, horizon: int = 16, repeats: int = 2,
+def run_label_bench(lm: LoadedModel, prefix_len: int = 512, n: int = 64, horizon: int = 16, repeats: int = 3,
                     batch_size: int | None = None, backend: str = "auto") -> list[LabelBenchRow]:
     """Time the three methods (best of ``repeats``) and their peak extra memory; see the module docstring."""
     ids = bench_tokens(lm, prefix_len + horizon + 1)
@@ -83,17 +83,17 @@ def run_label_bench(lm: LoadedModel, prefix_len: int = 512, n: int = 64, horizon
         "plain batched forward (no eviction)": lambda: plain_forward(eng, t, prefix, n),
     }
     probe = cpu_peak_probe() if device.type == "cpu" else None
-    out = []
-    for name, fn in methods.items():
+    for fn in methods.values():
         fn()  # warm-up
-        best = float("inf")
-        for _ in range(repeats):
+    best = dict.fromkeys(methods, float("inf"))
+    for _ in range(repeats):  # round-robin, so that a noisy spell of the machine does not hit one method only
+        for name, fn in methods.items():
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             start = time.perf_counter()
             fn()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            best = min(best, time.perf_counter() - start)
-        out.append(LabelBenchRow(name, best, n * horizon / best, peak_mb(fn, device, probe)))
-    return out
+            best[name] = min(best[name], time.perf_counter() - start)
+    return [LabelBenchRow(name, best[name], n * horizon / best[name], peak_mb(fn, device, probe))
+            for name, fn in methods.items()]
