@@ -25,8 +25,7 @@ def test_batched_equals_physical_deletion(tiny_model, granularity):
     eng = OracleEngine(tiny_model, ids, horizon=H, batch_size=5)
     rows = candidate_rows([0, 1, 17, T_CKPT - 1], granularity, eng.num_layers, eng.num_kv_heads)
     got, _ = eng.label(T_CKPT, rows)
-    prefix = eng.prefix(T_CKPT)
-    logp_full = eng.full_logprobs(T_CKPT, prefix)
+    prefix, logp_full = eng.golden(T_CKPT)
     targets = eng.ids[T_CKPT + 1 : T_CKPT + H + 1]
     for j, row in enumerate(rows):
         ref = reference_logprobs(tiny_model.model, eng.ids, T_CKPT, H, prefix, row)
@@ -41,9 +40,9 @@ def test_null_eviction_is_below_1e6(tiny_model):
     eng = OracleEngine(tiny_model, _ids(), horizon=H)
     _, noise = eng.label(T_CKPT, [Row(3)])
     assert 0 <= noise <= 1e-6
-    prefix = eng.prefix(T_CKPT)
+    prefix, logp_full = eng.golden(T_CKPT)
     null = eng.evicted_logits(T_CKPT, prefix, [Row(-1)])
-    assert divergences(eng.full_logprobs(T_CKPT, prefix), null, eng.ids[T_CKPT + 1 : T_CKPT + H + 1])["kl"].max() <= 1e-6
+    assert divergences(logp_full, null, eng.ids[T_CKPT + 1 : T_CKPT + H + 1])["kl"].max() <= 1e-6
 
 
 def test_entry_no_query_reads_changes_nothing(tiny_llama):
@@ -74,16 +73,21 @@ def test_batch_size_does_not_matter(tiny_qwen3):
     assert abs(na - nb) < 1e-7
 
 
-def test_prefix_extension_matches_fresh_prefill(tiny_llama):
-    """Checkpoints visited in order extend one cache; that must equal a fresh prefill."""
+@pytest.mark.parametrize("before", [20, T_CKPT - 2, T_CKPT + 3])
+def test_golden_run_is_the_same_however_it_is_reached(tiny_llama, before):
+    """Checkpoints visited in order extend one cache (20: through the horizon, P_full from the extension;
+    T-2: T lies inside the cache, P_full from a forward over its first T entries; T+3: an earlier
+    checkpoint); prefix K/V and P_full must equal those of a fresh run."""
     ids = _ids()
     eng = OracleEngine(tiny_llama, ids, horizon=H)
-    eng.prefix(20)
-    extended = eng.prefix(T_CKPT)
-    fresh = OracleEngine(tiny_llama, ids, horizon=H).prefix(T_CKPT)
-    for (k1, v1), (k2, v2) in zip(extended, fresh):
+    eng.golden(before)
+    prefix, logp_full = eng.golden(T_CKPT)
+    fresh_prefix, fresh_logp = OracleEngine(tiny_llama, ids, horizon=H).golden(T_CKPT)
+    for (k1, v1), (k2, v2) in zip(prefix, fresh_prefix):
+        assert k1.shape == k2.shape == (tiny_llama.model.config.num_key_value_heads, T_CKPT, k2.shape[-1])
         torch.testing.assert_close(k1, k2, rtol=0, atol=1e-5)
         torch.testing.assert_close(v1, v2, rtol=0, atol=1e-5)
+    torch.testing.assert_close(logp_full, fresh_logp, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -106,6 +110,12 @@ def test_non_finite_logits_name_the_checkpoint(tiny_llama):
     lm = LoadedModel(model, tiny_llama.tokenizer, "tiny", "float16", "cpu", None, "x", "y")
     with pytest.raises(UserError, match="checkpoint 40.*float32"):
         OracleEngine(lm, _ids(), horizon=H).label(T_CKPT, [Row(1)])
+    # the same when only the evicted rows overflow (the full-cache run is finite)
+    eng = OracleEngine(tiny_llama, _ids(), horizon=H)
+    evicted = eng.evicted_logits
+    eng.evicted_logits = lambda *args: evicted(*args).index_fill_(2, torch.tensor([3]), float("nan"))
+    with pytest.raises(UserError, match="checkpoint 40.*float32"):
+        eng.label(T_CKPT, [Row(1)])
 
 
 def test_runner_resumes_without_redoing_items(tiny_llama, tiny_trace, tmp_path):

@@ -64,29 +64,36 @@ def cache_from_prefix(config, prefix: list[tuple[torch.Tensor, torch.Tensor]], r
     return cache
 
 
-def divergences(logp_full: torch.Tensor, logits_ev: torch.Tensor, targets: torch.Tensor, chunk: int = 4) -> dict[str, torch.Tensor]:
+# divergences() normalizes rows in chunks of about this many bytes of fp32 log-probs: one row of SmolLM2
+# (16 steps x 49,152 tokens) is 3 MiB; chunks this small keep the ~15 elementwise passes in cache
+DIVERGENCE_CHUNK_BYTES = 4 << 20
+
+
+def divergences(logp_full: torch.Tensor, logits_ev: torch.Tensor, targets: torch.Tensor,
+                chunk: int | None = None) -> dict[str, torch.Tensor]:
     """logp_full [W, V] fp32 log-probs, logits_ev [N, W, V] logits (or log-probs: both are normalized here, one
     chunk of rows at a time, so the full [N, W, V] log-probs never exist), targets [W'] realized next tokens.
 
     Returns kl [N, W] = KL(full || evicted), js [N, W], nll_delta [N, W'] = NLL_evicted - NLL_full of the
     realized tokens, flips [N] = steps where the full model's top-1 token is no longer a top-1 token of
-    the evicted one. Rows are processed in chunks of ``chunk`` (a few MB each, so the elementwise passes
-    stay in cache); the cross terms are batched dot products.
+    the evicted one. Rows are processed in chunks of ``chunk`` rows (default: ``DIVERGENCE_CHUNK_BYTES``);
+    the cross terms are batched dot products.
     """
     p = logp_full.exp()
     top_full = logp_full.argmax(-1)
     Wt = targets.shape[0]
     nll_full = logp_full[:Wt].gather(-1, targets[:, None]).squeeze(-1)
     log2 = math.log(2.0)
+    chunk = chunk or max(1, DIVERGENCE_CHUNK_BYTES // (4 * logp_full.numel()))
     out: dict[str, list[torch.Tensor]] = {"kl": [], "js": [], "nll_delta": [], "flips": []}
     for s in range(0, logits_ev.shape[0], chunk):
         le = torch.log_softmax(logits_ev[s : s + chunk].float(), dim=-1)
         # differences are taken elementwise first: near-zero labels must not cancel out of two large sums
         d = logp_full - le  # log p - log q
         out["kl"].append(torch.einsum("wv,nwv->nw", p, d))
-        # with m = (p + q)/2: log p - log m = log 2 - softplus(-d), log q - log m = that - d, where
-        # softplus(-d) = relu(-d) + log1p(exp(-|d|)) (torch's own softplus is ~3x slower on CPU)
-        u = d.abs().neg_().exp_().log1p_().neg_().add_(log2).add_(d.clamp(max=0.0))
+        # with m = (p + q)/2: log p - log m = log 2 + log sigmoid(d), log q - log m = that - d
+        # (one fused op; torch's softplus is several times slower on CPU)
+        u = F.logsigmoid(d).add_(log2)
         q = le.exp()
         out["js"].append(0.5 * torch.einsum("wv,nwv->nw", p, u) + 0.5 * torch.linalg.vecdot(q, u.sub_(d)))
         out["nll_delta"].append(nll_full - le[:, :Wt].gather(-1, targets[None, :, None].expand(le.shape[0], Wt, 1)).squeeze(-1))
@@ -111,6 +118,7 @@ class OracleEngine:
         self.T, self.H, self.batch_size, self.backend = len(token_ids), horizon, batch_size, backend
         self._cache = DynamicCache(config=self.model.config)  # the golden prefix, extended checkpoint by checkpoint
         self._cached = 0
+        self._golden: tuple[int, list, torch.Tensor] | None = None  # the last checkpoint's (t, prefix, logp_full)
         cfg = self.model.config
         self.num_layers, self.num_kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
         if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
@@ -121,28 +129,36 @@ class OracleEngine:
             raise UserError(f"checkpoint {t} is outside [1, {self.T - self.H}] (trace length {self.T}, horizon {self.H}); choose earlier checkpoints or a shorter --horizon")
 
     @torch.no_grad()
-    def prefix(self, t: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Post-RoPE K/V of positions [0, t) per layer, each [Hkv, t, d] (views; never copied per row)."""
+    def golden(self, t: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """The full-cache run at checkpoint ``t``: (prefix, logp_full) with prefix[l] = post-RoPE (k, v) of
+        positions [0, t), each [Hkv, t, d] (views of one cache; never copied per row), and log P_full
+        [H, V] (fp32) at positions t .. t+H-1 from the plain model path (SDPA over a standard cache).
+
+        Checkpoints are visited in order: when the cache ends at or before ``t``, one forward over
+        [end, t+H) extends it and its last H logits are P_full, so the horizon is not run twice; for a
+        checkpoint inside the cache (closer than H to the last one, or earlier) the H tokens run over a
+        cache of the first ``t`` entries.
+        """
         self.check_checkpoint(t)
-        if t < self._cached:  # checkpoints are visited in order; going back means starting over
-            self._cache, self._cached = DynamicCache(config=self.model.config), 0
-        if t > self._cached:
-            pos = torch.arange(self._cached, t, device=self.ids.device)[None]
-            self.model(self.ids[None, self._cached : t], cache=self._cache, position_ids=pos, use_cache=True, logits_to_keep=1)
-            self._cached = t
-        return [(layer.keys[0], layer.values[0]) for layer in self._cache.layers]
-
-    @torch.no_grad()
-    def full_logprobs(self, t: int, prefix) -> torch.Tensor:
-        """log P_full [H, V] (fp32) of the plain model path: SDPA over a standard cache of the prefix."""
-        cache = cache_from_prefix(self.model.config, prefix)
-        pos = torch.arange(t, t + self.H, device=self.ids.device)[None]
-        logits = self.model(self.ids[None, t : t + self.H], cache=cache, position_ids=pos, use_cache=True).logits[0]
+        if self._golden is not None and self._golden[0] == t:
+            return self._golden[1], self._golden[2]
+        end, logits = t + self.H, None
+        if self._cached <= t:  # extend the run through the horizon: its last H logits are P_full
+            pos = torch.arange(self._cached, end, device=self.ids.device)[None]
+            logits = self.model(self.ids[None, self._cached : end], cache=self._cache, position_ids=pos, use_cache=True,
+                                logits_to_keep=self.H).logits[0]
+            self._cached = end
+        prefix = [(layer.keys[0, :, :t], layer.values[0, :, :t]) for layer in self._cache.layers]
+        if logits is None:  # a checkpoint inside the run's cache
+            pos = torch.arange(t, end, device=self.ids.device)[None]
+            logits = self.model(self.ids[None, t:end], cache=cache_from_prefix(self.model.config, prefix), position_ids=pos,
+                                use_cache=True).logits[0]
         self._check_finite(logits, t)
-        return torch.log_softmax(logits.float(), dim=-1)
+        self._golden = (t, prefix, torch.log_softmax(logits.float(), dim=-1))
+        return prefix, self._golden[2]
 
-    def _check_finite(self, logits: torch.Tensor, t: int) -> None:
-        if not torch.isfinite(logits.sum()):  # one reduction: any inf/nan makes the sum non-finite
+    def _check_finite(self, values: torch.Tensor, t: int) -> None:
+        if not torch.isfinite(values.sum()):  # one reduction: any inf/nan makes the sum non-finite
             raise UserError(f"non-finite logits at checkpoint {t}: the model overflows in {self.lm.dtype}; rerun with --dtype float32")
 
     def _exclusions(self, rows: list[Row]) -> list[torch.Tensor | None]:
@@ -161,15 +177,13 @@ class OracleEngine:
 
     @torch.no_grad()
     def evicted_logits(self, t: int, prefix, rows: list[Row]) -> torch.Tensor:
-        """Logits [N, H, V] for ``rows`` through the batched shared-prefix path (finite, else a UserError)."""
+        """Logits [N, H, V] for ``rows`` through the batched shared-prefix path."""
         n = len(rows)
         ids = self.ids[None, t : t + self.H].expand(n, -1)
         pos = torch.arange(t, t + self.H, device=self.ids.device)[None].expand(n, -1)
         batch = EvictionBatch(prefix=prefix, exclude=self._exclusions(rows), backend=self.backend)
         with evicting(self.model, batch):
-            logits = self.model(ids, position_ids=pos, use_cache=False).logits
-        self._check_finite(logits, t)
-        return logits
+            return self.model(ids, position_ids=pos, use_cache=False).logits
 
     def label(self, t: int, rows: list[Row], progress=None) -> tuple[dict[str, torch.Tensor], float]:
         """Label ``rows`` at checkpoint ``t``. Returns (per-row tensors: kl [N, H], js [N, H],
@@ -179,8 +193,7 @@ class OracleEngine:
         for r in rows:
             if not 0 <= r.position < t:
                 raise UserError(f"candidate position {r.position} at checkpoint {t}: candidates must lie in [0, {t})")
-        prefix = self.prefix(t)
-        logp_full = self.full_logprobs(t, prefix)
+        prefix, logp_full = self.golden(t)
         targets = self.ids[t + 1 : t + self.H + 1]  # the realized next tokens (the last step may have none)
         # the null row rides along in the first batch (one row more, rather than a forward of its own)
         batches = [[Row(-1)] + rows[: self.batch_size]]
@@ -188,6 +201,7 @@ class OracleEngine:
         parts: dict[str, list[torch.Tensor]] = {}
         for i, batch in enumerate(batches):
             div = divergences(logp_full, self.evicted_logits(t, prefix, batch), targets)
+            self._check_finite(div["kl"], t)  # a non-finite logit makes its row's KL inf or nan
             for key, val in div.items():
                 parts.setdefault(key, []).append(val.cpu())
             if progress is not None:

@@ -174,7 +174,7 @@ def label_trace(trace: Trace, lm: LoadedModel, out: str | os.PathLike, cfg: Labe
                 if t not in ts:
                     # extend the cache in the same steps as a run that labels every checkpoint: the prefix's
                     # float rounding, hence every label, is then the same whatever the split or the resume
-                    engine.prefix(t)
+                    engine.golden(t)
                     continue
                 total = min(t, int(cfg.candidates)) if cfg.candidates != "all" else t
                 progress.reset(cand_task, total=total * n_rows, description=f"  {pid} @ {t}")
