@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import torch
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from kvdiag.errors import UserError
-from kvdiag.kernels import triton_available
-from kvdiag.kernels.bench import run_kernel_bench
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 def bench_kernels(
@@ -31,6 +28,11 @@ def bench_kernels(
     seed: int = typer.Option(0, help="seed of the random inputs"),
 ) -> None:
     """Time and peak memory of each eviction kernel: Triton (CUDA), torch reference, obvious composition."""
+    import torch
+
+    from kvdiag.kernels import triton_available
+    from kvdiag.kernels.bench import run_kernel_bench
+
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r} is not supported: use one of {', '.join(DTYPES)}")
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -43,7 +45,7 @@ def bench_kernels(
         raise UserError(f"--keep-fraction {keep_fraction} must be in (0, 1]")
     rows = run_kernel_bench(
         device, n, prefix, window, heads, kv_heads, head_dim, exclude, trace_len, obs_window,
-        keep_fraction, DTYPES[dtype], repeats, seed,
+        keep_fraction, getattr(torch, dtype), repeats, seed,
     )
     obvious = {r.op: r for r in rows if r.impl == "obvious"}
     triton = ("yes" if triton_available() else "not installed") if device.startswith("cuda") else "CUDA only"
