@@ -8,8 +8,6 @@ from rich.table import Table
 
 from kvdiag.errors import UserError
 
-DTYPES = ("float32", "float16", "bfloat16")
-
 
 def bench_kernels(
     device: str = typer.Option("cpu", help="cpu, cuda or cuda:N"),
@@ -32,9 +30,9 @@ def bench_kernels(
 
     from kvdiag.kernels import triton_available
     from kvdiag.kernels.bench import run_kernel_bench
+    from kvdiag.models import parse_dtype
 
-    if dtype not in DTYPES:
-        raise UserError(f"--dtype {dtype!r} is not supported: use one of {', '.join(DTYPES)}")
+    torch_dtype = parse_dtype(dtype)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"--device {device}: CUDA is not available here; use --device cpu")
     if not (device == "cpu" or device.startswith("cuda")):
@@ -45,7 +43,7 @@ def bench_kernels(
         raise UserError(f"--keep-fraction {keep_fraction} must be in (0, 1]")
     rows = run_kernel_bench(
         device, n, prefix, window, heads, kv_heads, head_dim, exclude, trace_len, obs_window,
-        keep_fraction, getattr(torch, dtype), repeats, seed,
+        keep_fraction, torch_dtype, repeats, seed,
     )
     obvious = {r.op: r for r in rows if r.impl == "obvious"}
     triton = ("yes" if triton_available() else "not installed") if device.startswith("cuda") else "CUDA only"

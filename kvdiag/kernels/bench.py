@@ -69,16 +69,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    fn()  # warm-up: Triton compilation, allocator
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
+def best_seconds(fns: dict[str, Callable[[], object]], device: torch.device, repeats: int) -> dict[str, float]:
+    """Best wall time of each function over ``repeats`` calls, after one warm-up call each (Triton
+    compilation, allocator). The calls go round-robin, so a noisy spell of the machine does not hit one
+    function only."""
+    for fn in fns.values():
         fn()
-        _sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return min(times)
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
 
 
 def rss_kb(field: str) -> int:
@@ -202,6 +207,6 @@ def run_kernel_bench(
                 continue
             out = fn()
             err = (torch.as_tensor(out[0] if isinstance(out, tuple) else out).float() - ref).abs().max().item()
-            timed.append((op, impl, fn, _time_ms(fn, dev, repeats), err))
+            timed.append((op, impl, fn, best_seconds({impl: fn}, dev, repeats)[impl] * 1e3, err))
     cpu_reset = cpu_peak_probe() if dev.type == "cpu" else None
     return [KernelBenchRow(op, impl, ms, peak_mb(fn, dev, cpu_reset), err) for op, impl, fn, ms, err in timed]

@@ -16,12 +16,11 @@ is shared by the three methods and not timed.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
-from kvdiag.kernels.bench import cpu_peak_probe, peak_mb
+from kvdiag.kernels.bench import best_seconds, cpu_peak_probe, peak_mb
 from kvdiag.label.engine import OracleEngine, Row, cache_from_prefix, divergences
 from kvdiag.models import LoadedModel
 from kvdiag.prompts import arith_prompts
@@ -87,17 +86,6 @@ def run_label_bench(lm: LoadedModel, prefix_len: int = 512, n: int = 64, horizon
         "plain batched forward (no eviction)": lambda: plain_forward(eng, t, n),
     }
     probe = cpu_peak_probe() if device.type == "cpu" else None
-    for fn in methods.values():
-        fn()  # warm-up
-    best = dict.fromkeys(methods, float("inf"))
-    for _ in range(repeats):  # round-robin, so that a noisy spell of the machine does not hit one method only
-        for name, fn in methods.items():
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            best[name] = min(best[name], time.perf_counter() - start)
+    best = best_seconds(methods, device, repeats)
     return [LabelBenchRow(name, best[name], n * horizon / best[name], peak_mb(fn, device, probe))
             for name, fn in methods.items()]
