@@ -12,17 +12,22 @@ import importlib
 
 from kvdiag.figures.params import FigureParams
 
-__all__ = [
-    "FIGURES", "VARIANTS", "FigureParams", "blind_spot_flags", "blind_spot_stats", "check_figure_inputs", "classify_reads",
-    "component_metrics", "component_table", "delay_histogram", "delayed_read_stats", "first_reads",
-    "layer_pressure_payload", "layer_read_strength", "make_figures", "rank_biserial", "trace_first_reads",
-    "trace_pressure_payload", "writable_dir",
-]
+# the submodule that defines each exported name
+_HOME = {
+    "FIGURES": "run", "check_figure_inputs": "run", "make_figures": "run", "writable_dir": "run",
+    "blind_spot_flags": "blind_spot", "blind_spot_stats": "blind_spot",
+    "VARIANTS": "components", "component_metrics": "components", "component_table": "components",
+    "classify_reads": "delayed_reads", "delay_histogram": "delayed_reads", "delayed_read_stats": "delayed_reads",
+    "first_reads": "features", "layer_pressure_payload": "features", "layer_read_strength": "features",
+    "trace_first_reads": "features", "trace_pressure_payload": "features",
+    "rank_biserial": "common",
+}
+__all__ = ["FigureParams", *_HOME]
 
 
 def __getattr__(name: str):
     """Everything but FigureParams loads on first use: matplotlib, seaborn and scipy take about 1.5 s to
     import, which every ``kvdiag`` command (even ``--help``) would pay through the CLI's option defaults."""
-    if name in __all__:
-        return getattr(importlib.import_module("kvdiag.figures.run"), name)
+    if name in _HOME:
+        return getattr(importlib.import_module(f"kvdiag.figures.{_HOME[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""``make_figures``: the figures, their CSVs and statistics; the names ``kvdiag.figures`` exports."""
+"""``make_figures``: the figures of one run, their CSVs and statistics, and the checks of its inputs."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kvdiag import __version__
 from kvdiag.errors import UserError
-from kvdiag.figures.blind_spot import blind_spot_figure, blind_spot_flags, blind_spot_stats
-from kvdiag.figures.common import rank_biserial, stat, stats_dict
-from kvdiag.figures.components import VARIANTS, component_metrics, component_table, components_figure
-from kvdiag.figures.delayed_reads import classify_reads, delay_histogram, delayed_read_stats, delayed_reads_figure
-from kvdiag.figures.features import first_reads, layer_pressure_payload, layer_read_strength, trace_first_reads, trace_pressure_payload
+from kvdiag.figures.blind_spot import blind_spot_figure
+from kvdiag.figures.common import stat, stats_dict
+from kvdiag.figures.components import component_metrics, components_figure
+from kvdiag.figures.delayed_reads import delayed_reads_figure
+from kvdiag.figures.features import trace_first_reads, trace_pressure_payload
 from kvdiag.figures.params import FigureParams
+from kvdiag.io import write_json
 from kvdiag.rankeval import KEYS, check_inputs, harm_threshold
 
 
@@ -184,7 +185,7 @@ def make_figures(
         "summary": {k: result[k] for k in ("blind_spot", "delayed_reads", "notes")},
         "outputs": [f.name for f in files],
     }
-    (out / "figures.json").write_text(json.dumps(_jsonable(record), indent=2, default=str) + "\n")
+    write_json(out / "figures.json", _jsonable(record))
     return result
 
 
