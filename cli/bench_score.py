@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ def bench_score(
 ) -> None:
     """Time `kvdiag score` over every checkpoint (token granularity, all cached entries) and report s/checkpoint."""
     from cli.score import parse_checkpoints
+    from kvdiag.io import write_json
     from kvdiag.kernels.bench import rss_kb
     from kvdiag.scorers import checkpoint_keys, parse_params, score_trace
     from kvdiag.trace import Trace
@@ -44,9 +44,8 @@ def bench_score(
     console.print(table)
     console.print(f"peak RSS {peak_mib:.0f} MiB; shared features are charged to the first scorer that needs them")
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({
+        write_json(out, {
             "trace": str(trace), "checkpoints": n_cp, "layers": tr.num_layers, "entries": keys.height,
             "seconds_total": total, "seconds_per_checkpoint": total / n_cp,
             "scorer_seconds_per_checkpoint": {k: v / n_cp for k, v in timings.items()}, "peak_rss_mib": peak_mib,
-        }, indent=2))
+        })

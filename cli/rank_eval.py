@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvdiag.errors import UserError
-from kvdiag.io import read_table
+from kvdiag.io import read_table, write_json
 from kvdiag.rankeval import RankEvalResult, check_inputs, to_latex, to_markdown
 from kvdiag.rankeval import rank_eval as run_rank_eval
 from kvdiag.rankeval.tables import TABLE3_COLUMNS
@@ -109,5 +109,5 @@ def rank_eval(
         "summary": result.summary,
         "outputs": list(OUTPUTS),
     }
-    (out / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
+    write_json(out / "config.json", config)
     _print_summary(result, table_scope, out, Console())

@@ -17,21 +17,35 @@ import pyarrow.parquet as pq
 from kvdiag.errors import UserError
 
 META_KEY = "kvdiag"
+_UMASK = os.umask(0)  # read it once (os.umask can only be read by setting it) ...
+os.umask(_UMASK)  # ... and put it back
 
 
-def write_table(df: pl.DataFrame, path: str | os.PathLike, meta: dict | None = None) -> Path:
-    """Write ``df`` to ``path`` atomically with ``meta`` (JSON-serializable) in the file metadata."""
+def _write_atomically(path: str | os.PathLike, write) -> Path:
+    """Call ``write(tmp)`` on a hidden file beside ``path``, then rename it over ``path``: readers and
+    interrupted runs never see half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
+    os.chmod(tmp, 0o666 & ~_UMASK)  # the mode a plain open() would give, not mkstemp's private 0600
     try:
-        df.write_parquet(tmp, metadata={META_KEY: json.dumps(meta or {}, default=str)})
+        write(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def write_table(df: pl.DataFrame, path: str | os.PathLike, meta: dict | None = None) -> Path:
+    """Write ``df`` to ``path`` atomically with ``meta`` (JSON-serializable) in the file metadata."""
+    return _write_atomically(path, lambda tmp: df.write_parquet(tmp, metadata={META_KEY: json.dumps(meta or {}, default=str)}))
+
+
+def write_json(path: str | os.PathLike, obj) -> Path:
+    """Write ``obj`` to ``path`` as indented JSON (non-JSON values as ``str``), atomically."""
+    return _write_atomically(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2, default=str) + "\n"))
 
 
 def read_meta(path: str | os.PathLike) -> dict:

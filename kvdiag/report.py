@@ -22,7 +22,6 @@ import math
 import os
 import re
 import shlex
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from markdown_it import MarkdownIt
 
 from kvdiag import __version__
 from kvdiag.errors import UserError
+from kvdiag.io import write_json
 
 # piece -> (path in the run, command that makes it)
 LAYOUT = {
@@ -59,11 +59,7 @@ def record_command(run_dir: str | os.PathLike, argv: list[str], cwd: str | os.Pa
     commands = _read_commands(path) if path.exists() else []
     commands.append({"argv": [str(a) for a in argv], "cwd": str(cwd or os.getcwd()),
                      "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "kvdiag_version": __version__})
-    fd, tmp = tempfile.mkstemp(dir=run, prefix=".commands.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(commands, indent=2) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_json(path, commands)
 
 
 def _read_commands(path: Path) -> list[dict]:

@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kvdiag import __version__
 from kvdiag.errors import UserError
-from kvdiag.io import write_table
+from kvdiag.io import write_json, write_table
 from kvdiag.label.engine import OracleEngine, candidate_rows
 from kvdiag.models import LoadedModel
 from kvdiag.trace import Trace
@@ -198,9 +198,7 @@ def _check_parts_config(parts: Path, meta: dict) -> None:
         if have != want:
             raise UserError(f"{parts} holds parts made with other settings or another Trace; use another --out or delete {parts}")
     else:
-        tmp = stamp.with_name(f".config.json.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(want, indent=2, default=str))
-        os.replace(tmp, stamp)
+        write_json(stamp, want)
 
 
 def merge_parts(parts: Path, out: Path, expected: list[Path], meta: dict) -> Path:

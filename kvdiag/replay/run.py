@@ -33,7 +33,7 @@ from transformers import DynamicCache
 from kvdiag import __version__
 from kvdiag.errors import UserError
 from kvdiag.features import o_proj_weights
-from kvdiag.io import read_meta, write_table
+from kvdiag.io import read_meta, write_json, write_table
 from kvdiag.models import LoadedModel
 from kvdiag.prompts import DEFAULT_INSTRUCTION, Prompt, encode_prompt, safe_id
 from kvdiag.replay.cache import Policy, ReplayCache
@@ -385,7 +385,7 @@ def replay(
             "prefill": "the prompt counts toward the budget and is compressed (chunked when longer than budget + interval)",
         },
     }
-    out.joinpath("config.json").write_text(json.dumps(config, indent=2, default=str))
+    write_json(out / "config.json", config)
     o_proj = o_proj_weights(lm.model) if any(p is not None and needs_o_proj(p.scorer) for p in policies.values()) else None
     units = [(it, name, budget) for it in items for (name, budget) in policies]
     paths = []

@@ -26,7 +26,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from kvdiag import __version__
 from kvdiag.errors import UserError
-from kvdiag.io import write_table
+from kvdiag.io import write_json, write_table
 from kvdiag.models import LoadedModel
 from kvdiag.prompts import DEFAULT_INSTRUCTION, Prompt, encode_prompt
 from kvdiag.trace.hooks import TRACE_ATTN, Recorder, attention_scale, recording
@@ -73,12 +73,6 @@ def _manifest_path(root: Path) -> Path:
 
 def _header_path(root: Path) -> Path:
     return root / "parts" / "_header.json"  # no prompt id starts with "_" (prompts.safe_id)
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    os.replace(tmp, path)
 
 
 def _check_compatible(existing: dict, lm: LoadedModel, settings: GenerationSettings, root: Path) -> None:
@@ -208,7 +202,7 @@ def _header(root: Path, lm: LoadedModel, settings: GenerationSettings, prompts_s
         "prompts_source": prompts_source,
     }
     # processes starting together may each write it: same model and settings, so any copy is right
-    _write_json(_header_path(root), header)
+    write_json(_header_path(root), header)
     return header
 
 
@@ -255,13 +249,13 @@ def _commit_prompt(root: Path, prompt: Prompt, record: dict) -> dict:
         "prompt_len": P, "length": T, "generated": G, "stop": record["stop"],
         "source_id": prompt.source_id, "answer": prompt.answer, "text": prompt.text,
     }
-    _write_json(root / "parts" / f"{pid}.json", entry)
+    write_json(root / "parts" / f"{pid}.json", entry)
     return entry
 
 
 def _write_manifest(root: Path, manifest: dict) -> None:
     """The manifest, then ``tokens.parquet`` rebuilt from the token parts of its prompts (a run interrupted
     in between leaves it stale; the next merging run repairs it)."""
-    _write_json(_manifest_path(root), manifest)
+    write_json(_manifest_path(root), manifest)
     parts = [pl.read_parquet(root / "parts" / f"{pid}.parquet") for pid in manifest["prompts"]]
     write_table(pl.concat(parts), root / "tokens.parquet", {"kind": "trace_tokens"})
