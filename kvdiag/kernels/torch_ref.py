@@ -47,6 +47,9 @@ def shared_prefix_attention(
     exclude: torch.Tensor,
     scale: float,
     chunk: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of N rows over one shared prefix (never copied per row) plus each row's causal suffix.
 
@@ -56,6 +59,10 @@ def shared_prefix_attention(
     exclude [N, Hkv, E] (int): prefix positions row ``n`` does not see at KV head ``h``; ``-1`` = none;
     repeats allowed (see ``kvdiag.kernels.normalize_exclude`` for the [N, E] form).
     chunk: candidate rows per chunk (default: prefix logits of about ``LOGITS_CHUNK_BYTES``).
+    window / softcap / sinks: the layer's semantics (``kvdiag.adapters.LayerAttention``). Positions are
+    absolute: prefix entry ``j`` at ``j``, suffix entry ``j`` at ``P + j``, query ``w`` at ``P + S - W + w``;
+    with a window the query at ``tau`` sees keys ``> tau - window``. ``softcap`` c: logits ``c tanh(l / c)``;
+    ``sinks`` fp32 [H]: one extra logit per query head in the denominator.
     Returns [N, H, W, d] in q's dtype. Masking entry ``i`` here equals deleting it from the cache.
 
     Prefix logits are one bmm per KV head, ``[Hkv, chunk*g*W, d] @ [Hkv, d, P]``; the softmax over
@@ -72,16 +79,33 @@ def shared_prefix_attention(
     pv = prefix_v.float()
     # query w sits at suffix position S - W + w and sees suffix keys j <= S - W + w
     w_of_row = torch.arange(rows, device=q.device) % W
-    hidden = torch.arange(S, device=q.device)[None, :] > (S - W + w_of_row)[:, None]  # [g*W, S]
+    last = S - W + w_of_row  # [g*W] the query's suffix position
+    suf_j = torch.arange(S, device=q.device)[None, :]
+    hidden = suf_j > last[:, None]  # [g*W, S]
+    pre_hidden = None
+    if window is not None:  # absolute query position P + last sees keys > P + last - window
+        hidden |= suf_j <= (last - window)[:, None]
+        pre_hidden = torch.arange(P, device=q.device)[None, :] <= (P + last - window)[:, None]  # [g*W, P]
+        if not pre_hidden.any():
+            pre_hidden = None
+    sink = None
+    if sinks is not None:  # [Hkv, 1, rows, 1]: row r of KV head kv is query head kv*g + r // W
+        sink = sinks.to(q.device, torch.float32).view(Hkv, g, 1).expand(Hkv, g, W).reshape(Hkv, 1, rows, 1)
     out = torch.empty(N, Hkv, rows, d, dtype=q.dtype, device=q.device)
     for n0 in range(0, N, chunk):
         n1 = min(N, n0 + chunk)
         c = n1 - n0
         qc = q[n0:n1].float().reshape(c, Hkv, rows, d) * scale  # query head h = kv*g + r // W
         suf = qc @ suffix_k[n0:n1].float().transpose(-1, -2)  # [c, Hkv, rows, S]
+        if softcap is not None:
+            suf = suf.div_(softcap).tanh_().mul_(softcap)
         suf.masked_fill_(hidden, float("-inf"))
         suf = suf.transpose(0, 1)  # [Hkv, c, rows, S]
         pre = torch.bmm(qc.transpose(0, 1).reshape(Hkv, c * rows, d), pk_t).view(Hkv, c, rows, P)
+        if softcap is not None:
+            pre = pre.div_(softcap).tanh_().mul_(softcap)
+        if pre_hidden is not None:
+            pre.masked_fill_(pre_hidden, float("-inf"))
         ex = exclude[n0:n1].transpose(0, 1)  # [Hkv, c, E]
         if ex.shape[-1] and P:
             # adding -inf hides an entry; -1 adds 0 to column 0, a no-op
@@ -91,9 +115,13 @@ def shared_prefix_attention(
         m = suf.amax(-1, keepdim=True)  # finite: every query sees at least its own suffix key
         if P:
             m = torch.maximum(m, pre.amax(-1, keepdim=True))
+        if sink is not None:
+            m = torch.maximum(m, sink)
         pre.sub_(m).exp_()
         suf.sub_(m).exp_()
         z = pre.sum(-1, keepdim=True) + suf.sum(-1, keepdim=True)
+        if sink is not None:
+            z += (sink - m).exp()
         o = torch.bmm(pre.view(Hkv, c * rows, P), pv).view(Hkv, c, rows, d)
         o += suf @ suffix_v[n0:n1].float().transpose(0, 1)
         out[n0:n1] = (o / z).transpose(0, 1)

@@ -85,8 +85,14 @@ def compact_kv(
 
 
 @triton.jit
+def _softcap(s, cap):
+    # cap * tanh(s / cap), with tanh(x) = 2 sigmoid(2x) - 1 (portable to the interpreter)
+    return cap * (2.0 * tl.sigmoid(2.0 * s / cap) - 1.0)
+
+
+@triton.jit
 def _shared_prefix_kernel(
-    Q, PK, PV, SK, SV, EX, O,
+    Q, PK, PV, SK, SV, EX, SINK, O,
     q_n, q_h, q_w, q_d,
     pk_h, pk_p, pk_d,
     pv_h, pv_p, pv_d,
@@ -94,10 +100,10 @@ def _shared_prefix_kernel(
     sv_n, sv_h, sv_s, sv_d,
     ex_n, ex_h, ex_e,
     o_n, o_h, o_w, o_d,
-    P, S, W, E, D, scale,
+    P, S, W, E, D, scale, window, cap,
     HKV: tl.constexpr, G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     # one program: candidate row n, KV head kv, a block of its g*W query rows
     n = tl.program_id(1) // HKV
@@ -114,18 +120,28 @@ def _shared_prefix_kernel(
     ee = tl.arange(0, BLOCK_E)
     ex = tl.load(EX + n * ex_n + kv * ex_h + ee * ex_e, mask=ee < E, other=-1)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # the sink logit starts the online softmax: max = sink, normalizer = exp(0)
+        m_i = tl.load(SINK + head, mask=r_ok, other=0.0).to(tl.float32)
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # shared prefix: all queries see every entry that is not excluded for this row
+    # absolute query position P + last_key; with a window it sees keys > that - window
+    lo = P + last_key - window + 1
+    # shared prefix: all queries see every entry that is not excluded for this row (and in its window)
     for start in range(0, P, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         j_ok = j < P
         kv_ok = j_ok[:, None] & d_ok[None, :]
         k = tl.load(PK + kv * pk_h + j[:, None] * pk_p + dd[None, :] * pk_d, mask=kv_ok, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if HAS_SOFTCAP:
+            s = _softcap(s, cap)
         hit = tl.sum((j[:, None] == ex[None, :]).to(tl.int32), axis=1)
         s = tl.where((j_ok & (hit == 0))[None, :], s, float("-inf"))
+        if HAS_WINDOW:
+            s = tl.where(j[None, :] >= lo[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully hidden block adds nothing
         p = tl.exp(s - m_safe[:, None])
@@ -141,7 +157,11 @@ def _shared_prefix_kernel(
         kv_ok = j_ok[:, None] & d_ok[None, :]
         k = tl.load(SK + n * sk_n + kv * sk_h + j[:, None] * sk_s + dd[None, :] * sk_d, mask=kv_ok, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if HAS_SOFTCAP:
+            s = _softcap(s, cap)
         s = tl.where(j_ok[None, :] & (j[None, :] <= last_key[:, None]), s, float("-inf"))
+        if HAS_WINDOW:
+            s = tl.where(P + j[None, :] >= lo[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])
@@ -164,11 +184,15 @@ def shared_prefix_attention(
     exclude: torch.Tensor,
     scale: float,
     block_n: int = BLOCK_N,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton ``shared_prefix_attention`` (flash-style online softmax over prefix blocks, then the suffix).
 
     q [N, H, W, d]; prefix_k/v [Hkv, P, d]; suffix_k/v [N, Hkv, S, d]; exclude [N, Hkv, E] (-1 = none)
-    -> [N, H, W, d] in q's dtype. ``block_n``: keys per block (power of two >= 16).
+    -> [N, H, W, d] in q's dtype. ``block_n``: keys per block (power of two >= 16). ``window``,
+    ``softcap``, ``sinks [H]``: the layer's semantics, positions as in ``torch_ref.shared_prefix_attention``.
     """
     _check_launchable(q)
     N, H, W, d = q.shape
@@ -178,13 +202,15 @@ def shared_prefix_attention(
     E = exclude.shape[2]
     out = torch.empty_like(q)
     block_m = _block(g * W, MAX_BLOCK_M)
+    sink = (sinks if sinks is not None else torch.zeros(H)).to(device=q.device, dtype=torch.float32).contiguous()
     _shared_prefix_kernel[(triton.cdiv(g * W, block_m), N * Hkv)](
-        q, prefix_k, prefix_v, suffix_k, suffix_v, exclude, out,
+        q, prefix_k, prefix_v, suffix_k, suffix_v, exclude, sink, out,
         *q.stride(), *prefix_k.stride(), *prefix_v.stride(), *suffix_k.stride(), *suffix_v.stride(),
         *exclude.stride(), *out.stride(),
-        P, S, W, E, d, scale,
+        P, S, W, E, d, scale, window or 0, float(softcap or 1.0),
         HKV=Hkv, G=g, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block(d),
         BLOCK_E=triton.next_power_of_2(max(E, 2)), PRECISION=_precision(q.dtype),
+        HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
     )
     return out
 

@@ -10,8 +10,12 @@ The prefix cache is computed once per checkpoint (and extended, not recomputed, 
 to the next). Candidate rows are batched: each row runs the same H tokens and reads the shared prefix
 through ``kvdiag.kernels.shared_prefix_attention`` with its own exclusions, so a batch of N rows costs
 about one forward of N x H tokens and no per-row copy of the prefix. ``P_full`` comes from the plain
-model path (SDPA over a standard cache); a null row (nothing evicted) through the batched path measures
-the numerical noise floor of each checkpoint.
+model path (the model's own attention over a standard cache); a null row (nothing evicted) through the
+batched path measures the numerical noise floor of each checkpoint.
+
+Attention semantics (per-layer sliding windows, softcap, sinks) come from ``kvdiag.adapters``. An entry
+outside a layer's window for every horizon query (``i <= t - window``) is invisible to that layer: a row
+that evicts only such entries changes nothing, and its label is exactly zero without running it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from kvdiag.errors import UserError
 from kvdiag.label.hooks import EvictionBatch, evicting
@@ -53,10 +58,18 @@ def candidate_rows(positions: list[int], granularity: str, num_layers: int, num_
     return [Row(p, l, h) for p in positions for l in layers for h in range(num_kv_heads)]
 
 
+def full_cache(num_layers: int) -> DynamicCache:
+    """A ``DynamicCache`` of full layers: sliding-window layers keep every entry too (transformers' sliding
+    cache layers drop old entries; the mask, not the cache, applies the window)."""
+    cache = DynamicCache()
+    cache.layers[:] = [DynamicLayer() for _ in range(num_layers)]
+    return cache
+
+
 def cache_from_prefix(config, prefix: list[tuple[torch.Tensor, torch.Tensor]], rows: int = 1) -> DynamicCache:
-    """A ``DynamicCache`` over prefix[l] = (k, v) [Hkv, P, d], viewed as ``rows`` batch rows without a copy
-    (``update()`` rebinds the layer tensors and never writes into them)."""
-    cache = DynamicCache(config=config)
+    """A full-layer ``DynamicCache`` over prefix[l] = (k, v) [Hkv, P, d], viewed as ``rows`` batch rows without
+    a copy (``update()`` rebinds the layer tensors and never writes into them)."""
+    cache = full_cache(len(prefix))
     for layer, (k, v) in zip(cache.layers, prefix):
         k, v = k[None].expand(rows, -1, -1, -1), v[None].expand(rows, -1, -1, -1)
         layer.lazy_initialization(k, v)
@@ -116,13 +129,11 @@ class OracleEngine:
         self.lm, self.model = lm, lm.model
         self.ids = token_ids.to(self.model.device)
         self.T, self.H, self.batch_size, self.backend = len(token_ids), horizon, batch_size, backend
-        self._cache = DynamicCache(config=self.model.config)  # the golden prefix, extended checkpoint by checkpoint
+        self.attention = lm.attention
+        self.num_layers, self.num_kv_heads = self.attention.num_layers, self.attention.num_kv_heads
+        self._cache = full_cache(self.num_layers)  # the golden prefix, extended checkpoint by checkpoint
         self._cached = 0
         self._golden: tuple[int, list, torch.Tensor] | None = None  # the last checkpoint's (t, prefix, logp_full)
-        cfg = self.model.config
-        self.num_layers, self.num_kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
-        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-            raise UserError(f"--model {lm.spec}: sliding-window attention is not supported by the oracle engine yet")
 
     def check_checkpoint(self, t: int) -> None:
         if not 1 <= t <= self.T - self.H:
@@ -181,18 +192,40 @@ class OracleEngine:
         n = len(rows)
         ids = self.ids[None, t : t + self.H].expand(n, -1)
         pos = torch.arange(t, t + self.H, device=self.ids.device)[None].expand(n, -1)
-        batch = EvictionBatch(prefix=prefix, exclude=self._exclusions(rows), backend=self.backend)
+        batch = EvictionBatch(prefix=prefix, exclude=self._exclusions(rows), attention=self.attention.layers,
+                              backend=self.backend)
         with evicting(self.model, batch):
             return self.model(ids, position_ids=pos, use_cache=False).logits
 
+    def invisible(self, t: int, row: Row) -> bool:
+        """Whether every layer ``row`` evicts from hides its entry from all horizon queries (sliding window:
+        the query at ``t`` sees keys ``> t - window``, later queries even fewer)."""
+        layers = range(self.num_layers) if row.layer < 0 else [row.layer]
+        return row.position >= 0 and all(
+            self.attention.layers[l].window is not None and row.position <= t - self.attention.layers[l].window
+            for l in layers)
+
     def label(self, t: int, rows: list[Row], progress=None) -> tuple[dict[str, torch.Tensor], float]:
         """Label ``rows`` at checkpoint ``t``. Returns (per-row tensors: kl [N, H], js [N, H],
-        nll_delta [N, H'], flips [N]) and the checkpoint's noise floor (mean KL of the null row)."""
+        nll_delta [N, H'], flips [N]) and the checkpoint's noise floor (mean KL of the null row).
+        Rows whose entry no horizon query can see (``invisible``) are exactly 0 and are not run."""
         self.check_checkpoint(t)
         rows = list(rows)
         for r in rows:
             if not 0 <= r.position < t:
                 raise UserError(f"candidate position {r.position} at checkpoint {t}: candidates must lie in [0, {t})")
+        run = [i for i, r in enumerate(rows) if not self.invisible(t, r)]
+        if len(run) < len(rows):
+            out, noise = self._label(t, [rows[i] for i in run], progress)
+            full = {key: torch.zeros((len(rows), *val.shape[1:]), dtype=val.dtype) for key, val in out.items()}
+            for key, val in out.items():
+                full[key][run] = val
+            if progress is not None:
+                progress(len(rows) - len(run))
+            return full, noise
+        return self._label(t, rows, progress)
+
+    def _label(self, t: int, rows: list[Row], progress=None) -> tuple[dict[str, torch.Tensor], float]:
         prefix, logp_full = self.golden(t)
         targets = self.ids[t + 1 : t + self.H + 1]  # the realized next tokens (the last step may have none)
         # the null row rides along in the first batch (one row more, rather than a forward of its own)

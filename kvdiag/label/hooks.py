@@ -3,7 +3,8 @@
 Registered as ``kvdiag_evict``. The model runs the W teacher-forced tokens of every row without a
 cache object (``use_cache=False``), so ``key``/``value`` are exactly the rows' own suffixes; the
 shared prefix (never copied per row) and the per-layer exclusions travel in a context variable.
-Attention itself is ``kvdiag.kernels.shared_prefix_attention`` (Triton on CUDA, torch on CPU).
+Attention itself is ``kvdiag.kernels.shared_prefix_attention`` (Triton on CUDA, torch on CPU), with each
+layer's window, softcap and sinks from ``kvdiag.adapters`` (the kwargs the model passes are checked against it).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from kvdiag.adapters import LayerAttention, check_kwargs
 from kvdiag.kernels import shared_prefix_attention
 from kvdiag.trace.hooks import attention_context
 
@@ -23,10 +25,12 @@ EVICT_ATTN = "kvdiag_evict"
 
 @dataclass
 class EvictionBatch:
-    """prefix[l] = (k [Hkv, P, d], v [Hkv, P, d]); exclude[l] = int64 [N, Hkv, E] (-1 = none) or None."""
+    """prefix[l] = (k [Hkv, P, d], v [Hkv, P, d]) at positions [0, P); exclude[l] = int64 [N, Hkv, E]
+    (-1 = none) or None; attention[l]: the layer's semantics (scale, window, softcap, sinks)."""
 
     prefix: list[tuple[torch.Tensor, torch.Tensor]]
     exclude: list[torch.Tensor | None]
+    attention: list[LayerAttention]
     backend: str = "auto"
 
 
@@ -38,9 +42,15 @@ def evict_attention(module, query, key, value, attention_mask, scaling=None, dro
     batch = _BATCH.get()
     if batch is None:
         raise RuntimeError(f"{EVICT_ATTN} attention called outside kvdiag.label.hooks.evicting()")
+    spec = batch.attention[module.layer_idx]
+    check_kwargs(module, spec, kwargs, "label")
+    if scaling is not None and abs(scaling - spec.scale) > 1e-12 * abs(spec.scale):
+        raise RuntimeError(f"layer {module.layer_idx} scales attention by {scaling}, the adapter says {spec.scale}")
     pk, pv = batch.prefix[module.layer_idx]
+    sinks = None if spec.sinks is None else spec.sinks.to(query.device)
     out = shared_prefix_attention(
-        query, pk, pv, key, value, batch.exclude[module.layer_idx], scale=scaling, backend=batch.backend
+        query, pk, pv, key, value, batch.exclude[module.layer_idx], scale=spec.scale, backend=batch.backend,
+        window=spec.window, softcap=spec.softcap, sinks=sinks,
     )
     return out.transpose(1, 2), None
 

@@ -1,75 +1,102 @@
 """The slow, obvious per-candidate reference: copy the cache, physically delete, decode step by step.
 
-For each candidate: build a fresh ``DynamicCache`` from the prefix, physically delete the entry from
-the affected layers' key/value tensors (for ``head`` granularity, from one KV head inside a reference
-attention function, since one cache tensor cannot hold heads of different lengths), then teacher-force
-the H tokens one at a time with explicit absolute ``position_ids``. Used by the tests to prove the
-batched engine exact, and by ``kvdiag bench label`` as the naive baseline.
+For each candidate: build a fresh cache from the prefix, physically delete the entry from the affected
+layers' key/value tensors (for ``head`` granularity it is hidden from one KV head's query heads by the
+mask instead, since one cache tensor cannot hold heads of different lengths), then teacher-force the H
+tokens one at a time with explicit absolute ``position_ids``. Attention is the stock model file's
+eager function (softcap, sinks and all), with a mask built on the entries' *absolute* positions from
+transformers' own ``causal_mask_function`` and ``sliding_window_overlay`` (window from the
+``sliding_window`` the layer passes, not from kvdiag's adapter): after a deletion, cache slots are no
+longer positions, so transformers' slot-based mask would misplace the window.
+
+Used by the tests to prove the batched engine exact, and by ``kvdiag bench label`` as the naive baseline.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sliding_window_overlay
 
 from kvdiag.label.engine import Row, cache_from_prefix
-from kvdiag.trace.hooks import attn_implementation
+from kvdiag.trace.hooks import attn_implementation, model_eager_attention
 
-HEAD_DELETE_ATTN = "kvdiag_head_delete"
-_TARGET: dict = {}
+REFERENCE_ATTN = "kvdiag_reference"
 
 
-def _head_delete_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """q = 1 decode step; at the target layer, KV head ``h`` attends over its keys without slot ``i``."""
+@dataclass
+class _State:
+    key_pos: list[torch.Tensor]  # per layer: absolute positions of the cache slots (prefix after deletion)
+    row: Row
+    num_kv_heads: int
+
+
+_STATE: list[_State] = []
+
+
+def _reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """query [1, H, q, d], key/value [1, Hkv, kv, d]: the layer's cache plus the new tokens."""
+    state = _STATE[-1]
+    layer = module.layer_idx
+    q_pos = kwargs["position_ids"][0].to(key.device)  # [q] absolute
+    kv = key.shape[2]
+    prefix = state.key_pos[layer].to(key.device)
+    new = kv - len(prefix)
+    # the new entries are the teacher-forced tokens so far, at consecutive absolute positions ending at q_pos[-1]
+    k_pos = torch.cat([prefix, torch.arange(int(q_pos[-1]) - new + 1, int(q_pos[-1]) + 1, device=key.device)])
+    qi, ki = q_pos[:, None], k_pos[None, :]
+    visible = causal_mask_function(0, 0, qi, ki)
+    window = kwargs.get("sliding_window")
+    if window is not None:
+        visible = visible & sliding_window_overlay(window)(0, 0, qi, ki)
+    H = query.shape[1]
+    visible = visible[None, None].expand(1, H, -1, -1).clone()  # [1, H, q, kv]
+    row = state.row
+    if row.kv_head >= 0 and row.layer == layer:
+        g = H // state.num_kv_heads
+        visible[:, row.kv_head * g : (row.kv_head + 1) * g] &= ki[None] != row.position
+    mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
+    mask.masked_fill_(~visible, torch.finfo(query.dtype).min)
     kwargs.pop("output_attentions", None)
-    if module.layer_idx != _TARGET.get("layer"):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    B, H, q, d = query.shape
-    Hkv = key.shape[1]
-    g = H // Hkv
-    out = torch.empty(B, q, H, d, dtype=query.dtype, device=query.device)
-    for h in range(H):
-        kv = h // g
-        k, v = key[0, kv], value[0, kv]
-        if kv == _TARGET["kv_head"]:
-            keep = torch.arange(k.shape[0], device=k.device) != _TARGET["slot"]
-            k, v = k[keep], v[keep]
-        w = torch.softmax((query[0, h].float() @ k.float().T) * scaling, dim=-1)
-        out[0, :, h] = (w @ v.float()).to(query.dtype)
-    return out, None
+    return model_eager_attention(module)(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
-AttentionInterface.register(HEAD_DELETE_ATTN, _head_delete_attention)
-AttentionMaskInterface.register(HEAD_DELETE_ATTN, sdpa_mask)
+def _no_mask(*args, **kwargs):
+    return None  # the reference attention builds its own mask from absolute positions
+
+
+AttentionInterface.register(REFERENCE_ATTN, _reference_attention)
+AttentionMaskInterface.register(REFERENCE_ATTN, _no_mask)
 
 
 @contextmanager
-def _head_target(model, layer: int, kv_head: int, slot: int):
-    _TARGET.update(layer=layer, kv_head=kv_head, slot=slot)
+def _reference(model, state: _State):
+    _STATE.append(state)
     try:
-        with attn_implementation(model, HEAD_DELETE_ATTN):
+        with attn_implementation(model, REFERENCE_ATTN):
             yield
     finally:
-        _TARGET.clear()
+        _STATE.pop()
 
 
 @torch.no_grad()
 def reference_logprobs(model, ids: torch.Tensor, t: int, horizon: int, prefix, row: Row) -> torch.Tensor:
     """log P [H, V] (fp32) with ``row``'s entry physically deleted from a copied cache; prefix[l] = (k, v) [Hkv, t, d]."""
-    copied = []
+    copied, key_pos = [], []
     for l, (k, v) in enumerate(prefix):
+        pos = torch.arange(k.shape[1])
         if row.position >= 0 and row.kv_head < 0 and row.layer in (-1, l):
-            keep = torch.arange(k.shape[1], device=k.device) != row.position
-            k, v = k[:, keep], v[:, keep]
+            keep = pos != row.position
+            k, v, pos = k[:, keep.to(k.device)], v[:, keep.to(v.device)], pos[keep]
         copied.append((k.clone(), v.clone()))
+        key_pos.append(pos)
     cache = cache_from_prefix(model.config, copied)
-    ctx = _head_target(model, row.layer, row.kv_head, row.position) if row.kv_head >= 0 else nullcontext()
+    state = _State(key_pos, row, prefix[0][0].shape[0])
     out = []
-    with ctx:
+    with _reference(model, state):
         for s in range(horizon):
             pos = torch.tensor([[t + s]], device=ids.device)  # absolute positions, whatever the cache length
             logits = model(ids[None, t + s : t + s + 1], cache=cache, position_ids=pos, use_cache=True).logits[0, -1]

@@ -3,22 +3,28 @@
 Recording goes through a registered attention function (not patched model classes), so every
 architecture that uses the interface works. The function receives post-RoPE (and, for Qwen3,
 post q/k-norm) queries ``[B, H, q, d]`` and the full cached keys/values ``[B, Hkv, kv, d]``;
-it records the newest rows and then calls the real SDPA kernel, so outputs are unchanged.
-A mask builder is registered under the same name: without one transformers passes no mask
-and SDPA would slice the keys wrongly when ``q > 1`` over a non-empty cache.
+it records the newest rows and then calls the model's own attention implementation (SDPA, or the
+model file's eager function where SDPA cannot express its attention: softcap, sinks; chosen by
+``kvdiag.adapters``), so outputs are unchanged. Each variant is registered with its own mask builder:
+without one transformers passes no mask and SDPA would slice the keys wrongly when ``q > 1`` over a
+non-empty cache; eager needs a float additive mask.
 """
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-TRACE_ATTN = "kvdiag_trace"
+from kvdiag.adapters import check_kwargs, model_attention
+
+TRACE_ATTN = "kvdiag_trace"  # records, then runs SDPA
+TRACE_ATTN_EAGER = "kvdiag_trace_eager"  # records, then runs the model file's eager attention
 # generate() rejects unknown model kwargs, so the active recorder travels in a context variable
 _RECORDER: ContextVar["Recorder | None"] = ContextVar("kvdiag_recorder", default=None)
 
@@ -28,6 +34,7 @@ class Recorder:
 
     def __init__(self, num_layers: int, dtype: torch.dtype):
         self.dtype = dtype
+        self.attention = None  # the model's ModelAttention, set by recording()
         self.q: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self.k: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self.v: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
@@ -43,18 +50,40 @@ class Recorder:
         return {name: torch.cat(rows[layer], dim=1).contiguous() for name, rows in (("q", self.q), ("k", self.k), ("v", self.v))}
 
 
-def trace_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """query [B, H, q, d], key/value [B, Hkv, kv, d] (whole cache) -> SDPA output [B, q, H, d]."""
+def model_eager_attention(module):
+    """The eager attention function of ``module``'s model file (softcap, sinks and all)."""
+    fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if fn is None:
+        raise RuntimeError(f"{type(module).__module__} has no eager_attention_forward")
+    return fn
+
+
+def _record(module, query, key, value, kwargs) -> None:
     recorder = _RECORDER.get()
-    kwargs.pop("output_attentions", None)
+    # semantics kwargs (window, softcap, sinks) must agree with the adapter; unknown ones are refused
+    check_kwargs(module, recorder.attention.layers[module.layer_idx] if recorder and recorder.attention else None, dict(kwargs), "trace")
     if recorder is not None:
         n = query.shape[2]
         recorder.add(module.layer_idx, query[0], key[0, :, -n:], value[0, :, -n:])
+
+
+def trace_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """query [B, H, q, d], key/value [B, Hkv, kv, d] (whole cache) -> SDPA output [B, q, H, d]."""
+    _record(module, query, key, value, kwargs)
+    kwargs.pop("output_attentions", None)
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+def trace_attention_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """As :func:`trace_attention`, through the model file's eager attention (output [B, q, H, d], weights)."""
+    _record(module, query, key, value, kwargs)
+    return model_eager_attention(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
 AttentionInterface.register(TRACE_ATTN, trace_attention)
 AttentionMaskInterface.register(TRACE_ATTN, sdpa_mask)
+AttentionInterface.register(TRACE_ATTN_EAGER, trace_attention_eager)
+AttentionMaskInterface.register(TRACE_ATTN_EAGER, eager_mask)
 
 
 @contextmanager
@@ -69,8 +98,11 @@ def attention_context(model, name: str, var: ContextVar, value):
 
 
 def recording(model, recorder: Recorder):
-    """Route ``model``'s attention through the tracing function and record into ``recorder``."""
-    return attention_context(model, TRACE_ATTN, _RECORDER, recorder)
+    """Route ``model``'s attention through the tracing function and record into ``recorder``; the function
+    runs the implementation that reproduces the model (``kvdiag.adapters``: SDPA or eager)."""
+    ma = model_attention(model)
+    recorder.attention = ma
+    return attention_context(model, TRACE_ATTN_EAGER if ma.implementation == "eager" else TRACE_ATTN, _RECORDER, recorder)
 
 
 @contextmanager
@@ -85,8 +117,6 @@ def attn_implementation(model, name: str):
 
 
 def attention_scale(model) -> float:
-    """The softmax scale the model's attention layers use (``module.scaling``)."""
-    for module in model.modules():
-        if hasattr(module, "scaling") and hasattr(module, "layer_idx"):
-            return float(module.scaling)
-    raise ValueError(f"{type(model).__name__} has no attention layer with a `scaling` attribute")
+    """The softmax scale of the model's first layer (the manifest's legacy ``scale``; per-layer semantics,
+    windows, softcap and sinks are in the manifest's ``model.attention``, from ``kvdiag.adapters``)."""
+    return model_attention(model).scale
