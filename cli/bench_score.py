@@ -12,13 +12,14 @@ from rich.table import Table
 
 def bench_score(
     trace: Path = typer.Option(..., "--trace", help="Trace directory written by `kvdiag trace`."),
-    scorers: str = typer.Option("all", "--scorers", help="'all' or comma-separated scorer names."),
-    checkpoints: str = typer.Option("default", "--checkpoints", help="'default' (every 128 generated tokens) or positions t."),
+    scorers: list[str] = typer.Option(["all"], "--scorers", help="'all' or comma-separated scorer names, repeatable."),
+    checkpoints: list[str] = typer.Option(["default"], "--checkpoints", help="'default' (every 128 generated tokens) or positions t, repeatable."),
     param: list[str] | None = typer.Option(None, "--param", help="scorer.key=value, repeatable."),
     plugin: list[str] | None = typer.Option(None, "--plugin", help="Module (or .py file) registering scorers, repeatable."),
     out: Path | None = typer.Option(None, "--out", help="Also write the numbers as JSON here."),
 ) -> None:
     """Time `kvdiag score` over every checkpoint (token granularity, all cached entries) and report s/checkpoint."""
+    from cli.common import joined
     from cli.score import parse_checkpoints
     from kvdiag.io import write_json
     from kvdiag.kernels.bench import rss_kb
@@ -26,11 +27,11 @@ def bench_score(
     from kvdiag.trace import Trace
 
     tr = Trace(trace)
-    keys = checkpoint_keys(tr, parse_checkpoints(checkpoints))
+    keys = checkpoint_keys(tr, parse_checkpoints(joined(checkpoints)))
     n_cp = keys.select("prompt_id", "checkpoint").n_unique()
     timings: dict[str, float] = {}
     start = time.perf_counter()
-    score_trace(tr, keys=keys, scorers=scorers, params=parse_params(param), plugins=plugin or (), timings=timings, progress=True)
+    score_trace(tr, keys=keys, scorers=joined(scorers), params=parse_params(param), plugins=plugin or (), timings=timings, progress=True)
     total = time.perf_counter() - start
     peak_mib = rss_kb("VmHWM") / 1024
     table = Table(title=f"kvdiag score on {trace}: {n_cp} checkpoints, {tr.num_layers} layers, {keys.height} entries")

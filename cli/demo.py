@@ -52,8 +52,10 @@ def demo(
 ) -> None:
     """Run trace -> label -> score -> rank-eval -> figures -> report and print the report's path."""
     from cli.main import app
+    from kvdiag.io import check_writable
     from kvdiag.report import record_command
 
+    check_writable(out, "--out", "dir")
     console = Console()
     out.mkdir(parents=True, exist_ok=True)
     stages = demo_commands(out, model, prompts, limit, max_new_tokens, candidates, horizon, interval, bootstrap)

@@ -40,7 +40,8 @@ def figures(
     import polars as pl
 
     from kvdiag.errors import UserError
-    from kvdiag.figures import make_figures, writable_dir
+    from kvdiag.figures import make_figures
+    from kvdiag.io import check_writable
     from kvdiag.io import read_table
     from kvdiag.label import read_labels
     from kvdiag.trace import Trace
@@ -50,7 +51,7 @@ def figures(
         low_attention_quantile=low_attention_quantile, large_payload_quantile=large_payload_quantile, read_reduce=read_reduce,
         strong_read_mult=strong_read_mult, interval=interval, min_group=min_group, n_boot=bootstrap, seed=seed, rho=rho, scope=scope,
     )
-    writable_dir(out)  # fail before the slow part
+    check_writable(out, "--out", "dir")  # fail before the slow part, creating nothing
     tr = Trace(trace)
     label_df, label_meta = read_labels(labels)
     score_df, score_meta = read_table(scores, "scores")

@@ -13,11 +13,11 @@ from cli import common
 def label(
     trace: Path = typer.Option(..., "--trace", help="Trace directory from `kvdiag trace`"),
     out: Path = typer.Option(..., "--out", help="labels.parquet (parts are kept beside it in OUT.parts/)"),
-    checkpoints: str = typer.Option("every:128", "--checkpoints", help="every:K (generated tokens) or absolute positions t1,t2,..."),
+    checkpoints: list[str] = typer.Option(["every:128"], "--checkpoints", help="every:K (generated tokens) or absolute positions t1,t2,... (repeatable)"),
     horizon: int = typer.Option(16, "--horizon", help="teacher-forced steps H"),
     candidates: str = typer.Option("64", "--candidates", help="N (seeded sample per checkpoint) or all"),
     granularity: str = typer.Option("token", "--granularity", help="token | layer | head"),
-    layers: str = typer.Option(None, "--layers", help="layer/head granularity: comma-separated layers (default all)"),
+    layers: list[str] | None = typer.Option(None, "--layers", help="layer/head granularity: comma-separated layers, repeatable (default all)"),
     w_obs: int = typer.Option(32, "--w-obs", help="every:K starts once W_obs tokens are generated"),
     batch_size: int = typer.Option(64, "--batch-size", help="candidate rows per forward"),
     seed: int = common.Seed,
@@ -36,9 +36,8 @@ def label(
     from kvdiag.label import LabelConfig
 
     cfg = LabelConfig(
-        checkpoints=checkpoints, horizon=horizon, candidates=candidates, granularity=granularity,
-        layers=[int(x) for x in layers.split(",")] if layers else None, w_obs=w_obs, batch_size=batch_size,
-        seed=seed, backend=backend,
+        checkpoints=common.joined(checkpoints), horizon=horizon, candidates=candidates, granularity=granularity,
+        layers=common.parse_ints(layers, "--layers"), w_obs=w_obs, batch_size=batch_size, seed=seed, backend=backend,
     )
     path = run_label(trace, out, cfg, model=model, force=force, dtype=dtype, device=device, shard=shard, quiet=quiet)
     if path is not None:

@@ -1,12 +1,20 @@
 """Entry point of the ``kvdiag`` console script.
 
-Each command lives in its own module of ``cli/`` and is registered here. User errors
-(``kvdiag.errors.UserError``) print one line and exit with code 2, without a traceback.
+Each command lives in its own module of ``cli/`` and is registered here. How a run ends:
+
+- bad input (``kvdiag.errors.UserError``, a usage error, or an option given twice): one line, exit 2;
+- a bug (any other exception): one line naming the log file that holds the traceback, exit 1
+  (``--debug`` anywhere on the command line prints the traceback instead);
+- Ctrl-C: one line, exit 130.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import time
+import traceback
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -14,9 +22,12 @@ from rich.console import Console
 from kvdiag.allocator import reuse_freed_memory
 from kvdiag.errors import UserError
 
+DEBUG_FLAG = "--debug"
+
 app = typer.Typer(
     name="kvdiag",
-    help="Counterfactual oracle labels and diagnostics for KV-cache eviction.",
+    help="Counterfactual oracle labels and diagnostics for KV-cache eviction. "
+         f"Add {DEBUG_FLAG} anywhere to print the traceback of an internal error.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -44,13 +55,95 @@ for _name, _fn in [("trace", bench_trace), ("label", bench_label), ("score", ben
     bench_app.command(_name)(_fn)
 
 
+def resolve_command(argv: list[str]):
+    """(the (sub)command ``argv`` runs, its names, the index of its first argument); typer's click is duck-typed."""
+    cmd, names, i = typer.main.get_command(app), [], 0
+    while hasattr(cmd, "commands") and i < len(argv) and not argv[i].startswith("-"):
+        if argv[i] not in cmd.commands:
+            break  # an unknown command: click says so
+        cmd, names, i = cmd.commands[argv[i]], names + [argv[i]], i + 1
+    return cmd, names, i
+
+
+def refuse_repeated_options(argv: list[str]) -> None:
+    """A single-valued option given twice would silently keep the last value: refuse it (list-valued options
+    are declared repeatable and accumulate)."""
+    cmd, _, i = resolve_command(argv)
+    options = {opt: p for p in getattr(cmd, "params", []) if getattr(p, "param_type_name", "") == "option"
+               for opt in p.opts + p.secondary_opts}
+    seen: dict[str, str] = {}
+    args = argv[i:]
+    j = 0
+    while j < len(args):
+        flag, has_value = args[j].split("=", 1)[0], "=" in args[j]
+        p = options.get(flag) if flag.startswith("-") else None
+        if p is not None:
+            if not p.is_flag and not has_value:
+                j += 1  # skip the option's value
+            if not p.multiple:
+                if p.name in seen:
+                    first = seen[p.name]
+                    raise UserError(f"{flag} is given twice: it takes one value; pass it once" if first == flag else
+                                    f"{first} and {flag} set the same option: pass only one of them")
+                seen[p.name] = flag
+        j += 1
+
+
+def _log_dir() -> Path:
+    return Path(os.environ.get("KVDIAG_CACHE", Path.home() / ".cache" / "kvdiag")) / "logs"
+
+
+def report_bug(err: BaseException, argv: list[str]) -> Path | None:
+    """Write the traceback of an unexpected exception to a log file; returns its path (None if none could be written)."""
+    text = f"kvdiag {' '.join(argv)}\n\n" + "".join(traceback.format_exception(err))
+    name = f"kvdiag-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    for folder in (_log_dir(), Path(os.environ.get("TMPDIR", "/tmp"))):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_text(text)
+            return folder / name
+        except OSError:
+            continue
+    return None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = DEBUG_FLAG in argv
+    argv = [a for a in argv if a != DEBUG_FLAG]
+    err_console = Console(stderr=True, soft_wrap=True)
     reuse_freed_memory()
     try:
-        app(args=argv, standalone_mode=True)
+        refuse_repeated_options(argv)
+        code = app(args=argv, standalone_mode=False)
     except UserError as err:
-        Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {_one_line(err)}", highlight=False)
         sys.exit(2)
+    except typer.TyperException as err:  # usage errors: unknown or missing options, wrong value types
+        if type(err).__name__ == "NoArgsIsHelpError":  # `kvdiag` or `kvdiag bench` alone: the help
+            Console().print(err.ctx.get_help() if getattr(err, "ctx", None) else "", highlight=False)
+            sys.exit(0)
+        message = err.format_message() if hasattr(err, "format_message") else str(err)
+        err_console.print(f"[bold red]error:[/] {_one_line(message)} (see {' '.join(['kvdiag', *resolve_command(argv)[1]])} --help)",
+                          highlight=False)
+        sys.exit(2)
+    except (KeyboardInterrupt, typer.Abort):
+        err_console.print("[bold red]interrupted[/]: finished parts are kept; rerun the same command to continue",
+                          highlight=False)
+        sys.exit(130)
+    except Exception as err:  # a bug, not bad input
+        if debug:
+            raise
+        log = report_bug(err, argv)
+        where = f"the traceback is in {log}" if log else "no log file could be written"
+        err_console.print(f"[bold red]internal error[/] (a bug in kvdiag, not your input): {type(err).__name__}: "
+                          f"{_one_line(err)[:300]}; {where}; rerun with {DEBUG_FLAG} to print it", highlight=False)
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

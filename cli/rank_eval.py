@@ -13,8 +13,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from cli.common import listed
 from kvdiag.errors import UserError
-from kvdiag.io import read_table, write_json
+from kvdiag.io import check_writable, read_table, write_csv, write_json, write_text
 from kvdiag.rankeval import RankEvalResult, check_inputs, to_latex, to_markdown
 from kvdiag.rankeval import rank_eval as run_rank_eval
 from kvdiag.rankeval.tables import TABLE3_COLUMNS
@@ -37,6 +38,8 @@ def _print_summary(result: RankEvalResult, scope: str, out: Path, console: Conso
         f"unresolved: {s['n_unresolved']} ({'excluded' if s['unresolved_excluded'] else 'included'})",
         highlight=False,
     )
+    if "reference_note" in s:
+        console.print(s["reference_note"], highlight=False)
     for warning in s["warnings"]:
         console.print(f"[bold yellow]warning:[/] {warning}", highlight=False)
     table = Table(title=f"{scope} metrics, FSR at rho = {c.rho:g}, {c.ci_level:.0%} CI over prompts (B = {c.n_boot})")
@@ -65,18 +68,19 @@ def rank_eval(
     out: Path = typer.Option(..., "--out", help="output directory"),
     harm: str = typer.Option("quantile:0.9", help="harmful = kl_mean above quantile:Q of the evaluated labels, or above abs:TAU nats"),
     rho: float = typer.Option(0.5, help="eviction fraction: the lowest-scored floor(rho*C) candidates of a checkpoint are evicted"),
-    reference: str = typer.Option("avokv_e", help="scorer for the paired comparisons ('none': no paired table)"),
+    reference: str = typer.Option("auto", help="scorer for the paired comparisons: a score column, 'none' (no paired table) or 'auto' (avokv_e when the scores have it, else none)"),
     bootstrap: int = typer.Option(1000, help="cluster-bootstrap resamples over prompts (0: no CIs)"),
     seed: int = typer.Option(0, help="seed of the bootstrap"),
     include_unresolved: bool = typer.Option(False, "--include-unresolved", help="keep labels at or below their noise floor"),
     noise_mult: float = typer.Option(1.0, help="unresolved: kl_mean <= noise_mult * noise_floor"),
     granularity: str | None = typer.Option(None, help="granularity to evaluate (token, layer, head) when the inputs hold several"),
-    scorers: str | None = typer.Option(None, help="comma-separated score columns to evaluate (default: all)"),
+    scorers: list[str] | None = typer.Option(None, help="comma-separated score columns to evaluate, repeatable (default: all)"),
     table_scope: str = typer.Option("pooled", help="scope of table.md / table.tex: pooled or macro"),
 ) -> None:
     """Rank every scorer against the oracle labels: AUROC, AP, top-k recall, false-safe rate, Spearman."""
     if table_scope not in ("pooled", "macro"):
         raise UserError(f"--table-scope {table_scope} is not pooled or macro")
+    check_writable(out, "--out", "dir")
     label_df, label_meta = read_table(labels, "labels")
     score_df, score_meta = read_table(scores, "scores")
     check_inputs(label_meta, score_meta)
@@ -91,20 +95,19 @@ def rank_eval(
         include_unresolved=include_unresolved,
         noise_mult=noise_mult,
         granularity=granularity,
-        scorers=None if scorers is None else tuple(x.strip() for x in scorers.split(",") if x.strip()),
+        scorers=tuple(listed(scorers)) or None,
     )
-    out.mkdir(parents=True, exist_ok=True)
-    result.metrics.write_csv(out / "metrics.csv")
-    result.paired.write_csv(out / "paired.csv")
-    (out / "table.md").write_text(to_markdown(result, table_scope))
-    (out / "table.tex").write_text(to_latex(result, table_scope))
+    write_csv(result.metrics, out / "metrics.csv")  # atomic: `kvdiag figures --rank-eval` reuses it
+    write_csv(result.paired, out / "paired.csv")
+    write_text(out / "table.md", to_markdown(result, table_scope))
+    write_text(out / "table.tex", to_latex(result, table_scope))
     config = {
         "command": "rank-eval",
         "kvdiag_version": _kvdiag_version(),
         "config": asdict(result.config) | {"table_scope": table_scope},
         "inputs": {
-            "labels": {"path": str(labels.resolve()), "meta": label_meta},
-            "scores": {"path": str(scores.resolve()), "meta": score_meta},
+            "labels": {"path": str(labels), "meta": label_meta},  # as given: no path of this machine
+            "scores": {"path": str(scores), "meta": score_meta},
         },
         "summary": result.summary,
         "outputs": list(OUTPUTS),

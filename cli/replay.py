@@ -12,8 +12,9 @@ from kvdiag.errors import UserError
 
 
 def replay(
-    scorer: str = typer.Option(..., "--scorer", help="Scorer name(s), comma-separated, e.g. rkv,attention,avokv_e."),
-    budget: str = typer.Option("256", "--budget", help="KV budget(s): entries kept per layer and KV head, comma-separated for a sweep, e.g. 128,256."),
+    ctx: typer.Context,
+    scorer: list[str] = typer.Option(..., "--scorer", help="Scorer name(s), comma-separated and repeatable, e.g. rkv,attention,avokv_e."),
+    budget: list[str] = typer.Option(["256"], "--budget", help="KV budget(s): entries kept per layer and KV head, comma-separated and repeatable for a sweep, e.g. 128,256."),
     interval: int = typer.Option(128, "--interval", help="Generated tokens between compressions (R-KV: 128)."),
     w_obs: int | None = typer.Option(None, "--w-obs", help="Observation window for every scorer's window/w_obs (default: each scorer's own)."),
     selection: str = typer.Option("per-head", "--selection", help="per-head (each layer and KV head keeps its own top B, R-KV) or per-token (one keep set)."),
@@ -40,25 +41,30 @@ def replay(
 ) -> None:
     """Generate (or teacher-force a Trace) under a KV budget compacted every --interval tokens; write
     generations.parquet, a Table-2-shaped summary and an accuracy/KL-vs-budget figure."""
+    from kvdiag.io import check_writable
     from kvdiag.models import load_model
     from kvdiag.prompts import DEFAULT_INSTRUCTION, load_prompts
     from kvdiag.replay import ReplaySettings, check_settings, replay as run_replay
     from kvdiag.scorers import load_plugins, parse_params
 
     common.quiet_transformers()
+    if teacher_forced is not None:  # the Trace fixes the tokens: generation settings cannot apply
+        common.refuse_given(ctx, ["prompts", "max_new_tokens", "full_kv", "kl", "chat", "instruction", "no_instruction"],
+                            "with --teacher-forced (the Trace's tokens are replayed)")
+    if no_instruction:
+        common.refuse_given(ctx, ["instruction"], "with --no-instruction")
     load_plugins(plugin or ())
     settings = ReplaySettings(
-        scorers=[s.strip() for s in scorer.split(",") if s.strip()], budgets=parse_budgets(budget), interval=interval,
+        scorers=common.listed(scorer), budgets=parse_budgets(common.listed(budget)), interval=interval,
         w_obs=w_obs, selection=selection, max_new_tokens=max_new_tokens, full_kv=full_kv, kl=kl, chat=chat,
         instruction=None if no_instruction else (instruction or DEFAULT_INSTRUCTION), params=parse_params(param),
         backend=backend,
     )
     check_settings(settings)  # before the (slow) model load
+    check_writable(out, "--out", "dir")
     if teacher_forced is not None:
         from kvdiag.trace import Trace
 
-        if prompts is not None:
-            raise UserError("--prompts does not apply with --teacher-forced: the Trace's prompts are replayed")
         tr = Trace(teacher_forced)
         had = tr.manifest["model"]
         lm = load_model(model or had["spec"], dtype=dtype or had.get("dtype", "float32"), device=device, revision=revision,
@@ -78,12 +84,15 @@ def replay(
         Console().print((path / "summary.md").read_text())
 
 
-def parse_budgets(text: str) -> list[int]:
-    """``"128,256"`` -> ``[128, 256]`` (each a positive integer, duplicates dropped)."""
+def parse_budgets(items: list[str]) -> list[int]:
+    """``["128", "256"]`` -> ``[128, 256]`` (each a positive integer; a budget given twice is refused)."""
+    text = ",".join(items)
     try:
-        values = [int(part) for part in text.split(",") if part.strip()]
+        values = [int(part) for part in items]
     except ValueError:
-        raise UserError(f"--budget {text!r}: use positive integers, comma-separated, e.g. 128,256") from None
+        raise UserError(f"--budget {text}: use positive integers, comma-separated, e.g. 128,256") from None
     if not values or min(values) < 1:
-        raise UserError(f"--budget {text!r}: use positive integers, comma-separated, e.g. 128,256")
-    return list(dict.fromkeys(values))
+        raise UserError(f"--budget {text}: use positive integers, comma-separated, e.g. 128,256")
+    if len(set(values)) < len(values):
+        raise UserError(f"--budget {text}: a budget is given twice; give each once")
+    return values

@@ -11,38 +11,48 @@ from kvdiag.errors import UserError
 
 
 def score(
+    ctx: typer.Context,
     trace: Path = typer.Option(..., "--trace", help="Trace directory written by `kvdiag trace`."),
     out: Path = typer.Option(..., "--out", help="Output scores.parquet."),
     labels: Path | None = typer.Option(None, "--labels", help="labels.parquet: score exactly its candidates (same keys)."),
-    checkpoints: str | None = typer.Option(
-        None, "--checkpoints", help="Without --labels: 'default' (every 128 generated tokens) or positions t, e.g. 256,384; every entry < t is scored."),
-    granularity: str = typer.Option("token", "--granularity", help="With --checkpoints: token, layer and/or head, comma-separated."),
-    scorers: str = typer.Option("all", "--scorers", help="'all' or comma-separated scorer names."),
+    checkpoints: list[str] | None = typer.Option(
+        None, "--checkpoints", help="Without --labels: 'default' (every 128 generated tokens) or positions t, e.g. 256,384 (repeatable); every entry < t is scored."),
+    granularity: list[str] | None = typer.Option(None, "--granularity", help="With --checkpoints: token (default), layer and/or head, comma-separated, repeatable."),
+    scorers: list[str] = typer.Option(["all"], "--scorers", help="'all' or comma-separated scorer names, repeatable."),
     param: list[str] | None = typer.Option(None, "--param", help="scorer.key=value, repeatable (e.g. rkv.mix_lambda=0.07)."),
     plugin: list[str] | None = typer.Option(None, "--plugin", help="Module (or .py file) whose import registers scorers, repeatable."),
     aggregation: str = typer.Option("mean_rank", "--aggregation", help="How token/layer rows combine per-(layer, head) scores: mean_rank or mean_raw."),
     model: str | None = typer.Option(None, "--model", help="The Trace's model, only for payload wo_l2 (‖W_O v‖₂): its o_proj weights are read."),
 ) -> None:
     """Score candidates of a Trace with the scorer zoo (higher = keep) and write scores.parquet."""
-    from kvdiag.io import read_table, write_table
-    from kvdiag.scorers import parse_params, score_trace
+    from cli.common import joined, listed, refuse_given
+    from kvdiag.io import check_writable, read_table, write_table
+    from kvdiag.scorers import checkpoint_keys, parse_params, resolve_scorers, score_trace
+    from kvdiag.scorers.score import check_aggregation, check_keys
     from kvdiag.trace import Trace
 
+    # every input is checked before the work (and the --model load) starts
     if (labels is None) == (checkpoints is None):
         raise UserError("pass exactly one of --labels labels.parquet or --checkpoints default|t1,t2,...")
+    if labels is not None:
+        refuse_given(ctx, ["granularity"], "with --labels (its rows are scored at their own granularity)")
+    check_writable(out, "--out")
+    check_aggregation(aggregation)
+    scorer_names, params = ",".join(listed(scorers)), parse_params(param)
+    resolve_scorers(scorer_names, params, plugin or ())
     tr = Trace(trace)
-    keys, cps = None, None
     if labels is not None:
         keys, labels_meta = read_table(labels, what=f"--labels {labels}")
         tr.check_belongs(labels_meta, f"--labels {labels}")
+        keys = check_keys(tr, keys, f"--labels {labels}")
     else:
-        cps = parse_checkpoints(checkpoints)
+        keys = checkpoint_keys(tr, parse_checkpoints(joined(checkpoints)), listed(granularity) or ["token"])
     df, meta = score_trace(
-        tr, keys=keys, checkpoints=cps, scorers=scorers, params=parse_params(param), plugins=plugin or (),
-        aggregation=aggregation, granularity=[g.strip() for g in granularity.split(",") if g.strip()],
+        tr, keys=keys, scorers=scorer_names, params=params, plugins=plugin or (), aggregation=aggregation,
         o_proj=load_o_proj(model, tr) if model else None, progress=True,
     )
-    meta["source"] = {"labels": str(labels)} if labels is not None else {"checkpoints": checkpoints, "granularity": granularity}
+    meta["source"] = ({"labels": str(labels)} if labels is not None
+                      else {"checkpoints": joined(checkpoints), "granularity": joined(granularity) or "token"})
     write_table(df, out, meta)
     Console(stderr=True).print(f"wrote {df.height} rows × {len(meta['scorers'])} scorers to {out}")
 

@@ -11,6 +11,7 @@ from cli import common
 
 
 def trace(
+    ctx: typer.Context,
     out: Path = typer.Option(..., "--out", help="Trace directory (created; a rerun continues it)"),
     model: str = common.Model,
     prompts: str = common.Prompts,
@@ -35,15 +36,13 @@ def trace(
     from kvdiag.trace import GenerationSettings
 
     common.quiet_transformers()
-    if max_new_tokens <= 0:  # checked before the (slow) model load
-        from kvdiag.errors import UserError
-
-        raise UserError(f"--max-new-tokens {max_new_tokens}: must be a positive number of tokens")
-    items = load_prompts(prompts, limit=limit, seed=seed)
+    if no_instruction:
+        common.refuse_given(ctx, ["instruction"], "with --no-instruction")
     settings = GenerationSettings(
         max_new_tokens=max_new_tokens, sample=sample, seed=seed, chat=chat, storage_dtype=storage_dtype,
         instruction=None if no_instruction else (instruction or DEFAULT_INSTRUCTION),
     )
+    items = load_prompts(prompts, limit=limit, seed=seed)
     root = run_trace(items, out, settings, model=model, dtype=dtype, device=device, revision=revision,
                      trust_remote_code=trust_remote_code, prompts_source=prompts, shard=shard, quiet=quiet)
     if root is not None:

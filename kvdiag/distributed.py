@@ -87,12 +87,20 @@ class Group:
 def run_label(trace_dir: Path, out: Path, cfg, *, model: str | None, force: bool, dtype: str | None, device: str,
               shard: str | None, quiet: bool) -> Path | None:
     """Label a Trace in this process's share of the work; returns the merged output where this process merged."""
-    from kvdiag.label.runner import label_trace
-    from kvdiag.models import load_model
+    from kvdiag.io import check_writable
+    from kvdiag.label.runner import label_trace, work_items
+    from kvdiag.models import check_device, load_model, parse_dtype
     from kvdiag.trace import Trace
 
+    # every input is checked before the (slow) model load and before anything is written
+    part = parse_shard(shard)
     tr = Trace(trace_dir)
-    with Group(device, parse_shard(shard)) as group:
+    work_items(tr, cfg)
+    check_writable(out, "--out")
+    check_writable(out.with_name(out.name + ".parts"), "--out", "dir")
+    parse_dtype(dtype or tr.manifest["model"]["dtype"])
+    check_device(device)
+    with Group(device, part) as group:
         spec = model or tr.manifest["model"]["spec"]
         lm = load_model(spec, dtype=dtype or tr.manifest["model"]["dtype"], device=group.device)
         return group.split(lambda part, merge, show: label_trace(
@@ -102,10 +110,15 @@ def run_label(trace_dir: Path, out: Path, cfg, *, model: str | None, force: bool
 def run_trace(prompts: list, out: Path, settings, *, model: str, dtype: str, device: str, revision: str | None,
               trust_remote_code: bool, prompts_source: str, shard: str | None, quiet: bool) -> Path | None:
     """Trace this process's share of ``prompts``; returns the Trace directory where this process merged."""
-    from kvdiag.models import load_model
+    from kvdiag.io import check_writable
+    from kvdiag.models import check_device, load_model, parse_dtype
     from kvdiag.trace import trace_prompts
 
-    with Group(device, parse_shard(shard)) as group:
+    part = parse_shard(shard)
+    check_writable(out, "--out", "dir")
+    parse_dtype(dtype)
+    check_device(device)
+    with Group(device, part) as group:
         lm = load_model(model, dtype=dtype, device=group.device, revision=revision, trust_remote_code=trust_remote_code)
         return group.split(lambda part, merge, show: trace_prompts(
             lm, prompts, out, settings, prompts_source=prompts_source, shard=part, merge=merge,

@@ -38,6 +38,39 @@ def _write_atomically(path: str | os.PathLike, write) -> Path:
     return path
 
 
+def check_writable(path: str | os.PathLike, what: str, kind: str = "file") -> Path:
+    """Refuse (``UserError``) an output ``path`` (a ``kind`` = "file" or "dir") that cannot be written: below a
+    regular file, of the other kind, or without write permission. Creates nothing, so it runs before any work."""
+    path = Path(path)
+    existing = next(p for p in [path.absolute(), *path.absolute().parents] if p.exists())
+    if existing == path.absolute():
+        if kind == "dir" and not existing.is_dir():
+            raise UserError(f"{what} {path} is a file, not a directory; choose a directory path")
+        if kind == "file" and existing.is_dir():
+            raise UserError(f"{what} {path} is a directory; pass a file path")
+        folder = existing if kind == "dir" else existing.parent
+    elif not existing.is_dir():
+        raise UserError(f"{what} {path} lies below the file {existing}; choose a path in a directory")
+    else:
+        folder = existing
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"{what} {path}: {folder} is not writable; choose a writable path")
+    return path
+
+
+def writable_dir(path: str | os.PathLike, what: str = "--out") -> Path:
+    """Create the directory ``path`` if needed and prove it writable (a probe file); otherwise a ``UserError``."""
+    path = check_writable(path, what, "dir")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".write-probe")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise UserError(f"{what} {path} is not a writable directory ({err.strerror or err}); choose another {what}") from err
+    return path
+
+
 def write_table(df: pl.DataFrame, path: str | os.PathLike, meta: dict | None = None) -> Path:
     """Write ``df`` to ``path`` atomically with ``meta`` (JSON-serializable) in the file metadata."""
     return _write_atomically(path, lambda tmp: df.write_parquet(tmp, metadata={META_KEY: json.dumps(meta or {}, default=str)}))
@@ -46,6 +79,16 @@ def write_table(df: pl.DataFrame, path: str | os.PathLike, meta: dict | None = N
 def write_json(path: str | os.PathLike, obj) -> Path:
     """Write ``obj`` to ``path`` as indented JSON (non-JSON values as ``str``), atomically."""
     return _write_atomically(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2, default=str) + "\n"))
+
+
+def write_csv(df: pl.DataFrame, path: str | os.PathLike) -> Path:
+    """Write ``df`` to ``path`` as CSV, atomically."""
+    return _write_atomically(path, df.write_csv)
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path``, atomically."""
+    return _write_atomically(path, lambda tmp: Path(tmp).write_text(text))
 
 
 def read_meta(path: str | os.PathLike) -> dict:

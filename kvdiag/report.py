@@ -417,7 +417,7 @@ def build_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
     Missing or unreadable pieces are listed and skipped; pieces made from different Traces are flagged.
     A run directory that does not exist or holds no piece at all is a ``UserError``.
     """
-    from kvdiag.figures import writable_dir
+    from kvdiag.io import writable_dir
 
     run = Path(run_dir)
     if not run.is_dir():
@@ -431,7 +431,8 @@ def build_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
     title = f"kvdiag report: {run.resolve().name}"
     md = "\n".join([
         f"# {title}\n",
-        f"Run directory `{run.resolve()}`; report made {time.strftime('%Y-%m-%d %H:%M:%S %Z')} by kvdiag {__version__}.\n",
+        # relative, so a committed report names no path of the machine that made it
+        f"Run directory `{rel}` (relative to this report); report made {time.strftime('%Y-%m-%d %H:%M:%S %Z')} by kvdiag {__version__}.\n",
         _contents(r), _trace_section(r), _labels_section(r), _scores_section(r), _rank_eval_section(r),
         _figures_section(r, rel), _commands_section(r),
     ])

@@ -47,5 +47,7 @@ def test_tracer_logits_equal_sdpa_on_smollm2(smollm2):
         rec = Recorder(30, torch.float16)
         with recording(smollm2.model, rec):
             got = smollm2.model(ids).logits
-    assert torch.equal(got, ref)
+    # same shapes, but the recording path builds its own mask and calls SDPA itself: fp32 logits (|x| <~ 30)
+    # of the 30-layer model agree within 1e-4 absolute
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-4)
     assert rec.layer(29)["q"].shape == (9, 64, 64) and rec.layer(29)["k"].shape == (3, 64, 64)

@@ -89,7 +89,7 @@ def test_get_scorer_errors_name_the_fix():
     with pytest.raises(UserError, match="pooling"):
         get_scorer("rkv", pooling="min")
     with pytest.raises(UserError, match="w_delay"):
-        get_scorer("avokv_e", w_obs="64", w_delay="32")  # DESIGN: W_delay >= W_obs
+        get_scorer("avokv_e", w_obs="64", w_delay="32")  # W_delay >= W_obs
     with pytest.raises(UserError, match="3 comma-separated"):
         get_scorer("thinkv", rho="1,2")
 

@@ -22,12 +22,15 @@ def test_tracer_logits_equal_plain_sdpa(tiny_model):
     ids = _ids(tiny_model)
     assert model.config._attn_implementation == "sdpa"
     ref = model(ids).logits
+    ref_short = model(ids[:, :-1]).logits  # same shape as the recorded prefill: GEMM blocking depends on it
     rec = Recorder(model.config.num_hidden_layers, torch.float32)
     with recording(model, rec):
         out = model(ids[:, :-1], use_cache=True)
         step = model(ids[:, -1:], cache=out.past_key_values, position_ids=torch.tensor([[ids.shape[1] - 1]]))
     assert model.config._attn_implementation == "sdpa"  # restored
-    assert torch.equal(out.logits, ref[:, :-1])
+    # the recording path builds its own mask and calls SDPA itself, so the last bits may differ on some CPUs:
+    # fp32 logits of magnitude <~10 agree within 1e-5 absolute
+    torch.testing.assert_close(out.logits, ref_short, rtol=0, atol=1e-5)
     torch.testing.assert_close(step.logits[:, -1], ref[:, -1], rtol=0, atol=1e-5)
     assert rec.layer(0)["q"].shape[1] == ids.shape[1]
 

@@ -14,7 +14,7 @@ from kvdiag.figures.params import FigureParams
 
 # the submodule that defines each exported name
 _HOME = {
-    "FIGURES": "run", "check_figure_inputs": "run", "make_figures": "run", "writable_dir": "run",
+    "FIGURES": "run", "check_figure_inputs": "run", "make_figures": "run",
     "blind_spot_flags": "blind_spot", "blind_spot_stats": "blind_spot",
     "VARIANTS": "components", "component_metrics": "components", "component_table": "components",
     "classify_reads": "delayed_reads", "delay_histogram": "delayed_reads", "delayed_read_stats": "delayed_reads",

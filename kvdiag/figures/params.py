@@ -19,7 +19,7 @@ class FigureParams:
     Token-level features (per prompt, checkpoint ``t``, labeled candidate ``i``), averaged over layers and KV
     heads (the mean over layers of each layer's KV-head mean):
 
-    - read pressure ``p_i``: DESIGN.md's candidate-normalized window attention mass
+    - read pressure ``p_i``: the candidate-normalized window attention mass (README, "Token-level features")
       (``features.read_pressure`` over the window queries ``[t - w_obs, t)``), the candidate set being the
       entries of age ``t - i > w_delay`` as in the ``avokv_e`` scorer (``w_delay = 0``: the whole cache);
     - value payload ``b_i``: ``features.value_payload(v, payload)`` (``l2``: ``‖v_i‖₂``).

@@ -20,7 +20,7 @@ from kvdiag.figures.components import component_metrics, components_figure
 from kvdiag.figures.delayed_reads import delayed_reads_figure
 from kvdiag.figures.features import trace_first_reads, trace_pressure_payload
 from kvdiag.figures.params import FigureParams
-from kvdiag.io import write_json
+from kvdiag.io import writable_dir, write_json
 from kvdiag.rankeval import KEYS, check_inputs, harm_threshold
 
 
@@ -31,19 +31,6 @@ FIGURES = {
     "components": ("AvoKV-E components (Table 4, diagnostic form)", ("components.csv",)),
 }
 LABEL_COLUMNS = ("prompt_id", "checkpoint", "position", "granularity", "kl_mean", "noise_floor")
-
-
-def writable_dir(path: str | os.PathLike, what: str = "--out") -> Path:
-    """Create ``path`` if needed and prove it writable (a probe file); otherwise a ``UserError``."""
-    path = Path(path)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=path, prefix=".write-probe")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as err:
-        raise UserError(f"{what} {path} is not a writable directory ({err.strerror or err}); choose another {what}") from err
-    return path
 
 
 def check_figure_inputs(trace, labels: pl.DataFrame, scores: pl.DataFrame | None, labels_meta: dict | None = None,

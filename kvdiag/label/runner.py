@@ -20,7 +20,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from kvdiag import __version__
 from kvdiag.errors import UserError
 from kvdiag.io import write_json, write_table
-from kvdiag.label.engine import OracleEngine, candidate_rows
+from kvdiag.kernels import BACKENDS
+from kvdiag.label.engine import GRANULARITIES, OracleEngine, candidate_rows
 from kvdiag.models import LoadedModel
 from kvdiag.trace import Trace
 
@@ -41,41 +42,69 @@ class LabelConfig:
     candidates: str = "64"  # "N" (seeded sample) or "all"
     granularity: str = "token"
     layers: list[int] | None = None  # layer/head granularity: which layers (None = all)
-    w_obs: int = 32  # checkpoints start once W_obs tokens have been generated (DESIGN.md)
+    w_obs: int = 32  # checkpoints start once W_obs tokens have been generated (README, "The oracle label")
     batch_size: int = 64
     seed: int = 0
     backend: str = "auto"
     sampling: str = field(default="", init=False)
 
     def __post_init__(self):
+        self.validate()
         self.sampling = ("every cached entry [0, t)" if self.candidates == "all"
                          else f"uniform without replacement over [0, t), seed {self.seed} + checkpoint")
+
+    def validate(self) -> None:
+        """Every setting on its own (bad input: ``UserError``), before a model or a file is touched; how the
+        settings fit a Trace is checked by ``work_items``."""
+        parse_checkpoint_spec(self.checkpoints)
+        if self.horizon < 1:
+            raise UserError(f"--horizon {self.horizon}: must be a positive number of teacher-forced steps, e.g. 16")
+        if self.candidates != "all" and not (self.candidates.isdigit() and int(self.candidates) > 0):
+            raise UserError(f"--candidates {self.candidates}: use a positive number (a seeded sample per checkpoint) or all")
+        if self.granularity not in GRANULARITIES:
+            raise UserError(f"--granularity {self.granularity}: use one of {', '.join(GRANULARITIES)}")
+        if self.layers is not None:
+            if self.granularity == "token":
+                raise UserError("--layers applies to --granularity layer or head only; drop it or choose one of those")
+            if not self.layers or min(self.layers) < 0:
+                raise UserError(f"--layers {self.layers}: give layer indices >= 0, e.g. 0,5,11")
+        if self.w_obs < 0:
+            raise UserError(f"--w-obs {self.w_obs}: must be >= 0 generated tokens")
+        if self.batch_size < 1:
+            raise UserError(f"--batch-size {self.batch_size}: must be a positive number of candidate rows, e.g. 64")
+        if self.backend not in BACKENDS:
+            raise UserError(f"--backend {self.backend}: use one of {', '.join(BACKENDS)}")
+
+
+def parse_checkpoint_spec(spec: str) -> int | list[int]:
+    """``every:K`` -> K (> 0), or ``t1,t2,...`` -> sorted distinct positions (each > 0); else a ``UserError``."""
+    if m := re.fullmatch(r"every:(\d+)", spec.strip()):
+        if int(m.group(1)) <= 0:
+            raise UserError(f"--checkpoints {spec}: the interval must be positive, e.g. every:128")
+        return int(m.group(1))
+    try:
+        values = sorted({int(x) for x in spec.split(",") if x.strip()})
+    except ValueError:
+        values = []
+    if not values or values[0] < 1:
+        raise UserError(f"--checkpoints {spec}: use every:K or positive positions t1,t2,... (e.g. every:128 or 256,384)")
+    return values
 
 
 def checkpoints_for(spec: str, prompt_len: int, length: int, horizon: int, w_obs: int) -> list[int]:
     """Absolute checkpoint positions of one prompt. ``every:K``: t = prompt_len + K*j with
     ``t - prompt_len >= w_obs`` and ``t + horizon <= length``. A list is taken as given (validated later)."""
-    if m := re.fullmatch(r"every:(\d+)", spec):
-        k = int(m.group(1))
-        if k <= 0:
-            raise UserError(f"--checkpoints {spec}: the interval must be positive")
-        return [t for t in range(prompt_len + k, length - horizon + 1, k) if t - prompt_len >= w_obs]
-    try:
-        return sorted({int(x) for x in spec.split(",") if x.strip()})
-    except ValueError as err:
-        raise UserError(f"--checkpoints {spec}: use every:K or a comma-separated list of positions") from err
+    parsed = parse_checkpoint_spec(spec)
+    if isinstance(parsed, list):
+        return parsed
+    return [t for t in range(prompt_len + parsed, length - horizon + 1, parsed) if t - prompt_len >= w_obs]
 
 
 def sample_candidates(t: int, spec: str, seed: int) -> list[int]:
     """Candidate positions at checkpoint ``t``: all of [0, t) or a seeded sample of N (sorted)."""
     if spec == "all":
         return list(range(t))
-    try:
-        n = int(spec)
-    except ValueError as err:
-        raise UserError(f"--candidates {spec}: use a number or all") from err
-    if n <= 0:
-        raise UserError(f"--candidates {spec}: must be positive")
+    n = int(spec)  # validated by LabelConfig
     if n >= t:
         return list(range(t))
     gen = torch.Generator().manual_seed(seed * 1_000_003 + t)
@@ -88,6 +117,8 @@ def part_path(parts: Path, pid: str, t: int) -> Path:
 
 def work_items(trace: Trace, cfg: LabelConfig, prompt_ids: list[str] | None = None) -> list[tuple[str, int]]:
     """Every (prompt_id, checkpoint) to label, validated against the Trace."""
+    if cfg.layers is not None and max(cfg.layers) >= trace.num_layers:
+        raise UserError(f"--layers {max(cfg.layers)}: the Trace's model has layers 0..{trace.num_layers - 1}")
     items = []
     for pid in prompt_ids or trace.prompt_ids:
         P, T = trace.prompt_len(pid), trace.length(pid)

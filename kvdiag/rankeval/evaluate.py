@@ -37,13 +37,16 @@ _CHUNK_CELLS = 1 << 17
 _MIN_CHUNK = 16  # ... but not so few resamples that per-call overhead dominates
 
 
+AUTO_REFERENCE = "avokv_e"
+
+
 @dataclass(frozen=True)
 class RankEvalConfig:
     """Every setting of one rank-eval run (written to config.json)."""
 
     harm: str = "quantile:0.9"  # harmful: kl_mean > threshold; quantile:Q of the evaluated labels, or abs:TAU (nats)
     rho: float = 0.5  # eviction fraction: the floor(rho * C) lowest-scored candidates of a checkpoint are evicted
-    reference: str | None = "avokv_e"  # scorer of the paired comparisons; None: no paired table
+    reference: str | None = "auto"  # scorer of the paired comparisons; None: no paired table; auto: avokv_e if scored
     n_boot: int = 1000  # cluster-bootstrap resamples over prompts (0: no CIs)
     seed: int = 0  # seed of the bootstrap's numpy Generator
     include_unresolved: bool = False  # keep labels at or below their checkpoint's noise floor
@@ -392,6 +395,10 @@ def rank_eval(labels: pl.DataFrame, scores: pl.DataFrame, config: RankEvalConfig
     t0 = time.perf_counter()
     data, summary = _prepare(labels, scores, cfg)
     names = summary["scorers"]
+    if cfg.reference == "auto":  # the paper's rule when it was scored, else no paired table (said in the summary)
+        cfg = replace(cfg, reference=AUTO_REFERENCE if AUTO_REFERENCE in names else None)
+        summary["reference_note"] = (f"paired comparisons against {AUTO_REFERENCE} (--reference auto)" if cfg.reference else
+                                     f"no paired comparisons: the scores have no {AUTO_REFERENCE} column (pass --reference NAME)")
     if cfg.reference is not None and cfg.reference not in names:
         raise UserError(f"--reference {cfg.reference} is not a scorer of the scores file: choose from {', '.join(names)}, or none")
 

@@ -22,7 +22,7 @@ class AttentionScorer(Scorer):
 
     Parameters
     ----------
-    window : observation window W_obs (DESIGN default 32).
+    window : observation window W_obs (default 32).
     """
 
     window: int = 32

@@ -19,7 +19,7 @@ def avokv_score(
     """``S_i = λ_p·N(p)_i − λ_r·N(r)_i + λ_b·N(b)_i`` over the eligible entries; the others are kept.
 
     p, r, b [Hkv, t] raw features; eligible [t] bool. ``N`` is the percentile rank over the eligible set
-    (``rank``, DESIGN's ``N_t``) or the z-score over it (``zscore``, the "− rank norm." ablation). Ineligible
+    (``rank``, ``N_t``) or the z-score over it (``zscore``, the "− rank norm." ablation). Ineligible
     entries get :func:`protect`'s kept score. Returns [Hkv, t].
     """
     norm = percentile_rank if normalization == "rank" else zscore
@@ -34,7 +34,7 @@ def avokv_score(
 @dataclass
 class AvoKVE(Scorer):
     """AvoKV-E (Yu et al., Oct 2026), **reconstructed from the abstract**: the paper's formulas,
-    windows and weights are unpublished, so every choice below is ours and a parameter (DESIGN.md).
+    windows and weights are unpublished, so every choice below is ours and a parameter (README, "AvoKV-E (our reconstruction)").
 
     1. Eligibility: entries with age ``t - i > w_delay`` are candidates ``C_t``; younger ones are kept.
     2. Read pressure ``p``: mass the window queries ``[t - w_obs, t)`` put on ``i`` over the mass they put on

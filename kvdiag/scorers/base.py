@@ -20,6 +20,7 @@ import torch
 from scipy.stats import rankdata
 
 from kvdiag import features as F
+from kvdiag.adapters import LayerAttention, as_layer_attention
 from kvdiag.attention import group_size
 from kvdiag.errors import UserError
 
@@ -39,7 +40,8 @@ class ScoreContext:
     q : [H, t, d] fp32 post-RoPE queries at positions ``< t`` only (a scorer never sees the future);
         live: [H, w, d], the queries at positions ``[checkpoint - w, checkpoint)``.
     k, v : [Hkv, t, d] fp32 cached keys and values.
-    scale : the model's attention scale (1/√d for Llama/Qwen).
+    scale : the layer's attention semantics, a :class:`kvdiag.adapters.LayerAttention` (scale, sliding window,
+        softcap, sinks), or a bare float: plain causal attention with that scale (1/√d for Llama/Qwen).
     prompt_len : prompt tokens; positions ``>= prompt_len`` were generated.
     layer, prompt_id : where this context sits (used by seeded scorers).
     token_ids : LongTensor [t] or None.
@@ -55,7 +57,7 @@ class ScoreContext:
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    scale: float
+    scale: LayerAttention | float
     prompt_len: int
     layer: int = 0
     prompt_id: str = ""
@@ -85,6 +87,11 @@ class ScoreContext:
             self.candidates = torch.arange(self.t)
         elif len(self.candidates) and (self.candidates.min() < 0 or self.candidates.max() >= self.t):
             raise ValueError(f"candidates must be positions in [0, {self.t})")
+
+    @property
+    def attn(self) -> LayerAttention:
+        """The layer's attention semantics (``scale`` as a :class:`kvdiag.adapters.LayerAttention`)."""
+        return as_layer_attention(self.scale)
 
     @property
     def t(self) -> int:
@@ -133,15 +140,15 @@ class ScoreContext:
             rows = self.cache[min(wider)]
             return rows[:, rows.shape[1] - min(window, self.checkpoint) :]
         if not self.live:
-            return self.cached(("window", window), lambda: F.window_attention(self.q, self.k, self.scale, window))
+            return self.cached(("window", window), lambda: F.window_attention(self.q, self.k, self.attn, window))
         return self.cached(("window", window), lambda: live_attention(
-            self.window_queries(window), self.k, self.positions, self.checkpoint, self.scale))
+            self.window_queries(window), self.k, self.positions, self.checkpoint, self.attn))
 
     def _history(self) -> F.AttentionHistory:
         if self.live:
             raise HistoryUnavailable("this scorer needs the attention of every past query, which a live (compacted) cache does not keep")
         if self.history is None:
-            self.history = F.AttentionHistory(self.q, self.k, self.scale)
+            self.history = F.AttentionHistory(self.q, self.k, self.attn)
         return self.history
 
     def column_sum(self) -> torch.Tensor:
@@ -159,7 +166,7 @@ class ScoreContext:
         """[H, t] ThinKV attention sparsity of the query at each position ``< t``."""
         H, T = self.num_heads, self._history().q.shape[1]
         key = ("sparsity", rel_threshold)
-        return self.cached(key, lambda: self._history().get(key, lambda: F.Sparsity(H, T, rel_threshold), self.t).snapshot(self.t))
+        return self.cached(key, lambda: self._history().get(key, lambda: F.Sparsity(H, T, rel_threshold, self.attn.window), self.t).snapshot(self.t))
 
     def payload(self, kind: str) -> torch.Tensor:
         """[Hkv, t] value payload (``features.value_payload``)."""
@@ -170,19 +177,22 @@ class HistoryUnavailable(UserError):
     """A scorer asked a live context for a feature of every past query (cumulative attention, recurrence)."""
 
 
-def live_attention(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, checkpoint: int, scale: float) -> torch.Tensor:
+def live_attention(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, checkpoint: int,
+                   attn: LayerAttention | float) -> torch.Tensor:
     """Exact fp32 attention of the queries at ``[checkpoint - w, checkpoint)`` over a compacted cache.
 
     q [H, w, d], k [Hkv, n, d] at absolute ``positions [n]``: query ``tau`` sees the cached entries at positions
-    ``<= tau`` (causality by absolute position, whatever was evicted). Returns [H, w, n].
+    ``<= tau`` (and inside the layer's sliding window: causality and windows by absolute position, whatever was
+    evicted); ``attn``: the layer's ``LayerAttention`` (softcap, sinks) or a bare scale. Returns [H, w, n].
     """
+    attn = as_layer_attention(attn)
     H, w, d = q.shape
     Hkv, n, _ = k.shape
     g = group_size(H, Hkv)
-    logits = (q.reshape(Hkv, g * w, d) @ k.transpose(1, 2)).reshape(H, w, n) * scale
-    hidden = positions[None, :] > torch.arange(checkpoint - w, checkpoint)[:, None]  # [w, n]
-    probs = torch.softmax(logits.masked_fill(hidden, float("-inf")), dim=-1)
+    logits = attn.logits((q.reshape(Hkv, g * w, d) @ k.transpose(1, 2)).reshape(H, w, n))
+    hidden = attn.hidden(torch.arange(checkpoint - w, checkpoint), positions)  # [w, n]
     # a query whose visible entries were all evicted reads nothing (instead of a NaN row)
+    probs = attn.softmax(logits.masked_fill(hidden, float("-inf")), heads_dim=0)
     return torch.where(hidden.all(dim=-1)[None, :, None], 0.0, probs)
 
 
@@ -310,7 +320,7 @@ def check_positive(what: str, value: float, minimum: float = 1) -> None:
 
 
 def percentile_rank(x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """DESIGN's ``N_t``: ``(rank - 1) / (n - 1)`` along the last axis, average ranks for ties.
+    """The rank normalization ``N_t``: ``(rank - 1) / (n - 1)`` along the last axis, average ranks for ties.
 
     x [..., t]; mask [t] bool selects the set that is ranked (others get NaN). Values lie in [0, 1];
     a set of one entry gets 0.5 (the middle of [0, 1]).

@@ -36,7 +36,7 @@ KEY_COLUMNS = ["prompt_id", "checkpoint", "position", "granularity", "layer", "k
 KEY_SCHEMA = {"prompt_id": pl.String, "checkpoint": pl.Int64, "position": pl.Int64, "granularity": pl.String,
               "layer": pl.Int64, "kv_head": pl.Int64}
 GRANULARITIES = ("token", "layer", "head")
-# DESIGN.md: a checkpoint every 128 generated tokens (R-KV's compression interval)
+# a checkpoint every 128 generated tokens: R-KV's compression interval (README, "The oracle label")
 CHECKPOINT_INTERVAL = 128
 KEEP_SCORE = "protected entries score max + 1 + |max| of their row's other scores"
 
@@ -96,8 +96,13 @@ def resolve_scorers(names: str | Iterable[str] = "all", params: dict[str, dict] 
     return {name: get_scorer(name, **params.get(name, {})) for name in names}
 
 
+def check_aggregation(aggregation: str) -> None:
+    if aggregation not in AGGREGATIONS:
+        raise UserError(f"--aggregation {aggregation!r} is unknown: use one of {', '.join(AGGREGATIONS)}")
+
+
 def default_checkpoints(prompt_len: int, length: int, interval: int = CHECKPOINT_INTERVAL) -> list[int]:
-    """DESIGN.md's schedule: ``t = prompt_len + k·interval`` for ``k >= 1`` while ``t <= length``."""
+    """The default schedule: ``t = prompt_len + k·interval`` for ``k >= 1`` while ``t <= length``."""
     return list(range(prompt_len + interval, length + 1, interval))
 
 
@@ -210,8 +215,7 @@ def score_trace(
 
     Returns the keys with one Float64 column per scorer (rows in the keys' order) and the metadata dict.
     """
-    if aggregation not in AGGREGATIONS:
-        raise UserError(f"--aggregation {aggregation!r} is unknown: use one of {', '.join(AGGREGATIONS)}")
+    check_aggregation(aggregation)
     selected = resolve_scorers(scorers, params, plugins)
     if keys is None:
         keys = checkpoint_keys(trace, checkpoints or "default", granularity)
@@ -250,9 +254,10 @@ def _score_prompt(trace, pid, keys, selected, aggregation, o_proj, out, timings,
     for (t, gran, layer, head), (pos, rows) in groups.items():
         if gran != "token":
             by_layer[layer].append((t, head, pos, rows))
-    P, ids, scale = trace.prompt_len(pid), trace.token_ids(pid), float(trace.scale)
+    P, ids = trace.prompt_len(pid), trace.token_ids(pid)
     L = trace.num_layers
     for layer in range(L):
+        scale = trace.layer_attention(layer)  # the layer's attention semantics (window, softcap, sinks)
         cps = sorted(set(token_t) | {t for t, *_ in by_layer[layer]})
         if not cps:
             advance()

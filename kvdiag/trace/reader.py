@@ -12,6 +12,7 @@ import polars as pl
 import torch
 from safetensors import safe_open
 
+from kvdiag.adapters import LayerAttention, ModelAttention
 from kvdiag.attention import attention_rows
 from kvdiag.errors import UserError
 from kvdiag.trace.writer import layer_file
@@ -24,6 +25,9 @@ class LayerQKV:
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
+
+
+MANIFEST_KEYS = ("prompts", "model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "scale")
 
 
 class Trace:
@@ -41,11 +45,28 @@ class Trace:
         tokens = self.path / "tokens.parquet"
         if not tokens.is_file():
             raise UserError(f"--trace {self.path}: tokens.parquet is missing (truncated Trace); re-run `kvdiag trace` with the same --out to repair it")
-        self.tokens: pl.DataFrame = pl.read_parquet(tokens)
-        self.prompt_ids: list[str] = list(self.manifest["prompts"])
         m = self.manifest
+        missing = [k for k in MANIFEST_KEYS if not isinstance(m, dict) or k not in m]
+        if missing or not isinstance(m["prompts"], dict) or not isinstance(m["model"], dict):
+            raise UserError(f"--trace {self.path}: manifest.json is not a kvdiag Trace manifest (missing or malformed: "
+                            f"{', '.join(missing) or 'prompts/model'}); re-run `kvdiag trace` into a new directory")
+        try:
+            self.tokens: pl.DataFrame = pl.read_parquet(tokens)
+        except Exception as err:  # polars raises many types for corrupt files
+            raise UserError(f"--trace {self.path}: tokens.parquet is unreadable ({type(err).__name__}); re-run `kvdiag trace` "
+                            "with the same --out to rebuild it") from err
+        if missing := {"prompt_id", "position", "token_id"} - set(self.tokens.columns):
+            raise UserError(f"--trace {self.path}: tokens.parquet lacks the column(s) {', '.join(sorted(missing))}; the Trace is corrupt")
+        self.prompt_ids: list[str] = list(m["prompts"])
         self.num_layers, self.num_heads = m["num_layers"], m["num_heads"]
         self.num_kv_heads, self.head_dim, self.scale = m["num_kv_heads"], m["head_dim"], m["scale"]
+        # per-layer semantics (window, softcap, sinks) recorded from kvdiag.adapters; older Traces: plain causal
+        self.attention_layers: list[LayerAttention] = ModelAttention.layers_from_info(
+            m["model"].get("attention"), self.num_layers, self.scale)
+
+    def layer_attention(self, layer: int) -> LayerAttention:
+        """The attention semantics of ``layer`` (scale, sliding window, softcap, sinks), as recorded."""
+        return self.attention_layers[layer]
 
     def _prompt(self, pid: str) -> dict:
         if pid not in self.manifest["prompts"]:
@@ -81,10 +102,11 @@ class Trace:
         return qkv
 
     def attention(self, pid: str, layer: int, query_positions, key_limit: int | None = None) -> torch.Tensor:
-        """Exact fp32 attention [H, W, T | key_limit] of the queries at ``query_positions`` (recomputed from q, k)."""
+        """Exact fp32 attention [H, W, T | key_limit] of the queries at ``query_positions``, recomputed from q, k
+        with the layer's window, softcap and sinks (rows of a layer with sinks sum to less than 1)."""
         pos = torch.as_tensor(query_positions, dtype=torch.long)
         qkv = self.layer(pid, layer)
-        return attention_rows(qkv.q[:, pos], qkv.k, pos, self.scale, key_limit=key_limit)
+        return attention_rows(qkv.q[:, pos], qkv.k, pos, self.layer_attention(layer), key_limit=key_limit)
 
     @cached_property
     def fingerprint(self) -> str:

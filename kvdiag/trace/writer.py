@@ -48,6 +48,12 @@ class GenerationSettings:
     instruction: str | None = DEFAULT_INSTRUCTION
     storage_dtype: str = "float16"
 
+    def __post_init__(self):  # bad input is refused before a model loads
+        if self.max_new_tokens <= 0:
+            raise UserError(f"--max-new-tokens {self.max_new_tokens}: must be a positive number of tokens")
+        if self.storage_dtype not in STORAGE_DTYPES:
+            raise UserError(f"--storage-dtype {self.storage_dtype}: use one of {', '.join(STORAGE_DTYPES)}")
+
 
 class _TokenProgress(BaseStreamer):
     def __init__(self, progress: Progress, task):
@@ -101,10 +107,6 @@ def trace_prompts(
     parts of other processes and keeps ``manifest.json`` and ``tokens.parquet`` up to date after every
     prompt. Without it, only parts are written (several processes at once)."""
     settings = settings or GenerationSettings()
-    if settings.max_new_tokens <= 0:
-        raise UserError(f"--max-new-tokens {settings.max_new_tokens}: must be a positive number of tokens")
-    if settings.storage_dtype not in STORAGE_DTYPES:
-        raise UserError(f"--storage-dtype {settings.storage_dtype}: use one of {', '.join(STORAGE_DTYPES)}")
     root = Path(out)
     try:
         (root / "parts").mkdir(parents=True, exist_ok=True)

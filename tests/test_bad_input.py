@@ -1,0 +1,245 @@
+"""Bad input, every command: exit 2, one line that names the input (and says what to do), nothing written.
+
+Each case is (command line, a fragment the one line must contain). The command runs in this process
+through the console script's ``main``; inputs are a small tiny:llama run made once for the module, and
+broken copies of its files. Each case's --out lies in a fresh directory, which must still be absent after.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from cli.main import main
+
+# placeholders in the cases, filled by the fixture: {trace} {labels} {scores} {run} {out} {file} ...
+FITS = ["--checkpoints", "every:16", "--w-obs", "8", "--horizon", "4"]  # label settings that fit the tiny Trace
+CASES: list[tuple[str, list[str], str]] = [
+    # ---- trace
+    ("trace-gguf-missing", ["trace", "--model", "/no/such.gguf", "--out", "{out}"], "/no/such.gguf"),
+    ("trace-unknown-tiny", ["trace", "--model", "tiny:gpt9", "--out", "{out}"], "tiny:gpt9"),
+    ("trace-max-new-0", ["trace", "--model", "tiny:llama", "--max-new-tokens", "0", "--out", "{out}"], "--max-new-tokens 0"),
+    ("trace-max-new-type", ["trace", "--max-new-tokens", "many", "--out", "{out}"], "--max-new-tokens"),
+    ("trace-prompts-missing", ["trace", "--model", "tiny:llama", "--prompts", "/no/such.jsonl", "--out", "{out}"], "/no/such.jsonl"),
+    ("trace-prompts-empty", ["trace", "--model", "tiny:llama", "--prompts", "{empty_jsonl}", "--out", "{out}"], "empty.jsonl"),
+    ("trace-prompts-bad-line", ["trace", "--model", "tiny:llama", "--prompts", "{bad_jsonl}", "--out", "{out}"], "line 2"),
+    ("trace-builtin-unknown", ["trace", "--prompts", "builtin:nope", "--out", "{out}"], "builtin:nope"),
+    ("trace-limit-0", ["trace", "--model", "tiny:llama", "--limit", "0", "--out", "{out}"], "--limit 0"),
+    ("trace-storage-dtype", ["trace", "--model", "tiny:llama", "--storage-dtype", "int8", "--out", "{out}"], "--storage-dtype int8"),
+    ("trace-dtype", ["trace", "--model", "tiny:llama", "--dtype", "float8", "--out", "{out}"], "--dtype"),
+    ("trace-device", ["trace", "--model", "tiny:llama", "--device", "tpu", "--out", "{out}"], "--device"),
+    ("trace-shard", ["trace", "--model", "tiny:llama", "--shard", "3/2", "--out", "{out}"], "--shard 3/2"),
+    ("trace-out-below-file", ["trace", "--model", "tiny:llama", "--out", "{file}/t"], "--out"),
+    ("trace-instruction-conflict", ["trace", "--instruction", "x", "--no-instruction", "--out", "{out}"], "--instruction"),
+    ("trace-repeated-limit", ["trace", "--limit", "1", "--limit", "2", "--out", "{out}"], "--limit"),
+    ("trace-sample-and-greedy", ["trace", "--sample", "--greedy", "--out", "{out}"], "--greedy"),
+    ("trace-unknown-option", ["trace", "--temprature", "1", "--out", "{out}"], "--temprature"),
+    # ---- label
+    ("label-candidates", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--candidates", "foo"], "--candidates foo"),
+    ("label-batch-size", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--batch-size", "0"], "--batch-size 0"),
+    ("label-horizon-0", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", "--horizon", "0"], "--horizon 0"),
+    ("label-horizon-long", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", "--horizon", "100000"], "--horizon 100000"),
+    ("label-granularity", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--granularity", "neuron"], "--granularity neuron"),
+    ("label-every-0", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", "--checkpoints", "every:0"], "--checkpoints every:0"),
+    ("label-checkpoints-text", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", "--checkpoints", "soon"], "--checkpoints soon"),
+    ("label-checkpoint-outside", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", "--checkpoints", "100000"], "--checkpoints"),
+    ("label-layers-range", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--granularity", "layer", "--layers", "7"], "--layers 7"),
+    ("label-layers-token", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--layers", "0"], "--layers"),
+    ("label-layers-type", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--granularity", "layer", "--layers", "a"], "--layers"),
+    ("label-backend", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--backend", "cuda"], "--backend cuda"),
+    ("label-shard", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--shard", "1/1"], "--shard 1/1"),
+    ("label-dtype", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--dtype", "half-ish"], "--dtype"),
+    ("label-trace-missing", ["label", "--trace", "/no/trace", "--out", "{out}/l.parquet"], "/no/trace"),
+    ("label-manifest-corrupt", ["label", "--trace", "{trace_bad_manifest}", "--out", "{out}/l.parquet"], "manifest.json"),
+    ("label-manifest-wrong-type", ["label", "--trace", "{trace_list_manifest}", "--out", "{out}/l.parquet"], "manifest.json"),
+    ("label-tokens-truncated", ["label", "--trace", "{trace_bad_tokens}", "--out", "{out}/l.parquet"], "tokens.parquet"),
+    ("label-out-below-file", ["label", "--trace", "{trace}", *FITS, "--out", "{file}/l.parquet"], "--out"),
+    ("label-other-model", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--model", "tiny:qwen3"], "--model tiny:qwen3"),
+    ("label-repeated-horizon", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", "--horizon", "4", "--horizon", "8"], "--horizon"),
+    # ---- score
+    ("score-no-source", ["score", "--trace", "{trace}", "--out", "{out}/s.parquet"], "--labels"),
+    ("score-granularity-with-labels", ["score", "--trace", "{trace}", "--labels", "{labels}", "--granularity", "neuron", "--out", "{out}/s.parquet"], "--granularity"),
+    ("score-granularity-unknown", ["score", "--trace", "{trace}", "--checkpoints", "default", "--granularity", "neuron", "--out", "{out}/s.parquet"], "--granularity"),
+    ("score-labels-missing", ["score", "--trace", "{trace}", "--labels", "/no/l.parquet", "--out", "{out}/s.parquet"], "/no/l.parquet"),
+    ("score-labels-garbage", ["score", "--trace", "{trace}", "--labels", "{garbage_parquet}", "--out", "{out}/s.parquet"], "garbage.parquet"),
+    ("score-labels-truncated", ["score", "--trace", "{trace}", "--labels", "{truncated_labels}", "--out", "{out}/s.parquet"], "truncated.parquet"),
+    ("score-labels-no-keys", ["score", "--trace", "{trace}", "--labels", "{keyless_parquet}", "--out", "{out}/s.parquet"], "keyless.parquet"),
+    ("score-labels-other-trace", ["score", "--trace", "{trace}", "--labels", "{foreign_labels}", "--out", "{out}/s.parquet"], "foreign.parquet"),
+    ("score-scorer-unknown", ["score", "--trace", "{trace}", "--labels", "{labels}", "--scorers", "nope", "--out", "{out}/s.parquet"], "nope"),
+    ("score-param-unknown", ["score", "--trace", "{trace}", "--labels", "{labels}", "--scorers", "rkv", "--param", "rkv.nope=1", "--out", "{out}/s.parquet"], "nope"),
+    ("score-param-syntax", ["score", "--trace", "{trace}", "--labels", "{labels}", "--param", "rkv", "--out", "{out}/s.parquet"], "--param"),
+    ("score-param-type", ["score", "--trace", "{trace}", "--labels", "{labels}", "--scorers", "rkv", "--param", "rkv.mix_lambda=lots", "--out", "{out}/s.parquet"], "mix_lambda"),
+    ("score-aggregation", ["score", "--trace", "{trace}", "--labels", "{labels}", "--aggregation", "median", "--out", "{out}/s.parquet"], "--aggregation"),
+    ("score-checkpoint-0", ["score", "--trace", "{trace}", "--checkpoints", "0", "--out", "{out}/s.parquet"], "checkpoint 0"),
+    ("score-safetensors-truncated", ["score", "--trace", "{trace_bad_layer}", "--checkpoints", "20", "--out", "{out}/s.parquet"], "layer_000.safetensors"),
+    ("score-plugin-missing", ["score", "--trace", "{trace}", "--labels", "{labels}", "--plugin", "/no/plugin.py", "--out", "{out}/s.parquet"], "/no/plugin.py"),
+    ("score-out-below-file", ["score", "--trace", "{trace}", "--labels", "{labels}", "--out", "{file}/s.parquet"], "--out"),
+    # ---- rank-eval
+    ("rank-eval-labels-missing", ["rank-eval", "--labels", "/no/l.parquet", "--scores", "{scores}", "--out", "{out}"], "/no/l.parquet"),
+    ("rank-eval-scores-garbage", ["rank-eval", "--labels", "{labels}", "--scores", "{garbage_parquet}", "--out", "{out}"], "garbage.parquet"),
+    ("rank-eval-harm", ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--harm", "lots", "--out", "{out}"], "--harm"),
+    ("rank-eval-rho", ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--rho", "2", "--out", "{out}"], "--rho"),
+    ("rank-eval-bootstrap", ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--bootstrap", "-1", "--out", "{out}"], "--bootstrap"),
+    ("rank-eval-reference", ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--reference", "nope", "--out", "{out}"], "--reference nope"),
+    ("rank-eval-scorers", ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--scorers", "nope", "--out", "{out}"], "nope"),
+    ("rank-eval-scope", ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--table-scope", "x", "--out", "{out}"], "--table-scope"),
+    ("rank-eval-mismatch", ["rank-eval", "--labels", "{foreign_labels}", "--scores", "{scores}", "--out", "{out}"], "trace"),
+    ("rank-eval-out-below-file", ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--out", "{file}/r"], "--out"),
+    # ---- figures
+    ("figures-trace-missing", ["figures", "--trace", "/no/trace", "--labels", "{labels}", "--scores", "{scores}", "--out", "{out}"], "/no/trace"),
+    ("figures-labels-garbage", ["figures", "--trace", "{trace}", "--labels", "{garbage_parquet}", "--scores", "{scores}", "--out", "{out}"], "garbage.parquet"),
+    ("figures-payload", ["figures", "--trace", "{trace}", "--labels", "{labels}", "--scores", "{scores}", "--payload", "l7", "--out", "{out}"], "payload"),
+    ("figures-rank-eval-dir", ["figures", "--trace", "{trace}", "--labels", "{labels}", "--scores", "{scores}", "--rank-eval", "{empty_dir}", "--out", "{out}"], "--rank-eval"),
+    ("figures-out-below-file", ["figures", "--trace", "{trace}", "--labels", "{labels}", "--scores", "{scores}", "--out", "{file}/f"], "--out"),
+    # ---- report
+    ("report-empty-run", ["report", "--run", "{empty_dir}", "--out", "{out}"], "--run"),
+    ("report-out-below-file", ["report", "--run", "{run}", "--out", "{file}/r"], "--out"),
+    # ---- replay
+    ("replay-budget-0", ["replay", "--scorer", "rkv", "--budget", "0", "--out", "{out}"], "--budget 0"),
+    ("replay-budget-text", ["replay", "--scorer", "rkv", "--budget", "big", "--out", "{out}"], "--budget big"),
+    ("replay-budget-twice", ["replay", "--scorer", "rkv", "--budget", "24", "--budget", "24", "--out", "{out}"], "--budget 24,24"),
+    ("replay-scorer-unknown", ["replay", "--scorer", "nope", "--out", "{out}"], "nope"),
+    ("replay-scorer-needs-history", ["replay", "--scorer", "h2o", "--out", "{out}"], "h2o"),
+    ("replay-interval", ["replay", "--scorer", "rkv", "--interval", "0", "--out", "{out}"], "--interval 0"),
+    ("replay-selection", ["replay", "--scorer", "rkv", "--selection", "greedy", "--out", "{out}"], "--selection"),
+    ("replay-tf-prompts", ["replay", "--scorer", "rkv", "--teacher-forced", "{trace}", "--prompts", "builtin:arith", "--out", "{out}"], "--prompts"),
+    ("replay-tf-max-new", ["replay", "--scorer", "rkv", "--teacher-forced", "{trace}", "--max-new-tokens", "9", "--out", "{out}"], "--max-new-tokens"),
+    ("replay-tf-missing", ["replay", "--scorer", "rkv", "--teacher-forced", "/no/trace", "--out", "{out}"], "/no/trace"),
+    ("replay-out-below-file", ["replay", "--scorer", "rkv", "--model", "tiny:llama", "--out", "{file}/r"], "--out"),
+    # ---- demo and benches
+    ("demo-out-below-file", ["demo", "--model", "tiny:llama", "--out", "{file}/d"], "--out"),
+    ("bench-kernels-dtype", ["bench", "kernels", "--dtype", "float8"], "--dtype"),
+    ("bench-score-trace-missing", ["bench", "score", "--trace", "/no/trace"], "/no/trace"),
+    ("bench-label-repeated", ["bench", "label", "--n", "4", "--n", "8"], "--n"),
+]
+
+
+def _run(argv: list[str], capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    return exc.value.code, capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
+    """A tiny run (trace, labels, scores, rank-eval) and broken copies of its files."""
+    from kvdiag.io import read_table, write_table
+    from tests.conftest import make_trace
+
+    root = tmp_path_factory.mktemp("bad-input")
+    trace = make_trace(tiny_llama, root / "run" / "trace", n_prompts=2, max_new_tokens=40)
+    labels, scores = root / "run" / "labels.parquet", root / "run" / "scores.parquet"
+    for argv in (["label", "--trace", str(trace.path), "--out", str(labels), "--checkpoints", "every:16", "--w-obs", "8",
+                  "--candidates", "6", "--horizon", "4", "--quiet"],
+                 ["score", "--trace", str(trace.path), "--labels", str(labels), "--scorers", "attention,knorm",
+                  "--out", str(scores)]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 0
+    p = {"trace": str(trace.path), "labels": str(labels), "scores": str(scores), "run": str(root / "run")}
+    (root / "file").write_text("a regular file\n")
+    p["file"] = str(root / "file")
+    (root / "empty").mkdir()
+    p["empty_dir"] = str(root / "empty")
+    (root / "empty.jsonl").write_text("")
+    p["empty_jsonl"] = str(root / "empty.jsonl")
+    (root / "bad.jsonl").write_text('{"problem": "1+1?"}\n{oops\n')
+    p["bad_jsonl"] = str(root / "bad.jsonl")
+    (root / "garbage.parquet").write_bytes(b"PAR1 this is not parquet at all")
+    p["garbage_parquet"] = str(root / "garbage.parquet")
+    data = labels.read_bytes()
+    (root / "truncated.parquet").write_bytes(data[: len(data) // 2])
+    p["truncated_labels"] = str(root / "truncated.parquet")
+    df, meta = read_table(labels)
+    write_table(df.select("kl_mean"), root / "keyless.parquet", meta)
+    p["keyless_parquet"] = str(root / "keyless.parquet")
+    write_table(df, root / "foreign.parquet", {**meta, "trace": {**meta["trace"], "fingerprint": "0123456789abcdef"}})
+    p["foreign_labels"] = str(root / "foreign.parquet")
+
+    def broken_trace(name: str, breaker) -> str:
+        copy = root / name
+        shutil.copytree(trace.path, copy)
+        breaker(copy)
+        return str(copy)
+
+    p["trace_bad_manifest"] = broken_trace("t-manifest", lambda d: (d / "manifest.json").write_text('{"prompts": {'))
+    p["trace_list_manifest"] = broken_trace("t-list", lambda d: (d / "manifest.json").write_text("[1, 2]"))
+    p["trace_bad_tokens"] = broken_trace(
+        "t-tokens", lambda d: (d / "tokens.parquet").write_bytes((d / "tokens.parquet").read_bytes()[:100]))
+
+    def truncate_layer(d: Path) -> None:
+        for f in (d / "tensors").glob("*/layer_000.safetensors"):
+            f.write_bytes(f.read_bytes()[:200])
+
+    p["trace_bad_layer"] = broken_trace("t-layer", truncate_layer)
+    return p
+
+
+def test_there_are_enough_cases():
+    assert len(CASES) >= 40
+    commands = {argv[0] if argv[0] != "bench" else " ".join(argv[:2]) for _, argv, _ in CASES}
+    assert {"trace", "label", "score", "rank-eval", "figures", "report", "replay", "demo"} <= commands
+
+
+@pytest.mark.parametrize("argv, needle", [(argv, needle) for _, argv, needle in CASES], ids=[c[0] for c in CASES])
+def test_bad_input(argv, needle, inputs, tmp_path, capsys):
+    out = tmp_path / "out"
+    filled = [a.format(out=out, **inputs) for a in argv]
+    before = {f: f.stat().st_mtime_ns for f in Path(inputs["run"]).rglob("*")}
+    code, err = _run(filled, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    assert needle in lines[0], err
+    assert not out.exists(), f"{out} was written before the input was refused"
+    # the inputs are untouched (no stamp, part or table written into the run)
+    assert {f: f.stat().st_mtime_ns for f in Path(inputs["run"]).rglob("*")} == before
+
+
+def test_unexpected_error_is_one_line_with_a_log(monkeypatch, tmp_path, capsys):
+    """A bug (not bad input): one line naming the log file with the traceback, exit 1; --debug raises."""
+    import kvdiag.prompts
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("simulated bug\nsecond line")
+
+    monkeypatch.setenv("KVDIAG_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(kvdiag.prompts, "load_prompts", boom)
+    argv = ["trace", "--model", "tiny:llama", "--out", str(tmp_path / "t")]
+    code, err = _run(argv, capsys)
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "internal error" in lines[0] and "RuntimeError: simulated bug second line" in lines[0]
+    log = Path(lines[0].split("the traceback is in ")[1].split(";")[0])
+    assert log.parent == tmp_path / "cache" / "logs"
+    text = log.read_text()
+    assert "Traceback" in text and "simulated bug" in text and "kvdiag trace --model tiny:llama" in text
+    with pytest.raises(RuntimeError, match="simulated bug"):
+        main([*argv, "--debug"])
+
+
+def test_list_options_accumulate(inputs, tmp_path, capsys):
+    """A repeated list option adds its values (none is dropped)."""
+    out = tmp_path / "s.parquet"
+    code, _ = _run(["score", "--trace", inputs["trace"], "--labels", inputs["labels"], "--scorers", "knorm",
+                    "--scorers", "value_norm,attention", "--out", str(out)], capsys)
+    assert code == 0
+    from kvdiag.io import read_table
+
+    df, meta = read_table(out)
+    assert list(meta["scorers"]) == ["knorm", "value_norm", "attention"]
+    assert {"knorm", "value_norm", "attention"} <= set(df.columns)
+
+
+def test_rank_eval_default_reference(inputs, tmp_path, capsys):
+    """Scores without avokv_e: the defaults work and say that there is no paired comparison."""
+    out = tmp_path / "re"
+    code, _ = _run(["rank-eval", "--labels", inputs["labels"], "--scores", inputs["scores"], "--bootstrap", "20",
+                    "--out", str(out)], capsys)
+    assert code == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["summary"]["reference_note"].startswith("no paired comparisons: the scores have no avokv_e column")
+    assert config["config"]["reference"] is None
