@@ -66,7 +66,7 @@ class LayerAttention:
         """Probabilities over the last axis of masked logits [..., T] (-inf = hidden), with the sink logit of
         each query head (indexed along ``heads_dim``) in the denominator. A row with nothing visible is 0."""
         if self.sinks is None:
-            m = logits.amax(-1, keepdim=True)
+            return torch.softmax(logits, dim=-1).nan_to_num_(0.0)
         else:
             shape = [1] * logits.dim()
             shape[heads_dim] = -1
@@ -78,6 +78,12 @@ class LayerAttention:
         if self.sinks is not None:
             z = z + (sink - m).exp()
         return p / z.clamp_min(torch.finfo(torch.float32).tiny)
+
+    def query_heads(self, start: int, stop: int) -> "LayerAttention":
+        """The semantics seen by query heads ``[start, stop)`` alone (their sink logits)."""
+        if self.sinks is None:
+            return self
+        return LayerAttention(self.scale, self.window, self.softcap, self.sinks[start:stop])
 
     def to_info(self) -> dict:
         return {"scale": self.scale, "window": self.window, "softcap": self.softcap,

@@ -1,12 +1,15 @@
 """Exact attention recomputed from recorded post-RoPE queries and keys.
 
 Attention is never stored in a Trace: it is O(T^2). These helpers recompute exact
-fp32 softmax rows from ``q`` and ``k``, chunked over queries so memory stays bounded.
+fp32 softmax rows from ``q`` and ``k``, chunked over queries so memory stays bounded, with the
+layer's semantics from ``kvdiag.adapters.LayerAttention`` (scale, sliding window, softcap, sinks).
 """
 
 from __future__ import annotations
 
 import torch
+
+from kvdiag.adapters import LayerAttention, as_layer_attention
 
 
 def group_size(num_heads: int, num_kv_heads: int) -> int:
@@ -20,17 +23,21 @@ def attention_rows(
     q: torch.Tensor,
     k: torch.Tensor,
     query_positions: torch.Tensor,
-    scale: float,
+    scale: LayerAttention | float,
     key_limit: int | None = None,
     chunk: int = 256,
 ) -> torch.Tensor:
-    """Exact causal attention probabilities of selected queries over all their visible keys.
+    """Exact attention probabilities of selected queries over all their visible keys.
 
-    q [H, W, d] (queries at absolute ``query_positions [W]``), k [Hkv, T, d].
-    Query at position ``tau`` sees keys ``j <= tau``. ``key_limit`` truncates the returned
-    columns to ``[0, key_limit)`` *after* the softmax (the normalizer still covers every
-    visible key). Returns fp32 [H, W, key_limit or T].
+    q [H, W, d] (queries at absolute ``query_positions [W]``), k [Hkv, T, d] (key j at position j).
+    ``scale``: the layer's :class:`~kvdiag.adapters.LayerAttention` (a bare float = plain causal softmax with
+    that scale). The query at position ``tau`` sees keys ``j <= tau`` (and ``j > tau - window`` on a
+    sliding layer); logits are scaled and soft-capped; a layer's sink logits sit in the denominator, so
+    rows then sum to less than 1 (as the model's eager weights). ``key_limit`` truncates the returned
+    columns to ``[0, key_limit)`` *after* the softmax (the normalizer still covers every visible key).
+    Returns fp32 [H, W, key_limit or T].
     """
+    attn = as_layer_attention(scale)
     H, W, _ = q.shape
     Hkv, T, _ = k.shape
     g = group_size(H, Hkv)
@@ -43,7 +50,8 @@ def attention_rows(
         pos = query_positions[s : s + chunk]
         # GQA without repeat_kv: view queries as [Hkv, g*c, d]
         qg = qc.reshape(Hkv, g * qc.shape[1], -1)
-        logits = (qg @ kf.transpose(1, 2)).reshape(H, qc.shape[1], T) * scale
-        logits.masked_fill_(key_pos[None, None, :] > pos[None, :, None], float("-inf"))
-        out[:, s : s + chunk] = torch.softmax(logits, dim=-1)[..., :cols]
+        logits = attn.logits((qg @ kf.transpose(1, 2)).reshape(H, qc.shape[1], T))
+        logits.masked_fill_(attn.hidden(pos, key_pos)[None], float("-inf"))
+        probs = torch.softmax(logits, dim=-1) if attn.sinks is None else attn.softmax(logits, heads_dim=0)
+        out[:, s : s + chunk] = probs[..., :cols]
     return out

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from kvdiag.adapters import LayerAttention, as_layer_attention
 from kvdiag.attention import attention_rows, group_size
 from kvdiag.errors import UserError
 
@@ -31,15 +32,16 @@ def group_reduce(x: torch.Tensor, num_kv_heads: int, how: str = "mean") -> torch
     return grouped.mean(dim=1) if how == "mean" else grouped.amax(dim=1)
 
 
-def window_attention(q: torch.Tensor, k: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+def window_attention(q: torch.Tensor, k: torch.Tensor, attn: LayerAttention | float, window: int) -> torch.Tensor:
     """Exact attention of the observation window over the cache.
 
     q [H, t, d], k [Hkv, t, d]. Queries at positions ``[t - window, t)`` (clipped at 0), each softmaxed over
-    every key it can see (``j <= tau``), fp32. Returns ``[H, w, t]`` with ``w = min(window, t)``.
+    every key it can see (``j <= tau``, within the layer's sliding window; ``attn``: the layer's
+    ``LayerAttention`` or a bare scale), fp32. Returns ``[H, w, t]`` with ``w = min(window, t)``.
     """
     t = k.shape[1]
     start = max(0, t - window)
-    return attention_rows(q[:, start:t], k, torch.arange(start, t), scale)
+    return attention_rows(q[:, start:t], k, torch.arange(start, t), attn)
 
 
 def read_pressure(attn: torch.Tensor, candidates: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -206,16 +208,18 @@ class Sparsity:
     """ThinKV's attention sparsity of each query: the share of its softmax row (keys ``j <= tau``) below
     ``rel_threshold`` × the row maximum. Snapshot ``[H, t]`` (one value per query position and head)."""
 
-    def __init__(self, num_heads: int, length: int, rel_threshold: float):
-        self.rel = rel_threshold
+    def __init__(self, num_heads: int, length: int, rel_threshold: float, window: int | None = None):
+        self.rel, self.window = rel_threshold, window
         self.values = torch.zeros(num_heads, length)
 
     def update(self, probs: torch.Tensor, start: int) -> None:
         c, e = probs.shape[1], probs.shape[2]
         pos = torch.arange(start, start + c)
         below = (probs < self.rel * probs.amax(dim=-1, keepdim=True)).sum(dim=-1).float()
-        # keys j > tau have probability 0 and were counted as "below": remove them
-        self.values[:, start : start + c] = (below - (e - 1 - pos)) / (pos + 1)
+        # keys the query does not see (j > tau, or outside a sliding window) have probability 0 and were
+        # counted as "below": remove them
+        seen = pos + 1 if self.window is None else (pos + 1).clamp(max=self.window)
+        self.values[:, start : start + c] = (below - (e - seen)) / seen
 
     def snapshot(self, t: int) -> torch.Tensor:
         return self.values[:, :t].clone()
@@ -231,8 +235,9 @@ class AttentionHistory:
     at most ``chunk_elements`` probabilities.
     """
 
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, scale: float, chunk_elements: int = CHUNK_ELEMENTS):
-        self.q, self.k, self.scale, self.chunk_elements = q, k, scale, chunk_elements
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, attn: LayerAttention | float, chunk_elements: int = CHUNK_ELEMENTS):
+        # attn: the layer's semantics (window, softcap, sinks) or a bare scale (plain causal)
+        self.q, self.k, self.attn, self.chunk_elements = q, k, as_layer_attention(attn), chunk_elements
         self.pos = 0
         self.trackers: dict[tuple, object] = {}
         self.factories: dict[tuple, Callable[[], object]] = {}
@@ -259,7 +264,7 @@ class AttentionHistory:
         while s < stop:
             c = max(1, min(stop - s, self.chunk_elements // (H * stop)))
             e = s + c
-            probs = attention_rows(self.q[:, s:e], self.k[:, :e], torch.arange(s, e), self.scale, chunk=c)
+            probs = attention_rows(self.q[:, s:e], self.k[:, :e], torch.arange(s, e), self.attn, chunk=c)
             for tracker in trackers:
                 tracker.update(probs, s)
             s = e

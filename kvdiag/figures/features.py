@@ -14,11 +14,12 @@ import polars as pl
 import torch
 
 from kvdiag import features as F
+from kvdiag.adapters import LayerAttention
 from kvdiag.attention import attention_rows
 
 
 def layer_pressure_payload(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, positions: dict[int, torch.Tensor],
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: LayerAttention | float, positions: dict[int, torch.Tensor],
     w_obs: int, w_delay: int, payload: str,
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Read pressure and value payload of one layer, KV-head means.
@@ -54,7 +55,7 @@ def trace_pressure_payload(trace, keys: pl.DataFrame, w_obs: int, w_delay: int, 
         b_sum = {t: torch.zeros(len(pos), dtype=torch.float64) for t, pos in positions.items()}
         for layer in range(trace.num_layers):
             qkv = trace.layer(pid, layer)
-            res = layer_pressure_payload(qkv.q.float(), qkv.k.float(), qkv.v.float(), float(trace.scale), positions,
+            res = layer_pressure_payload(qkv.q.float(), qkv.k.float(), qkv.v.float(), trace.layer_attention(layer), positions,
                                          w_obs, w_delay, payload)
             for t, (p, b) in res.items():
                 p_sum[t] += p.double()
@@ -74,7 +75,7 @@ def trace_pressure_payload(trace, keys: pl.DataFrame, w_obs: int, w_delay: int, 
 
 
 def layer_read_strength(
-    q: torch.Tensor, k: torch.Tensor, scale: float, positions: torch.Tensor, acc: torch.Tensor, reduce: str,
+    q: torch.Tensor, k: torch.Tensor, scale: LayerAttention | float, positions: torch.Tensor, acc: torch.Tensor, reduce: str,
     num_layers: int, chunk_elements: int,
 ) -> None:
     """Add one layer's read strengths of every query on the entries ``positions`` to ``acc`` (in place).
@@ -154,7 +155,7 @@ def trace_first_reads(trace, entries: pl.DataFrame, w_obs: int, strong_read_mult
             acc = torch.zeros(T, len(pos))
             for layer in range(trace.num_layers):
                 qkv = trace.layer(pid, layer)
-                layer_read_strength(qkv.q.float(), qkv.k.float(), float(trace.scale), pos, acc, reduce, trace.num_layers, chunk_elements)
+                layer_read_strength(qkv.q.float(), qkv.k.float(), trace.layer_attention(layer), pos, acc, reduce, trace.num_layers, chunk_elements)
                 if advance:
                     advance()
             parts.append(first_reads(acc, pos, w_obs, strong_read_mult))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from kvdiag.adapters import ModelAttention
 from kvdiag.errors import UserError
 from kvdiag.kernels import compact_kv
 from kvdiag.replay.live import SELECTIONS, query_window_size
@@ -60,11 +61,14 @@ class Policy:
 class ReplayCache:
     """A ``DynamicCache`` plus the absolute position of every entry, ``positions [L, Hkv, n]``."""
 
-    def __init__(self, config):
-        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-            raise UserError("--model: sliding-window attention is not supported by replay; use a model with full attention")
+    def __init__(self, config, attention: ModelAttention):
+        # transformers masks a window by cache slot; after a compaction slots are no longer positions
+        windows = sorted({l.window for l in attention.layers if l.window is not None})
+        if windows:
+            raise UserError(f"--model: sliding-window attention (window {', '.join(map(str, windows))}) is not supported by "
+                            "replay (a compacted cache breaks the slot-based window mask); use a model with full attention")
         self.cache = DynamicCache(config=config)
-        self.positions = torch.empty(config.num_hidden_layers, config.num_key_value_heads, 0, dtype=torch.long)
+        self.positions = torch.empty(attention.num_layers, attention.num_kv_heads, 0, dtype=torch.long)
 
     def __len__(self) -> int:
         """n: entries per (layer, KV head); every head holds the same number."""

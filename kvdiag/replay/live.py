@@ -16,13 +16,14 @@ import torch
 from scipy.stats import rankdata
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
+from kvdiag.adapters import LayerAttention, as_layer_attention, check_kwargs, model_attention
 from kvdiag.attention import group_size
 from kvdiag.errors import UserError
 from kvdiag.scorers import SCORERS, ScoreContext, Scorer, get_scorer
 from kvdiag.scorers.base import HistoryUnavailable, check_choice
-from kvdiag.trace.hooks import attention_context
+from kvdiag.trace.hooks import attention_context, model_eager_attention
 
 REPLAY_ATTN = "kvdiag_replay"
 SELECTIONS = ("per-head", "per-token")
@@ -51,22 +52,37 @@ class QueryWindow:
         return self.rows[layer]
 
 
-def replay_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """query [1, H, q, d] -> records the queries, then the plain SDPA kernel (outputs unchanged)."""
+def _observe(module, query, kwargs) -> None:
+    check_kwargs(module, None, dict(kwargs), "replay")  # unknown attention arguments are refused
     window = _WINDOW.get()
     if window is not None:
         window.add(module.layer_idx, query[0])
+
+
+def replay_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """query [1, H, q, d] -> records the queries, then the plain SDPA kernel (outputs unchanged)."""
+    _observe(module, query, kwargs)
     kwargs.pop("output_attentions", None)
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
+def replay_attention_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """As :func:`replay_attention`, through the model file's eager attention (softcap, sinks)."""
+    _observe(module, query, kwargs)
+    return model_eager_attention(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
 AttentionInterface.register(REPLAY_ATTN, replay_attention)
 AttentionMaskInterface.register(REPLAY_ATTN, sdpa_mask)  # without it SDPA mis-slices q > 1 over a cache
+AttentionInterface.register(REPLAY_ATTN + "_eager", replay_attention_eager)
+AttentionMaskInterface.register(REPLAY_ATTN + "_eager", eager_mask)
 
 
 def observing(model, window: QueryWindow | None):
-    """Run ``model`` through the recording SDPA function, filling ``window`` (None: record nothing)."""
-    return attention_context(model, REPLAY_ATTN, _WINDOW, window)
+    """Run ``model`` through the recording attention function (the implementation that reproduces the model,
+    from ``kvdiag.adapters``: SDPA or eager), filling ``window`` (None: record nothing)."""
+    eager = model_attention(model).implementation == "eager"
+    return attention_context(model, REPLAY_ATTN + "_eager" if eager else REPLAY_ATTN, _WINDOW, window)
 
 
 # --------------------------------------------------------------------------- scorers in a live cache
@@ -144,22 +160,24 @@ def check_live_scorer(scorer: Scorer, budget: int | None = None, interval: int =
 
 def score_layer(
     scorer: Scorer, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, queries: torch.Tensor,
-    checkpoint: int, scale: float, prompt_len: int, layer: int, prompt_id: str, token_ids: torch.Tensor,
+    checkpoint: int, scale: LayerAttention | float, prompt_len: int, layer: int, prompt_id: str, token_ids: torch.Tensor,
     selection: str, o_proj: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Live scores [Hkv, n] of one layer's cache (fp32, CPU; higher = keep).
 
     keys, values [Hkv, n, d] at absolute ``positions [Hkv, n]`` (ascending per head); queries [H, w, d] at
-    ``[checkpoint - w, checkpoint)``; token_ids [checkpoint]. ``per-token``: every head holds the same positions
+    ``[checkpoint - w, checkpoint)``; token_ids [checkpoint]; ``scale``: the layer's ``LayerAttention`` (or a bare
+    scale). ``per-token``: every head holds the same positions
     and one context scores the layer. ``per-head``: one context per KV head (its group of query heads), so each
     head's ages and windows follow its own positions; such a context's ``prompt_id`` is ``"<id>/kv<h>"`` so that
     seeded scorers draw per head, and a rule that pools over all query heads (TOVA) pools over the group.
     """
     keys, values, queries = keys.float().cpu(), values.float().cpu(), queries.float().cpu()
     Hkv = keys.shape[0]
+    attn = as_layer_attention(scale)
     if selection == "per-token":
         pos = positions[0]
-        ctx = ScoreContext(queries, keys, values, scale, prompt_len, layer, prompt_id, token_ids[pos],
+        ctx = ScoreContext(queries, keys, values, attn, prompt_len, layer, prompt_id, token_ids[pos],
                            o_proj=o_proj, positions=pos, checkpoint=checkpoint)
         return _checked(scorer, scorer.scores(ctx), ctx)
     g = group_size(queries.shape[0], Hkv)
@@ -167,7 +185,8 @@ def score_layer(
     rows = []
     for h in range(Hkv):
         pos = positions[h]
-        ctx = ScoreContext(queries[h * g : (h + 1) * g], keys[h : h + 1], values[h : h + 1], scale, prompt_len, layer,
+        ctx = ScoreContext(queries[h * g : (h + 1) * g], keys[h : h + 1], values[h : h + 1],
+                           attn.query_heads(h * g, (h + 1) * g), prompt_len, layer,
                            f"{prompt_id}/kv{h}", token_ids[pos],
                            o_proj=None if o_proj is None else o_proj[:, h * g * d : (h + 1) * g * d],
                            positions=pos, checkpoint=checkpoint)

@@ -41,7 +41,6 @@ from kvdiag.replay.live import (
     SELECTIONS, QueryWindow, check_live_scorer, make_scorer, needs_o_proj, observing, score_layer, select_keep,
 )
 from kvdiag.scorers.base import check_choice
-from kvdiag.trace.hooks import attention_scale
 
 FULL_KV = "full_kv"  # the scorer name of the uncompressed reference rows (the paper's FullKV)
 REFERENCE_CHUNK = 512  # tokens per forward of the full-cache reference (bounds its logits memory)
@@ -96,8 +95,9 @@ class Session:
             o_proj = o_proj_weights(self.model)
         self.o_proj, self.keep_history = o_proj or {}, keep_history
         cfg = self.model.config
-        self.num_layers, self.scale = cfg.num_hidden_layers, attention_scale(self.model)
-        self.cache = ReplayCache(cfg)
+        self.attention = lm.attention  # per-layer semantics (softcap, sinks) for the scorers
+        self.num_layers = self.attention.num_layers
+        self.cache = ReplayCache(cfg, self.attention)
         self.window = QueryWindow(self.num_layers, policy.query_window) if policy else None
         self.token_ids: list[int] = []
         self.active: list[int] = []
@@ -136,7 +136,7 @@ class Session:
         for layer in range(self.num_layers):
             k, v = self.cache.layer(layer)
             scores.append(score_layer(
-                policy.scorer, k, v, self.cache.positions[layer], self.window.get(layer), t, self.scale,
+                policy.scorer, k, v, self.cache.positions[layer], self.window.get(layer), t, self.attention.layers[layer],
                 self.prompt_len, layer, self.prompt_id, ids, policy.selection, self.o_proj.get(layer)))
         self.cache.compact(select_keep(scores, policy.budget, policy.selection), policy.backend)
         self.compressions.append(t)

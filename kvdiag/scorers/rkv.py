@@ -64,7 +64,7 @@ class RKV(Scorer):
         m = int((~window).sum())  # entries are in position order: the candidates come first
         out = torch.zeros(ctx.num_kv_heads, ctx.t)
         if m > 0:
-            importance = rkv_importance(q_window, ctx.k[:, :m], ctx.scale, self.pooling, self.kernel_size)
+            importance = rkv_importance(q_window, ctx.k[:, :m], ctx.attn.scale, self.pooling, self.kernel_size)
             redundancy = ctx.cached(("rkv_redundancy", self.threshold), lambda: rkv_redundancy(ctx.k, self.threshold))
             out[:, :m] = self.mix_lambda * importance - (1 - self.mix_lambda) * redundancy[:, :m]
         return protect(out, window)
