@@ -35,9 +35,13 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
-def slow_shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, exclude, scale):
+def slow_shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, exclude, scale,
+                                 window=None, softcap=None, sinks=None):
     """Per row and KV head: physically delete the excluded prefix entries, append the row's suffix,
-    plain causal softmax attention in float64. exclude [N, Hkv, E] (-1 = none)."""
+    causal softmax attention in float64. exclude [N, Hkv, E] (-1 = none). Positions are absolute (prefix
+    entry i at i, the suffix right after the prefix) and survive the deletion: with a ``window`` the query at
+    position tau sees keys at positions > tau - window; ``softcap`` c: logits c·tanh(l/c); ``sinks [H]``:
+    one extra logit per query head, appended to the softmax and dropped."""
     N, H, W, d = q.shape
     Hkv, P, _ = prefix_k.shape
     S = suffix_k.shape[2]
@@ -49,12 +53,22 @@ def slow_shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, excl
             kept = torch.tensor([i for i in range(P) if i not in gone], dtype=torch.long)
             k = torch.cat([prefix_k[kv, kept], suffix_k[n, kv]]).double()
             v = torch.cat([prefix_v[kv, kept], suffix_v[n, kv]]).double()
-            # query w is cache entry len(kept) + S - W + w and sees every entry up to itself
-            own = len(kept) + S - W + torch.arange(W)
-            hidden = torch.arange(k.shape[0])[None, :] > own[:, None]
+            key_pos = torch.cat([kept, P + torch.arange(S)])
+            # query w sits at position P + S - W + w and sees every entry up to itself (within the window)
+            own = P + S - W + torch.arange(W)
+            hidden = key_pos[None, :] > own[:, None]
+            if window is not None:
+                hidden |= key_pos[None, :] <= own[:, None] - window
             for h in range(kv * g, (kv + 1) * g):
-                logits = (q[n, h].double() @ k.T * scale).masked_fill(hidden, float("-inf"))
-                out[n, h] = logits.softmax(-1) @ v
+                logits = q[n, h].double() @ k.T * scale
+                if softcap is not None:
+                    logits = softcap * torch.tanh(logits / softcap)
+                logits = logits.masked_fill(hidden, float("-inf"))
+                if sinks is not None:
+                    logits = torch.cat([logits, torch.full((W, 1), float(sinks[h]), dtype=torch.float64)], -1)
+                    out[n, h] = logits.softmax(-1)[:, :-1] @ v
+                else:
+                    out[n, h] = logits.softmax(-1) @ v
     return out
 
 
@@ -131,6 +145,52 @@ def test_torch_shared_prefix_attention_edges():
     assert out.dtype == torch.float16
     want = slow_shared_prefix_attention(*half, kernels.normalize_exclude(ex, N, Hkv, q.device), d**-0.5)
     torch.testing.assert_close(out.double(), want, atol=TOL[torch.float16], rtol=TOL[torch.float16])
+
+
+# layer semantics (kvdiag.adapters.LayerAttention): window (None / 1 / inside the prefix / beyond it), softcap, sinks
+SEMANTICS = {
+    "window_1": dict(window=1),
+    "window_7": dict(window=7),
+    "window_wide": dict(window=1000),
+    "softcap": dict(softcap=2.0),
+    "sinks": dict(sinks="large"),
+    "all": dict(window=9, softcap=3.0, sinks="large"),
+}
+
+
+def semantics(name, H, seed=0):
+    sem = dict(SEMANTICS[name])
+    if sem.get("sinks") == "large":  # GPT-OSS-like sink logits of 3..5: they take real mass
+        sem["sinks"] = 3 + 2 * torch.rand(H, generator=torch.Generator().manual_seed(seed))
+    return sem
+
+
+@pytest.mark.parametrize("shape", ["gqa", "mha_long_suffix"])
+@pytest.mark.parametrize("name", SEMANTICS)
+@pytest.mark.parametrize("chunk", [None, 1])
+def test_torch_shared_prefix_attention_semantics_equal_physical_deletion(shape, name, chunk):
+    N, H, Hkv, W, S, P, d = SHAPES[shape]
+    q, pk, pv, sk, sv = rand_case(N, H, Hkv, W, S, P, d)
+    q = q * 3  # peaked logits, so that a softcap of 2-3 changes them
+    ex = kernels.normalize_exclude(exclusions("per_head", N, Hkv, P), N, Hkv, q.device)
+    sem = semantics(name, H)
+    out = kernels.shared_prefix_attention(q, pk, pv, sk, sv, ex, 0.3, backend="torch", chunk=chunk, **sem)
+    want = slow_shared_prefix_attention(q, pk, pv, sk, sv, ex, 0.3, **sem)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    plain = slow_shared_prefix_attention(q, pk, pv, sk, sv, ex, 0.3)
+    if name != "window_wide":
+        assert (want - plain).abs().max() > 1e-3  # the semantics matter in this case
+
+
+def test_window_makes_excluding_an_invisible_entry_a_no_op():
+    """An entry outside the window of every query: excluding it changes nothing, bit for bit."""
+    N, H, Hkv, W, S, P, d = 1, 4, 2, 3, 3, 30, 16
+    q, pk, pv, sk, sv = rand_case(N, H, Hkv, W, S, P, d)
+    # the first query sits at P = 30 and sees keys > 30 - 8 = 22
+    a = kernels.shared_prefix_attention(q, pk, pv, sk, sv, None, 0.3, backend="torch", window=8)
+    b = kernels.shared_prefix_attention(q, pk, pv, sk, sv, torch.tensor([[22]]), 0.3, backend="torch", window=8)
+    c = kernels.shared_prefix_attention(q, pk, pv, sk, sv, torch.tensor([[23]]), 0.3, backend="torch", window=8)
+    assert torch.equal(a, b) and not torch.equal(a, c)
 
 
 def test_torch_shared_prefix_attention_reads_the_prefix_in_place():
@@ -255,6 +315,22 @@ class TestTritonInterpreted:
         want = torch_ref.shared_prefix_attention(*inputs, ex, 0.3)
         assert out.dtype == dtype
         torch.testing.assert_close(out.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+    @pytest.mark.parametrize("name", SEMANTICS)
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+    def test_shared_prefix_attention_semantics(self, tk, name, dtype):
+        """Per-layer window (crossing 16-key blocks), per-head sink logits, tanh softcap: Triton = torch ref."""
+        N, H, Hkv, W, S, P, d, block_n, ex = TRITON_CASES["gqa_boundaries"]
+        q, pk, pv, sk, sv = rand_case(N, H, Hkv, W, S, P, d, dtype)
+        q = (q.float() * 3).to(dtype)
+        ex = kernels.normalize_exclude(ex, N, Hkv, torch.device("cpu"))
+        sem = semantics(name, H)
+        out = tk.shared_prefix_attention(q, pk, pv, sk, sv, ex, 0.3, block_n=block_n, **sem)
+        want = torch_ref.shared_prefix_attention(q, pk, pv, sk, sv, ex, 0.3, **sem)
+        torch.testing.assert_close(out.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+        if dtype == torch.float32:
+            slow = slow_shared_prefix_attention(q, pk, pv, sk, sv, ex, 0.3, **sem)
+            torch.testing.assert_close(out.double(), slow, atol=1e-5, rtol=1e-5)
 
     def test_shared_prefix_attention_dispatch(self, tk):
         N, H, Hkv, W, S, P, d = 2, 4, 2, 2, 2, 20, 16
