@@ -79,7 +79,7 @@ class LayerAttention:
             z = z + (sink - m).exp()
         return p / z.clamp_min(torch.finfo(torch.float32).tiny)
 
-    def query_heads(self, start: int, stop: int) -> "LayerAttention":
+    def query_heads(self, start: int, stop: int) -> LayerAttention:
         """The semantics seen by query heads ``[start, stop)`` alone (their sink logits)."""
         if self.sinks is None:
             return self
@@ -90,13 +90,13 @@ class LayerAttention:
                 "sinks": None if self.sinks is None else [float(x) for x in self.sinks.float().tolist()]}
 
     @classmethod
-    def from_info(cls, d: dict) -> "LayerAttention":
+    def from_info(cls, d: dict) -> LayerAttention:
         sinks = d.get("sinks")
         return cls(float(d["scale"]), d.get("window"), d.get("softcap"),
                    None if sinks is None else torch.tensor(sinks, dtype=torch.float32))
 
 
-def as_layer_attention(attn: "LayerAttention | float") -> LayerAttention:
+def as_layer_attention(attn: LayerAttention | float) -> LayerAttention:
     """A bare float is a plain causal softmax with that scale (the pre-adapter API)."""
     return attn if isinstance(attn, LayerAttention) else LayerAttention(float(attn))
 
@@ -235,6 +235,14 @@ def attention_modules(model) -> dict[int, torch.nn.Module]:
         if hasattr(module, "scaling") and hasattr(module, "layer_idx"):
             out.setdefault(int(module.layer_idx), module)
     return out
+
+
+def output_projection(module) -> torch.nn.Linear:
+    """The attention module's output projection W_O [hidden, H*d] (``o_proj``; GPT-NeoX: ``dense``)."""
+    for name in ("o_proj", "dense"):
+        if isinstance(getattr(module, name, None), torch.nn.Linear):
+            return getattr(module, name)
+    raise UserError(f"--model: {type(module).__name__} has no output projection kvdiag knows (o_proj, dense)")
 
 
 def model_attention(model) -> ModelAttention:

@@ -15,7 +15,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kvdiag.adapters import LayerAttention, as_layer_attention
+from kvdiag.adapters import (
+    LayerAttention,
+    as_layer_attention,
+    attention_modules,
+    output_projection,
+)
 from kvdiag.attention import attention_rows, group_size
 from kvdiag.errors import UserError
 
@@ -107,8 +112,7 @@ def rkv_redundancy(k: torch.Tensor, threshold: float = 0.5, eps: float = 1e-8, b
 
 def o_proj_weights(model: torch.nn.Module) -> dict[int, torch.Tensor]:
     """The output projection ``W_O [hidden, H*d]`` of every decoder layer of a transformers causal LM (fp32)."""
-    layers = model.get_decoder().layers if hasattr(model, "get_decoder") else model.model.layers
-    return {i: layer.self_attn.o_proj.weight.detach().float().cpu() for i, layer in enumerate(layers)}
+    return {i: output_projection(m).weight.detach().float().cpu() for i, m in attention_modules(model).items()}
 
 
 def value_payload(v: torch.Tensor, kind: str = "l2", o_proj: torch.Tensor | None = None, num_heads: int | None = None) -> torch.Tensor:

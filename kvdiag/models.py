@@ -69,11 +69,6 @@ class LoadedModel:
         }
 
 
-def head_dim(config) -> int:
-    """Head dim of a config (q/k and v alike; models with other dims are refused by the adapter)."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
 def cache_dir() -> Path:
     return Path(os.environ.get("KVDIAG_CACHE", Path.home() / ".cache" / "kvdiag"))
 

@@ -131,7 +131,7 @@ def test_labels_equal_physical_deletion(name):
         for j, row in enumerate(rows):
             ref = reference_logprobs(lm.model, eng.ids, T_CKPT, HORIZON, prefix, row)
             want = divergences(logp_full, ref[None], targets)
-            torch.testing.assert_close(got["kl"][j], want["kl"][0], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name} {row}: {m}")
+            torch.testing.assert_close(got["kl"][j], want["kl"][0], rtol=1e-4, atol=1e-6, msg=lambda m, row=row: f"{name} {row}: {m}")
             assert got["flips"][j] == want["flips"][0]
             window = lm.attention.layers[row.layer].window if row.layer >= 0 else None
             if window is not None and row.position <= T_CKPT - window:

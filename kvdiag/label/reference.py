@@ -19,7 +19,11 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sliding_window_overlay
+from transformers.masking_utils import (
+    AttentionMaskInterface,
+    causal_mask_function,
+    sliding_window_overlay,
+)
 
 from kvdiag.label.engine import Row, cache_from_prefix
 from kvdiag.trace.hooks import attn_implementation, model_eager_attention

@@ -314,8 +314,7 @@ def build_policies(lm: LoadedModel, settings: ReplaySettings) -> dict[tuple[str,
     """(scorer, budget) -> Policy for the sweep (None: FullKV), each budget checked against the scorer's
     protected windows on a live cache of the model's head shape (bad input: UserError)."""
     check_settings(settings)
-    cfg = lm.model.config
-    group, head_dim = cfg.num_attention_heads // cfg.num_key_value_heads, lm.info["head_dim"]
+    group, head_dim = lm.attention.num_heads // lm.attention.num_kv_heads, lm.attention.qk_head_dim
     policies: dict[tuple[str, int | None], Policy | None] = {(FULL_KV, None): None} if settings.full_kv else {}
     for name in settings.scorers:
         scorer = make_scorer(name, settings.params.get(name), settings.w_obs)
