@@ -194,6 +194,13 @@ def test_unknown_architecture_is_refused_before_weights(tmp_path):
     assert "\n" not in str(err.value)
 
 
+def test_config_transformers_cannot_read_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "not_a_model_type", "architectures": ["X"]}')
+    with pytest.raises(UserError, match="config cannot be read") as err:
+        load_model(str(tmp_path))
+    assert "\n" not in str(err.value)
+
+
 def test_unsupported_attention_is_refused():
     chunked = SimpleNamespace(model_type="qwen3", num_hidden_layers=2, sliding_window=8,
                               layer_types=["chunked_attention", "full_attention"])
