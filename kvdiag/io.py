@@ -21,7 +21,7 @@ _UMASK = os.umask(0)  # read it once (os.umask can only be read by setting it) .
 os.umask(_UMASK)  # ... and put it back
 
 
-def _write_atomically(path: str | os.PathLike, write) -> Path:
+def write_atomically(path: str | os.PathLike, write) -> Path:
     """Call ``write(tmp)`` on a hidden file beside ``path``, then rename it over ``path``: readers and
     interrupted runs never see half a file."""
     path = Path(path)
@@ -45,12 +45,13 @@ def check_writable(path: str | os.PathLike, what: str, kind: str = "file") -> Pa
     existing = next(p for p in [path.absolute(), *path.absolute().parents] if p.exists())
     if existing == path.absolute():
         if kind == "dir" and not existing.is_dir():
-            raise UserError(f"{what} {path} is a file, not a directory; choose a directory path")
+            raise UserError(f"{what} {path} is not a writable directory: it is a file; choose a directory path")
         if kind == "file" and existing.is_dir():
             raise UserError(f"{what} {path} is a directory; pass a file path")
         folder = existing if kind == "dir" else existing.parent
     elif not existing.is_dir():
-        raise UserError(f"{what} {path} lies below the file {existing}; choose a path in a directory")
+        target = "a writable directory" if kind == "dir" else "a writable file path"
+        raise UserError(f"{what} {path} is not {target}: it lies below the file {existing}; choose a path in a directory")
     else:
         folder = existing
     if not os.access(folder, os.W_OK | os.X_OK):
@@ -73,22 +74,22 @@ def writable_dir(path: str | os.PathLike, what: str = "--out") -> Path:
 
 def write_table(df: pl.DataFrame, path: str | os.PathLike, meta: dict | None = None) -> Path:
     """Write ``df`` to ``path`` atomically with ``meta`` (JSON-serializable) in the file metadata."""
-    return _write_atomically(path, lambda tmp: df.write_parquet(tmp, metadata={META_KEY: json.dumps(meta or {}, default=str)}))
+    return write_atomically(path, lambda tmp: df.write_parquet(tmp, metadata={META_KEY: json.dumps(meta or {}, default=str)}))
 
 
 def write_json(path: str | os.PathLike, obj) -> Path:
     """Write ``obj`` to ``path`` as indented JSON (non-JSON values as ``str``), atomically."""
-    return _write_atomically(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2, default=str) + "\n"))
+    return write_atomically(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2, default=str) + "\n"))
 
 
 def write_csv(df: pl.DataFrame, path: str | os.PathLike) -> Path:
     """Write ``df`` to ``path`` as CSV, atomically."""
-    return _write_atomically(path, df.write_csv)
+    return write_atomically(path, df.write_csv)
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` to ``path``, atomically."""
-    return _write_atomically(path, lambda tmp: Path(tmp).write_text(text))
+    return write_atomically(path, lambda tmp: Path(tmp).write_text(text))
 
 
 def read_meta(path: str | os.PathLike) -> dict:

@@ -14,6 +14,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from scipy.stats import mannwhitneyu
 
+from kvdiag.io import write_atomically
+
 STATS_SCHEMA = {"statistic": pl.String, "value": pl.Float64, "note": pl.String}
 NOTE_COLOR = "firebrick"
 
@@ -36,9 +38,9 @@ def new_figure(ncols: int, width: float, height: float) -> tuple[Figure, list]:
 def save_figure(fig: Figure, out_dir: Path, name: str) -> list[Path]:
     """``name``.png (150 dpi) and ``name``.pdf in ``out_dir``."""
     png, pdf = out_dir / f"{name}.png", out_dir / f"{name}.pdf"
-    fig.savefig(png, dpi=150)
+    write_atomically(png, lambda tmp: fig.savefig(tmp, dpi=150, format="png"))
     fig.set_layout_engine("none")  # keep the layout the PNG computed: the PDF needs no second layout pass
-    fig.savefig(pdf, metadata={"CreationDate": None})  # reproducible bytes
+    write_atomically(pdf, lambda tmp: fig.savefig(tmp, format="pdf", metadata={"CreationDate": None}))  # reproducible bytes
     return [png, pdf]
 
 

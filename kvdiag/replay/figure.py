@@ -9,6 +9,7 @@ import polars as pl
 import seaborn as sns
 
 from kvdiag.figures.common import new_figure, save_figure, style
+from kvdiag.io import write_csv, write_text
 
 FULL_LABEL = "FullKV"
 
@@ -120,9 +121,9 @@ def write_summary(df: pl.DataFrame, out_dir: Path, scorers: list[str], budgets: 
     summary = summarize(df)
     teacher_forced = bool((df["mode"] == "teacher_forced").all())
     table = table2(summary, scorers, sorted(budgets))
-    table.write_csv(out_dir / "summary.csv")
+    write_csv(table, out_dir / "summary.csv")
     prompts = df["prompt_id"].n_unique()
-    (out_dir / "summary.md").write_text(markdown(table, sorted(budgets), prompts, teacher_forced))
-    summary.write_csv(out_dir / "budget.csv")
+    write_text(out_dir / "summary.md", markdown(table, sorted(budgets), prompts, teacher_forced))
+    write_csv(summary, out_dir / "budget.csv")
     budget_figure(summary, scorers, out_dir)
     return table

@@ -228,8 +228,9 @@ def _commit_prompt(root: Path, prompt: Prompt, record: dict) -> dict:
     pid, ids = prompt.prompt_id, record["ids"]
     T, P = len(ids), record["prompt_len"]
     tensors = root / "tensors" / pid
+    for stale in (root / "tensors").glob(f".{pid}.tmp*"):  # left by a killed attempt at this prompt (never read)
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = root / "tensors" / f".{pid}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for layer, qkv in enumerate(record["layers"]):
         save_file(qkv, str(tmp / f"layer_{layer:03d}.safetensors"), metadata={"prompt_id": pid, "layer": str(layer)})
