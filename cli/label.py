@@ -11,6 +11,7 @@ from cli import common
 
 
 def label(
+    ctx: typer.Context,
     trace: Path = typer.Option(..., "--trace", help="Trace directory from `kvdiag trace`"),
     out: Path = typer.Option(..., "--out", help="labels.parquet (parts are kept beside it in OUT.parts/)"),
     checkpoints: list[str] = typer.Option(["every:128"], "--checkpoints", help="every:K (generated tokens) or absolute positions t1,t2,... (repeatable)"),
@@ -34,6 +35,9 @@ def label(
 
     common.quiet_transformers()
     from kvdiag.label import LabelConfig
+
+    if model is None:
+        common.refuse_given(ctx, ["force"], "without --model (the Trace's own model is used)")
 
     cfg = LabelConfig(
         checkpoints=common.joined(checkpoints), horizon=horizon, candidates=candidates, granularity=granularity,

@@ -27,6 +27,7 @@ def score(
     """Score candidates of a Trace with the scorer zoo (higher = keep) and write scores.parquet."""
     from cli.common import joined, listed, refuse_given
     from kvdiag.io import check_writable, read_table, write_table
+    from kvdiag.replay.live import needs_o_proj
     from kvdiag.scorers import checkpoint_keys, parse_params, resolve_scorers, score_trace
     from kvdiag.scorers.score import check_aggregation, check_keys
     from kvdiag.trace import Trace
@@ -39,7 +40,9 @@ def score(
     check_writable(out, "--out")
     check_aggregation(aggregation)
     scorer_names, params = ",".join(listed(scorers)), parse_params(param)
-    resolve_scorers(scorer_names, params, plugin or ())
+    selected = resolve_scorers(scorer_names, params, plugin or ())
+    if model and not any(needs_o_proj(s) for s in selected.values()):
+        raise UserError(f"--model {model} does not apply: no selected scorer reads the wo_l2 payload (‖W_O v‖₂); drop it")
     tr = Trace(trace)
     if labels is not None:
         keys, labels_meta = read_table(labels, what=f"--labels {labels}")

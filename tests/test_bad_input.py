@@ -58,6 +58,7 @@ CASES: list[tuple[str, list[str], str]] = [
     ("label-tokens-truncated", ["label", "--trace", "{trace_bad_tokens}", "--out", "{out}/l.parquet"], "tokens.parquet"),
     ("label-out-below-file", ["label", "--trace", "{trace}", *FITS, "--out", "{file}/l.parquet"], "--out"),
     ("label-other-model", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--model", "tiny:qwen3"], "--model tiny:qwen3"),
+    ("label-force-without-model", ["label", "--trace", "{trace}", *FITS, "--force", "--out", "{out}/l.parquet"], "--force"),
     ("label-repeated-horizon", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", "--horizon", "4", "--horizon", "8"], "--horizon"),
     # ---- score
     ("score-no-source", ["score", "--trace", "{trace}", "--out", "{out}/s.parquet"], "--labels"),
@@ -76,6 +77,7 @@ CASES: list[tuple[str, list[str], str]] = [
     ("score-checkpoint-0", ["score", "--trace", "{trace}", "--checkpoints", "0", "--out", "{out}/s.parquet"], "checkpoint 0"),
     ("score-safetensors-truncated", ["score", "--trace", "{trace_bad_layer}", "--checkpoints", "20", "--out", "{out}/s.parquet"], "layer_000.safetensors"),
     ("score-plugin-missing", ["score", "--trace", "{trace}", "--labels", "{labels}", "--plugin", "/no/plugin.py", "--out", "{out}/s.parquet"], "/no/plugin.py"),
+    ("score-model-unused", ["score", "--trace", "{trace}", "--labels", "{labels}", "--scorers", "knorm", "--model", "tiny:llama", "--out", "{out}/s.parquet"], "--model tiny:llama"),
     ("score-out-below-file", ["score", "--trace", "{trace}", "--labels", "{labels}", "--out", "{file}/s.parquet"], "--out"),
     # ---- rank-eval
     ("rank-eval-labels-missing", ["rank-eval", "--labels", "/no/l.parquet", "--scores", "{scores}", "--out", "{out}"], "/no/l.parquet"),
