@@ -51,7 +51,7 @@ def score(
     else:
         keys = checkpoint_keys(tr, parse_checkpoints(joined(checkpoints)), listed(granularity) or ["token"])
     df, meta = score_trace(
-        tr, keys=keys, scorers=scorer_names, params=params, plugins=plugin or (), aggregation=aggregation,
+        tr, keys=keys, scorers=scorer_names, params=params, aggregation=aggregation,  # plugins: loaded above
         o_proj=load_o_proj(model, tr) if model else None, progress=True,
     )
     meta["source"] = ({"labels": str(labels)} if labels is not None

@@ -192,8 +192,9 @@ def _header(root: Path, lm: LoadedModel, settings: GenerationSettings, prompts_s
         "kvdiag_version": __version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "model": lm.info,
-        "attn_implementation": f"sdpa (recorded through the registered attention function {TRACE_ATTN!r})",
-        "scale": attention_scale(lm.model),
+        "attn_implementation": f"{lm.info['attention']['implementation']} (recorded through the registered "
+                               f"attention function {TRACE_ATTN!r})",
+        "scale": attention_scale(lm.model),  # layer 0's; every layer's semantics: model.attention
         "num_layers": cfg.num_hidden_layers,
         "num_heads": cfg.num_attention_heads,
         "num_kv_heads": cfg.num_key_value_heads,
