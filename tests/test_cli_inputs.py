@@ -32,7 +32,8 @@ def test_bad_json_line_is_named(tmp_path, capsys):
     ],
 )
 def test_bad_inputs_exit_2(args, needle, tmp_path, capsys):
-    code, err = run(["trace", "--model", "tiny:llama", "--out", str(tmp_path / "t"), *args], capsys)
+    model = [] if "--model" in args else ["--model", "tiny:llama"]  # an option given twice is refused
+    code, err = run(["trace", *model, "--out", str(tmp_path / "t"), *args], capsys)
     assert code == 2 and needle in err
     assert not (tmp_path / "t" / "manifest.json").exists()
 
