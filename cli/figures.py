@@ -35,6 +35,9 @@ def figures(
     seed: int = typer.Option(_D.seed, help="bootstrap seed"),
     rho: float = typer.Option(_D.rho, help="eviction fraction of the false-safe rate"),
     scope: str = typer.Option(_D.scope, help="component metrics: pooled or macro"),
+    min_age: int | None = typer.Option(None, help="component figure: only candidates of age (checkpoint - position) >= A"),
+    max_age: int | None = typer.Option(None, help="component figure: only candidates of age <= A"),
+    eligible: str | None = typer.Option(None, help="component figure: only the entries this scorer could evict, e.g. avokv_e"),
 ) -> None:
     """Draw the attention-only blind spot, the delayed-read effect and the AvoKV-E component figure."""
     import polars as pl
@@ -50,13 +53,22 @@ def figures(
         w_obs=w_obs, w_delay=w_delay, payload=payload, harm=harm, include_unresolved=include_unresolved, noise_mult=noise_mult,
         low_attention_quantile=low_attention_quantile, large_payload_quantile=large_payload_quantile, read_reduce=read_reduce,
         strong_read_mult=strong_read_mult, interval=interval, min_group=min_group, n_boot=bootstrap, seed=seed, rho=rho, scope=scope,
+        min_age=min_age, max_age=max_age, eligible=eligible,
     )
     check_writable(out, "--out", "dir")  # fail before the slow part, creating nothing
+    if eligible is not None:
+        from kvdiag.rankeval.candidates import eligible_scorer
+
+        eligible_scorer(eligible, None)  # a registered scorer
     tr = Trace(trace)
     label_df, label_meta = read_labels(labels)
     score_df, score_meta = read_table(scores, "scores")
     metrics = None
     if rank_eval is not None:
+        from cli.common import refuse_given
+
+        refuse_given(ctx, ["min_age", "max_age", "eligible"], "with --rank-eval (its metrics were computed on its own "
+                     "candidates; pass the filters to kvdiag rank-eval)")
         if not (rank_eval / "metrics.csv").is_file():
             raise UserError(f"--rank-eval {rank_eval} has no metrics.csv: pass a directory written by kvdiag rank-eval")
         metrics = pl.read_csv(rank_eval / "metrics.csv", schema_overrides={"note": pl.String})

@@ -18,9 +18,11 @@ from kvdiag.errors import UserError
 from kvdiag.io import check_writable, read_table, write_csv, write_json, write_text
 from kvdiag.rankeval import RankEvalResult, check_inputs, to_latex, to_markdown
 from kvdiag.rankeval import rank_eval as run_rank_eval
+from kvdiag.rankeval.budget_figure import budget_curves_figure
 from kvdiag.rankeval.tables import TABLE3_COLUMNS
 
-OUTPUTS = ("metrics.csv", "paired.csv", "table.md", "table.tex", "config.json")
+OUTPUTS = ("metrics.csv", "paired.csv", "table.md", "table.tex", "budget_curves.csv", "budget_curves.png",
+           "budget_curves.pdf", "config.json")
 
 
 def _kvdiag_version() -> str:
@@ -30,12 +32,19 @@ def _kvdiag_version() -> str:
         return "unknown"
 
 
+def parse_rhos(items: list[str]) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in items)
+    except ValueError:
+        raise UserError(f"--rho-grid {','.join(items)}: pass eviction fractions, e.g. 0.1,0.25,0.5") from None
+
+
 def _print_summary(result: RankEvalResult, scope: str, out: Path, console: Console) -> None:
     s, c = result.summary, result.config
     console.print(
         f"[bold]rank-eval[/]: {s['n_evaluated']:,} candidates, {s['n_prompts']} prompts, {s['n_checkpoints']} checkpoints "
         f"({s['granularity']}); harmful: kl_mean > {s['harm_threshold']:.4g} ({c.harm}), prevalence {s['prevalence']:.3f}; "
-        f"unresolved: {s['n_unresolved']} ({'excluded' if s['unresolved_excluded'] else 'included'})",
+        f"unresolved: {s['n_unresolved']} ({'excluded' if s['unresolved_excluded'] else 'included'}); candidates: {s['candidates']}",
         highlight=False,
     )
     if "reference_note" in s:
@@ -76,6 +85,10 @@ def rank_eval(
     granularity: str | None = typer.Option(None, help="granularity to evaluate (token, layer, head) when the inputs hold several"),
     scorers: list[str] | None = typer.Option(None, help="comma-separated score columns to evaluate, repeatable (default: all)"),
     table_scope: str = typer.Option("pooled", help="scope of table.md / table.tex: pooled or macro"),
+    min_age: int | None = typer.Option(None, help="evaluate only candidates of age (checkpoint - position) >= A"),
+    max_age: int | None = typer.Option(None, help="evaluate only candidates of age <= A"),
+    eligible: str | None = typer.Option(None, help="evaluate only the entries this scorer could evict (outside its protected sinks, windows and delay buffer)"),
+    rho_grid: list[str] | None = typer.Option(None, help="eviction fractions of the budget curves, comma-separated, repeatable (default 0.1,...,0.9)"),
 ) -> None:
     """Rank every scorer against the oracle labels: AUROC, AP, top-k recall, false-safe rate, Spearman."""
     if table_scope not in ("pooled", "macro"):
@@ -96,11 +109,18 @@ def rank_eval(
         noise_mult=noise_mult,
         granularity=granularity,
         scorers=tuple(listed(scorers)) or None,
+        min_age=min_age,
+        max_age=max_age,
+        eligible=eligible,
+        scores_meta=score_meta,
+        **({"rho_grid": parse_rhos(listed(rho_grid))} if rho_grid else {}),
     )
     write_csv(result.metrics, out / "metrics.csv")  # atomic: `kvdiag figures --rank-eval` reuses it
     write_csv(result.paired, out / "paired.csv")
     write_text(out / "table.md", to_markdown(result, table_scope))
     write_text(out / "table.tex", to_latex(result, table_scope))
+    write_csv(result.budget_curves, out / "budget_curves.csv")
+    budget_curves_figure(result.budget_curves, out, result.summary["candidates"])
     config = {
         "command": "rank-eval",
         "kvdiag_version": _kvdiag_version(),

@@ -48,7 +48,8 @@ def test_cli_writes_tables_and_config(inputs, tmp_path):
     )
     assert res.exit_code == 0, res.output
     assert "AUROC" in res.output and "avokv_e" in res.output
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.csv", "paired.csv", "table.md", "table.tex"]
+    assert sorted(p.name for p in out.iterdir()) == ["budget_curves.csv", "budget_curves.pdf", "budget_curves.png", "config.json",
+                                                     "metrics.csv", "paired.csv", "table.md", "table.tex"]
     metrics = pl.read_csv(out / "metrics.csv")
     assert metrics.columns[:6] == ["scorer", "metric", "scope", "value", "ci_low", "ci_high"]
     assert metrics.height == 2 * 7 * 2

@@ -33,9 +33,10 @@ TABLE_SCHEMA = {"scorer": pl.String, "variant": pl.String, "metric": pl.String, 
                 "ci_low": pl.Float64, "ci_high": pl.Float64, "n": pl.Int64, "note": pl.String}
 
 
-def component_metrics(labels: pl.DataFrame, scores: pl.DataFrame | None, params: FigureParams) -> tuple[pl.DataFrame | None, str]:
-    """rank-eval metrics of the variants present in ``scores`` (None and a note when none is, or when rank-eval
-    cannot rank them, e.g. no harmful label)."""
+def component_metrics(labels: pl.DataFrame, scores: pl.DataFrame | None, params: FigureParams,
+                      scores_meta: dict | None = None) -> tuple[pl.DataFrame | None, str]:
+    """rank-eval metrics of the variants present in ``scores`` on the candidates ``params`` selects (None and a note
+    when none is, or when rank-eval cannot rank them, e.g. no harmful label)."""
     if scores is None:
         return None, "no scores given: pass --scores to draw the component figure"
     present = [name for name, _ in VARIANTS if name in scores.columns]
@@ -44,7 +45,8 @@ def component_metrics(labels: pl.DataFrame, scores: pl.DataFrame | None, params:
     try:
         result = rank_eval(labels, scores, harm=params.harm, rho=params.rho, reference=None, n_boot=params.n_boot,
                            seed=params.seed, include_unresolved=params.include_unresolved, noise_mult=params.noise_mult,
-                           ci_level=params.ci_level, granularity="token", scorers=tuple(present))
+                           ci_level=params.ci_level, granularity="token", scorers=tuple(present), min_age=params.min_age,
+                           max_age=params.max_age, eligible=params.eligible, scores_meta=scores_meta)
     except UserError as err:  # too few or degenerate labels: say so in the figure instead of failing
         return None, f"rank-eval could not rank the variants: {err}"
     return result.metrics, ""
@@ -102,8 +104,15 @@ def plot_components(table: pl.DataFrame, note: str, params: FigureParams, out_di
         if note:
             note_on(axes[1], note, width=38)
         fig.suptitle(f"AvoKV-E components: {params.scope} ranking metrics, {params.ci_level:.0%} CI over prompts "
-                     f"(FSR at rho = {params.rho:g}; dotted: random scorer)", fontsize=9)
+                     f"(FSR at rho = {params.rho:g}; dotted: random scorer); candidates: {candidate_set(params)}", fontsize=9)
         return save_figure(fig, out_dir, "components")
+
+
+def candidate_set(params: FigureParams) -> str:
+    """The candidate filters of the component figure, in words (rank-eval's summary says the same at length)."""
+    parts = [f"age >= {params.min_age}"] * (params.min_age is not None) + [f"age <= {params.max_age}"] * (params.max_age is not None)
+    parts += [f"eligible under {params.eligible}"] * (params.eligible is not None)
+    return ", ".join(parts) or "all"
 
 
 def components_figure(metrics: pl.DataFrame | None, note: str, params: FigureParams, out_dir: Path) -> tuple[pl.DataFrame, list[Path]]:

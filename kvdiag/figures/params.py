@@ -48,6 +48,9 @@ class FigureParams:
     n_boot: int = 1000  # cluster-bootstrap resamples over prompts
     seed: int = 0
     scope: str = "pooled"  # pooled or macro (mean over checkpoints) metrics
+    min_age: int | None = None  # evaluate only candidates of age >= min_age (rank-eval's --min-age)
+    max_age: int | None = None  # ... and <= max_age
+    eligible: str | None = None  # ... and only those this scorer could evict, e.g. avokv_e (rank-eval's --eligible)
     # --- plotting and memory
     log_floor: float = 1e-12  # values are drawn at max(x, log_floor) on log axes (the CSVs hold the raw values)
     chunk_elements: int = 2**24  # attention probabilities [H, queries, keys] per chunk (64 MiB in fp32)
@@ -73,5 +76,7 @@ class FigureParams:
         need(0 < self.rho < 1, f"rho={self.rho} must lie in (0, 1)")
         need(self.n_boot >= 0, f"n_boot={self.n_boot} must be >= 0")
         need(self.scope in SCOPES, f"scope={self.scope!r} must be pooled or macro")
+        for name in ("min_age", "max_age"):
+            need(getattr(self, name) is None or getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
         need(self.log_floor > 0, f"log_floor={self.log_floor} must be > 0")
         need(self.chunk_elements >= 1 and self.strength_elements >= 1, "chunk_elements and strength_elements must be >= 1")

@@ -149,7 +149,7 @@ def make_figures(
 
     note, given = "", metrics is not None
     if not given:
-        metrics, note = component_metrics(labels, scores, params)
+        metrics, note = component_metrics(labels, scores, params, scores_meta)
     table, files_c = components_figure(metrics, note, params, out)
 
     notes = list(dict.fromkeys(r["note"] for r in rows_a + rows_b if r["note"]))

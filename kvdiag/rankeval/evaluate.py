@@ -16,6 +16,7 @@ import numpy as np
 import polars as pl
 
 from kvdiag.errors import UserError
+from kvdiag.rankeval.candidates import filter_candidates
 from kvdiag.rankeval.bootstrap import holm, paired_p_value, percentile_ci, prompt_multiplicities
 from kvdiag.rankeval.metrics import RANKING_METRICS, Rankings, _div, eviction_counts, n_evicted, ranking_metrics
 
@@ -55,6 +56,10 @@ class RankEvalConfig:
     ci_level: float = 0.95  # percentile bootstrap interval
     granularity: str | None = None  # which granularity to evaluate; None: the only one present
     scorers: tuple[str, ...] | None = None  # score columns to evaluate; None: all of them
+    min_age: int | None = None  # evaluate only candidates of age (checkpoint - position) >= min_age
+    max_age: int | None = None  # ... and <= max_age
+    eligible: str | None = None  # ... and only those this scorer could evict (outside its protected entries)
+    rho_grid: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # budget curves: FSR/FNR at each rho
 
 
 @dataclass
@@ -67,6 +72,7 @@ class RankEvalResult:
     ``replicates[(scorer, metric, scope)] [B]``: the metric on each bootstrap resample; resample b draws
     the p-th prompt (prompt ids sorted) ``mult[b, p]`` times, with
     ``mult = prompt_multiplicities(n_prompts, n_boot, np.random.default_rng(seed))``.
+    ``budget_curves``: pooled FSR and FNR at every rho of ``config.rho_grid``, with CIs.
     """
 
     metrics: pl.DataFrame
@@ -75,6 +81,7 @@ class RankEvalResult:
     config: RankEvalConfig
     scorers: list[str] = field(default_factory=list)
     replicates: dict[tuple[str, str, str], np.ndarray] = field(default_factory=dict, repr=False)
+    budget_curves: pl.DataFrame | None = None  # scorer, rho, metric (fsr | fnr), value, ci_low, ci_high (pooled)
 
 
 @dataclass
@@ -141,6 +148,11 @@ def _validate(cfg: RankEvalConfig) -> None:
         raise UserError(f"ci_level {cfg.ci_level} is not a confidence level: pass e.g. 0.95")
     if cfg.noise_mult < 0 or cfg.kl_floor <= 0:
         raise UserError("noise_mult must be >= 0 and kl_floor > 0")
+    for flag, age in (("--min-age", cfg.min_age), ("--max-age", cfg.max_age)):
+        if age is not None and age < 1:
+            raise UserError(f"{flag} {age}: ages start at 1 (the newest cached entry); pass a positive age")
+    if not cfg.rho_grid or not all(0 < r < 1 for r in cfg.rho_grid):
+        raise UserError(f"--rho-grid {','.join(map(str, cfg.rho_grid))}: pass eviction fractions 0 < rho < 1, e.g. 0.1,0.2,0.5")
 
 
 def _keyed(df: pl.DataFrame, what: str, fix: str) -> pl.DataFrame:
@@ -172,7 +184,8 @@ def _select_scorers(scores: pl.DataFrame, wanted: tuple[str, ...] | None) -> lis
     return columns
 
 
-def _join(labels: pl.DataFrame, scores: pl.DataFrame, cfg: RankEvalConfig, warnings: list[str]) -> tuple[pl.DataFrame, list[str], dict]:
+def _join(labels: pl.DataFrame, scores: pl.DataFrame, cfg: RankEvalConfig, warnings: list[str],
+          scores_meta: dict | None = None) -> tuple[pl.DataFrame, list[str], dict]:
     fix = "pass a labels file written by kvdiag label"
     labels = _keyed(labels, "labels", fix)
     for c in ("kl_mean", "noise_floor"):
@@ -185,6 +198,7 @@ def _join(labels: pl.DataFrame, scores: pl.DataFrame, cfg: RankEvalConfig, warni
         if cfg.granularity not in present:
             raise UserError(f"--granularity {cfg.granularity} not in the labels: choose from {', '.join(present)}")
         labels = labels.filter(pl.col("granularity") == cfg.granularity)
+    labels, candidates = filter_candidates(labels, cfg.min_age, cfg.max_age, cfg.eligible, scores_meta)
     joined = labels.select(*KEYS, _kl=pl.col("kl_mean"), _floor=pl.col("noise_floor")).join(
         scores.select(*KEYS, *names), on=list(KEYS), how="inner"
     )
@@ -200,13 +214,14 @@ def _join(labels: pl.DataFrame, scores: pl.DataFrame, cfg: RankEvalConfig, warni
     labels_g = labels.filter(pl.col("granularity") == grans[0]).height
     if joined.height < labels_g:
         warnings.append(f"only {joined.height} of {labels_g} label rows ({grans[0]}) have scores; the rest are not evaluated")
-    counts = {"n_label_rows": labels_g, "n_score_rows": scores.height, "n_matched": joined.height, "granularity": grans[0]}
+    counts = {"n_label_rows": labels_g, "n_score_rows": scores.height, "n_matched": joined.height, "granularity": grans[0],
+              "candidates": candidates}
     return joined, names, counts
 
 
-def _prepare(labels: pl.DataFrame, scores: pl.DataFrame, cfg: RankEvalConfig) -> tuple[_Data, dict]:
+def _prepare(labels: pl.DataFrame, scores: pl.DataFrame, cfg: RankEvalConfig, scores_meta: dict | None = None) -> tuple[_Data, dict]:
     warnings: list[str] = []
-    df, names, summary = _join(labels, scores, cfg, warnings)
+    df, names, summary = _join(labels, scores, cfg, warnings, scores_meta)
     for c in names:
         bad = df.select((pl.col(c).is_null() | pl.col(c).cast(pl.Float64).is_nan()).sum()).item()
         if bad == df.height:
@@ -380,20 +395,20 @@ def _join_notes(*notes: str) -> str:
     return "; ".join(n for n in notes if n)
 
 
-def rank_eval(labels: pl.DataFrame, scores: pl.DataFrame, config: RankEvalConfig | None = None, **settings) -> RankEvalResult:
+def rank_eval(labels: pl.DataFrame, scores: pl.DataFrame, config: RankEvalConfig | None = None,
+              scores_meta: dict | None = None, **settings) -> RankEvalResult:
     """Rank every scorer of ``scores`` against the oracle labels of ``labels``.
 
     ``labels``: a labels table (keys + ``kl_mean``, ``noise_floor``); ``scores``: keys + one numeric
     column per scorer. Settings are the fields of ``RankEvalConfig`` (given as ``config`` and/or as
-    keyword arguments, e.g. ``rank_eval(l, s, harm="abs:0.01", rho=0.75)``). Bad input raises
-    ``UserError``.
+    keyword arguments, e.g. ``rank_eval(l, s, harm="abs:0.01", rho=0.75)``). ``scores_meta`` (the scores file's
+    metadata) gives ``eligible`` the parameters its scorer was scored with. Bad input raises ``UserError``.
     """
     cfg = replace(config or RankEvalConfig(), **settings)
-    if cfg.scorers is not None:
-        cfg = replace(cfg, scorers=tuple(cfg.scorers))
+    cfg = replace(cfg, scorers=None if cfg.scorers is None else tuple(cfg.scorers), rho_grid=tuple(cfg.rho_grid))
     _validate(cfg)
     t0 = time.perf_counter()
-    data, summary = _prepare(labels, scores, cfg)
+    data, summary = _prepare(labels, scores, cfg, scores_meta)
     names = summary["scorers"]
     if cfg.reference == "auto":  # the paper's rule when it was scored, else no paired table (said in the summary)
         cfg = replace(cfg, reference=AUTO_REFERENCE if AUTO_REFERENCE in names else None)
@@ -418,15 +433,42 @@ def rank_eval(labels: pl.DataFrame, scores: pl.DataFrame, config: RankEvalConfig
     metrics = pl.DataFrame(rows, schema=_METRICS_SCHEMA)
 
     paired = _paired(est, names, cfg, data.n_prompts)
+    curves = _budget_curves(data, names, cfg, mult)
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     replicates = {(name, m, scope): e.reps for name in names for (m, scope), e in est[name].items()}
-    return RankEvalResult(metrics=metrics, paired=paired, summary=summary, config=cfg, scorers=names, replicates=replicates)
+    return RankEvalResult(metrics=metrics, paired=paired, summary=summary, config=cfg, scorers=names, replicates=replicates,
+                          budget_curves=curves)
+
+
+def _budget_curves(data: _Data, names: list[str], cfg: RankEvalConfig, mult: np.ndarray) -> pl.DataFrame:
+    """Pooled FSR@rho and FNR@rho of every scorer at every rho of ``cfg.rho_grid``, with cluster-bootstrap CIs,
+    and the random scorer's expected values (FSR = prevalence, FNR = rho)."""
+    starts = data.starts
+    ckpt = np.repeat(np.arange(len(starts) - 1), np.diff(starts))
+    mc = mult[:, data.ckpt_prompt].astype(float)
+    n_c = np.diff(starts).astype(float)
+    pos_c = np.add.reduceat(data.y, starts[:-1])
+    rows = []
+    for rho in cfg.rho_grid:
+        ev_c = n_evicted(rho, n_c).astype(float)
+        for name in names:
+            hev = eviction_counts(data.y, data.scores[name], rho, ckpt)[1]
+            for metric, den in (("fsr", ev_c), ("fnr", pos_c)):
+                e = _ratio(hev, den, mc, len(data.y), "nothing evicted" if metric == "fsr" else "no harmful entry")
+                low, high, _ = percentile_ci(e.reps, cfg.ci_level)
+                rows.append(dict(scorer=name, rho=rho, metric=metric, value=e.value, ci_low=low, ci_high=high))
+        prevalence = float(pos_c.sum() / n_c.sum())
+        rows += [dict(scorer="random (expected)", rho=rho, metric="fsr", value=prevalence, ci_low=np.nan, ci_high=np.nan),
+                 dict(scorer="random (expected)", rho=rho, metric="fnr", value=rho, ci_low=np.nan, ci_high=np.nan)]
+    return pl.DataFrame(rows, schema=_CURVES_SCHEMA)
 
 
 _METRICS_SCHEMA = {
     "scorer": pl.String, "metric": pl.String, "scope": pl.String, "value": pl.Float64, "ci_low": pl.Float64,
     "ci_high": pl.Float64, "n": pl.Int64, "n_boot": pl.Int64, "note": pl.String,
 }
+_CURVES_SCHEMA = {"scorer": pl.String, "rho": pl.Float64, "metric": pl.String, "value": pl.Float64,
+                  "ci_low": pl.Float64, "ci_high": pl.Float64}
 _PAIRED_SCHEMA = {
     "scorer": pl.String, "reference": pl.String, "metric": pl.String, "scope": pl.String, "value": pl.Float64,
     "reference_value": pl.Float64, "diff": pl.Float64, "ci_low": pl.Float64, "ci_high": pl.Float64,

@@ -52,7 +52,7 @@ def caption(result: RankEvalResult, scope: str = "pooled", undefined: bool = Fal
     how = "pooled over all candidates" if scope == "pooled" else "macro averages over checkpoints"
     text = (
         f"Oracle ranking quality against the {s['granularity']}-eviction KL label on {s['n_evaluated']:,} candidates "
-        f"({s['n_prompts']} prompts, {s['n_checkpoints']} checkpoints{unresolved}). "
+        f"({s['n_prompts']} prompts, {s['n_checkpoints']} checkpoints{unresolved}; {s.get('candidates', 'all candidates')}). "
         f"Harmful: kl_mean > {s['harm_threshold']:.4g} nats ({c.harm}), prevalence {s['prevalence']:.3f}. "
         f"False-safe rate: share of the evicted entries that are harmful when the lowest-scored rho = {c.rho:g} "
         f"of each checkpoint is evicted. Metrics {how}; {ci}."

@@ -67,6 +67,10 @@ class AvoKVE(Scorer):
         check_choice(self.payload, PAYLOADS, f"{self.name}.payload")
         check_choice(self.normalization, NORMALIZATIONS, f"{self.name}.normalization")
 
+    def protected(self, age: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Never evicted: the delay buffer: entries of age ``<= w_delay``."""
+        return age <= self.w_delay
+
     def scores(self, ctx: ScoreContext) -> torch.Tensor:
         eligible = ctx.age > self.w_delay
         key = (self.w_obs, self.w_delay)

@@ -209,6 +209,12 @@ class Scorer:
         """[Hkv, t]: one score per KV head and cached entry; higher = keep."""
         raise NotImplementedError
 
+    def protected(self, age: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """[n] bool: the entries of ``age [n]`` (checkpoint − position) and ``position [n]`` that this rule never
+        evicts on a full cache (sinks, recent windows, a delay buffer); they get :func:`protect`'s kept score.
+        rank-eval's ``--eligible`` keeps the others. Default: none."""
+        return torch.zeros_like(age, dtype=torch.bool)
+
     def __call__(self, ctx: ScoreContext) -> torch.Tensor:
         """[Hkv, C]: the scores of ``ctx.candidates``."""
         return self.scores(ctx)[:, ctx.candidates]

@@ -34,6 +34,10 @@ class H2O(Scorer):
     def __post_init__(self):
         check_positive(f"{self.name}.recent_size", self.recent_size, 0)
 
+    def protected(self, age: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Never evicted: the last ``recent_size`` entries."""
+        return age <= self.recent_size
+
     def scores(self, ctx: ScoreContext) -> torch.Tensor:
         received = ctx.column_sum()
         if self.normalize:

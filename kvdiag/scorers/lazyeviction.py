@@ -48,6 +48,10 @@ class LazyEviction(Scorer):
         check_positive(f"{self.name}.alpha", self.alpha, 1e-12)
         check_positive(f"{self.name}.window", self.window, 0)
 
+    def protected(self, age: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Never evicted: the last ``window`` entries."""
+        return age <= self.window
+
     def scores(self, ctx: ScoreContext) -> torch.Tensor:
         ts, mri = ctx.recurrence(self.alpha)
         per_head = lazyeviction_score(ts, mri, max(0, ctx.t - ctx.prompt_len))

@@ -58,6 +58,10 @@ class RKV(Scorer):
         check_positive(f"{self.name}.kernel_size", self.kernel_size)
         check_choice(self.pooling, ("max", "mean"), f"{self.name}.pooling")
 
+    def protected(self, age: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Never evicted: the last ``window`` entries (the query window)."""
+        return age <= self.window
+
     def scores(self, ctx: ScoreContext) -> torch.Tensor:
         q_window = ctx.window_queries(self.window)
         window = ctx.recent(q_window.shape[1])

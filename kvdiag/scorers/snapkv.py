@@ -37,6 +37,10 @@ class SnapKV(Scorer):
         check_positive(f"{self.name}.kernel_size", self.kernel_size)
         check_choice(self.pooling, ("avgpool", "maxpool"), f"{self.name}.pooling")
 
+    def protected(self, age: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Never evicted: the last ``window`` entries (the observation window)."""
+        return age <= self.window
+
     def scores(self, ctx: ScoreContext) -> torch.Tensor:
         attn = ctx.window_attention(self.window)  # [H, w, t]
         window = ctx.recent(attn.shape[1])

@@ -29,6 +29,10 @@ class StreamingLLM(Scorer):
     def __post_init__(self):
         check_positive(f"{self.name}.n_sink", self.n_sink, 0)
 
+    def protected(self, age: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Never evicted: the ``n_sink`` first entries."""
+        return position < self.n_sink
+
     def scores(self, ctx: ScoreContext) -> torch.Tensor:
         position = ctx.positions.float().expand(ctx.num_kv_heads, -1)
         return protect(position, ctx.sinks(self.n_sink))

@@ -31,5 +31,9 @@ class ValueNorm(Scorer):
         check_choice(self.kind, PAYLOADS, f"{self.name}.kind")
         check_positive(f"{self.name}.n_sink", self.n_sink, 0)
 
+    def protected(self, age: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Never evicted: the ``n_sink`` first entries."""
+        return position < self.n_sink
+
     def scores(self, ctx: ScoreContext) -> torch.Tensor:
         return protect(ctx.payload(self.kind), ctx.sinks(self.n_sink))

@@ -36,6 +36,10 @@ class VATP(Scorer):
         check_positive(f"{self.name}.window", self.window)
         check_positive(f"{self.name}.n_sink", self.n_sink, 0)
 
+    def protected(self, age: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Never evicted: the ``n_sink`` first entries."""
+        return position < self.n_sink
+
     def scores(self, ctx: ScoreContext) -> torch.Tensor:
         if self.base == "h2o":
             attention = ctx.column_sum() / ctx.age.float()

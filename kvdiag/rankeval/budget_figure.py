@@ -1,0 +1,31 @@
+"""The budget-curve figure: FSR@rho and FNR@rho of every rule over a grid of rho (one rho hides where rules cross)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+
+
+def budget_curves_figure(curves: pl.DataFrame, out_dir: Path, candidates: str) -> list[Path]:
+    """``budget_curves.png``/``.pdf`` from ``RankEvalResult.budget_curves``: two panels (FSR, FNR), one line per
+    rule with its CI band, the random scorer dashed."""
+    from kvdiag.figures.common import new_figure, save_figure, style  # matplotlib on first use only
+
+    with style():
+        fig, axes = new_figure(2, 9.0, 3.6)
+        for ax, (metric, label) in zip(axes, (("fsr", "FSR@ρ (harmful share of the evicted)"),
+                                              ("fnr", "FNR@ρ (share of the harmful evicted)"))):
+            rows = curves.filter(pl.col("metric") == metric)
+            for name in rows["scorer"].unique(maintain_order=True):
+                r = rows.filter(pl.col("scorer") == name).sort("rho")
+                random = name.startswith("random (")
+                ax.plot(r["rho"], r["value"], linestyle="--" if random else "-", color="black" if random else None,
+                        linewidth=1.0, marker=None if random else ".", label=name)
+                if not random:
+                    ax.fill_between(r["rho"], r["ci_low"], r["ci_high"], alpha=0.12)
+            ax.set_xlabel("eviction fraction ρ")
+            ax.set_ylabel(label)
+        axes[1].legend(fontsize=6, ncols=2)
+        fig.suptitle(f"Budget curves on {candidates}", fontsize=8)
+        return save_figure(fig, out_dir, "budget_curves")
