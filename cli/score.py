@@ -12,8 +12,8 @@ from kvdiag.errors import UserError
 
 def score(
     ctx: typer.Context,
-    trace: Path = typer.Option(..., "--trace", help="Trace directory written by `kvdiag trace`."),
-    out: Path = typer.Option(..., "--out", help="Output scores.parquet."),
+    trace: Path | None = typer.Option(None, "--trace", help="Trace directory written by `kvdiag trace` (required unless --list)."),
+    out: Path | None = typer.Option(None, "--out", help="Output scores.parquet (required unless --list)."),
     labels: Path | None = typer.Option(None, "--labels", help="labels.parquet: score exactly its candidates (same keys)."),
     checkpoints: list[str] | None = typer.Option(
         None, "--checkpoints", help="Without --labels: 'default' (every 128 generated tokens) or positions t, e.g. 256,384 (repeatable); every entry < t is scored."),
@@ -23,6 +23,7 @@ def score(
     plugin: list[str] | None = typer.Option(None, "--plugin", help="Module (or .py file) whose import registers scorers, repeatable."),
     aggregation: str = typer.Option("mean_rank", "--aggregation", help="How token/layer rows combine per-(layer, head) scores: mean_rank or mean_raw."),
     model: str | None = typer.Option(None, "--model", help="The Trace's model, only for payload wo_l2 (‖W_O v‖₂): its o_proj weights are read."),
+    list_: bool = typer.Option(False, "--list", help="List every scorer (built-in, plugin, kvpress:<Press>) and whether it can be graded, then exit."),
 ) -> None:
     """Score candidates of a Trace with the scorer zoo (higher = keep) and write scores.parquet."""
     from cli.common import joined, listed, refuse_given
@@ -32,6 +33,11 @@ def score(
     from kvdiag.scorers.score import check_aggregation, check_keys
     from kvdiag.trace import Trace
 
+    if list_:
+        list_scorers(plugin or ())
+        return
+    if trace is None or out is None:
+        raise UserError("pass --trace DIR and --out scores.parquet (or --list to see the scorers)")
     # every input is checked before the work (and the --model load) starts
     if (labels is None) == (checkpoints is None):
         raise UserError("pass exactly one of --labels labels.parquet or --checkpoints default|t1,t2,...")
@@ -58,6 +64,21 @@ def score(
                       else {"checkpoints": joined(checkpoints), "granularity": joined(granularity) or "token"})
     write_table(df, out, meta)
     Console(stderr=True).print(f"wrote {df.height} rows × {len(meta['scorers'])} scorers to {out}")
+
+
+def list_scorers(plugins) -> None:
+    """One line per scorer: name, kind (built-in, plugin, kvpress), status (gradable or refused) and a note."""
+    from kvdiag.scorers import SCORERS, load_plugins
+    from kvdiag.scorers.kvpress_press import PREFIX, listing
+
+    load_plugins(plugins)
+    rows = [(name, "built-in" if cls.__module__.startswith("kvdiag.scorers.") else "plugin", "gradable",
+             (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else "")
+            for name, cls in SCORERS.items() if not name.startswith(PREFIX)]
+    rows += [(name, "kvpress", status, note) for name, status, note in listing()]
+    width = max(len(r[0]) for r in rows)
+    for name, kind, status, note in rows:
+        typer.echo(f"{name:<{width}}  {kind:<8}  {status:<13}  {note}")
 
 
 def parse_checkpoints(text: str) -> str | list[int]:

@@ -52,6 +52,7 @@ class ScoreContext:
     positions : LongTensor [t], ascending absolute positions of the cached entries (live context), or None:
         the full cache, ``arange(t)``.
     checkpoint : the absolute checkpoint (live: required, ``> positions[-1]``); None: ``t``.
+    trace : the Trace being scored (None in replay): scorers that rerun its model read it (``kvpress:`` presses).
     """
 
     q: torch.Tensor
@@ -68,6 +69,7 @@ class ScoreContext:
     cache: dict = field(default_factory=dict, repr=False)
     positions: torch.Tensor | None = None
     checkpoint: int | None = None
+    trace: Any = field(default=None, repr=False)
     live: bool = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -259,8 +261,17 @@ def scorer_names() -> list[str]:
     return list(SCORERS)
 
 
+def ensure_registered(name: str) -> None:
+    """Register ``kvpress:<Press>`` on first use (kvpress is optional and slow to import); other names pass."""
+    if name not in SCORERS and name.startswith("kvpress:"):
+        from kvdiag.scorers.kvpress_press import register_press
+
+        register_press(name)
+
+
 def get_scorer(name: str, **params) -> Scorer:
     """An instance of the scorer ``name`` with ``params`` (strings are converted to the field types)."""
+    ensure_registered(name)
     if name not in SCORERS:
         raise UserError(f"unknown scorer {name!r}: use one of {', '.join(SCORERS)} (or load yours with --plugin)")
     cls = SCORERS[name]

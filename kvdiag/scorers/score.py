@@ -28,7 +28,8 @@ from kvdiag import __version__
 from kvdiag.errors import UserError
 from kvdiag.features import AttentionHistory
 from kvdiag.scorers.base import (
-    AGGREGATIONS, SCORERS, ScoreContext, Scorer, aggregation_values, get_scorer, register_scorer, scorer_names,
+    AGGREGATIONS, SCORERS, ScoreContext, Scorer, aggregation_values, ensure_registered, get_scorer, register_scorer,
+    scorer_names,
 )
 
 ENTRY_POINT_GROUP = "kvdiag.scorers"
@@ -81,13 +82,19 @@ def _import_plugin(module: str) -> None:
 def resolve_scorers(names: str | Iterable[str] = "all", params: dict[str, dict] | None = None, plugins: Iterable[str] = ()) -> dict[str, Scorer]:
     """Instances of the named scorers (``"all"``, ``"a,b"`` or a list) with ``params[name]`` applied."""
     load_plugins(plugins)
-    if isinstance(names, str):
-        names = scorer_names() if names.strip() == "all" else [n.strip() for n in names.split(",") if n.strip()]
+    if isinstance(names, str):  # "all": built-ins and plugins; kvpress presses are named (or kvpress:all)
+        names = ([n for n in scorer_names() if not n.startswith("kvpress:")] if names.strip() == "all"
+                 else [n.strip() for n in names.split(",") if n.strip()])
+    if "kvpress:all" in names:
+        from kvdiag.scorers.kvpress_press import expand
+
+        names = expand(list(names))
     names = list(dict.fromkeys(names))
     if not names:
         raise UserError(f"--scorers is empty: use all or some of {', '.join(SCORERS)}")
     params = params or {}
     for name in list(names) + list(params):
+        ensure_registered(name)
         if name not in SCORERS:
             raise UserError(f"unknown scorer {name!r}: use one of {', '.join(SCORERS)} (or load yours with --plugin)")
     stray = [n for n in params if n not in names]
@@ -268,7 +275,7 @@ def _score_prompt(trace, pid, keys, selected, aggregation, o_proj, out, timings,
         history = AttentionHistory(q, k, scale)
         for t in cps:
             ctx = ScoreContext(q[:, :t], k[:, :t], v[:, :t], scale, P, layer, pid, ids[:t],
-                               o_proj=o_proj.get(layer) if o_proj else None, history=history)
+                               o_proj=o_proj.get(layer) if o_proj else None, history=history, trace=trace)
             for name, scorer in selected.items():
                 start = time.perf_counter()
                 scores = scorer.scores(ctx)
