@@ -41,6 +41,7 @@ from cli.bench_score import bench_score  # noqa: E402
 from cli.bench_trace import bench_trace  # noqa: E402
 from cli.demo import demo  # noqa: E402
 from cli.figures import figures  # noqa: E402
+from cli.fit import fit  # noqa: E402
 from cli.label import label  # noqa: E402
 from cli.rank_eval import rank_eval  # noqa: E402
 from cli.replay import replay  # noqa: E402
@@ -49,7 +50,7 @@ from cli.score import score  # noqa: E402
 from cli.trace import trace  # noqa: E402
 
 for _name, _fn in [("trace", trace), ("label", label), ("score", score), ("rank-eval", rank_eval), ("figures", figures),
-                   ("report", report), ("replay", replay), ("demo", demo)]:
+                   ("report", report), ("replay", replay), ("fit", fit), ("demo", demo)]:
     app.command(_name)(_fn)
 for _name, _fn in [("trace", bench_trace), ("label", bench_label), ("score", bench_score), ("kernels", bench_kernels)]:
     bench_app.command(_name)(_fn)

@@ -35,6 +35,7 @@ from kvdiag.scorers.vatp import VATP
 from kvdiag.scorers.random_scorer import RandomScorer
 from kvdiag.scorers.avokv_e import AvoKVE, avokv_score
 from kvdiag.scorers.avokv_e_ablations import AvoKVENoDelay, AvoKVENoPayload, AvoKVENoRedundancy, AvoKVERaw
+from kvdiag.scorers.fitted import Fitted  # not in --scorers all: needs --param fitted.path=model.json
 from kvdiag.scorers.score import (
     ENTRY_POINT_GROUP,
     KEY_COLUMNS,
@@ -48,7 +49,7 @@ from kvdiag.scorers.score import (
 __all__ = [
     "AGGREGATIONS", "ENTRY_POINT_GROUP", "KEY_COLUMNS", "SCORERS",
     "AttentionScorer", "AttentionXAge", "AvoKVE", "AvoKVENoDelay", "AvoKVENoPayload", "AvoKVENoRedundancy",
-    "AvoKVERaw", "H2O", "KNorm", "LazyEviction", "RKV", "RandomScorer", "ScoreContext", "Scorer", "SnapKV",
+    "AvoKVERaw", "Fitted", "H2O", "KNorm", "LazyEviction", "RKV", "RandomScorer", "ScoreContext", "Scorer", "SnapKV",
     "StreamingLLM", "TOVA", "ThinKVProxy", "VATP", "ValueNorm",
     "avokv_score", "checkpoint_keys", "default_checkpoints", "get_scorer", "lazyeviction_score", "load_plugins",
     "parse_params", "percentile_rank", "protect", "register_scorer", "resolve_scorers", "rkv_importance",

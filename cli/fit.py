@@ -1,0 +1,52 @@
+"""``kvdiag fit``: a fitted ceiling for feature-based rules (grouped cross-validation), ranked beside the rules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+
+def fit(
+    trace: Path = typer.Option(..., "--trace", help="Trace directory the labels were made from"),
+    labels: Path = typer.Option(..., "--labels", help="labels.parquet written by kvdiag label (token rows are used)"),
+    out: Path = typer.Option(..., "--out", help="output directory"),
+    scores: Path | None = typer.Option(None, "--scores", help="scores.parquet of the same labels: rank the hand-made rules beside the fit"),
+    features: list[str] | None = typer.Option(None, "--features", help="features to use, comma-separated, repeatable (default: all; see README)"),
+    harm: str = typer.Option("quantile:0.9", "--harm", help="harmful = kl_mean above quantile:Q of the resolved labels, or abs:TAU nats"),
+    folds: int = typer.Option(5, "--folds", help="grouped cross-validation folds (by prompt; at most the number of prompts)"),
+    bootstrap: int = typer.Option(1000, "--bootstrap", help="cluster-bootstrap resamples of the metrics"),
+    include_unresolved: bool = typer.Option(False, "--include-unresolved", help="keep labels at or below their noise floor"),
+    seed: int = typer.Option(0, "--seed"),
+) -> None:
+    """Fit logistic regression and gradient-boosted trees to the harmful label from per-entry features, rank their
+    out-of-fold predictions beside the rules, save the logistic regression as a scorer (fitted)."""
+    from cli.common import listed
+    from kvdiag.fit import FitConfig, _check, fit_ceiling
+    from kvdiag.io import check_writable, read_table
+    from kvdiag.label import read_labels
+    from kvdiag.rankeval import check_inputs
+    from kvdiag.trace import Trace
+
+    cfg = FitConfig(features=tuple(listed(features)), harm=harm, n_splits=folds, n_boot=bootstrap,
+                    include_unresolved=include_unresolved, seed=seed)
+    _check(cfg)
+    check_writable(out, "--out", "dir")
+    tr = Trace(trace)
+    label_df, label_meta = read_labels(labels)
+    tr.check_belongs(label_meta, f"--labels {labels}")
+    score_df, score_meta = read_table(scores, "scores") if scores is not None else (None, None)
+    if scores is not None:
+        check_inputs(label_meta, score_meta)
+    res = fit_ceiling(tr, label_df, score_df, out, cfg, labels_meta=label_meta, scores_meta=score_meta, progress=True)
+    console = Console()
+    s = res["summary"]
+    console.print(f"fit on {s['n']:,} entries ({s['n_harmful']} harmful, {s['prompts']} prompts, {s['folds']} grouped folds); "
+                  f"out-of-fold metrics with rank-eval:", highlight=False)
+    m = res["metrics"].filter((res["metrics"]["scope"] == "pooled") & res["metrics"]["metric"].is_in(["auroc", "ap", "fsr"]))
+    for row in m.sort("metric", "value", descending=[False, True]).iter_rows(named=True):
+        console.print(f"  {row['metric']:6s} {row['scorer']:24s} {row['value']:.3f} [{row['ci_low']:.3f}, {row['ci_high']:.3f}]",
+                      highlight=False)
+    console.print(f"wrote features.parquet, oof_scores.parquet, metrics.csv, table.md, importances.csv, model.json to {out}",
+                  highlight=False)

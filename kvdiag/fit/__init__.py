@@ -1,0 +1,177 @@
+"""``kvdiag fit``: a fitted ceiling for feature-based rules.
+
+A logistic regression and gradient-boosted trees (scikit-learn) learn the harmful label from the per-entry
+features kvdiag computes (``kvdiag.scorers.entry_features``), with cross-validation grouped by prompt: each
+entry's out-of-fold prediction comes from a model that never saw its prompt. The out-of-fold predictions are
+ranked beside the hand-made rules by ``rank_eval`` (same candidates, harm threshold and cluster bootstrap).
+They say how well *any* rule on these features could rank this label: an upper reference, not a policy.
+The logistic regression refitted on every entry is saved as ``model.json`` and loads as the ``fitted``
+scorer (``--scorers fitted --param fitted.path=DIR/model.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from kvdiag import __version__
+from kvdiag.errors import UserError
+from kvdiag.io import write_csv, write_json, write_table, write_text
+
+MODELS = ("fitted_logreg", "fitted_gbt")
+
+
+@dataclass(frozen=True)
+class FitConfig:
+    """How the ceiling is fitted (written to config.json and model.json)."""
+
+    features: tuple[str, ...] = ()  # empty: every feature of entry_features.FEATURES
+    harm: str = "quantile:0.9"  # the harmful label, as rank-eval defines it (on the resolved labels)
+    include_unresolved: bool = False
+    noise_mult: float = 1.0
+    n_splits: int = 5  # grouped folds (at most the number of prompts)
+    seed: int = 0
+    n_boot: int = 1000  # rank-eval's cluster bootstrap of the out-of-fold metrics
+    logreg_c: float = 1.0  # inverse L2 strength of the logistic regression
+    gbt_max_iter: int = 200  # boosting iterations of HistGradientBoostingClassifier
+    gbt_learning_rate: float = 0.05
+    gbt_max_leaf_nodes: int = 15
+    aggregation: str = "mean_raw"  # token rows: mean of the features over layers and KV heads (linear: the fitted
+    # scorer's logit, averaged the same way, is exactly the model's)
+    extra: dict = field(default_factory=dict)
+
+
+def _check(cfg: FitConfig) -> tuple[str, ...]:
+    from kvdiag.rankeval import parse_harm
+    from kvdiag.scorers.entry_features import FEATURES
+
+    parse_harm(cfg.harm)
+    names = cfg.features or tuple(FEATURES)
+    unknown = [f for f in names if f not in FEATURES]
+    if unknown:
+        raise UserError(f"--features {','.join(unknown)}: unknown; use some of {', '.join(FEATURES)}")
+    if cfg.n_splits < 2:
+        raise UserError(f"--folds {cfg.n_splits}: cross-validation needs at least 2 folds")
+    return names
+
+
+def feature_table(trace, keys: pl.DataFrame, names: tuple[str, ...], progress: bool = False) -> pl.DataFrame:
+    """The label keys with one column per feature (token rows: mean over layers and KV heads)."""
+    from kvdiag.scorers import score_trace
+    from kvdiag.scorers.entry_features import EntryFeature
+
+    df, _ = score_trace(trace, keys=keys, scorers={n: EntryFeature(feature=n) for n in names}, aggregation="mean_raw",
+                        progress=progress)
+    return df
+
+
+def _labels_y(labels: pl.DataFrame, cfg: FitConfig) -> tuple[pl.DataFrame, np.ndarray, float]:
+    """The evaluated labels (resolved unless include_unresolved) and their harm label, as rank-eval makes them."""
+    from kvdiag.rankeval import harm_threshold
+
+    if not cfg.include_unresolved:
+        labels = labels.filter(pl.col("kl_mean") > cfg.noise_mult * pl.col("noise_floor"))
+    kl = labels["kl_mean"].to_numpy()
+    threshold = harm_threshold(kl, cfg.harm)
+    y = (kl > threshold).astype(int)
+    if y.min() == y.max():
+        raise UserError(f"--harm {cfg.harm} leaves one class only among {len(y)} labels: choose another threshold")
+    return labels, y, threshold
+
+
+def _models(cfg: FitConfig):
+    from sklearn.ensemble import HistGradientBoostingClassifier
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    return {
+        "fitted_logreg": make_pipeline(StandardScaler(), LogisticRegression(C=cfg.logreg_c, max_iter=2000)),
+        "fitted_gbt": HistGradientBoostingClassifier(max_iter=cfg.gbt_max_iter, learning_rate=cfg.gbt_learning_rate,
+                                                     max_leaf_nodes=cfg.gbt_max_leaf_nodes, random_state=cfg.seed),
+    }
+
+
+def fit_ceiling(trace, labels: pl.DataFrame, scores: pl.DataFrame | None, out: str | Path, cfg: FitConfig,
+                labels_meta: dict | None = None, scores_meta: dict | None = None, progress: bool = False) -> dict:
+    """Fit, cross-validate and rank the ceiling models; write the outputs into ``out`` and return the summary.
+
+    Outputs: ``features.parquet`` (keys, features, label), ``oof_scores.parquet`` (keys, the models' out-of-fold
+    keep scores ``P(harmful)``: keep what would hurt to evict, and the hand-made rules' scores), ``metrics.csv``/``table.md`` (rank-eval of all),
+    ``importances.csv``, ``model.json`` (the logistic regression on all entries), ``config.json``.
+    """
+    from sklearn.inspection import permutation_importance
+    from sklearn.model_selection import GroupKFold
+
+    from kvdiag.rankeval import KEYS, rank_eval, to_markdown
+
+    names = _check(cfg)
+    out = Path(out)
+    t0 = time.perf_counter()
+    labels = labels.filter(pl.col("granularity") == "token")
+    if labels.height == 0:
+        raise UserError("the labels hold no token-granularity rows: fit learns the token label; label with --granularity token")
+    labels, y, threshold = _labels_y(labels, cfg)
+    feats = feature_table(trace, labels.select(KEYS), names, progress)
+    X = feats.select(names).to_numpy().astype(float)
+    groups = labels["prompt_id"].to_numpy()
+    n_prompts = len(np.unique(groups))
+    if n_prompts < 2:
+        raise UserError(f"the labels cover {n_prompts} prompt: grouped cross-validation needs at least 2 prompts")
+    folds = GroupKFold(n_splits=min(cfg.n_splits, n_prompts))
+    oof = {m: np.zeros(len(y)) for m in MODELS}
+    importance = {m: np.zeros(len(names)) for m in MODELS}
+    for train, test in folds.split(X, y, groups):
+        for name, model in _models(cfg).items():
+            model.fit(X[train], y[train])
+            oof[name][test] = model.predict_proba(X[test])[:, 1]
+            imp = permutation_importance(model, X[test], y[test], scoring="roc_auc", n_repeats=5, random_state=cfg.seed)
+            importance[name] += imp.importances_mean * len(test) / len(y)
+
+    ranked = labels.select(KEYS).with_columns(pl.Series(m, oof[m]) for m in MODELS)  # keep what is likely harmful
+    if scores is not None:
+        rules = [c for c in scores.columns if c not in KEYS and c not in MODELS]
+        ranked = ranked.join(scores.select(*KEYS, *rules), on=list(KEYS), how="left")
+    result = rank_eval(labels, ranked, harm=cfg.harm, include_unresolved=cfg.include_unresolved, noise_mult=cfg.noise_mult,
+                       n_boot=cfg.n_boot, seed=cfg.seed, reference="fitted_logreg", granularity="token",
+                       scores_meta=scores_meta)
+
+    final = _models(cfg)["fitted_logreg"].fit(X, y)
+    scaler, logreg = final[0], final[-1]
+    model = {
+        "kind": "kvdiag_fitted_logreg", "kvdiag_version": __version__, "features": list(names),
+        "mean": scaler.mean_.tolist(), "scale": scaler.scale_.tolist(), "coef": logreg.coef_[0].tolist(),
+        "intercept": float(logreg.intercept_[0]), "harm": cfg.harm, "harm_threshold": threshold,
+        "aggregation": cfg.aggregation, "trained_on": {"n": len(y), "n_harmful": int(y.sum()), "prompts": n_prompts},
+        "labels": labels_meta, "trace": getattr(trace, "provenance", None),
+    }
+    std_coef = dict(zip(names, logreg.coef_[0].tolist()))
+    imp = pl.DataFrame({
+        "feature": list(names),
+        "logreg_std_coef": [std_coef[n] for n in names],
+        "logreg_permutation_auroc_drop": importance["fitted_logreg"].tolist(),
+        "gbt_permutation_auroc_drop": importance["fitted_gbt"].tolist(),
+    }).sort("gbt_permutation_auroc_drop", descending=True)
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_table(feats.with_columns(harmful=pl.Series(y)), out / "features.parquet", {"kind": "fit_features", "features": list(names)})
+    write_table(ranked, out / "oof_scores.parquet", {"kind": "scores", "trace": (labels_meta or {}).get("trace"),
+                                                     "scorers": {**((scores_meta or {}).get("scorers") or {}),
+                                                                 **{m: {"out_of_fold": True} for m in MODELS}}})
+    write_csv(result.metrics, out / "metrics.csv")
+    write_text(out / "table.md", to_markdown(result, "pooled"))
+    write_csv(imp, out / "importances.csv")
+    write_json(out / "model.json", model)
+    summary = {
+        "n": len(y), "n_harmful": int(y.sum()), "harm_threshold": threshold, "prompts": n_prompts,
+        "folds": min(cfg.n_splits, n_prompts), "features": list(names), "seconds": round(time.perf_counter() - t0, 1),
+        "rank_eval": result.summary,
+    }
+    write_json(out / "config.json", {"command": "fit", "kvdiag_version": __version__, "config": asdict(cfg),
+                                     "summary": summary, "inputs": {"labels": labels_meta, "scores": scores_meta}})
+    return {"summary": summary, "metrics": result.metrics, "importances": imp, "result": result}

@@ -1,0 +1,63 @@
+"""The fitted rule: a logistic regression on per-entry features (``kvdiag fit``), loaded from its JSON file."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import ClassVar
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+from kvdiag.errors import UserError
+from kvdiag.scorers.base import ScoreContext, Scorer, register_scorer
+from kvdiag.scorers.entry_features import FEATURES, entry_features
+
+
+@register_scorer("fitted")
+@dataclass
+class Fitted(Scorer):
+    """``logit P(harmful)`` of the model ``kvdiag fit`` saved at ``path`` (``model.json``): keep what would hurt
+    to evict (higher = keep).
+
+    The model is linear in standardized features, so the mean of its per-(layer, KV head) logits
+    (``--aggregation mean_raw``) is exactly the logit of the mean features it was fitted on. An upper reference
+    for feature-based rules under the label it was fitted to, not an eviction policy. No protected entries.
+
+    Parameters
+    ----------
+    path : model.json written by ``kvdiag fit`` (required).
+    """
+
+    in_all: ClassVar[bool] = False  # needs its model path
+
+    path: str = ""
+    _model: dict = field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        if not self.path:
+            raise UserError("scorer fitted needs its model: --param fitted.path=DIR/model.json (written by kvdiag fit)")
+        try:
+            model = json.loads(Path(self.path).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise UserError(f"--param fitted.path={self.path}: not a readable model.json ({err}); run kvdiag fit") from err
+        unknown = [f for f in model.get("features", []) if f not in FEATURES]
+        if model.get("kind") != "kvdiag_fitted_logreg" or unknown:
+            raise UserError(f"--param fitted.path={self.path}: not a model.json written by kvdiag fit")
+        self._model = model
+
+    @property
+    def params(self) -> dict:
+        return {"path": self.path}
+
+    @cached_property
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+        m = self._model
+        return (torch.tensor(m["mean"]), torch.tensor(m["scale"]), torch.tensor(m["coef"]), float(m["intercept"]))
+
+    def scores(self, ctx: ScoreContext) -> torch.Tensor:
+        mean, scale, coef, intercept = self._weights
+        x = entry_features(ctx, self._model["features"])  # [F, Hkv, t]
+        logit = torch.einsum("f,fht->ht", coef / scale, x - mean[:, None, None]) + intercept
+        return logit
