@@ -206,6 +206,7 @@ class Scorer:
     """
 
     name: ClassVar[str] = ""
+    in_all: ClassVar[bool] = True  # part of `--scorers all` (False: needs a setting, e.g. fitted's model path)
 
     def scores(self, ctx: ScoreContext) -> torch.Tensor:
         """[Hkv, t]: one score per KV head and cached entry; higher = keep."""

@@ -83,7 +83,7 @@ def resolve_scorers(names: str | Iterable[str] = "all", params: dict[str, dict] 
     """Instances of the named scorers (``"all"``, ``"a,b"`` or a list) with ``params[name]`` applied."""
     load_plugins(plugins)
     if isinstance(names, str):  # "all": built-ins and plugins; kvpress presses are named (or kvpress:all)
-        names = ([n for n in scorer_names() if not n.startswith("kvpress:")] if names.strip() == "all"
+        names = ([n for n in scorer_names() if not n.startswith("kvpress:") and SCORERS[n].in_all] if names.strip() == "all"
                  else [n.strip() for n in names.split(",") if n.strip()])
     if "kvpress:all" in names:
         from kvdiag.scorers.kvpress_press import expand
@@ -223,7 +223,8 @@ def score_trace(
     Returns the keys with one Float64 column per scorer (rows in the keys' order) and the metadata dict.
     """
     check_aggregation(aggregation)
-    selected = resolve_scorers(scorers, params, plugins)
+    # a dict of instances is taken as is (kvdiag fit scores unregistered feature extractors this way)
+    selected = scorers if isinstance(scorers, dict) else resolve_scorers(scorers, params, plugins)
     if keys is None:
         keys = checkpoint_keys(trace, checkpoints or "default", granularity)
     keys = check_keys(trace, keys)
