@@ -10,7 +10,7 @@ Run directory layout (every piece optional; the report lists the missing ones an
       scores.parquet     kvdiag score --trace RUN/trace --labels RUN/labels.parquet --out RUN/scores.parquet
       rank-eval/         kvdiag rank-eval --labels ... --scores ... --out RUN/rank-eval
       figures/           kvdiag figures --trace ... --labels ... --scores ... --out RUN/figures
-      report.md, report.html   kvdiag report --run RUN
+      report.md, report.html, viewer.html   kvdiag report --run RUN
 """
 
 from __future__ import annotations
@@ -362,6 +362,23 @@ def _figures_section(r: _Run, rel: str) -> str:
     return out
 
 
+def _viewer_section(r: _Run, out: Path) -> str:
+    """Write ``viewer.html`` (kvdiag.viewer) beside the report and link it, or say why it could not be written."""
+    from kvdiag.viewer import ViewerSettings, build_viewer
+
+    out_md = "## Token viewer\n\n"
+    settings = ViewerSettings.from_configs((r.rank_eval or {}).get("config", {}).get("config"), (r.figures or {}).get("params"))
+    try:
+        build_viewer(r.trace, r.labels and r.labels[0], r.scores and r.scores[0], out / "viewer.html",
+                     labels_meta=r.labels and r.labels[1], scores_meta=r.scores and r.scores[1], settings=settings,
+                     figures_dir=r.run / "figures" if r.figures is not None else None)
+    except UserError as err:
+        return out_md + f"`viewer.html` not written: {err}\n"
+    return out_md + ("[viewer.html](viewer.html): the trace token by token, coloured by each candidate's oracle label at a chosen "
+                     "checkpoint, with the entries each rule evicts at a chosen ρ or budget, the misses among them, and the "
+                     "delayed-read and blind-spot entries of the figures (one self-contained page; README, section Token viewer).\n")
+
+
 def _commands_section(r: _Run) -> str:
     out = "## Commands and configuration\n\n"
     if r.commands:
@@ -411,8 +428,8 @@ def markdown_to_html(markdown: str, base: Path, title: str) -> str:
 
 
 def build_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> tuple[Path, Path]:
-    """Write ``report.md`` and ``report.html`` (self-contained) for the run directory ``run_dir`` (layout: module
-    docstring) into ``out_dir`` (default: the run directory). Returns ``(md_path, html_path)``.
+    """Write ``report.md``, ``report.html`` (self-contained) and ``viewer.html`` (kvdiag.viewer) for the run directory
+    ``run_dir`` (layout: module docstring) into ``out_dir`` (default: the run directory). Returns ``(md_path, html_path)``.
 
     Missing or unreadable pieces are listed and skipped; pieces made from different Traces are flagged.
     A run directory that does not exist or holds no piece at all is a ``UserError``.
@@ -434,7 +451,7 @@ def build_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
         # relative, so a committed report names no path of the machine that made it
         f"Run directory `{rel}` (relative to this report); report made {time.strftime('%Y-%m-%d %H:%M:%S %Z')} by kvdiag {__version__}.\n",
         _contents(r), _trace_section(r), _labels_section(r), _scores_section(r), _rank_eval_section(r),
-        _figures_section(r, rel), _commands_section(r),
+        _figures_section(r, rel), _viewer_section(r, out), _commands_section(r),
     ])
     md_path, html_path = out / "report.md", out / "report.html"
     md_path.write_text(md)
