@@ -32,6 +32,15 @@ HIDDEN = ["kvpress:ExpectedAttentionPress", "kvpress:LeverageScorePress", "kvpre
           "kvpress:NonCausalAttnPress", "kvpress:CapPress", "kvpress:CompactorPress"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def restore_registry():
+    """``kvpress:`` scorers register on first use: drop them after this module (other tests list SCORERS)."""
+    before = dict(SCORERS)
+    yield
+    SCORERS.clear()
+    SCORERS.update(before)
+
+
 @pytest.fixture(scope="module")
 def trace(tiny_llama, tmp_path_factory):
     return make_trace(tiny_llama, tmp_path_factory.mktemp("kvpress") / "trace", n_prompts=2, max_new_tokens=40)
