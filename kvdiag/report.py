@@ -302,7 +302,7 @@ def _scores_section(r: _Run) -> str:
     return out + md_table(["scorer", "parameters"], rows, "ll")
 
 
-def _rank_eval_section(r: _Run) -> str:
+def _rank_eval_section(r: _Run, rel: str) -> str:
     out = "## Ranking metrics (Table 3)\n\n"
     if r.rank_eval is None:
         return out + f"rank-eval is {r.status['rank-eval']}: `{LAYOUT['rank-eval'][1]}`.\n"
@@ -311,7 +311,38 @@ def _rank_eval_section(r: _Run) -> str:
     warnings = cfg.get("summary", {}).get("warnings") or []
     if warnings:
         out += "\n" + "\n".join(f"- warning: {w}" for w in warnings) + "\n"
-    return out + "\nAll metrics with their CIs and notes: `rank-eval/metrics.csv`; paired differences: `rank-eval/paired.csv`.\n"
+    out += "\nAll metrics with their CIs and notes: `rank-eval/metrics.csv`; paired differences: `rank-eval/paired.csv`.\n"
+    if (r.run / "rank-eval" / "budget_curves.png").is_file():
+        out += (f"\n### Budget curves\n\nFSR@ρ and FNR@ρ over a grid of ρ (one ρ hides where rules cross); dashed: the "
+                f"random scorer. Numbers: `rank-eval/budget_curves.csv`.\n\n![budget curves]({rel}/rank-eval/budget_curves.png)\n")
+    eligible = r.run / "rank-eval-eligible"
+    if (eligible / "table.md").is_file() and (eligible / "config.json").is_file():
+        summary = json.loads((eligible / "config.json").read_text()).get("summary", {})
+        out += (f"\n### Table 3 on an eligible candidate set\n\nCandidates: {summary.get('candidates', '?')} "
+                f"({summary.get('n_evaluated', '?')} of the labels). The paper's Table 3 ranks S_i(t) on eligible "
+                f"candidates only; every rule is ranked here on the same set. Outputs: `rank-eval-eligible/`.\n\n")
+        out += (eligible / "table.md").read_text()
+    return out + _ceiling_section(r)
+
+
+def _ceiling_section(r: _Run) -> str:
+    """The fitted ceiling (``kvdiag fit`` in RUN/fit), when present."""
+    fit = r.run / "fit"
+    if not (fit / "table.md").is_file() or not (fit / "config.json").is_file():
+        return ""
+    s = json.loads((fit / "config.json").read_text())["summary"]
+    imp = pl.read_csv(fit / "importances.csv")
+    rows = [[f["feature"], f"{f['logreg_std_coef']:+.3f}", f"{f['logreg_permutation_auroc_drop']:.4f}",
+             f"{f['gbt_permutation_auroc_drop']:.4f}"] for f in imp.iter_rows(named=True)]
+    return (f"\n### Fitted ceiling for feature-based rules\n\n`kvdiag fit`: logistic regression (`fitted_logreg`) and "
+            f"gradient-boosted trees (`fitted_gbt`) predict the harmful label from {len(s['features'])} per-entry features; "
+            f"each entry's score comes from a model that never saw its prompt ({s['folds']} folds grouped by prompt, "
+            f"{s['n']:,} entries, {s['n_harmful']} harmful). Ranked by rank-eval beside the rules; paired differences "
+            f"against `fitted_logreg`. An upper reference for rules built on these features under this label, not a "
+            f"policy claim.\n\n" + (fit / "table.md").read_text() +
+            "\nFeature importances (standardized logistic-regression coefficient; mean drop of out-of-fold AUROC when "
+            "the feature is permuted):\n\n" +
+            md_table(["feature", "logreg coef", "logreg Δ AUROC", "trees Δ AUROC"], rows, "lrrr"))
 
 
 def _stats_table(path: Path) -> str:
@@ -450,7 +481,7 @@ def build_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
         f"# {title}\n",
         # relative, so a committed report names no path of the machine that made it
         f"Run directory `{rel}` (relative to this report); report made {time.strftime('%Y-%m-%d %H:%M:%S %Z')} by kvdiag {__version__}.\n",
-        _contents(r), _trace_section(r), _labels_section(r), _scores_section(r), _rank_eval_section(r),
+        _contents(r), _trace_section(r), _labels_section(r), _scores_section(r), _rank_eval_section(r, rel),
         _figures_section(r, rel), _viewer_section(r, out), _commands_section(r),
     ])
     md_path, html_path = out / "report.md", out / "report.html"
