@@ -312,6 +312,15 @@ def test_page_in_chromium(run, browser, tmp_path):
     b.screenshot(shot)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+    # a budget: keep B of the C scored candidates
+    b.js(select("mode", "budget"))
+    b.js("(() => { const a = document.getElementById('amount'); a.value = '3'; a.dispatchEvent(new Event('input')); })()")
+    assert int(b.js("+document.getElementById('n-evicted').textContent")) == max(c["n"][k] - 3, 0)
+    if len(data["prompts"]) > 1:
+        b.js(select("prompt", 1))
+        assert b.js("document.querySelectorAll('#tokens span').length") == len(data["prompts"][1]["tokens"])
+        assert b.js("document.getElementById('ckpt').options.length") == len(data["prompts"][1]["ckpts"])
+
 
 def synthetic_long(n_tokens: int = 4096, n_rules: int = 20, every: int = 256, candidates: int = 1024, seed: int = 0) -> dict:
     """Page data of one synthetic prompt: ``n_tokens`` tokens, a checkpoint every ``every`` tokens with up to
