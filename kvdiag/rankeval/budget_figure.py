@@ -10,22 +10,26 @@ import polars as pl
 def budget_curves_figure(curves: pl.DataFrame, out_dir: Path, candidates: str) -> list[Path]:
     """``budget_curves.png``/``.pdf`` from ``RankEvalResult.budget_curves``: two panels (FSR, FNR), one line per
     rule with its CI band, the random scorer dashed."""
+    import seaborn as sns
+
     from kvdiag.figures.common import new_figure, save_figure, style  # matplotlib on first use only
 
+    rules = [n for n in curves["scorer"].unique(maintain_order=True) if not n.startswith("random (")]
+    colors = dict(zip(rules, sns.color_palette("tab20", len(rules))))  # 20 distinct colours: one per rule
     with style():
-        fig, axes = new_figure(2, 9.0, 3.6)
+        fig, axes = new_figure(2, 10.0, 4.2)
         for ax, (metric, label) in zip(axes, (("fsr", "FSR@ρ (harmful share of the evicted)"),
                                               ("fnr", "FNR@ρ (share of the harmful evicted)"))):
             rows = curves.filter(pl.col("metric") == metric)
             for name in rows["scorer"].unique(maintain_order=True):
                 r = rows.filter(pl.col("scorer") == name).sort("rho")
                 random = name.startswith("random (")
-                ax.plot(r["rho"], r["value"], linestyle="--" if random else "-", color="black" if random else None,
+                ax.plot(r["rho"], r["value"], linestyle="--" if random else "-", color="black" if random else colors[name],
                         linewidth=1.0, marker=None if random else ".", label=name)
                 if not random:
-                    ax.fill_between(r["rho"], r["ci_low"], r["ci_high"], alpha=0.12)
+                    ax.fill_between(r["rho"], r["ci_low"], r["ci_high"], alpha=0.08, color=colors[name])
             ax.set_xlabel("eviction fraction ρ")
             ax.set_ylabel(label)
-        axes[1].legend(fontsize=6, ncols=2)
+        axes[1].legend(fontsize=6, ncols=1, loc="center left", bbox_to_anchor=(1.02, 0.5))
         fig.suptitle(f"Budget curves on {candidates}", fontsize=8)
         return save_figure(fig, out_dir, "budget_curves")
