@@ -173,7 +173,7 @@ class Browser:
 
         self.proc = subprocess.Popen(
             [chromium(), "--headless=new", "--remote-debugging-pipe", "--no-sandbox", "--disable-gpu", "--no-first-run",
-             "--disable-extensions", "--disable-background-networking", f"--user-data-dir={self.profile}",
+             "--disable-extensions", "--disable-background-networking", "--disable-dev-shm-usage", f"--user-data-dir={self.profile}",
              f"--window-size={width},{height}", "about:blank"],
             preexec_fn=fds, pass_fds=(3, 4), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         os.close(to_chrome)
