@@ -202,3 +202,18 @@ def test_rank_eval_takes_press_columns(tmp_path):
     code, text = run("rank-eval", "--labels", lp, "--scores", sp, "--out", tmp_path / "eval", "--bootstrap", "20")
     assert code == 0, text
     assert "kvpress:KeyDiffPress" in (tmp_path / "eval" / "table.md").read_text()
+
+
+def test_hidden_window_gives_the_decoding_buffer(trace):
+    """hidden_window=N hands the press only the last N hidden states (kvpress's DecodingPress buffer);
+    prefill-only presses refuse that in one line."""
+    pid = trace.prompt_ids[0]
+    cps = {pid: [trace.length(pid)]}
+    df, _ = score_trace(trace, checkpoints=cps, granularity=["head"], scorers="kvpress:ExpectedAttentionPress",
+                        params={"kvpress:ExpectedAttentionPress": {"hidden_window": 16}})
+    assert np.isfinite(df["kvpress:ExpectedAttentionPress"].to_numpy()).all()
+    with pytest.raises(UserError, match=r"kvpress:LeverageScorePress failed at layer 0, .*AssertionError: LeverageScorePress only supports prefill"):
+        score_trace(trace, checkpoints=cps, scorers="kvpress:LeverageScorePress",
+                    params={"kvpress:LeverageScorePress": {"hidden_window": 16}})
+    with pytest.raises(UserError, match="hidden_window=-1 must be 0"):
+        get_scorer("kvpress:KnormPress", hidden_window="-1")
