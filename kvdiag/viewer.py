@@ -125,7 +125,12 @@ def viewer_data(tokens: pl.DataFrame, prompt_lens: dict[str, int], labels: pl.Da
     delayed, blind, notes = _figure_marks(Path(figures_dir) if figures_dir is not None else None)
     text_col = "token_text" if "token_text" in tokens.columns else None
     prompts = []
+    labeled = set(labels["prompt_id"].unique())
+    if unlabeled := [pid for pid in prompt_lens if pid not in labeled]:
+        notes.append(f"{len(unlabeled)} prompt(s) without token labels left out: {', '.join(unlabeled)}")
     for pid, plen in prompt_lens.items():
+        if pid not in labeled:
+            continue
         tok = tokens.filter(pl.col("prompt_id") == pid).sort("position")
         ids = tok["token_id"].to_list()
         texts = tok[text_col].to_list() if text_col else [None] * len(ids)

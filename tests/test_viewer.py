@@ -129,6 +129,15 @@ def test_figure_marks(run):
     assert p["bs"] == {str(lab0["checkpoint"]): [[lab0["position"], 0.01, 7.5]]}
 
 
+def test_prompts_without_labels_are_left_out(run):
+    trace, labels = run["trace"], run["labels"]
+    first, second = trace.prompt_ids[:2]
+    lens = {pid: trace.prompt_len(pid) for pid in trace.prompt_ids}
+    data = viewer_data(trace.tokens, lens, labels.filter(pl.col("prompt_id") == first))
+    assert [p["id"] for p in data["prompts"]] == [first] and second in data["meta"]["notes"][-1]
+    assert data["meta"]["rules"] == [] and all(c["lo"] == [] for c in data["prompts"][0]["ckpts"])
+
+
 def test_bad_input(run, tmp_path):
     trace, labels, scores = run["trace"], run["labels"], run["scores"]
     with pytest.raises(UserError, match="needs the labels"):
@@ -268,12 +277,17 @@ def browser():
 
 @needs_chromium
 def test_page_in_chromium(run, browser, tmp_path):
-    """Tokens shown, a checkpoint switch recolours them, a rule marks its evictions with the counts of
+    """Tokens shown, a checkpoint switch recolours them, a rule (the one with most misses) marks its evictions with the counts of
     eviction_counts, hover text present; a screenshot is written."""
     path = Path(os.environ.get("KVDIAG_VIEWER") or run["root"] / "viewer.html")
     data = page_data(path.read_text())
     b = browser(path)
-    p0 = data["prompts"][0]
+    # the first prompt with two checkpoints, chosen as a user would
+    pi = next((k for k, p in enumerate(data["prompts"]) if len(p["ckpts"]) > 1), 0)
+    if pi:
+        b.js(select("prompt", pi))
+    p0 = data["prompts"][pi]
+    assert b.js("document.getElementById('ckpt').options.length") == len(p0["ckpts"])
     assert b.js("document.querySelectorAll('#tokens span').length") == len(p0["tokens"])
     assert b.js("document.getElementById('tokens').textContent") == "".join(p0["tokens"]).replace("\n", "↵\n")
     before = b.js(CLASSES)
@@ -287,21 +301,26 @@ def test_page_in_chromium(run, browser, tmp_path):
         assert (" un" in after[i]) == (c["st"][j] == 2)
 
     rules = data["meta"]["rules"]
-    k = rules.index("rkv") if "rkv" in rules else 0
+    y = np.array(c["st"]) == 1
+
+    def eviction(k: int) -> tuple[int, np.ndarray]:
+        """Rule k's evicted count and per-candidate eviction share at the page's ρ (the script's arithmetic)."""
+        lo = np.array(c["lo"][k])
+        sz = np.array(c["sz"].get(str(k), [1] * len(lo)))
+        n = int(n_evicted(data["meta"]["rho"], c["n"][k]))
+        return n, np.where(lo < 0, 0, np.clip((n - lo) / np.maximum(sz, 1), 0, 1))
+
+    k = int(np.argmax([(eviction(k)[1] * y).sum() for k in range(len(rules))]))  # the rule with the most misses
     b.js(select("rule", k))
     marked = b.js(CLASSES)
-    lo = np.array(c["lo"][k])
-    sz = np.array(c["sz"].get(str(k), [1] * len(lo)))
-    y = np.array(c["st"]) == 1
-    n = int(n_evicted(data["meta"]["rho"], c["n"][k]))
-    share = np.where(lo < 0, 0, np.clip((n - lo) / np.maximum(sz, 1), 0, 1))
+    n, share = eviction(k)
     assert int(b.js("+document.getElementById('n-evicted').textContent")) == n
     assert float(b.js("+document.getElementById('n-misses').textContent")) == pytest.approx((share * y).sum(), abs=0.01)
     for j, i in enumerate(c["pos"]):
         assert (" ev" in marked[i] or " ep" in marked[i]) == (share[j] > 0)
         assert (" ms" in marked[i]) == (share[j] > 0 and y[j])
 
-    i = c["pos"][int(np.argmax(share))]
+    i = c["pos"][int(np.argmax(share * (1 + y)))]  # a miss if there is one
     b.hover(f"#tokens span[data-i='{i}']")
     b.wait("!document.getElementById('tip').hidden", 5)
     tip = b.js("document.getElementById('tip').textContent")
@@ -317,9 +336,10 @@ def test_page_in_chromium(run, browser, tmp_path):
     b.js("(() => { const a = document.getElementById('amount'); a.value = '3'; a.dispatchEvent(new Event('input')); })()")
     assert int(b.js("+document.getElementById('n-evicted').textContent")) == max(c["n"][k] - 3, 0)
     if len(data["prompts"]) > 1:
-        b.js(select("prompt", 1))
-        assert b.js("document.querySelectorAll('#tokens span').length") == len(data["prompts"][1]["tokens"])
-        assert b.js("document.getElementById('ckpt').options.length") == len(data["prompts"][1]["ckpts"])
+        other = (pi + 1) % len(data["prompts"])
+        b.js(select("prompt", other))
+        assert b.js("document.querySelectorAll('#tokens span').length") == len(data["prompts"][other]["tokens"])
+        assert b.js("document.getElementById('ckpt').options.length") == len(data["prompts"][other]["ckpts"])
 
 
 def synthetic_long(n_tokens: int = 4096, n_rules: int = 20, every: int = 256, candidates: int = 1024, seed: int = 0) -> dict:
