@@ -4,7 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvdiag-installed
 
-.PHONY: demo test venv clean
+SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo -n)
+
+.PHONY: demo test venv browser clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,8 +26,13 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/kvdiag demo --out runs/demo
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -n 2 -q
+
+# headless Chromium for the token viewer's browser test (Debian packages; tests/test_viewer.py skips without it)
+browser:
+	command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends chromium fonts-dejavu-core; } \
+		|| echo "chromium could not be installed: tests/test_viewer.py will skip its browser tests"
 
 clean:
 	rm -rf runs .pytest_cache

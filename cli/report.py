@@ -12,8 +12,8 @@ def report(
     run: Path = typer.Option(..., "--run", help="run directory: trace/, labels.parquet, scores.parquet, rank-eval/, figures/, commands.json"),
     out: Path | None = typer.Option(None, "--out", help="where report.md and report.html go (default: the run directory)"),
 ) -> None:
-    """Write report.md and report.html (images embedded) describing a run: trace, labels, metrics, figures, commands."""
+    """Write report.md, report.html (images embedded) and viewer.html (the token viewer) describing a run."""
     from kvdiag.report import build_report
 
     md, html = build_report(run, out)
-    Console().print(f"wrote {md} and {html}", highlight=False)
+    Console().print(f"wrote {md}, {html} and {md.with_name('viewer.html')}", highlight=False)

@@ -134,9 +134,11 @@ def test_figure_statistics_in_the_report_are_the_csv_numbers(run):
 def test_html_is_self_contained(run):
     page, fig = run["html"], run["root"] / "figures"
     sources = re.findall(r'<img src="([^"]+)"', page)
-    assert len(sources) == 3 and all(s.startswith("data:image/png;base64,") for s in sources)
+    # blind spot, delayed reads, components, rank-eval's budget curves
+    assert len(sources) == 4 and all(s.startswith("data:image/png;base64,") for s in sources)
     embedded = {base64.b64decode(s.split(",", 1)[1]) for s in sources}
-    assert embedded == {(fig / f"{n}.png").read_bytes() for n in ("blind_spot", "delayed_reads", "components")}
+    assert embedded == {(fig / f"{n}.png").read_bytes() for n in ("blind_spot", "delayed_reads", "components")} | {
+        (run["root"] / "rank-eval" / "budget_curves.png").read_bytes()}
     assert page.count("<table>") >= 6 and "<h2>Ranking metrics (Table 3)</h2>" in page
 
 

@@ -121,8 +121,8 @@ def live_scorer_names(group: int = 2, head_dim: int = 16) -> list[str]:
     """The registered scorers whose defaults run on a live cache (no feature of every past query)."""
     names = []
     for name, cls in SCORERS.items():
-        scorer = cls()
         try:
+            scorer = cls()  # a rule that needs a setting (fitted's model path) has no default instance
             probe_scores(scorer, PROBE_ENTRIES, group, head_dim, query_window_size(scorer))
         except (UserError, ValueError):  # HistoryUnavailable, or a plugin that cannot score a live cache
             continue
