@@ -7,4 +7,6 @@ set -euo pipefail
 .venv/bin/kvdiag score --trace runs/math500/trace --labels runs/math500/labels.parquet --scorers all --out runs/math500/scores.parquet
 .venv/bin/kvdiag rank-eval --labels runs/math500/labels.parquet --scores runs/math500/scores.parquet --out runs/math500/rank-eval
 .venv/bin/kvdiag figures --trace runs/math500/trace --labels runs/math500/labels.parquet --scores runs/math500/scores.parquet --out runs/math500/figures --rank-eval runs/math500/rank-eval
+.venv/bin/kvdiag rank-eval --labels runs/math500/labels.parquet --scores runs/math500/scores.parquet --eligible avokv_e --out runs/math500/rank-eval-eligible
+.venv/bin/kvdiag fit --trace runs/math500/trace --labels runs/math500/labels.parquet --scores runs/math500/scores.parquet --out runs/math500/fit
 .venv/bin/kvdiag report --run runs/math500
