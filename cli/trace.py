@@ -18,7 +18,10 @@ def trace(
     max_new_tokens: int = typer.Option(512, "--max-new-tokens"),
     limit: int | None = common.Limit,
     seed: int = common.Seed,
-    sample: bool = typer.Option(False, "--sample/--greedy", help="sampling (T=0.6, top-p 0.95) or greedy decoding"),
+    sample: bool = typer.Option(False, "--sample/--greedy", help="sampling (--temperature, --top-p) or greedy decoding"),
+    temperature: float = typer.Option(0.6, "--temperature", help="sampling temperature (with --sample)"),
+    top_p: float = typer.Option(0.95, "--top-p", help="nucleus sampling mass (with --sample)"),
+    min_new_tokens: int = typer.Option(0, "--min-new-tokens", help="no end-of-sequence before this many generated tokens"),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="apply the tokenizer's chat template"),
     instruction: str = typer.Option(None, "--instruction", help="text appended to each prompt (default: step-by-step + \\boxed{})"),
     no_instruction: bool = typer.Option(False, "--no-instruction", help="append nothing to the prompts"),
@@ -38,8 +41,11 @@ def trace(
     common.quiet_transformers()
     if no_instruction:
         common.refuse_given(ctx, ["instruction"], "with --no-instruction")
+    if not sample:
+        common.refuse_given(ctx, ["temperature", "top_p"], "to greedy decoding (add --sample)")
     settings = GenerationSettings(
-        max_new_tokens=max_new_tokens, sample=sample, seed=seed, chat=chat, storage_dtype=storage_dtype,
+        max_new_tokens=max_new_tokens, sample=sample, temperature=temperature, top_p=top_p, min_new_tokens=min_new_tokens,
+        seed=seed, chat=chat, storage_dtype=storage_dtype,
         instruction=None if no_instruction else (instruction or DEFAULT_INSTRUCTION),
     )
     items = load_prompts(prompts, limit=limit, seed=seed)

@@ -36,6 +36,11 @@ CASES: list[tuple[str, list[str], str]] = [
     ("trace-instruction-conflict", ["trace", "--instruction", "x", "--no-instruction", "--out", "{out}"], "--instruction"),
     ("trace-repeated-limit", ["trace", "--limit", "1", "--limit", "2", "--out", "{out}"], "--limit"),
     ("trace-sample-and-greedy", ["trace", "--sample", "--greedy", "--out", "{out}"], "--greedy"),
+    ("trace-temperature-greedy", ["trace", "--temperature", "0.7", "--out", "{out}"], "--temperature"),
+    ("trace-temperature-0", ["trace", "--sample", "--temperature", "0", "--out", "{out}"], "--temperature 0"),
+    ("trace-top-p", ["trace", "--sample", "--top-p", "1.5", "--out", "{out}"], "--top-p 1.5"),
+    ("trace-min-new-tokens", ["trace", "--max-new-tokens", "8", "--min-new-tokens", "9", "--out", "{out}"], "--min-new-tokens 9"),
+    ("trace-beyond-context", ["trace", "--model", "tiny:llama", "--max-new-tokens", "5000", "--no-chat", "--out", "{out}"], "context of 4096"),
     ("trace-unknown-option", ["trace", "--temprature", "1", "--out", "{out}"], "--temprature"),
     # ---- label
     ("label-candidates", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--candidates", "foo"], "--candidates foo"),

@@ -30,24 +30,36 @@ _RECORDER: ContextVar["Recorder | None"] = ContextVar("kvdiag_recorder", default
 
 
 class Recorder:
-    """Collects per-layer post-RoPE q/k/v rows of batch row 0, copied to ``dtype`` as they arrive."""
+    """Collects per-layer post-RoPE q/k/v rows of batch row 0 in ``dtype``, written as they arrive into
+    preallocated blocks per layer that double when full: memory is the rows themselves (amortized O(1) per
+    step, no per-step tensor objects), never more than twice their size."""
 
     def __init__(self, num_layers: int, dtype: torch.dtype):
         self.dtype = dtype
         self.attention = None  # the model's ModelAttention, set by recording()
-        self.q: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
-        self.k: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
-        self.v: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self.blocks: list[dict[str, torch.Tensor]] = [{} for _ in range(num_layers)]  # name -> [heads, capacity, d]
+        self.length = [0] * num_layers
 
     def add(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        # copy (not view): a view of the cache's key tensor would pin every old cache buffer
-        self.q[layer].append(q.to("cpu", self.dtype, copy=True))
-        self.k[layer].append(k.to("cpu", self.dtype, copy=True))
-        self.v[layer].append(v.to("cpu", self.dtype, copy=True))
+        n, start, blocks = q.shape[1], self.length[layer], self.blocks[layer]
+        for name, rows in (("q", q), ("k", k), ("v", v)):
+            block = blocks.get(name)
+            if block is None or block.shape[1] < start + n:
+                grown = torch.empty(rows.shape[0], max(2 * (start + n), 64), rows.shape[2], dtype=self.dtype)
+                if block is not None:
+                    grown[:, :start] = block[:, :start]
+                blocks[name] = block = grown
+            block[:, start : start + n] = rows  # a copy (to the CPU, in the storage dtype): never a view of the cache
+        self.length[layer] = start + n
 
     def layer(self, layer: int) -> dict[str, torch.Tensor]:
-        """q [H, T, d], k [Hkv, T, d], v [Hkv, T, d] of one layer, contiguous."""
-        return {name: torch.cat(rows[layer], dim=1).contiguous() for name, rows in (("q", self.q), ("k", self.k), ("v", self.v))}
+        """q [H, T, d], k [Hkv, T, d], v [Hkv, T, d] of one layer, contiguous (copies of the filled rows)."""
+        T = self.length[layer]
+        return {name: block[:, :T].contiguous() for name, block in self.blocks[layer].items()}
+
+    def nbytes(self) -> int:
+        """Bytes held by the blocks (capacity, not only the filled rows)."""
+        return sum(b.numel() * b.element_size() for blocks in self.blocks for b in blocks.values())
 
 
 def model_eager_attention(module):

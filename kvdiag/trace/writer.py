@@ -21,7 +21,7 @@ import polars as pl
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from safetensors.torch import save_file
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.streamers import BaseStreamer
 
 from kvdiag import __version__
@@ -47,12 +47,52 @@ class GenerationSettings:
     chat: bool = True
     instruction: str | None = DEFAULT_INSTRUCTION
     storage_dtype: str = "float16"
+    min_new_tokens: int = 0  # end-of-sequence is not sampled before this many tokens (a long trace from a small model)
 
     def __post_init__(self):  # bad input is refused before a model loads
         if self.max_new_tokens <= 0:
             raise UserError(f"--max-new-tokens {self.max_new_tokens}: must be a positive number of tokens")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise UserError(f"--min-new-tokens {self.min_new_tokens}: must lie in [0, --max-new-tokens {self.max_new_tokens}]")
+        if not self.temperature > 0:
+            raise UserError(f"--temperature {self.temperature}: must be > 0 (greedy decoding is --greedy)")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"--top-p {self.top_p}: must lie in (0, 1]")
         if self.storage_dtype not in STORAGE_DTYPES:
             raise UserError(f"--storage-dtype {self.storage_dtype}: use one of {', '.join(STORAGE_DTYPES)}")
+
+
+class TokenStats(LogitsProcessor):
+    """Log-probability and entropy of the raw (temperature-1) next-token distribution of each generated token,
+    computed as it is produced: one [V] row is kept at a time, never the [T, V] logits of the generation.
+
+    A logits processor sees the raw scores before the sampling warpers (temperature, top-p); the chosen token of
+    a step is known at the next call (or, for the last one, to :meth:`finish`). It also keeps end-of-sequence
+    out until ``min_new_tokens`` tokens are generated (after the statistics are taken, so they stay raw)."""
+
+    def __init__(self, prompt_len: int, min_new_tokens: int, eos_ids: list[int]):
+        self.prompt_len, self.min_new_tokens, self.eos_ids = prompt_len, min_new_tokens, eos_ids
+        self.logprob: list[float] = []
+        self.entropy: list[float] = []
+        self._last: torch.Tensor | None = None  # log-probs [V] of the step whose token is not known yet
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self._last is not None:
+            self.logprob.append(float(self._last[input_ids[0, -1]]))
+        logp = torch.log_softmax(scores[0].float(), dim=-1)
+        self.entropy.append(float(-(logp.exp() * logp).sum()))
+        self._last = logp
+        if input_ids.shape[1] - self.prompt_len < self.min_new_tokens:
+            scores = scores.clone()
+            scores[:, self.eos_ids] = float("-inf")
+        return scores
+
+    def finish(self, last_token: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprob [G], entropy [G]) once generation ended on ``last_token``."""
+        if self._last is not None:
+            self.logprob.append(float(self._last[last_token]))
+            self._last = None
+        return torch.tensor(self.logprob, dtype=torch.float64), torch.tensor(self.entropy, dtype=torch.float64)
 
 
 class _TokenProgress(BaseStreamer):
@@ -107,6 +147,7 @@ def trace_prompts(
     parts of other processes and keeps ``manifest.json`` and ``tokens.parquet`` up to date after every
     prompt. Without it, only parts are written (several processes at once)."""
     settings = settings or GenerationSettings()
+    _check_context(lm, prompts, settings)
     root = Path(out)
     try:
         (root / "parts").mkdir(parents=True, exist_ok=True)
@@ -129,7 +170,6 @@ def trace_prompts(
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
         return_dict_in_generate=True,
-        output_logits=True,
     )
     with Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -153,26 +193,40 @@ def _trace_one(lm: LoadedModel, prompt: Prompt, settings: GenerationSettings, ge
     ids = encode_prompt(tok, prompt, chat=settings.chat, instruction=settings.instruction)
     input_ids = torch.tensor([ids], device=model.device)
     rec = Recorder(model.config.num_hidden_layers, storage)
+    stats = TokenStats(len(ids), settings.min_new_tokens, [tok.eos_token_id])
     torch.manual_seed(settings.seed)
     with recording(model, rec):
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=gen_cfg, streamer=streamer)
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=gen_cfg, streamer=streamer,
+                             logits_processor=LogitsProcessorList([stats]))
         seq = out.sequences[0]
         # generate() never feeds its last token; one more step records that token's q/k/v
         last = seq[-1:].view(1, 1)
         model(last, cache=out.past_key_values, position_ids=torch.tensor([[len(seq) - 1]], device=model.device),
               logits_to_keep=1)
-    logits = torch.stack([lg[0] for lg in out.logits]).float()  # [G, V] raw logits of each generated token
-    logp = torch.log_softmax(logits, dim=-1)
     gen = seq[len(ids):].cpu()
+    logprob, entropy = stats.finish(int(seq[-1]))
     return {
         "ids": seq.cpu(),
         "prompt_len": len(ids),
-        "logprob": logp.gather(1, gen[:, None].to(logp.device)).squeeze(1).cpu(),
-        "entropy": -(logp.exp() * logp).sum(-1).cpu(),
+        "logprob": logprob,
+        "entropy": entropy,
         "layers": [rec.layer(l) for l in range(model.config.num_hidden_layers)],
         "token_text": [tok.decode([i]) for i in seq.tolist()],
         "stop": "eos" if gen.numel() and gen[-1].item() == tok.eos_token_id else "max_new_tokens",
     }
+
+
+def _check_context(lm: LoadedModel, prompts: list[Prompt], settings: GenerationSettings) -> None:
+    """Refuse, before generating anything, a prompt whose trace could outgrow the model's context."""
+    limit = getattr(lm.model.config, "max_position_embeddings", None)
+    if not limit:
+        return
+    for prompt in prompts:
+        n = len(encode_prompt(lm.tokenizer, prompt, chat=settings.chat, instruction=settings.instruction))
+        if n + settings.max_new_tokens > limit:
+            raise UserError(f"--max-new-tokens {settings.max_new_tokens}: prompt {prompt.prompt_id} has {n} tokens, so its "
+                            f"trace could reach {n + settings.max_new_tokens} > the model's context of {limit}; "
+                            f"use --max-new-tokens {max(1, limit - n)} or less")
 
 
 def _header(root: Path, lm: LoadedModel, settings: GenerationSettings, prompts_source: str | None) -> dict:
