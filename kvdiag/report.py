@@ -85,6 +85,8 @@ def _num(x, digits: int = 4) -> str:
     x = float(x)
     if math.isnan(x):
         return "n/a"
+    if math.isinf(x):  # e.g. an odds ratio with an empty cell
+        return "∞" if x > 0 else "−∞"
     if x == int(x) and abs(x) < 1e9:
         return f"{int(x):,}"
     return f"{x:.{digits}g}"
