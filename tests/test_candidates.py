@@ -10,8 +10,8 @@ import torch
 
 from kvdiag.errors import UserError
 from kvdiag.rankeval import KEYS, rank_eval
-from kvdiag.scorers import SCORERS, ScoreContext, get_scorer
-from tests.conftest import random_qkv
+from kvdiag.scorers import SCORERS, ScoreContext
+from tests.conftest import make_scorer, random_qkv
 
 N_CAND = 60  # ages 1..60 at every checkpoint
 
@@ -122,7 +122,7 @@ def test_protected_entries_are_the_kept_ones(name):
     other entry of their head, all tied; a rule without protection marks none."""
     q, k, v = random_qkv(T=40)
     ctx = ScoreContext(q, k, v, 0.3, prompt_len=8)
-    scorer = get_scorer(name, **PARAMS.get(name, {}))
+    scorer = make_scorer(name, **PARAMS.get(name, {}))
     positions = torch.arange(ctx.t)
     mask = scorer.protected(ctx.checkpoint - positions if ctx.checkpoint else ctx.t - positions, positions)
     assert mask.dtype == torch.bool and mask.shape == (ctx.t,)

@@ -10,7 +10,7 @@ import torch
 
 from kvdiag.features import AttentionHistory
 from kvdiag.scorers import SCORERS, ScoreContext, get_scorer, lazyeviction_score
-from tests.conftest import dense_attention, random_qkv
+from tests.conftest import dense_attention, make_scorer, random_qkv
 
 H, HKV, T, D, PROMPT = 4, 2, 24, 6, 8
 
@@ -197,7 +197,7 @@ def test_every_scorer_is_finite_on_tiny_caches(t, prompt_len):
     q, k, v = qkv(T=t, seed=t)
     ctx = ScoreContext(q, k, v, 0.3, prompt_len)
     for name in SCORERS:
-        s = get_scorer(name).scores(ctx)
+        s = make_scorer(name).scores(ctx)
         assert s.shape == (HKV, t) and torch.isfinite(s).all(), name
 
 
@@ -213,7 +213,7 @@ def test_no_scorer_sees_the_future(name):
     q2[:, :t], k2[:, :t], v2[:, :t] = q[:, :t], k[:, :t], v[:, :t]  # same past, different future
     history = AttentionHistory(q2, k2, 0.3)
     shared = ScoreContext(q2[:, :t], k2[:, :t], v2[:, :t], 0.3, 40, prompt_id="p", history=history)
-    scorer = get_scorer(name, **({"w_obs": 8, "w_delay": 16} if name.startswith("avokv") and name != "avokv_e_no_delay" else {}))
+    scorer = make_scorer(name, **({"w_obs": 8, "w_delay": 16} if name.startswith("avokv") and name != "avokv_e_no_delay" else {}))
     later = ScoreContext(q2[:, :150], k2[:, :150], v2[:, :150], 0.3, 40, prompt_id="p", history=history)
     scorer.scores(later)  # the shared history has streamed past t and must restart
     torch.testing.assert_close(scorer.scores(shared), scorer.scores(alone))
