@@ -77,3 +77,7 @@ def test_fitted_scorer_reproduces_the_model(tiny_trace, tmp_path):
                         params={"fitted": {"path": str(out / "model.json")}}, aggregation="mean_raw")
     # fp32 per-layer features and logits vs float64 on the averaged features
     np.testing.assert_allclose(df["fitted"].to_numpy(), logit, rtol=1e-4, atol=1e-4)
+    named = f"fitted:{out / 'model.json'}"  # the same rule by name
+    df2, meta = score_trace(tiny_trace, keys=feats.select(KEYS), scorers=named, aggregation="mean_raw")
+    np.testing.assert_allclose(df2[named].to_numpy(), df["fitted"].to_numpy(), rtol=0, atol=1e-12)
+    assert meta["scorers"][named] == {"path": str(out / "model.json")}

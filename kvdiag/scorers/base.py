@@ -263,11 +263,18 @@ def scorer_names() -> list[str]:
 
 
 def ensure_registered(name: str) -> None:
-    """Register ``kvpress:<Press>`` on first use (kvpress is optional and slow to import); other names pass."""
-    if name not in SCORERS and name.startswith("kvpress:"):
+    """Register ``kvpress:<Press>`` (kvpress is optional and slow to import) and ``fitted:PATH`` (a model of
+    ``kvdiag fit``) on first use; other names pass."""
+    if name in SCORERS:
+        return
+    if name.startswith("kvpress:"):
         from kvdiag.scorers.kvpress_press import register_press
 
         register_press(name)
+    elif name.startswith("fitted:"):
+        from kvdiag.scorers.fitted import register_fitted
+
+        register_fitted(name)
 
 
 def get_scorer(name: str, **params) -> Scorer:

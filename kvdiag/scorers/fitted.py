@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -37,14 +38,15 @@ class Fitted(Scorer):
 
     def __post_init__(self):
         if not self.path:
-            raise UserError("scorer fitted needs its model: --param fitted.path=DIR/model.json (written by kvdiag fit)")
+            raise UserError("scorer fitted needs its model: name it fitted:DIR/model.json or pass --param "
+                            "fitted.path=DIR/model.json (written by kvdiag fit)")
         try:
             model = json.loads(Path(self.path).read_text())
         except (OSError, json.JSONDecodeError) as err:
-            raise UserError(f"--param fitted.path={self.path}: not a readable model.json ({err}); run kvdiag fit") from err
+            raise UserError(f"fitted model {self.path}: not a readable model.json ({err}); run kvdiag fit") from err
         unknown = [f for f in model.get("features", []) if f not in FEATURES]
         if model.get("kind") != "kvdiag_fitted_logreg" or unknown:
-            raise UserError(f"--param fitted.path={self.path}: not a model.json written by kvdiag fit")
+            raise UserError(f"fitted model {self.path}: not a model.json written by kvdiag fit")
         self._model = model
 
     @property
@@ -61,3 +63,12 @@ class Fitted(Scorer):
         x = entry_features(ctx, self._model["features"])  # [F, Hkv, t]
         logit = torch.einsum("f,fht->ht", coef / scale, x - mean[:, None, None]) + intercept
         return logit
+
+
+def register_fitted(name: str) -> type[Scorer]:
+    """Register ``fitted:PATH``: the ``fitted`` scorer with ``path`` = PATH (checked now: one UserError line)."""
+    path = name.split(":", 1)[1]
+    Fitted(path=path)  # a missing or foreign model is refused before anything runs
+    cls = dataclasses.make_dataclass("FittedAt", [("path", str, field(default=path))], bases=(Fitted,),
+                                     namespace={"__module__": __name__, "__doc__": f"the fitted rule of {path}"})
+    return register_scorer(cls, name)
