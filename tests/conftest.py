@@ -83,3 +83,26 @@ def make_scorer(name: str, **params):
         path.write_text(json.dumps(model))
         params["path"] = str(path)
     return get_scorer(name, **params)
+
+
+def synthetic_labels(trace, seed: int = 0, back: int = 60, random_flips: bool = False, floor_by_checkpoint: bool = True):
+    """A labels table for ``trace``: checkpoints ``T - back`` and ``T`` of every prompt, 30 random candidates each,
+    lognormal KL; top-1 flips 0 (or random in 0..2); noise floor 1e-4 (doubled at ``T`` with ``floor_by_checkpoint``)."""
+    import numpy as np
+    import polars as pl
+
+    from kvdiag.label import LABEL_SCHEMA
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for pid in trace.prompt_ids:
+        T, ids = trace.length(pid), trace.token_ids(pid)
+        for t in (T - back, T):
+            for i in np.sort(rng.choice(t, 30, replace=False)):
+                kl = float(np.exp(rng.normal(-6, 2)))
+                flips = int(rng.integers(0, 3)) if random_flips else 0
+                floor = 1e-4 * (1 + (t == T)) if floor_by_checkpoint else 1e-4
+                rows.append(dict(prompt_id=pid, checkpoint=t, position=int(i), granularity="token", layer=-1, kv_head=-1,
+                                 horizon=16, kl_mean=kl, kl_max=kl, kl_steps=[kl], js_mean=kl / 4, nll_delta=0.0,
+                                 top1_flips=flips, noise_floor=floor, age=t - int(i), token_id=int(ids[i])))
+    return pl.DataFrame(rows, schema=LABEL_SCHEMA)

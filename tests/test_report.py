@@ -18,24 +18,14 @@ import cli.main
 from kvdiag.errors import UserError
 from kvdiag.figures import FigureParams, make_figures
 from kvdiag.io import write_table
-from kvdiag.label import LABEL_SCHEMA
+from tests.conftest import synthetic_labels as shared_synthetic_labels
 from kvdiag.rankeval import KEYS
 from kvdiag.report import build_report, label_statistics, record_command
 
 
 
 def synthetic_labels(trace, seed: int = 0) -> pl.DataFrame:
-    rng = np.random.default_rng(seed)
-    rows = []
-    for pid in trace.prompt_ids:
-        T, ids = trace.length(pid), trace.token_ids(pid)
-        for t in (T - 60, T):
-            for i in np.sort(rng.choice(t, 30, replace=False)):
-                kl = float(np.exp(rng.normal(-6, 2)))
-                rows.append(dict(prompt_id=pid, checkpoint=t, position=int(i), granularity="token", layer=-1, kv_head=-1,
-                                 horizon=16, kl_mean=kl, kl_max=kl, kl_steps=[kl], js_mean=kl / 4, nll_delta=0.0, top1_flips=0,
-                                 noise_floor=1e-4 * (1 + (t == T)), age=t - int(i), token_id=int(ids[i])))
-    return pl.DataFrame(rows, schema=LABEL_SCHEMA)
+    return shared_synthetic_labels(trace, seed)
 
 
 def table_value(md: str, name: str) -> str:

@@ -22,7 +22,7 @@ import pytest
 
 from kvdiag.errors import UserError
 from kvdiag.io import write_table
-from kvdiag.label import LABEL_SCHEMA
+from tests.conftest import synthetic_labels as shared_synthetic_labels
 from kvdiag.rankeval import KEYS, harm_threshold
 from kvdiag.rankeval.metrics import eviction_counts, n_evicted
 from kvdiag.report import build_report
@@ -33,17 +33,7 @@ RULES = ("attention", "rkv", "avokv_e", "streamingllm")
 
 def synthetic_labels(trace, seed: int = 0) -> pl.DataFrame:
     """Two checkpoints per prompt, 30 candidates each; some below the noise floor."""
-    rng = np.random.default_rng(seed)
-    rows = []
-    for pid in trace.prompt_ids:
-        T, ids = trace.length(pid), trace.token_ids(pid)
-        for t in (T - 24, T):
-            for i in np.sort(rng.choice(t, 30, replace=False)):
-                kl = float(np.exp(rng.normal(-6, 2)))
-                rows.append(dict(prompt_id=pid, checkpoint=t, position=int(i), granularity="token", layer=-1, kv_head=-1,
-                                 horizon=16, kl_mean=kl, kl_max=kl, kl_steps=[kl], js_mean=kl / 4, nll_delta=0.0,
-                                 top1_flips=int(rng.integers(0, 3)), noise_floor=1e-4, age=t - int(i), token_id=int(ids[i])))
-    return pl.DataFrame(rows, schema=LABEL_SCHEMA)
+    return shared_synthetic_labels(trace, seed, back=24, random_flips=True, floor_by_checkpoint=False)
 
 
 def synthetic_scores(labels: pl.DataFrame, seed: int = 1) -> pl.DataFrame:
