@@ -26,6 +26,8 @@ def trace(
     instruction: str = typer.Option(None, "--instruction", help="text appended to each prompt (default: step-by-step + \\boxed{})"),
     no_instruction: bool = typer.Option(False, "--no-instruction", help="append nothing to the prompts"),
     storage_dtype: str = typer.Option("float16", "--storage-dtype", help="dtype of the stored q/k/v"),
+    store: str = typer.Option("all", "--store", help="tensors written: all (q/k/v), kv (k/v), none (tokens only), or layers "
+                              "e.g. 0,15,29 (their q/k/v); the rest are rebuilt on demand by one prefill per prompt"),
     dtype: str = common.Dtype,
     device: str = common.Device,
     revision: str | None = common.Revision,
@@ -45,7 +47,7 @@ def trace(
         common.refuse_given(ctx, ["temperature", "top_p"], "to greedy decoding (add --sample)")
     settings = GenerationSettings(
         max_new_tokens=max_new_tokens, sample=sample, temperature=temperature, top_p=top_p, min_new_tokens=min_new_tokens,
-        seed=seed, chat=chat, storage_dtype=storage_dtype,
+        seed=seed, chat=chat, storage_dtype=storage_dtype, store=store,
         instruction=None if no_instruction else (instruction or DEFAULT_INSTRUCTION),
     )
     items = load_prompts(prompts, limit=limit, seed=seed)

@@ -42,6 +42,10 @@ CASES: list[tuple[str, list[str], str]] = [
     ("trace-min-new-tokens", ["trace", "--max-new-tokens", "8", "--min-new-tokens", "9", "--out", "{out}"], "--min-new-tokens 9"),
     ("trace-beyond-context", ["trace", "--model", "tiny:llama", "--max-new-tokens", "5000", "--no-chat", "--out", "{out}"], "context of 4096"),
     ("trace-unknown-option", ["trace", "--temprature", "1", "--out", "{out}"], "--temprature"),
+    ("trace-store-bad", ["trace", "--model", "tiny:llama", "--store", "some", "--out", "{out}"], "--store some"),
+    ("trace-store-negative", ["trace", "--model", "tiny:llama", "--store", "-1", "--out", "{out}"], "--store -1"),
+    ("trace-store-twice", ["trace", "--model", "tiny:llama", "--store", "0,0", "--out", "{out}"], "--store 0,0"),
+    ("trace-store-beyond", ["trace", "--model", "tiny:llama", "--store", "0,9", "--out", "{out}"], "layer 9 does not exist"),
     # ---- label
     ("label-candidates", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--candidates", "foo"], "--candidates foo"),
     ("label-batch-size", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--batch-size", "0"], "--batch-size 0"),

@@ -15,7 +15,9 @@ from safetensors import safe_open
 from kvdiag.adapters import LayerAttention, ModelAttention
 from kvdiag.attention import attention_rows
 from kvdiag.errors import UserError
-from kvdiag.trace.writer import layer_file
+from kvdiag.trace.writer import STORAGE_DTYPES, layer_file, stored_names
+
+REBUILD_CHUNK = 8192  # prefill positions per forward when rebuilding: bounds activations ([chunk, T] scores)
 
 
 @dataclass
@@ -31,9 +33,11 @@ MANIFEST_KEYS = ("prompts", "model", "num_layers", "num_heads", "num_kv_heads", 
 
 
 class Trace:
-    """Opens a Trace directory; tensors are read per (prompt, layer) on demand."""
+    """Opens a Trace directory; tensors are read per (prompt, layer) on demand. What a ``--store`` mode did not
+    write is rebuilt by one teacher-forced prefill per prompt through ``model`` (a LoadedModel), or through the
+    manifest's model, loaded on first need and checked against its weights hash."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, model=None):
         self.path = Path(path)
         manifest = self.path / "manifest.json"
         if not manifest.is_file():
@@ -63,6 +67,14 @@ class Trace:
         # per-layer semantics (window, softcap, sinks) recorded from kvdiag.adapters; older Traces: plain causal
         self.attention_layers: list[LayerAttention] = ModelAttention.layers_from_info(
             m["model"].get("attention"), self.num_layers, self.scale)
+        # a Trace from before --store holds every layer's q/k/v
+        self.store: dict = m.get("store") or {"mode": "all", "layers": list(range(self.num_layers))}
+        self.storage_dtype = STORAGE_DTYPES[m.get("storage_dtype", "float16")]
+        self.rebuild_chunk = REBUILD_CHUNK
+        self._model = model
+        if model is not None:
+            self._check_model(model)
+        self._rebuilt: tuple[str, list[dict[str, torch.Tensor]]] | None = None  # (pid, per-layer q/k/v): one prompt
 
     def layer_attention(self, layer: int) -> LayerAttention:
         """The attention semantics of ``layer`` (scale, sliding window, softcap, sinks), as recorded."""
@@ -87,19 +99,71 @@ class Trace:
         return torch.tensor(ids.to_list(), dtype=torch.long)
 
     def layer(self, pid: str, layer: int) -> LayerQKV:
-        """q [H, T, d], k [Hkv, T, d], v [Hkv, T, d] of ``layer`` (storage dtype; cast as needed)."""
+        """q [H, T, d], k [Hkv, T, d], v [Hkv, T, d] of ``layer`` (storage dtype; cast as needed). Stored tensors
+        are read from disk; the others (``--store kv|none|LAYERS``) come from a rebuild of the prompt."""
         T = self.length(pid)
+        if not 0 <= layer < self.num_layers:
+            raise UserError(f"--trace {self.path}: layer {layer} does not exist; the model has layers 0..{self.num_layers - 1}")
+        names = stored_names(self.store, layer)
+        found = self._read(pid, layer, names) if names else {}
+        if len(found) < 3:
+            rebuilt = self._rebuild(pid, layer, [n for n in "qkv" if n not in found])
+            found = {**rebuilt, **found}  # stored tensors win: exact, and the rebuild only fills the gaps
+        qkv = LayerQKV(found["q"], found["k"], found["v"])
+        if qkv.q.shape[1] != T or qkv.k.shape[1] != T:
+            raise UserError(f"--trace {self.path}: layer {layer} of {pid} holds {qkv.k.shape[1]} positions, manifest says {T}; the Trace is corrupt")
+        return qkv
+
+    def _read(self, pid: str, layer: int, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """The stored tensors ``names`` of one layer file (a missing or unreadable file is a truncated Trace)."""
         path = layer_file(self.path, pid, layer)
         if not path.is_file():
             raise UserError(f"--trace {self.path}: {path.relative_to(self.path)} is missing (truncated Trace); re-run `kvdiag trace` into a new directory")
         try:
             with safe_open(str(path), framework="pt") as f:
-                qkv = LayerQKV(f.get_tensor("q"), f.get_tensor("k"), f.get_tensor("v"))
+                return {name: f.get_tensor(name) for name in names}
         except Exception as err:  # safetensors raises its own error types for truncated files
             raise UserError(f"--trace {self.path}: {path.name} of {pid} is unreadable ({err}); re-run `kvdiag trace`") from err
-        if qkv.q.shape[1] != T or qkv.k.shape[1] != T:
-            raise UserError(f"--trace {self.path}: {path.name} of {pid} holds {qkv.k.shape[1]} positions, manifest says {T}; the Trace is corrupt")
-        return qkv
+
+    def _rebuild(self, pid: str, layer: int, names: list[str]) -> dict[str, torch.Tensor]:
+        """The tensors ``names`` of ``layer`` from the prompt's rebuild; all layers of the prompt are rebuilt at
+        once (one prefill) and kept until another prompt is rebuilt."""
+        if self._rebuilt is None or self._rebuilt[0] != pid:
+            self._rebuilt = None  # free the previous prompt's tensors before the next prefill
+            lm = self.model(f"{', '.join(names)} of layer {layer} of {pid}")
+            self._rebuilt = (pid, rebuild_layers(lm, self.token_ids(pid), self.storage_dtype, self.rebuild_chunk))
+        return {name: self._rebuilt[1][layer][name] for name in names}
+
+    def model(self, needed: str = "the tensors it does not store"):
+        """The LoadedModel that rebuilds what this Trace does not store: the one given, else the manifest's
+        (spec, dtype, revision), loaded once and checked against the recorded weights hash."""
+        if self._model is None:
+            from kvdiag.models import check_device, load_model
+
+            had = self.manifest["model"]
+            device = had.get("device", "cpu")
+            try:
+                check_device(device)
+            except UserError:
+                device = "cpu"  # traced on a GPU this machine lacks: the rebuild runs on the CPU
+            try:
+                lm = load_model(had["spec"], dtype=had.get("dtype", "float32"), device=device, revision=had.get("revision"))
+            except Exception as err:  # a spec that is not loadable here (path, hub id, plugin)
+                reason = " ".join(str(err).split()) or type(err).__name__
+                raise UserError(f"--trace {self.path} stores no {needed} (--store {self.store['mode']}) and its model "
+                                f"{had['spec']} cannot be loaded here to rebuild them ({reason}); use a Trace traced with --store all") from err
+            self._check_model(lm)
+            self._model = lm
+        return self._model
+
+    def _check_model(self, lm) -> None:
+        had = self.manifest["model"]
+        if lm.weights_hash != had["weights_hash"]:
+            raise UserError(f"--trace {self.path}: model {lm.spec} (weights {lm.weights_hash}) is not the Trace's model "
+                            f"({had['spec']}, weights {had['weights_hash']}); cannot rebuild its tensors with it")
+        if lm.dtype != had.get("dtype", lm.dtype):  # another compute dtype would rebuild other numbers than were traced
+            raise UserError(f"--trace {self.path}: model {lm.spec} runs in {lm.dtype}, the Trace was made in {had['dtype']}; "
+                            f"load it with dtype={had['dtype']!r} to rebuild its tensors")
 
     def attention(self, pid: str, layer: int, query_positions, key_limit: int | None = None) -> torch.Tensor:
         """Exact fp32 attention [H, W, T | key_limit] of the queries at ``query_positions``, recomputed from q, k
@@ -127,3 +191,25 @@ class Trace:
         other = (meta.get("trace") or {}).get("fingerprint")
         if other is not None and other != self.fingerprint:
             raise UserError(f"{what} was made from another Trace (fingerprint {other}, this one {self.fingerprint}); pass the matching --trace")
+
+
+@torch.no_grad()
+def rebuild_layers(lm, ids: torch.Tensor, dtype: torch.dtype, chunk: int = REBUILD_CHUNK) -> list[dict[str, torch.Tensor]]:
+    """Teacher-forced prefill of ``ids`` [T] through the recording attention function: per layer q [H, T, d],
+    k [Hkv, T, d], v [Hkv, T, d] in ``dtype``. Forwards of ``chunk`` positions over a growing cache (one forward
+    when T <= chunk); the recorder keeps each forward's newest rows, so the result is the whole prompt."""
+    from transformers import DynamicCache
+
+    from kvdiag.trace.hooks import Recorder, recording
+
+    model = lm.model
+    n_layers = model.config.num_hidden_layers
+    rec = Recorder(n_layers, dtype)
+    ids = ids.to(model.device).view(1, -1)
+    cache = DynamicCache(config=model.config)
+    with recording(model, rec):
+        for start in range(0, ids.shape[1], chunk):
+            part = ids[:, start : start + chunk]
+            pos = torch.arange(start, start + part.shape[1], device=model.device).view(1, -1)
+            model(part, cache=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
+    return [rec.layer(l) for l in range(n_layers)]

@@ -1,7 +1,8 @@
 """``trace_prompts``: generate each reasoning trace and write the Trace directory (format: README).
 
 Layout: ``manifest.json``, ``tokens.parquet``, ``tensors/<prompt_id>/layer_<LLL>.safetensors`` with
-``q [H, T, d]``, ``k [Hkv, T, d]``, ``v [Hkv, T, d]`` (post-RoPE, storage dtype). Each finished prompt
+``q [H, T, d]``, ``k [Hkv, T, d]``, ``v [Hkv, T, d]`` (post-RoPE, storage dtype); ``settings.store`` (``--store``)
+may write only k/v, some layers or none (the reader rebuilds the rest). Each finished prompt
 is committed atomically (tensors, then its token part ``parts/<prompt_id>.parquet``, then its manifest
 entry ``parts/<prompt_id>.json``); an interrupted run keeps finished prompts and a rerun continues with
 the rest. Prompts can be split over processes (``shard=(i, n)``, torchrun ranks): each writes only its
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -48,6 +50,7 @@ class GenerationSettings:
     instruction: str | None = DEFAULT_INSTRUCTION
     storage_dtype: str = "float16"
     min_new_tokens: int = 0  # end-of-sequence is not sampled before this many tokens (a long trace from a small model)
+    store: str = "all"  # which tensors are written (all | kv | none | LAYERS); the rest are rebuilt on demand
 
     def __post_init__(self):  # bad input is refused before a model loads
         if self.max_new_tokens <= 0:
@@ -60,6 +63,63 @@ class GenerationSettings:
             raise UserError(f"--top-p {self.top_p}: must lie in (0, 1]")
         if self.storage_dtype not in STORAGE_DTYPES:
             raise UserError(f"--storage-dtype {self.storage_dtype}: use one of {', '.join(STORAGE_DTYPES)}")
+        parse_store(self.store)
+
+
+STORE_WORDS = ("all", "kv", "none")
+
+
+def parse_store(value: str) -> tuple[str, list[int] | None]:
+    """``--store`` -> (mode, layers): ``all``/``kv``/``none`` with None, or ``("layers", sorted indices)``
+    for ``0,15,29``. Only the syntax is checked here (before a model loads); :func:`store_spec` checks the
+    indices against the model's layer count."""
+    text = str(value).strip()
+    if text in STORE_WORDS:
+        return text, None
+    parts = [p.strip() for p in text.split(",")]
+    if not text or not all(re.fullmatch(r"\d+", p) for p in parts):
+        raise UserError(f"--store {value}: use all, kv, none, or layer indices comma-separated (e.g. 0,15,29)")
+    layers = [int(p) for p in parts]
+    if len(set(layers)) < len(layers):
+        raise UserError(f"--store {value}: a layer is given twice; give each once")
+    return "layers", sorted(layers)
+
+
+def store_spec(value: str, num_layers: int) -> dict:
+    """The manifest's ``store``: ``{"mode", "layers"}``; ``layers`` lists the layers whose files exist
+    (all of them for ``all`` and ``kv``, none for ``none``)."""
+    mode, layers = parse_store(value)
+    if layers is not None and (bad := [l for l in layers if l >= num_layers]):
+        raise UserError(f"--store {value}: layer {bad[0]} does not exist; the model has layers 0..{num_layers - 1}")
+    if layers is None:
+        layers = [] if mode == "none" else list(range(num_layers))
+    return {"mode": mode, "layers": layers}
+
+
+def stored_names(store: dict, layer: int) -> tuple[str, ...]:
+    """The tensors of ``layer`` written to disk under ``store`` (a manifest without one: every q/k/v)."""
+    if layer not in store["layers"]:
+        return ()
+    return ("k", "v") if store["mode"] == "kv" else ("q", "k", "v")
+
+
+class StoreRecorder(Recorder):
+    """A :class:`Recorder` that keeps only what ``store`` writes, so a ``kv``/``none``/``LAYERS`` run also
+    holds less in memory while generating."""
+
+    def __init__(self, num_layers: int, dtype: torch.dtype, store: dict):
+        super().__init__(num_layers, dtype)
+        self.names = [stored_names(store, l) for l in range(num_layers)]
+
+    def add(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if not self.names[layer]:
+            return
+        if "q" not in self.names[layer]:
+            q = q[..., :0]  # [H, n, 0]: an empty block, so the queries cost no memory
+        super().add(layer, q, k, v)
+
+    def layer(self, layer: int) -> dict[str, torch.Tensor]:
+        return {name: t for name, t in super().layer(layer).items() if name in self.names[layer]}
 
 
 class TokenStats(LogitsProcessor):
@@ -128,7 +188,8 @@ def _check_compatible(existing: dict, lm: LoadedModel, settings: GenerationSetti
             f"--out {root} holds a Trace of another model ({had['spec']}, weights {had['weights_hash']}); "
             "choose a new output directory"
         )
-    if existing["generation"] != asdict(settings):
+    # a Trace from before --store has every tensor: its settings read as store="all"
+    if {"store": "all", **existing["generation"]} != asdict(settings):
         raise UserError(f"--out {root} holds a Trace made with other generation settings; choose a new output directory or the same settings")
 
 
@@ -147,13 +208,14 @@ def trace_prompts(
     parts of other processes and keeps ``manifest.json`` and ``tokens.parquet`` up to date after every
     prompt. Without it, only parts are written (several processes at once)."""
     settings = settings or GenerationSettings()
+    store = store_spec(settings.store, lm.model.config.num_hidden_layers)
     _check_context(lm, prompts, settings)
     root = Path(out)
     try:
         (root / "parts").mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UserError(f"--out {root}: cannot create the directory ({err.strerror}); choose a writable path") from err
-    header = _header(root, lm, settings, prompts_source)
+    header = _header(root, lm, settings, prompts_source, store)
     done = _finished(root, prompts)
     manifest = {**header, "prompts": done}
     if merge and done:
@@ -178,7 +240,7 @@ def trace_prompts(
         prompt_task = progress.add_task("trace: prompts", total=len(mine), completed=len(mine) - len(todo))
         for prompt in todo:
             token_task = progress.add_task(f"  {prompt.prompt_id}", total=settings.max_new_tokens)
-            record = _trace_one(lm, prompt, settings, gen_cfg, storage, _TokenProgress(progress, token_task))
+            record = _trace_one(lm, prompt, settings, gen_cfg, storage, _TokenProgress(progress, token_task), store)
             manifest["prompts"][prompt.prompt_id] = _commit_prompt(root, prompt, record)
             if merge:
                 _write_manifest(root, manifest)
@@ -188,11 +250,11 @@ def trace_prompts(
 
 
 @torch.no_grad()
-def _trace_one(lm: LoadedModel, prompt: Prompt, settings: GenerationSettings, gen_cfg, storage, streamer) -> dict:
+def _trace_one(lm: LoadedModel, prompt: Prompt, settings: GenerationSettings, gen_cfg, storage, streamer, store: dict) -> dict:
     model, tok = lm.model, lm.tokenizer
     ids = encode_prompt(tok, prompt, chat=settings.chat, instruction=settings.instruction)
     input_ids = torch.tensor([ids], device=model.device)
-    rec = Recorder(model.config.num_hidden_layers, storage)
+    rec = StoreRecorder(model.config.num_hidden_layers, storage, store)
     stats = TokenStats(len(ids), settings.min_new_tokens, [tok.eos_token_id])
     torch.manual_seed(settings.seed)
     with recording(model, rec):
@@ -229,7 +291,7 @@ def _check_context(lm: LoadedModel, prompts: list[Prompt], settings: GenerationS
                             f"use --max-new-tokens {max(1, limit - n)} or less")
 
 
-def _header(root: Path, lm: LoadedModel, settings: GenerationSettings, prompts_source: str | None) -> dict:
+def _header(root: Path, lm: LoadedModel, settings: GenerationSettings, prompts_source: str | None, store: dict) -> dict:
     """The manifest without its prompts: that of the existing Trace (checked against this run), else a new one.
 
     A new header is stamped into ``parts/_header.json`` before any part is written, so that the parts of
@@ -255,6 +317,7 @@ def _header(root: Path, lm: LoadedModel, settings: GenerationSettings, prompts_s
         "head_dim": lm.info["head_dim"],
         "tensors": "q [H, T, d], k [Hkv, T, d], v [Hkv, T, d]: post-RoPE (and post q/k-norm)",
         "storage_dtype": settings.storage_dtype,
+        "store": store,  # which tensors have files; Trace.layer rebuilds the others by one prefill per prompt
         "generation": asdict(settings),
         "prompts_source": prompts_source,
     }
@@ -288,6 +351,8 @@ def _commit_prompt(root: Path, prompt: Prompt, record: dict) -> dict:
     tmp = root / "tensors" / f".{pid}.tmp{os.getpid()}"
     tmp.mkdir(parents=True)
     for layer, qkv in enumerate(record["layers"]):
+        if not qkv:  # not stored (--store): rebuilt on demand by the reader
+            continue
         save_file(qkv, str(tmp / f"layer_{layer:03d}.safetensors"), metadata={"prompt_id": pid, "layer": str(layer)})
     shutil.rmtree(tensors, ignore_errors=True)  # leftovers of an interrupted attempt
     os.replace(tmp, tensors)
