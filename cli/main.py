@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -90,15 +91,13 @@ def refuse_repeated_options(argv: list[str]) -> None:
         j += 1
 
 
-def _log_dir() -> Path:
-    return Path(os.environ.get("KVDIAG_CACHE", Path.home() / ".cache" / "kvdiag")) / "logs"
-
-
 def report_bug(err: BaseException, argv: list[str]) -> Path | None:
     """Write the traceback of an unexpected exception to a log file; returns its path (None if none could be written)."""
     text = f"kvdiag {' '.join(argv)}\n\n" + "".join(traceback.format_exception(err))
     name = f"kvdiag-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
-    for folder in (_log_dir(), Path(os.environ.get("TMPDIR", "/tmp"))):
+    from kvdiag.embedded import cache_dir  # the one definition of kvdiag's user cache ($KVDIAG_CACHE)
+
+    for folder in (cache_dir() / "logs", Path(tempfile.gettempdir())):
         try:
             folder.mkdir(parents=True, exist_ok=True)
             (folder / name).write_text(text)

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from kvdiag.adapters import ModelAttention, adapt, family_of, model_attention
-from kvdiag.embedded import EMBEDDED, cache_dir, embedded_dir, smollm2_gguf  # noqa: F401 (re-exported)
+from kvdiag.embedded import EMBEDDED, embedded_dir
 from kvdiag.errors import UserError
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,

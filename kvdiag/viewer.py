@@ -23,7 +23,7 @@ import numpy as np
 import polars as pl
 
 from kvdiag.errors import UserError
-from kvdiag.rankeval import KEYS, harm_threshold, parse_harm
+from kvdiag.rankeval import KEYS, harm_threshold, parse_harm, unresolved
 
 DEFAULT_HARM = "quantile:0.9"
 KL_BINS = 10  # colour bins of the log-KL scale (the stylesheet defines .k0 ... .k9)
@@ -109,8 +109,7 @@ def viewer_data(tokens: pl.DataFrame, prompt_lens: dict[str, int], labels: pl.Da
         rules = [c for c in scores.columns if c not in KEYS and scores.schema[c].is_numeric()]
         # prefixed: a score column may share a name with a label column
         labels = labels.join(scores.select(*KEYS, *(pl.col(r).alias(f"score:{r}") for r in rules)), on=list(KEYS), how="left")
-    unresolved = (pl.col("kl_mean") <= settings.noise_mult * pl.col("noise_floor")).fill_null(False)
-    labels = labels.with_columns(_unres=unresolved).sort("prompt_id", "checkpoint", "position")
+    labels = labels.with_columns(_unres=unresolved(settings.noise_mult).fill_null(False)).sort("prompt_id", "checkpoint", "position")
 
     # harm threshold over rank-eval's evaluated rows: scored (when there are scores) and resolved (unless included)
     evaluated = labels if settings.include_unresolved else labels.filter(~pl.col("_unres"))

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import tempfile
 from dataclasses import asdict
-from pathlib import Path
 
 import polars as pl
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -21,7 +18,7 @@ from kvdiag.figures.delayed_reads import delayed_reads_figure
 from kvdiag.figures.features import trace_first_reads, trace_pressure_payload
 from kvdiag.figures.params import FigureParams
 from kvdiag.io import writable_dir, write_json
-from kvdiag.rankeval import KEYS, check_inputs, harm_threshold
+from kvdiag.rankeval import KEYS, check_inputs, harm_threshold, unresolved
 
 
 # figure name -> (title, the CSVs beside it); the report reads this
@@ -115,8 +112,8 @@ def make_figures(
     out = writable_dir(out_dir)
     labels = check_figure_inputs(trace, labels, scores, labels_meta, scores_meta)
     token = labels.filter(pl.col("granularity") == "token")
-    unresolved = (pl.col("kl_mean") <= params.noise_mult * pl.col("noise_floor")).fill_null(False)
-    analysed = token if params.include_unresolved else token.filter(~unresolved)
+    below_floor = unresolved(params.noise_mult).fill_null(False)
+    analysed = token if params.include_unresolved else token.filter(~below_floor)
     analysed = analysed.filter(pl.col("kl_mean").is_not_null() & pl.col("kl_mean").is_not_nan())
     kl = analysed["kl_mean"].to_numpy()
     threshold = harm_threshold(kl, params.harm) if len(kl) else float("nan")
@@ -137,7 +134,7 @@ def make_figures(
     points = points.filter(pl.col("read_pressure").is_not_nan())
     extra = [
         stat("n_token_labels", token.height),
-        stat("n_unresolved_excluded", 0 if params.include_unresolved else token.filter(unresolved).height),
+        stat("n_unresolved_excluded", 0 if params.include_unresolved else token.filter(below_floor).height),
         stat("n_no_eligible_excluded", no_eligible,
              f"{no_eligible} rows at checkpoints t <= w_delay = {params.w_delay} (no entry to normalize p over)" if no_eligible else ""),
     ]

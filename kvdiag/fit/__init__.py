@@ -11,7 +11,6 @@ scorer (``--scorers fitted --param fitted.path=DIR/model.json``).
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path

@@ -174,7 +174,6 @@ class OracleEngine:
 
     def _exclusions(self, rows: list[Row]) -> list[torch.Tensor | None]:
         """Per layer: int64 [N, Hkv, 1] with the row's position where it applies, -1 elsewhere."""
-        n = len(rows)
         pos = torch.tensor([r.position for r in rows], dtype=torch.long)
         layer = torch.tensor([r.layer for r in rows], dtype=torch.long)
         head = torch.tensor([r.kv_head for r in rows], dtype=torch.long)

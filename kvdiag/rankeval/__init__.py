@@ -11,6 +11,7 @@ from kvdiag.rankeval.evaluate import (
     harm_threshold,
     parse_harm,
     rank_eval,
+    unresolved,
 )
 from kvdiag.rankeval.metrics import (
     Rankings,
@@ -50,4 +51,5 @@ __all__ = [
     "to_latex",
     "to_markdown",
     "topk_recall",
+    "unresolved",
 ]

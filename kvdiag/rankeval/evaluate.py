@@ -117,6 +117,11 @@ def parse_harm(spec: str) -> tuple[str, float]:
     raise UserError(f"--harm {spec!r} is not quantile:Q with 0 < Q < 1 or abs:TAU with TAU >= 0 nats: e.g. quantile:0.9")
 
 
+def unresolved(noise_mult: float, kl: str = "kl_mean", floor: str = "noise_floor") -> pl.Expr:
+    """A label at or below its checkpoint's noise floor: ``kl <= noise_mult * floor`` (null where either is)."""
+    return pl.col(kl) <= noise_mult * pl.col(floor)
+
+
 def harm_threshold(kl: np.ndarray, spec: str) -> float:
     """The KL above which a label is harmful: the Q-quantile (linear interpolation) of ``kl [N]``, or TAU."""
     kind, value = parse_harm(spec)
@@ -231,13 +236,13 @@ def _prepare(labels: pl.DataFrame, scores: pl.DataFrame, cfg: RankEvalConfig, sc
     bad_kl = df.select((pl.col("_kl").is_null() | pl.col("_kl").is_nan()).sum()).item()
     if bad_kl:
         raise UserError(f"labels kl_mean is missing or NaN in {bad_kl} of {df.height} matched rows: relabel them")
-    unresolved = (pl.col("_kl") <= cfg.noise_mult * pl.col("_floor")).fill_null(False)
-    n_unresolved = df.select(unresolved.sum()).item()
+    below_floor = unresolved(cfg.noise_mult, "_kl", "_floor").fill_null(False)
+    n_unresolved = df.select(below_floor.sum()).item()
     if not cfg.include_unresolved:
         no_floor = df.select((pl.col("_floor").is_null() | pl.col("_floor").is_nan()).sum()).item()
         if no_floor:
             raise UserError(f"labels noise_floor is missing in {no_floor} rows: relabel, or pass --include-unresolved")
-        df = df.filter(~unresolved)
+        df = df.filter(~below_floor)
         if df.height == 0:
             raise UserError(f"all {n_unresolved} labels are at or below their checkpoint's noise floor: pass --include-unresolved")
     df = df.sort("prompt_id", "checkpoint", "position", "layer", "kv_head")
