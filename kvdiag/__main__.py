@@ -1,5 +1,5 @@
 """``python -m kvdiag`` (used by ``torchrun -m kvdiag``)."""
 
-from cli.main import main
+from kvdiag.cli.main import main
 
 main()

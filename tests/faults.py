@@ -129,7 +129,7 @@ def main() -> None:
     _guard_reads()
     if spec != "none":
         _inject(spec)
-    from cli.main import main as kvdiag_main
+    from kvdiag.cli.main import main as kvdiag_main
 
     kvdiag_main(args)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cli.main import main
+from kvdiag.cli.main import main
 
 # placeholders in the cases, filled by the fixture: {trace} {labels} {scores} {run} {out} {file} ...
 FITS = ["--checkpoints", "every:16", "--w-obs", "8", "--horizon", "4"]  # label settings that fit the tiny Trace

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cli.main import main
+from kvdiag.cli.main import main
 
 
 def run(args, capsys):

@@ -18,7 +18,7 @@ import torch
 from polars.testing import assert_frame_equal
 from safetensors.torch import load_file
 
-from cli.main import main
+from kvdiag.cli.main import main
 from kvdiag.label import LabelConfig
 from kvdiag.label.runner import label_trace, part_path, work_items
 from kvdiag.trace import GenerationSettings, trace_prompts

@@ -15,7 +15,7 @@ from scipy.stats.contingency import odds_ratio
 from sklearn.metrics import average_precision_score, roc_auc_score
 from typer.testing import CliRunner
 
-import cli.main
+import kvdiag.cli.main
 from kvdiag.errors import UserError
 from kvdiag.figures import FigureParams, check_figure_inputs, classify_reads, first_reads, make_figures, trace_first_reads
 from kvdiag.io import write_table
@@ -340,7 +340,7 @@ def test_cli_writes_the_figures_and_exits_2_on_bad_input(run, tmp_path, capsys):
     sp = write_table(run["scores"].head(60), tmp_path / "scores.parquet", {"kind": "scores", "trace": tr.provenance})
     out = tmp_path / "figs"
     base = ["figures", "--trace", str(tr.path), "--labels", str(lp), "--scores", str(sp)]
-    result = CliRunner().invoke(cli.main.app, [*base, "--out", str(out), "--w-obs", "8", "--bootstrap", "20", "--include-unresolved"])
+    result = CliRunner().invoke(kvdiag.cli.main.app, [*base, "--out", str(out), "--w-obs", "8", "--bootstrap", "20", "--include-unresolved"])
     assert result.exit_code == 0 and "wrote" in result.output
     record = json.loads((out / "figures.json").read_text())
     assert record["argv"][:2] == ["kvdiag", "figures"] and "--include-unresolved" in record["argv"]
@@ -349,7 +349,7 @@ def test_cli_writes_the_figures_and_exits_2_on_bad_input(run, tmp_path, capsys):
 
     def exits_2(*argv) -> str:
         with pytest.raises(SystemExit) as err:
-            cli.main.main([*argv])
+            kvdiag.cli.main.main([*argv])
         assert err.value.code == 2
         return " ".join(capsys.readouterr().err.split())
 

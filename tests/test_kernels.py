@@ -24,7 +24,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from cli.main import app, main
+from kvdiag.cli.main import app, main
 from kvdiag import kernels
 from kvdiag.attention import attention_rows
 from kvdiag.errors import UserError

@@ -16,7 +16,7 @@ import torch
 from scipy.stats import spearmanr
 from typer.testing import CliRunner
 
-import cli.main
+import kvdiag.cli.main
 from kvdiag.errors import UserError
 from kvdiag.io import read_table, write_table
 from kvdiag.scorers import SCORERS, checkpoint_keys, get_scorer, parse_params, resolve_scorers, score_trace
@@ -148,7 +148,7 @@ def test_missing_kvpress_names_the_install(monkeypatch):
 
 
 def run(*args):
-    result = CliRunner().invoke(cli.main.app, [str(a) for a in args])
+    result = CliRunner().invoke(kvdiag.cli.main.app, [str(a) for a in args])
     return result.exit_code, result.output
 
 
@@ -172,7 +172,7 @@ def test_cli_scores_presses_beside_rules(trace, tmp_path):
 def test_cli_bad_input_exits_2_before_writing(trace, tmp_path, capsys, args, message):
     out = tmp_path / "s.parquet"
     with pytest.raises(SystemExit) as err:
-        cli.main.main(["score", "--trace", str(trace.path), "--checkpoints", "default", "--out", str(out), *args])
+        kvdiag.cli.main.main(["score", "--trace", str(trace.path), "--checkpoints", "default", "--out", str(out), *args])
     assert err.value.code == 2 and not out.exists()
     assert message in " ".join(capsys.readouterr().err.split())
 

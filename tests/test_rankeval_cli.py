@@ -9,7 +9,7 @@ import polars as pl
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app, main
+from kvdiag.cli.main import app, main
 from kvdiag.io import write_table
 from kvdiag.rankeval import KEYS
 

@@ -233,7 +233,7 @@ def test_replay_outputs_and_resume(tiny_llama, tmp_path):
 
 
 def test_teacher_forced_replay_of_a_trace(tiny_trace, tmp_path):
-    from cli.main import main
+    from kvdiag.cli.main import main
 
     T = max(tiny_trace.length(pid) for pid in tiny_trace.prompt_ids)
     with pytest.raises(SystemExit) as exit_:
@@ -257,7 +257,7 @@ def test_teacher_forced_replay_of_a_trace(tiny_trace, tmp_path):
     (["--scorer", "rkv", "--selection", "per-layer"], "--selection"),
 ])
 def test_bad_input_exits_2(args, needle, capsys, tmp_path):
-    from cli.main import main
+    from kvdiag.cli.main import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["replay", "--model", "tiny:llama", "--limit", "1", "--max-new-tokens", "4", "--out", str(tmp_path), *args])

@@ -14,7 +14,7 @@ import polars as pl
 import pytest
 from typer.testing import CliRunner
 
-import cli.main
+import kvdiag.cli.main
 from kvdiag.errors import UserError
 from kvdiag.figures import FigureParams, make_figures
 from kvdiag.io import write_table
@@ -54,7 +54,7 @@ def run(tiny_trace, tmp_path_factory):
     record_command(root, ["kvdiag", "trace", "--model", "tiny:llama", "--out", root / "trace"])
     argv = ["rank-eval", "--labels", str(root / "labels.parquet"), "--scores", str(root / "scores.parquet"),
             "--out", str(root / "rank-eval"), "--bootstrap", "50"]
-    assert CliRunner().invoke(cli.main.app, argv).exit_code == 0
+    assert CliRunner().invoke(kvdiag.cli.main.app, argv).exit_code == 0
     record_command(root, ["kvdiag", *argv])
     fig_argv = ["kvdiag", "figures", "--trace", str(root / "trace"), "--w-obs", "8"]
     make_figures(tiny_trace, labels, scores, root / "figures", FigureParams(w_obs=8, w_delay=64, n_boot=20), command=fig_argv)
@@ -167,11 +167,11 @@ def test_bad_run_directory(tmp_path, capsys, run):
     with pytest.raises(UserError, match="not a writable directory"):
         build_report(run["root"], blocker / "out")
     with pytest.raises(SystemExit) as err:
-        cli.main.main(["report", "--run", str(tmp_path / "empty")])
+        kvdiag.cli.main.main(["report", "--run", str(tmp_path / "empty")])
     assert err.value.code == 2 and "holds no kvdiag run piece" in capsys.readouterr().err
 
 
 def test_cli_report(run, tmp_path):
-    result = CliRunner().invoke(cli.main.app, ["report", "--run", str(run["root"]), "--out", str(tmp_path)])
+    result = CliRunner().invoke(kvdiag.cli.main.app, ["report", "--run", str(run["root"]), "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "report.html").stat().st_size > 100_000 and "## Figures" in (tmp_path / "report.md").read_text()

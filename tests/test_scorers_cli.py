@@ -13,7 +13,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import cli.main
+import kvdiag.cli.main
 from kvdiag.io import read_table, write_table
 from kvdiag.scorers import SCORERS, ScoreContext, checkpoint_keys, get_scorer, percentile_rank, score_trace
 from kvdiag.scorers import score as score_mod
@@ -48,13 +48,13 @@ def clean_registry():
 
 def run(*args):
     """Run the CLI in-process; returns (exit code, output)."""
-    result = CliRunner().invoke(cli.main.app, [str(a) for a in args])
+    result = CliRunner().invoke(kvdiag.cli.main.app, [str(a) for a in args])
     return result.exit_code, result.output
 
 
 def exits_2(capsys, *args) -> str:
     with pytest.raises(SystemExit) as err:
-        cli.main.main([str(a) for a in args])
+        kvdiag.cli.main.main([str(a) for a in args])
     assert err.value.code == 2
     return " ".join(capsys.readouterr().err.split())
 

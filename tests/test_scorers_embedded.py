@@ -34,7 +34,7 @@ def test_all_scorers_on_a_2048_token_trace(tmp_path):
     assert trace.length(pid) > TOKENS // 2  # an early EOS would make this test weaker than it says
     report = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "cli.main", "bench", "score", "--trace", str(trace.path), "--out", str(report)],
+        [sys.executable, "-m", "kvdiag.cli.main", "bench", "score", "--trace", str(trace.path), "--out", str(report)],
         capture_output=True, text=True, timeout=3000,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]

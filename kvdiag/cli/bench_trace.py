@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from rich.console import Console
 
-from cli import common
+from kvdiag.cli import common
 
 
 def bench_trace(

@@ -6,7 +6,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from cli import common
+from kvdiag.cli import common
 
 
 def bench_label(

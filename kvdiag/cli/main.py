@@ -36,19 +36,19 @@ app = typer.Typer(
 bench_app = typer.Typer(help="Benchmarks: ratios measured in one run.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
-from cli.bench_kernels import bench_kernels  # noqa: E402  (after the apps exist)
-from cli.bench_label import bench_label  # noqa: E402
-from cli.bench_score import bench_score  # noqa: E402
-from cli.bench_trace import bench_trace  # noqa: E402
-from cli.demo import demo  # noqa: E402
-from cli.figures import figures  # noqa: E402
-from cli.fit import fit  # noqa: E402
-from cli.label import label  # noqa: E402
-from cli.rank_eval import rank_eval  # noqa: E402
-from cli.replay import replay  # noqa: E402
-from cli.report import report  # noqa: E402
-from cli.score import score  # noqa: E402
-from cli.trace import trace  # noqa: E402
+from kvdiag.cli.bench_kernels import bench_kernels  # noqa: E402  (after the apps exist)
+from kvdiag.cli.bench_label import bench_label  # noqa: E402
+from kvdiag.cli.bench_score import bench_score  # noqa: E402
+from kvdiag.cli.bench_trace import bench_trace  # noqa: E402
+from kvdiag.cli.demo import demo  # noqa: E402
+from kvdiag.cli.figures import figures  # noqa: E402
+from kvdiag.cli.fit import fit  # noqa: E402
+from kvdiag.cli.label import label  # noqa: E402
+from kvdiag.cli.rank_eval import rank_eval  # noqa: E402
+from kvdiag.cli.replay import replay  # noqa: E402
+from kvdiag.cli.report import report  # noqa: E402
+from kvdiag.cli.score import score  # noqa: E402
+from kvdiag.cli.trace import trace  # noqa: E402
 
 for _name, _fn in [("trace", trace), ("label", label), ("score", score), ("rank-eval", rank_eval), ("figures", figures),
                    ("report", report), ("replay", replay), ("fit", fit), ("demo", demo)]:

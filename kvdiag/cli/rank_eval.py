@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from cli.common import listed
+from kvdiag.cli.common import listed
 from kvdiag.errors import UserError
 from kvdiag.io import check_writable, read_table, write_csv, write_json, write_text
 from kvdiag.rankeval import RankEvalResult, check_inputs, to_latex, to_markdown

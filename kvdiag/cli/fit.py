@@ -22,7 +22,7 @@ def fit(
 ) -> None:
     """Fit logistic regression and gradient-boosted trees to the harmful label from per-entry features, rank their
     out-of-fold predictions beside the rules, save the logistic regression as a scorer (fitted)."""
-    from cli.common import listed
+    from kvdiag.cli.common import listed
     from kvdiag.fit import FitConfig, _check, fit_ceiling
     from kvdiag.io import check_writable, read_table
     from kvdiag.label import read_labels

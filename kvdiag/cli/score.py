@@ -26,7 +26,7 @@ def score(
     list_: bool = typer.Option(False, "--list", help="List every scorer (built-in, plugin, kvpress:<Press>) and whether it can be graded, then exit."),
 ) -> None:
     """Score candidates of a Trace with the scorer zoo (higher = keep) and write scores.parquet."""
-    from cli.common import joined, listed, refuse_given
+    from kvdiag.cli.common import joined, listed, refuse_given
     from kvdiag.io import check_writable, read_table, write_table
     from kvdiag.replay.live import needs_o_proj
     from kvdiag.scorers import checkpoint_keys, parse_params, resolve_scorers, score_trace

@@ -14,7 +14,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from cli import common
+from kvdiag.cli import common
 
 
 def demo_commands(out: Path, model: str, prompts: str, limit: int, max_new_tokens: int, candidates: int,
@@ -51,7 +51,7 @@ def demo(
     bootstrap: int = typer.Option(1000, "--bootstrap"),
 ) -> None:
     """Run trace -> label -> score -> rank-eval -> figures -> report and print the report's path."""
-    from cli.main import app
+    from kvdiag.cli.main import app
     from kvdiag.io import check_writable
     from kvdiag.report import record_command
 

@@ -19,8 +19,8 @@ def bench_score(
     out: Path | None = typer.Option(None, "--out", help="Also write the numbers as JSON here."),
 ) -> None:
     """Time `kvdiag score` over every checkpoint (token granularity, all cached entries) and report s/checkpoint."""
-    from cli.common import joined
-    from cli.score import parse_checkpoints
+    from kvdiag.cli.common import joined
+    from kvdiag.cli.score import parse_checkpoints
     from kvdiag.io import write_json
     from kvdiag.kernels.bench import rss_kb
     from kvdiag.scorers import checkpoint_keys, parse_params, score_trace

@@ -65,7 +65,7 @@ def figures(
     score_df, score_meta = read_table(scores, "scores")
     metrics = None
     if rank_eval is not None:
-        from cli.common import refuse_given
+        from kvdiag.cli.common import refuse_given
 
         refuse_given(ctx, ["min_age", "max_age", "eligible"], "with --rank-eval (its metrics were computed on its own "
                      "candidates; pass the filters to kvdiag rank-eval)")

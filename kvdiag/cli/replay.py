@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from cli import common
+from kvdiag.cli import common
 from kvdiag.errors import UserError
 
 
