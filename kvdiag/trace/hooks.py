@@ -31,11 +31,13 @@ _RECORDER: ContextVar["Recorder | None"] = ContextVar("kvdiag_recorder", default
 
 class Recorder:
     """Collects per-layer post-RoPE q/k/v rows of batch row 0 in ``dtype``, written as they arrive into
-    preallocated blocks per layer that double when full: memory is the rows themselves (amortized O(1) per
-    step, no per-step tensor objects), never more than twice their size."""
+    preallocated blocks per layer: memory is the rows themselves (O(1) per step, no per-step tensor objects).
+    With ``capacity`` (the trace's longest possible length) each block is allocated once and its pages are
+    touched only as rows arrive; without it, or past it, blocks double when full (never more than twice
+    the rows)."""
 
-    def __init__(self, num_layers: int, dtype: torch.dtype):
-        self.dtype = dtype
+    def __init__(self, num_layers: int, dtype: torch.dtype, capacity: int = 64):
+        self.dtype, self.capacity = dtype, capacity
         self.attention = None  # the model's ModelAttention, set by recording()
         self.blocks: list[dict[str, torch.Tensor]] = [{} for _ in range(num_layers)]  # name -> [heads, capacity, d]
         self.length = [0] * num_layers
@@ -45,7 +47,7 @@ class Recorder:
         for name, rows in (("q", q), ("k", k), ("v", v)):
             block = blocks.get(name)
             if block is None or block.shape[1] < start + n:
-                grown = torch.empty(rows.shape[0], max(2 * (start + n), 64), rows.shape[2], dtype=self.dtype)
+                grown = torch.empty(rows.shape[0], max(2 * (start + n), self.capacity), rows.shape[2], dtype=self.dtype)
                 if block is not None:
                     grown[:, :start] = block[:, :start]
                 blocks[name] = block = grown

@@ -204,7 +204,7 @@ def rebuild_layers(lm, ids: torch.Tensor, dtype: torch.dtype, chunk: int = REBUI
 
     model = lm.model
     n_layers = model.config.num_hidden_layers
-    rec = Recorder(n_layers, dtype)
+    rec = Recorder(n_layers, dtype, capacity=len(ids))
     ids = ids.to(model.device).view(1, -1)
     cache = DynamicCache(config=model.config)
     with recording(model, rec):

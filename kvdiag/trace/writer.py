@@ -107,8 +107,8 @@ class StoreRecorder(Recorder):
     """A :class:`Recorder` that keeps only what ``store`` writes, so a ``kv``/``none``/``LAYERS`` run also
     holds less in memory while generating."""
 
-    def __init__(self, num_layers: int, dtype: torch.dtype, store: dict):
-        super().__init__(num_layers, dtype)
+    def __init__(self, num_layers: int, dtype: torch.dtype, store: dict, capacity: int = 64):
+        super().__init__(num_layers, dtype, capacity)
         self.names = [stored_names(store, l) for l in range(num_layers)]
 
     def add(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -254,7 +254,7 @@ def _trace_one(lm: LoadedModel, prompt: Prompt, settings: GenerationSettings, ge
     model, tok = lm.model, lm.tokenizer
     ids = encode_prompt(tok, prompt, chat=settings.chat, instruction=settings.instruction)
     input_ids = torch.tensor([ids], device=model.device)
-    rec = StoreRecorder(model.config.num_hidden_layers, storage, store)
+    rec = StoreRecorder(model.config.num_hidden_layers, storage, store, capacity=len(ids) + settings.max_new_tokens)
     stats = TokenStats(len(ids), settings.min_new_tokens, [tok.eos_token_id])
     torch.manual_seed(settings.seed)
     with recording(model, rec):
