@@ -38,6 +38,7 @@ app.add_typer(bench_app, name="bench")
 
 from kvdiag.cli.bench_kernels import bench_kernels  # noqa: E402  (after the apps exist)
 from kvdiag.cli.bench_label import bench_label  # noqa: E402
+from kvdiag.cli.bench_scale import bench_scale  # noqa: E402
 from kvdiag.cli.bench_score import bench_score  # noqa: E402
 from kvdiag.cli.bench_trace import bench_trace  # noqa: E402
 from kvdiag.cli.demo import demo  # noqa: E402
@@ -53,7 +54,7 @@ from kvdiag.cli.trace import trace  # noqa: E402
 for _name, _fn in [("trace", trace), ("label", label), ("score", score), ("rank-eval", rank_eval), ("figures", figures),
                    ("report", report), ("replay", replay), ("fit", fit), ("demo", demo)]:
     app.command(_name)(_fn)
-for _name, _fn in [("trace", bench_trace), ("label", bench_label), ("score", bench_score), ("kernels", bench_kernels)]:
+for _name, _fn in [("trace", bench_trace), ("label", bench_label), ("score", bench_score), ("kernels", bench_kernels), ("scale", bench_scale)]:
     bench_app.command(_name)(_fn)
 
 

@@ -1,0 +1,199 @@
+"""``kvdiag bench scale``: time, peak memory and disk of every stage as traces grow (T = 1k .. 8k).
+
+Each step is the real command (``python -m kvdiag trace|label|score|figures ...``) in a child process of
+its own, so its peak resident memory (``ru_maxrss`` from ``os.wait4``) is that command's alone. Per length T
+(prompt P tokens, ``T - P`` generated, end-of-sequence held off with ``--min-new-tokens``): a trace per
+``--store`` mode, one label checkpoint at ``t = T - 64`` (64 candidates, horizon 16) on the ``all`` Trace,
+``score --scorers all`` on every mode's Trace (a ``kv``/``none`` Trace rebuilds its missing tensors: that
+cost shows here) and ``figures``. A baseline trace of one token gives the fixed cost (model, runtime), so
+the growth of trace memory per token can be read against the KV cache and the recorded rows
+(``kvdiag.cost``). Each finished step is kept as ``steps/<name>.json``: a rerun continues.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from kvdiag.cost import ModelShape
+from kvdiag.errors import UserError
+from kvdiag.io import write_csv, write_json, write_text, writable_dir
+from kvdiag.trace.writer import STORAGE_DTYPES, parse_store
+
+LABEL_BACK = 64  # the checkpoint sits this many positions before the end
+CANDIDATES = 64
+HORIZON = 16
+
+
+@dataclass
+class Step:
+    name: str  # e.g. "T4096/trace-all"
+    stage: str  # trace | label | score | figures
+    length: int  # T
+    store: str  # the Trace's --store mode
+    seconds: float
+    peak_rss_mb: float
+    disk_mb: float | None  # the Trace directory (trace steps)
+
+
+@dataclass
+class ScalePlan:
+    model: str
+    prompts: str
+    lengths: list[int]
+    stores: list[str]
+    out: Path
+    dtype: str = "float32"
+
+    def validate(self, prompt_len: int, context: int | None) -> None:
+        """Every length fits a label checkpoint after the prompt and the model's context (bad input otherwise)."""
+        for T in self.lengths:
+            if T < prompt_len + LABEL_BACK + 1:
+                raise UserError(f"--lengths {T}: the prompt has {prompt_len} tokens; give lengths >= {prompt_len + LABEL_BACK + 1}")
+            if context and T > context:
+                raise UserError(f"--lengths {T}: beyond the model's context of {context}; give lengths <= {context}")
+
+
+def _disk_mb(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
+
+
+def _run(argv: list[str], log: Path) -> tuple[float, float]:
+    """Run ``python -m kvdiag ARGV`` to the end: (seconds, peak RSS MB). A failure is a bug of the step."""
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "kvdiag", *argv], stdout=f, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"bench scale: `kvdiag {' '.join(argv)}` failed; see {log}")
+    return seconds, usage.ru_maxrss / 1024  # KiB on Linux
+
+
+def run_scale_bench(plan: ScalePlan, prompt_len: int, report: Callable[[Step], None] = lambda s: None) -> list[Step]:
+    """All steps of ``plan`` (finished ones are read back from ``steps/``), in order: baseline, then per length
+    the traces, the label, the scores and the figures."""
+    out = plan.out
+    (out / "steps").mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(exist_ok=True)
+    steps: list[Step] = []
+
+    def step(name: str, stage: str, T: int, store: str, argv: list[str], trace: Path | None = None) -> None:
+        done = out / "steps" / f"{name.replace('/', '__')}.json"
+        if done.exists():
+            s = Step(**json.loads(done.read_text()))
+        else:
+            seconds, peak = _run(argv, out / "logs" / f"{name.replace('/', '__')}.log")
+            s = Step(name, stage, T, store, seconds, peak, _disk_mb(trace) if trace else None)
+            write_json(done, asdict(s))
+        steps.append(s)
+        report(s)
+
+    common = ["--model", plan.model, "--prompts", plan.prompts, "--limit", "1", "--dtype", plan.dtype, "--quiet"]
+    base = out / "baseline" / "trace"
+    step("baseline/trace-none", "trace", prompt_len + 1, "none",
+         ["trace", *common, "--max-new-tokens", "1", "--store", "none", "--out", str(base)], base)
+    for T in plan.lengths:
+        G, run = T - prompt_len, out / f"T{T}"
+        for store in plan.stores:
+            trace = run / f"trace-{store}"
+            step(f"T{T}/trace-{store}", "trace", T, store,
+                 ["trace", *common, "--max-new-tokens", str(G), "--min-new-tokens", str(G), "--store", store, "--out", str(trace)], trace)
+        first = run / f"trace-{plan.stores[0]}"
+        labels = run / "labels.parquet"
+        step(f"T{T}/label", "label", T, plan.stores[0],
+             ["label", "--trace", str(first), "--checkpoints", str(T - LABEL_BACK), "--candidates", str(CANDIDATES),
+              "--horizon", str(HORIZON), "--out", str(labels), "--quiet"])
+        for store in plan.stores:
+            step(f"T{T}/score-{store}", "score", T, store,
+                 ["score", "--trace", str(run / f"trace-{store}"), "--labels", str(labels), "--scorers", "all",
+                  "--out", str(run / f"scores-{store}.parquet")])
+        step(f"T{T}/figures", "figures", T, plan.stores[0],
+             ["figures", "--trace", str(first), "--labels", str(labels), "--scores", str(run / f"scores-{plan.stores[0]}.parquet"),
+              "--out", str(run / "figures")])
+    return steps
+
+
+def memory_growth(steps: list[Step], shape: ModelShape, dtype: str, storage_dtype: str = "float16") -> pl.DataFrame:
+    """Per store mode: trace peak RSS growth per token (least-squares slope over the lengths) beside the arithmetic
+    bound, KV cache (compute dtype) + recorded rows (storage dtype) per token."""
+    rows = []
+    kv = shape.kv_cache_bytes(STORAGE_DTYPES[dtype].itemsize)
+    for store in sorted({s.store for s in steps if s.stage == "trace" and not s.name.startswith("baseline")}):
+        pts = [(s.length, s.peak_rss_mb) for s in steps if s.stage == "trace" and s.store == store and not s.name.startswith("baseline")]
+        if len(pts) < 2:
+            continue
+        slope_mb = float(np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1)[0])
+        bound = kv + shape.stored_bytes(store, storage_dtype)
+        rows.append({"store": store, "measured KB/token": slope_mb * 2**20 / 1e3, "KV cache KB/token": kv / 1e3,
+                     "recorded rows KB/token": shape.stored_bytes(store, storage_dtype) / 1e3,
+                     "measured / (KV + rows)": slope_mb * 2**20 / bound})
+    return pl.DataFrame(rows)
+
+
+def steps_table(steps: list[Step]) -> pl.DataFrame:
+    """One row per (T, stage, store): seconds, peak RSS, disk."""
+    return pl.DataFrame([asdict(s) for s in steps]).select(
+        pl.col("length").alias("T"), "stage", "store", pl.col("seconds").round(1), pl.col("peak_rss_mb").round(0),
+        pl.col("disk_mb").round(1))
+
+
+def parse_lengths(values: list[str]) -> list[int]:
+    try:
+        lengths = [int(v) for v in values]
+    except ValueError:
+        raise UserError(f"--lengths {','.join(values)}: use comma-separated token counts, e.g. 1024,2048,4096,8192") from None
+    if len(set(lengths)) < len(lengths):
+        raise UserError(f"--lengths {','.join(values)}: a length is given twice; give each once")
+    return sorted(lengths)
+
+
+def parse_stores(values: list[str]) -> list[str]:
+    for v in values:
+        parse_store(v)
+    if len(set(values)) < len(values):
+        raise UserError(f"--store {','.join(values)}: a mode is given twice; give each once")
+    if values[0] != "all" and "all" in values:
+        values = ["all"] + [v for v in values if v != "all"]  # labels and figures read the first (fastest) Trace
+    return values
+
+
+def _markdown(df: pl.DataFrame) -> str:
+    from kvdiag.report import md_table
+
+    return md_table(df.columns, [[("" if v is None else v) for v in row] for row in df.rows()])
+
+
+def bench_scale(plan: ScalePlan, report: Callable[[Step], None] = lambda s: None) -> str:
+    """Check ``plan`` against the model (bad input before any step), run it, write ``scale.csv`` and ``scale.md``
+    into ``plan.out``; returns the Markdown."""
+    from kvdiag.models import load_model
+    from kvdiag.prompts import encode_prompt, load_prompts
+
+    writable_dir(plan.out)
+    prompt = load_prompts(plan.prompts, limit=1)[0]
+    lm = load_model(plan.model, dtype=plan.dtype)  # the prompt length and the shape only: each step loads its own
+    prompt_len = len(encode_prompt(lm.tokenizer, prompt))
+    plan.validate(prompt_len, getattr(lm.model.config, "max_position_embeddings", None))
+    shape = ModelShape.from_config(lm.model.config, plan.model)
+    del lm
+    steps = run_scale_bench(plan, prompt_len, report)
+    table = steps_table(steps)
+    write_csv(table, plan.out / "scale.csv")
+    text = (f"bench scale: {plan.model} {plan.dtype}, prompt of {prompt_len} tokens, T - {prompt_len} generated "
+            f"(greedy, end-of-sequence held off); each step is the kvdiag command in a process of its own "
+            f"(peak = its ru_maxrss; disk = the Trace directory).\n\n{_markdown(table)}\n"
+            f"Trace memory growth per token (least-squares slope of peak RSS over T) against the arithmetic "
+            f"bound, KV cache ({plan.dtype}) + recorded rows (float16), from kvdiag.cost:\n\n"
+            f"{_markdown(memory_growth(steps, shape, plan.dtype))}")
+    write_text(plan.out / "scale.md", text)
+    return text
