@@ -353,7 +353,8 @@ def _stats_table(path: Path) -> str:
 
 
 def _components_table(path: Path) -> str:
-    from kvdiag.figures.components import METRICS, RANDOM_SCORER
+    from kvdiag.figures.components import RANDOM_SCORER
+    from kvdiag.rankeval import metrics_where
 
     df = pl.read_csv(path, schema_overrides={"value": pl.Float64, "ci_low": pl.Float64, "ci_high": pl.Float64, "note": pl.String})
     cells = {(r["variant"], r["metric"]): r for r in df.filter(pl.col("scorer") != RANDOM_SCORER).iter_rows(named=True)}
@@ -364,8 +365,9 @@ def _components_table(path: Path) -> str:
         return f"{r['value']:.3f}" + ("" if math.isnan(r["ci_low"]) else f" [{r['ci_low']:.3f}, {r['ci_high']:.3f}]")
 
     variants = list(dict.fromkeys(v for v, _ in cells))
-    rows = [[v, *(cell(cells.get((v, m))) for m, _ in METRICS)] for v in variants]
-    return md_table(["Variant", *(h for _, h in METRICS)], rows, "l" + "r" * len(METRICS))
+    metrics = metrics_where("figure")
+    rows = [[v, *(cell(cells.get((v, m.name))) for m in metrics)] for v in variants]
+    return md_table(["Variant", *(m.title for m in metrics)], rows, "l" + "r" * len(metrics))
 
 
 def _figures_section(r: _Run, rel: str) -> str:

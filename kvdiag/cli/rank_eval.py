@@ -18,7 +18,7 @@ from kvdiag.io import check_writable, read_table, write_csv, write_json, write_t
 from kvdiag.rankeval import RankEvalResult, check_inputs, to_latex, to_markdown
 from kvdiag.rankeval import rank_eval as run_rank_eval
 from kvdiag.rankeval.budget_figure import budget_curves_figure
-from kvdiag.rankeval.tables import TABLE3_COLUMNS
+from kvdiag.rankeval.registry import metrics_where
 
 OUTPUTS = ("metrics.csv", "paired.csv", "table.md", "table.tex", "budget_curves.csv", "budget_curves.png",
            "budget_curves.pdf", "config.json")
@@ -52,13 +52,13 @@ def _print_summary(result: RankEvalResult, scope: str, out: Path, console: Conso
         console.print(f"[bold yellow]warning:[/] {warning}", highlight=False)
     table = Table(title=f"{scope} metrics, FSR at rho = {c.rho:g}, {c.ci_level:.0%} CI over prompts (B = {c.n_boot})")
     table.add_column("Score")
-    for _, header in TABLE3_COLUMNS:
-        table.add_column(header, justify="right")
+    for m in metrics_where("table"):
+        table.add_column(m.title, justify="right")
     rows = {(r["scorer"], r["metric"]): r for r in result.metrics.filter(pl.col("scope") == scope).iter_rows(named=True)}
     for name in result.scorers:
         cells = []
-        for metric, _ in TABLE3_COLUMNS:
-            r = rows[(name, metric)]
+        for m in metrics_where("table"):
+            r = rows[(name, m.name)]
             if math.isnan(r["value"]):
                 cells.append("[red]n/a[/]")
             elif math.isnan(r["ci_low"]):

@@ -16,7 +16,7 @@ import seaborn as sns
 from kvdiag.errors import UserError
 from kvdiag.figures.common import new_figure, note_on, save_figure, style
 from kvdiag.figures.params import FigureParams
-from kvdiag.rankeval import rank_eval
+from kvdiag.rankeval import metrics_where, rank_eval
 
 # (scorer, row label) in the paper's Table 4 order
 VARIANTS = (
@@ -27,7 +27,6 @@ VARIANTS = (
     ("avokv_e_no_redundancy", "− redundancy (λ_r = 0)"),
     ("rkv", "R-KV-style anchor"),
 )
-METRICS = (("auroc", "AUROC"), ("ap", "AP"), ("topk_recall", "Top-k recall"), ("fsr", "False-safe rate"))
 RANDOM_SCORER = "random_baseline"
 TABLE_SCHEMA = {"scorer": pl.String, "variant": pl.String, "metric": pl.String, "scope": pl.String, "value": pl.Float64,
                 "ci_low": pl.Float64, "ci_high": pl.Float64, "n": pl.Int64, "note": pl.String}
@@ -52,14 +51,14 @@ def component_metrics(labels: pl.DataFrame, scores: pl.DataFrame | None, params:
     return result.metrics, ""
 
 
-def component_table(metrics: pl.DataFrame | None, scope: str, note: str = "") -> pl.DataFrame:
-    """One row per (variant, metric) from rank-eval ``metrics`` (its metrics.csv columns) and the random scorer's
-    expected values (``random_baseline``). Variants without metrics get NaN and a note (``note`` when given)."""
+def component_table(metrics: pl.DataFrame | None, scope: str, rho: float, note: str = "") -> pl.DataFrame:
+    """One row per (variant, metric flagged ``figure``) from rank-eval ``metrics`` (its metrics.csv columns) and the
+    random scorer's expected values at eviction fraction ``rho`` (``random_baseline``). Variants without metrics get NaN and a note (``note`` when given)."""
     m = metrics.filter(pl.col("scope") == scope) if metrics is not None else pl.DataFrame(schema=TABLE_SCHEMA)
     nan = float("nan")
     rows = []
     for name, label in VARIANTS:
-        for metric, _ in METRICS:
+        for metric in (m.name for m in metrics_where("figure")):
             hit = m.filter((pl.col("scorer") == name) & (pl.col("metric") == metric))
             if hit.height:
                 r = hit.row(0, named=True)
@@ -70,9 +69,9 @@ def component_table(metrics: pl.DataFrame | None, scope: str, note: str = "") ->
                                  n=None, note=note or f"{name} is not in the scores"))
     prevalence = m.filter(pl.col("metric") == "prevalence")["value"]
     prev = float(prevalence[0]) if len(prevalence) else nan
-    for metric, _ in METRICS:
-        rows.append(dict(scorer=RANDOM_SCORER, variant="random scorer (expected)", metric=metric, scope=scope,
-                         value=0.5 if metric == "auroc" else prev, ci_low=nan, ci_high=nan, n=None,
+    for m in metrics_where("figure"):
+        rows.append(dict(scorer=RANDOM_SCORER, variant="random scorer (expected)", metric=m.name, scope=scope,
+                         value=m.random(prev, rho), ci_low=nan, ci_high=nan, n=None,
                          note="AUROC 0.5; AP, top-k recall and FSR = prevalence"))
     return pl.DataFrame(rows, schema=TABLE_SCHEMA)
 
@@ -80,10 +79,11 @@ def component_table(metrics: pl.DataFrame | None, scope: str, note: str = "") ->
 def plot_components(table: pl.DataFrame, note: str, params: FigureParams, out_dir: Path) -> list[Path]:
     """One panel per metric: point + CI bar per variant (Table 4 order, top to bottom)."""
     with style():
-        fig, axes = new_figure(len(METRICS), 12, 3.2)
+        metrics = metrics_where("figure")
+        fig, axes = new_figure(len(metrics), 3 * len(metrics), 3.2)
         colors = dict(zip((label for _, label in VARIANTS), sns.color_palette("deep", len(VARIANTS))))
-        for ax, (metric, title) in zip(axes, METRICS):
-            t = table.filter((pl.col("metric") == metric) & (pl.col("scorer") != RANDOM_SCORER))
+        for ax, m in zip(axes, metrics):
+            t = table.filter((pl.col("metric") == m.name) & (pl.col("scorer") != RANDOM_SCORER))
             for i, r in enumerate(t.iter_rows(named=True)):
                 if not np.isfinite(r["value"]):
                     ax.text(0.5, i, "n/a", transform=ax.get_yaxis_transform(), ha="center", va="center", fontsize=7, color="grey")
@@ -91,7 +91,7 @@ def plot_components(table: pl.DataFrame, note: str, params: FigureParams, out_di
                 ok = np.isfinite(r["ci_low"])
                 err = [[r["value"] - r["ci_low"]], [r["ci_high"] - r["value"]]] if ok else None
                 ax.errorbar(r["value"], i, xerr=err, fmt="o", color=colors[r["variant"]], capsize=3, ms=5)
-            base = table.filter((pl.col("metric") == metric) & (pl.col("scorer") == RANDOM_SCORER))["value"]
+            base = table.filter((pl.col("metric") == m.name) & (pl.col("scorer") == RANDOM_SCORER))["value"]
             if len(base) and np.isfinite(base[0]):
                 ax.axvline(base[0], color="grey", ls=":", lw=1)
             ref = t.filter(pl.col("scorer") == "avokv_e")["value"]
@@ -99,7 +99,7 @@ def plot_components(table: pl.DataFrame, note: str, params: FigureParams, out_di
                 ax.axvline(ref[0], color=colors[VARIANTS[0][1]], ls="--", lw=0.8, alpha=0.6)
             ax.set_yticks(range(t.height), t["variant"].to_list() if ax is axes[0] else [""] * t.height)
             ax.set_ylim(t.height - 0.5, -0.5)
-            ax.set_title(title + (" (lower = better)" if metric == "fsr" else ""), fontsize=9)
+            ax.set_title(m.title + (" (lower = better)" if m.lower_is_better else ""), fontsize=9)
             ax.tick_params(labelsize=7)
         if note:
             note_on(axes[1], note, width=38)
@@ -117,6 +117,6 @@ def candidate_set(params: FigureParams) -> str:
 
 def components_figure(metrics: pl.DataFrame | None, note: str, params: FigureParams, out_dir: Path) -> tuple[pl.DataFrame, list[Path]]:
     """components.{png,pdf} and components.csv (the plotted values, CIs and notes)."""
-    table = component_table(metrics, params.scope, note)
+    table = component_table(metrics, params.scope, params.rho, note)
     table.write_csv(out_dir / "components.csv")
     return table, [*plot_components(table, note, params, out_dir), out_dir / "components.csv"]

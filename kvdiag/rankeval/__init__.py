@@ -1,9 +1,11 @@
-"""Rank evaluation: how well eviction scores predict oracle eviction damage (``kvdiag rank-eval``)."""
+"""Rank evaluation: how well eviction scores predict oracle eviction damage (``kvdiag rank-eval``).
+
+The metrics are registered by name (``METRICS``, ``register_metric``); built-ins in ``metrics.py``.
+"""
 
 from kvdiag.rankeval.bootstrap import holm, paired_p_value, percentile_ci, prompt_multiplicities
 from kvdiag.rankeval.evaluate import (
     KEYS,
-    METRICS,
     SCOPES,
     RankEvalConfig,
     RankEvalResult,
@@ -15,6 +17,7 @@ from kvdiag.rankeval.evaluate import (
 )
 from kvdiag.rankeval.metrics import (
     Rankings,
+    TieStats,
     auroc,
     average_precision,
     eviction_counts,
@@ -23,16 +26,19 @@ from kvdiag.rankeval.metrics import (
     spearman,
     topk_recall,
 )
-from kvdiag.rankeval.tables import TABLE3_COLUMNS, caption, to_latex, to_markdown
+from kvdiag.rankeval.registry import METRICS, Counts, Metric, metrics_where, register_metric
+from kvdiag.rankeval.tables import caption, to_latex, to_markdown
 
 __all__ = [
     "KEYS",
     "METRICS",
     "SCOPES",
-    "TABLE3_COLUMNS",
+    "Counts",
+    "Metric",
     "RankEvalConfig",
     "RankEvalResult",
     "Rankings",
+    "TieStats",
     "auroc",
     "average_precision",
     "caption",
@@ -40,6 +46,7 @@ __all__ = [
     "eviction_counts",
     "harm_threshold",
     "holm",
+    "metrics_where",
     "n_evicted",
     "paired_p_value",
     "parse_harm",
@@ -47,6 +54,7 @@ __all__ = [
     "prompt_multiplicities",
     "rank_eval",
     "ranking_metrics",
+    "register_metric",
     "spearman",
     "to_latex",
     "to_markdown",

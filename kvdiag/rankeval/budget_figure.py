@@ -6,10 +6,12 @@ from pathlib import Path
 
 import polars as pl
 
+from kvdiag.rankeval.registry import metrics_where
+
 
 def budget_curves_figure(curves: pl.DataFrame, out_dir: Path, candidates: str) -> list[Path]:
-    """``budget_curves.png``/``.pdf`` from ``RankEvalResult.budget_curves``: two panels (FSR, FNR), one line per
-    rule with its CI band, the random scorer dashed."""
+    """``budget_curves.png``/``.pdf`` from ``RankEvalResult.budget_curves``: one panel per metric with a ``curve``
+    (FSR, FNR), one line per rule with its CI band, the random scorer dashed."""
     import seaborn as sns
 
     from kvdiag.figures.common import new_figure, save_figure, style  # matplotlib on first use only
@@ -17,10 +19,10 @@ def budget_curves_figure(curves: pl.DataFrame, out_dir: Path, candidates: str) -
     rules = [n for n in curves["scorer"].unique(maintain_order=True) if not n.startswith("random (")]
     colors = dict(zip(rules, sns.color_palette("tab20", len(rules))))  # 20 distinct colours: one per rule
     with style():
-        fig, axes = new_figure(2, 10.0, 4.2)
-        for ax, (metric, label) in zip(axes, (("fsr", "FSR@ρ (harmful share of the evicted)"),
-                                              ("fnr", "FNR@ρ (share of the harmful evicted)"))):
-            rows = curves.filter(pl.col("metric") == metric)
+        metrics = metrics_where("curve")
+        fig, axes = new_figure(len(metrics), 5.0 * len(metrics), 4.2)
+        for ax, m in zip(axes, metrics):
+            rows = curves.filter(pl.col("metric") == m.name)
             for name in rows["scorer"].unique(maintain_order=True):
                 r = rows.filter(pl.col("scorer") == name).sort("rho")
                 random = name.startswith("random (")
@@ -29,7 +31,7 @@ def budget_curves_figure(curves: pl.DataFrame, out_dir: Path, candidates: str) -
                 if not random:
                     ax.fill_between(r["rho"], r["ci_low"], r["ci_high"], alpha=0.08, color=colors[name])
             ax.set_xlabel("eviction fraction ρ")
-            ax.set_ylabel(label)
-        axes[1].legend(fontsize=6, ncols=1, loc="center left", bbox_to_anchor=(1.02, 0.5))
+            ax.set_ylabel(m.curve)
+        axes[-1].legend(fontsize=6, ncols=1, loc="center left", bbox_to_anchor=(1.02, 0.5))
         fig.suptitle(f"Budget curves on {candidates}", fontsize=8)
         return save_figure(fig, out_dir, "budget_curves")

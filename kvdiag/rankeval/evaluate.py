@@ -4,7 +4,8 @@ Labels and scores are joined on their keys; each score column is a scorer. Harmf
 strictly above the harm threshold. Every metric is reported pooled over all candidates and as a macro
 average over checkpoints (eviction decisions are made within one cache, so the ranking within a
 checkpoint is what matters), with cluster-bootstrap CIs over prompts and paired differences against a
-reference scorer. Definitions and conventions: README, "Ranking metrics".
+reference scorer. The metrics are those of ``kvdiag.rankeval.registry`` (each defined once, in
+``kvdiag.rankeval.metrics``). Definitions and conventions: docs/rank-eval.md.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import polars as pl
 from kvdiag.errors import UserError
 from kvdiag.rankeval.candidates import filter_candidates
 from kvdiag.rankeval.bootstrap import holm, paired_p_value, percentile_ci, prompt_multiplicities
-from kvdiag.rankeval.metrics import RANKING_METRICS, Rankings, _div, eviction_counts, n_evicted, ranking_metrics
+from kvdiag.rankeval.metrics import Rankings, _div, eviction_counts, n_evicted, ranking_metrics
+from kvdiag.rankeval.registry import METRICS, Counts, Metric, metrics_where
 
 KEYS = ("prompt_id", "checkpoint", "position", "granularity", "layer", "kv_head")
 _KEY_TYPES = {
@@ -29,7 +31,6 @@ _KEY_TYPES = {
     "layer": pl.Int64,
     "kv_head": pl.Int64,
 }
-METRICS = ("auroc", "ap", "prevalence", "topk_recall", "fsr", "fnr", "spearman")
 SCOPES = ("pooled", "macro")
 # below this many prompts, a percentile bootstrap over prompts has too few clusters to be trusted: warn
 FEW_PROMPTS = 10
@@ -320,13 +321,17 @@ def _estimates(data: _Data, names: list[str], cfg: RankEvalConfig, mult: np.ndar
     hev_c = np.stack([eviction_counts(y, s, cfg.rho, ckpt)[1] for s in scores])  # [S, K] harmful evicted
     pos_c = np.add.reduceat(y, starts[:-1])
     neg_c = n_c - pos_c
-    no_pos, no_neg = {"no harmful entry": int((pos_c == 0).sum())}, {"no safe entry": int((neg_c == 0).sum())}
-    both = (pos_c > 0) & (neg_c > 0)
+
+    # why a checkpoint has no macro value: (per-checkpoint mask, macro reason, pooled reason when it holds everywhere)
+    rho_note = f"floor(rho*C) = 0 (C < {1 / cfg.rho:.3g})"
+    lacks = {"harmful": (pos_c == 0, "no harmful entry", "no harmful entry"),
+             "safe": (neg_c == 0, "no safe entry", "no safe entry"),
+             "evicted": (ev_c == 0, rho_note, rho_note.replace(" (", " in every checkpoint ("))}
 
     # pooled ranking metrics: a resample is a row weighting (prompt multiplicity), in chunks of resamples
     rankings = Rankings(y, scores, x)
     point = rankings()
-    reps = {m: np.empty((len(names), len(mult))) for m in RANKING_METRICS}
+    reps = {m: np.empty((len(names), len(mult))) for m in point}
     chunk = max(_MIN_CHUNK, _CHUNK_CELLS // n_rows)
     for lo in range(0, len(mult), chunk):
         w = mult[lo : lo + chunk].T[data.prompt].astype(float)  # [N, b]
@@ -335,22 +340,23 @@ def _estimates(data: _Data, names: list[str], cfg: RankEvalConfig, mult: np.ndar
 
     out = {}
     for j, name in enumerate(names):
-        hev, sp = hev_c[j], per["spearman"][j]
-        est = {
-            ("auroc", "macro"): _macro(per["auroc"][j], both, mc, no_pos | no_neg),
-            ("ap", "macro"): _macro(per["ap"][j], both, mc, no_pos | no_neg),
-            ("topk_recall", "macro"): _macro(per["topk_recall"][j], pos_c > 0, mc, no_pos),
-            ("spearman", "macro"): _macro(sp, np.isfinite(sp), mc, {"a constant score or KL": int(np.isnan(sp).sum())}),
-            ("prevalence", "macro"): _macro(pos_c / n_c, n_c > 0, mc, {}),
-            ("fsr", "macro"): _macro(_div(hev, ev_c), ev_c > 0, mc, {f"floor(rho*C) = 0 (C < {1 / cfg.rho:.3g})": int((ev_c == 0).sum())}),
-            ("fnr", "macro"): _macro(_div(hev, pos_c), pos_c > 0, mc, no_pos),
-            ("prevalence", "pooled"): _ratio(pos_c, n_c, mc, n_rows, ""),
-            ("fsr", "pooled"): _ratio(hev, ev_c, mc, n_rows, f"floor(rho*C) = 0 in every checkpoint (C < {1 / cfg.rho:.3g})"),
-            ("fnr", "pooled"): _ratio(hev, pos_c, mc, n_rows, "no harmful entry"),
-        }
-        for m in RANKING_METRICS:
-            value = float(point[m][j, 0, 0])
-            est[(m, "pooled")] = _Estimate(value, reps[m][j], n_rows, "" if np.isfinite(value) else "undefined: constant score or KL")
+        counts = Counts(n=n_c, harmful=pos_c, evicted=ev_c, harmful_evicted=hev_c[j])
+        est = {}
+        for m in METRICS.values():
+            missing = [lacks[need] for need in m.needs]
+            qualifies = ~np.any([mask for mask, _, _ in missing], axis=0) if missing else np.ones(n_ckpt, bool)
+            skipped = {why: int(mask.sum()) for mask, why, _ in missing}
+            if m.kind == "rank":
+                v = per[m.name][j]
+                skipped["a constant score or KL"] = int((qualifies & ~np.isfinite(v)).sum())
+                value = float(point[m.name][j, 0, 0])
+                est[(m.name, "pooled")] = _Estimate(value, reps[m.name][j], n_rows,
+                                                    "" if np.isfinite(value) else "undefined: constant score or KL")
+            else:
+                num, den = m.compute(counts)
+                v = _div(num, den)
+                est[(m.name, "pooled")] = _ratio(num, den, mc, n_rows, "; ".join(pooled for _, _, pooled in missing))
+            est[(m.name, "macro")] = _macro(v, qualifies & np.isfinite(v), mc, skipped)
         out[name] = est
     return out
 
@@ -371,9 +377,7 @@ def _paired(est: dict, names: list[str], cfg: RankEvalConfig, n_prompts: int) ->
     rows = []
     others = [n for n in names if n != cfg.reference] if cfg.reference is not None else []
     for name in others:
-        for metric in METRICS:
-            if metric == "prevalence":  # a property of the labels, the same for every scorer
-                continue
+        for metric in (m.name for m in metrics_where("per_scorer")):
             for scope in SCOPES:
                 a, ref = est[name][(metric, scope)], est[cfg.reference][(metric, scope)]
                 diffs = a.reps - ref.reps
@@ -453,18 +457,19 @@ def _budget_curves(data: _Data, names: list[str], cfg: RankEvalConfig, mult: np.
     mc = mult[:, data.ckpt_prompt].astype(float)
     n_c = np.diff(starts).astype(float)
     pos_c = np.add.reduceat(data.y, starts[:-1])
+    curves: list[Metric] = metrics_where("curve")
+    prevalence = float(pos_c.sum() / n_c.sum())
     rows = []
     for rho in cfg.rho_grid:
         ev_c = n_evicted(rho, n_c).astype(float)
         for name in names:
-            hev = eviction_counts(data.y, data.scores[name], rho, ckpt)[1]
-            for metric, den in (("fsr", ev_c), ("fnr", pos_c)):
-                e = _ratio(hev, den, mc, len(data.y), "nothing evicted" if metric == "fsr" else "no harmful entry")
+            counts = Counts(n=n_c, harmful=pos_c, evicted=ev_c, harmful_evicted=eviction_counts(data.y, data.scores[name], rho, ckpt)[1])
+            for m in curves:
+                e = _ratio(*m.compute(counts), mc, len(data.y), "")
                 low, high, _ = percentile_ci(e.reps, cfg.ci_level)
-                rows.append(dict(scorer=name, rho=rho, metric=metric, value=e.value, ci_low=low, ci_high=high))
-        prevalence = float(pos_c.sum() / n_c.sum())
-        rows += [dict(scorer="random (expected)", rho=rho, metric="fsr", value=prevalence, ci_low=np.nan, ci_high=np.nan),
-                 dict(scorer="random (expected)", rho=rho, metric="fnr", value=rho, ci_low=np.nan, ci_high=np.nan)]
+                rows.append(dict(scorer=name, rho=rho, metric=m.name, value=e.value, ci_low=low, ci_high=high))
+        rows += [dict(scorer="random (expected)", rho=rho, metric=m.name, value=m.random(prevalence, rho), ci_low=np.nan,
+                      ci_high=np.nan) for m in curves]
     return pl.DataFrame(rows, schema=_CURVES_SCHEMA)
 
 

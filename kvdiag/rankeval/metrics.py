@@ -16,19 +16,21 @@ Batching, so that neither checkpoints nor bootstrap resamples need a Python loop
   the row m times; the cluster bootstrap passes prompt multiplicities.
 
 Undefined values (AUROC without positives, Spearman of a constant) are NaN; callers say why.
+
+Each metric is registered here with its definition (``kvdiag.rankeval.registry``): rank-eval, the tables, the
+budget curves, the component figure and the report list the metrics from the registry.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from kvdiag.rankeval.registry import METRICS, Counts, register_metric
+
 # floor(rho * C) with a tolerance, so that e.g. 0.29 * 100 = 28.999999999999996 evicts 29
 _FLOOR_EPS = 1e-9
 # x / max(n, _TINY) is 0 where x = n = 0 (an empty tie group contributes nothing)
 _TINY = np.finfo(float).tiny
-
-RANKING_METRICS = ("auroc", "ap", "topk_recall", "spearman")
-
 
 def n_evicted(rho: float, n_candidates):
     """How many of ``n_candidates`` (int or array) are evicted at fraction ``rho``: ``floor(rho * C)``."""
@@ -105,17 +107,19 @@ class _Groups:
         return c
 
 
-class _Stats:
+class TieStats:
     """One score's tie groups, ascending: weighted harmful ``pos`` and total ``tot`` counts [G, B], their
-    within-segment cumulative sums ``cpos``, ``ctot``, and segment totals ``npos``, ``ntot`` [K, B]."""
+    within-segment cumulative sums ``cpos``, ``ctot``, and segment totals ``npos``, ``ntot`` [K, B]; for rank
+    correlations also ``gwdx [G, B]`` (per group, the sum of weight × centered damage rank) and ``damage``."""
 
-    def __init__(self, groups: _Groups, pos: np.ndarray, tot: np.ndarray):
-        self.groups, self.pos, self.tot = groups, pos, tot
+    def __init__(self, groups: _Groups, pos: np.ndarray, tot: np.ndarray, gwdx: np.ndarray | None = None,
+                 damage: _DamageRanks | None = None):
+        self.groups, self.pos, self.tot, self.gwdx, self.damage = groups, pos, tot, gwdx, damage
         self.cpos, self.ctot = groups.cumsum(pos), groups.cumsum(tot)
         self.npos, self.ntot = groups.seg_sums(pos), groups.seg_sums(tot)
 
     @classmethod
-    def of(cls, y: np.ndarray, s: np.ndarray, w: np.ndarray, segments: np.ndarray | None = None) -> _Stats:
+    def of(cls, y: np.ndarray, s: np.ndarray, w: np.ndarray, segments: np.ndarray | None = None) -> TieStats:
         groups = _Groups(s, segments)
         return cls(groups, groups.sums(w * np.asarray(y, float)[:, None]), groups.sums(w))
 
@@ -128,14 +132,18 @@ def _share(taken: np.ndarray, tot: np.ndarray) -> np.ndarray:
     return taken
 
 
-def _auroc(st: _Stats) -> np.ndarray:
+@register_metric("auroc", "rank", title="AUROC", random=lambda prevalence, rho: 0.5, needs=("harmful", "safe"),
+                 table=True, figure=True)
+def _auroc(st: TieStats) -> np.ndarray:
     # Mann-Whitney: each harmful entry beats the safe entries scored below it, ties count 1/2
     safe_below = st.ctot - st.cpos
     safe_below -= 0.5 * (st.tot - st.pos)
     return _div(st.groups.seg_dot(st.pos, safe_below), st.npos * (st.ntot - st.npos))
 
 
-def _average_precision(st: _Stats) -> np.ndarray:
+@register_metric("ap", "rank", title="AP", random=lambda prevalence, rho: prevalence, needs=("harmful", "safe"),
+                 table=True, figure=True)
+def _average_precision(st: TieStats) -> np.ndarray:
     # scikit-learn's non-interpolated AP: sum over thresholds (one per distinct score, descending)
     # of recall increment * precision; the threshold at group g keeps g and the groups above it
     g = st.groups
@@ -144,17 +152,39 @@ def _average_precision(st: _Stats) -> np.ndarray:
     return _div(g.seg_dot(st.pos, precision), st.npos)
 
 
-def _topk_recall(st: _Stats) -> np.ndarray:
+@register_metric("prevalence", "ratio", title="Prevalence", random=lambda prevalence, rho: prevalence, per_scorer=False)
+def _prevalence(c: Counts) -> tuple[np.ndarray, np.ndarray]:
+    # share of harmful entries: a property of the labels, printed beside AP
+    return c.harmful, c.n
+
+
+@register_metric("topk_recall", "rank", title="Top-k recall", random=lambda prevalence, rho: prevalence, needs=("harmful",),
+                 table=True, figure=True)
+def _topk_recall(st: TieStats) -> np.ndarray:
     # k = number of harmful entries; taken from the top: k minus the weight scored above the group
     g = st.groups
     taken = g.expand(st.npos) - (g.expand(st.ntot) - st.ctot)
     return _div(g.seg_dot(st.pos, _share(taken, st.tot)), st.npos)
 
 
-def _harmful_evicted(st: _Stats, n: np.ndarray) -> np.ndarray:
+def _harmful_evicted(st: TieStats, n: np.ndarray) -> np.ndarray:
     # the n [K, B] lowest-scored are evicted: n minus the weight scored below the group
     taken = st.groups.expand(n) - (st.ctot - st.tot)
     return st.groups.seg_dot(st.pos, _share(taken, st.tot))
+
+
+@register_metric("fsr", "ratio", title="False-safe rate", random=lambda prevalence, rho: prevalence, needs=("evicted",),
+                 lower_is_better=True, table=True, figure=True, curve="FSR@ρ (harmful share of the evicted)")
+def _false_safe_rate(c: Counts) -> tuple[np.ndarray, np.ndarray]:
+    # reading A of "false-safe rate": the share of the evicted entries that are harmful (false omission rate)
+    return c.harmful_evicted, c.evicted
+
+
+@register_metric("fnr", "ratio", title="FNR", random=lambda prevalence, rho: rho, needs=("harmful",),
+                 lower_is_better=True, curve="FNR@ρ (share of the harmful evicted)")
+def _false_negative_rate(c: Counts) -> tuple[np.ndarray, np.ndarray]:
+    # reading B: the share of the harmful entries that were evicted (miss rate)
+    return c.harmful_evicted, c.harmful
 
 
 def _centered_ranks(groups: _Groups, tot: np.ndarray, ctot: np.ndarray, ntot: np.ndarray):
@@ -177,16 +207,17 @@ class _DamageRanks:
         self.wdx = w * dx
 
 
-def _spearman(st: _Stats, gwdx: np.ndarray, damage: _DamageRanks) -> np.ndarray:
-    # Pearson correlation of average ranks; gwdx [G, B]: per score group, sum of weight * damage rank
+@register_metric("spearman", "rank", title="Spearman", random=lambda prevalence, rho: 0.0, table=True)
+def _spearman(st: TieStats) -> np.ndarray:
+    # Pearson correlation of average ranks; st.gwdx [G, B]: per score group, sum of weight * damage rank
     d, var, distinct = _centered_ranks(st.groups, st.tot, st.ctot, st.ntot)
-    rho = _div(st.groups.seg_dot(gwdx, d), np.sqrt(damage.var * var))
-    return np.where((distinct > 1) & (damage.distinct > 1), rho, np.nan)
+    rho = _div(st.groups.seg_dot(st.gwdx, d), np.sqrt(st.damage.var * var))
+    return np.where((distinct > 1) & (st.damage.distinct > 1), rho, np.nan)
 
 
 def _single(metric, y, s, w):
     w, single = _weights(w, len(y))
-    out = metric(_Stats.of(y, s, w))[0]
+    out = metric(TieStats.of(y, s, w))[0]
     return float(out[0]) if single else out
 
 
@@ -214,13 +245,14 @@ def spearman(x: np.ndarray, s: np.ndarray, w: np.ndarray | None = None) -> float
     damage = _DamageRanks(_Groups(x), w)
     groups = _Groups(s)
     tot = groups.sums(w)
-    st = _Stats(groups, np.zeros_like(tot), tot)  # ranks need only the counts
-    out = _spearman(st, groups.sums(damage.wdx), damage)[0]
+    st = TieStats(groups, np.zeros_like(tot), tot, groups.sums(damage.wdx), damage)  # ranks need only the counts
+    out = _spearman(st)[0]
     return float(out[0]) if single else out
 
 
 class Rankings:
-    """AUROC, AP, top-k recall and Spearman(score, x) of several scorers under many row weightings.
+    """The ``rank`` metrics (AUROC, AP, top-k recall, Spearman(score, x), ...) of several scorers under many row
+    weightings.
 
     ``y [N]`` harm label, ``scores [S, N]``, ``x [N]`` continuous damage (log KL), ``segments [N]`` or
     None. Every score is sorted once; ``rankings(w)`` evaluates weights ``w [N, B]`` (None: all 1) and
@@ -238,19 +270,13 @@ class Rankings:
         damage = _DamageRanks(self.damage_groups, w)
         # one gather + one segmented sum per scorer for the three row quantities
         rows = np.concatenate([w * self.y[:, None], w, damage.wdx], axis=1)  # [N, 3B]
+        metrics = [m for m in METRICS.values() if m.kind == "rank"]
         per_scorer = []
         for groups in self.score_groups:
             sums = groups.sums(rows)
-            st = _Stats(groups, sums[:, :n_b], sums[:, n_b : 2 * n_b])
-            per_scorer.append(
-                {
-                    "auroc": _auroc(st),
-                    "ap": _average_precision(st),
-                    "topk_recall": _topk_recall(st),
-                    "spearman": _spearman(st, sums[:, 2 * n_b :], damage),
-                }
-            )
-        return {m: np.stack([r[m] for r in per_scorer]) for m in RANKING_METRICS}
+            st = TieStats(groups, sums[:, :n_b], sums[:, n_b : 2 * n_b], sums[:, 2 * n_b :], damage)
+            per_scorer.append({m.name: m.compute(st) for m in metrics})
+        return {m.name: np.stack([r[m.name] for r in per_scorer]) for m in metrics}
 
 
 def ranking_metrics(
@@ -268,6 +294,6 @@ def eviction_counts(y: np.ndarray, s: np.ndarray, rho: float, segments: np.ndarr
     fractional only when a tie group straddles the boundary. FSR = harmful evicted / evicted,
     FNR = harmful evicted / harmful.
     """
-    st = _Stats.of(y, s, np.ones((len(y), 1)), segments)
+    st = TieStats.of(y, s, np.ones((len(y), 1)), segments)
     n = n_evicted(rho, st.ntot)
     return n[:, 0], _harmful_evicted(st, n.astype(float))[:, 0]

@@ -7,15 +7,8 @@ import math
 import polars as pl
 
 from kvdiag.rankeval.evaluate import RankEvalResult
+from kvdiag.rankeval.registry import metrics_where
 
-# (metric, column header) of the paper's Table 3, in its order
-TABLE3_COLUMNS = (
-    ("auroc", "AUROC"),
-    ("ap", "AP"),
-    ("topk_recall", "Top-k recall"),
-    ("fsr", "False-safe rate"),
-    ("spearman", "Spearman"),
-)
 _LATEX_HEADERS = {"Top-k recall": "Top-$k$ recall"}
 _LATEX_SPECIAL = {c: "\\" + c for c in "&%$#_{}"} | {
     "~": r"\textasciitilde{}",
@@ -30,7 +23,7 @@ def _cells(result: RankEvalResult, scope: str) -> tuple[dict[tuple[str, str], tu
     """(scorer, metric) -> (value, ci_low, ci_high), and whether any value is undefined."""
     rows = result.metrics.filter(pl.col("scope") == scope).iter_rows(named=True)
     cells = {(r["scorer"], r["metric"]): (r["value"], r["ci_low"], r["ci_high"]) for r in rows}
-    undefined = any(math.isnan(cells[(s, m)][0]) for s in result.scorers for m, _ in TABLE3_COLUMNS)
+    undefined = any(math.isnan(cells[(s, m.name)][0]) for s in result.scorers for m in metrics_where("table"))
     return cells, undefined
 
 
@@ -61,14 +54,15 @@ def caption(result: RankEvalResult, scope: str = "pooled", undefined: bool = Fal
 
 
 def to_markdown(result: RankEvalResult, scope: str = "pooled") -> str:
-    """The Table-3-shaped table as Markdown, caption below."""
+    """The Table-3-shaped table (the metrics flagged ``table``) as Markdown, caption below."""
     cells, undefined = _cells(result, scope)
+    columns = metrics_where("table")
     lines = [
-        "| Score | " + " | ".join(h for _, h in TABLE3_COLUMNS) + " |",
-        "|---|" + "---:|" * len(TABLE3_COLUMNS),
+        "| Score | " + " | ".join(m.title for m in columns) + " |",
+        "|---|" + "---:|" * len(columns),
     ]
     for name in result.scorers:
-        lines.append(f"| {name} | " + " | ".join(_fmt(*cells[(name, m)]) for m, _ in TABLE3_COLUMNS) + " |")
+        lines.append(f"| {name} | " + " | ".join(_fmt(*cells[(name, m.name)]) for m in columns) + " |")
     return "\n".join(lines) + f"\n\n*{caption(result, scope, undefined)}*\n"
 
 
@@ -80,12 +74,13 @@ def latex_escape(text: str) -> str:
 def to_latex(result: RankEvalResult, scope: str = "pooled", label: str = "tab:rank-eval") -> str:
     """The Table-3-shaped table as a LaTeX ``table`` with booktabs rules (needs ``\\usepackage{booktabs}``)."""
     cells, undefined = _cells(result, scope)
-    headers = " & ".join(_LATEX_HEADERS.get(h, h) for _, h in TABLE3_COLUMNS)
+    columns = metrics_where("table")
+    headers = " & ".join(_LATEX_HEADERS.get(m.title, m.title) for m in columns)
     body = []
     for name in result.scorers:
         row = []
-        for m, _ in TABLE3_COLUMNS:
-            value, low, high = cells[(name, m)]
+        for m in columns:
+            value, low, high = cells[(name, m.name)]
             cell = _fmt(value, float("nan"), float("nan"))
             if not (math.isnan(value) or math.isnan(low)):
                 cell += rf" {{\scriptsize [{low:.3f}, {high:.3f}]}}"
@@ -96,7 +91,7 @@ def to_latex(result: RankEvalResult, scope: str = "pooled", label: str = "tab:ra
             r"\begin{table}[t]",
             r"\centering",
             r"\small",
-            r"\begin{tabular}{l" + "c" * len(TABLE3_COLUMNS) + "}",
+            r"\begin{tabular}{l" + "c" * len(columns) + "}",
             r"\toprule",
             f"Score & {headers} \\\\",
             r"\midrule",
