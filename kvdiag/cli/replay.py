@@ -9,13 +9,14 @@ from rich.console import Console
 
 from kvdiag.cli import common
 from kvdiag.errors import UserError
+from kvdiag.schema import CHECKPOINT_INTERVAL
 
 
 def replay(
     ctx: typer.Context,
     scorer: list[str] = typer.Option(..., "--scorer", help="Scorer name(s), comma-separated and repeatable, e.g. rkv,attention,avokv_e."),
     budget: list[str] = typer.Option(["256"], "--budget", help="KV budget(s): entries kept per layer and KV head, comma-separated and repeatable for a sweep, e.g. 128,256."),
-    interval: int = typer.Option(128, "--interval", help="Generated tokens between compressions (R-KV: 128)."),
+    interval: int = typer.Option(CHECKPOINT_INTERVAL, "--interval", help="Generated tokens between compressions (R-KV: 128)."),
     w_obs: int | None = typer.Option(None, "--w-obs", help="Observation window for every scorer's window/w_obs (default: each scorer's own)."),
     selection: str = typer.Option("per-head", "--selection", help="per-head (each layer and KV head keeps its own top B, R-KV) or per-token (one keep set)."),
     max_new_tokens: int = typer.Option(512, "--max-new-tokens", help="Generation cap; stopping there is a max-length hit."),

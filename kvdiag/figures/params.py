@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvdiag.errors import UserError
 from kvdiag.rankeval import parse_harm
+from kvdiag.schema import CHECKPOINT_INTERVAL, W_DELAY, W_OBS
 
 PAYLOAD_KINDS = ("l2", "l1", "range", "var")  # features.value_payload kinds computable from the Trace alone
 READ_REDUCES = ("mean", "max")
@@ -26,8 +27,8 @@ class FigureParams:
     """
 
     # --- features
-    w_obs: int = 32  # observation window W_obs: p's window queries [t - w_obs, t); (b)'s first window [i+1, i+1+w_obs)
-    w_delay: int = 128  # p is normalized over the entries of age > w_delay (AvoKV-E's C_t); 0: the whole cache
+    w_obs: int = W_OBS  # observation window W_obs: p's window queries [t - w_obs, t); (b)'s first window [i+1, i+1+w_obs)
+    w_delay: int = W_DELAY  # p is normalized over the entries of age > w_delay (AvoKV-E's C_t); 0: the whole cache
     payload: str = "l2"  # value payload kind: l2 (‖v‖₂), l1, range (VaSE), var
     # --- which labels are analysed (as rank-eval)
     harm: str = "quantile:0.9"  # high damage: kl_mean > threshold; quantile:Q of the analysed labels, or abs:TAU nats
@@ -39,7 +40,7 @@ class FigureParams:
     # --- (b) delayed reads
     read_reduce: str = "mean"  # read strength of query tau on key i: attention prob, mean (or max) over layers and query heads
     strong_read_mult: float = 4.0  # strong read: read strength >= strong_read_mult / (tau + 1), i.e. that many times uniform attention
-    interval: int = 128  # a window-only rule compresses at t = prompt_len + k * interval (k >= 1), R-KV's schedule
+    interval: int = CHECKPOINT_INTERVAL  # a window-only rule compresses at t = prompt_len + k * interval (k >= 1), R-KV's schedule
     # --- statistics
     min_group: int = 5  # a test needs at least this many candidates in each group compared (else NaN + note)
     ci_level: float = 0.95  # odds-ratio CI level; component CIs come from rank-eval's bootstrap at this level

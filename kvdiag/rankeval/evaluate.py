@@ -21,16 +21,8 @@ from kvdiag.rankeval.candidates import filter_candidates
 from kvdiag.rankeval.bootstrap import holm, paired_p_value, percentile_ci, prompt_multiplicities
 from kvdiag.rankeval.metrics import Rankings, _div, eviction_counts, n_evicted, ranking_metrics
 from kvdiag.rankeval.registry import METRICS, Counts, Metric, metrics_where
+from kvdiag.schema import KEYS, keyed
 
-KEYS = ("prompt_id", "checkpoint", "position", "granularity", "layer", "kv_head")
-_KEY_TYPES = {
-    "prompt_id": pl.String,
-    "checkpoint": pl.Int64,
-    "position": pl.Int64,
-    "granularity": pl.String,
-    "layer": pl.Int64,
-    "kv_head": pl.Int64,
-}
 SCOPES = ("pooled", "macro")
 # below this many prompts, a percentile bootstrap over prompts has too few clusters to be trusted: warn
 FEW_PROMPTS = 10
@@ -162,13 +154,7 @@ def _validate(cfg: RankEvalConfig) -> None:
 
 
 def _keyed(df: pl.DataFrame, what: str, fix: str) -> pl.DataFrame:
-    missing = [k for k in KEYS if k not in df.columns]
-    if missing:
-        raise UserError(f"{what} lacks key column(s) {', '.join(missing)}: {fix}")
-    try:
-        df = df.with_columns(pl.col(k).cast(t) for k, t in _KEY_TYPES.items())
-    except pl.exceptions.PolarsError as err:
-        raise UserError(f"{what} has key columns of the wrong type ({err.__class__.__name__}): {fix}") from err
+    df = keyed(df, what, fix)
     dup = df.height - df.select(KEYS).unique().height
     if dup:
         raise UserError(f"{what} has {dup} duplicate rows on ({', '.join(KEYS)}): {fix}")

@@ -17,6 +17,7 @@ from kvdiag.adapters import ModelAttention
 from kvdiag.errors import UserError
 from kvdiag.kernels import compact_kv
 from kvdiag.replay.live import SELECTIONS, query_window_size
+from kvdiag.schema import CHECKPOINT_INTERVAL
 from kvdiag.scorers import Scorer
 from kvdiag.scorers.base import check_choice
 
@@ -41,7 +42,7 @@ class Policy:
 
     scorer: Scorer
     budget: int
-    interval: int = 128
+    interval: int = CHECKPOINT_INTERVAL
     selection: str = "per-head"
     backend: str = "auto"
 

@@ -40,6 +40,7 @@ from kvdiag.replay.cache import Policy, ReplayCache
 from kvdiag.replay.live import (
     SELECTIONS, QueryWindow, check_live_scorer, make_scorer, needs_o_proj, observing, score_layer, select_keep,
 )
+from kvdiag.schema import CHECKPOINT_INTERVAL
 from kvdiag.scorers.base import check_choice
 
 FULL_KV = "full_kv"  # the scorer name of the uncompressed reference rows (the paper's FullKV)
@@ -268,7 +269,7 @@ class ReplaySettings:
 
     scorers: list[str]
     budgets: list[int]
-    interval: int = 128
+    interval: int = CHECKPOINT_INTERVAL
     w_obs: int | None = None
     selection: str = "per-head"
     max_new_tokens: int = 512

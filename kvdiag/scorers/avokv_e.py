@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdiag.features import PAYLOADS, mean_cosine_redundancy, read_pressure
+from kvdiag.schema import W_DELAY, W_OBS
 from kvdiag.scorers.base import ScoreContext, Scorer, check_choice, check_positive, percentile_rank, protect, register_scorer, zscore
 
 NORMALIZATIONS = ("rank", "zscore")
@@ -53,8 +54,8 @@ class AvoKVE(Scorer):
     normalization : ``rank`` (percentile rank) or ``zscore``.
     """
 
-    w_obs: int = 32
-    w_delay: int = 128
+    w_obs: int = W_OBS
+    w_delay: int = W_DELAY
     lambda_p: float = 1.0
     lambda_r: float = 1.0
     lambda_b: float = 1.0

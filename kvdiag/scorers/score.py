@@ -27,18 +27,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from kvdiag import __version__
 from kvdiag.errors import UserError
 from kvdiag.features import AttentionHistory
+from kvdiag.schema import GRANULARITIES, KEY_SCHEMA, check_checkpoint, check_keys, default_checkpoints
+from kvdiag.schema import KEYS as KEY_COLUMNS  # the public name in kvdiag.scorers
 from kvdiag.scorers.base import (
     AGGREGATIONS, SCORERS, ScoreContext, Scorer, aggregation_values, ensure_registered, get_scorer, register_scorer,
     scorer_names,
 )
 
 ENTRY_POINT_GROUP = "kvdiag.scorers"
-KEY_COLUMNS = ["prompt_id", "checkpoint", "position", "granularity", "layer", "kv_head"]
-KEY_SCHEMA = {"prompt_id": pl.String, "checkpoint": pl.Int64, "position": pl.Int64, "granularity": pl.String,
-              "layer": pl.Int64, "kv_head": pl.Int64}
-GRANULARITIES = ("token", "layer", "head")
-# a checkpoint every 128 generated tokens: R-KV's compression interval (README, "The oracle label")
-CHECKPOINT_INTERVAL = 128
 KEEP_SCORE = "protected entries score max + 1 + |max| of their row's other scores"
 
 
@@ -108,11 +104,6 @@ def check_aggregation(aggregation: str) -> None:
         raise UserError(f"--aggregation {aggregation!r} is unknown: use one of {', '.join(AGGREGATIONS)}")
 
 
-def default_checkpoints(prompt_len: int, length: int, interval: int = CHECKPOINT_INTERVAL) -> list[int]:
-    """The default schedule: ``t = prompt_len + k·interval`` for ``k >= 1`` while ``t <= length``."""
-    return list(range(prompt_len + interval, length + 1, interval))
-
-
 def checkpoint_keys(trace, checkpoints: str | Iterable[int] | dict[str, Iterable[int]] = "default",
                     granularity: Iterable[str] = ("token",)) -> pl.DataFrame:
     """Key rows for every cached entry ``i < t`` at the chosen checkpoints of every prompt.
@@ -133,7 +124,7 @@ def checkpoint_keys(trace, checkpoints: str | Iterable[int] | dict[str, Iterable
         else:
             cps = list(checkpoints)
         for t in sorted(set(cps)):
-            _check_checkpoint(trace, pid, t)
+            check_checkpoint(trace, pid, t)
             pos = np.arange(t)
             units = []
             if "token" in granularity:
@@ -150,48 +141,6 @@ def checkpoint_keys(trace, checkpoints: str | Iterable[int] | dict[str, Iterable
     if not frames:
         raise UserError("no checkpoints to score: the Trace's prompts are too short for the default schedule; pass --checkpoints")
     return pl.concat(frames)
-
-
-def _check_checkpoint(trace, pid: str, t: int) -> None:
-    T = trace.length(pid)
-    if not 1 <= t <= T:
-        raise UserError(f"checkpoint {t} of prompt {pid!r} is not in the Trace (it has positions 0..{T - 1}; a checkpoint t is in 1..{T})")
-
-
-def check_keys(trace, keys: pl.DataFrame, what: str = "labels") -> pl.DataFrame:
-    """The distinct key rows of ``keys`` (first-seen order), validated against the Trace."""
-    missing = [c for c in KEY_COLUMNS if c not in keys.columns]
-    if missing:
-        raise UserError(f"{what} lacks the column(s) {', '.join(missing)}: pass a labels table written by `kvdiag label`")
-    keys = keys.select(KEY_COLUMNS).cast(KEY_SCHEMA).unique(maintain_order=True)
-    if keys.height == 0:
-        raise UserError(f"{what} has no rows: nothing to score")
-    if keys.null_count().sum_horizontal().item():
-        raise UserError(f"{what} has missing values in its key columns; regenerate it")
-    unknown = sorted(set(keys["prompt_id"].unique().to_list()) - set(trace.prompt_ids))
-    if unknown:
-        raise UserError(f"{what} names prompt {unknown[0]!r}, which is not in the Trace {getattr(trace, 'path', '')}; pass the matching --trace")
-    bad_g = sorted(set(keys["granularity"].unique().to_list()) - set(GRANULARITIES))
-    if bad_g:
-        raise UserError(f"{what} has granularity {bad_g[0]!r}; only token, layer and head exist")
-    for pid, t in keys.select("prompt_id", "checkpoint").unique().iter_rows():
-        _check_checkpoint(trace, pid, t)
-    bad = keys.filter((pl.col("position") < 0) | (pl.col("position") >= pl.col("checkpoint")))
-    if bad.height:
-        row = bad.row(0, named=True)
-        raise UserError(f"{what}: position {row['position']} is not cached at checkpoint {row['checkpoint']} (need 0 <= position < checkpoint)")
-    L, Hkv = trace.num_layers, trace.num_kv_heads
-    bad = keys.filter(
-        ((pl.col("granularity") == "token") & ((pl.col("layer") != -1) | (pl.col("kv_head") != -1)))
-        | ((pl.col("granularity") != "token") & ((pl.col("layer") < 0) | (pl.col("layer") >= L)))
-        | ((pl.col("granularity") == "layer") & (pl.col("kv_head") != -1))
-        | ((pl.col("granularity") == "head") & ((pl.col("kv_head") < 0) | (pl.col("kv_head") >= Hkv)))
-    )
-    if bad.height:
-        row = bad.row(0, named=True)
-        raise UserError(f"{what}: granularity {row['granularity']} with layer {row['layer']}, kv_head {row['kv_head']} does not fit "
-                        f"a Trace of {L} layers and {Hkv} KV heads (token rows use -1, -1; layer rows kv_head -1)")
-    return keys
 
 
 def score_trace(
