@@ -18,8 +18,7 @@ def bench_kernels(
     kv_heads: int = typer.Option(3, help="KV heads Hkv"),
     head_dim: int = typer.Option(64, help="head dim d"),
     exclude: int = typer.Option(1, help="excluded prefix entries per row E"),
-    trace_len: int = typer.Option(16384, help="cache length T for compact_kv and window_attention_mass"),
-    obs_window: int = typer.Option(32, help="observation-window queries of window_attention_mass"),
+    trace_len: int = typer.Option(16384, help="cache length T for compact_kv"),
     keep_fraction: float = typer.Option(0.5, help="fraction of the T entries compact_kv keeps"),
     dtype: str = typer.Option("float32", help="float32, float16 or bfloat16"),
     repeats: int = typer.Option(5, help="timed calls per implementation (best reported)"),
@@ -42,7 +41,7 @@ def bench_kernels(
     if not 0 < keep_fraction <= 1:
         raise UserError(f"--keep-fraction {keep_fraction} must be in (0, 1]")
     rows = run_kernel_bench(
-        device, n, prefix, window, heads, kv_heads, head_dim, exclude, trace_len, obs_window,
+        device, n, prefix, window, heads, kv_heads, head_dim, exclude, trace_len,
         keep_fraction, torch_dtype, repeats, seed,
     )
     obvious = {r.op: r for r in rows if r.impl == "obvious"}

@@ -1,4 +1,4 @@
-"""Eviction kernels: physical compaction, shared-prefix attention with per-row exclusions, window mass.
+"""Eviction kernels: physical compaction and shared-prefix attention with per-row exclusions.
 
 Each op takes ``backend="auto" | "torch" | "triton"``. ``auto`` picks Triton when the tensors are on
 CUDA and triton imports (``pip install 'kvdiag[cuda]'``), the torch reference otherwise. Both backends
@@ -27,7 +27,6 @@ __all__ = [
     "resolve_backend",
     "shared_prefix_attention",
     "triton_available",
-    "window_attention_mass",
 ]
 
 
@@ -142,29 +141,3 @@ def shared_prefix_attention(
         return _triton().shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, ex, scale, **semantics)
     return torch_ref.shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, ex, scale, chunk, **semantics)
 
-
-def window_attention_mass(
-    q_window: torch.Tensor,
-    keys: torch.Tensor,
-    query_positions: torch.Tensor,
-    scale: float,
-    backend: Backend = "auto",
-) -> torch.Tensor:
-    """Attention mass that window queries put on each key, never materializing [H, W, T].
-
-    q_window [H, W, d] at absolute ``query_positions [W]`` (>= 0); keys [Hkv, T, d]. The query at
-    position tau sees keys j <= tau (exact softmax). Returns fp32 [Hkv, T]: for KV head kv, the sum
-    over the W queries and the g query heads h // g == kv of their softmax probability on key j
-    (each row sums to g * W). Pass ``keys[:, :t]`` when only keys before a checkpoint matter.
-    """
-    H, W, d = q_window.shape
-    Hkv, T, dk = keys.shape
-    group_size(H, Hkv)
-    if dk != d or query_positions.shape != (W,):
-        raise ValueError(
-            f"window_attention_mass needs q_window [H, W, d], keys [Hkv, T, d], query_positions [W]; got "
-            f"{list(q_window.shape)}, {list(keys.shape)}, {list(query_positions.shape)}"
-        )
-    if resolve_backend(backend, keys.device) == "triton":
-        return _triton().window_attention_mass(q_window, keys, query_positions, scale)
-    return torch_ref.window_attention_mass(q_window, keys, query_positions, scale)

@@ -54,16 +54,6 @@ def obvious_compact_kv(keys, values, keep):
     return keys.gather(1, idx), values.gather(1, idx)
 
 
-def obvious_window_attention_mass(q_window, keys, query_positions, scale):
-    """Materialized softmax [H, W, T], then summed over the window and the group: -> fp32 [Hkv, T]."""
-    H, W, d = q_window.shape
-    Hkv, T, _ = keys.shape
-    logits = torch.einsum("hwd,htd->hwt", q_window.float(), keys.float().repeat_interleave(H // Hkv, 0)) * scale
-    hidden = torch.arange(T, device=keys.device)[None, :] > query_positions.to(keys.device)[:, None]
-    probs = logits.masked_fill_(hidden, float("-inf")).softmax(-1)
-    return probs.view(Hkv, H // Hkv, W, T).sum((1, 2))
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -135,17 +125,15 @@ def run_kernel_bench(
     head_dim: int = 64,
     exclude: int = 1,
     trace_len: int = 16384,
-    obs_window: int = 32,
     keep_fraction: float = 0.5,
     dtype: torch.dtype = torch.float32,
     repeats: int = 5,
     seed: int = 0,
 ) -> list[KernelBenchRow]:
-    """Time and peak memory of every implementation of the three ops on ``device``.
+    """Time and peak memory of every implementation of the two ops on ``device``.
 
     shared_prefix_attention: N rows, prefix P, window W (= suffix length), E exclusions per row
-    ([N, E], every KV head); compact_kv: T = ``trace_len`` entries, ``keep_fraction`` of them kept;
-    window_attention_mass: ``obs_window`` queries at the last positions of a T-token trace.
+    ([N, E], every KV head); compact_kv: T = ``trace_len`` entries, ``keep_fraction`` of them kept.
     Implementations: "triton" (CUDA with triton only), "torch" (reference), "obvious".
     """
     dev = torch.device(device)
@@ -167,7 +155,6 @@ def run_kernel_bench(
     keys, values = rand(kv_heads, trace_len, head_dim), rand(kv_heads, trace_len, head_dim)
     budget = max(1, int(keep_fraction * trace_len))
     keep = torch.stack([torch.randperm(trace_len, generator=gen)[:budget].sort().values for _ in range(kv_heads)]).to(dev)
-    mass = (rand(heads, obs_window, head_dim), keys, torch.arange(trace_len - obs_window, trace_len, device=dev), scale)
 
     triton_ok = dev.type == "cuda" and kernels.triton_available()
     cases: list[tuple[str, Callable, dict[str, Callable[[], object]]]] = [
@@ -187,15 +174,6 @@ def run_kernel_bench(
                 "triton": lambda: kernels.compact_kv(keys, values, keep, backend="triton"),
                 "torch": lambda: kernels.compact_kv(keys, values, keep, backend="torch"),
                 "obvious": lambda: obvious_compact_kv(keys, values, keep),
-            },
-        ),
-        (
-            "window_attention_mass",
-            lambda: torch_ref.window_attention_mass(*mass),
-            {
-                "triton": lambda: kernels.window_attention_mass(*mass, backend="triton"),
-                "torch": lambda: kernels.window_attention_mass(*mass, backend="torch"),
-                "obvious": lambda: obvious_window_attention_mass(*mass),
             },
         ),
     ]

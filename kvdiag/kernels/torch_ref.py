@@ -15,10 +15,6 @@ import torch
 # CPU (faster than one huge buffer, measured 1.5-3x at P=512..2048) and to bound memory.
 LOGITS_CHUNK_BYTES = 4 << 20
 
-# Window attention mass recomputes logits in key blocks whose logits [H, W, keys] (fp32) take about
-# this many bytes; a trace that fits in one block is done in one pass.
-MASS_CHUNK_BYTES = 32 << 20
-
 
 def compact_kv(
     keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor
@@ -127,52 +123,3 @@ def shared_prefix_attention(
         out[n0:n1] = (o / z).transpose(0, 1)
     return out.view(N, H, W, d)
 
-
-def window_attention_mass(
-    q_window: torch.Tensor,
-    keys: torch.Tensor,
-    query_positions: torch.Tensor,
-    scale: float,
-    chunk: int | None = None,
-) -> torch.Tensor:
-    """Attention mass that window queries put on each key, without materializing [H, W, T].
-
-    q_window [H, W, d] (queries at absolute ``query_positions [W]``), keys [Hkv, T, d]. Query at
-    position ``tau`` sees keys ``j <= tau`` (exact softmax over them). Returns fp32 [Hkv, T]:
-    ``mass[kv, j] = sum over the W queries and the g query heads of group kv of softmax prob of key j``,
-    so each head's row sums to ``g * W`` (divide by ``g * W`` for a mean).
-    Two passes over blocks of ``chunk`` keys (default: ``MASS_CHUNK_BYTES`` of logits; one pass when
-    T <= chunk): pass 1 the per-query logsumexp, pass 2 ``exp(logit - lse)`` summed per key.
-    Memory: O(H * W * chunk).
-    """
-    H, W, d = q_window.shape
-    Hkv, T, _ = keys.shape
-    g = H // Hkv
-    if chunk is None:
-        chunk = max(1, MASS_CHUNK_BYTES // (4 * H * W))
-    qg = q_window.float().reshape(Hkv, g * W, d) * scale  # row r: head kv*g + r // W, query r % W
-    pos = query_positions.to(keys.device).repeat(g)[:, None]  # [g*W, 1]
-    first_hidden = int(query_positions.min()) + 1  # keys before it are seen by every query
-
-    def logits(j0: int) -> torch.Tensor:  # [Hkv, g*W, block] fp32, -inf on keys a query does not see
-        lg = qg @ keys[:, j0 : j0 + chunk].float().transpose(1, 2)
-        lo, hi = max(first_hidden, j0), j0 + lg.shape[-1]
-        if lo < hi:
-            j = torch.arange(lo, hi, device=keys.device)
-            lg[..., lo - j0 :].masked_fill_(j[None, :] > pos, float("-inf"))
-        return lg
-
-    # every block is exponentiated in place: one block of logits is the largest intermediate
-    if T <= chunk:  # one block: the logits are computed once
-        lg = logits(0)
-        lg.sub_(lg.amax(-1, keepdim=True)).exp_()  # finite max: every query sees key 0
-        return (lg.sum(-1).reciprocal_()[:, None, :] @ lg).squeeze(1)
-    lse = torch.full((Hkv, g * W), float("-inf"), device=keys.device)
-    for j0 in range(0, T, chunk):
-        lg = logits(j0)
-        m = lg.amax(-1).nan_to_num_(neginf=0.0)  # a query that sees no key of this block adds nothing
-        lse = torch.logaddexp(lse, lg.sub_(m[..., None]).exp_().sum(-1).log_() + m)
-    mass = torch.empty(Hkv, T, device=keys.device)
-    for j0 in range(0, T, chunk):
-        mass[:, j0 : j0 + chunk] = logits(j0).sub_(lse[..., None]).exp_().sum(1)
-    return mass
