@@ -379,7 +379,8 @@ def _figures_section(r: _Run, rel: str) -> str:
     fig_dir = r.run / "figures"
     params = r.figures.get("params", {})
     out += "Parameters: " + ", ".join(f"{k} = {v}" for k, v in params.items()) + " (README, section Figures).\n\n"
-    for name, (title, csvs) in FIGURES.items():
+    for name, figure in FIGURES.items():
+        title, csvs = figure.title, figure.csvs
         out += f"### {title}\n\n"
         png = fig_dir / f"{name}.png"
         if png.is_file():

@@ -27,6 +27,7 @@ from scipy.stats.contingency import odds_ratio
 
 from kvdiag.figures.common import fmt, mann_whitney, new_figure, note_on, save_figure, stat, stats_dict, style, write_stats
 from kvdiag.figures.params import FigureParams
+from kvdiag.figures.registry import Drawn, FigureContext, register_figure
 
 POINT_COLUMNS = ["prompt_id", "checkpoint", "position", "read_pressure", "value_payload", "kl_mean", "low_attention_cut",
                  "large_payload_cut", "low_attention", "large_payload", "high_damage", "blind_spot"]
@@ -150,13 +151,23 @@ def plot_blind_spot(points: pl.DataFrame, rows: list[dict], params: FigureParams
         return save_figure(fig, out_dir, "blind_spot")
 
 
-def blind_spot_figure(points: pl.DataFrame, harm_threshold: float, params: FigureParams, out_dir: Path,
-                      extra: list[dict] = ()) -> tuple[list[dict], list[Path]]:
-    """Flags, stats and figure (a): writes blind_spot.{png,pdf}, blind_spot_points.csv, blind_spot_stats.csv
-    (``extra`` stats rows first, e.g. how many labels were left out)."""
-    flagged = blind_spot_flags(points, params.low_attention_quantile, params.large_payload_quantile, harm_threshold)
-    rows = [*extra, *blind_spot_stats(flagged, harm_threshold, params)]
+@register_figure("blind_spot", "(a) Attention-only blind spot", ("blind_spot_stats.csv", "blind_spot_points.csv"))
+def blind_spot_figure(ctx: FigureContext) -> Drawn:
+    """Flags, stats and figure (a) from ``ctx.points``: writes blind_spot.{png,pdf}, blind_spot_points.csv and
+    blind_spot_stats.csv (first the counts of labels left out)."""
+    params, out_dir, points = ctx.params, ctx.out, ctx.points
+    no_eligible = points.filter(pl.col("read_pressure").is_nan()).height
+    points = points.filter(pl.col("read_pressure").is_not_nan())
+    rows = [
+        stat("n_token_labels", ctx.token.height),
+        stat("n_unresolved_excluded", 0 if params.include_unresolved else ctx.token.filter(ctx.below_floor).height),
+        stat("n_no_eligible_excluded", no_eligible,
+             f"{no_eligible} rows at checkpoints t <= w_delay = {params.w_delay} (no entry to normalize p over)" if no_eligible else ""),
+    ]
+    flagged = blind_spot_flags(points, params.low_attention_quantile, params.large_payload_quantile, ctx.threshold)
+    rows += blind_spot_stats(flagged, ctx.threshold, params)
     flagged.write_csv(out_dir / "blind_spot_points.csv")
     write_stats(rows, out_dir / "blind_spot_stats.csv")
     files = plot_blind_spot(flagged, rows, params, out_dir)
-    return rows, [*files, out_dir / "blind_spot_points.csv", out_dir / "blind_spot_stats.csv"]
+    return Drawn(stats_dict(rows), [r["note"] for r in rows if r["note"]],
+                 [*files, out_dir / "blind_spot_points.csv", out_dir / "blind_spot_stats.csv"])

@@ -16,6 +16,7 @@ import seaborn as sns
 from kvdiag.errors import UserError
 from kvdiag.figures.common import new_figure, note_on, save_figure, style
 from kvdiag.figures.params import FigureParams
+from kvdiag.figures.registry import Drawn, FigureContext, register_figure
 from kvdiag.rankeval import metrics_where, rank_eval
 
 # (scorer, row label) in the paper's Table 4 order
@@ -115,8 +116,14 @@ def candidate_set(params: FigureParams) -> str:
     return ", ".join(parts) or "all"
 
 
-def components_figure(metrics: pl.DataFrame | None, note: str, params: FigureParams, out_dir: Path) -> tuple[pl.DataFrame, list[Path]]:
-    """components.{png,pdf} and components.csv (the plotted values, CIs and notes)."""
+@register_figure("components", "AvoKV-E components (Table 4, diagnostic form)", ("components.csv",))
+def components_figure(ctx: FigureContext) -> Drawn:
+    """components.{png,pdf} and components.csv (the plotted values, CIs and notes), from the given rank-eval
+    metrics or, without them, from one ``rank_eval`` of the variants."""
+    params, out_dir = ctx.params, ctx.out
+    metrics, note = ((ctx.given_metrics, "") if ctx.given_metrics is not None
+                     else component_metrics(ctx.labels, ctx.scores, params, ctx.scores_meta))
     table = component_table(metrics, params.scope, params.rho, note)
     table.write_csv(out_dir / "components.csv")
-    return table, [*plot_components(table, note, params, out_dir), out_dir / "components.csv"]
+    notes = list(dict.fromkeys(n for n in table.filter(pl.col("value").is_nan())["note"].to_list() if n))
+    return Drawn(table.to_dicts(), notes, [*plot_components(table, note, params, out_dir), out_dir / "components.csv"])

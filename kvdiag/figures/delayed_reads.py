@@ -33,6 +33,7 @@ from matplotlib import MatplotlibDeprecationWarning
 
 from kvdiag.figures.common import fmt, mann_whitney, new_figure, note_on, save_figure, stat, stats_dict, style, write_stats
 from kvdiag.figures.params import FigureParams
+from kvdiag.figures.registry import Drawn, FigureContext, register_figure
 
 CLASSES = ("early", "delayed", "never", "unobserved")
 
@@ -142,9 +143,14 @@ def plot_delayed_reads(entries: pl.DataFrame, hist: pl.DataFrame, rows: list[dic
         return save_figure(fig, out_dir, "delayed_reads")
 
 
-def delayed_reads_figure(reads: pl.DataFrame, params: FigureParams, out_dir: Path) -> tuple[list[dict], list[Path]]:
-    """Classes, stats and figure (b): delayed_reads.{png,pdf}, delayed_reads_entries.csv, delayed_reads_hist.csv,
-    delayed_reads_stats.csv. ``reads``: ``features.trace_first_reads`` columns plus ``kl``."""
+@register_figure("delayed_reads", "(b) Delayed-read effect",
+                 ("delayed_reads_stats.csv", "delayed_reads_hist.csv", "delayed_reads_entries.csv"))
+def delayed_reads_figure(ctx: FigureContext) -> Drawn:
+    """Classes, stats and figure (b) from ``ctx.reads`` and each entry's mean ``kl_mean`` over its analysed labels:
+    delayed_reads.{png,pdf}, delayed_reads_entries.csv, delayed_reads_hist.csv, delayed_reads_stats.csv."""
+    params, out_dir = ctx.params, ctx.out
+    entry_kl = ctx.analysed.group_by("prompt_id", "position").agg(kl=pl.col("kl_mean").mean())
+    reads = ctx.reads.join(entry_kl, on=["prompt_id", "position"], how="left", maintain_order="left")
     entries = classify_reads(reads, params.w_obs, params.strong_read_mult, params.interval)
     hist = delay_histogram(entries.filter(pl.col("read_class") == "delayed")["delay"].to_numpy())
     rows = delayed_read_stats(entries, params)
@@ -152,4 +158,5 @@ def delayed_reads_figure(reads: pl.DataFrame, params: FigureParams, out_dir: Pat
     entries.write_csv(files[0])
     hist.write_csv(files[1])
     write_stats(rows, files[2])
-    return rows, [*plot_delayed_reads(entries, hist, rows, params, out_dir), *files]
+    return Drawn(stats_dict(rows), [r["note"] for r in rows if r["note"]],
+                 [*plot_delayed_reads(entries, hist, rows, params, out_dir), *files])

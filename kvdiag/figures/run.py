@@ -11,22 +11,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kvdiag import __version__
 from kvdiag.errors import UserError
-from kvdiag.figures.blind_spot import blind_spot_figure
-from kvdiag.figures.common import stat, stats_dict
-from kvdiag.figures.components import component_metrics, components_figure
-from kvdiag.figures.delayed_reads import delayed_reads_figure
-from kvdiag.figures.features import trace_first_reads, trace_pressure_payload
 from kvdiag.figures.params import FigureParams
+from kvdiag.figures.registry import FIGURES, FigureContext
 from kvdiag.io import writable_dir, write_json
-from kvdiag.rankeval import KEYS, check_inputs, harm_threshold, unresolved
+from kvdiag.rankeval import KEYS, check_inputs
 
+# importing each module registers its figure, in this order (of make_figures, figures.json and the report)
+from kvdiag.figures import blind_spot, delayed_reads, components  # noqa: F401
 
-# figure name -> (title, the CSVs beside it); the report reads this
-FIGURES = {
-    "blind_spot": ("(a) Attention-only blind spot", ("blind_spot_stats.csv", "blind_spot_points.csv")),
-    "delayed_reads": ("(b) Delayed-read effect", ("delayed_reads_stats.csv", "delayed_reads_hist.csv", "delayed_reads_entries.csv")),
-    "components": ("AvoKV-E components (Table 4, diagnostic form)", ("components.csv",)),
-}
 LABEL_COLUMNS = ("prompt_id", "checkpoint", "position", "granularity", "kl_mean", "noise_floor")
 
 
@@ -111,70 +103,28 @@ def make_figures(
     params = params or FigureParams()
     out = writable_dir(out_dir)
     labels = check_figure_inputs(trace, labels, scores, labels_meta, scores_meta)
-    token = labels.filter(pl.col("granularity") == "token")
-    below_floor = unresolved(params.noise_mult).fill_null(False)
-    analysed = token if params.include_unresolved else token.filter(~below_floor)
-    analysed = analysed.filter(pl.col("kl_mean").is_not_null() & pl.col("kl_mean").is_not_nan())
-    kl = analysed["kl_mean"].to_numpy()
-    threshold = harm_threshold(kl, params.harm) if len(kl) else float("nan")
-
-    entries = token.select("prompt_id", "position").unique(maintain_order=True)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   disable=not progress) as bar:
-        n_prompts = analysed["prompt_id"].n_unique() + entries["prompt_id"].n_unique()
-        task = bar.add_task("figures: prompt × layer", total=n_prompts * trace.num_layers)
-        advance = lambda: bar.advance(task)  # noqa: E731
-        keys = analysed.select("prompt_id", "checkpoint", "position", "kl_mean")
-        points = trace_pressure_payload(trace, keys, params.w_obs, params.w_delay, params.payload, advance) if keys.height else \
-            keys.with_columns(read_pressure=pl.lit(None, pl.Float64), value_payload=pl.lit(None, pl.Float64))
-        reads = trace_first_reads(trace, entries, params.w_obs, params.strong_read_mult, params.read_reduce,
-                                  params.chunk_elements, params.strength_elements, advance) if entries.height else _empty_reads()
+        def task(description: str, total: int):
+            tid = bar.add_task(description, total=total)
+            return lambda: bar.advance(tid)
 
-    no_eligible = points.filter(pl.col("read_pressure").is_nan()).height
-    points = points.filter(pl.col("read_pressure").is_not_nan())
-    extra = [
-        stat("n_token_labels", token.height),
-        stat("n_unresolved_excluded", 0 if params.include_unresolved else token.filter(below_floor).height),
-        stat("n_no_eligible_excluded", no_eligible,
-             f"{no_eligible} rows at checkpoints t <= w_delay = {params.w_delay} (no entry to normalize p over)" if no_eligible else ""),
-    ]
-    rows_a, files_a = blind_spot_figure(points, threshold, params, out, extra)
+        ctx = FigureContext(trace, labels, scores, params, out, scores_meta, metrics, task)
+        drawn = {name: figure.draw(ctx) for name, figure in FIGURES.items()}
 
-    entry_kl = analysed.group_by("prompt_id", "position").agg(kl=pl.col("kl_mean").mean())
-    reads = reads.join(entry_kl, on=["prompt_id", "position"], how="left", maintain_order="left")
-    rows_b, files_b = delayed_reads_figure(reads, params, out)
-
-    note, given = "", metrics is not None
-    if not given:
-        metrics, note = component_metrics(labels, scores, params, scores_meta)
-    table, files_c = components_figure(metrics, note, params, out)
-
-    notes = list(dict.fromkeys(r["note"] for r in rows_a + rows_b if r["note"]))
-    notes += list(dict.fromkeys(n for n in table.filter(pl.col("value").is_nan())["note"].to_list() if n))
-    files = [*files_a, *files_b, *files_c, out / "figures.json"]
-    result = {
-        "blind_spot": stats_dict(rows_a),
-        "delayed_reads": stats_dict(rows_b),
-        "components": table.to_dicts(),
-        "notes": notes,
-        "files": [str(f) for f in files],
-    }
+    files = [f for d in drawn.values() for f in d.files] + [out / "figures.json"]
+    result = {name: d.result for name, d in drawn.items()}
+    result |= {"notes": list(dict.fromkeys(n for d in drawn.values() for n in d.notes)), "files": [str(f) for f in files]}
     record = {
         "command": "figures",
         "argv": command,
         "kvdiag_version": __version__,
         "params": asdict(params),
         "inputs": {"trace": getattr(trace, "provenance", None), "labels": labels_meta, "scores": scores_meta,
-                   "metrics": "given (rank-eval metrics.csv)" if given else "computed with rank_eval from labels and scores"},
-        "summary": {k: result[k] for k in ("blind_spot", "delayed_reads", "notes")},
+                   "metrics": "given (rank-eval metrics.csv)" if metrics is not None else "computed with rank_eval from labels and scores"},
+        # statistics of each figure (a table's rows stay in its CSV) and the notes
+        "summary": {name: d.result for name, d in drawn.items() if isinstance(d.result, dict)} | {"notes": result["notes"]},
         "outputs": [f.name for f in files],
     }
     write_json(out / "figures.json", _jsonable(record))
     return result
-
-
-def _empty_reads() -> pl.DataFrame:
-    return pl.DataFrame(schema={"prompt_id": pl.String, "position": pl.Int64, "prompt_len": pl.Int64, "length": pl.Int64,
-                                "window_complete": pl.Boolean, "first_window_peak": pl.Float64, "first_strong_read": pl.Int64,
-                                "future_queries": pl.Int64})
-

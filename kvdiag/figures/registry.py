@@ -1,0 +1,115 @@
+"""Figures registered by name. A figure is one function ``draw(ctx: FigureContext) -> Drawn`` in its own file,
+registered with ``@register_figure``; ``make_figures`` draws every registered figure (registration order) from
+one context, and the report lists them from :data:`FIGURES`.
+
+The context holds the checked inputs and the features the figures share, each computed once on first use:
+read pressure and value payload per analysed label (``points``), the read strengths of every future query per
+labeled entry (``reads``); rank-eval's metrics.csv when given (``given_metrics``, e.g. ``--rank-eval``).
+``scores.parquet`` holds each rule's aggregated score (percentile ranks by default), not these raw features, so
+``points`` and ``reads`` come from the Trace's q/k/v through ``kvdiag.features``, like the scorers' own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import polars as pl
+
+from kvdiag.figures.features import trace_first_reads, trace_pressure_payload
+from kvdiag.figures.params import FigureParams
+from kvdiag.rankeval import harm_threshold, unresolved
+
+
+@dataclass
+class Drawn:
+    """What a figure returns: its statistics (``{statistic: value}``, kept in figures.json's summary) or its table
+    rows, the notes of undefined values (shown on the figure too) and the files it wrote."""
+
+    result: dict[str, float] | list[dict]
+    notes: list[str]
+    files: list[Path]
+
+
+@dataclass(frozen=True)
+class Figure:
+    name: str
+    title: str  # the report's section title
+    csvs: tuple[str, ...]  # the CSVs beside it that the report tables
+    draw: Callable[[FigureContext], Drawn]
+
+
+FIGURES: dict[str, Figure] = {}
+
+
+def register_figure(name: str, title: str, csvs: tuple[str, ...]) -> Callable:
+    """Decorator: register ``draw(ctx) -> Drawn`` as the figure ``name``."""
+
+    def add(draw: Callable[[FigureContext], Drawn]) -> Callable:
+        if name in FIGURES:
+            raise ValueError(f"figure {name!r} is already registered")
+        FIGURES[name] = Figure(name, title, tuple(csvs), draw)
+        return draw
+
+    return add
+
+
+@dataclass
+class FigureContext:
+    """The inputs of one ``make_figures`` call and the features its figures share.
+
+    ``labels``: checked labels of every granularity; ``token``: the token rows; ``analysed``: those analysed
+    (resolved unless ``include_unresolved``, finite ``kl_mean``); ``threshold``: the harm threshold over them.
+    ``given_metrics``: rank-eval's metrics table to reuse (None: a figure that needs metrics computes them).
+    ``task(description, total)`` starts a progress task and returns its ``advance`` (a no-op without a bar).
+    """
+
+    trace: object
+    labels: pl.DataFrame
+    scores: pl.DataFrame | None
+    params: FigureParams
+    out: Path
+    scores_meta: dict | None = None
+    given_metrics: pl.DataFrame | None = None
+    task: Callable[[str, int], Callable[[], None]] = lambda description, total: lambda: None
+    token: pl.DataFrame = field(init=False)
+    below_floor: pl.Expr = field(init=False)
+    analysed: pl.DataFrame = field(init=False)
+    threshold: float = field(init=False)
+
+    def __post_init__(self):
+        p = self.params
+        self.token = self.labels.filter(pl.col("granularity") == "token")
+        self.below_floor = unresolved(p.noise_mult).fill_null(False)
+        analysed = self.token if p.include_unresolved else self.token.filter(~self.below_floor)
+        self.analysed = analysed.filter(pl.col("kl_mean").is_not_null() & pl.col("kl_mean").is_not_nan())
+        kl = self.analysed["kl_mean"].to_numpy()
+        self.threshold = harm_threshold(kl, p.harm) if len(kl) else float("nan")
+
+    @cached_property
+    def points(self) -> pl.DataFrame:
+        """(prompt_id, checkpoint, position, kl_mean) of every analysed label with ``read_pressure`` (NaN where the
+        checkpoint has no entry of age > w_delay) and ``value_payload``, means over layers and KV heads."""
+        p, keys = self.params, self.analysed.select("prompt_id", "checkpoint", "position", "kl_mean")
+        if not keys.height:
+            return keys.with_columns(read_pressure=pl.lit(None, pl.Float64), value_payload=pl.lit(None, pl.Float64))
+        advance = self.task("figures: read pressure, prompt × layer", keys["prompt_id"].n_unique() * self.trace.num_layers)
+        return trace_pressure_payload(self.trace, keys, p.w_obs, p.w_delay, p.payload, advance)
+
+    @cached_property
+    def reads(self) -> pl.DataFrame:
+        """``features.trace_first_reads`` of every labeled entry (unique prompt and position, resolved or not)."""
+        p, entries = self.params, self.token.select("prompt_id", "position").unique(maintain_order=True)
+        if not entries.height:
+            return _empty_reads()
+        advance = self.task("figures: read strengths, prompt × layer", entries["prompt_id"].n_unique() * self.trace.num_layers)
+        return trace_first_reads(self.trace, entries, p.w_obs, p.strong_read_mult, p.read_reduce, p.chunk_elements,
+                                 p.strength_elements, advance)
+
+
+def _empty_reads() -> pl.DataFrame:
+    return pl.DataFrame(schema={"prompt_id": pl.String, "position": pl.Int64, "prompt_len": pl.Int64, "length": pl.Int64,
+                                "window_complete": pl.Boolean, "first_window_peak": pl.Float64, "first_strong_read": pl.Int64,
+                                "future_queries": pl.Int64})
