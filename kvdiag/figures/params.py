@@ -1,4 +1,4 @@
-"""``FigureParams``: every threshold and definition of the Appendix D figures (ours unless noted; README, section Figures)."""
+"""``FigureParams``: every threshold and definition of the Appendix D figures (ours unless noted; docs/figures.md)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ SCOPES = ("pooled", "macro")
 
 @dataclass(frozen=True)
 class FigureParams:
-    """Settings of ``make_figures`` (written to figures.json). Defaults are ours; see README, section Figures.
+    """Settings of ``make_figures`` (written to figures.json). Defaults are ours; see docs/figures.md.
 
     Token-level features (per prompt, checkpoint ``t``, labeled candidate ``i``), averaged over layers and KV
     heads (the mean over layers of each layer's KV-head mean):
 
-    - read pressure ``p_i``: the candidate-normalized window attention mass (README, "Token-level features")
+    - read pressure ``p_i``: the candidate-normalized window attention mass (docs/figures.md, "Token-level features")
       (``features.read_pressure`` over the window queries ``[t - w_obs, t)``), the candidate set being the
       entries of age ``t - i > w_delay`` as in the ``avokv_e`` scorer (``w_delay = 0``: the whole cache);
     - value payload ``b_i``: ``features.value_payload(v, payload)`` (``l2``: ``‖v_i‖₂``).

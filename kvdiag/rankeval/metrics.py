@@ -1,6 +1,6 @@
 """Ranking metrics of eviction scores against a binary harm label (pure numpy).
 
-Conventions (README, "Ranking metrics"): harmful = positive (``y = 1``); a score says how much an entry
+Conventions (docs/rank-eval.md): harmful = positive (``y = 1``); a score says how much an entry
 should be *kept* (higher = keep); at eviction fraction ``rho`` the evicted set of one checkpoint is
 its ``floor(rho * C)`` lowest-scored candidates.
 
