@@ -35,13 +35,8 @@ def compact_kv(
 
 
 def shared_prefix_attention(
-    q: torch.Tensor,
-    prefix_k: torch.Tensor,
-    prefix_v: torch.Tensor,
-    suffix_k: torch.Tensor,
-    suffix_v: torch.Tensor,
-    exclude: torch.Tensor,
-    scale: float,
+    q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, suffix_k: torch.Tensor, suffix_v: torch.Tensor,
+    exclude: torch.Tensor, scale: float,
     chunk: int | None = None,
     window: int | None = None,
     softcap: float | None = None,

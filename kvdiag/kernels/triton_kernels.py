@@ -176,13 +176,8 @@ def _shared_prefix_kernel(
 
 
 def shared_prefix_attention(
-    q: torch.Tensor,
-    prefix_k: torch.Tensor,
-    prefix_v: torch.Tensor,
-    suffix_k: torch.Tensor,
-    suffix_v: torch.Tensor,
-    exclude: torch.Tensor,
-    scale: float,
+    q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, suffix_k: torch.Tensor, suffix_v: torch.Tensor,
+    exclude: torch.Tensor, scale: float,
     block_n: int = BLOCK_N,
     window: int | None = None,
     softcap: float | None = None,
