@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from kvdiag import __version__
 from kvdiag.errors import UserError
 from kvdiag.io import write_csv, write_json, write_table, write_text
+from kvdiag.provenance import provenance
 
 MODELS = ("fitted_logreg", "fitted_gbt")
 
@@ -143,7 +143,7 @@ def fit_ceiling(trace, labels: pl.DataFrame, scores: pl.DataFrame | None, out: s
     final = _models(cfg)["fitted_logreg"].fit(X, y)
     scaler, logreg = final[0], final[-1]
     model = {
-        "kind": "kvdiag_fitted_logreg", "kvdiag_version": __version__, "features": list(names),
+        "kind": "kvdiag_fitted_logreg", **provenance(), "features": list(names),
         "mean": scaler.mean_.tolist(), "scale": scaler.scale_.tolist(), "coef": logreg.coef_[0].tolist(),
         "intercept": float(logreg.intercept_[0]), "harm": cfg.harm, "harm_threshold": threshold,
         "aggregation": cfg.aggregation, "trained_on": {"n": len(y), "n_harmful": int(y.sum()), "prompts": n_prompts},
@@ -171,6 +171,6 @@ def fit_ceiling(trace, labels: pl.DataFrame, scores: pl.DataFrame | None, out: s
         "folds": min(cfg.n_splits, n_prompts), "features": list(names), "seconds": round(time.perf_counter() - t0, 1),
         "rank_eval": result.summary,
     }
-    write_json(out / "config.json", {"command": "fit", "kvdiag_version": __version__, "config": asdict(cfg),
+    write_json(out / "config.json", {"command": "fit", **provenance(), "config": asdict(cfg),
                                      "summary": summary, "inputs": {"labels": labels_meta, "scores": scores_meta}})
     return {"summary": summary, "metrics": result.metrics, "importances": imp, "result": result}

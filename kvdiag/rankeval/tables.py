@@ -8,6 +8,7 @@ import polars as pl
 
 from kvdiag.rankeval.evaluate import RankEvalResult
 from kvdiag.rankeval.registry import metrics_where
+from kvdiag.tables import markdown_table
 
 _LATEX_HEADERS = {"Top-k recall": "Top-$k$ recall"}
 _LATEX_SPECIAL = {c: "\\" + c for c in "&%$#_{}"} | {
@@ -57,13 +58,9 @@ def to_markdown(result: RankEvalResult, scope: str = "pooled") -> str:
     """The Table-3-shaped table (the metrics flagged ``table``) as Markdown, caption below."""
     cells, undefined = _cells(result, scope)
     columns = metrics_where("table")
-    lines = [
-        "| Score | " + " | ".join(m.title for m in columns) + " |",
-        "|---|" + "---:|" * len(columns),
-    ]
-    for name in result.scorers:
-        lines.append(f"| {name} | " + " | ".join(_fmt(*cells[(name, m.name)]) for m in columns) + " |")
-    return "\n".join(lines) + f"\n\n*{caption(result, scope, undefined)}*\n"
+    rows = [[name, *(_fmt(*cells[(name, m.name)]) for m in columns)] for name in result.scorers]
+    table = markdown_table(["Score", *(m.title for m in columns)], rows)
+    return table + f"\n*{caption(result, scope, undefined)}*\n"
 
 
 def latex_escape(text: str) -> str:

@@ -10,6 +10,7 @@ import seaborn as sns
 
 from kvdiag.figures.common import new_figure, save_figure, style
 from kvdiag.io import write_csv, write_text
+from kvdiag.tables import markdown_table
 
 FULL_LABEL = "FullKV"
 
@@ -54,13 +55,8 @@ def markdown(table: pl.DataFrame, budgets: list[int], prompts: int, teacher_forc
     """The Table-2-shaped summary as Markdown (accuracy %, max-length hits out of ``prompts``, mean KL)."""
     metrics = [("kl_mean", "KL")] if teacher_forced else [("accuracy", "acc %"), ("max_length_hits", "max-len"), ("kl_mean", "KL")]
     head = ["scorer"] + [f"{label} @{b}" for b in budgets for _, label in metrics]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for row in table.iter_rows(named=True):
-        cells = [row["scorer"]]
-        for b in budgets:
-            for key, _ in metrics:
-                cells.append(_cell(key, row[f"{key}@{b}"], prompts))
-        lines.append("| " + " | ".join(cells) + " |")
+    rows = [[row["scorer"], *(_cell(key, row[f"{key}@{b}"], prompts) for b in budgets for key, _ in metrics)]
+            for row in table.iter_rows(named=True)]
     mode = "teacher-forced on a Trace" if teacher_forced else "free-running greedy decoding"
     notes = [
         f"Replay ({mode}) over {prompts} prompts; budget = entries kept per layer and KV head.",
@@ -70,7 +66,7 @@ def markdown(table: pl.DataFrame, budgets: list[int], prompts: int, teacher_forc
     ]
     if not teacher_forced:
         notes.append(f"{FULL_LABEL} (uncompressed) does not depend on the budget: its values repeat under every budget.")
-    return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
+    return markdown_table(head, rows, "l" * len(head)) + "\n" + "\n".join(notes) + "\n"
 
 
 def _cell(key: str, value, prompts: int) -> str:

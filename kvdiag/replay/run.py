@@ -19,22 +19,20 @@ import dataclasses
 import hashlib
 import json
 import os
-import shlex
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import polars as pl
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import DynamicCache
 
-from kvdiag import __version__
 from kvdiag.errors import UserError
 from kvdiag.features import o_proj_weights
 from kvdiag.io import read_meta, write_json, write_table
 from kvdiag.models import LoadedModel
+from kvdiag.progress import progress_bar
+from kvdiag.provenance import command_line, provenance
 from kvdiag.prompts import DEFAULT_INSTRUCTION, Prompt, encode_prompt, safe_id
 from kvdiag.replay.cache import Policy, ReplayCache
 from kvdiag.replay.live import (
@@ -370,8 +368,7 @@ def replay(
               "settings": {k: v for k, v in asdict(settings).items() if k not in ("scorers", "budgets", "params", "backend", "full_kv")},
               "trace": trace.fingerprint if teacher_forced else None}
     config = {
-        "kind": "replay_config", "kvdiag_version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": command or shlex.join(["kvdiag", *sys.argv[1:]]), "mode": mode, "settings": asdict(settings),
+        "kind": "replay_config", **provenance(created=True), "command": command or command_line(), "mode": mode, "settings": asdict(settings),
         "scorers": {name: p.scorer.params for (name, budget), p in policies.items() if p is not None},
         "query_window": {name: p.query_window for (name, budget), p in policies.items() if p is not None},
         "model": lm.info, "prompts_source": source, "trace": trace.provenance if teacher_forced else None,
@@ -389,8 +386,7 @@ def replay(
     o_proj = o_proj_weights(lm.model) if any(p is not None and needs_o_proj(p.scorer) for p in policies.values()) else None
     units = [(it, name, budget) for it in items for (name, budget) in policies]
     paths = []
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  disable=not show_progress) as progress:
+    with progress_bar(show_progress) as progress:
         task = progress.add_task("replay", total=len(units))
         reference: dict[str, torch.Tensor] = {}  # teacher-forced: P_full of the current prompt
         for it, name, budget in units:

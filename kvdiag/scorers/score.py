@@ -22,19 +22,19 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvdiag import __version__
 from kvdiag.errors import UserError
 from kvdiag.features import AttentionHistory
-from kvdiag.schema import GRANULARITIES, KEY_SCHEMA, check_checkpoint, check_keys, default_checkpoints
-from kvdiag.schema import KEYS as KEY_COLUMNS  # the public name in kvdiag.scorers
+from kvdiag.progress import progress_bar
+from kvdiag.provenance import provenance
+from kvdiag.schema import GRANULARITIES, KEY_SCHEMA, KEYS, check_checkpoint, check_keys, default_checkpoints
 from kvdiag.scorers.base import (
     AGGREGATIONS, SCORERS, ScoreContext, Scorer, aggregation_values, ensure_registered, get_scorer, register_scorer,
     scorer_names,
 )
 
 ENTRY_POINT_GROUP = "kvdiag.scorers"
+KEY_COLUMNS = KEYS  # the key columns under their name in kvdiag.scorers
 KEEP_SCORE = "protected entries score max + 1 + |max| of their row's other scores"
 
 
@@ -180,8 +180,7 @@ def score_trace(
     keys = keys.with_row_index("_row")
     out = {name: np.full(keys.height, np.nan) for name in selected}
     prompts = keys["prompt_id"].unique(maintain_order=True).to_list()
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  disable=not progress) as bar:
+    with progress_bar(progress) as bar:
         task = bar.add_task("score: prompt × layer", total=len(prompts) * trace.num_layers)
         for pid in prompts:
             _score_prompt(trace, pid, keys.filter(pl.col("prompt_id") == pid), selected, aggregation, o_proj, out,
@@ -195,7 +194,7 @@ def score_trace(
         "aggregation": aggregation,
         "aggregation_doc": AGGREGATIONS[aggregation],
         "keep_score": KEEP_SCORE,
-        "kvdiag_version": __version__,
+        **provenance(),
     }
     return df, meta
 

@@ -15,21 +15,21 @@ import json
 import os
 import re
 import shutil
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import polars as pl
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 from safetensors.torch import save_file
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.streamers import BaseStreamer
 
-from kvdiag import __version__
 from kvdiag.errors import UserError
 from kvdiag.io import write_json, write_table
 from kvdiag.models import LoadedModel
+from kvdiag.progress import progress_bar
+from kvdiag.provenance import provenance
 from kvdiag.prompts import DEFAULT_INSTRUCTION, Prompt, encode_prompt
 from kvdiag.trace.hooks import TRACE_ATTN, Recorder, attention_scale, recording
 
@@ -233,10 +233,7 @@ def trace_prompts(
         pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
         return_dict_in_generate=True,
     )
-    with Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        disable=not show_progress, transient=False,
-    ) as progress:
+    with progress_bar(show_progress) as progress:
         prompt_task = progress.add_task("trace: prompts", total=len(mine), completed=len(mine) - len(todo))
         for prompt in todo:
             token_task = progress.add_task(f"  {prompt.prompt_id}", total=settings.max_new_tokens)
@@ -305,8 +302,7 @@ def _header(root: Path, lm: LoadedModel, settings: GenerationSettings, prompts_s
     cfg = lm.model.config
     header = {
         "format_version": FORMAT_VERSION,
-        "kvdiag_version": __version__,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **provenance(created=True),
         "model": lm.info,
         "attn_implementation": f"{lm.info['attention']['implementation']} (recorded through the registered "
                                f"attention function {TRACE_ATTN!r})",
