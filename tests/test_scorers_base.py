@@ -9,7 +9,7 @@ import torch
 
 from kvdiag.errors import UserError
 from kvdiag.scorers import SCORERS, Scorer, get_scorer, parse_params, percentile_rank, protect, register_scorer, zscore
-from kvdiag.scorers.base import aggregation_values
+from kvdiag.scorers.normalization import aggregation_values
 
 BUILTINS = [
     "attention", "attention_x_age", "h2o", "snapkv", "tova", "streamingllm", "rkv", "lazyeviction", "thinkv", "knorm",

@@ -14,12 +14,11 @@ import torch
 from transformers import DynamicCache
 
 from kvdiag.adapters import ModelAttention
-from kvdiag.errors import UserError
+from kvdiag.errors import UserError, check_choice
 from kvdiag.kernels import compact_kv
 from kvdiag.replay.live import SELECTIONS, query_window_size
 from kvdiag.schema import CHECKPOINT_INTERVAL
 from kvdiag.scorers import Scorer
-from kvdiag.scorers.base import check_choice
 
 
 @dataclass

@@ -20,9 +20,9 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from kvdiag.adapters import LayerAttention, as_layer_attention, check_kwargs, model_attention
 from kvdiag.attention import group_size
-from kvdiag.errors import UserError
+from kvdiag.errors import UserError, check_choice
 from kvdiag.scorers import SCORERS, ScoreContext, Scorer, get_scorer
-from kvdiag.scorers.base import HistoryUnavailable, check_choice
+from kvdiag.scorers.context import HistoryUnavailable
 from kvdiag.trace.hooks import attention_context, model_eager_attention
 
 REPLAY_ATTN = "kvdiag_replay"

@@ -27,19 +27,18 @@ import polars as pl
 import torch
 from transformers import DynamicCache
 
-from kvdiag.errors import UserError
+from kvdiag.errors import UserError, check_choice
 from kvdiag.features import o_proj_weights
 from kvdiag.io import read_meta, write_json, write_table
 from kvdiag.models import LoadedModel
 from kvdiag.progress import progress_bar
-from kvdiag.provenance import command_line, provenance
 from kvdiag.prompts import DEFAULT_INSTRUCTION, Prompt, encode_prompt, safe_id
+from kvdiag.provenance import command_line, provenance
 from kvdiag.replay.cache import Policy, ReplayCache
 from kvdiag.replay.live import (
     SELECTIONS, QueryWindow, check_live_scorer, make_scorer, needs_o_proj, observing, score_layer, select_keep,
 )
 from kvdiag.schema import CHECKPOINT_INTERVAL
-from kvdiag.scorers.base import check_choice
 
 FULL_KV = "full_kv"  # the scorer name of the uncompressed reference rows (the paper's FullKV)
 REFERENCE_CHUNK = 512  # tokens per forward of the full-cache reference (bounds its logits memory)

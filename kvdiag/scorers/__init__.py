@@ -3,39 +3,39 @@
 Flat API::
 
     from kvdiag.scorers import SCORERS, get_scorer, register_scorer, Scorer, ScoreContext, score_trace
-"""
 
-from kvdiag.scorers.base import (
-    AGGREGATIONS,
-    SCORERS,
-    ScoreContext,
-    Scorer,
-    get_scorer,
-    parse_params,
-    percentile_rank,
-    protect,
-    register_scorer,
-    scorer_names,
-    zscore,
-)
+Modules: ``context`` (ScoreContext), ``registry`` (Scorer, register_scorer, get_scorer), ``normalization``
+(percentile rank, z-score, protection, aggregations), ``score`` (score_trace), one module per rule.
+"""
 
 # importing each module registers its scorer(s), in this order
 from kvdiag.scorers.attention import AttentionScorer
 from kvdiag.scorers.attention_x_age import AttentionXAge
-from kvdiag.scorers.h2o import H2O
-from kvdiag.scorers.snapkv import SnapKV
-from kvdiag.scorers.tova import TOVA
-from kvdiag.scorers.streamingllm import StreamingLLM
-from kvdiag.scorers.rkv import RKV, rkv_importance
-from kvdiag.scorers.lazyeviction import LazyEviction, lazyeviction_score
-from kvdiag.scorers.thinkv import ThinKVProxy
-from kvdiag.scorers.knorm import KNorm
-from kvdiag.scorers.value_norm import ValueNorm
-from kvdiag.scorers.vatp import VATP
-from kvdiag.scorers.random_scorer import RandomScorer
 from kvdiag.scorers.avokv_e import AvoKVE, avokv_score
-from kvdiag.scorers.avokv_e_ablations import AvoKVENoDelay, AvoKVENoPayload, AvoKVENoRedundancy, AvoKVERaw
-from kvdiag.scorers.fitted import Fitted  # not in --scorers all: needs --param fitted.path=model.json
+from kvdiag.scorers.avokv_e_ablations import (
+    AvoKVENoDelay,
+    AvoKVENoPayload,
+    AvoKVENoRedundancy,
+    AvoKVERaw,
+)
+from kvdiag.scorers.context import ScoreContext
+from kvdiag.scorers.fitted import (
+    Fitted,  # not in --scorers all: needs --param fitted.path=model.json
+)
+from kvdiag.scorers.h2o import H2O
+from kvdiag.scorers.knorm import KNorm
+from kvdiag.scorers.lazyeviction import LazyEviction, lazyeviction_score
+from kvdiag.scorers.normalization import AGGREGATIONS, percentile_rank, protect, zscore
+from kvdiag.scorers.random_scorer import RandomScorer
+from kvdiag.scorers.registry import (
+    SCORERS,
+    Scorer,
+    get_scorer,
+    parse_params,
+    register_scorer,
+    scorer_names,
+)
+from kvdiag.scorers.rkv import RKV, rkv_importance
 from kvdiag.scorers.score import (
     ENTRY_POINT_GROUP,
     KEY_COLUMNS,
@@ -45,6 +45,12 @@ from kvdiag.scorers.score import (
     resolve_scorers,
     score_trace,
 )
+from kvdiag.scorers.snapkv import SnapKV
+from kvdiag.scorers.streamingllm import StreamingLLM
+from kvdiag.scorers.thinkv import ThinKVProxy
+from kvdiag.scorers.tova import TOVA
+from kvdiag.scorers.value_norm import ValueNorm
+from kvdiag.scorers.vatp import VATP
 
 __all__ = [
     "AGGREGATIONS", "ENTRY_POINT_GROUP", "KEY_COLUMNS", "SCORERS",

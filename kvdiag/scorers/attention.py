@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvdiag.errors import check_positive
 from kvdiag.features import group_reduce
-from kvdiag.scorers.base import ScoreContext, Scorer, check_positive, register_scorer
+from kvdiag.scorers.context import ScoreContext
+from kvdiag.scorers.registry import Scorer, register_scorer
 
 
 @register_scorer("attention")

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from kvdiag.scorers.attention import AttentionScorer
-from kvdiag.scorers.base import ScoreContext, register_scorer
+from kvdiag.scorers.context import ScoreContext
+from kvdiag.scorers.registry import register_scorer
 
 
 @register_scorer("attention_x_age")

@@ -6,9 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kvdiag.errors import check_choice, check_positive
 from kvdiag.features import PAYLOADS, mean_cosine_redundancy, read_pressure
 from kvdiag.schema import W_DELAY, W_OBS
-from kvdiag.scorers.base import ScoreContext, Scorer, check_choice, check_positive, percentile_rank, protect, register_scorer, zscore
+from kvdiag.scorers.context import ScoreContext
+from kvdiag.scorers.normalization import percentile_rank, protect, zscore
+from kvdiag.scorers.registry import Scorer, register_scorer
 
 NORMALIZATIONS = ("rank", "zscore")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvdiag.scorers.avokv_e import AvoKVE
-from kvdiag.scorers.base import register_scorer
+from kvdiag.scorers.registry import register_scorer
 
 
 @register_scorer("avokv_e_no_payload")

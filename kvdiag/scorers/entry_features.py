@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from kvdiag.features import group_reduce, mean_cosine_redundancy
-from kvdiag.scorers.base import ScoreContext, Scorer, get_scorer
+from kvdiag.scorers.context import ScoreContext
+from kvdiag.scorers.registry import Scorer, get_scorer
 
 
 def _per_head(ctx: ScoreContext, row: torch.Tensor) -> torch.Tensor:

@@ -5,15 +5,16 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import ClassVar
 from functools import cached_property
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
 from kvdiag.errors import UserError
-from kvdiag.scorers.base import ScoreContext, Scorer, register_scorer
+from kvdiag.scorers.context import ScoreContext
 from kvdiag.scorers.entry_features import FEATURES, entry_features
+from kvdiag.scorers.registry import Scorer, register_scorer
 
 
 @register_scorer("fitted")

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdiag.scorers.base import ScoreContext, Scorer, register_scorer
+from kvdiag.scorers.context import ScoreContext
+from kvdiag.scorers.registry import Scorer, register_scorer
 
 
 @register_scorer("knorm")

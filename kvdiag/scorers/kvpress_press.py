@@ -41,7 +41,8 @@ import torch
 
 from kvdiag.attention import attention_rows
 from kvdiag.errors import UserError
-from kvdiag.scorers.base import SCORERS, ScoreContext, Scorer, register_scorer
+from kvdiag.scorers.context import ScoreContext
+from kvdiag.scorers.registry import SCORERS, Scorer, register_scorer
 
 PREFIX = "kvpress:"
 KVPRESS_VERSION = "0.5.5"

@@ -6,8 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kvdiag.errors import check_choice, check_positive
 from kvdiag.features import max_pool, rkv_redundancy
-from kvdiag.scorers.base import ScoreContext, Scorer, check_choice, check_positive, protect, register_scorer
+from kvdiag.scorers.context import ScoreContext
+from kvdiag.scorers.normalization import protect
+from kvdiag.scorers.registry import Scorer, register_scorer
 
 
 def rkv_importance(q_window: torch.Tensor, k_candidates: torch.Tensor, scale: float, pooling: str, kernel_size: int) -> torch.Tensor:

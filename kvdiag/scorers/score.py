@@ -28,10 +28,9 @@ from kvdiag.features import AttentionHistory
 from kvdiag.progress import progress_bar
 from kvdiag.provenance import provenance
 from kvdiag.schema import GRANULARITIES, KEY_SCHEMA, KEYS, check_checkpoint, check_keys, default_checkpoints
-from kvdiag.scorers.base import (
-    AGGREGATIONS, SCORERS, ScoreContext, Scorer, aggregation_values, ensure_registered, get_scorer, register_scorer,
-    scorer_names,
-)
+from kvdiag.scorers.context import ScoreContext
+from kvdiag.scorers.normalization import AGGREGATIONS, aggregation_values
+from kvdiag.scorers.registry import SCORERS, Scorer, ensure_registered, get_scorer, register_scorer, scorer_names
 
 ENTRY_POINT_GROUP = "kvdiag.scorers"
 KEY_COLUMNS = KEYS  # the key columns under their name in kvdiag.scorers

@@ -6,7 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdiag.scorers.base import ScoreContext, Scorer, check_positive, protect, register_scorer
+from kvdiag.errors import check_positive
+from kvdiag.scorers.context import ScoreContext
+from kvdiag.scorers.normalization import protect
+from kvdiag.scorers.registry import Scorer, register_scorer
 
 
 @register_scorer("streamingllm")

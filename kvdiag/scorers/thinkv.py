@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdiag.errors import UserError
+from kvdiag.errors import UserError, check_choice, check_positive
 from kvdiag.features import THOUGHT_CLASSES, TRANSITION, thought_segments
-from kvdiag.scorers.base import ScoreContext, Scorer, check_choice, check_positive, register_scorer
+from kvdiag.scorers.context import ScoreContext
+from kvdiag.scorers.registry import Scorer, register_scorer
 
 
 @register_scorer("thinkv")

@@ -6,8 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kvdiag.errors import check_choice, check_positive
 from kvdiag.features import PAYLOADS
-from kvdiag.scorers.base import ScoreContext, Scorer, check_choice, check_positive, protect, register_scorer
+from kvdiag.scorers.context import ScoreContext
+from kvdiag.scorers.normalization import protect
+from kvdiag.scorers.registry import Scorer, register_scorer
 
 
 @register_scorer("value_norm")
