@@ -131,7 +131,11 @@ def plot_delayed_reads(entries: pl.DataFrame, hist: pl.DataFrame, rows: list[dic
             with warnings.catch_warnings():  # seaborn 0.13 passes matplotlib 3.11's deprecated ``vert``
                 warnings.simplefilter("ignore", MatplotlibDeprecationWarning)
                 sns.boxplot(x=groups, y=y, order=order, hue=groups, hue_order=order, palette="deep", showfliers=False, ax=ax3, legend=False)
+            # seaborn jitters with numpy's global RNG: seed it for this call only, so the PNG and PDF are reproducible
+            state = np.random.get_state()
+            np.random.seed(params.seed)
             sns.stripplot(x=groups, y=y, order=order, color="black", size=2.5, alpha=0.6, ax=ax3)
+            np.random.set_state(state)
             ax3.set_yscale("log")
         ax3.set_xlabel(f"delayed: n = {int(s['n_kl_delayed'])}, never read: n = {int(s['n_kl_never'])}")
         ax3.set_ylabel("eviction KL (mean kl_mean, nats)")

@@ -47,7 +47,7 @@ class FigureParams:
     # --- component figure (rank-eval settings, used when the metrics are computed here)
     rho: float = 0.5  # eviction fraction of the false-safe rate
     n_boot: int = 1000  # cluster-bootstrap resamples over prompts
-    seed: int = 0
+    seed: int = 0  # bootstrap seed; also seeds the jitter of (b)'s strip plot
     scope: str = "pooled"  # pooled or macro (mean over checkpoints) metrics
     min_age: int | None = None  # evaluate only candidates of age >= min_age (rank-eval's --min-age)
     max_age: int | None = None  # ... and <= max_age
