@@ -146,7 +146,7 @@ def _from_dir(path_or_id: str | Path, torch_dtype, revision, trust_remote_code):
             config = AutoConfig.from_pretrained(path_or_id, revision=revision, trust_remote_code=trust_remote_code)
         except (ValueError, KeyError) as err:  # a model type this transformers does not know
             raise UserError(f"--model {path_or_id}: its config cannot be read ({str(err).splitlines()[0]}); "
-                            "kvdiag supports the families listed in the README (Models)") from err
+                            "kvdiag supports the families listed in docs/models.md") from err
         family_of(config)
         tok = AutoTokenizer.from_pretrained(path_or_id, revision=revision, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
