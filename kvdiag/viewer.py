@@ -2,7 +2,7 @@
 token, coloured by oracle damage at a chosen checkpoint, with each rule's eviction decision at a chosen ρ or budget.
 
 The page embeds its data once as compact JSON; the script renders the tokens of a prompt once and recolours them by
-swapping class names (README, "Token viewer"). Conventions follow ``rank-eval``: harmful = ``kl_mean`` strictly above
+swapping class names (docs/report.md, "Token viewer"). Conventions follow ``rank-eval``: harmful = ``kl_mean`` strictly above
 the ``--harm`` threshold of the evaluated labels (resolved, scored token labels); a rule evicts the ``floor(ρ·C)``
 lowest-scored candidates of a checkpoint, a tie group straddling the boundary evicted at random (shown as partly evicted
 with its probability). Unlike rank-eval, C counts every scored candidate of the checkpoint, unresolved ones included:

@@ -13,7 +13,7 @@ def fit(
     labels: Path = typer.Option(..., "--labels", help="labels.parquet written by kvdiag label (token rows are used)"),
     out: Path = typer.Option(..., "--out", help="output directory"),
     scores: Path | None = typer.Option(None, "--scores", help="scores.parquet of the same labels: rank the hand-made rules beside the fit"),
-    features: list[str] | None = typer.Option(None, "--features", help="features to use, comma-separated, repeatable (default: all; see README)"),
+    features: list[str] | None = typer.Option(None, "--features", help="features to use, comma-separated, repeatable (default: all; see docs/rank-eval.md)"),
     harm: str = typer.Option("quantile:0.9", "--harm", help="harmful = kl_mean above quantile:Q of the resolved labels, or abs:TAU nats"),
     folds: int = typer.Option(5, "--folds", help="grouped cross-validation folds (by prompt; at most the number of prompts)"),
     bootstrap: int = typer.Option(1000, "--bootstrap", help="cluster-bootstrap resamples of the metrics"),
