@@ -37,7 +37,7 @@ class Drawn:
 class Figure:
     name: str
     title: str  # the report's section title
-    csvs: tuple[str, ...]  # the CSVs beside it that the report tables
+    csvs: tuple[str, ...]  # the CSVs beside it: the report links them and tables the first (statistic, value, note)
     draw: Callable[[FigureContext], Drawn]
 
 
