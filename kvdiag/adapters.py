@@ -16,6 +16,7 @@ Window rule (transformers 5.x ``masking_utils.sliding_window_overlay``): a query
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -341,3 +342,69 @@ def _text_only(model):
     lm.generation_config = model.generation_config
     lm.config._attn_implementation_internal = getattr(text, "_attn_implementation_internal", None) or cfg._attn_implementation
     return lm.eval()
+
+
+# --------------------------------------------------------------------------- running from a decoder layer
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder layers in order: the ``ModuleList`` whose element ``i`` holds attention module ``i``."""
+    cached = getattr(model, "_kvdiag_decoder_layers", None)
+    if cached is not None:
+        return cached
+    attn = attention_modules(model)
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == len(attn) and all(
+                any(m is attn[i] for m in layer.modules()) for i, layer in enumerate(module)):
+            model._kvdiag_decoder_layers = module
+            return module
+    raise UserError(f"--model: {type(model).__name__} has no list of decoder layers kvdiag can find")
+
+
+def _set_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple, dict]:
+    if "hidden_states" in kwargs:
+        return args, {**kwargs, "hidden_states": hidden}
+    return (hidden, *args[1:]), kwargs
+
+
+def _get_hidden(args: tuple, kwargs: dict) -> torch.Tensor:
+    return kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+
+
+def _passthrough(hidden_states, *args, **kwargs):
+    return hidden_states
+
+
+@contextmanager
+def capturing_layer_inputs(model):
+    """Record the hidden states entering every decoder layer during a forward: yields a list filled with
+    ``inputs[l] [B, W, D]`` (detached) in layer order."""
+    inputs: list[torch.Tensor] = []
+    hooks = [layer.register_forward_pre_hook(lambda m, a, kw: inputs.append(_get_hidden(a, kw).detach()), with_kwargs=True)
+             for layer in decoder_layers(model)]
+    try:
+        yield inputs
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+@contextmanager
+def starting_at_layer(model, layer: int, hidden: torch.Tensor | None):
+    """Run the model's own forward from decoder layer ``layer`` on: the layers below return their input
+    unchanged and layer ``layer`` takes ``hidden [B, W, D]`` instead. Everything the model does around its
+    layers (embedding scale, rotary tables per layer type, masks, final norm, logit scaling and softcap) stays
+    its own, so one mechanism serves every family. ``layer`` 0 or ``hidden`` None: an ordinary forward."""
+    if layer == 0 or hidden is None:
+        yield
+        return
+    layers = decoder_layers(model)
+    for below in layers[:layer]:
+        below.forward = _passthrough  # instance attribute: shadows the class's forward
+    hook = layers[layer].register_forward_pre_hook(lambda m, a, kw: _set_hidden(a, kw, hidden), with_kwargs=True)
+    try:
+        yield
+    finally:
+        hook.remove()
+        for below in layers[:layer]:
+            del below.forward

@@ -21,6 +21,8 @@ def label(
     layers: list[str] | None = typer.Option(None, "--layers", help="layer/head granularity: comma-separated layers, repeatable (default all)"),
     w_obs: int = typer.Option(32, "--w-obs", help="every:K starts once W_obs tokens are generated"),
     batch_size: int = typer.Option(64, "--batch-size", help="candidate rows per forward"),
+    method: str = typer.Option("exact", "--method", help="exact (the oracle) | fast (the recommended approximate method, labels every entry in one pass) | fisher (docs/labels.md)"),
+    samples: int = typer.Option(None, "--samples", help="fisher: sampled continuations per horizon step (default 16)"),
     seed: int = common.Seed,
     model: str = typer.Option(None, "--model", help="override the Trace's model (refused if different unless --force)"),
     force: bool = typer.Option(False, "--force", help="label with a model other than the Trace's"),
@@ -42,6 +44,7 @@ def label(
     cfg = LabelConfig(
         checkpoints=common.joined(checkpoints), horizon=horizon, candidates=candidates, granularity=granularity,
         layers=common.parse_ints(layers, "--layers"), w_obs=w_obs, batch_size=batch_size, seed=seed, backend=backend,
+        method=method, params={} if samples is None else {"samples": samples},
     )
     path = run_label(trace, out, cfg, model=model, force=force, dtype=dtype, device=device, shard=shard, quiet=quiet)
     if path is not None:

@@ -12,6 +12,10 @@ one P-token prefix of the same model, in one process, so their ratio is meaningf
 
 The full-cache run through the checkpoint and the horizon (prefix K/V and P_full: ``OracleEngine.golden``)
 is shared by the three methods and not timed.
+
+``granularity`` layer or head (``run_layer_start_bench``): the same N positions x L layers (x KV heads) rows,
+labeled by the engine with layer start (each row runs from the layer it evicts from) and without it (every
+row runs the full depth: the method before layer start), with the largest difference of their labels.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdiag.kernels.bench import best_seconds, cpu_peak_probe, peak_mb
-from kvdiag.label.engine import OracleEngine, Row, cache_from_prefix, divergences
+from kvdiag.label.engine import OracleEngine, Row, cache_from_prefix, candidate_rows, divergences
 from kvdiag.models import LoadedModel
 from kvdiag.prompts import arith_prompts
 
@@ -47,7 +51,7 @@ def bench_tokens(lm: LoadedModel, n: int) -> torch.Tensor:
 @torch.no_grad()
 def naive_label(eng: OracleEngine, t: int, positions: list[int]) -> torch.Tensor:
     """Per candidate: copy + delete in every layer + one H-token forward with explicit positions -> kl [N, H]."""
-    model, H = eng.model, eng.H
+    model, H = eng.model, eng.horizon
     prefix, logp_full = eng.golden(t)
     pos = torch.arange(t, t + H, device=eng.ids.device)[None]
     kls = []
@@ -62,7 +66,7 @@ def naive_label(eng: OracleEngine, t: int, positions: list[int]) -> torch.Tensor
 @torch.no_grad()
 def plain_forward(eng: OracleEngine, t: int, n: int) -> torch.Tensor:
     """The ceiling: N x H tokens, one batched stock forward over the prefix expanded to N rows, log-softmax."""
-    H = eng.H
+    H = eng.horizon
     prefix, _ = eng.golden(t)
     pos = torch.arange(t, t + H, device=eng.ids.device)[None].expand(n, -1)
     logits = eng.model(eng.ids[None, t : t + H].expand(n, -1), cache=cache_from_prefix(eng.model.config, prefix, n),
@@ -89,3 +93,69 @@ def run_label_bench(lm: LoadedModel, prefix_len: int = 512, n: int = 64, horizon
     best = best_seconds(methods, device, repeats)
     return [LabelBenchRow(name, best[name], n * horizon / best[name], peak_mb(fn, device, probe))
             for name, fn in methods.items()]
+
+
+@dataclass
+class LayerStartBench:
+    rows: list[LabelBenchRow]  # layer start, full depth
+    labeled: int  # rows labeled per run
+    max_abs_diff: float  # largest |kl_steps(layer start) - kl_steps(full depth)|
+    max_rel_diff: float  # the same relative to max(|kl|, 1e-6)
+
+
+def run_layer_start_bench(lm: LoadedModel, granularity: str, prefix_len: int = 512, n: int = 8, horizon: int = 16,
+                          repeats: int = 3, batch_size: int = 64, backend: str = "auto") -> LayerStartBench:
+    """Layer start vs full depth on the same ``granularity`` rows of ``n`` positions; see the module docstring."""
+    ids = bench_tokens(lm, prefix_len + horizon + 1)
+    fast = OracleEngine(lm, ids, horizon, batch_size, backend, layer_start=True)
+    full = OracleEngine(lm, ids, horizon, batch_size, backend, layer_start=False)
+    t = prefix_len
+    fast.golden(t), full.golden(t)  # the full-cache run is shared by both; not timed
+    positions = torch.linspace(0, t - 1, n).long().tolist()
+    rows = candidate_rows(positions, granularity, fast.num_layers, fast.num_kv_heads)
+    methods = {"layer start (from the evicted layer)": lambda: fast.label(t, rows),
+               "full depth (before layer start)": lambda: full.label(t, rows)}
+    device = torch.device(lm.device)
+    probe = cpu_peak_probe() if device.type == "cpu" else None
+    best = best_seconds(methods, device, repeats)
+    a, b = fast.label(t, rows)[0]["kl"].double(), full.label(t, rows)[0]["kl"].double()
+    diff = (a - b).abs()
+    return LayerStartBench([LabelBenchRow(name, best[name], len(rows) * horizon / best[name], peak_mb(fn, device, probe))
+                            for name, fn in methods.items()], len(rows), float(diff.max()),
+                           float((diff / b.abs().clamp_min(1e-6)).max()))
+
+
+@dataclass
+class FastBench:
+    rows: list[LabelBenchRow]  # exact (N candidates), fast (every entry [0, P))
+    labeled: list[int]  # entries labeled per run, per method
+    spearman: float  # fast vs exact kl_mean on the exact method's N candidates
+
+
+def run_fast_bench(lm: LoadedModel, method: str = "fisher", prefix_len: int = 512, n: int = 64, horizon: int = 16,
+                   repeats: int = 3, batch_size: int = 64, backend: str = "auto", seed: int = 0,
+                   **params) -> FastBench:
+    """Cost per labeled entry: the exact engine on ``n`` token rows vs approximate ``method`` on every entry of
+    the same P-token prefix (its one pass labels them all), same model, tokens and horizon."""
+    from scipy.stats import spearmanr
+
+    from kvdiag.label.fast import APPROXIMATE
+
+    labeler_cls, params_cls = APPROXIMATE[method]
+    ids = bench_tokens(lm, prefix_len + horizon + 1)
+    eng = OracleEngine(lm, ids, horizon, batch_size, backend)
+    approx = labeler_cls(lm, ids, horizon, params_cls(**params), seed)
+    t = prefix_len
+    eng.golden(t), approx.golden(t)  # the full-cache run is shared by both; not timed
+    positions = torch.linspace(0, t - 1, n).long().tolist()
+    exact_rows, all_rows = [Row(p) for p in positions], [Row(p) for p in range(t)]
+    methods = {"exact (oracle engine, N candidates)": lambda: eng.label(t, exact_rows),
+               f"{method} (every entry [0, P), one pass)": lambda: approx.label(t, all_rows)}
+    device = torch.device(lm.device)
+    probe = cpu_peak_probe() if device.type == "cpu" else None
+    best = best_seconds(methods, device, repeats)
+    labeled = [len(exact_rows), len(all_rows)]
+    got = approx.label(t, all_rows)["kl"][positions]
+    rho = float(spearmanr(eng.label(t, exact_rows)[0]["kl"].mean(1).numpy(), got.numpy()).statistic)
+    return FastBench([LabelBenchRow(name, best[name], k * horizon / best[name], peak_mb(fn, device, probe))
+                      for (name, fn), k in zip(methods.items(), labeled)], labeled, rho)

@@ -7,7 +7,9 @@ with entry ``i`` evicted (from every layer and KV head, one layer, or one layer 
 H query positions ``tau = t .. t+H-1``.
 
 The prefix cache is computed once per checkpoint (and extended, not recomputed, from one checkpoint
-to the next). Candidate rows are batched: each row runs the same H tokens and reads the shared prefix
+to the next). A row that evicts from one layer ``l`` (layer/head granularity) is identical to the null row
+below ``l``: it starts at layer ``l`` from the null row's hidden states (``kvdiag.adapters.starting_at_layer``),
+which halves the cost of a layer sweep on average. Candidate rows are batched: each row runs the same H tokens and reads the shared prefix
 through ``kvdiag.kernels.shared_prefix_attention`` with its own exclusions, so a batch of N rows costs
 about one forward of N x H tokens and no per-row copy of the prefix. ``P_full`` comes from the plain
 model path (the model's own attention over a standard cache); a null row (nothing evicted) through the
@@ -20,6 +22,7 @@ that evicts only such entries changes nothing, and its label is exactly zero wit
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kvdiag.adapters import capturing_layer_inputs, starting_at_layer
 from kvdiag.errors import UserError
 from kvdiag.label.hooks import EvictionBatch, evicting
 from kvdiag.models import LoadedModel
@@ -120,15 +124,19 @@ def divergences(logp_full: torch.Tensor, logits_ev: torch.Tensor, targets: torch
 
 
 class OracleEngine:
-    """Labels candidates of one prompt's checkpoints; build it once per (model, token sequence)."""
+    """Labels candidates of one prompt's checkpoints; build it once per (model, token sequence).
+
+    ``layer_start``: rows that evict from one layer start at that layer (False: every row runs the full depth,
+    the method before layer start, kept for ``kvdiag bench label`` and the exactness tests)."""
 
     def __init__(self, lm: LoadedModel, token_ids: torch.Tensor, horizon: int, batch_size: int = 64,
-                 backend: str = "auto"):
+                 backend: str = "auto", layer_start: bool = True):
         if horizon <= 0:
             raise UserError(f"--horizon {horizon}: must be a positive number of steps")
         self.lm, self.model = lm, lm.model
         self.ids = token_ids.to(self.model.device)
-        self.T, self.H, self.batch_size, self.backend = len(token_ids), horizon, batch_size, backend
+        self.T, self.horizon, self.batch_size, self.backend = len(token_ids), horizon, batch_size, backend
+        self.layer_start = layer_start
         self.attention = lm.attention
         self.num_layers, self.num_kv_heads = self.attention.num_layers, self.attention.num_kv_heads
         self._cache = full_cache(self.num_layers)  # the golden prefix, extended checkpoint by checkpoint
@@ -136,8 +144,8 @@ class OracleEngine:
         self._golden: tuple[int, list, torch.Tensor] | None = None  # the last checkpoint's (t, prefix, logp_full)
 
     def check_checkpoint(self, t: int) -> None:
-        if not 1 <= t <= self.T - self.H:
-            raise UserError(f"checkpoint {t} is outside [1, {self.T - self.H}] (trace length {self.T}, horizon {self.H}); choose earlier checkpoints or a shorter --horizon")
+        if not 1 <= t <= self.T - self.horizon:
+            raise UserError(f"checkpoint {t} is outside [1, {self.T - self.horizon}] (trace length {self.T}, horizon {self.horizon}); choose earlier checkpoints or a shorter --horizon")
 
     @torch.no_grad()
     def golden(self, t: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
@@ -153,11 +161,11 @@ class OracleEngine:
         self.check_checkpoint(t)
         if self._golden is not None and self._golden[0] == t:
             return self._golden[1], self._golden[2]
-        end, logits = t + self.H, None
+        end, logits = t + self.horizon, None
         if self._cached <= t:  # extend the run through the horizon: its last H logits are P_full
             pos = torch.arange(self._cached, end, device=self.ids.device)[None]
             logits = self.model(self.ids[None, self._cached : end], cache=self._cache, position_ids=pos, use_cache=True,
-                                logits_to_keep=self.H).logits[0]
+                                logits_to_keep=self.horizon).logits[0]
             self._cached = end
         prefix = [(layer.keys[0, :, :t], layer.values[0, :, :t]) for layer in self._cache.layers]
         if logits is None:  # a checkpoint inside the run's cache
@@ -186,15 +194,29 @@ class OracleEngine:
         return out
 
     @torch.no_grad()
-    def evicted_logits(self, t: int, prefix, rows: list[Row]) -> torch.Tensor:
-        """Logits [N, H, V] for ``rows`` through the batched shared-prefix path."""
+    def evicted_logits(self, t: int, prefix, rows: list[Row], start: int = 0,
+                       hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [N, H, V] for ``rows`` through the batched shared-prefix path; with ``start`` > 0 the rows
+        run decoder layers ``start..L-1`` only, from ``hidden [1, H, D]`` (the null row's input to layer ``start``)."""
         n = len(rows)
-        ids = self.ids[None, t : t + self.H].expand(n, -1)
-        pos = torch.arange(t, t + self.H, device=self.ids.device)[None].expand(n, -1)
+        ids = self.ids[None, t : t + self.horizon].expand(n, -1)
+        pos = torch.arange(t, t + self.horizon, device=self.ids.device)[None].expand(n, -1)
         batch = EvictionBatch(prefix=prefix, exclude=self._exclusions(rows), attention=self.attention.layers,
                               backend=self.backend)
-        with evicting(self.model, batch):
+        with evicting(self.model, batch), starting_at_layer(self.model, start, None if hidden is None else hidden.expand(n, -1, -1)):
             return self.model(ids, position_ids=pos, use_cache=False).logits
+
+    @torch.no_grad()
+    def null_run(self, t: int, prefix) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The null row (nothing evicted) through the batched path: logits [1, H, V] and the hidden states
+        entering each decoder layer, inputs[l] [1, H, D]."""
+        with capturing_layer_inputs(self.model) as inputs:
+            logits = self.evicted_logits(t, prefix, [Row(-1)])
+        return logits, list(inputs)
+
+    def start_layer(self, row: Row) -> int:
+        """The first decoder layer ``row`` must run: the one it evicts from (0 for every-layer rows)."""
+        return max(row.layer, 0) if self.layer_start else 0
 
     def invisible(self, t: int, row: Row) -> bool:
         """Whether every layer ``row`` evicts from hides its entry from all horizon queries (sliding window:
@@ -226,18 +248,28 @@ class OracleEngine:
 
     def _label(self, t: int, rows: list[Row], progress=None) -> tuple[dict[str, torch.Tensor], float]:
         prefix, logp_full = self.golden(t)
-        targets = self.ids[t + 1 : t + self.H + 1]  # the realized next tokens (the last step may have none)
-        # the null row rides along in the first batch (one row more, rather than a forward of its own)
-        batches = [[Row(-1)] + rows[: self.batch_size]]
-        batches += [rows[s : s + self.batch_size] for s in range(self.batch_size, len(rows), self.batch_size)]
-        parts: dict[str, list[torch.Tensor]] = {}
-        for i, batch in enumerate(batches):
-            div = divergences(logp_full, self.evicted_logits(t, prefix, batch), targets)
-            self._check_finite(div["kl"], t)  # a non-finite logit makes its row's KL inf or nan
-            for key, val in div.items():
-                parts.setdefault(key, []).append(val.cpu())
-            if progress is not None:
-                progress(len(batch) - (i == 0))
+        targets = self.ids[t + 1 : t + self.horizon + 1]  # the realized next tokens (the last step may have none)
+        null, hidden = self.null_run(t, prefix)
+        div_null = self._divergences(t, logp_full, null, targets)
+        noise = float(div_null["kl"].mean())
+        # rows grouped by start layer (stable: within a group in the given order), batched within a group
+        order = sorted(range(len(rows)), key=lambda j: self.start_layer(rows[j]))
+        parts = {key: [val[:0].cpu()] for key, val in div_null.items()}
+        for start, group in itertools.groupby(order, key=lambda j: self.start_layer(rows[j])):
+            group = list(group)
+            for s in range(0, len(group), self.batch_size):
+                batch = [rows[j] for j in group[s : s + self.batch_size]]
+                logits = self.evicted_logits(t, prefix, batch, start, hidden[start] if start else None)
+                for key, val in self._divergences(t, logp_full, logits, targets).items():
+                    parts.setdefault(key, []).append(val.cpu())
+                if progress is not None:
+                    progress(len(batch))
         out = {key: torch.cat(val) for key, val in parts.items()}
-        noise = float(out["kl"][0].mean())
-        return {key: val[1:] for key, val in out.items()}, noise
+        back = torch.empty(len(order), dtype=torch.long)
+        back[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
+        return {key: val[back] for key, val in out.items()}, noise
+
+    def _divergences(self, t: int, logp_full, logits, targets) -> dict[str, torch.Tensor]:
+        div = divergences(logp_full, logits, targets)
+        self._check_finite(div["kl"], t)  # a non-finite logit makes its row's KL inf or nan
+        return div

@@ -22,6 +22,7 @@ from kvdiag.errors import UserError
 from kvdiag.io import write_json, write_table
 from kvdiag.kernels import BACKENDS
 from kvdiag.label.engine import GRANULARITIES, OracleEngine, candidate_rows
+from kvdiag.label.fast import APPROXIMATE, method_params, resolve_method
 from kvdiag.models import LoadedModel
 from kvdiag.trace import Trace
 
@@ -46,10 +47,14 @@ class LabelConfig:
     batch_size: int = 64
     seed: int = 0
     backend: str = "auto"
+    method: str = "exact"  # exact (the oracle engine) or an approximate method (kvdiag.label.fast; fast = the recommended one)
+    params: dict = field(default_factory=dict)  # the approximate method's settings (defaults filled in)
     sampling: str = field(default="", init=False)
 
     def __post_init__(self):
         self.validate()
+        self.method = resolve_method(self.method)
+        self.params = method_params(self.method, **self.params)
         self.sampling = ("every cached entry [0, t)" if self.candidates == "all"
                          else f"uniform without replacement over [0, t), seed {self.seed} + checkpoint")
 
@@ -74,6 +79,8 @@ class LabelConfig:
             raise UserError(f"--batch-size {self.batch_size}: must be a positive number of candidate rows, e.g. 64")
         if self.backend not in BACKENDS:
             raise UserError(f"--backend {self.backend}: use one of {', '.join(BACKENDS)}")
+        if resolve_method(self.method) == "exact" and self.params:
+            raise UserError(f"--method exact has no settings ({', '.join(self.params)}); drop them or choose an approximate --method")
 
 
 def parse_checkpoint_spec(spec: str) -> int | list[int]:
@@ -134,10 +141,20 @@ def work_items(trace: Trace, cfg: LabelConfig, prompt_ids: list[str] | None = No
     return items
 
 
-def label_item(engine: OracleEngine, trace: Trace, pid: str, t: int, cfg: LabelConfig, token_ids, progress=None) -> pl.DataFrame:
+def make_engine(lm: LoadedModel, token_ids, cfg: LabelConfig):
+    """The labeler of one prompt: the oracle engine (exact) or the approximate method's labeler."""
+    if cfg.method == "exact":
+        return OracleEngine(lm, token_ids, cfg.horizon, cfg.batch_size, cfg.backend)
+    labeler, params = APPROXIMATE[cfg.method]
+    return labeler(lm, token_ids, cfg.horizon, params(**cfg.params), cfg.seed)
+
+
+def label_item(engine, trace: Trace, pid: str, t: int, cfg: LabelConfig, token_ids, progress=None) -> pl.DataFrame:
     """Label one checkpoint; returns its rows in ``LABEL_SCHEMA``."""
     positions = sample_candidates(t, cfg.candidates, cfg.seed)
     rows = candidate_rows(positions, cfg.granularity, engine.num_layers, engine.num_kv_heads, cfg.layers)
+    if not isinstance(engine, OracleEngine):
+        return _approximate_item(engine, pid, t, cfg, rows, token_ids, progress)
     res, noise = engine.label(t, rows, progress=progress)
     kl = res["kl"].double()
     return pl.DataFrame({
@@ -160,10 +177,29 @@ def label_item(engine: OracleEngine, trace: Trace, pid: str, t: int, cfg: LabelC
     }, schema=LABEL_SCHEMA)
 
 
+def _approximate_item(labeler, pid: str, t: int, cfg: LabelConfig, rows, token_ids, progress=None) -> pl.DataFrame:
+    """An approximate method's rows: kl_mean and nll_delta estimated; what it cannot give is null
+    (kl_max, kl_steps, js_mean, top1_flips); noise_floor 0 (docs/labels.md)."""
+    res = labeler.label(t, rows)
+    if progress is not None:
+        progress(len(rows))
+    n = len(rows)
+    return pl.DataFrame({
+        "prompt_id": [pid] * n, "checkpoint": [t] * n, "position": [r.position for r in rows],
+        "granularity": [cfg.granularity] * n, "layer": [r.layer for r in rows], "kv_head": [r.kv_head for r in rows],
+        "horizon": [cfg.horizon] * n, "kl_mean": res["kl"].tolist(), "kl_max": None, "kl_steps": None, "js_mean": None,
+        "nll_delta": res["nll_delta"].tolist(), "top1_flips": None, "noise_floor": [0.0] * n,
+        "age": [t - r.position for r in rows], "token_id": [int(token_ids[r.position]) for r in rows],
+    }, schema=LABEL_SCHEMA)
+
+
 def labels_meta(trace: Trace, lm: LoadedModel, cfg: LabelConfig) -> dict:
+    label = "KL(P_full || P_evict) per step, fp32, full vocabulary; kl_mean = mean over the horizon"
+    if cfg.method != "exact":
+        label = (f"approximate ({cfg.method}, settings {cfg.params}, seed {cfg.seed}): kl_mean and nll_delta estimate the exact "
+                 "label's; kl_max, kl_steps, js_mean, top1_flips are null; noise_floor 0 (docs/labels.md)")
     return {"kind": "labels", "kvdiag_version": __version__, "trace": trace.provenance, "model": lm.info,
-            "config": asdict(cfg),
-            "label": "KL(P_full || P_evict) per step, fp32, full vocabulary; kl_mean = mean over the horizon"}
+            "config": asdict(cfg), "label": label}
 
 
 def check_model(trace: Trace, lm: LoadedModel, force: bool) -> None:
@@ -200,7 +236,7 @@ def label_trace(trace: Trace, lm: LoadedModel, out: str | os.PathLike, cfg: Labe
             by_prompt.setdefault(pid, set()).add(t)
         for pid, ts in by_prompt.items():
             ids = trace.token_ids(pid)
-            engine = OracleEngine(lm, ids, cfg.horizon, cfg.batch_size, cfg.backend)
+            engine = make_engine(lm, ids, cfg)
             for t in (c for c in schedule[pid] if c <= max(ts)):  # ascending: the engine extends one prefix cache
                 if t not in ts:
                     # extend the cache in the same steps as a run that labels every checkpoint: the prefix's
@@ -223,9 +259,10 @@ def _check_parts_config(parts: Path, meta: dict) -> None:
     cfg = meta["config"]
     # only what changes a part's content; the schedule, batch size and backend may differ between runs
     want = {"trace": meta["trace"]["fingerprint"], "model": meta["model"]["weights_hash"],
-            **{k: cfg[k] for k in ("horizon", "candidates", "granularity", "layers", "seed")}}
+            **{k: cfg[k] for k in ("horizon", "candidates", "granularity", "layers", "seed", "method", "params")}}
     if stamp.exists():
-        have = json.loads(stamp.read_text())
+        # a stamp written before approximate methods existed is an exact run's
+        have = {"method": "exact", "params": {}, **json.loads(stamp.read_text())}
         if have != want:
             raise UserError(f"{parts} holds parts made with other settings or another Trace; use another --out or delete {parts}")
     else:

@@ -1,0 +1,185 @@
+"""Approximate labels for every cached entry of a checkpoint at once (``kvdiag label --method NAME``).
+
+``fisher`` (``--method fast``): a second-order estimate of the exact label's ``kl_mean``. The KL of the
+evicted predictions has no first-order term at the full model; its second-order term is
+``KL_tau ~ 1/2 dz^T F_tau dz`` with ``F_tau = E_{y ~ P_full(.|tau)} [grad log p(y) grad log p(y)^T]``.
+
+1. Exact per layer: evicting key ``i`` from layer ``l`` changes each query head's attention output (before
+   ``o_proj``) in closed form, ``o' = (o - p_i v_i) / (1 - p_i)``, i.e. ``do = p_i (o - v_i) / (1 - p_i)``,
+   with ``p`` the layer's own probabilities (window, softcap and sinks included: a sink keeps its logit,
+   so the rank-one update holds with the sink mass in ``1 - p_i``).
+2. Linear propagation: ``K`` samples ``y_{k,tau} ~ P_full(.|tau)`` at every horizon step; one backward pass
+   of ``s_k = sum_tau log p(y_{k,tau}|tau)`` gives ``g_k = ds_k/do`` at every layer, query and head, and
+   ``a_k = sum g_k . do`` is the linearized change of ``s_k``. Scores have zero mean under ``P_full`` and the
+   steps are sampled independently, so ``E[a_k^2] = sum_tau 2 KL_tau`` (second order) and
+   ``kl_mean ~ mean_k a_k^2 / (2 H)``.
+3. One more row with the realized tokens gives a linear estimate of ``nll_delta``.
+
+All K + 1 rows run as one batched forward + backward of H tokens over the shared prefix, whatever the
+number of entries: every entry [0, t) of every layer and KV head is labeled from it. What the method
+cannot give is null: ``kl_max``, ``kl_steps``, ``js_mean``, ``top1_flips``; ``noise_floor`` is 0 (no
+batched-path rounding to measure; an estimate of exactly 0 means the entry is invisible to every query).
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from dataclasses import asdict, dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from kvdiag.adapters import LayerAttention, check_kwargs
+from kvdiag.errors import UserError
+from kvdiag.label.engine import OracleEngine, Row
+from kvdiag.models import LoadedModel
+from kvdiag.trace.hooks import attention_context
+
+FISHER_ATTN = "kvdiag_fisher"
+
+
+@dataclass(frozen=True)
+class FisherParams:
+    """Settings of ``fisher``; recorded in the labels metadata."""
+
+    samples: int = 16  # K: sampled continuations y ~ P_full per horizon step (one batch row each)
+
+    def validate(self) -> None:
+        if self.samples < 1:
+            raise UserError(f"--samples {self.samples}: must be a positive number of Fisher samples, e.g. 16")
+
+
+@dataclass
+class _Pass:
+    """What one forward records. prefix[l] = (k, v) [Hkv, t, d]; per layer: probs[l] [Hq, W, t] over the prefix,
+    out[l] [K, W, Hq, d] (the attention output, kept in the graph), o[l] [Hq, W, d] (row 0, detached)."""
+
+    prefix: list[tuple[torch.Tensor, torch.Tensor]]
+    attention: list[LayerAttention]
+    start: int  # absolute position of the first horizon token (= t)
+    probs: dict[int, torch.Tensor]
+    out: dict[int, torch.Tensor]
+
+
+_PASS: ContextVar[_Pass | None] = ContextVar("kvdiag_fisher_pass", default=None)
+
+
+def _fisher_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """query [N, Hq, W, d], key/value [N, Hkv, W, d] (the rows' own tokens) over the shared prefix, dense and
+    differentiable, with the layer's semantics -> [N, W, Hq, d]. Rows are identical up to the loss, so the
+    probabilities are recorded from row 0."""
+    rec = _PASS.get()
+    layer = module.layer_idx
+    spec = rec.attention[layer]
+    check_kwargs(module, spec, kwargs, "label --method fisher")
+    pk, pv = rec.prefix[layer]
+    n, hq, w, _ = query.shape
+    g = hq // pk.shape[0]
+    k = torch.cat([pk[None].expand(n, -1, -1, -1), key], 2).repeat_interleave(g, 1)  # [N, Hq, t + W, d]
+    v = torch.cat([pv[None].expand(n, -1, -1, -1), value], 2).repeat_interleave(g, 1)
+    qpos = torch.arange(rec.start, rec.start + w, device=query.device)
+    kpos = torch.arange(rec.start + w, device=query.device)
+    logits = spec.logits((query @ k.transpose(-1, -2)).float()).masked_fill(spec.hidden(qpos, kpos), float("-inf"))
+    # every query sees itself, so no row is all -inf (LayerAttention.softmax's in-place fix-up would break autograd)
+    p = torch.softmax(logits, -1) if spec.sinks is None else spec.softmax(logits, heads_dim=1)
+    out = (p.to(v.dtype) @ v).transpose(1, 2)  # [N, W, Hq, d]
+    rec.probs[layer] = p[0, :, :, : rec.start].detach()
+    rec.out[layer] = out
+    return out, None
+
+
+AttentionInterface.register(FISHER_ATTN, _fisher_attention)
+AttentionMaskInterface.register(FISHER_ATTN, lambda *args, **kwargs: None)
+
+
+class FisherLabeler:
+    """Labels every entry of one prompt's checkpoints with the ``fisher`` estimate; build once per prompt."""
+
+    def __init__(self, lm: LoadedModel, token_ids: torch.Tensor, horizon: int, params: FisherParams, seed: int = 0):
+        params.validate()
+        self.golden_engine = OracleEngine(lm, token_ids, horizon)  # the full-cache run, extended checkpoint by checkpoint
+        self.model, self.ids, self.horizon, self.params, self.seed = lm.model, self.golden_engine.ids, horizon, params, seed
+        self.attention = lm.attention
+        self.num_layers, self.num_kv_heads = self.attention.num_layers, self.attention.num_kv_heads
+
+    def golden(self, t: int):
+        return self.golden_engine.golden(t)
+
+    def effects(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Linearized effects of evicting each entry [0, t) at each (layer, KV head): (a [K, L, Hkv, t] on the
+        sampled log-likelihoods, n [L, Hkv, t] on the realized tokens' log-likelihood, summed over steps)."""
+        prefix, logp_full = self.golden(t)
+        K, W = self.params.samples, self.horizon
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + t)
+        y = torch.multinomial(logp_full.exp().cpu(), K, replacement=True, generator=gen).T.to(self.ids.device)  # [K, W]
+        targets = self.ids[t + 1 : t + W + 1]  # realized next tokens (the last step may have none)
+        ids = self.ids[None, t : t + W].expand(K + 1, -1)
+        pos = torch.arange(t, t + W, device=self.ids.device)[None].expand(K + 1, -1)
+        rec = _Pass(prefix, self.attention.layers, t, {}, {})
+        with torch.enable_grad(), attention_context(self.model, FISHER_ATTN, _PASS, rec):
+            logp = torch.log_softmax(self.model(ids, position_ids=pos, use_cache=False).logits.float(), -1)
+            sampled = logp[:K].gather(-1, y[..., None]).sum()
+            realized = logp[K, : len(targets)].gather(-1, targets[:, None]).sum()
+            layers = sorted(rec.out)
+            grads = torch.autograd.grad(sampled + realized, [rec.out[l] for l in layers])
+        out = torch.zeros(K + 1, self.num_layers, self.num_kv_heads, t)
+        for l, g in zip(layers, grads):
+            out[:, l] = self._layer_effect(rec.probs[l], rec.out[l][0].detach(), prefix[l][1], g.detach())
+        return out[:K], out[K]
+
+    @staticmethod
+    def _layer_effect(p: torch.Tensor, o: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """p [Hq, W, t], o [W, Hq, d] (row 0), v [Hkv, t, d], g [N, W, Hq, d] -> sum over queries and query
+        heads of g . do per (row, KV head, entry): [N, Hkv, t]; do = p_i (o - v_i) / (1 - p_i)."""
+        hkv = v.shape[0]
+        hq, w, t = p.shape
+        # 1 - p_i is the mass left (sink included); a key holding all of it leaves nothing: clamp
+        r = (p / (1 - p).clamp_min(1e-6)).view(hkv, hq // hkv, w, t)
+        g = g.float().permute(0, 2, 1, 3).reshape(g.shape[0], hkv, hq // hkv, w, -1)  # [N, Hkv, G, W, d]
+        o = o.float().permute(1, 0, 2).reshape(hkv, hq // hkv, w, -1)  # [Hkv, G, W, d]
+        go = (g * o).sum(-1)  # [N, Hkv, G, W]
+        gv = torch.einsum("nkgwd,kid->nkgwi", g, v.float())  # [N, Hkv, G, W, t]
+        return torch.einsum("kgwi,nkgwi->nki", r, go[..., None] - gv)
+
+    def label(self, t: int, rows: list[Row]) -> dict[str, torch.Tensor]:
+        """Estimates for ``rows`` (any granularity; all from one pass): kl [N] (~ kl_mean), nll_delta [N]."""
+        self.golden_engine.check_checkpoint(t)
+        for r in rows:
+            if not 0 <= r.position < t:
+                raise UserError(f"candidate position {r.position} at checkpoint {t}: candidates must lie in [0, {t})")
+        a, nll = self.effects(t)
+        pos = torch.tensor([r.position for r in rows], dtype=torch.long)
+        layer = torch.tensor([r.layer for r in rows], dtype=torch.long)
+        head = torch.tensor([r.kv_head for r in rows], dtype=torch.long)
+        # a row's effect: the sum over the (layer, KV head) cells it evicts from (first order: effects add)
+        cells = ((layer[:, None] == -1) | (layer[:, None] == torch.arange(self.num_layers)))[:, :, None] & (
+            (head[:, None] == -1) | (head[:, None] == torch.arange(self.num_kv_heads)))[:, None, :]  # [N, L, Hkv]
+        row_a = torch.einsum("rlh,klhr->kr", cells.float(), a[..., pos])
+        row_n = torch.einsum("rlh,lhr->r", cells.float(), nll[..., pos])
+        n_targets = len(self.ids[t + 1 : t + self.horizon + 1])
+        return {"kl": row_a.double().pow(2).mean(0) / (2 * self.horizon), "nll_delta": -row_n.double() / n_targets}
+
+
+# --------------------------------------------------------------------------- registry
+
+# name -> (labeler class, params class); ``exact`` is the oracle engine itself
+APPROXIMATE = {"fisher": (FisherLabeler, FisherParams)}
+FAST = "fisher"  # what --method fast picks (docs/labels.md: validated against exact on MATH-500)
+METHODS = ("exact", "fast", *APPROXIMATE)
+
+
+def resolve_method(name: str) -> str:
+    """``fast`` -> the recommended approximate method; an unknown name -> ``UserError``."""
+    if name not in METHODS:
+        raise UserError(f"--method {name}: use one of {', '.join(METHODS)}")
+    return FAST if name == "fast" else name
+
+
+def method_params(name: str, **given) -> dict:
+    """The settings of method ``name`` (defaults filled in), validated; exact has none."""
+    if name == "exact":
+        return {}
+    params = APPROXIMATE[name][1](**given)
+    params.validate()
+    return asdict(params)
