@@ -29,6 +29,7 @@ from kvdiag.errors import UserError
 from kvdiag.io import write_csv, write_json, write_text, writable_dir
 from kvdiag.trace.writer import STORAGE_DTYPES, parse_store
 
+STAGES = ("trace", "label", "score", "figures")
 LABEL_BACK = 64  # the checkpoint sits this many positions before the end
 CANDIDATES = 64
 HORIZON = 16
@@ -124,19 +125,19 @@ def run_scale_bench(plan: ScalePlan, prompt_len: int, report: Callable[[Step], N
 
 
 def memory_growth(steps: list[Step], shape: ModelShape, dtype: str, storage_dtype: str = "float16") -> pl.DataFrame:
-    """Per store mode: trace peak RSS growth per token (least-squares slope over the lengths) beside the arithmetic
-    bound, KV cache (compute dtype) + recorded rows (storage dtype) per token."""
-    rows = []
-    kv = shape.kv_cache_bytes(STORAGE_DTYPES[dtype].itemsize)
-    for store in sorted({s.store for s in steps if s.stage == "trace" and not s.name.startswith("baseline")}):
-        pts = [(s.length, s.peak_rss_mb) for s in steps if s.stage == "trace" and s.store == store and not s.name.startswith("baseline")]
+    """Per store mode traced at two or more lengths: the growth of trace peak RSS per token (least-squares slope
+    over T) beside the arithmetic bound, KV cache (compute dtype) + recorded rows (storage dtype) per token."""
+    kv, rows = shape.kv_cache_bytes(STORAGE_DTYPES[dtype].itemsize), []
+    traces = [s for s in steps if s.stage == "trace" and not s.name.startswith("baseline")]
+    for store in sorted({s.store for s in traces}):
+        pts = [(s.length, s.peak_rss_mb * 2**20) for s in traces if s.store == store]
         if len(pts) < 2:
             continue
-        slope_mb = float(np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1)[0])
-        bound = kv + shape.stored_bytes(store, storage_dtype)
-        rows.append({"store": store, "measured KB/token": slope_mb * 2**20 / 1e3, "KV cache KB/token": kv / 1e3,
-                     "recorded rows KB/token": shape.stored_bytes(store, storage_dtype) / 1e3,
-                     "measured / (KV + rows)": slope_mb * 2**20 / bound})
+        slope = float(np.polyfit(*zip(*pts), 1)[0])  # bytes per token
+        stored = shape.stored_bytes(store, storage_dtype)
+        rows.append({"store": store, "lengths": ",".join(str(T) for T, _ in pts), "measured KB/token": round(slope / 1e3, 1),
+                     "KV cache KB/token": round(kv / 1e3, 1), "recorded rows KB/token": round(stored / 1e3, 1),
+                     "measured / (KV + rows)": round(slope / (kv + stored), 2)})
     return pl.DataFrame(rows)
 
 
@@ -186,7 +187,10 @@ def bench_scale(plan: ScalePlan, report: Callable[[Step], None] = lambda s: None
     plan.validate(prompt_len, getattr(lm.model.config, "max_position_embeddings", None))
     shape = ModelShape.from_config(lm.model.config, plan.model)
     del lm
-    steps = run_scale_bench(plan, prompt_len, report)
+    run_scale_bench(plan, prompt_len, report)
+    # the tables hold every finished step in the directory: runs of other lengths or modes add to them
+    steps = sorted((Step(**json.loads(f.read_text())) for f in (plan.out / "steps").glob("*.json")),
+                   key=lambda s: (s.length, STAGES.index(s.stage), s.store))
     table = steps_table(steps)
     write_csv(table, plan.out / "scale.csv")
     text = (f"bench scale: {plan.model} {plan.dtype}, prompt of {prompt_len} tokens, T - {prompt_len} generated "

@@ -1,0 +1,58 @@
+"""``kvdiag.cost``: the arithmetic of bytes per token matches what a Trace writes, and the shape's matmul count
+matches the model's Linear layers. Exact integer comparisons (byte counts), except the token table, which is
+compressed Parquet and is checked against its stated bound."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from kvdiag.cost import LLAMA_8B, TOKEN_TABLE_BYTES, ModelShape, TraceCost
+from kvdiag.prompts import load_prompts
+from kvdiag.trace import GenerationSettings, Trace, trace_prompts
+
+MODES = ["all", "kv", "none", "1"]
+
+
+@pytest.fixture(scope="module")
+def traces(tiny_llama, tmp_path_factory) -> dict[str, Trace]:
+    root = tmp_path_factory.mktemp("cost")
+    prompts = load_prompts("builtin:arith", limit=2)
+    for mode in MODES:
+        settings = GenerationSettings(max_new_tokens=48, chat=False, instruction=None, store=mode)
+        trace_prompts(tiny_llama, prompts, root / mode, settings, show_progress=False)
+    return {mode: Trace(root / mode) for mode in MODES}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_stored_tensor_bytes_match_the_arithmetic(traces, tiny_llama, mode):
+    tr = traces[mode]
+    shape = ModelShape.from_config(tiny_llama.model.config)
+    positions = sum(tr.length(pid) for pid in tr.prompt_ids)
+    tensor_bytes = header_bytes = 0
+    for f in sorted(tr.path.glob("tensors/*/*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            size = sum(st.get_tensor(k).nbytes for k in st.keys())
+        tensor_bytes += size
+        header_bytes += f.stat().st_size - size
+    assert tensor_bytes == shape.stored_bytes(mode) * positions
+    assert header_bytes <= 1024 * len(list(tr.path.glob("tensors/*/*.safetensors")))  # per file, not per token
+    table = sum(f.stat().st_size for f in [tr.path / "tokens.parquet", *tr.path.glob("parts/*.parquet")])
+    assert table <= TOKEN_TABLE_BYTES * positions
+
+
+def test_matmul_params_count_the_linear_layers(tiny_llama):
+    model = tiny_llama.model
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert ModelShape.from_config(model.config).matmul_params == linear
+
+
+def test_llama_8b_32k_arithmetic():
+    """The figures docs/scale.md states."""
+    cost = TraceCost(LLAMA_8B, 32768)
+    assert LLAMA_8B.stored_bytes("all") == 32 * (32 + 2 * 8) * 128 * 2 == 393_216
+    assert LLAMA_8B.stored_bytes("kv") == 131_072 and LLAMA_8B.stored_bytes("none") == 0
+    assert cost.disk_bytes("none") <= 1e9  # the issue's bound for the smallest mode
+    assert round(cost.disk_bytes("all") / 1e9, 1) == 12.9
+    assert len(cost.checkpoints) == 63  # every 512 up to T - horizon
