@@ -26,8 +26,9 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.streamers import BaseStreamer
 
 from kvdiag.errors import UserError
-from kvdiag.io import write_json, write_table
+from kvdiag.io import write_json
 from kvdiag.models import LoadedModel
+from kvdiag.parts import PartStore
 from kvdiag.progress import progress_bar
 from kvdiag.provenance import provenance
 from kvdiag.prompts import DEFAULT_INSTRUCTION, Prompt, encode_prompt
@@ -177,8 +178,7 @@ def _manifest_path(root: Path) -> Path:
     return root / "manifest.json"
 
 
-def _header_path(root: Path) -> Path:
-    return root / "parts" / "_header.json"  # no prompt id starts with "_" (prompts.safe_id)
+HEADER = "_header.json"  # the parts' settings stamp; no prompt id starts with "_" (prompts.safe_id)
 
 
 def _check_compatible(existing: dict, lm: LoadedModel, settings: GenerationSettings, root: Path) -> None:
@@ -211,15 +211,12 @@ def trace_prompts(
     store = store_spec(settings.store, lm.model.config.num_hidden_layers)
     _check_context(lm, prompts, settings)
     root = Path(out)
-    try:
-        (root / "parts").mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UserError(f"--out {root}: cannot create the directory ({err.strerror}); choose a writable path") from err
-    header = _header(root, lm, settings, prompts_source, store)
-    done = _finished(root, prompts)
+    parts = PartStore(root / "parts", root)
+    header = _header(root, parts, lm, settings, prompts_source, store)
+    done = _finished(root, parts, prompts)
     manifest = {**header, "prompts": done}
     if merge and done:
-        _write_manifest(root, manifest)  # parts of other processes, or a run interrupted before its merge
+        _write_manifest(root, parts, manifest)  # parts of other processes, or a run interrupted before its merge
     mine = [p for i, p in enumerate(prompts) if i % shard[1] == shard[0]]
     todo = [p for p in mine if p.prompt_id not in done]
     storage, tok = STORAGE_DTYPES[settings.storage_dtype], lm.tokenizer
@@ -238,9 +235,9 @@ def trace_prompts(
         for prompt in todo:
             token_task = progress.add_task(f"  {prompt.prompt_id}", total=settings.max_new_tokens)
             record = _trace_one(lm, prompt, settings, gen_cfg, storage, _TokenProgress(progress, token_task), store)
-            manifest["prompts"][prompt.prompt_id] = _commit_prompt(root, prompt, record)
+            manifest["prompts"][prompt.prompt_id] = _commit_prompt(root, parts, prompt, record)
             if merge:
-                _write_manifest(root, manifest)
+                _write_manifest(root, parts, manifest)
             progress.remove_task(token_task)
             progress.advance(prompt_task)
     return root
@@ -288,19 +285,25 @@ def _check_context(lm: LoadedModel, prompts: list[Prompt], settings: GenerationS
                             f"use --max-new-tokens {max(1, limit - n)} or less")
 
 
-def _header(root: Path, lm: LoadedModel, settings: GenerationSettings, prompts_source: str | None, store: dict) -> dict:
+def _header(root: Path, parts: PartStore, lm: LoadedModel, settings: GenerationSettings, prompts_source: str | None,
+            store: dict) -> dict:
     """The manifest without its prompts: that of the existing Trace (checked against this run), else a new one.
 
     A new header is stamped into ``parts/_header.json`` before any part is written, so that the parts of
     several processes are checked against one model and one set of settings before a manifest exists."""
-    for path in (_manifest_path(root), _header_path(root)):
-        if path.exists():
-            header = json.loads(path.read_text())
-            _check_compatible(header, lm, settings, root)
-            header.pop("prompts", None)
-            return header
+    check = lambda existing: _check_compatible(existing, lm, settings, root)  # noqa: E731
+    if _manifest_path(root).exists():
+        header = json.loads(_manifest_path(root).read_text())
+        check(header)
+        header.pop("prompts", None)
+        return header
+    # processes starting together may each write the stamp: same model and settings, so any copy is right
+    return parts.stamp(HEADER, lambda: _new_header(lm, settings, prompts_source, store), check)
+
+
+def _new_header(lm: LoadedModel, settings: GenerationSettings, prompts_source: str | None, store: dict) -> dict:
     cfg = lm.model.config
-    header = {
+    return {
         "format_version": FORMAT_VERSION,
         **provenance(created=True),
         "model": lm.info,
@@ -317,26 +320,23 @@ def _header(root: Path, lm: LoadedModel, settings: GenerationSettings, prompts_s
         "generation": asdict(settings),
         "prompts_source": prompts_source,
     }
-    # processes starting together may each write it: same model and settings, so any copy is right
-    write_json(_header_path(root), header)
-    return header
 
 
-def _finished(root: Path, prompts: list[Prompt]) -> dict[str, dict]:
+def _finished(root: Path, parts: PartStore, prompts: list[Prompt]) -> dict[str, dict]:
     """Manifest entries of the finished prompts: those in manifest.json (in its order), then those with a
     ``parts/<prompt_id>.json`` (in the order of ``prompts``, then by id), so a merge orders them as one
     process would have."""
     manifest = _manifest_path(root)
     done = dict(json.loads(manifest.read_text())["prompts"]) if manifest.exists() else {}
     order = {p.prompt_id: i for i, p in enumerate(prompts)}
-    entries = sorted((root / "parts").glob("*.json"), key=lambda f: (order.get(f.stem, len(order)), f.stem))
+    entries = sorted(parts.root.glob("*.json"), key=lambda f: (order.get(f.stem, len(order)), f.stem))
     for f in entries:
-        if f != _header_path(root) and f.stem not in done:
+        if f.name != HEADER and f.stem not in done:
             done[f.stem] = json.loads(f.read_text())
     return done
 
 
-def _commit_prompt(root: Path, prompt: Prompt, record: dict) -> dict:
+def _commit_prompt(root: Path, parts: PartStore, prompt: Prompt, record: dict) -> dict:
     """Tensors, then the token part, then the manifest entry ``parts/<pid>.json``: a prompt counts as
     finished once its entry exists. Returns the entry."""
     pid, ids = prompt.prompt_id, record["ids"]
@@ -363,18 +363,17 @@ def _commit_prompt(root: Path, prompt: Prompt, record: dict) -> dict:
         "logprob": null + record["logprob"].tolist(),
         "entropy": null + record["entropy"].tolist(),
     }, schema_overrides={"logprob": pl.Float64, "entropy": pl.Float64})
-    write_table(part, root / "parts" / f"{pid}.parquet", {"kind": "trace_tokens", "prompt_id": pid})
+    parts.write(f"{pid}.parquet", part, {"kind": "trace_tokens", "prompt_id": pid})
     entry = {
         "prompt_len": P, "length": T, "generated": G, "stop": record["stop"],
         "source_id": prompt.source_id, "answer": prompt.answer, "text": prompt.text,
     }
-    write_json(root / "parts" / f"{pid}.json", entry)
+    parts.write_json(f"{pid}.json", entry)
     return entry
 
 
-def _write_manifest(root: Path, manifest: dict) -> None:
+def _write_manifest(root: Path, parts: PartStore, manifest: dict) -> None:
     """The manifest, then ``tokens.parquet`` rebuilt from the token parts of its prompts (a run interrupted
     in between leaves it stale; the next merging run repairs it)."""
     write_json(_manifest_path(root), manifest)
-    parts = [pl.read_parquet(root / "parts" / f"{pid}.parquet") for pid in manifest["prompts"]]
-    write_table(pl.concat(parts), root / "tokens.parquet", {"kind": "trace_tokens"})
+    parts.merge([f"{pid}.parquet" for pid in manifest["prompts"]], root / "tokens.parquet", {"kind": "trace_tokens"})
