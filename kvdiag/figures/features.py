@@ -13,7 +13,7 @@ import numpy as np
 import polars as pl
 import torch
 
-from kvdiag import features as F
+from kvdiag import features
 from kvdiag.adapters import LayerAttention
 from kvdiag.attention import attention_rows
 
@@ -29,15 +29,15 @@ def layer_pressure_payload(
     ``> w_delay`` (NaN when there is none); ``b``: ``features.value_payload(v, payload)``.
     Returns ``{t: (p [n_t], b [n_t])}``.
     """
-    b_all = F.value_payload(v, payload).mean(dim=0)  # [T]: a payload does not depend on t
+    b_all = features.value_payload(v, payload).mean(dim=0)  # [T]: a payload does not depend on t
     out = {}
     for t, pos in positions.items():
         eligible = torch.arange(t) < t - w_delay  # age t - i > w_delay
         if not bool(eligible.any()):
             p = torch.full((len(pos),), float("nan"))
         else:
-            attn = F.window_attention(q[:, :t], k[:, :t], scale, w_obs)
-            p = F.read_pressure(attn, eligible, k.shape[0]).mean(dim=0)[pos]
+            attn = features.window_attention(q[:, :t], k[:, :t], scale, w_obs)
+            p = features.read_pressure(attn, eligible, k.shape[0]).mean(dim=0)[pos]
         out[t] = (p, b_all[pos])
     return out
 

@@ -7,14 +7,15 @@ import os
 from dataclasses import asdict
 
 import polars as pl
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvdiag import __version__
 from kvdiag.errors import UserError
 from kvdiag.figures.params import FigureParams
 from kvdiag.figures.registry import FIGURES, FigureContext
 from kvdiag.io import writable_dir, write_json
-from kvdiag.rankeval import KEYS, check_inputs
+from kvdiag.progress import progress_bar
+from kvdiag.provenance import provenance
+from kvdiag.rankeval import check_inputs
+from kvdiag.schema import KEYS, check_keys, keyed
 
 # importing each module registers its figure, in this order (of make_figures, figures.json and the report)
 from kvdiag.figures import blind_spot, delayed_reads, components  # noqa: F401
@@ -29,8 +30,6 @@ def check_figure_inputs(trace, labels: pl.DataFrame, scores: pl.DataFrame | None
     Recorded Trace fingerprints must agree; every label key must fit the Trace (prompt, 0 <= position < t <= T);
     a ``token_id`` column must equal the Trace's tokens; scores must share candidates with the labels.
     """
-    from kvdiag.scorers.score import check_keys
-
     missing = [c for c in LABEL_COLUMNS if c not in labels.columns]
     if missing:
         raise UserError(f"labels lack column(s) {', '.join(missing)}: pass a labels.parquet written by kvdiag label")
@@ -52,9 +51,7 @@ def check_figure_inputs(trace, labels: pl.DataFrame, scores: pl.DataFrame | None
                 raise UserError(f"--labels: token_id {r['token_id']} at position {r['position']} of {pid!r} differs from the Trace's "
                                 f"token {ids[r['position']]}: the labels come from another Trace; pass the matching --trace")
     if scores is not None:
-        lack = [k for k in KEYS if k not in scores.columns]
-        if lack:
-            raise UserError(f"--scores lacks key column(s) {', '.join(lack)}: pass a scores.parquet written by kvdiag score")
+        keyed(scores, "--scores", "pass a scores.parquet written by kvdiag score")
         shared = labels.select(KEYS).join(scores.select(KEYS), on=list(KEYS), how="semi").height
         if labels.height and not shared:
             raise UserError("--scores share no candidate with --labels: score this labels file (kvdiag score --labels ...)")
@@ -103,8 +100,7 @@ def make_figures(
     params = params or FigureParams()
     out = writable_dir(out_dir)
     labels = check_figure_inputs(trace, labels, scores, labels_meta, scores_meta)
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  disable=not progress) as bar:
+    with progress_bar(progress) as bar:
         def task(description: str, total: int):
             tid = bar.add_task(description, total=total)
             return lambda: bar.advance(tid)
@@ -118,7 +114,7 @@ def make_figures(
     record = {
         "command": "figures",
         "argv": command,
-        "kvdiag_version": __version__,
+        **provenance(),
         "params": asdict(params),
         "inputs": {"trace": getattr(trace, "provenance", None), "labels": labels_meta, "scores": scores_meta,
                    "metrics": "given (rank-eval metrics.csv)" if metrics is not None else "computed with rank_eval from labels and scores"},
