@@ -1,4 +1,5 @@
-"""Exact attention recomputed from recorded post-RoPE queries and keys.
+"""Exact attention recomputed from recorded post-RoPE queries and keys, and the switch that runs a model through
+one of kvdiag's registered attention functions (trace, label and replay each register theirs).
 
 Attention is never stored in a Trace: it is O(T^2). These helpers recompute exact
 fp32 softmax rows from ``q`` and ``k``, chunked over queries so memory stays bounded, with the
@@ -6,6 +7,10 @@ layer's semantics from ``kvdiag.adapters.LayerAttention`` (scale, sliding window
 """
 
 from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
@@ -55,3 +60,33 @@ def attention_rows(
         probs = torch.softmax(logits, dim=-1) if attn.sinks is None else attn.softmax(logits, heads_dim=0)
         out[:, s : s + chunk] = probs[..., :cols]
     return out
+
+
+@contextmanager
+def attn_implementation(model, name: str):
+    """Switch ``model`` to the registered attention function ``name`` for the block, then restore."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@contextmanager
+def attention_context(model, name: str, var: ContextVar, value):
+    """Run ``model`` with the registered attention function ``name``, which reads ``value`` from ``var``."""
+    token = var.set(value)
+    try:
+        with attn_implementation(model, name):
+            yield value
+    finally:
+        var.reset(token)
+
+
+def model_eager_attention(module):
+    """The eager attention function of ``module``'s model file (softcap, sinks and all)."""
+    fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if fn is None:
+        raise RuntimeError(f"{type(module).__module__} has no eager_attention_forward")
+    return fn

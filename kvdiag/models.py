@@ -72,6 +72,17 @@ class LoadedModel:
             "attention": ma.info(),
         }
 
+    def is_model_of(self, recorded: dict, config: bool = False) -> bool:
+        """Whether this is the model a Trace manifest's ``model`` entry ``recorded`` describes: the same weights
+        (and, with ``config``, the same config)."""
+        return recorded["weights_hash"] == self.weights_hash and (not config or recorded["config_hash"] == self.config_hash)
+
+    def check_model_of(self, recorded: dict, what: str, fix: str) -> None:
+        """A ``UserError`` (``what`` names the input, ``fix`` the remedy) unless :meth:`is_model_of` ``recorded``."""
+        if not self.is_model_of(recorded):
+            raise UserError(f"{what} {self.spec} (weights {self.weights_hash}) is not the Trace's model "
+                            f"({recorded['spec']}, weights {recorded['weights_hash']}); {fix}")
+
 
 def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:

@@ -25,7 +25,7 @@ from kvdiag.errors import UserError
 from kvdiag.label import OracleEngine, Row, candidate_rows, divergences
 from kvdiag.label.reference import reference_logprobs
 from kvdiag.models import load_model
-from kvdiag.trace.hooks import attn_implementation
+from kvdiag.attention import attn_implementation
 
 EXACT = "exact"
 MLA = "multi-head latent attention"

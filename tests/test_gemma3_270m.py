@@ -115,7 +115,7 @@ class PhysicalDeletion:
     def __init__(self, model, ids: torch.Tensor, t_max: int, H: int):
         import copy
 
-        from kvdiag.trace.hooks import attn_implementation
+        from kvdiag.attention import attn_implementation
 
         _register()
         self.ids, self.H, self.num_layers = ids, H, model.config.num_hidden_layers

@@ -21,7 +21,7 @@ from kvdiag.replay.live import live_scorer_names, top_slots
 from kvdiag.scorers import ScoreContext, get_scorer
 from kvdiag.scorers.context import live_attention
 from kvdiag.scorers.normalization import percentile_rank
-from kvdiag.trace.hooks import attn_implementation
+from kvdiag.attention import attn_implementation
 
 PROMPT = list(range(40, 70))  # 30 byte tokens
 

@@ -70,8 +70,7 @@ def replay(
         had = tr.manifest["model"]
         lm = load_model(model or had["spec"], dtype=dtype or had.get("dtype", "float32"), device=device, revision=revision,
                         trust_remote_code=trust_remote_code, seed=seed)
-        if lm.weights_hash != had["weights_hash"]:
-            raise UserError(f"--model {lm.spec} is not the Trace's model ({had['spec']}, weights {had['weights_hash']}); drop --model")
+        lm.check_model_of(had, "--model", "drop --model")
         ids = tr.prompt_ids[:limit] if limit else tr.prompt_ids
         path = run_replay(lm, out, settings, trace=tr, prompt_ids=ids, source=str(teacher_forced), show_progress=not quiet)
     else:

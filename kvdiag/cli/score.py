@@ -100,7 +100,5 @@ def load_o_proj(spec: str, trace) -> dict:
     from kvdiag.models import load_model
 
     lm = load_model(spec, dtype=trace.manifest["model"].get("dtype", "float32"))
-    want = trace.manifest["model"].get("weights_hash")
-    if want and lm.weights_hash != want:
-        raise UserError(f"--model {spec} is not the Trace's model (weights {lm.weights_hash}, Trace {want}); pass {trace.manifest['model']['spec']}")
+    lm.check_model_of(trace.manifest["model"], "--model", f"pass {trace.manifest['model']['spec']}")
     return o_proj_weights(lm.model)

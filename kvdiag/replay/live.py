@@ -19,11 +19,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from kvdiag.adapters import LayerAttention, as_layer_attention, check_kwargs, model_attention
-from kvdiag.attention import group_size
+from kvdiag.attention import attention_context, group_size, model_eager_attention
 from kvdiag.errors import UserError, check_choice
 from kvdiag.scorers import SCORERS, ScoreContext, Scorer, get_scorer
 from kvdiag.scorers.context import HistoryUnavailable
-from kvdiag.trace.hooks import attention_context, model_eager_attention
 
 REPLAY_ATTN = "kvdiag_replay"
 SELECTIONS = ("per-head", "per-token")

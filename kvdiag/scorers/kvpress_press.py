@@ -298,9 +298,7 @@ class ModelRun:
         self.fingerprint = trace.fingerprint
         self.trace = trace
         self.lm = load_model(had["spec"], dtype=had.get("dtype", "float32"))
-        if had.get("weights_hash") and self.lm.weights_hash != had["weights_hash"]:
-            raise UserError(f"kvpress scorers: the model {had['spec']} loaded here (weights {self.lm.weights_hash}) is not the "
-                            f"Trace's (weights {had['weights_hash']}); restore that model to grade presses")
+        self.lm.check_model_of(had, "kvpress scorers: the model", "restore that model to grade presses")
         model = self.lm.model
         self.language_model = model.model.language_model if hasattr(model.model, "language_model") else model.model
         layers = self.language_model.layers

@@ -12,8 +12,6 @@ non-empty cache; eager needs a float additive mask.
 
 from __future__ import annotations
 
-import sys
-from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
@@ -22,6 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from kvdiag.adapters import check_kwargs, model_attention
+from kvdiag.attention import attention_context, attn_implementation, model_eager_attention  # noqa: F401 (label imports them from here)
 
 TRACE_ATTN = "kvdiag_trace"  # records, then runs SDPA
 TRACE_ATTN_EAGER = "kvdiag_trace_eager"  # records, then runs the model file's eager attention
@@ -64,14 +63,6 @@ class Recorder:
         return sum(b.numel() * b.element_size() for blocks in self.blocks for b in blocks.values())
 
 
-def model_eager_attention(module):
-    """The eager attention function of ``module``'s model file (softcap, sinks and all)."""
-    fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-    if fn is None:
-        raise RuntimeError(f"{type(module).__module__} has no eager_attention_forward")
-    return fn
-
-
 def _record(module, query, key, value, kwargs) -> None:
     recorder = _RECORDER.get()
     # semantics kwargs (window, softcap, sinks) must agree with the adapter; unknown ones are refused
@@ -100,34 +91,12 @@ AttentionInterface.register(TRACE_ATTN_EAGER, trace_attention_eager)
 AttentionMaskInterface.register(TRACE_ATTN_EAGER, eager_mask)
 
 
-@contextmanager
-def attention_context(model, name: str, var: ContextVar, value):
-    """Run ``model`` with the registered attention function ``name``, which reads ``value`` from ``var``."""
-    token = var.set(value)
-    try:
-        with attn_implementation(model, name):
-            yield value
-    finally:
-        var.reset(token)
-
-
 def recording(model, recorder: Recorder):
     """Route ``model``'s attention through the tracing function and record into ``recorder``; the function
     runs the implementation that reproduces the model (``kvdiag.adapters``: SDPA or eager)."""
     ma = model_attention(model)
     recorder.attention = ma
     return attention_context(model, TRACE_ATTN_EAGER if ma.implementation == "eager" else TRACE_ATTN, _RECORDER, recorder)
-
-
-@contextmanager
-def attn_implementation(model, name: str):
-    """Switch ``model`` to the registered attention function ``name`` for the block, then restore."""
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(name)
-    try:
-        yield model
-    finally:
-        model.set_attn_implementation(previous)
 
 
 def attention_scale(model) -> float:

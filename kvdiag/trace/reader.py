@@ -158,9 +158,7 @@ class Trace:
 
     def _check_model(self, lm) -> None:
         had = self.manifest["model"]
-        if lm.weights_hash != had["weights_hash"]:
-            raise UserError(f"--trace {self.path}: model {lm.spec} (weights {lm.weights_hash}) is not the Trace's model "
-                            f"({had['spec']}, weights {had['weights_hash']}); cannot rebuild its tensors with it")
+        lm.check_model_of(had, f"--trace {self.path}: model", "cannot rebuild its tensors with it")
         if lm.dtype != had.get("dtype", lm.dtype):  # another compute dtype would rebuild other numbers than were traced
             raise UserError(f"--trace {self.path}: model {lm.spec} runs in {lm.dtype}, the Trace was made in {had['dtype']}; "
                             f"load it with dtype={had['dtype']!r} to rebuild its tensors")

@@ -183,7 +183,7 @@ HEADER = "_header.json"  # the parts' settings stamp; no prompt id starts with "
 
 def _check_compatible(existing: dict, lm: LoadedModel, settings: GenerationSettings, root: Path) -> None:
     had = existing["model"]
-    if (had["config_hash"], had["weights_hash"]) != (lm.config_hash, lm.weights_hash):
+    if not lm.is_model_of(had, config=True):
         raise UserError(
             f"--out {root} holds a Trace of another model ({had['spec']}, weights {had['weights_hash']}); "
             "choose a new output directory"
