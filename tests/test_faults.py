@@ -124,7 +124,7 @@ def test_label_survives_sigkill(reference, tmp_path):
 def test_score_survives_sigkill(reference, tmp_path):
     out = tmp_path / "interrupted" / "scores.parquet"
     args = score_args(reference["trace"], reference["labels"], out)
-    killed("call:2:kvdiag.scorers.score._score_prompt", args, tmp_path)  # mid-computation
+    killed("call:2:kvdiag.scorers.run._score_prompt", args, tmp_path)  # mid-computation
     killed("write:1:mid", args, tmp_path)  # half-way through the output
     assert not out.exists()
     finished(args, tmp_path)

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 import kvdiag.cli.main
 from kvdiag.io import read_table, write_table
 from kvdiag.scorers import SCORERS, ScoreContext, checkpoint_keys, get_scorer, percentile_rank, score_trace
-from kvdiag.scorers import score as score_mod
+from kvdiag.scorers import run as score_mod
 from tests.conftest import make_trace
 
 DOCS = Path(__file__).resolve().parents[1] / "README.md"

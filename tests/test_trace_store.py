@@ -95,7 +95,7 @@ def test_chunked_rebuild_matches(traces):
 def test_score_trace_same_scores(traces, mode):
     """Scores on rebuilt tensors equal those on the recorded ones: rtol 1e-2, atol 1e-4 (the inputs differ by
     at most one fp16 ulp, ~1e-3 relative; attention-derived scores move by about that much)."""
-    from kvdiag.scorers.score import score_trace
+    from kvdiag.scorers.run import score_trace
 
     ref = traces["all"]
     cps = {pid: [ref.prompt_len(pid) + 20, ref.length(pid)] for pid in ref.prompt_ids}

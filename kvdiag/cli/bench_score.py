@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import typer
@@ -22,31 +21,22 @@ def bench_score(
     from kvdiag.cli.common import joined
     from kvdiag.cli.score import parse_checkpoints
     from kvdiag.io import write_json
-    from kvdiag.kernels.bench import rss_kb
-    from kvdiag.scorers import checkpoint_keys, parse_params, score_trace
+    from kvdiag.scorers import parse_params
+    from kvdiag.scorers.bench import run_score_bench
     from kvdiag.trace import Trace
 
     tr = Trace(trace)
-    keys = checkpoint_keys(tr, parse_checkpoints(joined(checkpoints)))
-    n_cp = keys.select("prompt_id", "checkpoint").n_unique()
-    timings: dict[str, float] = {}
-    start = time.perf_counter()
-    score_trace(tr, keys=keys, scorers=joined(scorers), params=parse_params(param), plugins=plugin or (), timings=timings, progress=True)
-    total = time.perf_counter() - start
-    peak_mib = rss_kb("VmHWM") / 1024
-    table = Table(title=f"kvdiag score on {trace}: {n_cp} checkpoints, {tr.num_layers} layers, {keys.height} entries")
+    r = run_score_bench(tr, joined(scorers), parse_checkpoints(joined(checkpoints)), parse_params(param), plugin or ())
+    n_cp = r.checkpoints
+    table = Table(title=f"kvdiag score on {trace}: {n_cp} checkpoints, {r.layers} layers, {r.entries} entries")
     table.add_column("scorer")
     table.add_column("s / checkpoint", justify="right")
     table.add_column("share", justify="right")
-    for name, sec in timings.items():
-        table.add_row(name, f"{sec / n_cp:.4f}", f"{sec / total:.0%}")
-    table.add_row("[bold]total (incl. reading)", f"[bold]{total / n_cp:.4f}", "100%")
+    for name, sec in r.scorer_seconds.items():
+        table.add_row(name, f"{sec / n_cp:.4f}", f"{sec / r.seconds:.0%}")
+    table.add_row("[bold]total (incl. reading)", f"[bold]{r.seconds / n_cp:.4f}", "100%")
     console = Console()
     console.print(table)
-    console.print(f"peak RSS {peak_mib:.0f} MiB; shared features are charged to the first scorer that needs them")
+    console.print(f"peak RSS {r.peak_rss_mib:.0f} MiB; shared features are charged to the first scorer that needs them")
     if out is not None:
-        write_json(out, {
-            "trace": str(trace), "checkpoints": n_cp, "layers": tr.num_layers, "entries": keys.height,
-            "seconds_total": total, "seconds_per_checkpoint": total / n_cp,
-            "scorer_seconds_per_checkpoint": {k: v / n_cp for k, v in timings.items()}, "peak_rss_mib": peak_mib,
-        })
+        write_json(out, r.to_json(str(trace)))

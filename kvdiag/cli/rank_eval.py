@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import polars as pl
@@ -14,21 +12,9 @@ from rich.table import Table
 
 from kvdiag.cli.common import listed
 from kvdiag.errors import UserError
-from kvdiag.io import check_writable, read_table, write_csv, write_json, write_text
-from kvdiag.rankeval import RankEvalResult, check_inputs, to_latex, to_markdown
-from kvdiag.rankeval import rank_eval as run_rank_eval
-from kvdiag.rankeval.budget_figure import budget_curves_figure
+from kvdiag.rankeval import RankEvalResult
 from kvdiag.rankeval.registry import metrics_where
-
-OUTPUTS = ("metrics.csv", "paired.csv", "table.md", "table.tex", "budget_curves.csv", "budget_curves.png",
-           "budget_curves.pdf", "config.json")
-
-
-def _kvdiag_version() -> str:
-    try:
-        return version("kvdiag")
-    except PackageNotFoundError:  # running from a source checkout that is not installed
-        return "unknown"
+from kvdiag.rankeval.run import OUTPUTS, rank_eval_files
 
 
 def parse_rhos(items: list[str]) -> tuple[float, ...]:
@@ -90,15 +76,11 @@ def rank_eval(
     rho_grid: list[str] | None = typer.Option(None, help="eviction fractions of the budget curves, comma-separated, repeatable (default 0.1,...,0.9)"),
 ) -> None:
     """Rank every scorer against the oracle labels: AUROC, AP, top-k recall, false-safe rate, Spearman."""
-    if table_scope not in ("pooled", "macro"):
-        raise UserError(f"--table-scope {table_scope} is not pooled or macro")
-    check_writable(out, "--out", "dir")
-    label_df, label_meta = read_table(labels, "labels")
-    score_df, score_meta = read_table(scores, "scores")
-    check_inputs(label_meta, score_meta)
-    result = run_rank_eval(
-        label_df,
-        score_df,
+    result = rank_eval_files(
+        labels,
+        scores,
+        out,
+        table_scope,
         harm=harm,
         rho=rho,
         reference=None if reference.lower() == "none" else reference,
@@ -111,25 +93,6 @@ def rank_eval(
         min_age=min_age,
         max_age=max_age,
         eligible=eligible,
-        scores_meta=score_meta,
         **({"rho_grid": parse_rhos(listed(rho_grid))} if rho_grid else {}),
     )
-    write_csv(result.metrics, out / "metrics.csv")  # atomic: `kvdiag figures --rank-eval` reuses it
-    write_csv(result.paired, out / "paired.csv")
-    write_text(out / "table.md", to_markdown(result, table_scope))
-    write_text(out / "table.tex", to_latex(result, table_scope))
-    write_csv(result.budget_curves, out / "budget_curves.csv")
-    budget_curves_figure(result.budget_curves, out, result.summary["candidates"])
-    config = {
-        "command": "rank-eval",
-        "kvdiag_version": _kvdiag_version(),
-        "config": asdict(result.config) | {"table_scope": table_scope},
-        "inputs": {
-            "labels": {"path": str(labels), "meta": label_meta},  # as given: no path of this machine
-            "scores": {"path": str(scores), "meta": score_meta},
-        },
-        "summary": result.summary,
-        "outputs": list(OUTPUTS),
-    }
-    write_json(out / "config.json", config)
     _print_summary(result, table_scope, out, Console())

@@ -30,7 +30,7 @@ def score(
     from kvdiag.io import check_writable, read_table, write_table
     from kvdiag.replay.live import needs_o_proj
     from kvdiag.scorers import checkpoint_keys, parse_params, resolve_scorers, score_trace
-    from kvdiag.scorers.score import check_aggregation, check_keys
+    from kvdiag.scorers.run import check_aggregation, check_keys
     from kvdiag.trace import Trace
 
     if list_:

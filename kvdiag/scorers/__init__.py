@@ -5,7 +5,7 @@ Flat API::
     from kvdiag.scorers import SCORERS, get_scorer, register_scorer, Scorer, ScoreContext, score_trace
 
 Modules: ``context`` (ScoreContext), ``registry`` (Scorer, register_scorer, get_scorer), ``normalization``
-(percentile rank, z-score, protection, aggregations), ``score`` (score_trace), one module per rule.
+(percentile rank, z-score, protection, aggregations), ``run`` (score_trace), ``bench``, one module per rule.
 """
 
 # importing each module registers its scorer(s), in this order
@@ -36,7 +36,7 @@ from kvdiag.scorers.registry import (
     scorer_names,
 )
 from kvdiag.scorers.rkv import RKV, rkv_importance
-from kvdiag.scorers.score import (
+from kvdiag.scorers.run import (
     ENTRY_POINT_GROUP,
     KEY_COLUMNS,
     checkpoint_keys,
