@@ -32,6 +32,8 @@ from markdown_it import MarkdownIt
 from kvdiag import __version__
 from kvdiag.errors import UserError
 from kvdiag.io import write_json
+from kvdiag.provenance import timestamp
+from kvdiag.tables import markdown_table
 
 # piece -> (path in the run, command that makes it)
 LAYOUT = {
@@ -58,7 +60,7 @@ def record_command(run_dir: str | os.PathLike, argv: list[str], cwd: str | os.Pa
     path = run / "commands.json"
     commands = _read_commands(path) if path.exists() else []
     commands.append({"argv": [str(a) for a in argv], "cwd": str(cwd or os.getcwd()),
-                     "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "kvdiag_version": __version__})
+                     "time": timestamp(), "kvdiag_version": __version__})
     return write_json(path, commands)
 
 
@@ -98,11 +100,8 @@ def _cell(x) -> str:
 
 
 def md_table(headers: list[str], rows: list[list], align: str | None = None) -> str:
-    """A Markdown table; ``align`` one char per column (l or r; default: l then r)."""
-    align = align or "l" + "r" * (len(headers) - 1)
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"]
-    lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
+    """A Markdown table of report cells; ``align`` one char per column (l or r; default: l then r)."""
+    return markdown_table(headers, rows, align, _cell)
 
 
 def _json_block(obj) -> str:
