@@ -56,3 +56,14 @@ def test_llama_8b_32k_arithmetic():
     assert cost.disk_bytes("none") <= 1e9  # the issue's bound for the smallest mode
     assert round(cost.disk_bytes("all") / 1e9, 1) == 12.9
     assert len(cost.checkpoints) == 63  # every 512 up to T - horizon
+
+
+def test_docs_state_the_arithmetic():
+    """docs/scale.md's cost table is this module's output (the docs stay true when the model changes)."""
+    from pathlib import Path
+
+    from kvdiag.cost import extrapolation
+
+    doc = (Path(__file__).parents[1] / "docs" / "scale.md").read_text()
+    for quantity, value in extrapolation(TraceCost(LLAMA_8B, 32768)):
+        assert f"| {quantity} | {value} |" in doc
