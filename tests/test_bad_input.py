@@ -69,6 +69,15 @@ CASES: list[tuple[str, list[str], str]] = [
     ("label-other-model", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--model", "tiny:qwen3"], "--model tiny:qwen3"),
     ("label-force-without-model", ["label", "--trace", "{trace}", *FITS, "--force", "--out", "{out}/l.parquet"], "--force"),
     ("label-repeated-horizon", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", "--horizon", "4", "--horizon", "8"], "--horizon"),
+    ("label-method-unknown", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--method", "guess"], "--method guess"),
+    ("label-samples-0", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--method", "fast", "--samples", "0"], "--samples 0"),
+    ("label-samples-exact", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--samples", "4"], "--method exact"),
+    # ---- validate-labels
+    ("validate-labels-quantile", ["validate-labels", "--exact", "{labels}", "--approx", "{labels}", "--harmful-quantile", "1.5", "--out", "{out}"], "--harmful-quantile 1.5"),
+    ("validate-labels-top-k", ["validate-labels", "--exact", "{labels}", "--approx", "{labels}", "--top-k", "0", "--out", "{out}"], "--top-k 0"),
+    ("validate-labels-missing", ["validate-labels", "--exact", "/no/l.parquet", "--approx", "{labels}", "--out", "{out}"], "/no/l.parquet"),
+    ("validate-labels-garbage", ["validate-labels", "--exact", "{labels}", "--approx", "{garbage_parquet}", "--out", "{out}"], "garbage.parquet"),
+    ("validate-labels-scores-column", ["validate-labels", "--exact", "{labels}", "--approx", "{labels}", "--scores", "{scores}", "--payload", "nope", "--out", "{out}"], "nope"),
     # ---- score
     ("score-no-source", ["score", "--trace", "{trace}", "--out", "{out}/s.parquet"], "--labels"),
     ("score-granularity-with-labels", ["score", "--trace", "{trace}", "--labels", "{labels}", "--granularity", "neuron", "--out", "{out}/s.parquet"], "--granularity"),
@@ -134,6 +143,8 @@ CASES: list[tuple[str, list[str], str]] = [
     ("bench-kernels-dtype", ["bench", "kernels", "--dtype", "float8"], "--dtype"),
     ("bench-score-trace-missing", ["bench", "score", "--trace", "/no/trace"], "/no/trace"),
     ("bench-label-repeated", ["bench", "label", "--n", "4", "--n", "8"], "--n"),
+    ("bench-label-granularity", ["bench", "label", "--granularity", "neuron"], "--granularity neuron"),
+    ("bench-label-method", ["bench", "label", "--method", "guess"], "--method guess"),
 ]
 
 

@@ -50,9 +50,11 @@ from kvdiag.cli.replay import replay  # noqa: E402
 from kvdiag.cli.report import report  # noqa: E402
 from kvdiag.cli.score import score  # noqa: E402
 from kvdiag.cli.trace import trace  # noqa: E402
+from kvdiag.cli.validate_labels import validate_labels  # noqa: E402
 
 for _name, _fn in [("trace", trace), ("label", label), ("score", score), ("rank-eval", rank_eval), ("figures", figures),
-                   ("report", report), ("replay", replay), ("fit", fit), ("demo", demo)]:
+                   ("report", report), ("replay", replay), ("fit", fit), ("demo", demo),
+                   ("validate-labels", validate_labels)]:
     app.command(_name)(_fn)
 for _name, _fn in [("trace", bench_trace), ("label", bench_label), ("score", bench_score), ("kernels", bench_kernels), ("scale", bench_scale)]:
     bench_app.command(_name)(_fn)

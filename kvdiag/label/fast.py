@@ -15,8 +15,8 @@ evicted predictions has no first-order term at the full model; its second-order 
    ``kl_mean ~ mean_k a_k^2 / (2 H)``.
 3. One more row with the realized tokens gives a linear estimate of ``nll_delta``.
 
-All K + 1 rows run as one batched forward + backward of H tokens over the shared prefix, whatever the
-number of entries: every entry [0, t) of every layer and KV head is labeled from it. What the method
+One forward of the H tokens over the shared prefix and K + 1 backward passes (batched over the cotangents)
+label every entry [0, t) of every layer and KV head at once, whatever their number. What the method
 cannot give is null: ``kl_max``, ``kl_steps``, ``js_mean``, ``top1_flips``; ``noise_floor`` is 0 (no
 batched-path rounding to measure; an estimate of exactly 0 means the entry is invisible to every query).
 """
@@ -53,7 +53,7 @@ class FisherParams:
 @dataclass
 class _Pass:
     """What one forward records. prefix[l] = (k, v) [Hkv, t, d]; per layer: probs[l] [Hq, W, t] over the prefix,
-    out[l] [K, W, Hq, d] (the attention output, kept in the graph), o[l] [Hq, W, d] (row 0, detached)."""
+    out[l] [1, W, Hq, d] (the attention output, kept in the graph)."""
 
     prefix: list[tuple[torch.Tensor, torch.Tensor]]
     attention: list[LayerAttention]
@@ -66,9 +66,8 @@ _PASS: ContextVar[_Pass | None] = ContextVar("kvdiag_fisher_pass", default=None)
 
 
 def _fisher_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """query [N, Hq, W, d], key/value [N, Hkv, W, d] (the rows' own tokens) over the shared prefix, dense and
-    differentiable, with the layer's semantics -> [N, W, Hq, d]. Rows are identical up to the loss, so the
-    probabilities are recorded from row 0."""
+    """query [1, Hq, W, d], key/value [1, Hkv, W, d] (the horizon tokens) over the shared prefix, dense and
+    differentiable, with the layer's semantics -> [1, W, Hq, d]."""
     rec = _PASS.get()
     layer = module.layer_idx
     spec = rec.attention[layer]
@@ -114,18 +113,20 @@ class FisherLabeler:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + t)
         y = torch.multinomial(logp_full.exp().cpu(), K, replacement=True, generator=gen).T.to(self.ids.device)  # [K, W]
         targets = self.ids[t + 1 : t + W + 1]  # realized next tokens (the last step may have none)
-        ids = self.ids[None, t : t + W].expand(K + 1, -1)
-        pos = torch.arange(t, t + W, device=self.ids.device)[None].expand(K + 1, -1)
+        # cotangents of log P [W, V]: one-hot at y_{k, tau} (rows 0..K-1), at the realized tokens (row K)
+        cot = torch.zeros(K + 1, W, logp_full.shape[-1], device=self.ids.device)
+        cot[:K].scatter_(-1, y[..., None], 1.0)
+        cot[K, torch.arange(len(targets)), targets] = 1.0
+        pos = torch.arange(t, t + W, device=self.ids.device)[None]
         rec = _Pass(prefix, self.attention.layers, t, {}, {})
+        # one forward (every row's activations are the same), K + 1 backward passes batched (vmap over cotangents)
         with torch.enable_grad(), attention_context(self.model, FISHER_ATTN, _PASS, rec):
-            logp = torch.log_softmax(self.model(ids, position_ids=pos, use_cache=False).logits.float(), -1)
-            sampled = logp[:K].gather(-1, y[..., None]).sum()
-            realized = logp[K, : len(targets)].gather(-1, targets[:, None]).sum()
+            logp = torch.log_softmax(self.model(self.ids[None, t : t + W], position_ids=pos, use_cache=False).logits[0].float(), -1)
             layers = sorted(rec.out)
-            grads = torch.autograd.grad(sampled + realized, [rec.out[l] for l in layers])
+            grads = torch.autograd.grad(logp, [rec.out[l] for l in layers], grad_outputs=cot, is_grads_batched=True)
         out = torch.zeros(K + 1, self.num_layers, self.num_kv_heads, t)
         for l, g in zip(layers, grads):
-            out[:, l] = self._layer_effect(rec.probs[l], rec.out[l][0].detach(), prefix[l][1], g.detach())
+            out[:, l] = self._layer_effect(rec.probs[l], rec.out[l][0].detach(), prefix[l][1], g[:, 0])
         return out[:K], out[K]
 
     @staticmethod
