@@ -3,7 +3,7 @@
 Under ``torchrun`` every rank does the items ``i`` with ``i % world_size == rank`` on its own device
 (``cuda:LOCAL_RANK``, or the CPU), each item written as its own part; after a barrier rank 0 merges.
 A rerun redoes only missing items. ``kvdiag label`` splits (prompt, checkpoint) items, ``kvdiag trace``
-prompts. With ``--shard i/n`` (no torchrun) a process does its share without merging; a later run
+prompts (``kvdiag.trace.writer.run_trace``). With ``--shard i/n`` (no torchrun) a process does its share without merging; a later run
 without ``--shard`` merges (and does whatever is still missing).
 """
 
@@ -105,21 +105,3 @@ def run_label(trace_dir: Path, out: Path, cfg, *, model: str | None, force: bool
         lm = load_model(spec, dtype=dtype or tr.manifest["model"]["dtype"], device=group.device)
         return group.split(lambda part, merge, show: label_trace(
             tr, lm, out, cfg, shard=part, merge=merge, force_model=force, show_progress=show and not quiet))
-
-
-def run_trace(prompts: list, out: Path, settings, *, model: str, dtype: str, device: str, revision: str | None,
-              trust_remote_code: bool, prompts_source: str, shard: str | None, quiet: bool) -> Path | None:
-    """Trace this process's share of ``prompts``; returns the Trace directory where this process merged."""
-    from kvdiag.io import check_writable
-    from kvdiag.models import check_device, load_model, parse_dtype
-    from kvdiag.trace import trace_prompts
-
-    part = parse_shard(shard)
-    check_writable(out, "--out", "dir")
-    parse_dtype(dtype)
-    check_device(device)
-    with Group(device, part) as group:
-        lm = load_model(model, dtype=dtype, device=group.device, revision=revision, trust_remote_code=trust_remote_code)
-        return group.split(lambda part, merge, show: trace_prompts(
-            lm, prompts, out, settings, prompts_source=prompts_source, shard=part, merge=merge,
-            show_progress=show and not quiet))

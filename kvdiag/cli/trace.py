@@ -36,7 +36,7 @@ def trace(
     quiet: bool = common.Quiet,
 ) -> None:
     """Generate each prompt's trace and write the Trace directory (manifest, tokens, per-layer q/k/v)."""
-    from kvdiag.distributed import run_trace
+    from kvdiag.trace.writer import run_trace
     from kvdiag.prompts import DEFAULT_INSTRUCTION, load_prompts
     from kvdiag.trace import GenerationSettings
 

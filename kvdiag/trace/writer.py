@@ -25,13 +25,14 @@ from safetensors.torch import save_file
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.streamers import BaseStreamer
 
+from kvdiag.distributed import Group, parse_shard
 from kvdiag.errors import UserError
-from kvdiag.io import write_json
-from kvdiag.models import LoadedModel
+from kvdiag.io import check_writable, write_json
+from kvdiag.models import LoadedModel, check_device, load_model, parse_dtype
 from kvdiag.parts import PartStore
 from kvdiag.progress import progress_bar
-from kvdiag.provenance import provenance
 from kvdiag.prompts import DEFAULT_INSTRUCTION, Prompt, encode_prompt
+from kvdiag.provenance import provenance
 from kvdiag.trace.hooks import TRACE_ATTN, Recorder, attention_scale, recording
 
 FORMAT_VERSION = 1
@@ -241,6 +242,21 @@ def trace_prompts(
             progress.remove_task(token_task)
             progress.advance(prompt_task)
     return root
+
+
+def run_trace(prompts: list[Prompt], out: Path, settings: GenerationSettings, *, model: str, dtype: str, device: str, revision: str | None,
+              trust_remote_code: bool, prompts_source: str, shard: str | None, quiet: bool) -> Path | None:
+    """``kvdiag trace``: load the model and trace this process's share of ``prompts`` (``shard``, or torchrun's
+    rank); returns the Trace directory where this process merged. Bad input is refused before the model loads."""
+    part = parse_shard(shard)
+    check_writable(out, "--out", "dir")
+    parse_dtype(dtype)
+    check_device(device)
+    with Group(device, part) as group:
+        lm = load_model(model, dtype=dtype, device=group.device, revision=revision, trust_remote_code=trust_remote_code)
+        return group.split(lambda part, merge, show: trace_prompts(
+            lm, prompts, out, settings, prompts_source=prompts_source, shard=part, merge=merge,
+            show_progress=show and not quiet))
 
 
 @torch.no_grad()
