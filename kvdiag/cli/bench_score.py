@@ -19,10 +19,10 @@ def bench_score(
 ) -> None:
     """Time `kvdiag score` over every checkpoint (token granularity, all cached entries) and report s/checkpoint."""
     from kvdiag.cli.common import joined
-    from kvdiag.cli.score import parse_checkpoints
     from kvdiag.io import write_json
     from kvdiag.scorers import parse_params
     from kvdiag.scorers.bench import run_score_bench
+    from kvdiag.scorers.run import parse_checkpoints
     from kvdiag.trace import Trace
 
     tr = Trace(trace)

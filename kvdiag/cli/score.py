@@ -11,7 +11,6 @@ from kvdiag.errors import UserError
 
 
 def score(
-    ctx: typer.Context,
     trace: Path | None = typer.Option(None, "--trace", help="Trace directory written by `kvdiag trace` (required unless --list)."),
     out: Path | None = typer.Option(None, "--out", help="Output scores.parquet (required unless --list)."),
     labels: Path | None = typer.Option(None, "--labels", help="labels.parquet: score exactly its candidates (same keys)."),
@@ -26,43 +25,17 @@ def score(
     list_: bool = typer.Option(False, "--list", help="List every scorer (built-in, plugin, kvpress:<Press>) and whether it can be graded, then exit."),
 ) -> None:
     """Score candidates of a Trace with the scorer zoo (higher = keep) and write scores.parquet."""
-    from kvdiag.cli.common import joined, listed, refuse_given
-    from kvdiag.io import check_writable, read_table, write_table
-    from kvdiag.replay.live import needs_o_proj
-    from kvdiag.scorers import checkpoint_keys, parse_params, resolve_scorers, score_trace
-    from kvdiag.scorers.run import check_aggregation, check_keys
-    from kvdiag.trace import Trace
+    from kvdiag.cli.common import joined, listed
+    from kvdiag.scorers import parse_params
+    from kvdiag.scorers.run import score_files
 
     if list_:
         list_scorers(plugin or ())
         return
     if trace is None or out is None:
         raise UserError("pass --trace DIR and --out scores.parquet (or --list to see the scorers)")
-    # every input is checked before the work (and the --model load) starts
-    if (labels is None) == (checkpoints is None):
-        raise UserError("pass exactly one of --labels labels.parquet or --checkpoints default|t1,t2,...")
-    if labels is not None:
-        refuse_given(ctx, ["granularity"], "with --labels (its rows are scored at their own granularity)")
-    check_writable(out, "--out")
-    check_aggregation(aggregation)
-    scorer_names, params = ",".join(listed(scorers)), parse_params(param)
-    selected = resolve_scorers(scorer_names, params, plugin or ())
-    if model and not any(needs_o_proj(s) for s in selected.values()):
-        raise UserError(f"--model {model} does not apply: no selected scorer reads the wo_l2 payload (‖W_O v‖₂); drop it")
-    tr = Trace(trace)
-    if labels is not None:
-        keys, labels_meta = read_table(labels, what=f"--labels {labels}")
-        tr.check_belongs(labels_meta, f"--labels {labels}")
-        keys = check_keys(tr, keys, f"--labels {labels}")
-    else:
-        keys = checkpoint_keys(tr, parse_checkpoints(joined(checkpoints)), listed(granularity) or ["token"])
-    df, meta = score_trace(
-        tr, keys=keys, scorers=scorer_names, params=params, aggregation=aggregation,  # plugins: loaded above
-        o_proj=load_o_proj(model, tr) if model else None, progress=True,
-    )
-    meta["source"] = ({"labels": str(labels)} if labels is not None
-                      else {"checkpoints": joined(checkpoints), "granularity": joined(granularity) or "token"})
-    write_table(df, out, meta)
+    df, meta = score_files(trace, out, labels, joined(checkpoints), joined(granularity), ",".join(listed(scorers)),
+                           parse_params(param), plugin or (), aggregation, model)
     Console(stderr=True).print(f"wrote {df.height} rows × {len(meta['scorers'])} scorers to {out}")
 
 
@@ -79,26 +52,3 @@ def list_scorers(plugins) -> None:
     width = max(len(r[0]) for r in rows)
     for name, kind, status, note in rows:
         typer.echo(f"{name:<{width}}  {kind:<8}  {status:<13}  {note}")
-
-
-def parse_checkpoints(text: str) -> str | list[int]:
-    """``default`` or comma-separated positive integers."""
-    if text.strip() == "default":
-        return "default"
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise UserError(f"--checkpoints {text!r}: use 'default' or comma-separated positions, e.g. 256,384") from None
-    if not values:
-        raise UserError("--checkpoints is empty: use 'default' or comma-separated positions, e.g. 256,384")
-    return values
-
-
-def load_o_proj(spec: str, trace) -> dict:
-    """layer -> o_proj weight of ``spec``, refused unless it is the Trace's model (same weights hash)."""
-    from kvdiag.features import o_proj_weights
-    from kvdiag.models import load_model
-
-    lm = load_model(spec, dtype=trace.manifest["model"].get("dtype", "float32"))
-    lm.check_model_of(trace.manifest["model"], "--model", f"pass {trace.manifest['model']['spec']}")
-    return o_proj_weights(lm.model)

@@ -24,7 +24,8 @@ from kvdiag.errors import UserError
 from kvdiag.features import o_proj_weights
 from kvdiag.models import LoadedModel
 from kvdiag.replay.cache import Policy, ReplayCache
-from kvdiag.replay.live import QueryWindow, needs_o_proj, observing, score_layer, select_keep
+from kvdiag.replay.live import QueryWindow, observing, score_layer, select_keep
+from kvdiag.scorers.registry import needs_o_proj
 
 REFERENCE_CHUNK = 512  # tokens per forward of the full-cache reference (bounds its logits memory)
 

@@ -100,11 +100,6 @@ def make_scorer(name: str, params: dict | None = None, w_obs: int | None = None)
     return get_scorer(name, **{**fields, **(params or {})})
 
 
-def needs_o_proj(scorer: Scorer) -> bool:
-    """Whether ``scorer`` reads ‖W_O v‖₂ (the ``wo_l2`` payload), which needs the model's o_proj weights."""
-    return "wo_l2" in (str(value) for value in scorer.params.values())
-
-
 def probe_scores(scorer: Scorer, n: int, group: int, head_dim: int, window: int, seed: int = 0) -> torch.Tensor:
     """[n] scores of ``scorer`` on a seeded random live cache of ``n`` entries (one KV head of ``group`` query
     heads, positions ``0..n-1``, checkpoint ``n``, the last ``window`` queries)."""

@@ -26,8 +26,9 @@ from kvdiag.prompts import DEFAULT_INSTRUCTION, Prompt, encode_prompt, safe_id
 from kvdiag.provenance import command_line, provenance
 from kvdiag.replay.cache import Policy
 from kvdiag.replay.decoding import Decoded, decode, full_logprobs, kl_steps, teacher_force
-from kvdiag.replay.live import SELECTIONS, check_live_scorer, make_scorer, needs_o_proj
+from kvdiag.replay.live import SELECTIONS, check_live_scorer, make_scorer
 from kvdiag.schema import CHECKPOINT_INTERVAL
+from kvdiag.scorers.registry import needs_o_proj
 
 FULL_KV = "full_kv"  # the scorer name of the uncompressed reference rows (the paper's FullKV)
 

@@ -46,6 +46,11 @@ class Scorer:
         return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
+def needs_o_proj(scorer: Scorer) -> bool:
+    """Whether ``scorer`` reads ‖W_O v‖₂ (the ``wo_l2`` payload), which needs the model's o_proj weights."""
+    return "wo_l2" in (str(value) for value in scorer.params.values())
+
+
 def _jsonable(value):
     return list(value) if isinstance(value, tuple) else value
 

@@ -24,13 +24,14 @@ import polars as pl
 import torch
 
 from kvdiag.errors import UserError
-from kvdiag.features import AttentionHistory
+from kvdiag.features import AttentionHistory, o_proj_weights
+from kvdiag.io import check_writable, read_table, write_table
 from kvdiag.progress import progress_bar
 from kvdiag.provenance import provenance
 from kvdiag.schema import GRANULARITIES, KEY_SCHEMA, KEYS, check_checkpoint, check_keys, default_checkpoints
 from kvdiag.scorers.context import ScoreContext
 from kvdiag.scorers.normalization import AGGREGATIONS, aggregation_values
-from kvdiag.scorers.registry import SCORERS, Scorer, ensure_registered, get_scorer, register_scorer, scorer_names
+from kvdiag.scorers.registry import SCORERS, Scorer, ensure_registered, get_scorer, needs_o_proj, register_scorer, scorer_names
 
 ENTRY_POINT_GROUP = "kvdiag.scorers"
 KEY_COLUMNS = KEYS  # the key columns under their name in kvdiag.scorers
@@ -195,6 +196,61 @@ def score_trace(
         "keep_score": KEEP_SCORE,
         **provenance(),
     }
+    return df, meta
+
+
+def parse_checkpoints(text: str) -> str | list[int]:
+    """``default`` or comma-separated positive integers."""
+    if text.strip() == "default":
+        return "default"
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"--checkpoints {text!r}: use 'default' or comma-separated positions, e.g. 256,384") from None
+    if not values:
+        raise UserError("--checkpoints is empty: use 'default' or comma-separated positions, e.g. 256,384")
+    return values
+
+
+def load_o_proj(spec: str, trace) -> dict[int, torch.Tensor]:
+    """layer -> o_proj weight of the model ``spec``, refused unless it is the Trace's model (same weights hash)."""
+    from kvdiag.models import load_model
+
+    lm = load_model(spec, dtype=trace.manifest["model"].get("dtype", "float32"))
+    lm.check_model_of(trace.manifest["model"], "--model", f"pass {trace.manifest['model']['spec']}")
+    return o_proj_weights(lm.model)
+
+
+def score_files(trace: str | os.PathLike, out: str | os.PathLike, labels: str | os.PathLike | None = None,
+                checkpoints: str | None = None, granularity: str | None = None, scorers: str = "all",
+                params: dict[str, dict] | None = None, plugins: Iterable[str] = (), aggregation: str = "mean_rank",
+                model: str | None = None, progress: bool = True) -> tuple[pl.DataFrame, dict]:
+    """What ``kvdiag score`` runs: score the candidates of ``labels`` (a labels file), or every cached entry at
+    ``checkpoints`` (``default`` or ``t1,t2,...``) in ``granularity`` (``token,layer,head``; default token), of the
+    Trace directory ``trace``, and write ``out``. ``model``: the Trace's model, read only for the ``wo_l2``
+    payload. Every input is checked before the work (and the model load) starts. Returns the table and its metadata."""
+    from kvdiag.trace import Trace
+
+    if (labels is None) == (checkpoints is None):
+        raise UserError("pass exactly one of --labels labels.parquet or --checkpoints default|t1,t2,...")
+    if labels is not None and granularity is not None:
+        raise UserError("--granularity does not apply with --labels (its rows are scored at their own granularity); drop it")
+    check_writable(out, "--out")
+    check_aggregation(aggregation)
+    selected = resolve_scorers(scorers, params, plugins)
+    if model and not any(needs_o_proj(s) for s in selected.values()):
+        raise UserError(f"--model {model} does not apply: no selected scorer reads the wo_l2 payload (‖W_O v‖₂); drop it")
+    tr = Trace(trace)
+    if labels is not None:
+        keys, labels_meta = read_table(labels, what=f"--labels {labels}")
+        tr.check_belongs(labels_meta, f"--labels {labels}")
+        keys = check_keys(tr, keys, f"--labels {labels}")
+    else:
+        keys = checkpoint_keys(tr, parse_checkpoints(checkpoints), (granularity or "token").split(","))
+    df, meta = score_trace(tr, keys=keys, scorers=scorers, params=params, aggregation=aggregation,  # plugins: loaded above
+                           o_proj=load_o_proj(model, tr) if model else None, progress=progress)
+    meta["source"] = {"labels": str(labels)} if labels is not None else {"checkpoints": checkpoints, "granularity": granularity or "token"}
+    write_table(df, out, meta)
     return df, meta
 
 
