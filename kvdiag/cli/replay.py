@@ -42,10 +42,9 @@ def replay(
 ) -> None:
     """Generate (or teacher-force a Trace) under a KV budget compacted every --interval tokens; write
     generations.parquet, a Table-2-shaped summary and an accuracy/KL-vs-budget figure."""
-    from kvdiag.io import check_writable
-    from kvdiag.models import load_model
-    from kvdiag.prompts import DEFAULT_INSTRUCTION, load_prompts
-    from kvdiag.replay import ReplaySettings, check_settings, replay as run_replay
+    from kvdiag.prompts import DEFAULT_INSTRUCTION
+    from kvdiag.replay import ReplaySettings
+    from kvdiag.replay.run import replay_sweep
     from kvdiag.scorers import load_plugins, parse_params
 
     common.quiet_transformers()
@@ -61,24 +60,8 @@ def replay(
         instruction=None if no_instruction else (instruction or DEFAULT_INSTRUCTION), params=parse_params(param),
         backend=backend,
     )
-    check_settings(settings)  # before the (slow) model load
-    check_writable(out, "--out", "dir")
-    if teacher_forced is not None:
-        from kvdiag.trace import Trace
-
-        tr = Trace(teacher_forced)
-        had = tr.manifest["model"]
-        lm = load_model(model or had["spec"], dtype=dtype or had.get("dtype", "float32"), device=device, revision=revision,
-                        trust_remote_code=trust_remote_code, seed=seed)
-        lm.check_model_of(had, "--model", "drop --model")
-        ids = tr.prompt_ids[:limit] if limit else tr.prompt_ids
-        path = run_replay(lm, out, settings, trace=tr, prompt_ids=ids, source=str(teacher_forced), show_progress=not quiet)
-    else:
-        source = prompts or "builtin:arith"
-        items = load_prompts(source, limit=limit, seed=seed)
-        lm = load_model(model or "smollm2", dtype=dtype or "float32", device=device, revision=revision,
-                        trust_remote_code=trust_remote_code, seed=seed)
-        path = run_replay(lm, out, settings, prompts=items, source=source, show_progress=not quiet)
+    path = replay_sweep(settings, out, teacher_forced=teacher_forced, prompts=prompts, limit=limit, model=model, seed=seed,
+                        dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code, show_progress=not quiet)
     Console(stderr=True).print(f"replay written to {path} (generations.parquet, summary.md, budget.png)")
     if not quiet:
         Console().print((path / "summary.md").read_text())

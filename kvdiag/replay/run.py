@@ -18,17 +18,18 @@ import torch
 
 from kvdiag.errors import UserError, check_choice
 from kvdiag.features import o_proj_weights
-from kvdiag.io import write_json
-from kvdiag.models import LoadedModel
+from kvdiag.io import check_writable, write_json
+from kvdiag.models import LoadedModel, load_model
 from kvdiag.parts import PartStore
 from kvdiag.progress import progress_bar
-from kvdiag.prompts import DEFAULT_INSTRUCTION, Prompt, encode_prompt, safe_id
+from kvdiag.prompts import DEFAULT_INSTRUCTION, Prompt, encode_prompt, load_prompts, safe_id
 from kvdiag.provenance import command_line, provenance
 from kvdiag.replay.cache import Policy
 from kvdiag.replay.decoding import Decoded, decode, full_logprobs, kl_steps, teacher_force
 from kvdiag.replay.live import SELECTIONS, check_live_scorer, make_scorer
 from kvdiag.schema import CHECKPOINT_INTERVAL
 from kvdiag.scorers.registry import needs_o_proj
+from kvdiag.trace import Trace
 
 FULL_KV = "full_kv"  # the scorer name of the uncompressed reference rows (the paper's FullKV)
 
@@ -120,6 +121,30 @@ def build_policies(lm: LoadedModel, settings: ReplaySettings) -> dict[tuple[str,
 
 def fingerprint(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def replay_sweep(settings: ReplaySettings, out: str | os.PathLike, teacher_forced: str | os.PathLike | None = None,
+                 prompts: str | None = None, limit: int | None = None, model: str | None = None, seed: int = 0,
+                 dtype: str | None = None, device: str = "cpu", revision: str | None = None, trust_remote_code: bool = False,
+                 show_progress: bool = True) -> Path:
+    """What ``kvdiag replay`` runs: load the model and :func:`replay` the first ``limit`` prompts of ``prompts``
+    (free-running; default ``builtin:arith`` on ``smollm2``) or of the Trace directory ``teacher_forced`` (its model
+    unless ``model``, which must be the Trace's). Settings and ``out`` are checked before the model loads."""
+    check_settings(settings)
+    check_writable(out, "--out", "dir")
+    if teacher_forced is not None:
+        tr = Trace(teacher_forced)
+        had = tr.manifest["model"]
+        lm = load_model(model or had["spec"], dtype=dtype or had.get("dtype", "float32"), device=device, revision=revision,
+                        trust_remote_code=trust_remote_code, seed=seed)
+        lm.check_model_of(had, "--model", "drop --model")
+        ids = tr.prompt_ids[:limit] if limit else tr.prompt_ids
+        return replay(lm, out, settings, trace=tr, prompt_ids=ids, source=str(teacher_forced), show_progress=show_progress)
+    source = prompts or "builtin:arith"
+    items = load_prompts(source, limit=limit, seed=seed)
+    lm = load_model(model or "smollm2", dtype=dtype or "float32", device=device, revision=revision,
+                    trust_remote_code=trust_remote_code, seed=seed)
+    return replay(lm, out, settings, prompts=items, source=source, show_progress=show_progress)
 
 
 def part_name(prompt_id: str, scorer: str, budget: int | None) -> str:
