@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 
 from kvdiag.cli import common
+from kvdiag.schema import HORIZON
 
 
 def demo_commands(out: Path, model: str, prompts: str, limit: int, max_new_tokens: int, candidates: int,
@@ -46,7 +47,7 @@ def demo(
     limit: int = typer.Option(6, "--limit", help="prompts to trace"),
     max_new_tokens: int = typer.Option(384, "--max-new-tokens"),
     candidates: int = typer.Option(64, "--candidates", help="labeled candidates per checkpoint"),
-    horizon: int = typer.Option(16, "--horizon"),
+    horizon: int = typer.Option(HORIZON, "--horizon"),
     interval: int = typer.Option(64, "--interval", help="checkpoint every K generated tokens"),
     bootstrap: int = typer.Option(1000, "--bootstrap"),
 ) -> None:
