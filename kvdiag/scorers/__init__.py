@@ -8,34 +8,27 @@ Modules: ``context`` (ScoreContext), ``registry`` (Scorer, register_scorer, get_
 (percentile rank, z-score, protection, aggregations), ``run`` (score_trace), ``bench``, one module per rule.
 """
 
+from kvdiag.scorers.context import ScoreContext
+from kvdiag.scorers.normalization import AGGREGATIONS, percentile_rank, protect, zscore
+from kvdiag.scorers.registry import SCORERS, Scorer, get_scorer, parse_params, register_scorer, scorer_names
+
 # importing each module registers its scorer(s), in this order
 from kvdiag.scorers.attention import AttentionScorer
 from kvdiag.scorers.attention_x_age import AttentionXAge
-from kvdiag.scorers.avokv_e import AvoKVE, avokv_score
-from kvdiag.scorers.avokv_e_ablations import (
-    AvoKVENoDelay,
-    AvoKVENoPayload,
-    AvoKVENoRedundancy,
-    AvoKVERaw,
-)
-from kvdiag.scorers.context import ScoreContext
-from kvdiag.scorers.fitted import (
-    Fitted,  # not in --scorers all: needs --param fitted.path=model.json
-)
 from kvdiag.scorers.h2o import H2O
-from kvdiag.scorers.knorm import KNorm
-from kvdiag.scorers.lazyeviction import LazyEviction, lazyeviction_score
-from kvdiag.scorers.normalization import AGGREGATIONS, percentile_rank, protect, zscore
-from kvdiag.scorers.random_scorer import RandomScorer
-from kvdiag.scorers.registry import (
-    SCORERS,
-    Scorer,
-    get_scorer,
-    parse_params,
-    register_scorer,
-    scorer_names,
-)
+from kvdiag.scorers.snapkv import SnapKV
+from kvdiag.scorers.tova import TOVA
+from kvdiag.scorers.streamingllm import StreamingLLM
 from kvdiag.scorers.rkv import RKV, rkv_importance
+from kvdiag.scorers.lazyeviction import LazyEviction, lazyeviction_score
+from kvdiag.scorers.thinkv import ThinKVProxy
+from kvdiag.scorers.knorm import KNorm
+from kvdiag.scorers.value_norm import ValueNorm
+from kvdiag.scorers.vatp import VATP
+from kvdiag.scorers.random_scorer import RandomScorer
+from kvdiag.scorers.avokv_e import AvoKVE, avokv_score
+from kvdiag.scorers.avokv_e_ablations import AvoKVENoDelay, AvoKVENoPayload, AvoKVENoRedundancy, AvoKVERaw
+from kvdiag.scorers.fitted import Fitted  # not in --scorers all: needs --param fitted.path=model.json
 from kvdiag.scorers.run import (
     ENTRY_POINT_GROUP,
     KEY_COLUMNS,
@@ -45,12 +38,6 @@ from kvdiag.scorers.run import (
     resolve_scorers,
     score_trace,
 )
-from kvdiag.scorers.snapkv import SnapKV
-from kvdiag.scorers.streamingllm import StreamingLLM
-from kvdiag.scorers.thinkv import ThinKVProxy
-from kvdiag.scorers.tova import TOVA
-from kvdiag.scorers.value_norm import ValueNorm
-from kvdiag.scorers.vatp import VATP
 
 __all__ = [
     "AGGREGATIONS", "ENTRY_POINT_GROUP", "KEY_COLUMNS", "SCORERS",
