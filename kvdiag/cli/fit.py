@@ -23,23 +23,11 @@ def fit(
     """Fit logistic regression and gradient-boosted trees to the harmful label from per-entry features, rank their
     out-of-fold predictions beside the rules, save the logistic regression as a scorer (fitted)."""
     from kvdiag.cli.common import listed
-    from kvdiag.fit import FitConfig, _check, fit_ceiling
-    from kvdiag.io import check_writable, read_table
-    from kvdiag.label import read_labels
-    from kvdiag.rankeval import check_inputs
-    from kvdiag.trace import Trace
+    from kvdiag.fit import FitConfig, fit_files
 
     cfg = FitConfig(features=tuple(listed(features)), harm=harm, n_splits=folds, n_boot=bootstrap,
                     include_unresolved=include_unresolved, seed=seed)
-    _check(cfg)
-    check_writable(out, "--out", "dir")
-    tr = Trace(trace)
-    label_df, label_meta = read_labels(labels)
-    tr.check_belongs(label_meta, f"--labels {labels}")
-    score_df, score_meta = read_table(scores, "scores") if scores is not None else (None, None)
-    if scores is not None:
-        check_inputs(label_meta, score_meta)
-    res = fit_ceiling(tr, label_df, score_df, out, cfg, labels_meta=label_meta, scores_meta=score_meta, progress=True)
+    res = fit_files(trace, labels, scores, out, cfg)
     console = Console()
     s = res["summary"]
     console.print(f"fit on {s['n']:,} entries ({s['n_harmful']} harmful, {s['prompts']} prompts, {s['folds']} grouped folds); "

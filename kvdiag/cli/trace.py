@@ -36,9 +36,9 @@ def trace(
     quiet: bool = common.Quiet,
 ) -> None:
     """Generate each prompt's trace and write the Trace directory (manifest, tokens, per-layer q/k/v)."""
-    from kvdiag.trace.writer import run_trace
     from kvdiag.prompts import DEFAULT_INSTRUCTION, load_prompts
     from kvdiag.trace import GenerationSettings
+    from kvdiag.trace.writer import run_trace
 
     common.quiet_transformers()
     if no_instruction:

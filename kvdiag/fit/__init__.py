@@ -174,3 +174,23 @@ def fit_ceiling(trace, labels: pl.DataFrame, scores: pl.DataFrame | None, out: s
     write_json(out / "config.json", {"command": "fit", **provenance(), "config": asdict(cfg),
                                      "summary": summary, "inputs": {"labels": labels_meta, "scores": scores_meta}})
     return {"summary": summary, "metrics": result.metrics, "importances": imp, "result": result}
+
+
+def fit_files(trace: str | Path, labels: str | Path, scores: str | Path | None, out: str | Path, cfg: FitConfig,
+              progress: bool = True) -> dict:
+    """What ``kvdiag fit`` runs: read the Trace, labels and (optional) scores, refuse inputs that do not belong
+    together or an unwritable ``out`` before any work, then :func:`fit_ceiling`."""
+    from kvdiag.io import check_writable, read_table
+    from kvdiag.label import read_labels
+    from kvdiag.rankeval import check_inputs
+    from kvdiag.trace import Trace
+
+    _check(cfg)
+    check_writable(out, "--out", "dir")
+    tr = Trace(trace)
+    label_df, label_meta = read_labels(labels)
+    tr.check_belongs(label_meta, f"--labels {labels}")
+    score_df, score_meta = read_table(scores, "scores") if scores is not None else (None, None)
+    if scores is not None:
+        check_inputs(label_meta, score_meta)
+    return fit_ceiling(tr, label_df, score_df, out, cfg, labels_meta=label_meta, scores_meta=score_meta, progress=progress)
