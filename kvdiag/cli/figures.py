@@ -40,14 +40,7 @@ def figures(
     eligible: str | None = typer.Option(None, help="component figure: only the entries this scorer could evict, e.g. avokv_e"),
 ) -> None:
     """Draw the attention-only blind spot, the delayed-read effect and the AvoKV-E component figure."""
-    import polars as pl
-
-    from kvdiag.errors import UserError
-    from kvdiag.figures import make_figures
-    from kvdiag.io import check_writable
-    from kvdiag.io import read_table
-    from kvdiag.label import read_labels
-    from kvdiag.trace import Trace
+    from kvdiag.figures.run import figures_files
 
     params = FigureParams(
         w_obs=w_obs, w_delay=w_delay, payload=payload, harm=harm, include_unresolved=include_unresolved, noise_mult=noise_mult,
@@ -55,25 +48,7 @@ def figures(
         strong_read_mult=strong_read_mult, interval=interval, min_group=min_group, n_boot=bootstrap, seed=seed, rho=rho, scope=scope,
         min_age=min_age, max_age=max_age, eligible=eligible,
     )
-    check_writable(out, "--out", "dir")  # fail before the slow part, creating nothing
-    if eligible is not None:
-        from kvdiag.rankeval.candidates import eligible_scorer
-
-        eligible_scorer(eligible, None)  # a registered scorer
-    tr = Trace(trace)
-    label_df, label_meta = read_labels(labels)
-    score_df, score_meta = read_table(scores, "scores")
-    metrics = None
-    if rank_eval is not None:
-        from kvdiag.cli.common import refuse_given
-
-        refuse_given(ctx, ["min_age", "max_age", "eligible"], "with --rank-eval (its metrics were computed on its own "
-                     "candidates; pass the filters to kvdiag rank-eval)")
-        if not (rank_eval / "metrics.csv").is_file():
-            raise UserError(f"--rank-eval {rank_eval} has no metrics.csv: pass a directory written by kvdiag rank-eval")
-        metrics = pl.read_csv(rank_eval / "metrics.csv", schema_overrides={"note": pl.String})
-    result = make_figures(tr, label_df, score_df, out, params, labels_meta=label_meta, scores_meta=score_meta,
-                          metrics=metrics, command=invocation(ctx), progress=True)
+    result = figures_files(trace, labels, scores, out, params, rank_eval, command=invocation(ctx))
     console = Console()
     a, b = result["blind_spot"], result["delayed_reads"]
     console.print(f"[bold]blind spot[/]: {a['n_blind_spot']:.0f} of {a['n_low_attention']:.0f} low-attention candidates have large "

@@ -5,13 +5,14 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict
+from pathlib import Path
 
 import polars as pl
 
 from kvdiag.errors import UserError
 from kvdiag.figures.params import FigureParams
 from kvdiag.figures.registry import FIGURES, FigureContext
-from kvdiag.io import writable_dir, write_json
+from kvdiag.io import check_writable, read_table, writable_dir, write_json
 from kvdiag.progress import progress_bar
 from kvdiag.provenance import provenance
 from kvdiag.rankeval import check_inputs
@@ -124,3 +125,32 @@ def make_figures(
     }
     write_json(out / "figures.json", _jsonable(record))
     return result
+
+
+def figures_files(trace: str | os.PathLike, labels: str | os.PathLike, scores: str | os.PathLike, out: str | os.PathLike,
+                  params: FigureParams, rank_eval: str | os.PathLike | None = None, command: list[str] | None = None,
+                  progress: bool = True) -> dict:
+    """What ``kvdiag figures`` runs: read the Trace, labels, scores and (``rank_eval``, a rank-eval directory) its
+    metrics.csv, refusing bad input before the slow part, then :func:`make_figures`."""
+    from kvdiag.label import read_labels  # torch and transformers: not at import (the CLI starts fast)
+    from kvdiag.trace import Trace
+
+    check_writable(out, "--out", "dir")  # fail before the slow part, creating nothing
+    if params.eligible is not None:
+        from kvdiag.rankeval.candidates import eligible_scorer
+
+        eligible_scorer(params.eligible, None)  # a registered scorer
+    tr = Trace(trace)
+    label_df, label_meta = read_labels(labels)
+    score_df, score_meta = read_table(scores, "scores")
+    metrics = None
+    if rank_eval is not None:
+        for flag, value in (("--min-age", params.min_age), ("--max-age", params.max_age), ("--eligible", params.eligible)):
+            if value is not None:
+                raise UserError(f"{flag} does not apply with --rank-eval (its metrics were computed on its own candidates; "
+                                "pass the filters to kvdiag rank-eval); drop it")
+        if not (Path(rank_eval) / "metrics.csv").is_file():
+            raise UserError(f"--rank-eval {rank_eval} has no metrics.csv: pass a directory written by kvdiag rank-eval")
+        metrics = pl.read_csv(Path(rank_eval) / "metrics.csv", schema_overrides={"note": pl.String})
+    return make_figures(tr, label_df, score_df, out, params, labels_meta=label_meta, scores_meta=score_meta,
+                        metrics=metrics, command=command, progress=progress)
