@@ -58,10 +58,14 @@ class PartStore:
         write_json(path, want)
         return want
 
+    def refuse_mixing(self) -> None:
+        """The ``UserError`` of a stamp check: these parts were made with other settings."""
+        raise UserError(f"{self.root} holds parts made with other settings or another Trace; use another --out or delete {self.root}")
+
     def _same_as(self, want) -> Callable[[dict], None]:
         def check(have: dict) -> None:
             if have != want:
-                raise UserError(f"{self.root} holds parts made with other settings or another Trace; use another --out or delete {self.root}")
+                self.refuse_mixing()
         return check
 
     def merge(self, names: Sequence[str], out: str | os.PathLike, meta: dict, sort: list[str] | None = None,
