@@ -121,14 +121,15 @@ def _labels(values, prompts=("a", "b", "c"), checkpoints=(10, 20)):
 
 
 def test_validate_metrics_as_defined():
-    """Identical values: Spearman, AUROC, top-k overlap 1 (CIs collapse to 1); reversed: Spearman -1, AUROC 0,
-    overlap 0; a monotone transform changes nothing."""
+    """Values doubled: Spearman, AUROC, top-k overlap 1 (CIs collapse to 1), median ratio 2; reversed:
+    Spearman -1, AUROC 0, overlap 0."""
     exact = _labels(range(20))
     cfg = ValidateConfig(top_k=2, n_boot=50)
-    same = validate_labels(exact, _labels([x ** 3 + 1 for x in range(20)]), cfg).summary
-    assert same["mean"].to_list() == pytest.approx([1.0, 1.0, 1.0]) and same["ci_low"].to_list() == pytest.approx([1.0, 1.0, 1.0])
+    same = validate_labels(exact, _labels([2 * x for x in range(20)]), cfg).summary
+    assert same["metric"].to_list() == ["spearman", "auroc", "topk_overlap", "median_ratio"]
+    assert same["mean"].to_list() == pytest.approx([1.0, 1.0, 1.0, 2.0]) and same["ci_low"].to_list() == pytest.approx([1.0, 1.0, 1.0, 2.0])
     rev = validate_labels(exact, _labels(range(20, 0, -1)), cfg)
-    assert rev.summary["mean"].to_list() == pytest.approx([-1.0, 0.0, 0.0])
+    assert rev.summary["mean"].to_list()[:3] == pytest.approx([-1.0, 0.0, 0.0])
     assert rev.per_checkpoint["harmful"].to_list() == [2] * 6  # 0.9 quantile of 0..19: 18 and 19
     age = rev.disagreement.filter(pl.col("feature") == "age")
     assert age.height == 4 and (age["mean_abs_rank_diff"] > 0).all()

@@ -9,9 +9,9 @@ H query positions ``tau = t .. t+H-1``.
 The prefix cache is computed once per checkpoint (and extended, not recomputed, from one checkpoint
 to the next). A row that evicts from one layer ``l`` (layer/head granularity) is identical to the null row
 below ``l``: it starts at layer ``l`` from the null row's hidden states (``kvdiag.adapters.starting_at_layer``),
-which halves the cost of a layer sweep on average. Candidate rows are batched: each row runs the same H tokens and reads the shared prefix
-through ``kvdiag.kernels.shared_prefix_attention`` with its own exclusions, so a batch of N rows costs
-about one forward of N x H tokens and no per-row copy of the prefix. ``P_full`` comes from the plain
+so a layer sweep skips (L - 1) / 2 of the L layers per row on average (lm_head and the divergences remain).
+Candidate rows are batched: each row runs the same H tokens and reads the shared prefix through
+``kvdiag.kernels.shared_prefix_attention`` with its own exclusions, so a batch of N rows costs about one forward of N x H tokens and no per-row copy of the prefix. ``P_full`` comes from the plain
 model path (the model's own attention over a standard cache); a null row (nothing evicted) through the
 batched path measures the numerical noise floor of each checkpoint.
 

@@ -43,7 +43,7 @@ FISHER_ATTN = "kvdiag_fisher"
 class FisherParams:
     """Settings of ``fisher``; recorded in the labels metadata."""
 
-    samples: int = 16  # K: sampled continuations y ~ P_full per horizon step (one batch row each)
+    samples: int = 16  # K: sampled continuations y ~ P_full per horizon step (one batched backward pass each)
 
     def validate(self) -> None:
         if self.samples < 1:
@@ -131,7 +131,7 @@ class FisherLabeler:
 
     @staticmethod
     def _layer_effect(p: torch.Tensor, o: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """p [Hq, W, t], o [W, Hq, d] (row 0), v [Hkv, t, d], g [N, W, Hq, d] -> sum over queries and query
+        """p [Hq, W, t], o [W, Hq, d], v [Hkv, t, d], g [N, W, Hq, d] -> sum over queries and query
         heads of g . do per (row, KV head, entry): [N, Hkv, t]; do = p_i (o - v_i) / (1 - p_i)."""
         hkv = v.shape[0]
         hq, w, t = p.shape

@@ -7,7 +7,8 @@ Per checkpoint (the entries of one prompt's cache at one t):
 - ``auroc``: how well the approximate value separates the *exact-harmful* entries from the rest, where
   exact-harmful = exact ``kl_mean`` at or above the checkpoint's ``harmful_quantile`` quantile (default 0.9:
   the top decile of its joined entries); undefined when one class is empty;
-- ``topk_overlap``: share of the exact top-``top_k`` entries that are also in the approximate top-``top_k``.
+- ``topk_overlap``: share of the exact top-``top_k`` entries that are also in the approximate top-``top_k``;
+- ``median_ratio``: median of approximate / exact ``kl_mean`` over its entries with exact > 0 (calibration: 1 = right scale).
 
 Each is averaged over checkpoints; CIs come from a cluster bootstrap over *prompts* (checkpoints of one prompt
 share a trace, so they are not independent: ``kvdiag.rankeval.bootstrap``). Where they disagree: each entry's
@@ -28,7 +29,8 @@ from kvdiag.errors import UserError
 from kvdiag.rankeval.bootstrap import percentile_ci, prompt_multiplicities
 
 KEYS = ["prompt_id", "checkpoint", "position", "granularity", "layer", "kv_head"]
-METRICS = ("spearman", "auroc", "topk_overlap")
+METRICS = ("spearman", "auroc", "topk_overlap")  # rank agreement (the figure's panel)
+SCALE = "median_ratio"  # calibration: the checkpoint's median approx / exact over entries with exact > 0
 
 
 @dataclass
@@ -59,7 +61,7 @@ class ValidateConfig:
 
 @dataclass
 class Validation:
-    per_checkpoint: pl.DataFrame  # prompt_id, checkpoint, n, harmful, spearman, auroc, topk_overlap
+    per_checkpoint: pl.DataFrame  # prompt_id, checkpoint, n, harmful, spearman, auroc, topk_overlap, median_ratio
     summary: pl.DataFrame  # metric, mean, ci_low, ci_high, checkpoints (defined)
     disagreement: pl.DataFrame  # feature, bin, low, high, n, mean_abs_rank_diff, ci_low, ci_high, mean_rank_diff
     joined: pl.DataFrame  # KEYS + exact, approx, age (+ features) per entry
@@ -96,7 +98,8 @@ def _per_checkpoint(joined: pl.DataFrame, cfg: ValidateConfig) -> pl.DataFrame:
         out.append({"prompt_id": pid, "checkpoint": t, "n": len(e), "harmful": int(harmful.sum()),
                     "spearman": float(spearmanr(e, a).statistic) if defined else float("nan"),
                     "auroc": float(roc_auc_score(harmful, a)) if 0 < harmful.sum() < len(e) else float("nan"),
-                    "topk_overlap": len(top_e & top_a) / k})
+                    "topk_overlap": len(top_e & top_a) / k,
+                    SCALE: float(np.median(a[e > 0] / e[e > 0])) if (e > 0).any() else float("nan")})
     return pl.DataFrame(out)
 
 
@@ -130,7 +133,7 @@ def validate_labels(exact: pl.DataFrame, approx: pl.DataFrame, cfg: ValidateConf
     mult = prompt_multiplicities(len(prompts), cfg.n_boot, np.random.default_rng(cfg.seed)).astype(float)
     clusters = np.array([index[p] for p in per["prompt_id"].to_list()])
     summary = []
-    for m in METRICS:
+    for m in (*METRICS, SCALE):
         mean, low, high, n = _cluster_mean(per[m].to_numpy().astype(float), clusters, mult, cfg.level)
         summary.append({"metric": m, "mean": mean, "ci_low": low, "ci_high": high, "checkpoints": n})
     rows = []
