@@ -1,4 +1,5 @@
-"""``score_trace``: every selected scorer on the labeled (or chosen) candidates of a Trace.
+"""``score_trace``: every selected scorer on the labeled (or chosen) candidates of a Trace; ``score_files``:
+the same from files to a scores.parquet (what ``kvdiag score`` runs).
 
 Loop order: prompt → layer → checkpoint (increasing) → scorer. A layer's q/k/v are read once, the features
 shared across checkpoints (cumulative attention, recurrence state, sparsity) stream forward once per layer,
