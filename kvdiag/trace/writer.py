@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import polars as pl
@@ -307,7 +308,7 @@ def _header(root: Path, parts: PartStore, lm: LoadedModel, settings: GenerationS
 
     A new header is stamped into ``parts/_header.json`` before any part is written, so that the parts of
     several processes are checked against one model and one set of settings before a manifest exists."""
-    check = lambda existing: _check_compatible(existing, lm, settings, root)  # noqa: E731
+    check = partial(_check_compatible, lm=lm, settings=settings, root=root)
     if _manifest_path(root).exists():
         header = json.loads(_manifest_path(root).read_text())
         check(header)
