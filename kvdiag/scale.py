@@ -7,13 +7,15 @@ its own, so its peak resident memory (``ru_maxrss`` from ``os.wait4``) is that c
 ``score --scorers all`` on every mode's Trace (a ``kv``/``none`` Trace rebuilds its missing tensors: that
 cost shows here) and ``figures``. A baseline trace of one token gives the fixed cost (model, runtime), so
 the growth of trace memory per token can be read against the KV cache and the recorded rows
-(``kvdiag.cost``). Each finished step is kept as ``steps/<name>.json``: a rerun continues.
+(``kvdiag.cost``). Each finished step is kept as ``steps/<name>.json``: a rerun continues (a step without
+its record runs again from scratch).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -93,6 +95,10 @@ def run_scale_bench(plan: ScalePlan, prompt_len: int, report: Callable[[Step], N
         if done.exists():
             s = Step(**json.loads(done.read_text()))
         else:
+            # a step killed before its record may have finished its output: a rerun would then only skip it
+            target = Path(argv[argv.index("--out") + 1])
+            for stale in (target, target.with_name(target.name + ".parts")):
+                shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
             seconds, peak = _run(argv, out / "logs" / f"{name.replace('/', '__')}.log")
             s = Step(name, stage, T, store, seconds, peak, _disk_mb(trace) if trace else None)
             write_json(done, asdict(s))

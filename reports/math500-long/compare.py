@@ -1,0 +1,55 @@
+"""Short vs long traces: does the ranking of the rules change with trace length?
+
+Reads the rank-eval metrics of the short-trace report (reports/math500-smollm2) and of this one and writes
+comparison.md: per rule and metric (macro over checkpoints, 95% cluster-bootstrap CIs as rank-eval gives
+them) the value and the rule's rank in each report, and Kendall's tau between the two orderings.
+Run from the repository root: .venv/bin/python reports/math500-long/compare.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+from scipy.stats import kendalltau
+
+SHORT = Path("reports/math500-smollm2/rank-eval/metrics.csv")
+LONG = Path("reports/math500-long/rank-eval/metrics.csv")
+OUT = Path("reports/math500-long/comparison.md")
+METRICS = ("auroc", "spearman", "ap")  # higher is better for each
+SCOPE = "macro"  # each checkpoint counts once: a long trace's many checkpoints do not swamp the pooled value
+
+
+def ranked(path: Path, metric: str) -> pl.DataFrame:
+    df = pl.read_csv(path).filter((pl.col("metric") == metric) & (pl.col("scope") == SCOPE))
+    return df.select("scorer", "value", "ci_low", "ci_high", "n").with_columns(
+        pl.col("value").rank("ordinal", descending=True).cast(pl.Int64).alias("rank"))
+
+
+def cell(row: dict, side: str) -> str:
+    return f"{row['value' + side]:.3f} [{row['ci_low' + side]:.3f}, {row['ci_high' + side]:.3f}]"
+
+
+def main() -> None:
+    lines = ["# Short vs long traces: the rules' ranking", "",
+             f"Made by `reports/math500-long/compare.py` from `{SHORT}` (20 problems, greedy, T <= 961, checkpoints "
+             f"every 128) and `{LONG}` (3 problems, sampled T = 0.6, top-p 0.95, T >= 4,000, checkpoints every 512). "
+             f"Scope: {SCOPE} (mean over checkpoints); CIs: 95% cluster bootstrap from rank-eval. Rank 1 = best.", ""]
+    for metric in METRICS:
+        both = ranked(SHORT, metric).join(ranked(LONG, metric), on="scorer", suffix="_long").sort("rank_long")
+        tau = kendalltau(both["rank"], both["rank_long"])
+        lines += [f"## {metric}", "",
+                  f"Kendall's tau between the two orderings: {tau.statistic:.2f} (p = {tau.pvalue:.2g}, "
+                  f"{both.height} rules; checkpoints with a value: {both['n'][0]} short, {both['n_long'][0]} long).", "",
+                  "| rule | short | rank | long | rank | change |", "|---|---:|---:|---:|---:|---:|"]
+        for r in both.iter_rows(named=True):
+            overlap = r["ci_low"] <= r["ci_high_long"] and r["ci_low_long"] <= r["ci_high"]
+            lines.append(f"| {r['scorer']} | {cell(r, '')} | {r['rank']} | {cell(r, '_long')} | {r['rank_long']} | "
+                         f"{r['value_long'] - r['value']:+.3f}{'' if overlap else ' (CIs disjoint)'} |")
+        lines.append("")
+    OUT.write_text("\n".join(lines))
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
