@@ -11,8 +11,9 @@ to the next). A row that evicts from one layer ``l`` (layer/head granularity) is
 below ``l``: it starts at layer ``l`` from the null row's hidden states (``kvdiag.adapters.starting_at_layer``),
 so a layer sweep skips (L - 1) / 2 of the L layers per row on average (lm_head and the divergences remain).
 Candidate rows are batched: each row runs the same H tokens and reads the shared prefix through
-``kvdiag.kernels.shared_prefix_attention`` with its own exclusions, so a batch of N rows costs about one forward of N x H tokens and no per-row copy of the prefix. ``P_full`` comes from the plain
-model path (the model's own attention over a standard cache); a null row (nothing evicted) through the
+``kvdiag.kernels.shared_prefix_attention`` with its own exclusions, so a batch of N rows costs about one
+forward of N x H tokens and no per-row copy of the prefix. ``P_full`` comes from the plain model path
+(the model's own attention over a standard cache); a null row (nothing evicted) through the
 batched path measures the numerical noise floor of each checkpoint.
 
 Attention semantics (per-layer sliding windows, softcap, sinks) come from ``kvdiag.adapters``. An entry
