@@ -3,7 +3,7 @@
 Under ``torchrun`` every rank does the items ``i`` with ``i % world_size == rank`` on its own device
 (``cuda:LOCAL_RANK``, or the CPU), each item written as its own part; after a barrier rank 0 merges.
 A rerun redoes only missing items. ``kvdiag label`` splits (prompt, checkpoint) items, ``kvdiag trace``
-prompts (``kvdiag.trace.writer.run_trace``). With ``--shard i/n`` (no torchrun) a process does its share without merging; a later run
+prompts (``kvdiag.label.runner.run_label``, ``kvdiag.trace.writer.run_trace``). With ``--shard i/n`` (no torchrun) a process does its share without merging; a later run
 without ``--shard`` merges (and does whatever is still missing).
 """
 
@@ -13,7 +13,6 @@ import os
 import re
 from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -82,26 +81,3 @@ class Group:
         self.barrier()
         # rank 0 sees every part by now; the merging call finds nothing left to do but the merge
         return work((0, 1), True, False) if self.rank == 0 else None
-
-
-def run_label(trace_dir: Path, out: Path, cfg, *, model: str | None, force: bool, dtype: str | None, device: str,
-              shard: str | None, quiet: bool) -> Path | None:
-    """Label a Trace in this process's share of the work; returns the merged output where this process merged."""
-    from kvdiag.io import check_writable
-    from kvdiag.label.runner import label_trace, work_items
-    from kvdiag.models import check_device, load_model, parse_dtype
-    from kvdiag.trace import Trace
-
-    # every input is checked before the (slow) model load and before anything is written
-    part = parse_shard(shard)
-    tr = Trace(trace_dir)
-    work_items(tr, cfg)
-    check_writable(out, "--out")
-    check_writable(out.with_name(out.name + ".parts"), "--out", "dir")
-    parse_dtype(dtype or tr.manifest["model"]["dtype"])
-    check_device(device)
-    with Group(device, part) as group:
-        spec = model or tr.manifest["model"]["spec"]
-        lm = load_model(spec, dtype=dtype or tr.manifest["model"]["dtype"], device=group.device)
-        return group.split(lambda part, merge, show: label_trace(
-            tr, lm, out, cfg, shard=part, merge=merge, force_model=force, show_progress=show and not quiet))

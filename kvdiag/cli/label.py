@@ -8,18 +8,19 @@ import typer
 from rich.console import Console
 
 from kvdiag.cli import common
+from kvdiag.schema import CHECKPOINTS, HORIZON, W_OBS
 
 
 def label(
     ctx: typer.Context,
     trace: Path = typer.Option(..., "--trace", help="Trace directory from `kvdiag trace`"),
     out: Path = typer.Option(..., "--out", help="labels.parquet (parts are kept beside it in OUT.parts/)"),
-    checkpoints: list[str] = typer.Option(["every:128"], "--checkpoints", help="every:K (generated tokens) or absolute positions t1,t2,... (repeatable)"),
-    horizon: int = typer.Option(16, "--horizon", help="teacher-forced steps H"),
+    checkpoints: list[str] = typer.Option([CHECKPOINTS], "--checkpoints", help="every:K (generated tokens) or absolute positions t1,t2,... (repeatable)"),
+    horizon: int = typer.Option(HORIZON, "--horizon", help="teacher-forced steps H"),
     candidates: str = typer.Option("64", "--candidates", help="N (seeded sample per checkpoint) or all"),
     granularity: str = typer.Option("token", "--granularity", help="token | layer | head"),
     layers: list[str] | None = typer.Option(None, "--layers", help="layer/head granularity: comma-separated layers, repeatable (default all)"),
-    w_obs: int = typer.Option(32, "--w-obs", help="every:K starts once W_obs tokens are generated"),
+    w_obs: int = typer.Option(W_OBS, "--w-obs", help="every:K starts once W_obs tokens are generated"),
     batch_size: int = typer.Option(64, "--batch-size", help="candidate rows per forward"),
     method: str = typer.Option("exact", "--method", help="exact (the oracle) | fast (the recommended approximate method, labels every entry in one pass) | fisher (docs/labels.md)"),
     samples: int = typer.Option(None, "--samples", help="fisher: sampled continuations per horizon step (default 16)"),
@@ -33,7 +34,7 @@ def label(
     quiet: bool = common.Quiet,
 ) -> None:
     """Evict single cache entries at checkpoints and measure the KL damage to the next H predictions."""
-    from kvdiag.distributed import run_label
+    from kvdiag.label.runner import run_label
 
     common.quiet_transformers()
     from kvdiag.label import LabelConfig

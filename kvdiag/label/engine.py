@@ -36,8 +36,7 @@ from kvdiag.adapters import capturing_layer_inputs, starting_at_layer
 from kvdiag.errors import UserError
 from kvdiag.label.hooks import EvictionBatch, evicting
 from kvdiag.models import LoadedModel
-
-GRANULARITIES = ("token", "layer", "head")
+from kvdiag.schema import GRANULARITIES
 
 
 @dataclass(frozen=True)

@@ -31,10 +31,10 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvdiag.adapters import LayerAttention, check_kwargs
+from kvdiag.attention import attention_context
 from kvdiag.errors import UserError
 from kvdiag.label.engine import OracleEngine, Row
 from kvdiag.models import LoadedModel
-from kvdiag.trace.hooks import attention_context
 
 FISHER_ATTN = "kvdiag_fisher"
 

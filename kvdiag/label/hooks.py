@@ -17,8 +17,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvdiag.adapters import LayerAttention, check_kwargs
+from kvdiag.attention import attention_context
 from kvdiag.kernels import shared_prefix_attention
-from kvdiag.trace.hooks import attention_context
 
 EVICT_ATTN = "kvdiag_evict"
 

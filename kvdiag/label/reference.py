@@ -25,8 +25,8 @@ from transformers.masking_utils import (
     sliding_window_overlay,
 )
 
+from kvdiag.attention import attn_implementation, model_eager_attention
 from kvdiag.label.engine import Row, cache_from_prefix
-from kvdiag.trace.hooks import attn_implementation, model_eager_attention
 
 REFERENCE_ATTN = "kvdiag_reference"
 

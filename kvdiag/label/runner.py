@@ -1,13 +1,12 @@
 """``label_trace``: work items (prompt, checkpoint) -> atomic Parquet parts -> one labels table.
 
-Each item is written as ``<out>.parts/<prompt_id>__<checkpoint>.parquet`` atomically; a rerun skips
-items whose part exists, so an interrupted run loses no finished work. ``merge_parts`` makes the
+Each item is written as ``<out>.parts/<prompt_id>__<checkpoint>.parquet`` atomically (``kvdiag.parts``); a rerun
+skips items whose part exists, so an interrupted run loses no finished work; the merge makes the
 output table. Items can be split over processes (``shard=(i, n)``, or torchrun ranks).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import asdict, dataclass, field
@@ -15,20 +14,22 @@ from pathlib import Path
 
 import polars as pl
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from kvdiag import __version__
+from kvdiag.distributed import Group, parse_shard
 from kvdiag.errors import UserError
-from kvdiag.io import write_json, write_table
+from kvdiag.io import check_writable
 from kvdiag.kernels import BACKENDS
 from kvdiag.label.engine import GRANULARITIES, OracleEngine, candidate_rows
 from kvdiag.label.fast import APPROXIMATE, method_params, resolve_method
-from kvdiag.models import LoadedModel
+from kvdiag.models import LoadedModel, check_device, load_model, parse_dtype
+from kvdiag.parts import PartStore
+from kvdiag.progress import progress_bar
+from kvdiag.provenance import provenance
+from kvdiag.schema import CHECKPOINTS, HORIZON, KEY_SCHEMA, W_OBS, default_checkpoints
 from kvdiag.trace import Trace
 
 LABEL_SCHEMA = {
-    "prompt_id": pl.String, "checkpoint": pl.Int64, "position": pl.Int64, "granularity": pl.String,
-    "layer": pl.Int64, "kv_head": pl.Int64, "horizon": pl.Int64, "kl_mean": pl.Float64, "kl_max": pl.Float64,
+    **KEY_SCHEMA, "horizon": pl.Int64, "kl_mean": pl.Float64, "kl_max": pl.Float64,
     "kl_steps": pl.List(pl.Float64), "js_mean": pl.Float64, "nll_delta": pl.Float64, "top1_flips": pl.Int64,
     "noise_floor": pl.Float64, "age": pl.Int64, "token_id": pl.Int64,
 }
@@ -38,12 +39,12 @@ LABEL_SCHEMA = {
 class LabelConfig:
     """How labels are made; written into every labels file."""
 
-    checkpoints: str = "every:128"  # "every:K" (generated tokens, R-KV's schedule) or "t1,t2,..." absolute positions
-    horizon: int = 16
+    checkpoints: str = CHECKPOINTS  # "every:K" (generated tokens, R-KV's schedule) or "t1,t2,..." absolute positions
+    horizon: int = HORIZON
     candidates: str = "64"  # "N" (seeded sample) or "all"
     granularity: str = "token"
     layers: list[int] | None = None  # layer/head granularity: which layers (None = all)
-    w_obs: int = 32  # checkpoints start once W_obs tokens have been generated (README, "The oracle label")
+    w_obs: int = W_OBS  # checkpoints start once W_obs tokens have been generated (README, "The oracle label")
     batch_size: int = 64
     seed: int = 0
     backend: str = "auto"
@@ -98,15 +99,6 @@ def parse_checkpoint_spec(spec: str) -> int | list[int]:
     return values
 
 
-def checkpoints_for(spec: str, prompt_len: int, length: int, horizon: int, w_obs: int) -> list[int]:
-    """Absolute checkpoint positions of one prompt. ``every:K``: t = prompt_len + K*j with
-    ``t - prompt_len >= w_obs`` and ``t + horizon <= length``. A list is taken as given (validated later)."""
-    parsed = parse_checkpoint_spec(spec)
-    if isinstance(parsed, list):
-        return parsed
-    return [t for t in range(prompt_len + parsed, length - horizon + 1, parsed) if t - prompt_len >= w_obs]
-
-
 def sample_candidates(t: int, spec: str, seed: int) -> list[int]:
     """Candidate positions at checkpoint ``t``: all of [0, t) or a seeded sample of N (sorted)."""
     if spec == "all":
@@ -118,20 +110,25 @@ def sample_candidates(t: int, spec: str, seed: int) -> list[int]:
     return sorted(torch.randperm(t, generator=gen)[:n].tolist())
 
 
+def part_name(pid: str, t: int) -> str:
+    return f"{pid}__{t:07d}.parquet"
+
+
 def part_path(parts: Path, pid: str, t: int) -> Path:
-    return parts / f"{pid}__{t:07d}.parquet"
+    """Where the part of the work item (``pid``, ``t``) lies in the parts directory ``parts``."""
+    return parts / part_name(pid, t)
 
 
 def work_items(trace: Trace, cfg: LabelConfig, prompt_ids: list[str] | None = None) -> list[tuple[str, int]]:
     """Every (prompt_id, checkpoint) to label, validated against the Trace."""
     if cfg.layers is not None and max(cfg.layers) >= trace.num_layers:
         raise UserError(f"--layers {max(cfg.layers)}: the Trace's model has layers 0..{trace.num_layers - 1}")
-    items = []
+    items, spec = [], parse_checkpoint_spec(cfg.checkpoints)  # every:K, or positions taken as given (checked here)
     for pid in prompt_ids or trace.prompt_ids:
         P, T = trace.prompt_len(pid), trace.length(pid)
         if cfg.horizon >= T:
             raise UserError(f"--horizon {cfg.horizon} reaches beyond the end of prompt {pid} (length {T}); use a shorter horizon")
-        for t in checkpoints_for(cfg.checkpoints, P, T, cfg.horizon, cfg.w_obs):
+        for t in spec if isinstance(spec, list) else default_checkpoints(P, T, spec, cfg.horizon, cfg.w_obs):
             if not 1 <= t <= T - cfg.horizon:
                 raise UserError(f"--checkpoints: {t} is outside [1, {T - cfg.horizon}] for prompt {pid} (length {T}, horizon {cfg.horizon})")
             items.append((pid, t))
@@ -198,13 +195,13 @@ def labels_meta(trace: Trace, lm: LoadedModel, cfg: LabelConfig) -> dict:
     if cfg.method != "exact":
         label = (f"approximate ({cfg.method}, settings {cfg.params}, seed {cfg.seed}): kl_mean and nll_delta estimate the exact "
                  "label's; kl_max, kl_steps, js_mean, top1_flips are null; noise_floor 0 (docs/labels.md)")
-    return {"kind": "labels", "kvdiag_version": __version__, "trace": trace.provenance, "model": lm.info,
+    return {"kind": "labels", **provenance(), "trace": trace.provenance, "model": lm.info,
             "config": asdict(cfg), "label": label}
 
 
 def check_model(trace: Trace, lm: LoadedModel, force: bool) -> None:
     had = trace.manifest["model"]
-    if (had["config_hash"], had["weights_hash"]) != (lm.config_hash, lm.weights_hash) and not force:
+    if not (force or lm.is_model_of(had, config=True)):
         raise UserError(f"--model {lm.spec} is not the model of the Trace ({had['spec']}, weights {had['weights_hash']}); drop --model or pass --force")
 
 
@@ -213,19 +210,14 @@ def label_trace(trace: Trace, lm: LoadedModel, out: str | os.PathLike, cfg: Labe
     """Label every work item of ``shard`` (items i with i % n == shard index), writing parts; merge at the end."""
     check_model(trace, lm, force_model)
     out = Path(out)
-    parts = out.with_name(out.name + ".parts")
-    try:
-        parts.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UserError(f"--out {out}: cannot create {parts} ({err.strerror}); choose a writable path") from err
+    parts = PartStore(out.with_name(out.name + ".parts"), out)
     meta = labels_meta(trace, lm, cfg)
     items = work_items(trace, cfg)
-    _check_parts_config(parts, meta)
+    _stamp_parts(parts, meta)
     mine = [it for i, it in enumerate(items) if i % shard[1] == shard[0]]
-    todo = [it for it in mine if not part_path(parts, *it).exists()]
+    todo = [it for it in mine if not parts.done(part_name(*it))]
     n_rows = len(candidate_rows([0], cfg.granularity, trace.num_layers, trace.num_kv_heads, cfg.layers))
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TimeRemainingColumn(), disable=not show_progress) as progress:
+    with progress_bar(show_progress, remaining=True) as progress:
         item_task = progress.add_task("label: checkpoints", total=len(mine), completed=len(mine) - len(todo))
         cand_task = progress.add_task("  candidate rows", total=None)
         schedule: dict[str, list[int]] = {}  # every checkpoint of each prompt, ascending
@@ -246,38 +238,45 @@ def label_trace(trace: Trace, lm: LoadedModel, out: str | os.PathLike, cfg: Labe
                 total = min(t, int(cfg.candidates)) if cfg.candidates != "all" else t
                 progress.reset(cand_task, total=total * n_rows, description=f"  {pid} @ {t}")
                 df = label_item(engine, trace, pid, t, cfg, ids, progress=lambda k: progress.advance(cand_task, k))
-                write_table(df, part_path(parts, pid, t), meta)
+                parts.write(part_name(pid, t), df, meta)
                 progress.advance(item_task)
     if merge:
-        return merge_parts(parts, out, [part_path(parts, *it) for it in items], meta)
+        parts.merge([part_name(*it) for it in items], out, meta, sort=["prompt_id", "checkpoint", "position", "layer", "kv_head"],
+                    schema=LABEL_SCHEMA)
     return out
 
 
-def _check_parts_config(parts: Path, meta: dict) -> None:
+def _stamp_parts(parts: PartStore, meta: dict) -> None:
     """A parts directory made with other settings or another Trace must not be mixed in."""
-    stamp = parts / "config.json"
     cfg = meta["config"]
     # only what changes a part's content; the schedule, batch size and backend may differ between runs
     want = {"trace": meta["trace"]["fingerprint"], "model": meta["model"]["weights_hash"],
             **{k: cfg[k] for k in ("horizon", "candidates", "granularity", "layers", "seed", "method", "params")}}
-    if stamp.exists():
-        # a stamp written before approximate methods existed is an exact run's
-        have = {"method": "exact", "params": {}, **json.loads(stamp.read_text())}
-        if have != want:
-            raise UserError(f"{parts} holds parts made with other settings or another Trace; use another --out or delete {parts}")
-    else:
-        write_json(stamp, want)
+
+    def same(have: dict) -> None:  # a stamp written before approximate methods existed is an exact run's
+        if {"method": "exact", "params": {}, **have} != want:
+            parts.refuse_mixing()
+
+    parts.stamp("config.json", want, same)
 
 
-def merge_parts(parts: Path, out: Path, expected: list[Path], meta: dict) -> Path:
-    """Concatenate the parts into ``out``; every expected part must exist."""
-    missing = [p for p in expected if not p.exists()]
-    if missing:
-        raise UserError(f"{len(missing)} of {len(expected)} work items are not labeled yet (e.g. {missing[0].name}); rerun the same command to finish them")
-    frames = [pl.read_parquet(p) for p in expected]
-    df = pl.concat(frames) if frames else pl.DataFrame(schema=LABEL_SCHEMA)
-    write_table(df.sort(["prompt_id", "checkpoint", "position", "layer", "kv_head"]), out, meta)
-    return out
+def run_label(trace_dir: Path, out: Path, cfg: LabelConfig, *, model: str | None, force: bool, dtype: str | None, device: str,
+              shard: str | None, quiet: bool) -> Path | None:
+    """``kvdiag label``: load the model and label a Trace in this process's share of the work (``shard``, or torchrun's
+    rank); returns the merged output where this process merged. Bad input is refused before the model loads."""
+    # every input is checked before the (slow) model load and before anything is written
+    part = parse_shard(shard)
+    tr = Trace(trace_dir)
+    work_items(tr, cfg)
+    check_writable(out, "--out")
+    check_writable(out.with_name(out.name + ".parts"), "--out", "dir")
+    parse_dtype(dtype or tr.manifest["model"]["dtype"])
+    check_device(device)
+    with Group(device, part) as group:
+        spec = model or tr.manifest["model"]["spec"]
+        lm = load_model(spec, dtype=dtype or tr.manifest["model"]["dtype"], device=group.device)
+        return group.split(lambda part, merge, show: label_trace(
+            tr, lm, out, cfg, shard=part, merge=merge, force_model=force, show_progress=show and not quiet))
 
 
 def read_labels(path) -> tuple[pl.DataFrame, dict]:

@@ -20,7 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from kvdiag.adapters import check_kwargs, model_attention
-from kvdiag.attention import attention_context, attn_implementation, model_eager_attention  # noqa: F401 (label imports them from here)
+from kvdiag.attention import attention_context, model_eager_attention
 
 TRACE_ATTN = "kvdiag_trace"  # records, then runs SDPA
 TRACE_ATTN_EAGER = "kvdiag_trace_eager"  # records, then runs the model file's eager attention
