@@ -104,8 +104,10 @@ class LayerStartBench:
 
 
 def run_layer_start_bench(lm: LoadedModel, granularity: str, prefix_len: int = 512, n: int = 8, horizon: int = 16,
-                          repeats: int = 3, batch_size: int = 64, backend: str = "auto") -> LayerStartBench:
-    """Layer start vs full depth on the same ``granularity`` rows of ``n`` positions; see the module docstring."""
+                          repeats: int = 3, batch_size: int | None = None, backend: str = "auto") -> LayerStartBench:
+    """Layer start vs full depth on the same ``granularity`` rows of ``n`` positions, both in batches of ``n`` rows
+    (layer start batches the rows of one layer: N per layer), so they run the same batch shapes; see the module docstring."""
+    batch_size = batch_size or n
     ids = bench_tokens(lm, prefix_len + horizon + 1)
     fast = OracleEngine(lm, ids, horizon, batch_size, backend, layer_start=True)
     full = OracleEngine(lm, ids, horizon, batch_size, backend, layer_start=False)
