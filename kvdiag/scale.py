@@ -28,7 +28,7 @@ import polars as pl
 
 from kvdiag.cost import ModelShape
 from kvdiag.errors import UserError
-from kvdiag.io import write_csv, write_json, write_text, writable_dir
+from kvdiag.io import check_writable, write_csv, write_json, write_text, writable_dir
 from kvdiag.trace.writer import STORAGE_DTYPES, parse_store
 
 STAGES = ("trace", "label", "score", "figures")
@@ -186,13 +186,14 @@ def bench_scale(plan: ScalePlan, report: Callable[[Step], None] = lambda s: None
     from kvdiag.models import load_model
     from kvdiag.prompts import encode_prompt, load_prompts
 
-    writable_dir(plan.out)
+    check_writable(plan.out, "--out", "dir")  # bad input is refused before a model loads or a file is written
     prompt = load_prompts(plan.prompts, limit=1)[0]
     lm = load_model(plan.model, dtype=plan.dtype)  # the prompt length and the shape only: each step loads its own
     prompt_len = len(encode_prompt(lm.tokenizer, prompt))
     plan.validate(prompt_len, getattr(lm.model.config, "max_position_embeddings", None))
     shape = ModelShape.from_config(lm.model.config, plan.model)
     del lm
+    writable_dir(plan.out)
     run_scale_bench(plan, prompt_len, report)
     # the tables hold every finished step in the directory: runs of other lengths or modes add to them
     steps = sorted((Step(**json.loads(f.read_text())) for f in (plan.out / "steps").glob("*.json")),

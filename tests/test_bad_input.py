@@ -72,6 +72,12 @@ CASES: list[tuple[str, list[str], str]] = [
     ("label-method-unknown", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--method", "guess"], "--method guess"),
     ("label-samples-0", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--method", "fast", "--samples", "0"], "--samples 0"),
     ("label-samples-exact", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--samples", "4"], "--method exact"),
+    # ---- bench scale
+    ("bench-scale-lengths", ["bench", "scale", "--lengths", "many", "--out", "{out}"], "--lengths many"),
+    ("bench-scale-store", ["bench", "scale", "--store", "some", "--out", "{out}"], "--store some"),
+    ("bench-scale-store-twice", ["bench", "scale", "--store", "all", "--store", "all", "--out", "{out}"], "--store all,all"),
+    ("bench-scale-too-short", ["bench", "scale", "--model", "tiny:llama", "--lengths", "50", "--out", "{out}"], "--lengths 50"),
+    ("bench-scale-beyond-context", ["bench", "scale", "--model", "tiny:llama", "--lengths", "9000", "--out", "{out}"], "--lengths 9000"),
     # ---- validate-labels
     ("validate-labels-quantile", ["validate-labels", "--exact", "{labels}", "--approx", "{labels}", "--harmful-quantile", "1.5", "--out", "{out}"], "--harmful-quantile 1.5"),
     ("validate-labels-top-k", ["validate-labels", "--exact", "{labels}", "--approx", "{labels}", "--top-k", "0", "--out", "{out}"], "--top-k 0"),
