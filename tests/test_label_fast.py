@@ -96,7 +96,7 @@ def test_fast_labels_table_and_parts(tiny_llama, tiny_trace, tmp_path):
     exact = label_trace(tiny_trace, tiny_llama, tmp_path / "exact.parquet", LabelConfig(**common, candidates="6"), show_progress=False)
     df, meta = read_table(fast, what="labels")
     assert df.schema == pl.Schema(LABEL_SCHEMA)
-    assert meta["config"]["method"] == "fisher" and meta["config"]["params"] == {"samples": 16}
+    assert meta["config"]["method"] == "fisher" and meta["config"]["params"] == {"samples": 8}
     assert df["kl_steps"].is_null().all() and df["js_mean"].is_null().all() and df["top1_flips"].is_null().all()
     assert (df["kl_mean"] >= 0).all() and (df["noise_floor"] == 0).all()
     ex = pl.read_parquet(exact)

@@ -17,7 +17,7 @@ def bench_label(
     horizon: int = typer.Option(16, "--horizon", help="teacher-forced tokens H"),
     granularity: str = typer.Option("token", "--granularity", help="token: engine vs naive vs plain; layer | head: layer start vs full depth"),
     method: str = typer.Option("exact", "--method", help="exact, or an approximate method (fast, fisher): its cost per labeled entry vs exact"),
-    samples: int = typer.Option(16, "--samples", help="fisher: sampled continuations per horizon step"),
+    samples: int = typer.Option(8, "--samples", help="fisher: sampled continuations per horizon step"),
     repeats: int = typer.Option(3, "--repeats", help="timed runs per method, round-robin (best reported)"),
     dtype: str = common.Dtype,
     device: str = common.Device,

@@ -23,7 +23,7 @@ def label(
     w_obs: int = typer.Option(W_OBS, "--w-obs", help="every:K starts once W_obs tokens are generated"),
     batch_size: int = typer.Option(64, "--batch-size", help="candidate rows per forward"),
     method: str = typer.Option("exact", "--method", help="exact (the oracle) | fast (the recommended approximate method, labels every entry in one pass) | fisher (docs/labels.md)"),
-    samples: int = typer.Option(None, "--samples", help="fisher: sampled continuations per horizon step (default 16)"),
+    samples: int = typer.Option(None, "--samples", help="fisher: sampled continuations per horizon step (default 8)"),
     seed: int = common.Seed,
     model: str = typer.Option(None, "--model", help="override the Trace's model (refused if different unless --force)"),
     force: bool = typer.Option(False, "--force", help="label with a model other than the Trace's"),
