@@ -100,11 +100,15 @@ class TraceCost:
         return list(range(self.label_every, self.tokens - self.horizon + 1, self.label_every))
 
     @property
+    def prefill_flops(self) -> float:
+        """One teacher-forced forward over the whole trace: the labels' golden run, or a ``--store none`` rebuild."""
+        return self.tokens * self.shape.forward_flops(self.tokens / 2)
+
+    @property
     def label_flops(self) -> float:
         """Per checkpoint t: the golden prefill is shared; (N + 1 null) rows of H tokens over t cached keys."""
         rows = (self.candidates + 1) * self.horizon
-        prefill = self.tokens * self.shape.forward_flops(self.tokens / 2)  # the golden run, once per trace
-        return prefill + sum(rows * self.shape.forward_flops(t) for t in self.checkpoints)
+        return self.prefill_flops + sum(rows * self.shape.forward_flops(t) for t in self.checkpoints)
 
     def disk_bytes(self, store: str) -> float:
         return self.tokens * (self.shape.stored_bytes(store) + TOKEN_TABLE_BYTES)
@@ -119,7 +123,7 @@ def extrapolation(cost: TraceCost, gpu: GPU = GPU(), problems: int = 500, gpus: 
     """(quantity, value) rows of the arithmetic for one trace and for ``problems`` of them split over ``gpus``
     GPUs (torchrun ranks take whole prompts, so time divides and nothing else changes)."""
     shape, T, sec = cost.shape, cost.tokens, cost.seconds(gpu)
-    rebuild = T * shape.forward_flops(T / 2) / (gpu.tflops * 1e12 * gpu.compute_efficiency)
+    rebuild = cost.prefill_flops / (gpu.tflops * 1e12 * gpu.compute_efficiency)
     rows = [
         ("matmul weights per token", f"{shape.matmul_params / 1e9:.2f} G ({2 * shape.matmul_params / 1e9:.1f} GFLOP)"),
         ("attention FLOPs per token per cached key", f"{4 * shape.layers * shape.heads * shape.head_dim:,}"),
@@ -133,7 +137,7 @@ def extrapolation(cost: TraceCost, gpu: GPU = GPU(), problems: int = 500, gpus: 
         ("decode: bytes read (weights every step + cache so far)", f"{cost.decode_bytes / 1e12:,.0f} TB, {cost.decode_flops / 1e12:,.0f} TFLOP"),
         (f"labels: {len(cost.checkpoints)} checkpoints (every {cost.label_every}) x ({cost.candidates} + 1) rows x {cost.horizon} tokens",
          f"{cost.label_flops / 1e12:,.0f} TFLOP (golden prefill included)"),
-        ("rebuild of a --store none Trace (one prefill)", f"{T * shape.forward_flops(T / 2) / 1e12:,.0f} TFLOP, {rebuild:.1f} s"),
+        ("rebuild of a --store none Trace (one prefill)", f"{cost.prefill_flops / 1e12:,.0f} TFLOP, {rebuild:.1f} s"),
         (f"one trace on one {gpu.name}", f"trace {sec['trace']:,.0f} s (batch 1, bandwidth-bound), labels {sec['label']:,.1f} s"),
     ]
     for n in gpus:

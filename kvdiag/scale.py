@@ -82,13 +82,12 @@ def _run(argv: list[str], log: Path) -> tuple[float, float]:
     return seconds, usage.ru_maxrss / 1024  # KiB on Linux
 
 
-def run_scale_bench(plan: ScalePlan, prompt_len: int, report: Callable[[Step], None] = lambda s: None) -> list[Step]:
-    """All steps of ``plan`` (finished ones are read back from ``steps/``), in order: baseline, then per length
-    the traces, the label, the scores and the figures."""
+def run_scale_bench(plan: ScalePlan, prompt_len: int, report: Callable[[Step], None] = lambda s: None) -> None:
+    """Run the steps of ``plan`` not yet recorded in ``steps/`` (``report`` sees each step, recorded or run), in
+    order: baseline, then per length the traces, the label, the scores and the figures."""
     out = plan.out
     (out / "steps").mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
-    steps: list[Step] = []
 
     def step(name: str, stage: str, T: int, store: str, argv: list[str], trace: Path | None = None) -> None:
         done = out / "steps" / f"{name.replace('/', '__')}.json"
@@ -102,7 +101,6 @@ def run_scale_bench(plan: ScalePlan, prompt_len: int, report: Callable[[Step], N
             seconds, peak = _run(argv, out / "logs" / f"{name.replace('/', '__')}.log")
             s = Step(name, stage, T, store, seconds, peak, _disk_mb(trace) if trace else None)
             write_json(done, asdict(s))
-        steps.append(s)
         report(s)
 
     common = ["--model", plan.model, "--prompts", plan.prompts, "--limit", "1", "--dtype", plan.dtype, "--quiet"]
@@ -127,7 +125,6 @@ def run_scale_bench(plan: ScalePlan, prompt_len: int, report: Callable[[Step], N
         step(f"T{T}/figures", "figures", T, plan.stores[0],
              ["figures", "--trace", str(first), "--labels", str(labels), "--scores", str(run / f"scores-{plan.stores[0]}.parquet"),
               "--out", str(run / "figures")])
-    return steps
 
 
 def memory_growth(steps: list[Step], shape: ModelShape, dtype: str, storage_dtype: str = "float16") -> pl.DataFrame:
