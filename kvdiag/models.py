@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,7 +121,27 @@ def load_model(
     else:
         model, tok = _from_dir(spec, torch_dtype, revision, trust_remote_code)
     model = adapt(model).to(device=device, dtype=torch_dtype).eval()
-    return LoadedModel(model, tok, spec, dtype, device, revision, config_hash(model.config), weights_hash(model))
+    loaded = LoadedModel(model, tok, spec, dtype, device, revision, config_hash(model.config), weights_hash(model))
+    _restart_peak_after_load()
+    return loaded
+
+
+PEAK_AFTER_LOAD_ENV = "KVDIAG_PEAK_AFTER_LOAD"
+
+
+def _restart_peak_after_load() -> None:
+    """For ``kvdiag bench scale`` (which sets ``$KVDIAG_PEAK_AFTER_LOAD`` to a file for each step it runs):
+    write the process's peak RSS so far (the load's, in MB) to that file and restart the kernel's high-water
+    mark, so the process's final ``ru_maxrss`` is the peak of the work after the load. The load's transient
+    copies (GGUF conversion, dtype casts) would otherwise hide how the work itself grows. Linux only; without
+    the variable nothing happens."""
+    target = os.environ.get(PEAK_AFTER_LOAD_ENV)
+    status = Path("/proc/self/status")
+    if not target or not status.exists():
+        return
+    hwm_kb = next(int(line.split()[1]) for line in status.read_text().splitlines() if line.startswith("VmHWM:"))
+    Path(target).write_text(f"{hwm_kb / 1024:.1f}\n")
+    Path("/proc/self/clear_refs").write_text("5")  # 5: reset the peak RSS to the current RSS
 
 
 def config_hash(config) -> str:

@@ -29,6 +29,7 @@ import polars as pl
 from kvdiag.cost import ModelShape
 from kvdiag.errors import UserError
 from kvdiag.io import check_writable, write_csv, write_json, write_text, writable_dir
+from kvdiag.models import PEAK_AFTER_LOAD_ENV
 from kvdiag.trace.writer import STORAGE_DTYPES, parse_store
 
 STAGES = ("trace", "label", "score", "figures")
@@ -44,8 +45,10 @@ class Step:
     length: int  # T
     store: str  # the Trace's --store mode
     seconds: float
-    peak_rss_mb: float
+    peak_rss_mb: float  # the whole process: max(load, work)
     disk_mb: float | None  # the Trace directory (trace steps)
+    load_peak_mb: float | None = None  # the peak up to the end of the model load
+    work_peak_mb: float | None = None  # the peak after the load (its high-water mark restarted there)
 
 
 @dataclass
@@ -70,16 +73,23 @@ def _disk_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
 
 
-def _run(argv: list[str], log: Path) -> tuple[float, float]:
-    """Run ``python -m kvdiag ARGV`` to the end: (seconds, peak RSS MB). A failure is a bug of the step."""
+def _run(argv: list[str], log: Path) -> tuple[float, float, float | None]:
+    """Run ``python -m kvdiag ARGV`` to the end: (seconds, load peak MB, work peak MB). The child writes its
+    load peak and restarts its high-water mark after loading the model (``kvdiag.models``,
+    ``$KVDIAG_PEAK_AFTER_LOAD``), so its ``ru_maxrss`` is then the work's peak alone; a step that loads no
+    model gives (seconds, None, whole peak). A failure is a bug of the step."""
+    load_file = log.with_suffix(".load_peak")
+    load_file.unlink(missing_ok=True)
     start = time.perf_counter()
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "kvdiag", *argv], stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "-m", "kvdiag", *argv], stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, PEAK_AFTER_LOAD_ENV: str(load_file)})
         _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:
         raise RuntimeError(f"bench scale: `kvdiag {' '.join(argv)}` failed; see {log}")
-    return seconds, usage.ru_maxrss / 1024  # KiB on Linux
+    load_peak = float(load_file.read_text()) if load_file.exists() else None
+    return seconds, load_peak, usage.ru_maxrss / 1024  # KiB on Linux
 
 
 def run_scale_bench(plan: ScalePlan, prompt_len: int, report: Callable[[Step], None] = lambda s: None) -> None:
@@ -98,8 +108,9 @@ def run_scale_bench(plan: ScalePlan, prompt_len: int, report: Callable[[Step], N
             target = Path(argv[argv.index("--out") + 1])
             for stale in (target, target.with_name(target.name + ".parts")):
                 shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
-            seconds, peak = _run(argv, out / "logs" / f"{name.replace('/', '__')}.log")
-            s = Step(name, stage, T, store, seconds, peak, _disk_mb(trace) if trace else None)
+            seconds, load_peak, work_peak = _run(argv, out / "logs" / f"{name.replace('/', '__')}.log")
+            s = Step(name, stage, T, store, seconds, max(load_peak or 0.0, work_peak), _disk_mb(trace) if trace else None,
+                     load_peak, work_peak if load_peak is not None else None)
             write_json(done, asdict(s))
         report(s)
 
@@ -128,12 +139,13 @@ def run_scale_bench(plan: ScalePlan, prompt_len: int, report: Callable[[Step], N
 
 
 def memory_growth(steps: list[Step], shape: ModelShape, dtype: str, storage_dtype: str = "float16") -> pl.DataFrame:
-    """Per store mode traced at two or more lengths: the growth of trace peak RSS per token (least-squares slope
-    over T) beside the arithmetic bound, KV cache (compute dtype) + recorded rows (storage dtype) per token."""
+    """Per store mode traced at two or more lengths: the growth of the trace's work peak RSS (after the model
+    load) per token (least-squares slope over T) beside the arithmetic bound, KV cache (compute dtype) +
+    recorded rows (storage dtype) per token."""
     kv, rows = shape.kv_cache_bytes(STORAGE_DTYPES[dtype].itemsize), []
     traces = [s for s in steps if s.stage == "trace" and not s.name.startswith("baseline")]
     for store in sorted({s.store for s in traces}):
-        pts = [(s.length, s.peak_rss_mb * 2**20) for s in traces if s.store == store]
+        pts = [(s.length, s.work_peak_mb * 2**20) for s in traces if s.store == store and s.work_peak_mb is not None]
         if len(pts) < 2:
             continue
         slope = float(np.polyfit(*zip(*pts), 1)[0])  # bytes per token
@@ -148,7 +160,7 @@ def steps_table(steps: list[Step]) -> pl.DataFrame:
     """One row per (T, stage, store): seconds, peak RSS, disk."""
     return pl.DataFrame([asdict(s) for s in steps]).select(
         pl.col("length").alias("T"), "stage", "store", pl.col("seconds").round(1), pl.col("peak_rss_mb").round(0),
-        pl.col("disk_mb").round(1))
+        pl.col("load_peak_mb").round(0), pl.col("work_peak_mb").round(0), pl.col("disk_mb").round(1))
 
 
 def parse_lengths(values: list[str]) -> list[int]:
@@ -177,6 +189,10 @@ def _markdown(df: pl.DataFrame) -> str:
     return md_table(df.columns, [[("" if v is None else v) for v in row] for row in df.rows()])
 
 
+def _growth_text(growth: pl.DataFrame) -> str:
+    return _markdown(growth) if growth.height else "(no store mode traced at two lengths yet)\n"
+
+
 def bench_scale(plan: ScalePlan, report: Callable[[Step], None] = lambda s: None) -> str:
     """Check ``plan`` against the model (bad input before any step), run it, write ``scale.csv`` and ``scale.md``
     into ``plan.out``; returns the Markdown."""
@@ -199,9 +215,10 @@ def bench_scale(plan: ScalePlan, report: Callable[[Step], None] = lambda s: None
     write_csv(table, plan.out / "scale.csv")
     text = (f"bench scale: {plan.model} {plan.dtype}, prompt of {prompt_len} tokens, T - {prompt_len} generated "
             f"(greedy, end-of-sequence held off); each step is the kvdiag command in a process of its own "
-            f"(peak = its ru_maxrss; disk = the Trace directory).\n\n{_markdown(table)}\n"
-            f"Trace memory growth per token (least-squares slope of peak RSS over T) against the arithmetic "
+            f"(peak_rss = its ru_maxrss over the whole process; load_peak = up to the end of the model load; work_peak = after "
+            f"it, the high-water mark restarted there; disk = the Trace directory).\n\n{_markdown(table)}\n"
+            f"Trace memory growth per token (least-squares slope of work_peak over T) against the arithmetic "
             f"bound, KV cache ({plan.dtype}) + recorded rows (float16), from kvdiag.cost:\n\n"
-            f"{_markdown(memory_growth(steps, shape, plan.dtype))}")
+            f"{_growth_text(memory_growth(steps, shape, plan.dtype))}")
     write_text(plan.out / "scale.md", text)
     return text

@@ -25,5 +25,6 @@ def bench_scale(
     plan = scale.ScalePlan(model, prompts, scale.parse_lengths(common.listed(lengths)), scale.parse_stores(store), out, dtype)
     console = Console()
     text = scale.bench_scale(plan, lambda s: console.print(
-        f"{s.name}: {s.seconds:.1f} s, peak {s.peak_rss_mb:.0f} MB" + (f", {s.disk_mb:.1f} MB on disk" if s.disk_mb else "")))
+        f"{s.name}: {s.seconds:.1f} s, peak {s.peak_rss_mb:.0f} MB"
+        + (f" (after the load {s.work_peak_mb:.0f} MB)" if s.work_peak_mb is not None else "") + (f", {s.disk_mb:.1f} MB on disk" if s.disk_mb else "")))
     console.print(text)
