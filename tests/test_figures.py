@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 import kvdiag.cli.main
 from kvdiag.errors import UserError
 from kvdiag.figures import FigureParams, check_figure_inputs, classify_reads, first_reads, make_figures, trace_first_reads
-from kvdiag.io import write_table
+from kvdiag.io import read_table, write_table
 from kvdiag.label import LABEL_SCHEMA
 from kvdiag.rankeval import KEYS
 
@@ -363,3 +363,49 @@ def test_cli_writes_the_figures_and_exits_2_on_bad_input(run, tmp_path, capsys):
     assert "come from different traces" in exits_2("figures", "--trace", str(tr.path), "--labels", str(foreign), "--scores", str(sp),
                                                    "--out", str(out))
     assert "low_attention_quantile" in exits_2(*base, "--out", str(out), "--low-attention-quantile", "1.5")
+
+
+def test_figures_read_the_features_that_score_wrote(run, tmp_path, monkeypatch):
+    """Scoring writes each token row's read pressure and payload beside the scores; the figures read them instead
+    of recomputing them from the Trace. Both sides run one function (``token_features.layer_pressure_payload``) on
+    the same layer tensors and shapes, so the points are compared exactly."""
+    import kvdiag.figures.registry as registry
+    from kvdiag.figures.run import figures_files
+    from kvdiag.scorers.run import score_files, score_trace
+    from kvdiag.token_features import TokenFeatures, features_path, read_token_features
+
+    tr, labels = run["trace"], run["labels"]
+    meta = {"kind": "labels", "trace": tr.provenance}
+    lp = write_table(labels, tmp_path / "labels.parquet", meta)
+    sp = tmp_path / "scores.parquet"
+    score_files(tr.path, sp, labels=lp, scorers="avokv_e,h2o", progress=False)  # the command's defaults: w_obs 32, w_delay 128
+    written, written_meta = read_table(features_path(sp))
+    assert written.height == labels.height and written["value_payload"].null_count() == 0
+    assert written_meta["kind"] == "token_features" and written_meta["params"] == {"w_obs": 32, "w_delay": 128, "payload": "l2"}
+
+    # the figures' settings: write the features with them through the library, as score_files does
+    feats = TokenFeatures(PARAMS.token_features)
+    scores, scores_meta = score_trace(tr, keys=labels, scorers="avokv_e,h2o", token_features=feats)
+    write_table(scores, sp, scores_meta)
+    write_table(feats.table(), features_path(sp), feats.meta(scores_meta["trace"]))
+    df, source = read_token_features(sp, PARAMS.token_features, tr)
+    assert source == "read from scores.features.parquet (written by kvdiag score)" and df.height == labels.height
+
+    def no_trace_features(*args, **kwargs):
+        raise AssertionError("the figures recomputed read pressure and payload from the Trace")
+
+    with monkeypatch.context() as m:
+        m.setattr(registry, "trace_pressure_payload", no_trace_features)
+        figures_files(tr.path, lp, sp, tmp_path / "read", PARAMS, progress=False)
+    record = json.loads((tmp_path / "read" / "figures.json").read_text())
+    assert record["inputs"]["read_pressure_payload"] == source
+    # the same points as the figures computed from the Trace alone (the module's run): exactly
+    assert pl.read_csv(tmp_path / "read" / "blind_spot_points.csv").equals(pl.read_csv(run["out"] / "blind_spot_points.csv"))
+
+    # other settings than the file's: recomputed from the Trace, and figures.json says so
+    figures_files(tr.path, lp, sp, tmp_path / "other", FigureParams(w_obs=4, w_delay=64, interval=16, n_boot=20, min_group=3), progress=False)
+    assert "was made with" in json.loads((tmp_path / "other" / "figures.json").read_text())["inputs"]["read_pressure_payload"]
+    # a features file of another Trace beside the scores is refused, not used
+    write_table(feats.table(), features_path(sp), feats.meta({"fingerprint": "0123456789abcdef"}))
+    with pytest.raises(UserError, match="another Trace"):
+        figures_files(tr.path, lp, sp, tmp_path / "foreign", PARAMS, progress=False)

@@ -20,7 +20,7 @@ _HOME = {
     "blind_spot_flags": "blind_spot", "blind_spot_stats": "blind_spot",
     "VARIANTS": "components", "component_metrics": "components", "component_table": "components",
     "classify_reads": "delayed_reads", "delay_histogram": "delayed_reads", "delayed_read_stats": "delayed_reads",
-    "first_reads": "features", "layer_pressure_payload": "features", "layer_read_strength": "features",
+    "first_reads": "features", "layer_read_strength": "features",
     "trace_first_reads": "features", "trace_pressure_payload": "features",
     "rank_biserial": "common",
 }

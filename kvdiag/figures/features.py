@@ -1,5 +1,6 @@
-"""Token-level features of the figures: read pressure and value payload per labeled candidate, and the read
-strengths of every future query on the labeled entries.
+"""Token-level features of the figures computed from the Trace: read pressure and value payload per labeled
+candidate (when the scores' features file cannot serve them, ``kvdiag.token_features``), and the read strengths
+of every future query on the labeled entries (future queries: no scorer sees them).
 
 Core functions take tensors of one (prompt, layer); the ``trace_*`` functions loop over a Trace's prompts and
 layers (each layer file is read once per prompt and column block) and average over layers.
@@ -13,64 +14,27 @@ import numpy as np
 import polars as pl
 import torch
 
-from kvdiag import features
 from kvdiag.adapters import LayerAttention
 from kvdiag.attention import attention_rows
+from kvdiag.token_features import TokenFeatureParams, TokenFeatures
 
 
-def layer_pressure_payload(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: LayerAttention | float, positions: dict[int, torch.Tensor],
-    w_obs: int, w_delay: int, payload: str,
-) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Read pressure and value payload of one layer, KV-head means.
-
-    q [H, T, d], k/v [Hkv, T, d] (fp32); ``positions[t]`` LongTensor [n_t] of candidates at checkpoint ``t``.
-    ``p``: ``features.read_pressure`` of the window ``[t - w_obs, t)`` normalized over the entries of age
-    ``> w_delay`` (NaN when there is none); ``b``: ``features.value_payload(v, payload)``.
-    Returns ``{t: (p [n_t], b [n_t])}``.
-    """
-    b_all = features.value_payload(v, payload).mean(dim=0)  # [T]: a payload does not depend on t
-    out = {}
-    for t, pos in positions.items():
-        eligible = torch.arange(t) < t - w_delay  # age t - i > w_delay
-        if not bool(eligible.any()):
-            p = torch.full((len(pos),), float("nan"))
-        else:
-            attn = features.window_attention(q[:, :t], k[:, :t], scale, w_obs)
-            p = features.read_pressure(attn, eligible, k.shape[0]).mean(dim=0)[pos]
-        out[t] = (p, b_all[pos])
-    return out
-
-
-def trace_pressure_payload(trace, keys: pl.DataFrame, w_obs: int, w_delay: int, payload: str,
+def trace_pressure_payload(trace, keys: pl.DataFrame, params: TokenFeatureParams,
                            advance: Callable[[], None] | None = None) -> pl.DataFrame:
-    """``keys`` (prompt_id, checkpoint, position) with ``read_pressure`` and ``value_payload``: the mean over
-    layers of :func:`layer_pressure_payload` (itself a mean over KV heads)."""
+    """``keys`` (prompt_id, checkpoint, position) with ``read_pressure`` and ``value_payload`` computed from the
+    Trace (``kvdiag.token_features``: what ``kvdiag score`` writes beside the scores)."""
     frames = []
     for pid, grp in keys.group_by("prompt_id", maintain_order=True):
         pid = pid[0]
         grp = grp.sort("checkpoint", "position")
         positions = {t: torch.tensor(g["position"].to_numpy()) for (t,), g in grp.group_by("checkpoint", maintain_order=True)}
-        p_sum = {t: torch.zeros(len(pos), dtype=torch.float64) for t, pos in positions.items()}
-        b_sum = {t: torch.zeros(len(pos), dtype=torch.float64) for t, pos in positions.items()}
+        sums = TokenFeatures(params).prompt(pid, positions, trace.num_layers)
         for layer in range(trace.num_layers):
             qkv = trace.layer(pid, layer)
-            res = layer_pressure_payload(qkv.q.float(), qkv.k.float(), qkv.v.float(), trace.layer_attention(layer), positions,
-                                         w_obs, w_delay, payload)
-            for t, (p, b) in res.items():
-                p_sum[t] += p.double()
-                b_sum[t] += b.double()
+            sums.add_layer(qkv.q.float(), qkv.k.float(), qkv.v.float(), trace.layer_attention(layer))
             if advance:
                 advance()
-        L = trace.num_layers
-        frames.append(pl.DataFrame({
-            "prompt_id": pid,
-            "checkpoint": np.concatenate([np.full(len(positions[t]), t) for t in positions]),
-            "position": np.concatenate([positions[t].numpy() for t in positions]),
-            "read_pressure": np.concatenate([(p_sum[t] / L).numpy() for t in positions]),
-            "value_payload": np.concatenate([(b_sum[t] / L).numpy() for t in positions]),
-        }, schema={"prompt_id": pl.String, "checkpoint": pl.Int64, "position": pl.Int64,
-                   "read_pressure": pl.Float64, "value_payload": pl.Float64}))
+        frames.append(sums.finish())
     return keys.join(pl.concat(frames), on=["prompt_id", "checkpoint", "position"], how="left", maintain_order="left") if frames else keys
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from kvdiag.errors import UserError
 from kvdiag.rankeval import parse_harm
 from kvdiag.schema import CHECKPOINT_INTERVAL, W_DELAY, W_OBS
+from kvdiag.token_features import TokenFeatureParams
 
 PAYLOAD_KINDS = ("l2", "l1", "range", "var")  # features.value_payload kinds computable from the Trace alone
 READ_REDUCES = ("mean", "max")
@@ -56,6 +57,11 @@ class FigureParams:
     log_floor: float = 1e-12  # values are drawn at max(x, log_floor) on log axes (the CSVs hold the raw values)
     chunk_elements: int = 2**24  # attention probabilities [H, queries, keys] per chunk (64 MiB in fp32)
     strength_elements: int = 2**26  # read-strength accumulator [T, candidates] per column block (256 MiB in fp32)
+
+    @property
+    def token_features(self) -> TokenFeatureParams:
+        """The definition of ``p`` and ``b`` (what a scores' features file must have been made with)."""
+        return TokenFeatureParams(self.w_obs, self.w_delay, self.payload)
 
     def __post_init__(self):
         def need(ok: bool, what: str) -> None:

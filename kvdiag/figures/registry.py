@@ -2,11 +2,11 @@
 registered with ``@register_figure``; ``make_figures`` draws every registered figure (registration order) from
 one context, and the report lists them from :data:`FIGURES`.
 
-The context holds the checked inputs and the features the figures share, each computed once on first use:
-read pressure and value payload per analysed label (``points``), the read strengths of every future query per
-labeled entry (``reads``); rank-eval's metrics.csv when given (``given_metrics``, e.g. ``--rank-eval``).
-``scores.parquet`` holds each rule's aggregated score (percentile ranks by default), not these raw features, so
-``points`` and ``reads`` come from the Trace's q/k/v through ``kvdiag.features``, like the scorers' own.
+The context holds the checked inputs and the features the figures share, each made once on first use:
+read pressure and value payload per analysed label (``points``: from the features ``kvdiag score`` wrote beside
+the scores, ``kvdiag.token_features``; from the Trace when that file cannot serve them), the read strengths of
+every future query per labeled entry (``reads``: from the Trace, since no scorer sees future queries);
+rank-eval's metrics.csv when given (``given_metrics``, e.g. ``--rank-eval``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import polars as pl
 
 from kvdiag.figures.features import trace_first_reads, trace_pressure_payload
 from kvdiag.figures.params import FigureParams
+from kvdiag.schema import KEYS
 from kvdiag.rankeval import harm_threshold, unresolved
 
 
@@ -63,6 +64,8 @@ class FigureContext:
     ``labels``: checked labels of every granularity; ``token``: the token rows; ``analysed``: those analysed
     (resolved unless ``include_unresolved``, finite ``kl_mean``); ``threshold``: the harm threshold over them.
     ``given_metrics``: rank-eval's metrics table to reuse (None: a figure that needs metrics computes them).
+    ``features``: the scores' token features (``kvdiag.token_features``, made with ``params.token_features``)
+    or None; ``features_source`` says where ``points`` came from (figures.json).
     ``task(description, total)`` starts a progress task and returns its ``advance`` (a no-op without a bar).
     """
 
@@ -74,6 +77,8 @@ class FigureContext:
     scores_meta: dict | None = None
     given_metrics: pl.DataFrame | None = None
     task: Callable[[str, int], Callable[[], None]] = lambda description, total: lambda: None
+    features: pl.DataFrame | None = None
+    features_source: str = "computed from the Trace (no features file given)"
     token: pl.DataFrame = field(init=False)
     below_floor: pl.Expr = field(init=False)
     analysed: pl.DataFrame = field(init=False)
@@ -95,8 +100,15 @@ class FigureContext:
         p, keys = self.params, self.analysed.select("prompt_id", "checkpoint", "position", "kl_mean")
         if not keys.height:
             return keys.with_columns(read_pressure=pl.lit(None, pl.Float64), value_payload=pl.lit(None, pl.Float64))
+        if self.features is not None:
+            on = list(KEYS[:3])  # prompt_id, checkpoint, position
+            joined = keys.join(self.features.select(*on, "read_pressure", "value_payload"), on=on, how="left", maintain_order="left")
+            missing = joined["value_payload"].null_count()
+            if not missing:
+                return joined
+            self.features_source = f"computed from the Trace (the features file lacks {missing} analysed label(s))"
         advance = self.task("figures: read pressure, prompt × layer", keys["prompt_id"].n_unique() * self.trace.num_layers)
-        return trace_pressure_payload(self.trace, keys, p.w_obs, p.w_delay, p.payload, advance)
+        return trace_pressure_payload(self.trace, keys, p.token_features, advance)
 
     @cached_property
     def reads(self) -> pl.DataFrame:

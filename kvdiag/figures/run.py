@@ -17,6 +17,7 @@ from kvdiag.progress import progress_bar
 from kvdiag.provenance import provenance
 from kvdiag.rankeval import check_inputs
 from kvdiag.schema import KEYS, check_keys, keyed
+from kvdiag.token_features import read_token_features
 
 # importing each module registers its figure, in this order (of make_figures, figures.json and the report)
 from kvdiag.figures import blind_spot, delayed_reads, components  # noqa: F401
@@ -79,6 +80,8 @@ def make_figures(
     labels_meta: dict | None = None,
     scores_meta: dict | None = None,
     metrics: pl.DataFrame | None = None,
+    features: pl.DataFrame | None = None,
+    features_source: str | None = None,
     command: list[str] | None = None,
     progress: bool = False,
 ) -> dict:
@@ -91,6 +94,8 @@ def make_figures(
     params : thresholds and definitions (:class:`FigureParams`).
     labels_meta, scores_meta : the tables' provenance (``kvdiag.io.read_meta``), checked against each other and the Trace.
     metrics : rank-eval's metrics table (metrics.csv) to reuse; computed from labels and scores when None.
+    features, features_source : the scores' token features (``kvdiag.token_features.read_token_features``) and
+        where they came from; None: read pressure and payload are computed from the Trace.
     command : the argv that produced this call, recorded in figures.json.
 
     Returns ``{"blind_spot": {statistic: value}, "delayed_reads": {...}, "components": [rows], "notes": [...],
@@ -106,7 +111,9 @@ def make_figures(
             tid = bar.add_task(description, total=total)
             return lambda: bar.advance(tid)
 
-        ctx = FigureContext(trace, labels, scores, params, out, scores_meta, metrics, task)
+        ctx = FigureContext(trace, labels, scores, params, out, scores_meta, metrics, task, features)
+        if features_source:
+            ctx.features_source = features_source
         drawn = {name: figure.draw(ctx) for name, figure in FIGURES.items()}
 
     files = [f for d in drawn.values() for f in d.files] + [out / "figures.json"]
@@ -118,7 +125,8 @@ def make_figures(
         **provenance(),
         "params": asdict(params),
         "inputs": {"trace": getattr(trace, "provenance", None), "labels": labels_meta, "scores": scores_meta,
-                   "metrics": "given (rank-eval metrics.csv)" if metrics is not None else "computed with rank_eval from labels and scores"},
+                   "metrics": "given (rank-eval metrics.csv)" if metrics is not None else "computed with rank_eval from labels and scores",
+                   "read_pressure_payload": ctx.features_source},
         # statistics of each figure (a table's rows stay in its CSV) and the notes
         "summary": {name: d.result for name, d in drawn.items() if isinstance(d.result, dict)} | {"notes": result["notes"]},
         "outputs": [f.name for f in files],
@@ -143,6 +151,7 @@ def figures_files(trace: str | os.PathLike, labels: str | os.PathLike, scores: s
     tr = Trace(trace)
     label_df, label_meta = read_labels(labels)
     score_df, score_meta = read_table(scores, "scores")
+    features, features_source = read_token_features(scores, params.token_features, tr)
     metrics = None
     if rank_eval is not None:
         for flag, value in (("--min-age", params.min_age), ("--max-age", params.max_age), ("--eligible", params.eligible)):
@@ -153,4 +162,4 @@ def figures_files(trace: str | os.PathLike, labels: str | os.PathLike, scores: s
             raise UserError(f"--rank-eval {rank_eval} has no metrics.csv: pass a directory written by kvdiag rank-eval")
         metrics = pl.read_csv(Path(rank_eval) / "metrics.csv", schema_overrides={"note": pl.String})
     return make_figures(tr, label_df, score_df, out, params, labels_meta=label_meta, scores_meta=score_meta,
-                        metrics=metrics, command=command, progress=progress)
+                        metrics=metrics, features=features, features_source=features_source, command=command, progress=progress)

@@ -33,6 +33,7 @@ from kvdiag.schema import GRANULARITIES, KEY_SCHEMA, KEYS, check_checkpoint, che
 from kvdiag.scorers.context import ScoreContext
 from kvdiag.scorers.normalization import AGGREGATIONS, aggregation_values
 from kvdiag.scorers.registry import SCORERS, Scorer, ensure_registered, get_scorer, needs_o_proj, register_scorer, scorer_names
+from kvdiag.token_features import TokenFeatures, features_path
 
 ENTRY_POINT_GROUP = "kvdiag.scorers"
 KEY_COLUMNS = KEYS  # the key columns under their name in kvdiag.scorers
@@ -156,6 +157,7 @@ def score_trace(
     o_proj: dict[int, torch.Tensor] | None = None,
     progress: bool = False,
     timings: dict[str, float] | None = None,
+    token_features: TokenFeatures | None = None,
 ) -> tuple[pl.DataFrame, dict]:
     """Score candidates of a Trace with every selected scorer.
 
@@ -169,6 +171,8 @@ def score_trace(
     o_proj : layer -> the model's o_proj weight [hidden, H*d], for the ``wo_l2`` payload.
     timings : if given, seconds spent per scorer are added to it (shared features are charged to the first
         scorer that needs them at each checkpoint).
+    token_features : if given, the read pressure and value payload of every token row are added to it
+        (``kvdiag.token_features``: what the figures read), from the same layer tensors.
 
     Returns the keys with one Float64 column per scorer (rows in the keys' order) and the metadata dict.
     """
@@ -185,7 +189,7 @@ def score_trace(
         task = bar.add_task("score: prompt × layer", total=len(prompts) * trace.num_layers)
         for pid in prompts:
             _score_prompt(trace, pid, keys.filter(pl.col("prompt_id") == pid), selected, aggregation, o_proj, out,
-                          timings, lambda: bar.advance(task))
+                          timings, token_features, lambda: bar.advance(task))
     df = keys.drop("_row").with_columns(pl.Series(name, values, dtype=pl.Float64) for name, values in out.items())
     meta = {
         "kind": "scores",
@@ -228,7 +232,8 @@ def score_files(trace: str | os.PathLike, out: str | os.PathLike, labels: str | 
                 model: str | None = None, progress: bool = True) -> tuple[pl.DataFrame, dict]:
     """What ``kvdiag score`` runs: score the candidates of ``labels`` (a labels file), or every cached entry at
     ``checkpoints`` (``default`` or ``t1,t2,...``) in ``granularity`` (``token,layer,head``; default token), of the
-    Trace directory ``trace``, and write ``out``. ``model``: the Trace's model, read only for the ``wo_l2``
+    Trace directory ``trace``, and write ``out`` (and beside it the token rows' read pressure and value payload,
+    ``kvdiag.token_features.features_path(out)``, which the figures read). ``model``: the Trace's model, read only for the ``wo_l2``
     payload. Every input is checked before the work (and the model load) starts. Returns the table and its metadata."""
     from kvdiag.trace import Trace
 
@@ -248,14 +253,16 @@ def score_files(trace: str | os.PathLike, out: str | os.PathLike, labels: str | 
         keys = check_keys(tr, keys, f"--labels {labels}")
     else:
         keys = checkpoint_keys(tr, parse_checkpoints(checkpoints), (granularity or "token").split(","))
+    token_features = TokenFeatures()
     df, meta = score_trace(tr, keys=keys, scorers=scorers, params=params, aggregation=aggregation,  # plugins: loaded above
-                           o_proj=load_o_proj(model, tr) if model else None, progress=progress)
+                           o_proj=load_o_proj(model, tr) if model else None, progress=progress, token_features=token_features)
     meta["source"] = {"labels": str(labels)} if labels is not None else {"checkpoints": checkpoints, "granularity": granularity or "token"}
+    write_table(token_features.table(), features_path(out), token_features.meta(meta["trace"]))  # before the scores they serve
     write_table(df, out, meta)
     return df, meta
 
 
-def _score_prompt(trace, pid, keys, selected, aggregation, o_proj, out, timings, advance) -> None:
+def _score_prompt(trace, pid, keys, selected, aggregation, o_proj, out, timings, token_features, advance) -> None:
     """Fill ``out[name][rows]`` for the key rows of one prompt."""
     groups: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
     for (t, gran, layer, head), grp in keys.group_by(["checkpoint", "granularity", "layer", "kv_head"]):
@@ -268,6 +275,8 @@ def _score_prompt(trace, pid, keys, selected, aggregation, o_proj, out, timings,
             by_layer[layer].append((t, head, pos, rows))
     P, ids = trace.prompt_len(pid), trace.token_ids(pid)
     L = trace.num_layers
+    sums = (token_features.prompt(pid, {t: torch.tensor(groups[(t, "token", -1, -1)][0]) for t in token_t}, L)
+            if token_features is not None and token_t else None)
     for layer in range(L):
         scale = trace.layer_attention(layer)  # the layer's attention semantics (window, softcap, sinks)
         cps = sorted(set(token_t) | {t for t, *_ in by_layer[layer]})
@@ -278,6 +287,8 @@ def _score_prompt(trace, pid, keys, selected, aggregation, o_proj, out, timings,
         q, k, v = qkv.q.float(), qkv.k.float(), qkv.v.float()
         del qkv
         history = AttentionHistory(q, k, scale)
+        if sums is not None:
+            sums.add_layer(q, k, v, scale)
         for t in cps:
             ctx = ScoreContext(q[:, :t], k[:, :t], v[:, :t], scale, P, layer, pid, ids[:t],
                                o_proj=o_proj.get(layer) if o_proj else None, history=history, trace=trace)
@@ -298,6 +309,8 @@ def _score_prompt(trace, pid, keys, selected, aggregation, o_proj, out, timings,
     for name in selected:
         for t in token_t:
             out[name][groups[(t, "token", -1, -1)][1]] = token_sum[name][t] / (L * trace.num_kv_heads)
+    if sums is not None:
+        sums.finish()
 
 
 def _check_scores(name: str, scores: torch.Tensor, ctx: ScoreContext) -> None:
