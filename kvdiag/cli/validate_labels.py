@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from kvdiag.cli import common
 
 
 def validate_labels(
@@ -17,11 +18,11 @@ def validate_labels(
     harmful_quantile: float = typer.Option(0.9, "--harmful-quantile", help="exact-harmful: exact kl_mean >= this quantile of its checkpoint"),
     top_k: int = typer.Option(8, "--top-k", help="top-k overlap: k most harmful entries per checkpoint"),
     bins: int = typer.Option(4, "--bins", help="quantile bins per disagreement feature"),
+    seed: int = common.Seed,  # of the bootstrap
     attention: str = typer.Option("attention", "--attention", help="scores column binned as attention"),
     payload: str = typer.Option("value_norm", "--payload", help="scores column binned as payload"),
     bootstrap: int = typer.Option(1000, "--n-boot", help="cluster-bootstrap resamples over prompts"),
     level: float = typer.Option(0.95, "--level", help="CI level"),
-    seed: int = typer.Option(0, "--seed", help="seed of the bootstrap"),
 ) -> None:
     """How far approximate labels can be trusted: per-checkpoint Spearman, AUROC for exact-harmful entries, top-k overlap."""
     from kvdiag.label.validate import ValidateConfig, run_validation

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvdiag.errors import UserError
+from kvdiag.errors import UserError, check_positive
 from kvdiag.scorers.context import ScoreContext
 
 
@@ -44,6 +44,20 @@ class Scorer:
     def params(self) -> dict:
         """The parameters as a JSON-serializable dict (written into scores.parquet's metadata)."""
         return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+@dataclass
+class QueryWindowScorer(Scorer):
+    """A rule that scores from its last ``window`` queries and keeps the last ``window`` entries (SnapKV, R-KV)."""
+
+    window: int = 32
+
+    def __post_init__(self):
+        check_positive(f"{self.name}.window", self.window)
+
+    def protected(self, age: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Never evicted: the last ``window`` entries (the query window)."""
+        return age <= self.window
 
 
 def needs_o_proj(scorer: Scorer) -> bool:

@@ -10,7 +10,7 @@ from kvdiag.errors import check_choice, check_positive
 from kvdiag.features import max_pool, rkv_redundancy
 from kvdiag.scorers.context import ScoreContext
 from kvdiag.scorers.normalization import protect
-from kvdiag.scorers.registry import Scorer, register_scorer
+from kvdiag.scorers.registry import QueryWindowScorer, register_scorer
 
 
 def rkv_importance(q_window: torch.Tensor, k_candidates: torch.Tensor, scale: float, pooling: str, kernel_size: int) -> torch.Tensor:
@@ -30,7 +30,7 @@ def rkv_importance(q_window: torch.Tensor, k_candidates: torch.Tensor, scale: fl
 
 @register_scorer("rkv")
 @dataclass
-class RKV(Scorer):
+class RKV(QueryWindowScorer):
     """R-KV (Cai et al. 2025; Zefan-Cai/R-KV ``rkv/compression/r1_kv.py`` ``R1KV``, ``rkv/utils.py``).
 
     ``score_j = λ·I_j − (1 − λ)·R_j`` for ``j < t - W``; the last W entries are kept. ``I``: see
@@ -57,13 +57,9 @@ class RKV(Scorer):
     threshold: float = 0.5
 
     def __post_init__(self):
-        check_positive(f"{self.name}.window", self.window)
+        super().__post_init__()
         check_positive(f"{self.name}.kernel_size", self.kernel_size)
         check_choice(self.pooling, ("max", "mean"), f"{self.name}.pooling")
-
-    def protected(self, age: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """Never evicted: the last ``window`` entries (the query window)."""
-        return age <= self.window
 
     def scores(self, ctx: ScoreContext) -> torch.Tensor:
         q_window = ctx.window_queries(self.window)

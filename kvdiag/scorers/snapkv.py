@@ -10,12 +10,12 @@ from kvdiag.errors import check_choice, check_positive
 from kvdiag.features import avg_pool, group_reduce, max_pool
 from kvdiag.scorers.context import ScoreContext
 from kvdiag.scorers.normalization import protect
-from kvdiag.scorers.registry import Scorer, register_scorer
+from kvdiag.scorers.registry import QueryWindowScorer, register_scorer
 
 
 @register_scorer("snapkv")
 @dataclass
-class SnapKV(Scorer):
+class SnapKV(QueryWindowScorer):
     """SnapKV (Li et al. 2024; FasterDecoding/SnapKV ``SnapKVCluster``), applied at a decode checkpoint.
 
     The last ``window`` queries attend with an fp32 softmax over their full causal row (window keys included);
@@ -36,13 +36,9 @@ class SnapKV(Scorer):
     pooling: str = "avgpool"
 
     def __post_init__(self):
-        check_positive(f"{self.name}.window", self.window)
+        super().__post_init__()
         check_positive(f"{self.name}.kernel_size", self.kernel_size)
         check_choice(self.pooling, ("avgpool", "maxpool"), f"{self.name}.pooling")
-
-    def protected(self, age: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """Never evicted: the last ``window`` entries (the observation window)."""
-        return age <= self.window
 
     def scores(self, ctx: ScoreContext) -> torch.Tensor:
         attn = ctx.window_attention(self.window)  # [H, w, t]
