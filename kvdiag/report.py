@@ -377,7 +377,7 @@ def _figures_section(r: _Run, rel: str) -> str:
         return out + f"The figures are {r.status['figures']}: `{LAYOUT['figures'][1]}`.\n"
     fig_dir = r.run / "figures"
     params = r.figures.get("params", {})
-    out += "Parameters: " + ", ".join(f"{k} = {v}" for k, v in params.items()) + " (README, section Figures).\n\n"
+    out += "Parameters: " + ", ".join(f"{k} = {v}" for k, v in params.items()) + " (docs/figures.md).\n\n"
     for name, figure in FIGURES.items():
         title, csvs = figure.title, figure.csvs
         out += f"### {title}\n\n"
@@ -411,7 +411,7 @@ def _viewer_section(r: _Run, out: Path) -> str:
         return out_md + f"`viewer.html` not written: {err}\n"
     return out_md + ("[viewer.html](viewer.html): the trace token by token, coloured by each candidate's oracle label at a chosen "
                      "checkpoint, with the entries each rule evicts at a chosen ρ or budget, the misses among them, and the "
-                     "delayed-read and blind-spot entries of the figures (one self-contained page; README, section Token viewer).\n")
+                     "delayed-read and blind-spot entries of the figures (one self-contained page; docs/report.md, section Token viewer).\n")
 
 
 def _commands_section(r: _Run) -> str:

@@ -17,7 +17,7 @@ KEY_SCHEMA = {"prompt_id": pl.String, "checkpoint": pl.Int64, "position": pl.Int
               "layer": pl.Int64, "kv_head": pl.Int64}
 GRANULARITIES = ("token", "layer", "head")
 
-# shared defaults (README, "The oracle label")
+# shared defaults (docs/oracle.md)
 CHECKPOINT_INTERVAL = 128  # a checkpoint every 128 generated tokens: R-KV's compression interval
 CHECKPOINTS = f"every:{CHECKPOINT_INTERVAL}"
 W_OBS = 32  # observation window W_obs: the queries [t - W_obs, t) a compressor reads

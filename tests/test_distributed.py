@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from kvdiag.cli.main import main
 from kvdiag.label import LabelConfig
-from kvdiag.label.runner import label_trace, part_path, work_items
+from kvdiag.label.run import label_trace, part_path, work_items
 from kvdiag.trace import GenerationSettings, trace_prompts
 
 pytestmark = [

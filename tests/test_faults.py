@@ -112,7 +112,7 @@ def test_label_survives_sigkill(reference, tmp_path):
     out = tmp_path / "interrupted" / "labels.parquet"
     args = label_args(reference["trace"], out)
     killed("write:3:mid", args, tmp_path)  # stamp, part 1, then half of part 2
-    killed("call:2:kvdiag.label.runner.label_item", args, tmp_path)  # mid-computation of the next item
+    killed("call:2:kvdiag.label.run.label_item", args, tmp_path)  # mid-computation of the next item
     killed("write:1:after", args, tmp_path)  # one more part, then killed
     done = len(list(out.with_name(out.name + ".parts").glob("*.parquet")))
     killed(f"write:{items - done + 1}:mid", args, tmp_path)  # the remaining parts, then half-way through the merge

@@ -128,7 +128,7 @@ def test_runner_resumes_without_redoing_items(tiny_llama, tiny_trace, tmp_path):
         if len(calls) == 2:  # the second checkpoint is interrupted mid-way
             raise KeyboardInterrupt
 
-    import kvdiag.label.runner as runner
+    import kvdiag.label.run as runner
 
     orig = runner.label_item
     runner.label_item = lambda *a, **kw: orig(*a, **{**kw, "progress": interrupt_after_first})

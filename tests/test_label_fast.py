@@ -15,7 +15,7 @@ from kvdiag.adapters import LayerAttention
 from kvdiag.errors import UserError
 from kvdiag.label import LabelConfig, OracleEngine, Row, candidate_rows, label_trace
 from kvdiag.label.fast import FisherLabeler, FisherParams
-from kvdiag.label.runner import LABEL_SCHEMA
+from kvdiag.label.run import LABEL_SCHEMA
 from kvdiag.label.validate import ValidateConfig, validate_labels
 
 T_CKPT, H = 40, 5

@@ -34,7 +34,7 @@ def label(
     quiet: bool = common.Quiet,
 ) -> None:
     """Evict single cache entries at checkpoints and measure the KL damage to the next H predictions."""
-    from kvdiag.label.runner import run_label
+    from kvdiag.label.run import run_label
 
     common.quiet_transformers()
     from kvdiag.label import LabelConfig

@@ -1,7 +1,7 @@
 """The counterfactual oracle: exact, batched single-entry eviction KL labels."""
 
 from kvdiag.label.engine import GRANULARITIES, OracleEngine, Row, candidate_rows, divergences
-from kvdiag.label.runner import LABEL_SCHEMA, LabelConfig, label_trace, read_labels, work_items
+from kvdiag.label.run import LABEL_SCHEMA, LabelConfig, label_trace, read_labels, work_items
 
 __all__ = ["GRANULARITIES", "LABEL_SCHEMA", "LabelConfig", "OracleEngine", "Row", "candidate_rows", "divergences",
            "label_trace", "read_labels", "work_items"]

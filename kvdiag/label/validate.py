@@ -158,7 +158,7 @@ def validate_labels(exact: pl.DataFrame, approx: pl.DataFrame, cfg: ValidateConf
 def run_validation(exact: Path, approx: Path, out: Path, cfg: ValidateConfig, scores: Path | None = None) -> list[Path]:
     """Read the inputs (refusing bad ones before anything is written), validate, write ``out``."""
     from kvdiag.io import check_writable, read_table
-    from kvdiag.label.runner import read_labels
+    from kvdiag.label.run import read_labels
 
     cfg.validate()
     check_writable(out, "--out", "dir")

@@ -38,7 +38,7 @@ def avokv_score(
 @dataclass
 class AvoKVE(Scorer):
     """AvoKV-E (Yu et al., Oct 2026), **reconstructed from the abstract**: the paper's formulas,
-    windows and weights are unpublished, so every choice below is ours and a parameter (README, "AvoKV-E (our reconstruction)").
+    windows and weights are unpublished, so every choice below is ours and a parameter (docs/scorers.md, "AvoKV-E (our reconstruction)").
 
     1. Eligibility: entries with age ``t - i > w_delay`` are candidates ``C_t``; younger ones are kept.
     2. Read pressure ``p``: mass the window queries ``[t - w_obs, t)`` put on ``i`` over the mass they put on

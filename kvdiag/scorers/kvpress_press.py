@@ -23,8 +23,7 @@ runs in the model dtype). Presses that draw random numbers (LeverageScore, Rando
 per (prompt, checkpoint, layer) without touching the caller's RNG. Presses without per-entry scores
 (wrappers, merging, head/layer/channel-level decisions, trained hub weights) are refused in one line.
 
-kvpress pins transformers < 5.3; kvdiag installs it with ``--no-deps`` next to its own transformers (README,
-"Grading kvpress presses").
+kvpress pins transformers < 5.3; kvdiag installs it with ``--no-deps`` next to its own transformers (docs/kvpress.md).
 """
 
 from __future__ import annotations

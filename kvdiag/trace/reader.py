@@ -1,4 +1,4 @@
-"""``Trace``: a lazy reader of a Trace directory (format: README, "Trace format")."""
+"""``Trace``: a lazy reader of a Trace directory (format: docs/trace.md)."""
 
 from __future__ import annotations
 

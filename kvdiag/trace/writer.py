@@ -1,4 +1,4 @@
-"""``trace_prompts``: generate each reasoning trace and write the Trace directory (format: README).
+"""``trace_prompts``: generate each reasoning trace and write the Trace directory (format: docs/trace.md).
 
 Layout: ``manifest.json``, ``tokens.parquet``, ``tensors/<prompt_id>/layer_<LLL>.safetensors`` with
 ``q [H, T, d]``, ``k [Hkv, T, d]``, ``v [Hkv, T, d]`` (post-RoPE, storage dtype); ``settings.store`` (``--store``)

@@ -44,7 +44,7 @@ class LabelConfig:
     candidates: str = "64"  # "N" (seeded sample) or "all"
     granularity: str = "token"
     layers: list[int] | None = None  # layer/head granularity: which layers (None = all)
-    w_obs: int = W_OBS  # checkpoints start once W_obs tokens have been generated (README, "The oracle label")
+    w_obs: int = W_OBS  # checkpoints start once W_obs tokens have been generated (docs/oracle.md)
     batch_size: int = 64
     seed: int = 0
     backend: str = "auto"
