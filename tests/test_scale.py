@@ -32,3 +32,20 @@ def test_bench_scale_records_load_and_work_peaks_and_resumes(tmp_path, monkeypat
 
     monkeypatch.setattr(scale, "_run", must_not_run)
     assert scale.bench_scale(plan) == text  # every step is kept: the rerun only renders the same tables
+
+
+def test_memory_growth_is_per_interval_against_kv_plus_rows():
+    """SmolLM2's shape: KV 30 layers × 3 heads × 64 × 2 × 4 B = 46,080 B/token (float32), recorded rows
+    (9 + 3 + 3) × 64 × 30 × 2 B = 57,600 B/token (float16). A flat peak gives 0; a peak growing by exactly
+    the bound gives ratio 1."""
+    from kvdiag.cost import ModelShape
+
+    shape = ModelShape("smollm2", layers=30, heads=9, kv_heads=3, head_dim=64, hidden=576, intermediate=1536, vocab=49152)
+    per_token = 46_080 + 57_600
+    mb = lambda T: (1300 * 2**20 + per_token * (T - 4096)) / 2**20  # noqa: E731
+    steps = [scale.Step(f"T{T}/trace-all", "trace", T, "all", 1.0, max(1300, mb(T)), 1.0, 1200.0, max(1300, mb(T)))
+             for T in (1024, 4096, 8192)]
+    growth = scale.memory_growth(steps, shape, "float32")
+    assert growth["T"].to_list() == ["1024 -> 4096", "4096 -> 8192"]
+    assert growth["KV cache KB/token"].to_list() == [46.1, 46.1] and growth["recorded rows KB/token"].to_list() == [57.6, 57.6]
+    assert growth["measured / (KV + rows)"].to_list() == [0.0, 1.0]
