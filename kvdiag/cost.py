@@ -57,6 +57,18 @@ class ModelShape:
         """Matmul FLOPs of one token attending to ``context`` keys: 2 per weight, plus QK and PV (2·2·H·d per key)."""
         return 2 * self.matmul_params + 4 * self.layers * self.heads * self.head_dim * context
 
+    def layer_flops(self, context: float) -> float:
+        """One decoder layer's matmul FLOPs for one token over ``context`` keys (``forward_flops`` without the LM head)."""
+        return (self.forward_flops(context) - 2 * self.hidden * self.vocab) / self.layers
+
+    def layer_start_ceiling(self, context: float) -> float:
+        """FLOP ratio full depth / layer start for layer-granularity label rows over ``context`` cached keys, the
+        evicted layer uniform over ``0..L-1``: a row that starts at layer ``l`` runs ``L - l`` layers (``(L + 1) / 2``
+        on average) and always the LM head (the full-vocabulary KL needs every logit). Speed-ups above it would
+        come from elsewhere than skipping layers."""
+        layer, head = self.layer_flops(context), 2 * self.hidden * self.vocab
+        return (self.layers * layer + head) / ((self.layers + 1) / 2 * layer + head)
+
 
 # Llama-3.1-8B (meta-llama/Llama-3.1-8B config.json): 32 layers, 32/8 heads of 128, hidden 4096, MLP 14336, vocab 128256
 LLAMA_8B = ModelShape("Llama-3.1-8B", 32, 32, 8, 128, 4096, 14336, 128256)

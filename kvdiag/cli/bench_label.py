@@ -24,6 +24,7 @@ def bench_label(
     backend: str = typer.Option("auto", "--backend", help="kernel backend of the engine"),
 ) -> None:
     """Oracle engine throughput: vs the naive loop and the plain forward, layer start, or an approximate method."""
+    from kvdiag.cost import ModelShape
     from kvdiag.errors import UserError
     from kvdiag.label.bench import run_fast_bench, run_label_bench, run_layer_start_bench
     from kvdiag.label.engine import GRANULARITIES
@@ -56,7 +57,9 @@ def bench_label(
             table.add_row(r.method, f"{r.seconds:.2f}", f"{r.tokens_per_s:.0f}", _mb(r.peak_mb))
         start, full = res.rows
         console.print(table)
-        console.print(f"layer start speed-up over full depth: {full.seconds / start.seconds:.2f}x; labels differ by at most "
+        ceiling = ModelShape.from_config(lm.model.config, model).layer_start_ceiling(prefix)
+        console.print(f"layer start speed-up over full depth: {full.seconds / start.seconds:.2f}x (FLOP ceiling for this model "
+                      f"at P={prefix}: {ceiling:.2f}x, kvdiag.cost); labels differ by at most "
                       f"{res.max_abs_diff:.2e} nats ({res.max_rel_diff:.1e} relative)")
         return
     rows = run_label_bench(lm, prefix, n, horizon, repeats, backend=backend)
