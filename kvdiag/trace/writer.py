@@ -35,6 +35,7 @@ from kvdiag.progress import progress_bar
 from kvdiag.prompts import DEFAULT_INSTRUCTION, Prompt, encode_prompt
 from kvdiag.provenance import provenance
 from kvdiag.trace.hooks import TRACE_ATTN, Recorder, attention_scale, recording
+from kvdiag.trace.kv_cache import preallocated_cache
 
 FORMAT_VERSION = 1
 STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -265,12 +266,13 @@ def _trace_one(lm: LoadedModel, prompt: Prompt, settings: GenerationSettings, ge
     model, tok = lm.model, lm.tokenizer
     ids = encode_prompt(tok, prompt, chat=settings.chat, instruction=settings.instruction)
     input_ids = torch.tensor([ids], device=model.device)
-    rec = StoreRecorder(model.config.num_hidden_layers, storage, store, capacity=len(ids) + settings.max_new_tokens)
+    capacity = len(ids) + settings.max_new_tokens  # the longest this trace can get: rows and KV cache are allocated once
+    rec = StoreRecorder(model.config.num_hidden_layers, storage, store, capacity=capacity)
     stats = TokenStats(len(ids), settings.min_new_tokens, [tok.eos_token_id])
     torch.manual_seed(settings.seed)
     with recording(model, rec):
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=gen_cfg, streamer=streamer,
-                             logits_processor=LogitsProcessorList([stats]))
+                             logits_processor=LogitsProcessorList([stats]), cache=preallocated_cache(model.config, capacity))
         seq = out.sequences[0]
         # generate() never feeds its last token; one more step records that token's q/k/v
         last = seq[-1:].view(1, 1)
