@@ -114,14 +114,25 @@ def features_path(scores: str | os.PathLike) -> Path:
     return scores.with_name(f"{scores.stem}.features{scores.suffix or '.parquet'}")
 
 
-def read_token_features(scores: str | os.PathLike, params: TokenFeatureParams, trace) -> tuple[pl.DataFrame | None, str]:
-    """The features written beside ``scores`` when they fit (same Trace, same ``params``), else None; and a
-    sentence saying which (recorded by the figures)."""
+def read_token_features(scores: str | os.PathLike) -> tuple[pl.DataFrame, dict] | None:
+    """The features table written beside ``scores`` and its metadata (with the file's name under ``file``), or
+    None when there is none."""
     path = features_path(scores)
     if not path.is_file():
-        return None, f"computed from the Trace ({path.name} is missing)"
+        return None
     df, meta = read_table(path, what=str(path))
+    return df, {**meta, "file": path.name}
+
+
+def usable_features(features: tuple[pl.DataFrame, dict] | None, params: TokenFeatureParams, trace) -> tuple[pl.DataFrame | None, str]:
+    """``features`` (a table and its metadata, :func:`read_token_features`) when made with ``params`` from
+    ``trace``, else None; and a sentence saying which (the figures record it). Another Trace's table is refused."""
+    if features is None:
+        return None, "computed from the Trace (no features file beside the scores)"
+    df, meta = features
+    name = meta.get("file", "the features table")
     if meta.get("kind") != "token_features" or meta.get("params") != asdict(params):
-        return None, f"computed from the Trace ({path.name} was made with {meta.get('params')}, the figures use {asdict(params)})"
-    trace.check_belongs(meta, str(path))
-    return df, f"read from {path.name} (written by kvdiag score)"
+        return None, f"computed from the Trace ({name} was made with {meta.get('params')}, the figures use {asdict(params)})"
+    if hasattr(trace, "check_belongs"):
+        trace.check_belongs(meta, name)
+    return df, f"read from {name} (written by kvdiag score)"

@@ -372,7 +372,7 @@ def test_figures_read_the_features_that_score_wrote(run, tmp_path, monkeypatch):
     import kvdiag.figures.registry as registry
     from kvdiag.figures.run import figures_files
     from kvdiag.scorers.run import score_files, score_trace
-    from kvdiag.token_features import TokenFeatures, features_path, read_token_features
+    from kvdiag.token_features import TokenFeatures, features_path, read_token_features, usable_features
 
     tr, labels = run["trace"], run["labels"]
     meta = {"kind": "labels", "trace": tr.provenance}
@@ -388,7 +388,7 @@ def test_figures_read_the_features_that_score_wrote(run, tmp_path, monkeypatch):
     scores, scores_meta = score_trace(tr, keys=labels, scorers="avokv_e,h2o", token_features=feats)
     write_table(scores, sp, scores_meta)
     write_table(feats.table(), features_path(sp), feats.meta(scores_meta["trace"]))
-    df, source = read_token_features(sp, PARAMS.token_features, tr)
+    df, source = usable_features(read_token_features(sp), PARAMS.token_features, tr)
     assert source == "read from scores.features.parquet (written by kvdiag score)" and df.height == labels.height
 
     def no_trace_features(*args, **kwargs):
@@ -409,3 +409,7 @@ def test_figures_read_the_features_that_score_wrote(run, tmp_path, monkeypatch):
     write_table(feats.table(), features_path(sp), feats.meta({"fingerprint": "0123456789abcdef"}))
     with pytest.raises(UserError, match="another Trace"):
         figures_files(tr.path, lp, sp, tmp_path / "foreign", PARAMS, progress=False)
+    assert not (tmp_path / "foreign").exists()  # refused before anything is written
+    # the library call checks what it is given the same way
+    with pytest.raises(UserError, match="another Trace"):
+        make_figures(tr, labels, scores, tmp_path / "given", PARAMS, features=read_token_features(sp))

@@ -17,7 +17,7 @@ from kvdiag.progress import progress_bar
 from kvdiag.provenance import provenance
 from kvdiag.rankeval import check_inputs
 from kvdiag.schema import KEYS, check_keys, keyed
-from kvdiag.token_features import read_token_features
+from kvdiag.token_features import read_token_features, usable_features
 
 # importing each module registers its figure, in this order (of make_figures, figures.json and the report)
 from kvdiag.figures import blind_spot, delayed_reads, components  # noqa: F401
@@ -80,8 +80,7 @@ def make_figures(
     labels_meta: dict | None = None,
     scores_meta: dict | None = None,
     metrics: pl.DataFrame | None = None,
-    features: pl.DataFrame | None = None,
-    features_source: str | None = None,
+    features: tuple[pl.DataFrame, dict] | None = None,
     command: list[str] | None = None,
     progress: bool = False,
 ) -> dict:
@@ -94,8 +93,9 @@ def make_figures(
     params : thresholds and definitions (:class:`FigureParams`).
     labels_meta, scores_meta : the tables' provenance (``kvdiag.io.read_meta``), checked against each other and the Trace.
     metrics : rank-eval's metrics table (metrics.csv) to reuse; computed from labels and scores when None.
-    features, features_source : the scores' token features (``kvdiag.token_features.read_token_features``) and
-        where they came from; None: read pressure and payload are computed from the Trace.
+    features : the scores' token features and their metadata (``kvdiag.token_features.read_token_features``),
+        used for read pressure and payload when made with ``params``' definitions from this Trace; None, or
+        other definitions: computed from the Trace (figures.json records which).
     command : the argv that produced this call, recorded in figures.json.
 
     Returns ``{"blind_spot": {statistic: value}, "delayed_reads": {...}, "components": [rows], "notes": [...],
@@ -104,16 +104,15 @@ def make_figures(
     for a statistic give NaN with a note (in the CSV and on the figure).
     """
     params = params or FigureParams()
-    out = writable_dir(out_dir)
     labels = check_figure_inputs(trace, labels, scores, labels_meta, scores_meta)
+    features, features_source = usable_features(features, params.token_features, trace)  # refused before anything is written
+    out = writable_dir(out_dir)
     with progress_bar(progress) as bar:
         def task(description: str, total: int):
             tid = bar.add_task(description, total=total)
             return lambda: bar.advance(tid)
 
-        ctx = FigureContext(trace, labels, scores, params, out, scores_meta, metrics, task, features)
-        if features_source:
-            ctx.features_source = features_source
+        ctx = FigureContext(trace, labels, scores, params, out, scores_meta, metrics, task, features, features_source)
         drawn = {name: figure.draw(ctx) for name, figure in FIGURES.items()}
 
     files = [f for d in drawn.values() for f in d.files] + [out / "figures.json"]
@@ -151,7 +150,7 @@ def figures_files(trace: str | os.PathLike, labels: str | os.PathLike, scores: s
     tr = Trace(trace)
     label_df, label_meta = read_labels(labels)
     score_df, score_meta = read_table(scores, "scores")
-    features, features_source = read_token_features(scores, params.token_features, tr)
+    features = read_token_features(scores)
     metrics = None
     if rank_eval is not None:
         for flag, value in (("--min-age", params.min_age), ("--max-age", params.max_age), ("--eligible", params.eligible)):
@@ -162,4 +161,4 @@ def figures_files(trace: str | os.PathLike, labels: str | os.PathLike, scores: s
             raise UserError(f"--rank-eval {rank_eval} has no metrics.csv: pass a directory written by kvdiag rank-eval")
         metrics = pl.read_csv(Path(rank_eval) / "metrics.csv", schema_overrides={"note": pl.String})
     return make_figures(tr, label_df, score_df, out, params, labels_meta=label_meta, scores_meta=score_meta,
-                        metrics=metrics, features=features, features_source=features_source, command=command, progress=progress)
+                        metrics=metrics, features=features, command=command, progress=progress)
