@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from kvdiag.errors import UserError
 from kvdiag.rankeval import parse_harm
 from kvdiag.schema import CHECKPOINT_INTERVAL, W_DELAY, W_OBS
-from kvdiag.token_features import TokenFeatureParams
 
 PAYLOAD_KINDS = ("l2", "l1", "range", "var")  # features.value_payload kinds computable from the Trace alone
 READ_REDUCES = ("mean", "max")
@@ -59,8 +58,10 @@ class FigureParams:
     strength_elements: int = 2**26  # read-strength accumulator [T, candidates] per column block (256 MiB in fp32)
 
     @property
-    def token_features(self) -> TokenFeatureParams:
+    def token_features(self) -> "TokenFeatureParams":  # noqa: F821
         """The definition of ``p`` and ``b`` (what a scores' features file must have been made with)."""
+        from kvdiag.token_features import TokenFeatureParams  # torch: not at import (the CLI starts fast)
+
         return TokenFeatureParams(self.w_obs, self.w_delay, self.payload)
 
     def __post_init__(self):
