@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 
 from kvdiag.cost import ModelShape
@@ -138,19 +139,22 @@ def run_scale_bench(plan: ScalePlan, prompt_len: int, report: Callable[[Step], N
 
 
 def memory_growth(steps: list[Step], shape: ModelShape, dtype: str, storage_dtype: str = "float16") -> pl.DataFrame:
-    """Per store mode and each pair of consecutive traced lengths ``T_a -> T_b``: the growth of the trace's work
-    peak RSS (after the model load) per added token, ``(peak_b - peak_a) / (T_b - T_a)``, beside the arithmetic
-    bound, KV cache (compute dtype) + recorded rows (storage dtype) per token. Per interval rather than one
-    slope: at short T the peak is a fixed transient of the run (the growth is then 0), which a single fit over
-    all lengths would average into the slope."""
+    """Per store mode traced at two or more lengths: the growth of the trace's work peak RSS (after the model
+    load) per token, beside the arithmetic bound KV cache (compute dtype) + recorded rows (storage dtype) per
+    token. First the least-squares slope over every length, then each interval of consecutive lengths
+    ``(peak_b - peak_a) / (T_b - T_a)``: at short T the peak is the RSS the load leaves (which differs between
+    runs by up to ~0.1 GB), so the intervals are noisy where the trace's own memory is small; the slope is not."""
     kv, rows = shape.kv_cache_bytes(STORAGE_DTYPES[dtype].itemsize), []
     traces = [s for s in steps if s.stage == "trace" and not s.name.startswith("baseline") and s.work_peak_mb is not None]
     for store in sorted({s.store for s in traces}):
         pts = sorted((s.length, s.work_peak_mb * 2**20) for s in traces if s.store == store)
+        if len(pts) < 2:
+            continue
         stored = shape.stored_bytes(store, storage_dtype)
-        for (Ta, pa), (Tb, pb) in zip(pts, pts[1:]):
-            growth = (pb - pa) / (Tb - Ta)  # bytes per token
-            rows.append({"store": store, "T": f"{Ta} -> {Tb}", "measured KB/token": round(growth / 1e3, 1),
+        fits = [("least squares over " + ",".join(str(T) for T, _ in pts), float(np.polyfit(*zip(*pts), 1)[0]))]
+        fits += [(f"{Ta} -> {Tb}", (pb - pa) / (Tb - Ta)) for (Ta, pa), (Tb, pb) in zip(pts, pts[1:])]
+        for what, growth in fits:  # bytes per token
+            rows.append({"store": store, "T": what, "measured KB/token": round(growth / 1e3, 1),
                          "KV cache KB/token": round(kv / 1e3, 1), "recorded rows KB/token": round(stored / 1e3, 1),
                          "measured / (KV + rows)": round(growth / (kv + stored), 2)})
     return pl.DataFrame(rows)
@@ -217,7 +221,7 @@ def bench_scale(plan: ScalePlan, report: Callable[[Step], None] = lambda s: None
             f"(greedy, end-of-sequence held off); each step is the kvdiag command in a process of its own "
             f"(peak_rss = its ru_maxrss over the whole process; load_peak = up to the end of the model load; work_peak = after "
             f"it, the high-water mark restarted there; disk = the Trace directory).\n\n{_markdown(table)}\n"
-            f"Trace memory growth per added token (work_peak between consecutive lengths) against the arithmetic "
+            f"Trace memory growth per token (work_peak: least-squares slope over the lengths, then each interval) against the arithmetic "
             f"bound, KV cache ({plan.dtype}) + recorded rows (float16), from kvdiag.cost:\n\n"
             f"{_growth_text(memory_growth(steps, shape, plan.dtype))}")
     write_text(plan.out / "scale.md", text)
