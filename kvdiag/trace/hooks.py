@@ -42,16 +42,11 @@ class Recorder:
         self.length = [0] * num_layers
 
     def add(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        n, start, blocks = q.shape[1], self.length[layer], self.blocks[layer]
+        start, blocks = self.length[layer], self.blocks[layer]
         for name, rows in (("q", q), ("k", k), ("v", v)):
-            block = blocks.get(name)
-            if block is None or block.shape[1] < start + n:
-                grown = torch.empty(rows.shape[0], max(2 * (start + n), self.capacity), rows.shape[2], dtype=self.dtype)
-                if block is not None:
-                    grown[:, :start] = block[:, :start]
-                blocks[name] = block = grown
-            block[:, start : start + n] = rows  # a copy (to the CPU, in the storage dtype): never a view of the cache
-        self.length[layer] = start + n
+            # a copy (to the CPU, in the storage dtype): never a view of the cache
+            blocks[name] = append_rows(blocks.get(name), start, rows, self.capacity, self.dtype, torch.device("cpu"))
+        self.length[layer] = start + q.shape[1]
 
     def layer(self, layer: int) -> dict[str, torch.Tensor]:
         """q [H, T, d], k [Hkv, T, d], v [Hkv, T, d] of one layer, contiguous (copies of the filled rows)."""
@@ -61,6 +56,21 @@ class Recorder:
     def nbytes(self) -> int:
         """Bytes held by the blocks (capacity, not only the filled rows)."""
         return sum(b.numel() * b.element_size() for blocks in self.blocks for b in blocks.values())
+
+
+def append_rows(block: torch.Tensor | None, filled: int, rows: torch.Tensor, capacity: int, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    """Copy ``rows [..., n, d]`` into positions ``[filled, filled + n)`` of ``block [..., size, d]`` and return the
+    block. The block is allocated on first use with ``capacity`` positions (``torch.empty``: its pages are touched
+    only as rows arrive) and doubled, keeping its first ``filled`` rows, when a write would pass its end."""
+    end = filled + rows.shape[-2]
+    if block is None or block.shape[-2] < end:
+        grown = torch.empty(*rows.shape[:-2], max(2 * end, capacity), rows.shape[-1], dtype=dtype, device=device)
+        if block is not None:
+            grown[..., :filled, :] = block[..., :filled, :]
+        block = grown
+    block[..., filled:end, :] = rows
+    return block
 
 
 def _record(module, query, key, value, kwargs) -> None:

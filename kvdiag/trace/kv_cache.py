@@ -14,9 +14,11 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kvdiag.trace.hooks import append_rows
+
 
 class PreallocatedLayer(DynamicLayer):
-    """A ``DynamicLayer`` over blocks ``[B, Hkv, capacity, d]`` (doubled if a step would pass ``capacity``)."""
+    """A ``DynamicLayer`` over blocks ``[B, Hkv, capacity, d]`` (``hooks.append_rows``, as the recorder's rows)."""
 
     def __init__(self, capacity: int):
         super().__init__()
@@ -24,29 +26,17 @@ class PreallocatedLayer(DynamicLayer):
         self._keys = self._values = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
-        B, H, _, d = key_states.shape
-        self._keys = torch.empty(B, H, self.capacity, d, dtype=key_states.dtype, device=self.device)
-        self._values = torch.empty(B, H, self.capacity, value_states.shape[-1], dtype=value_states.dtype, device=self.device)
-        self.length, self.is_initialized = 0, True
+        self.device, self.length, self.is_initialized = key_states.device, 0, True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """key/value_states [B, Hkv, n, d] -> the whole cache so far, views [B, Hkv, length, d]."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        end = self.length + key_states.shape[-2]
-        if end > self._keys.shape[-2]:  # past the planned length: grow (never expected while tracing)
-            self._keys, self._values = (self._grown(b, max(end, 2 * b.shape[-2])) for b in (self._keys, self._values))
-        self._keys[:, :, self.length : end] = key_states
-        self._values[:, :, self.length : end] = value_states
-        self.length = end
-        self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
+        self._keys = append_rows(self._keys, self.length, key_states, self.capacity, key_states.dtype, self.device)
+        self._values = append_rows(self._values, self.length, value_states, self.capacity, value_states.dtype, self.device)
+        self.length += key_states.shape[-2]
+        self.keys, self.values = self._keys[:, :, : self.length], self._values[:, :, : self.length]
         return self.keys, self.values
-
-    def _grown(self, block: torch.Tensor, size: int) -> torch.Tensor:
-        grown = block.new_empty(*block.shape[:2], size, block.shape[-1])
-        grown[:, :, : self.length] = block[:, :, : self.length]
-        return grown
 
     def reset(self) -> None:
         self._keys = self._values = None
