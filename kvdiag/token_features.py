@@ -24,6 +24,7 @@ from kvdiag.adapters import LayerAttention
 from kvdiag.io import read_table
 from kvdiag.schema import W_DELAY, W_OBS
 
+NO_FILE = "computed from the Trace (no features file beside the scores)"  # where the figures' p and b then come from
 SCHEMA = {"prompt_id": pl.String, "checkpoint": pl.Int64, "position": pl.Int64,
           "read_pressure": pl.Float64, "value_payload": pl.Float64}
 
@@ -60,27 +61,11 @@ def layer_pressure_payload(
 
 
 @dataclass
-class TokenFeatures:
-    """Accumulates :func:`layer_pressure_payload` over the layers of each prompt (float64 sums, layer order) and
-    gives the table ``(prompt_id, checkpoint, position, read_pressure, value_payload)``."""
-
-    params: TokenFeatureParams = field(default_factory=TokenFeatureParams)
-    frames: list[pl.DataFrame] = field(default_factory=list)
-
-    def prompt(self, pid: str, positions: dict[int, torch.Tensor], num_layers: int) -> "PromptSums":
-        return PromptSums(self, pid, positions, num_layers)
-
-    def table(self) -> pl.DataFrame:
-        return pl.concat(self.frames) if self.frames else pl.DataFrame(schema=SCHEMA)
-
-    def meta(self, trace_provenance: dict) -> dict:
-        return {"kind": "token_features", "trace": trace_provenance, "params": asdict(self.params),
-                "definition": __doc__.split("\n\n", 1)[1].strip()}
-
-
-@dataclass
 class PromptSums:
-    owner: TokenFeatures
+    """:func:`layer_pressure_payload` of one prompt summed over its layers (float64, in layer order); ``finish``
+    gives its rows ``(prompt_id, checkpoint, position, read_pressure, value_payload)``, the means over layers."""
+
+    params: TokenFeatureParams
     pid: str
     positions: dict[int, torch.Tensor]
     num_layers: int
@@ -90,22 +75,37 @@ class PromptSums:
         self.b = {t: torch.zeros(len(pos), dtype=torch.float64) for t, pos in self.positions.items()}
 
     def add_layer(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: LayerAttention | float) -> None:
-        for t, (p, b) in layer_pressure_payload(q, k, v, scale, self.positions, self.owner.params).items():
+        for t, (p, b) in layer_pressure_payload(q, k, v, scale, self.positions, self.params).items():
             self.p[t] += p.double()
             self.b[t] += b.double()
 
     def finish(self) -> pl.DataFrame:
-        """The prompt's rows (also kept by the owner for :meth:`TokenFeatures.table`)."""
         ts = list(self.positions)
-        frame = pl.DataFrame({
+        return pl.DataFrame({
             "prompt_id": self.pid,
             "checkpoint": np.concatenate([np.full(len(self.positions[t]), t) for t in ts]),
             "position": np.concatenate([self.positions[t].numpy() for t in ts]),
             "read_pressure": np.concatenate([(self.p[t] / self.num_layers).numpy() for t in ts]),
             "value_payload": np.concatenate([(self.b[t] / self.num_layers).numpy() for t in ts]),
         }, schema=SCHEMA)
-        self.owner.frames.append(frame)
-        return frame
+
+
+@dataclass
+class TokenFeatures:
+    """The rows of every prompt scored (:class:`PromptSums`, kept with ``add``) and their metadata."""
+
+    params: TokenFeatureParams = field(default_factory=TokenFeatureParams)
+    frames: list[pl.DataFrame] = field(default_factory=list)
+
+    def add(self, sums: PromptSums) -> None:
+        self.frames.append(sums.finish())
+
+    def table(self) -> pl.DataFrame:
+        return pl.concat(self.frames) if self.frames else pl.DataFrame(schema=SCHEMA)
+
+    def meta(self, trace_provenance: dict) -> dict:
+        return {"kind": "token_features", "trace": trace_provenance, "params": asdict(self.params),
+                "definition": __doc__.split("\n\n", 1)[1].strip()}
 
 
 def features_path(scores: str | os.PathLike) -> Path:
@@ -128,7 +128,7 @@ def usable_features(features: tuple[pl.DataFrame, dict] | None, params: TokenFea
     """``features`` (a table and its metadata, :func:`read_token_features`) when made with ``params`` from
     ``trace``, else None; and a sentence saying which (the figures record it). Another Trace's table is refused."""
     if features is None:
-        return None, "computed from the Trace (no features file beside the scores)"
+        return None, NO_FILE
     df, meta = features
     name = meta.get("file", "the features table")
     if meta.get("kind") != "token_features" or meta.get("params") != asdict(params):

@@ -16,7 +16,7 @@ import torch
 
 from kvdiag.adapters import LayerAttention
 from kvdiag.attention import attention_rows
-from kvdiag.token_features import TokenFeatureParams, TokenFeatures
+from kvdiag.token_features import PromptSums, TokenFeatureParams
 
 
 def trace_pressure_payload(trace, keys: pl.DataFrame, params: TokenFeatureParams,
@@ -28,7 +28,7 @@ def trace_pressure_payload(trace, keys: pl.DataFrame, params: TokenFeatureParams
         pid = pid[0]
         grp = grp.sort("checkpoint", "position")
         positions = {t: torch.tensor(g["position"].to_numpy()) for (t,), g in grp.group_by("checkpoint", maintain_order=True)}
-        sums = TokenFeatures(params).prompt(pid, positions, trace.num_layers)
+        sums = PromptSums(params, pid, positions, trace.num_layers)
         for layer in range(trace.num_layers):
             qkv = trace.layer(pid, layer)
             sums.add_layer(qkv.q.float(), qkv.k.float(), qkv.v.float(), trace.layer_attention(layer))

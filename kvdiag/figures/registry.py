@@ -22,6 +22,7 @@ from kvdiag.figures.features import trace_first_reads, trace_pressure_payload
 from kvdiag.figures.params import FigureParams
 from kvdiag.rankeval import harm_threshold, unresolved
 from kvdiag.schema import KEYS
+from kvdiag.token_features import NO_FILE
 
 
 @dataclass
@@ -78,7 +79,7 @@ class FigureContext:
     given_metrics: pl.DataFrame | None = None
     task: Callable[[str, int], Callable[[], None]] = lambda description, total: lambda: None
     features: pl.DataFrame | None = None
-    features_source: str = "computed from the Trace (no features file beside the scores)"
+    features_source: str = NO_FILE
     token: pl.DataFrame = field(init=False)
     below_floor: pl.Expr = field(init=False)
     analysed: pl.DataFrame = field(init=False)

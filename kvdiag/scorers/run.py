@@ -33,7 +33,7 @@ from kvdiag.schema import GRANULARITIES, KEY_SCHEMA, KEYS, check_checkpoint, che
 from kvdiag.scorers.context import ScoreContext
 from kvdiag.scorers.normalization import AGGREGATIONS, aggregation_values
 from kvdiag.scorers.registry import SCORERS, Scorer, ensure_registered, get_scorer, needs_o_proj, register_scorer, scorer_names
-from kvdiag.token_features import TokenFeatures, features_path
+from kvdiag.token_features import PromptSums, TokenFeatures, features_path
 
 ENTRY_POINT_GROUP = "kvdiag.scorers"
 KEY_COLUMNS = KEYS  # the key columns under their name in kvdiag.scorers
@@ -275,7 +275,7 @@ def _score_prompt(trace, pid, keys, selected, aggregation, o_proj, out, timings,
             by_layer[layer].append((t, head, pos, rows))
     P, ids = trace.prompt_len(pid), trace.token_ids(pid)
     L = trace.num_layers
-    sums = (token_features.prompt(pid, {t: torch.tensor(groups[(t, "token", -1, -1)][0]) for t in token_t}, L)
+    sums = (PromptSums(token_features.params, pid, {t: torch.tensor(groups[(t, "token", -1, -1)][0]) for t in token_t}, L)
             if token_features is not None and token_t else None)
     for layer in range(L):
         scale = trace.layer_attention(layer)  # the layer's attention semantics (window, softcap, sinks)
@@ -310,7 +310,7 @@ def _score_prompt(trace, pid, keys, selected, aggregation, o_proj, out, timings,
         for t in token_t:
             out[name][groups[(t, "token", -1, -1)][1]] = token_sum[name][t] / (L * trace.num_kv_heads)
     if sums is not None:
-        sums.finish()
+        token_features.add(sums)
 
 
 def _check_scores(name: str, scores: torch.Tensor, ctx: ScoreContext) -> None:
