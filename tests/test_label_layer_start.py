@@ -58,3 +58,25 @@ def test_starting_at_a_layer_reproduces_the_forward(tiny_llama):
     assert not calls
     with torch.no_grad():  # and the model is restored afterwards
         torch.testing.assert_close(m(ids).logits, want, rtol=0, atol=1e-5)
+
+
+def test_layer_start_bench_times_both_methods_batch_by_batch():
+    """``kvdiag bench label --granularity head``: both methods label the same rows in the same number of batches,
+    timed in alternation; every repeat gives a ratio; the labels agree within the layer-start tolerance."""
+    from typer.testing import CliRunner
+
+    from kvdiag.cli.main import app
+    from kvdiag.label.bench import run_layer_start_bench
+
+    lm = model("llama")
+    res = run_layer_start_bench(lm, "head", prefix_len=24, n=4, horizon=4, repeats=2)
+    L, Hkv = lm.attention.num_layers, lm.attention.num_kv_heads
+    assert res.labeled == 4 * L * Hkv and len(res.ratios) == 2 and all(r > 0 for r in res.ratios)
+    assert [r.method for r in res.rows] == ["layer start (from the evicted layer)", "full depth (before layer start)"]
+    assert all(r.seconds > 0 and r.tokens_per_s > 0 for r in res.rows)
+    assert res.max_abs_diff <= 1e-5
+    out = CliRunner().invoke(app, ["bench", "label", "--model", "tiny:llama", "--granularity", "layer", "--prefix", "24",
+                                   "--n", "4", "--horizon", "4", "--repeats", "1"])
+    assert out.exit_code == 0, out.output
+    text = " ".join(out.output.split())
+    assert f"({4 * L} rows)" in text and "per repeat:" in text and "labels differ by at most" in text

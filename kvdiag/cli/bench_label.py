@@ -58,7 +58,9 @@ def bench_label(
         start, full = res.rows
         console.print(table)
         ceiling = ModelShape.from_config(lm.model.config, model).layer_start_ceiling(prefix)
-        console.print(f"layer start speed-up over full depth: {full.seconds / start.seconds:.2f}x (FLOP ceiling for this model "
+        per_repeat = ", ".join(f"{r:.2f}x" for r in res.ratios)
+        console.print(f"layer start speed-up over full depth: {full.seconds / start.seconds:.2f}x (per repeat: {per_repeat}; "
+                      f"batches timed in alternation; FLOP ceiling for this model "
                       f"at P={prefix}: {ceiling:.2f}x, kvdiag.cost); labels differ by at most "
                       f"{res.max_abs_diff:.2e} nats ({res.max_rel_diff:.1e} relative)")
         return

@@ -54,7 +54,7 @@ def obvious_compact_kv(keys, values, keep):
     return keys.gather(1, idx), values.gather(1, idx)
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -68,10 +68,10 @@ def best_seconds(fns: dict[str, Callable[[], object]], device: torch.device, rep
     best = dict.fromkeys(fns, float("inf"))
     for _ in range(repeats):
         for name, fn in fns.items():
-            _sync(device)
+            sync_device(device)
             t0 = time.perf_counter()
             fn()
-            _sync(device)
+            sync_device(device)
             best[name] = min(best[name], time.perf_counter() - t0)
     return best
 
@@ -101,11 +101,11 @@ def cpu_peak_probe() -> Callable[[], None] | None:
 
 def peak_mb(fn: Callable[[], object], device: torch.device, cpu_reset: Callable[[], None] | None) -> float | None:
     if device.type == "cuda":
-        _sync(device)
+        sync_device(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         fn()
-        _sync(device)
+        sync_device(device)
         return (torch.cuda.max_memory_allocated(device) - base) / 2**20
     if cpu_reset is None:
         return None

@@ -15,16 +15,19 @@ is shared by the three methods and not timed.
 
 ``granularity`` layer or head (``run_layer_start_bench``): the same N positions x L layers (x KV heads) rows,
 labeled by the engine with layer start (each row runs from the layer it evicts from) and without it (every
-row runs the full depth: the method before layer start), with the largest difference of their labels.
+row runs the full depth: the method before layer start), timed batch by batch in alternation, with the
+largest difference of their labels.
 """
 
 from __future__ import annotations
 
+import functools
+import time
 from dataclasses import dataclass
 
 import torch
 
-from kvdiag.kernels.bench import best_seconds, cpu_peak_probe, peak_mb
+from kvdiag.kernels.bench import best_seconds, cpu_peak_probe, peak_mb, sync_device
 from kvdiag.label.engine import OracleEngine, Row, cache_from_prefix, candidate_rows, divergences
 from kvdiag.models import LoadedModel
 from kvdiag.prompts import arith_prompts
@@ -97,8 +100,9 @@ def run_label_bench(lm: LoadedModel, prefix_len: int = 512, n: int = 64, horizon
 
 @dataclass
 class LayerStartBench:
-    rows: list[LabelBenchRow]  # layer start, full depth
+    rows: list[LabelBenchRow]  # layer start, full depth (seconds: the best of the repeats' totals)
     labeled: int  # rows labeled per run
+    ratios: list[float]  # full depth / layer start, per repeat
     max_abs_diff: float  # largest |kl_steps(layer start) - kl_steps(full depth)|
     max_rel_diff: float  # the same relative to max(|kl|, 1e-6)
 
@@ -106,25 +110,52 @@ class LayerStartBench:
 def run_layer_start_bench(lm: LoadedModel, granularity: str, prefix_len: int = 512, n: int = 8, horizon: int = 16,
                           repeats: int = 3, batch_size: int | None = None, backend: str = "auto") -> LayerStartBench:
     """Layer start vs full depth on the same ``granularity`` rows of ``n`` positions, both in batches of ``n`` rows
-    (layer start batches the rows of one layer: N per layer), so they run the same batch shapes; see the module docstring."""
+    (layer start batches the rows of one layer: N per layer), so they run the same batch shapes.
+
+    The two methods have the same number of batches. They are timed batch by batch, alternating (batch i of one,
+    then batch i of the other, the first one swapping every batch), so a slow spell of a shared machine, which lasts
+    seconds to minutes, falls on both: timing each method's whole run in turn let such spells move the ratio by
+    +-20%. The checkpoint's shared work (the full-cache run and the null row) is done once per method and not timed.
+    Each method then labels all rows once through ``OracleEngine.label`` for its peak memory and the labels compared."""
     batch_size = batch_size or n
     ids = bench_tokens(lm, prefix_len + horizon + 1)
-    fast = OracleEngine(lm, ids, horizon, batch_size, backend, layer_start=True)
-    full = OracleEngine(lm, ids, horizon, batch_size, backend, layer_start=False)
+    engines = {"layer start (from the evicted layer)": OracleEngine(lm, ids, horizon, batch_size, backend, layer_start=True),
+               "full depth (before layer start)": OracleEngine(lm, ids, horizon, batch_size, backend, layer_start=False)}
     t = prefix_len
-    fast.golden(t), full.golden(t)  # the full-cache run is shared by both; not timed
     positions = torch.linspace(0, t - 1, n).long().tolist()
-    rows = candidate_rows(positions, granularity, fast.num_layers, fast.num_kv_heads)
-    methods = {"layer start (from the evicted layer)": lambda: fast.label(t, rows),
-               "full depth (before layer start)": lambda: full.label(t, rows)}
+    first = next(iter(engines.values()))
+    rows = candidate_rows(positions, granularity, first.num_layers, first.num_kv_heads)
+    targets = first.ids[t + 1 : t + horizon + 1]
+    runs = []  # per method: one batch's work per entry, in the engine's batch order
+    for eng in engines.values():
+        prefix, logp_full = eng.golden(t)
+        _, hidden = eng.null_run(t, prefix)
+        runs.append([functools.partial(eng.label_batch, t, prefix, logp_full, targets, [rows[j] for j in batch], start, hidden)
+                     for start, batch in eng.batches(rows)])
+    if len({len(r) for r in runs}) != 1:
+        raise RuntimeError("layer start and full depth split the rows into different numbers of batches")
     device = torch.device(lm.device)
+    runs[0][0](), runs[1][0]()  # warm-up
+    totals = []
+    for _ in range(repeats):
+        seconds = [0.0, 0.0]
+        for i, pair in enumerate(zip(*runs)):
+            for m in (0, 1) if i % 2 == 0 else (1, 0):
+                sync_device(device)
+                t0 = time.perf_counter()
+                pair[m]()
+                sync_device(device)
+                seconds[m] += time.perf_counter() - t0
+        totals.append(seconds)
     probe = cpu_peak_probe() if device.type == "cpu" else None
-    best = best_seconds(methods, device, repeats)
-    a, b = fast.label(t, rows)[0]["kl"].double(), full.label(t, rows)[0]["kl"].double()
-    diff = (a - b).abs()
-    return LayerStartBench([LabelBenchRow(name, best[name], len(rows) * horizon / best[name], peak_mb(fn, device, probe))
-                            for name, fn in methods.items()], len(rows), float(diff.max()),
-                           float((diff / b.abs().clamp_min(1e-6)).max()))
+    labels, peaks = [], []
+    for eng in engines.values():
+        peaks.append(peak_mb(lambda: labels.append(eng.label(t, rows)[0]["kl"].double()), device, probe))
+    diff = (labels[0] - labels[1]).abs()
+    best = [min(tot[m] for tot in totals) for m in (0, 1)]
+    return LayerStartBench([LabelBenchRow(name, best[m], len(rows) * horizon / best[m], peaks[m])
+                            for m, name in enumerate(engines)], len(rows), [full / start for start, full in totals],
+                           float(diff.max()), float((diff / labels[1].abs().clamp_min(1e-6)).max()))
 
 
 @dataclass

@@ -246,24 +246,37 @@ class OracleEngine:
             return full, noise
         return self._label(t, rows, progress)
 
+    def batches(self, rows: list[Row]) -> list[tuple[int, list[int]]]:
+        """The engine's batches of ``rows``: (start layer, row indices), grouped by start layer (stable: within a
+        group in the given order) and at most ``batch_size`` rows each."""
+        order = sorted(range(len(rows)), key=lambda j: self.start_layer(rows[j]))
+        out = []
+        for start, group in itertools.groupby(order, key=lambda j: self.start_layer(rows[j])):
+            group = list(group)
+            out += [(start, group[s : s + self.batch_size]) for s in range(0, len(group), self.batch_size)]
+        return out
+
+    def label_batch(self, t: int, prefix, logp_full, targets, rows: list[Row], start: int,
+                    hidden: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One batch of ``batches``: its rows' divergences (on the CPU), run from layer ``start`` on the null row's
+        layer inputs ``hidden`` (``null_run``)."""
+        logits = self.evicted_logits(t, prefix, rows, start, hidden[start] if start else None)
+        return {key: val.cpu() for key, val in self._divergences(t, logp_full, logits, targets).items()}
+
     def _label(self, t: int, rows: list[Row], progress=None) -> tuple[dict[str, torch.Tensor], float]:
         prefix, logp_full = self.golden(t)
         targets = self.ids[t + 1 : t + self.horizon + 1]  # the realized next tokens (the last step may have none)
         null, hidden = self.null_run(t, prefix)
         div_null = self._divergences(t, logp_full, null, targets)
         noise = float(div_null["kl"].mean())
-        # rows grouped by start layer (stable: within a group in the given order), batched within a group
-        order = sorted(range(len(rows)), key=lambda j: self.start_layer(rows[j]))
         parts = {key: [val[:0].cpu()] for key, val in div_null.items()}
-        for start, group in itertools.groupby(order, key=lambda j: self.start_layer(rows[j])):
-            group = list(group)
-            for s in range(0, len(group), self.batch_size):
-                batch = [rows[j] for j in group[s : s + self.batch_size]]
-                logits = self.evicted_logits(t, prefix, batch, start, hidden[start] if start else None)
-                for key, val in self._divergences(t, logp_full, logits, targets).items():
-                    parts.setdefault(key, []).append(val.cpu())
-                if progress is not None:
-                    progress(len(batch))
+        order = []
+        for start, batch in self.batches(rows):
+            for key, val in self.label_batch(t, prefix, logp_full, targets, [rows[j] for j in batch], start, hidden).items():
+                parts[key].append(val)
+            order += batch
+            if progress is not None:
+                progress(len(batch))
         out = {key: torch.cat(val) for key, val in parts.items()}
         back = torch.empty(len(order), dtype=torch.long)
         back[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
