@@ -54,7 +54,7 @@ def obvious_compact_kv(keys, values, keep):
     return keys.gather(1, idx), values.gather(1, idx)
 
 
-def sync_device(device: torch.device) -> None:
+def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -68,12 +68,17 @@ def best_seconds(fns: dict[str, Callable[[], object]], device: torch.device, rep
     best = dict.fromkeys(fns, float("inf"))
     for _ in range(repeats):
         for name, fn in fns.items():
-            sync_device(device)
-            t0 = time.perf_counter()
-            fn()
-            sync_device(device)
-            best[name] = min(best[name], time.perf_counter() - t0)
+            best[name] = min(best[name], seconds(fn, device))
     return best
+
+
+def seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """Wall time of one call of ``fn``, with the device's queued work finished before and after."""
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
 
 
 def rss_kb(field: str) -> int:
@@ -101,11 +106,11 @@ def cpu_peak_probe() -> Callable[[], None] | None:
 
 def peak_mb(fn: Callable[[], object], device: torch.device, cpu_reset: Callable[[], None] | None) -> float | None:
     if device.type == "cuda":
-        sync_device(device)
+        _sync(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         fn()
-        sync_device(device)
+        _sync(device)
         return (torch.cuda.max_memory_allocated(device) - base) / 2**20
     if cpu_reset is None:
         return None

@@ -22,12 +22,11 @@ largest difference of their labels.
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass
 
 import torch
 
-from kvdiag.kernels.bench import best_seconds, cpu_peak_probe, peak_mb, sync_device
+from kvdiag.kernels.bench import best_seconds, cpu_peak_probe, peak_mb, seconds
 from kvdiag.label.engine import OracleEngine, Row, cache_from_prefix, candidate_rows, divergences
 from kvdiag.models import LoadedModel
 from kvdiag.prompts import arith_prompts
@@ -125,12 +124,10 @@ def run_layer_start_bench(lm: LoadedModel, granularity: str, prefix_len: int = 5
     positions = torch.linspace(0, t - 1, n).long().tolist()
     first = next(iter(engines.values()))
     rows = candidate_rows(positions, granularity, first.num_layers, first.num_kv_heads)
-    targets = first.ids[t + 1 : t + horizon + 1]
     runs = []  # per method: one batch's work per entry, in the engine's batch order
     for eng in engines.values():
-        prefix, logp_full = eng.golden(t)
-        _, hidden = eng.null_run(t, prefix)
-        runs.append([functools.partial(eng.label_batch, t, prefix, logp_full, targets, [rows[j] for j in batch], start, hidden)
+        ckpt = eng.checkpoint(t)
+        runs.append([functools.partial(eng.label_batch, ckpt, [rows[j] for j in batch], start)
                      for start, batch in eng.batches(rows)])
     if len({len(r) for r in runs}) != 1:
         raise RuntimeError("layer start and full depth split the rows into different numbers of batches")
@@ -138,15 +135,11 @@ def run_layer_start_bench(lm: LoadedModel, granularity: str, prefix_len: int = 5
     runs[0][0](), runs[1][0]()  # warm-up
     totals = []
     for _ in range(repeats):
-        seconds = [0.0, 0.0]
+        total = [0.0, 0.0]
         for i, pair in enumerate(zip(*runs)):
             for m in (0, 1) if i % 2 == 0 else (1, 0):
-                sync_device(device)
-                t0 = time.perf_counter()
-                pair[m]()
-                sync_device(device)
-                seconds[m] += time.perf_counter() - t0
-        totals.append(seconds)
+                total[m] += seconds(pair[m], device)
+        totals.append(total)
     probe = cpu_peak_probe() if device.type == "cpu" else None
     labels, peaks = [], []
     for eng in engines.values():

@@ -123,6 +123,19 @@ def divergences(logp_full: torch.Tensor, logits_ev: torch.Tensor, targets: torch
     return res
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """What the batches of one checkpoint share: prefix[l] (k, v) [Hkv, t, d], logp_full [H, V], targets [H'] (the
+    realized next tokens), the null row's logits null [1, H, V] and its layer inputs hidden[l] [1, H, D]."""
+
+    t: int
+    prefix: list[tuple[torch.Tensor, torch.Tensor]]
+    logp_full: torch.Tensor
+    targets: torch.Tensor
+    null: torch.Tensor
+    hidden: list[torch.Tensor]
+
+
 class OracleEngine:
     """Labels candidates of one prompt's checkpoints; build it once per (model, token sequence).
 
@@ -256,23 +269,29 @@ class OracleEngine:
             out += [(start, group[s : s + self.batch_size]) for s in range(0, len(group), self.batch_size)]
         return out
 
-    def label_batch(self, t: int, prefix, logp_full, targets, rows: list[Row], start: int,
-                    hidden: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    @torch.no_grad()
+    def checkpoint(self, t: int) -> Checkpoint:
+        """What every batch at checkpoint ``t`` shares: the full-cache run (``golden``), the realized next tokens and
+        the null row (``null_run``)."""
+        prefix, logp_full = self.golden(t)
+        null, hidden = self.null_run(t, prefix)
+        # the realized next tokens (the last step may have none)
+        return Checkpoint(t, prefix, logp_full, self.ids[t + 1 : t + self.horizon + 1], null, hidden)
+
+    def label_batch(self, ckpt: Checkpoint, rows: list[Row], start: int) -> dict[str, torch.Tensor]:
         """One batch of ``batches``: its rows' divergences (on the CPU), run from layer ``start`` on the null row's
-        layer inputs ``hidden`` (``null_run``)."""
-        logits = self.evicted_logits(t, prefix, rows, start, hidden[start] if start else None)
-        return {key: val.cpu() for key, val in self._divergences(t, logp_full, logits, targets).items()}
+        layer inputs."""
+        logits = self.evicted_logits(ckpt.t, ckpt.prefix, rows, start, ckpt.hidden[start] if start else None)
+        return {key: val.cpu() for key, val in self._divergences(ckpt, logits).items()}
 
     def _label(self, t: int, rows: list[Row], progress=None) -> tuple[dict[str, torch.Tensor], float]:
-        prefix, logp_full = self.golden(t)
-        targets = self.ids[t + 1 : t + self.horizon + 1]  # the realized next tokens (the last step may have none)
-        null, hidden = self.null_run(t, prefix)
-        div_null = self._divergences(t, logp_full, null, targets)
+        ckpt = self.checkpoint(t)
+        div_null = self._divergences(ckpt, ckpt.null)
         noise = float(div_null["kl"].mean())
         parts = {key: [val[:0].cpu()] for key, val in div_null.items()}
         order = []
         for start, batch in self.batches(rows):
-            for key, val in self.label_batch(t, prefix, logp_full, targets, [rows[j] for j in batch], start, hidden).items():
+            for key, val in self.label_batch(ckpt, [rows[j] for j in batch], start).items():
                 parts[key].append(val)
             order += batch
             if progress is not None:
@@ -282,7 +301,7 @@ class OracleEngine:
         back[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
         return {key: val[back] for key, val in out.items()}, noise
 
-    def _divergences(self, t: int, logp_full, logits, targets) -> dict[str, torch.Tensor]:
-        div = divergences(logp_full, logits, targets)
-        self._check_finite(div["kl"], t)  # a non-finite logit makes its row's KL inf or nan
+    def _divergences(self, ckpt: Checkpoint, logits) -> dict[str, torch.Tensor]:
+        div = divergences(ckpt.logp_full, logits, ckpt.targets)
+        self._check_finite(div["kl"], ckpt.t)  # a non-finite logit makes its row's KL inf or nan
         return div
