@@ -6,7 +6,7 @@ STAMP := $(VENV)/.kvdiag-installed
 
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo -n)
 
-.PHONY: demo test venv browser clean
+.PHONY: demo test lint venv browser clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,6 +30,10 @@ demo: $(STAMP)
 
 test: $(STAMP) browser
 	$(BIN)/python -m pytest -n 2 -q
+
+# ruff: pyflakes, import order, bugbear, 120 columns (pyproject.toml [tool.ruff])
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 # headless Chromium for the token viewer's browser test (Debian packages; tests/test_viewer.py skips without it)
 browser:

@@ -16,6 +16,7 @@ Window rule (transformers 5.x ``masking_utils.sliding_window_overlay``): a query
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -111,12 +112,15 @@ class Family:
     softcap : the config attribute holding the attention logit softcap the model passes to attention, or None.
     sinks : learned per-head sink logits (``module.sinks``, passed as ``s_aux``).
     refuse : why the family is refused (None = supported).
+    kvpress : why NVIDIA kvpress presses cannot be graded on this family (None = they can): kvpress recomputes queries
+        with ``q_proj``/``head_dim`` and full-width RoPE tables, which some families do not have.
     """
 
     windows: str = "none"
     softcap: str | None = None
     sinks: bool = False
     refuse: str | None = None
+    kvpress: str | None = None
 
     @property
     def needs_eager(self) -> bool:
@@ -133,23 +137,30 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family(windows="layer_types"),
     "qwen3_moe": Family(windows="config"),
     "mistral": Family(windows="config"),
-    "phi3": Family(windows="config"),
+    "phi3": Family(windows="config", kvpress="partial rotary: kvpress rotates the whole head dim with RoPE tables of "
+                   "the rotary dims only"),
     "olmo2": Family(),
     "granite": Family(),
     "cohere": Family(),
     "smollm3": Family(windows="layer_types"),
-    "gpt_neox": Family(),
+    "gpt_neox": Family(kvpress="a fused query_key_value projection and no head_dim: kvpress cannot recompute its "
+                       "queries"),
     "gemma2": Family(windows="layer_types", softcap="attn_logit_softcapping"),
     "gemma3_text": Family(windows="layer_types"),  # Gemma3 never passes its softcap to attention
-    "gpt_oss": Family(windows="layer_types", sinks=True),
+    "gpt_oss": Family(windows="layer_types", sinks=True, kvpress="half-width RoPE tables (cos/sin of d/2): kvpress's "
+                      "RoPE math needs full-width ones"),
     "deepseek_v2": Family(refuse=MLA),
     "deepseek_v3": Family(refuse=MLA),
 }
 
 # keyword arguments transformers passes to attention functions that do not change attention semantics;
 # the semantic ones (sliding_window, softcap, s_aux) are checked against the adapter, anything else refused
-BENIGN_KWARGS = frozenset({"position_ids", "use_cache", "output_attentions", "is_causal", "cache_position", "output_router_logits",
-                           "return_dict", "output_hidden_states"})
+BENIGN_KWARGS = frozenset(
+    {
+        "position_ids", "use_cache", "output_attentions", "is_causal", "cache_position", "output_router_logits",
+        "return_dict", "output_hidden_states",
+    }
+)
 
 
 def text_config(config):
@@ -163,8 +174,10 @@ def family_of(config, what: str = "--model") -> tuple[str, Family]:
     mt = getattr(cfg, "model_type", None)
     fam = FAMILIES.get(mt)
     if fam is None:
-        raise UserError(f"{what}: architecture {mt!r} ({', '.join(getattr(config, 'architectures', None) or []) or type(cfg).__name__}) "
-                        f"is not known to kvdiag's model adapter; supported: {', '.join(k for k, f in FAMILIES.items() if not f.refuse)}")
+        raise UserError(f"{what}: architecture {mt!r} "
+                        f"({', '.join(getattr(config, 'architectures', None) or []) or type(cfg).__name__}) "
+                        "is not known to kvdiag's model adapter; supported: "
+                        f"{', '.join(k for k, f in FAMILIES.items() if not f.refuse)}")
     if fam.refuse:
         raise UserError(f"{what}: architecture {mt!r} is refused: {fam.refuse}")
     windows = layer_windows(cfg, fam)
@@ -214,10 +227,8 @@ class ModelAttention:
             "family": self.family, "implementation": self.implementation, "cache": self.cache,
             "qk_head_dim": self.qk_head_dim, "v_head_dim": self.v_head_dim,
             "layer_types": ["full" if l.window is None else "sliding" for l in self.layers],
-            "windows": [l.window for l in self.layers],
-            "softcap": any(l.softcap is not None for l in self.layers),
-            "sinks": any(l.sinks is not None for l in self.layers),
-            "layers": [l.to_info() for l in self.layers],
+            "windows": [l.window for l in self.layers], "softcap": any(l.softcap is not None for l in self.layers),
+            "sinks": any(l.sinks is not None for l in self.layers), "layers": [l.to_info() for l in self.layers],
         }
 
     @staticmethod
@@ -236,6 +247,32 @@ def attention_modules(model) -> dict[int, torch.nn.Module]:
         if hasattr(module, "scaling") and hasattr(module, "layer_idx"):
             out.setdefault(int(module.layer_idx), module)
     return out
+
+
+class LayerTypeRotary(torch.nn.Module):
+    """A rotary embedding with one table per layer type (Gemma3: ``rotary_emb(x, position_ids, layer_type)``) bound to
+    one layer's type: ``(x, position_ids) -> (cos, sin)``, the tables that layer's attention receives."""
+
+    def __init__(self, rotary: torch.nn.Module, layer_type: str):
+        super().__init__()
+        self.rotary, self.layer_type = rotary, layer_type
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+        return self.rotary(x, position_ids, self.layer_type)
+
+
+def rotary_embedding(model, layer: int) -> torch.nn.Module:
+    """Layer ``layer``'s rotary embedding as ``(x, position_ids) -> (cos, sin)``: the decoder's ``rotary_emb`` (the
+    module every layer's ``position_embeddings`` come from), bound to the layer's type where the model keeps one table
+    per layer type; a model without exactly one ``rotary_emb`` is refused in one line."""
+    found = {id(m): m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == "rotary_emb"}
+    if len(found) != 1:
+        raise UserError(f"--model: {type(model).__name__} has {len(found)} rotary embedding modules (rotary_emb); "
+                        "kvdiag needs exactly one")
+    rotary = next(iter(found.values()))
+    if "layer_type" in inspect.signature(rotary.forward).parameters:
+        return LayerTypeRotary(rotary, text_config(model.config).layer_types[layer])
+    return rotary
 
 
 def output_projection(module) -> torch.nn.Linear:
@@ -296,7 +333,8 @@ def check_kwargs(module, spec: LayerAttention | None, kwargs: dict, where: str) 
         raise UserError(f"{where}: layer {module.layer_idx} attends with sliding_window={window}, the adapter says "
                         f"{spec.window}; this model is not supported")
     if softcap is not None and softcap != spec.softcap:
-        raise UserError(f"{where}: layer {module.layer_idx} soft-caps attention at {softcap}, the adapter says {spec.softcap}")
+        raise UserError(f"{where}: layer {module.layer_idx} soft-caps attention at {softcap}, the adapter says "
+                        f"{spec.softcap}")
     if (s_aux is not None) != (spec.sinks is not None):
         raise UserError(f"{where}: layer {module.layer_idx} attention sinks do not match the adapter")
 
@@ -334,13 +372,16 @@ def _text_only(model):
     cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(text), None)
     inner = getattr(getattr(model, "model", None), "language_model", None)
     if cls is None or inner is None or not hasattr(model, "lm_head"):
-        raise UserError(f"--model: {type(model).__name__} nests its text model in a way kvdiag cannot unwrap; load its text-only checkpoint")
+        raise UserError(f"--model: {type(model).__name__} nests its text model in a way kvdiag cannot unwrap; load "
+                        "its text-only checkpoint")
     with torch.device("meta"):
         lm = cls(text)
     lm.model = inner
     lm.lm_head = model.lm_head
     lm.generation_config = model.generation_config
-    lm.config._attn_implementation_internal = getattr(text, "_attn_implementation_internal", None) or cfg._attn_implementation
+    lm.config._attn_implementation_internal = (
+        getattr(text, "_attn_implementation_internal", None) or cfg._attn_implementation
+    )
     return lm.eval()
 
 
@@ -380,8 +421,10 @@ def capturing_layer_inputs(model):
     """Record the hidden states entering every decoder layer during a forward: yields a list filled with
     ``inputs[l] [B, W, D]`` (detached) in layer order."""
     inputs: list[torch.Tensor] = []
-    hooks = [layer.register_forward_pre_hook(lambda m, a, kw: inputs.append(_get_hidden(a, kw).detach()), with_kwargs=True)
-             for layer in decoder_layers(model)]
+    hooks = [
+        layer.register_forward_pre_hook(lambda m, a, kw: inputs.append(_get_hidden(a, kw).detach()), with_kwargs=True)
+        for layer in decoder_layers(model)
+    ]
     try:
         yield inputs
     finally:

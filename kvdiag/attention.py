@@ -25,12 +25,8 @@ def group_size(num_heads: int, num_kv_heads: int) -> int:
 
 
 def attention_rows(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    query_positions: torch.Tensor,
-    scale: LayerAttention | float,
-    key_limit: int | None = None,
-    chunk: int = 256,
+    q: torch.Tensor, k: torch.Tensor, query_positions: torch.Tensor, scale: LayerAttention | float,
+    key_limit: int | None = None, chunk: int = 256,
 ) -> torch.Tensor:
     """Exact attention probabilities of selected queries over all their visible keys.
 

@@ -32,10 +32,12 @@ class ModelShape:
     vocab: int
 
     @classmethod
-    def from_config(cls, config, name: str = "") -> "ModelShape":
+    def from_config(cls, config, name: str = "") -> ModelShape:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(name or getattr(config, "model_type", "model"), config.num_hidden_layers, config.num_attention_heads,
-                   config.num_key_value_heads, head_dim, config.hidden_size, config.intermediate_size, config.vocab_size)
+        return cls(
+            name or getattr(config, "model_type", "model"), config.num_hidden_layers, config.num_attention_heads,
+            config.num_key_value_heads, head_dim, config.hidden_size, config.intermediate_size, config.vocab_size,
+        )
 
     @property
     def matmul_params(self) -> int:
@@ -58,7 +60,8 @@ class ModelShape:
         return 2 * self.matmul_params + 4 * self.layers * self.heads * self.head_dim * context
 
     def layer_flops(self, context: float) -> float:
-        """One decoder layer's matmul FLOPs for one token over ``context`` keys (``forward_flops`` without the LM head)."""
+        """One decoder layer's matmul FLOPs for one token over ``context`` keys (``forward_flops`` without the LM
+        head)."""
         return (self.forward_flops(context) - 2 * self.hidden * self.vocab) / self.layers
 
     def layer_start_ceiling(self, context: float) -> float:
@@ -131,7 +134,9 @@ class TraceCost:
                 "label": self.label_flops / (gpu.tflops * 1e12 * gpu.compute_efficiency)}
 
 
-def extrapolation(cost: TraceCost, gpu: GPU = GPU(), problems: int = 500, gpus: tuple[int, ...] = (1, 8)) -> list[tuple[str, str]]:
+def extrapolation(
+    cost: TraceCost, gpu: GPU = GPU(), problems: int = 500, gpus: tuple[int, ...] = (1, 8)
+) -> list[tuple[str, str]]:
     """(quantity, value) rows of the arithmetic for one trace and for ``problems`` of them split over ``gpus``
     GPUs (torchrun ranks take whole prompts, so time divides and nothing else changes)."""
     shape, T, sec = cost.shape, cost.tokens, cost.seconds(gpu)
@@ -139,20 +144,27 @@ def extrapolation(cost: TraceCost, gpu: GPU = GPU(), problems: int = 500, gpus: 
     rows = [
         ("matmul weights per token", f"{shape.matmul_params / 1e9:.2f} G ({2 * shape.matmul_params / 1e9:.1f} GFLOP)"),
         ("attention FLOPs per token per cached key", f"{4 * shape.layers * shape.heads * shape.head_dim:,}"),
-        ("KV cache per token (bf16)", f"{shape.kv_cache_bytes(2):,} B ({shape.kv_cache_bytes(2) * T / 1e9:.1f} GB at T = {T:,})"),
+        ("KV cache per token (bf16)", f"{shape.kv_cache_bytes(2):,} B ({shape.kv_cache_bytes(2) * T / 1e9:.1f} GB at "
+                                      f"T = {T:,})"),
     ]
-    rows += [(f"Trace on disk per token, --store {m}", f"{shape.stored_bytes(m):,} B + token table <= {TOKEN_TABLE_BYTES} B "
-              f"({cost.disk_bytes(m) / 1e9:,.3g} GB per trace, {problems * cost.disk_bytes(m) / 1e12:,.3g} TB for {problems})")
+    rows += [(f"Trace on disk per token, --store {m}", f"{shape.stored_bytes(m):,} B + token table <= "
+                                                       f"{TOKEN_TABLE_BYTES} B "
+        f"({cost.disk_bytes(m) / 1e9:,.3g} GB per trace, {problems * cost.disk_bytes(m) / 1e12:,.3g} TB for "
+        f"{problems})")
              for m in ("all", "kv", "none")]
     rows += [
         ("host RAM of the recorded rows while tracing (--store all)", f"{shape.stored_bytes('all') * T / 1e9:.1f} GB"),
-        ("decode: bytes read (weights every step + cache so far)", f"{cost.decode_bytes / 1e12:,.0f} TB, {cost.decode_flops / 1e12:,.0f} TFLOP"),
-        (f"labels: {len(cost.checkpoints)} checkpoints (every {cost.label_every}) x ({cost.candidates} + 1) rows x {cost.horizon} tokens",
+        ("decode: bytes read (weights every step + cache so far)", f"{cost.decode_bytes / 1e12:,.0f} TB, "
+                                                                   f"{cost.decode_flops / 1e12:,.0f} TFLOP"),
+        (f"labels: {len(cost.checkpoints)} checkpoints (every {cost.label_every}) x ({cost.candidates} + 1) rows x "
+         f"{cost.horizon} tokens",
          f"{cost.label_flops / 1e12:,.0f} TFLOP (golden prefill included)"),
         ("rebuild of a --store none Trace (one prefill)", f"{cost.prefill_flops / 1e12:,.0f} TFLOP, {rebuild:.1f} s"),
-        (f"one trace on one {gpu.name}", f"trace {sec['trace']:,.0f} s (batch 1, bandwidth-bound), labels {sec['label']:,.1f} s"),
+        (f"one trace on one {gpu.name}", f"trace {sec['trace']:,.0f} s (batch 1, bandwidth-bound), labels "
+                                         f"{sec['label']:,.1f} s"),
     ]
     for n in gpus:
         rows.append((f"{problems} traces on {n} {gpu.name}" + ("s (torchrun)" if n > 1 else ""),
-                     f"trace {problems * sec['trace'] / n / 3600:,.1f} h, labels {problems * sec['label'] / n / 60:,.1f} min"))
+                     f"trace {problems * sec['trace'] / n / 3600:,.1f} h, labels "
+                     f"{problems * sec['label'] / n / 60:,.1f} min"))
     return rows

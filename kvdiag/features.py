@@ -15,12 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kvdiag.adapters import (
-    LayerAttention,
-    as_layer_attention,
-    attention_modules,
-    output_projection,
-)
+from kvdiag.adapters import LayerAttention, as_layer_attention, attention_modules, output_projection
 from kvdiag.attention import attention_rows, group_size
 from kvdiag.errors import UserError
 
@@ -115,7 +110,9 @@ def o_proj_weights(model: torch.nn.Module) -> dict[int, torch.Tensor]:
     return {i: output_projection(m).weight.detach().float().cpu() for i, m in attention_modules(model).items()}
 
 
-def value_payload(v: torch.Tensor, kind: str = "l2", o_proj: torch.Tensor | None = None, num_heads: int | None = None) -> torch.Tensor:
+def value_payload(
+    v: torch.Tensor, kind: str = "l2", o_proj: torch.Tensor | None = None, num_heads: int | None = None
+) -> torch.Tensor:
     """Value payload ``b_i`` per KV head -> ``[Hkv, t]``.
 
     v [Hkv, t, d]. ``kind``: ``l2`` ‖v‖₂; ``l1`` ‖v‖₁ (VATP); ``range`` max_d v − min_d v (VaSE's default);
@@ -132,7 +129,8 @@ def value_payload(v: torch.Tensor, kind: str = "l2", o_proj: torch.Tensor | None
         return v.var(dim=-1, unbiased=False)
     if kind == "wo_l2":
         if o_proj is None or num_heads is None:
-            raise UserError("payload wo_l2 (‖W_O v‖₂) needs the model's o_proj weights: pass --model (the Trace's model) or use payload l2/range")
+            raise UserError("payload wo_l2 (‖W_O v‖₂) needs the model's o_proj weights: pass --model (the Trace's "
+                            "model) or use payload l2/range")
         Hkv, t, d = v.shape
         g = group_size(num_heads, Hkv)
         w = o_proj.float().reshape(o_proj.shape[0], num_heads, d).transpose(0, 1)  # [H, hidden, d]
@@ -239,7 +237,9 @@ class AttentionHistory:
     at most ``chunk_elements`` probabilities.
     """
 
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, attn: LayerAttention | float, chunk_elements: int = CHUNK_ELEMENTS):
+    def __init__(
+        self, q: torch.Tensor, k: torch.Tensor, attn: LayerAttention | float, chunk_elements: int = CHUNK_ELEMENTS
+    ):
         # attn: the layer's semantics (window, softcap, sinks) or a bare scale (plain causal)
         self.q, self.k, self.attn, self.chunk_elements = q, k, as_layer_attention(attn), chunk_elements
         self.pos = 0
@@ -281,12 +281,8 @@ THOUGHT_CLASSES = {"T": TRANSITION, "R": REASONING, "E": EXECUTION}
 
 
 def thought_segments(
-    step_sparsity: torch.Tensor,
-    prompt_len: int,
-    segment_len: int = 128,
-    thresholds: tuple[float, float] | None = None,
-    quantiles: tuple[float, float] = (1 / 3, 2 / 3),
-    prompt_class: str = "R",
+    step_sparsity: torch.Tensor, prompt_len: int, segment_len: int = 128, thresholds: tuple[float, float] | None = None,
+    quantiles: tuple[float, float] = (1 / 3, 2 / 3), prompt_class: str = "R",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ThinKV-style thought segmentation of the cache ``[0, t)``.
 

@@ -51,7 +51,8 @@ def check_writable(path: str | os.PathLike, what: str, kind: str = "file") -> Pa
         folder = existing if kind == "dir" else existing.parent
     elif not existing.is_dir():
         target = "a writable directory" if kind == "dir" else "a writable file path"
-        raise UserError(f"{what} {path} is not {target}: it lies below the file {existing}; choose a path in a directory")
+        raise UserError(f"{what} {path} is not {target}: it lies below the file {existing}; choose a path in a "
+                        "directory")
     else:
         folder = existing
     if not os.access(folder, os.W_OK | os.X_OK):
@@ -68,13 +69,17 @@ def writable_dir(path: str | os.PathLike, what: str = "--out") -> Path:
         os.close(fd)
         os.unlink(probe)
     except OSError as err:
-        raise UserError(f"{what} {path} is not a writable directory ({err.strerror or err}); choose another {what}") from err
+        raise UserError(
+            f"{what} {path} is not a writable directory ({err.strerror or err}); choose another {what}"
+        ) from err
     return path
 
 
 def write_table(df: pl.DataFrame, path: str | os.PathLike, meta: dict | None = None) -> Path:
     """Write ``df`` to ``path`` atomically with ``meta`` (JSON-serializable) in the file metadata."""
-    return write_atomically(path, lambda tmp: df.write_parquet(tmp, metadata={META_KEY: json.dumps(meta or {}, default=str)}))
+    return write_atomically(
+        path, lambda tmp: df.write_parquet(tmp, metadata={META_KEY: json.dumps(meta or {}, default=str)})
+    )
 
 
 def write_json(path: str | os.PathLike, obj) -> Path:
@@ -107,4 +112,17 @@ def read_table(path: str | os.PathLike, what: str = "table") -> tuple[pl.DataFra
     try:
         return pl.read_parquet(path), read_meta(path)
     except Exception as err:  # pyarrow/polars raise many types for corrupt files
-        raise UserError(f"{what} {path} is not a readable Parquet file ({err.__class__.__name__}): regenerate it") from err
+        raise UserError(
+            f"{what} {path} is not a readable Parquet file ({err.__class__.__name__}): regenerate it"
+        ) from err
+
+
+def read_json(path: str | os.PathLike, what: str = "file"):
+    """The JSON value of ``path``; a missing or malformed file is a ``UserError`` naming ``what``."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{what} {path} does not exist: pass a file written by kvdiag")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"{what} {path} is not valid JSON ({err}): regenerate it") from err

@@ -59,24 +59,18 @@ class LoadedModel:
     def info(self) -> dict:
         ma = self.attention
         return {
-            "spec": self.spec,
-            "architecture": type(self.model).__name__,
-            "dtype": self.dtype,
-            "device": self.device,
-            "revision": self.revision,
-            "config_hash": self.config_hash,
-            "weights_hash": self.weights_hash,
-            "num_layers": ma.num_layers,
-            "num_heads": ma.num_heads,
-            "num_kv_heads": ma.num_kv_heads,
-            "head_dim": ma.qk_head_dim,
-            "attention": ma.info(),
+            "spec": self.spec, "architecture": type(self.model).__name__, "dtype": self.dtype, "device": self.device,
+            "revision": self.revision, "config_hash": self.config_hash, "weights_hash": self.weights_hash,
+            "num_layers": ma.num_layers, "num_heads": ma.num_heads, "num_kv_heads": ma.num_kv_heads,
+            "head_dim": ma.qk_head_dim, "attention": ma.info(),
         }
 
     def is_model_of(self, recorded: dict, config: bool = False) -> bool:
         """Whether this is the model a Trace manifest's ``model`` entry ``recorded`` describes: the same weights
         (and, with ``config``, the same config)."""
-        return recorded["weights_hash"] == self.weights_hash and (not config or recorded["config_hash"] == self.config_hash)
+        return recorded["weights_hash"] == self.weights_hash and (
+            not config or recorded["config_hash"] == self.config_hash
+        )
 
     def check_model_of(self, recorded: dict, what: str, fix: str) -> None:
         """A ``UserError`` (``what`` names the input, ``fix`` the remedy) unless :meth:`is_model_of` ``recorded``."""
@@ -102,12 +96,8 @@ def check_device(device: str) -> str:
 
 
 def load_model(
-    spec: str = "smollm2",
-    dtype: str = "float32",
-    device: str = "cpu",
-    revision: str | None = None,
-    trust_remote_code: bool = False,
-    seed: int = 0,
+    spec: str = "smollm2", dtype: str = "float32", device: str = "cpu", revision: str | None = None,
+    trust_remote_code: bool = False, seed: int = 0,
 ) -> LoadedModel:
     """Load ``spec`` (see module docstring) in eval mode on ``device``."""
     torch_dtype = parse_dtype(dtype)
@@ -169,7 +159,8 @@ def _from_dir(path_or_id: str | Path, torch_dtype, revision, trust_remote_code):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if str(path_or_id).startswith((".", "/", "~")) and not Path(path_or_id).expanduser().exists():
-        raise UserError(f"--model {path_or_id}: no such directory; pass a local HF model directory, a .gguf file, a hub id, smollm2, gemma3-270m or tiny:llama")
+        raise UserError(f"--model {path_or_id}: no such directory; pass a local HF model directory, a .gguf file, a "
+                        "hub id, smollm2, gemma3-270m or tiny:llama")
     try:
         from transformers import AutoConfig
 
@@ -182,8 +173,7 @@ def _from_dir(path_or_id: str | Path, torch_dtype, revision, trust_remote_code):
         family_of(config)
         tok = AutoTokenizer.from_pretrained(path_or_id, revision=revision, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
-            path_or_id, revision=revision, dtype=torch_dtype, use_safetensors=True,
-            trust_remote_code=trust_remote_code,
+            path_or_id, revision=revision, dtype=torch_dtype, use_safetensors=True, trust_remote_code=trust_remote_code,
         )
     except OSError as err:
         raise UserError(
@@ -235,22 +225,52 @@ TINY: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", {}),
     "qwen2": ("Qwen2Config", dict(use_sliding_window=False)),
     "qwen3": ("Qwen3Config", dict(use_sliding_window=False)),
-    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, use_sliding_window=False, sliding_window=None)),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, use_sliding_window=False,
+            sliding_window=None,
+        ),
+    ),
     "mistral": ("MistralConfig", dict(sliding_window=None)),
     "mistral_sw": ("MistralConfig", dict(sliding_window=8)),
-    "phi3": ("Phi3Config", dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    "phi3": (
+        "Phi3Config",
+        dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    ),
     "olmo2": ("Olmo2Config", {}),
-    "granite": ("GraniteConfig", dict(attention_multiplier=0.09, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0)),
+    "granite": (
+        "GraniteConfig",
+        dict(attention_multiplier=0.09, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0),
+    ),
     "cohere": ("CohereConfig", dict(use_qk_norm=False, logit_scale=0.5)),
     "smollm3": ("SmolLM3Config", dict(use_sliding_window=False, no_rope_layer_interval=2)),
-    "gpt_neox": ("GPTNeoXConfig", dict(num_key_value_heads=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        dict(
+            num_key_value_heads=None,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        ),
+    ),
     # softcap 5: the random logits are large enough that the cap matters
     "gemma2": ("Gemma2Config", dict(**TINY_SW, attn_logit_softcapping=5.0, query_pre_attn_scalar=16)),
     "gemma3": ("Gemma3TextConfig", dict(**TINY_SW, query_pre_attn_scalar=16)),
     "gemma3_cg": ("Gemma3Config", dict(**TINY_SW, query_pre_attn_scalar=16)),  # text config nested in a multimodal one
     "gpt_oss": ("GptOssConfig", dict(**TINY_SW, num_local_experts=4, num_experts_per_tok=2)),
-    "deepseek_v2": ("DeepseekV2Config", dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1)),
-    "deepseek_v3": ("DeepseekV3Config", dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1)),
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        dict(
+            kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+        ),
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        dict(
+            kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1,
+        ),
+    ),
 }
 # GPT-OSS sink logits are random at init; large ones (3..5) make the sinks take real mass
 TINY_SINKS = (3.0, 5.0)
@@ -268,9 +288,14 @@ def _tiny_config(arch: str, tok):
     cls = getattr(transformers, cls_name)
     if cls_name == "Gemma3Config":  # the multimodal wrapper: text config nested, a minimal vision tower
         text = transformers.Gemma3TextConfig(**{k: v for k, v in fields.items() if k != "rope_theta"})
-        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
-        return cls(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4, image_token_index=tok.pad_token_id,
-                   boi_token_index=tok.bos_token_id, eoi_token_index=tok.eos_token_id, **ids)
+        vision = dict(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+            patch_size=14,
+        )
+        return cls(
+            text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4, image_token_index=tok.pad_token_id,
+            boi_token_index=tok.bos_token_id, eoi_token_index=tok.eos_token_id, **ids,
+        )
     if "rope_parameters" in extra or cls_name.startswith(("Gemma", "GptOss")):
         fields.pop("rope_theta")
     return cls(**fields)
@@ -281,7 +306,8 @@ def _tiny(arch: str, seed: int):
 
     tok = byte_tokenizer()
     if arch not in TINY:
-        raise UserError(f"--model tiny:{arch}: unknown tiny architecture; use one of {', '.join('tiny:' + a for a in TINY)}")
+        raise UserError(f"--model tiny:{arch}: unknown tiny architecture; use one of "
+                        f"{', '.join('tiny:' + a for a in TINY)}")
     config = _tiny_config(arch, tok)
     family_of(config, f"--model tiny:{arch}")  # refuse before building the weights
     with torch.random.fork_rng():  # seeded init without disturbing the caller's RNG

@@ -18,6 +18,13 @@ import polars as pl
 
 from kvdiag.errors import UserError
 from kvdiag.io import read_meta, write_json, write_table
+from kvdiag.prompts import safe_id
+
+
+def part_name(*fields: object) -> str:
+    """The file name of a work item's part: its fields, each made file-safe, joined by ``__`` (e.g. a label checkpoint
+    ``arith000__0000256.parquet``, a replay run ``arith000__rkv__128.parquet``)."""
+    return "__".join(safe_id(str(field)) for field in fields) + ".parquet"
 
 
 class PartStore:
@@ -60,7 +67,8 @@ class PartStore:
 
     def refuse_mixing(self) -> None:
         """The ``UserError`` of a stamp check: these parts were made with other settings."""
-        raise UserError(f"{self.root} holds parts made with other settings or another Trace; use another --out or delete {self.root}")
+        raise UserError(f"{self.root} holds parts made with other settings or another Trace; use another --out or "
+                        f"delete {self.root}")
 
     def _same_as(self, want) -> Callable[[dict], None]:
         def check(have: dict) -> None:

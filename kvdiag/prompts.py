@@ -65,7 +65,9 @@ def _jsonl(path: Path) -> list[Prompt]:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as err:
-            raise UserError(f"--prompts {path}: line {lineno} is not valid JSON ({err.msg}); fix or remove that line") from err
+            raise UserError(
+                f"--prompts {path}: line {lineno} is not valid JSON ({err.msg}); fix or remove that line"
+            ) from err
         if not isinstance(rec, dict):
             raise UserError(f"--prompts {path}: line {lineno} is not a JSON object; each line must be an object")
         text = next((rec[f] for f in TEXT_FIELDS if isinstance(rec.get(f), str)), None)
@@ -118,11 +120,15 @@ def arith_prompts(n: int, seed: int = 0) -> list[Prompt]:
     return out
 
 
-def encode_prompt(tokenizer, prompt: Prompt, chat: bool = True, instruction: str | None = DEFAULT_INSTRUCTION) -> list[int]:
+def encode_prompt(
+    tokenizer, prompt: Prompt, chat: bool = True, instruction: str | None = DEFAULT_INSTRUCTION
+) -> list[int]:
     """Token ids of ``prompt``; with ``chat`` and a chat template, as a user turn plus the generation prompt."""
     text = f"{prompt.text}\n{instruction}" if instruction else prompt.text
     if chat and getattr(tokenizer, "chat_template", None):
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
         return tokenizer(rendered, add_special_tokens=False).input_ids
     ids = tokenizer(text).input_ids
     return ids

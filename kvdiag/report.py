@@ -31,22 +31,28 @@ from markdown_it import MarkdownIt
 
 from kvdiag import __version__
 from kvdiag.errors import UserError
+from kvdiag.figures.run import load_summary as figures_summary
+from kvdiag.fit import load_summary as fit_summary
+from kvdiag.harm import HarmSpec
 from kvdiag.io import write_json
 from kvdiag.provenance import timestamp
-from kvdiag.tables import markdown_table
+from kvdiag.rankeval.run import load_summary as rank_eval_summary
+from kvdiag.tables import md_table
 
 # piece -> (path in the run, command that makes it)
 LAYOUT = {
     "trace": ("trace", "kvdiag trace --model MODEL --prompts PROMPTS --out RUN/trace"),
     "labels": ("labels.parquet", "kvdiag label --trace RUN/trace --out RUN/labels.parquet"),
     "scores": ("scores.parquet", "kvdiag score --trace RUN/trace --labels RUN/labels.parquet --out RUN/scores.parquet"),
-    "rank-eval": ("rank-eval", "kvdiag rank-eval --labels RUN/labels.parquet --scores RUN/scores.parquet --out RUN/rank-eval"),
-    "figures": ("figures", "kvdiag figures --trace RUN/trace --labels RUN/labels.parquet --scores RUN/scores.parquet --out RUN/figures"),
+    "rank-eval": ("rank-eval", "kvdiag rank-eval --labels RUN/labels.parquet --scores RUN/scores.parquet --out "
+                               "RUN/rank-eval"),
+    "figures": ("figures", "kvdiag figures --trace RUN/trace --labels RUN/labels.parquet --scores RUN/scores.parquet "
+                           "--out RUN/figures"),
     "commands": ("commands.json", "kvdiag.report.record_command(RUN, argv) after each step"),
 }
 KL_QUANTILES = (0.0, 0.1, 0.5, 0.9, 0.99, 1.0)
-DEFAULT_HARM = "quantile:0.9"
-HTML_STYLE = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;line-height:1.45;color:#222}
+HTML_STYLE = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0
+1em;line-height:1.45;color:#222}
 table{border-collapse:collapse;margin:0.8em 0;font-size:0.9em}th,td{border:1px solid #ccc;padding:3px 8px}
 th{background:#f3f3f3}img{max-width:100%;border:1px solid #eee}pre{background:#f7f7f7;padding:0.7em;overflow-x:auto;
 font-size:0.85em}code{font-size:0.9em}h2{border-bottom:1px solid #ddd;padding-bottom:0.2em;margin-top:1.6em}"""
@@ -77,33 +83,6 @@ def _read_commands(path: Path) -> list[dict]:
 # --------------------------------------------------------------------------- small Markdown helpers
 
 
-def _num(x, digits: int = 4) -> str:
-    if x is None:
-        return "n/a"
-    if isinstance(x, (bool, np.bool_)):
-        return str(bool(x))
-    if isinstance(x, (int, np.integer)):
-        return f"{int(x):,}"
-    x = float(x)
-    if math.isnan(x):
-        return "n/a"
-    if math.isinf(x):  # e.g. an odds ratio with an empty cell
-        return "∞" if x > 0 else "−∞"
-    if x == int(x) and abs(x) < 1e9:
-        return f"{int(x):,}"
-    return f"{x:.{digits}g}"
-
-
-def _cell(x) -> str:
-    text = x if isinstance(x, str) else _num(x)
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def md_table(headers: list[str], rows: list[list], align: str | None = None) -> str:
-    """A Markdown table of report cells; ``align`` one char per column (l or r; default: l then r)."""
-    return markdown_table(headers, rows, align, _cell)
-
-
 def _json_block(obj) -> str:
     return "```json\n" + json.dumps(obj, indent=2, default=str) + "\n```\n"
 
@@ -120,8 +99,8 @@ class _Run:
         self.trace = self._load("trace", self._trace)
         self.labels = self._load("labels", lambda p: self._table(p, "labels"))
         self.scores = self._load("scores", lambda p: self._table(p, "scores"))
-        self.rank_eval = self._load("rank-eval", self._rank_eval)
-        self.figures = self._load("figures", self._figures)
+        self.rank_eval = self._load("rank-eval", rank_eval_summary)
+        self.figures = self._load("figures", figures_summary)
         self.commands = self._load("commands", _read_commands)
 
     def _load(self, piece: str, loader):
@@ -149,29 +128,27 @@ class _Run:
 
         return read_table(path, what)
 
-    @staticmethod
-    def _rank_eval(path: Path) -> dict:
-        config = path / "config.json"
-        if not config.is_file():
-            raise UserError("config.json is missing (rank-eval did not finish)")
-        out = {"config": json.loads(config.read_text())}
-        if (path / "table.md").is_file():
-            out["table.md"] = (path / "table.md").read_text()
-        return out
-
-    @staticmethod
-    def _figures(path: Path) -> dict:
-        info = path / "figures.json"
-        if not info.is_file():
-            raise UserError("figures.json is missing (kvdiag figures did not finish)")
-        return json.loads(info.read_text())
+    def optional(self, rel: str, loader):
+        """``loader(RUN/rel)`` of an optional piece outside the layout (None when missing or unreadable)."""
+        path = self.run / rel
+        if not path.exists():
+            return None
+        try:
+            return loader(path)
+        except (UserError, OSError, ValueError):
+            return None
 
 
 def _contents(r: _Run) -> str:
     rows = []
     for piece, (rel, command) in LAYOUT.items():
         status = r.status[piece]
-        rows.append([f"`{rel}`", status if status == "present" else f"**{status}**", "" if status == "present" else f"`{command}`"])
+        rows.append(
+            [
+                f"`{rel}`", status if status == "present" else f"**{status}**",
+                "" if status == "present" else f"`{command}`",
+            ]
+        )
     out = "## Contents of the run\n\n" + md_table(["piece", "status", "to make it"], rows, "lll")
     missing = [p for p, s in r.status.items() if s != "present"]
     if missing:
@@ -203,7 +180,9 @@ def _consistency(r: _Run) -> str:
     if len(set(fps.values())) == 1:
         return f"\nAll pieces that record a Trace come from the same one (fingerprint `{next(iter(fps.values()))}`).\n"
     listing = ", ".join(f"{k}: `{v}`" for k, v in fps.items())
-    return f"\n**Warning: the pieces come from different Traces** ({listing}); rerun the mismatched steps on one Trace.\n"
+    return (
+        f"\n**Warning: the pieces come from different Traces** ({listing}); rerun the mismatched steps on one Trace.\n"
+    )
 
 
 def _trace_section(r: _Run) -> str:
@@ -214,9 +193,11 @@ def _trace_section(r: _Run) -> str:
     model = m.get("model", {})
     gen = m.get("generation", {})
     out += md_table(["setting", "value"], [
-        ["model", f"`{model.get('spec')}` ({model.get('architecture', '?')}, dtype {model.get('dtype')}, device {model.get('device')})"],
+        ["model", f"`{model.get('spec')}` ({model.get('architecture', '?')}, dtype {model.get('dtype')}, device "
+                  f"{model.get('device')})"],
         ["weights / config hash", f"{model.get('weights_hash')} / {model.get('config_hash')}"],
-        ["layers × query heads × KV heads × head dim", f"{m['num_layers']} × {m['num_heads']} × {m['num_kv_heads']} × {m['head_dim']}"],
+        ["layers × query heads × KV heads × head dim", f"{m['num_layers']} × {m['num_heads']} × {m['num_kv_heads']} × "
+                                                       f"{m['head_dim']}"],
         ["attention", str(m.get("attn_implementation"))],
         ["storage dtype", str(m.get("storage_dtype"))],
         ["generation", ", ".join(f"{k}={v}" for k, v in gen.items())],
@@ -224,47 +205,49 @@ def _trace_section(r: _Run) -> str:
         ["Trace fingerprint", f"`{r.trace.fingerprint}`"],
     ], "ll")
     prompts = m.get("prompts", {})
-    rows = [[pid, p.get("prompt_len"), p.get("generated", p["length"] - p["prompt_len"]), p.get("length"), str(p.get("stop", ""))]
-            for pid, p in prompts.items()]
+    rows = [
+        [
+            pid, p.get("prompt_len"), p.get("generated", p["length"] - p["prompt_len"]), p.get("length"),
+            str(p.get("stop", "")),
+        ]
+        for pid, p in prompts.items()
+    ]
     total = sum(p["length"] for p in prompts.values())
     out += f"\n{len(prompts)} prompts, {total:,} positions in all.\n\n"
     return out + md_table(["prompt", "prompt tokens", "generated", "length T", "stop"], rows, "lrrrl")
 
 
-def _harm(r: _Run) -> tuple[str, float, str]:
-    """The harm spec, noise multiplier and where they come from (rank-eval's config, else the figures', else defaults)."""
-    if r.rank_eval is not None:
-        cfg = r.rank_eval["config"].get("config", {})
-        return cfg.get("harm", DEFAULT_HARM), float(cfg.get("noise_mult", 1.0)), "rank-eval's settings"
-    if r.figures is not None:
-        p = r.figures.get("params", {})
-        return p.get("harm", DEFAULT_HARM), float(p.get("noise_mult", 1.0)), "the figures' settings"
-    return DEFAULT_HARM, 1.0, "the default settings"
+def _harm(r: _Run) -> tuple[HarmSpec, str]:
+    """The harm settings and where they come from (rank-eval's config, else the figures', else defaults)."""
+    return HarmSpec.from_configs(
+        ("rank-eval's settings", r.rank_eval["config"].get("config", {}) if r.rank_eval is not None else None),
+        ("the figures' settings", r.figures.get("params", {}) if r.figures is not None else None),
+    )
 
 
-def label_statistics(labels: pl.DataFrame, harm: str = DEFAULT_HARM, noise_mult: float = 1.0) -> dict[str, dict]:
+def label_statistics(labels: pl.DataFrame, spec: HarmSpec | None = None) -> dict[str, dict]:
     """Per granularity: counts, noise floors (one per checkpoint), the kl_mean distribution, unresolved labels
-    (``kl_mean <= noise_mult * noise_floor``) and the harm threshold and prevalence over the resolved ones."""
-    from kvdiag.rankeval import harm_threshold
-
+    (``spec.unresolved``) and the harm threshold and prevalence over the analysed ones (``spec.analysed``)."""
+    spec = spec or HarmSpec()
     out = {}
     for (gran,), df in labels.sort("granularity").group_by("granularity", maintain_order=True):
         kl = df["kl_mean"].to_numpy().astype(float)
-        floors = df.group_by("prompt_id", "checkpoint").agg(pl.col("noise_floor").first())["noise_floor"].to_numpy().astype(float)
-        unresolved = kl <= noise_mult * df["noise_floor"].to_numpy().astype(float)
-        resolved = kl[~unresolved]
-        threshold = harm_threshold(resolved, harm) if len(resolved) else float("nan")
+        floors = (
+            df.group_by("prompt_id", "checkpoint")
+            .agg(pl.col("noise_floor").first())["noise_floor"]
+            .to_numpy()
+            .astype(float)
+        )
+        unresolved = df.select(spec.unresolved().alias("u"))["u"].to_numpy()
+        resolved = spec.analysed(df, require=False)["kl_mean"].to_numpy().astype(float)
+        threshold = spec.threshold(resolved)
         s = {
-            "rows": df.height,
-            "prompts": df["prompt_id"].n_unique(),
-            "checkpoints": len(floors),
+            "rows": df.height, "prompts": df["prompt_id"].n_unique(), "checkpoints": len(floors),
             "candidates per checkpoint (median)": float(df.group_by("prompt_id", "checkpoint").len()["len"].median()),
-            "noise floor min": floors.min(), "noise floor median": float(np.median(floors)), "noise floor max": floors.max(),
-            "kl_mean mean": kl.mean(),
-            **{f"kl_mean q{q:g}": float(np.quantile(kl, q)) for q in KL_QUANTILES},
-            "unresolved": int(unresolved.sum()),
-            "unresolved share": float(unresolved.mean()),
-            "harm threshold": threshold,
+            "noise floor min": floors.min(), "noise floor median": float(np.median(floors)),
+            "noise floor max": floors.max(), "kl_mean mean": kl.mean(),
+            **{f"kl_mean q{q:g}": float(np.quantile(kl, q)) for q in KL_QUANTILES}, "unresolved": int(unresolved.sum()),
+            "unresolved share": float(unresolved.mean()), "harm threshold": threshold,
             "harmful": int((resolved > threshold).sum()) if len(resolved) else 0,
             "prevalence": float((resolved > threshold).mean()) if len(resolved) else float("nan"),
         }
@@ -282,13 +265,18 @@ def _labels_section(r: _Run) -> str:
         out += f"Label: {meta['label']}.\n\n"
     if cfg:
         out += "Settings: " + ", ".join(f"{k} = {v}" for k, v in cfg.items()) + ".\n\n"
-    harm, noise_mult, source = _harm(r)
-    stats = label_statistics(df, harm, noise_mult)
+    spec, source = _harm(r)
+    try:
+        stats = label_statistics(df, spec)
+    except UserError as err:  # labels the harm settings cannot analyse (no noise floor, NaN kl_mean)
+        return out + f"The label statistics cannot be computed: {err}.\n"
     grans = list(stats)
     names = list(next(iter(stats.values()))) if stats else []
     out += md_table(["statistic", *grans], [[n, *(stats[g][n] for g in grans)] for n in names], "l" + "r" * len(grans))
-    return out + (f"\nNoise floor: the KL of a null eviction at each checkpoint. Unresolved: kl_mean <= {noise_mult:g} × noise floor. "
-                  f"Harmful: kl_mean above the threshold of `{harm}` over the resolved labels ({source}).\n")
+    over = "every label" if spec.include_unresolved else "the resolved labels"
+    return out + (f"\nNoise floor: the KL of a null eviction at each checkpoint. Unresolved: kl_mean <= "
+                  f"{spec.noise_mult:g} × noise floor. Harmful: kl_mean above the threshold of `{spec.harm}` over "
+                  f"{over} ({source}).\n")
 
 
 def _scores_section(r: _Run) -> str:
@@ -299,7 +287,10 @@ def _scores_section(r: _Run) -> str:
     scorers = meta.get("scorers") or {c: {} for c in df.columns if df.schema[c].is_float()}
     out += f"{df.height:,} rows; aggregation `{meta.get('aggregation', '?')}`"
     out += f" ({meta['aggregation_doc']}).\n\n" if meta.get("aggregation_doc") else ".\n\n"
-    rows = [[f"`{name}`", ", ".join(f"{k}={v}" for k, v in (params or {}).items()) or "—"] for name, params in scorers.items()]
+    rows = [
+        [f"`{name}`", ", ".join(f"{k}={v}" for k, v in (params or {}).items()) or "—"]
+        for name, params in scorers.items()
+    ]
     return out + md_table(["scorer", "parameters"], rows, "ll")
 
 
@@ -308,39 +299,42 @@ def _rank_eval_section(r: _Run, rel: str) -> str:
     if r.rank_eval is None:
         return out + f"rank-eval is {r.status['rank-eval']}: `{LAYOUT['rank-eval'][1]}`.\n"
     cfg = r.rank_eval["config"]
-    out += r.rank_eval.get("table.md", "*table.md is missing.*\n")
+    out += r.rank_eval["table.md"] or "*table.md is missing.*\n"
     warnings = cfg.get("summary", {}).get("warnings") or []
     if warnings:
         out += "\n" + "\n".join(f"- warning: {w}" for w in warnings) + "\n"
-    out += "\nAll metrics with their CIs and notes: `rank-eval/metrics.csv`; paired differences: `rank-eval/paired.csv`.\n"
-    if (r.run / "rank-eval" / "budget_curves.png").is_file():
+    out += (
+        "\nAll metrics with their CIs and notes: `rank-eval/metrics.csv`; paired differences: `rank-eval/paired.csv`.\n"
+    )
+    if r.rank_eval["has_budget_curves"]:
         out += (f"\n### Budget curves\n\nFSR@ρ and FNR@ρ over a grid of ρ (one ρ hides where rules cross); dashed: the "
-                f"random scorer. Numbers: `rank-eval/budget_curves.csv`.\n\n![budget curves]({rel}/rank-eval/budget_curves.png)\n")
-    eligible = r.run / "rank-eval-eligible"
-    if (eligible / "table.md").is_file() and (eligible / "config.json").is_file():
-        summary = json.loads((eligible / "config.json").read_text()).get("summary", {})
+                "random scorer. Numbers: `rank-eval/budget_curves.csv`.\n\n![budget "
+                f"curves]({rel}/rank-eval/budget_curves.png)\n")
+    eligible = r.optional("rank-eval-eligible", rank_eval_summary)
+    if eligible is not None and eligible["table.md"] is not None:
+        summary = eligible["config"].get("summary", {})
         out += (f"\n### Table 3 on an eligible candidate set\n\nCandidates: {summary.get('candidates', '?')} "
                 f"({summary.get('n_evaluated', '?')} of the labels). The paper's Table 3 ranks S_i(t) on eligible "
                 f"candidates only; every rule is ranked here on the same set. Outputs: `rank-eval-eligible/`.\n\n")
-        out += (eligible / "table.md").read_text()
+        out += eligible["table.md"]
     return out + _ceiling_section(r)
 
 
 def _ceiling_section(r: _Run) -> str:
     """The fitted ceiling (``kvdiag fit`` in RUN/fit), when present."""
-    fit = r.run / "fit"
-    if not (fit / "table.md").is_file() or not (fit / "config.json").is_file():
+    fit = r.optional("fit", fit_summary)
+    if fit is None:
         return ""
-    s = json.loads((fit / "config.json").read_text())["summary"]
-    imp = pl.read_csv(fit / "importances.csv")
+    s, imp = fit["config"]["summary"], fit["importances"]
     rows = [[f["feature"], f"{f['logreg_std_coef']:+.3f}", f"{f['logreg_permutation_auroc_drop']:.4f}",
              f"{f['gbt_permutation_auroc_drop']:.4f}"] for f in imp.iter_rows(named=True)]
     return (f"\n### Fitted ceiling for feature-based rules\n\n`kvdiag fit`: logistic regression (`fitted_logreg`) and "
-            f"gradient-boosted trees (`fitted_gbt`) predict the harmful label from {len(s['features'])} per-entry features; "
+            f"gradient-boosted trees (`fitted_gbt`) predict the harmful label from {len(s['features'])} per-entry "
+            "features; "
             f"each entry's score comes from a model that never saw its prompt ({s['folds']} folds grouped by prompt, "
             f"{s['n']:,} entries, {s['n_harmful']} harmful). Ranked by rank-eval beside the rules; paired differences "
             f"against `fitted_logreg`. An upper reference for rules built on these features under this label, not a "
-            f"policy claim.\n\n" + (fit / "table.md").read_text() +
+            f"policy claim.\n\n" + fit["table.md"] +
             "\nFeature importances (standardized logistic-regression coefficient; mean drop of out-of-fold AUROC when "
             "the feature is permuted):\n\n" +
             md_table(["feature", "logreg coef", "logreg Δ AUROC", "trees Δ AUROC"], rows, "lrrr"))
@@ -348,14 +342,19 @@ def _ceiling_section(r: _Run) -> str:
 
 def _stats_table(path: Path) -> str:
     df = pl.read_csv(path, schema_overrides={"value": pl.Float64, "note": pl.String})
-    return md_table(["statistic", "value", "note"], [[r["statistic"], r["value"], r["note"] or ""] for r in df.iter_rows(named=True)], "lrl")
+    return md_table(
+        ["statistic", "value", "note"],
+        [[r["statistic"], r["value"], r["note"] or ""] for r in df.iter_rows(named=True)], "lrl",
+    )
 
 
 def _components_table(path: Path) -> str:
     from kvdiag.figures.components import RANDOM_SCORER
     from kvdiag.rankeval import metrics_where
 
-    df = pl.read_csv(path, schema_overrides={"value": pl.Float64, "ci_low": pl.Float64, "ci_high": pl.Float64, "note": pl.String})
+    df = pl.read_csv(
+        path, schema_overrides={"value": pl.Float64, "ci_low": pl.Float64, "ci_high": pl.Float64, "note": pl.String}
+    )
     cells = {(r["variant"], r["metric"]): r for r in df.filter(pl.col("scorer") != RANDOM_SCORER).iter_rows(named=True)}
 
     def cell(r: dict | None) -> str:
@@ -384,7 +383,9 @@ def _figures_section(r: _Run, rel: str) -> str:
         png = fig_dir / f"{name}.png"
         if png.is_file():
             out += f"![{title}]({rel}/figures/{name}.png)\n\n"
-            out += f"[PDF]({rel}/figures/{name}.pdf) · " + " · ".join(f"[{c}]({rel}/figures/{c})" for c in csvs) + "\n\n"
+            out += (
+                f"[PDF]({rel}/figures/{name}.pdf) · " + " · ".join(f"[{c}]({rel}/figures/{c})" for c in csvs) + "\n\n"
+            )
         else:
             out += f"**{name}.png is missing** from figures/.\n\n"
         main = fig_dir / csvs[0]
@@ -402,23 +403,31 @@ def _viewer_section(r: _Run, out: Path) -> str:
     from kvdiag.viewer import ViewerSettings, build_viewer
 
     out_md = "## Token viewer\n\n"
-    settings = ViewerSettings.from_configs((r.rank_eval or {}).get("config", {}).get("config"), (r.figures or {}).get("params"))
+    settings = ViewerSettings.from_configs(
+        (r.rank_eval or {}).get("config", {}).get("config"), (r.figures or {}).get("params")
+    )
     try:
         build_viewer(r.trace, r.labels and r.labels[0], r.scores and r.scores[0], out / "viewer.html",
                      labels_meta=r.labels and r.labels[1], scores_meta=r.scores and r.scores[1], settings=settings,
                      figures_dir=r.run / "figures" if r.figures is not None else None)
     except UserError as err:
         return out_md + f"`viewer.html` not written: {err}\n"
-    return out_md + ("[viewer.html](viewer.html): the trace token by token, coloured by each candidate's oracle label at a chosen "
-                     "checkpoint, with the entries each rule evicts at a chosen ρ or budget, the misses among them, and the "
-                     "delayed-read and blind-spot entries of the figures (one self-contained page; docs/report.md, section Token viewer).\n")
+    return out_md + ("[viewer.html](viewer.html): the trace token by token, coloured by each candidate's oracle label "
+                     "at a chosen "
+                     "checkpoint, with the entries each rule evicts at a chosen ρ or budget, the misses among them, "
+                     "and the "
+                     "delayed-read and blind-spot entries of the figures (one self-contained page; docs/report.md, "
+                     "section Token viewer).\n")
 
 
 def _commands_section(r: _Run) -> str:
     out = "## Commands and configuration\n\n"
     if r.commands:
         out += "The commands that produced this run, in order (`commands.json`):\n\n```bash\n"
-        out += "".join(f"# {c.get('time', '')}  (cwd {c.get('cwd', '?')})\n{shlex.join(c['argv'])}\n" for c in r.commands) + "```\n\n"
+        out += (
+            "".join(f"# {c.get('time', '')}  (cwd {c.get('cwd', '?')})\n{shlex.join(c['argv'])}\n" for c in r.commands)
+            + "```\n\n"
+        )
     else:
         out += f"`commands.json` is {r.status['commands']}: the exact commands were not recorded (record them with "
         out += "`kvdiag.report.record_command(RUN, argv)`); the configurations below determine the outputs.\n\n"
@@ -431,7 +440,9 @@ def _commands_section(r: _Run) -> str:
     if r.labels is not None:
         configs.append(("labels (`labels.parquet` metadata)", pick(r.labels[1], ("config", "model", "trace"))))
     if r.scores is not None:
-        configs.append(("scores (`scores.parquet` metadata)", pick(r.scores[1], ("scorers", "aggregation", "source", "trace"))))
+        configs.append(
+            ("scores (`scores.parquet` metadata)", pick(r.scores[1], ("scorers", "aggregation", "source", "trace")))
+        )
     if r.rank_eval is not None:
         configs.append(("rank-eval (`rank-eval/config.json`)", r.rank_eval["config"].get("config", {})))
     if r.figures is not None:
@@ -458,13 +469,15 @@ def markdown_to_html(markdown: str, base: Path, title: str) -> str:
         return f'src="data:image/png;base64,{data}"'
 
     body = re.sub(r'src="([^"]+\.png)"', embed, body)
-    return (f"<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>{html.escape(title)}</title>\n"
+    return ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta "
+            f"charset=\"utf-8\">\n<title>{html.escape(title)}</title>\n"
             f"<style>\n{HTML_STYLE}\n</style>\n</head>\n<body>\n{body}</body>\n</html>\n")
 
 
 def build_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> tuple[Path, Path]:
     """Write ``report.md``, ``report.html`` (self-contained) and ``viewer.html`` (kvdiag.viewer) for the run directory
-    ``run_dir`` (layout: module docstring) into ``out_dir`` (default: the run directory). Returns ``(md_path, html_path)``.
+    ``run_dir`` (layout: module docstring) into ``out_dir`` (default: the run directory). Returns ``(md_path,
+    html_path)``.
 
     Missing or unreadable pieces are listed and skipped; pieces made from different Traces are flagged.
     A run directory that does not exist or holds no piece at all is a ``UserError``.
@@ -484,7 +497,8 @@ def build_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
     md = "\n".join([
         f"# {title}\n",
         # relative, so a committed report names no path of the machine that made it
-        f"Run directory `{rel}` (relative to this report); report made {time.strftime('%Y-%m-%d %H:%M:%S %Z')} by kvdiag {__version__}.\n",
+        f"Run directory `{rel}` (relative to this report); report made {time.strftime('%Y-%m-%d %H:%M:%S %Z')} by "
+        f"kvdiag {__version__}.\n",
         _contents(r), _trace_section(r), _labels_section(r), _scores_section(r), _rank_eval_section(r, rel),
         _figures_section(r, rel), _viewer_section(r, out), _commands_section(r),
     ])

@@ -13,6 +13,7 @@ its record runs again from scratch).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -26,10 +27,12 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
+from kvdiag.cli.common import parse_list
 from kvdiag.cost import ModelShape
 from kvdiag.errors import UserError
-from kvdiag.io import check_writable, write_csv, write_json, write_text, writable_dir
+from kvdiag.io import check_writable, writable_dir, write_csv, write_json, write_text
 from kvdiag.models import PEAK_AFTER_LOAD_ENV
+from kvdiag.tables import frame_table
 from kvdiag.trace.writer import STORAGE_DTYPES, parse_store
 
 STAGES = ("trace", "label", "score", "figures")
@@ -64,7 +67,8 @@ class ScalePlan:
         """Every length fits a label checkpoint after the prompt and the model's context (bad input otherwise)."""
         for T in self.lengths:
             if T < prompt_len + LABEL_BACK + 1:
-                raise UserError(f"--lengths {T}: the prompt has {prompt_len} tokens; give lengths >= {prompt_len + LABEL_BACK + 1}")
+                raise UserError(f"--lengths {T}: the prompt has {prompt_len} tokens; give lengths >= "
+                                f"{prompt_len + LABEL_BACK + 1}")
             if context and T > context:
                 raise UserError(f"--lengths {T}: beyond the model's context of {context}; give lengths <= {context}")
 
@@ -109,8 +113,10 @@ def run_scale_bench(plan: ScalePlan, prompt_len: int, report: Callable[[Step], N
             for stale in (target, target.with_name(target.name + ".parts")):
                 shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
             seconds, load_peak, work_peak = _run(argv, out / "logs" / f"{name.replace('/', '__')}.log")
-            s = Step(name, stage, T, store, seconds, max(load_peak or 0.0, work_peak), _disk_mb(trace) if trace else None,
-                     load_peak, work_peak if load_peak is not None else None)
+            s = Step(
+                name, stage, T, store, seconds, max(load_peak or 0.0, work_peak), _disk_mb(trace) if trace else None,
+                load_peak, work_peak if load_peak is not None else None,
+            )
             write_json(done, asdict(s))
         report(s)
 
@@ -122,8 +128,17 @@ def run_scale_bench(plan: ScalePlan, prompt_len: int, report: Callable[[Step], N
         G, run = T - prompt_len, out / f"T{T}"
         for store in plan.stores:
             trace = run / f"trace-{store}"
-            step(f"T{T}/trace-{store}", "trace", T, store,
-                 ["trace", *common, "--max-new-tokens", str(G), "--min-new-tokens", str(G), "--store", store, "--out", str(trace)], trace)
+            step(
+                f"T{T}/trace-{store}",
+                "trace",
+                T,
+                store,
+                [
+                    "trace", *common, "--max-new-tokens", str(G), "--min-new-tokens", str(G), "--store", store, "--out",
+                    str(trace),
+                ],
+                trace,
+            )
         first = run / f"trace-{plan.stores[0]}"
         labels = run / "labels.parquet"
         step(f"T{T}/label", "label", T, plan.stores[0],
@@ -133,9 +148,16 @@ def run_scale_bench(plan: ScalePlan, prompt_len: int, report: Callable[[Step], N
             step(f"T{T}/score-{store}", "score", T, store,
                  ["score", "--trace", str(run / f"trace-{store}"), "--labels", str(labels), "--scorers", "all",
                   "--out", str(run / f"scores-{store}.parquet")])
-        step(f"T{T}/figures", "figures", T, plan.stores[0],
-             ["figures", "--trace", str(first), "--labels", str(labels), "--scores", str(run / f"scores-{plan.stores[0]}.parquet"),
-              "--out", str(run / "figures")])
+        step(
+            f"T{T}/figures",
+            "figures",
+            T,
+            plan.stores[0],
+            [
+                "figures", "--trace", str(first), "--labels", str(labels), "--scores",
+                str(run / f"scores-{plan.stores[0]}.parquet"), "--out", str(run / "figures"),
+            ],
+        )
 
 
 def memory_growth(steps: list[Step], shape: ModelShape, dtype: str, storage_dtype: str = "float16") -> pl.DataFrame:
@@ -145,14 +167,17 @@ def memory_growth(steps: list[Step], shape: ModelShape, dtype: str, storage_dtyp
     ``(peak_b - peak_a) / (T_b - T_a)``: at short T the peak is the RSS the load leaves (which differs between
     runs by up to ~0.1 GB), so the intervals are noisy where the trace's own memory is small; the slope is not."""
     kv, rows = shape.kv_cache_bytes(STORAGE_DTYPES[dtype].itemsize), []
-    traces = [s for s in steps if s.stage == "trace" and not s.name.startswith("baseline") and s.work_peak_mb is not None]
+    traces = [
+        s for s in steps if s.stage == "trace" and not s.name.startswith("baseline") and s.work_peak_mb is not None
+    ]
     for store in sorted({s.store for s in traces}):
         pts = sorted((s.length, s.work_peak_mb * 2**20) for s in traces if s.store == store)
         if len(pts) < 2:
             continue
         stored = shape.stored_bytes(store, storage_dtype)
-        fits = [("least squares over " + ",".join(str(T) for T, _ in pts), float(np.polyfit(*zip(*pts), 1)[0]))]
-        fits += [(f"{Ta} -> {Tb}", (pb - pa) / (Tb - Ta)) for (Ta, pa), (Tb, pb) in zip(pts, pts[1:])]
+        lengths, peaks = zip(*pts, strict=True)
+        fits = [("least squares over " + ",".join(map(str, lengths)), float(np.polyfit(lengths, peaks, 1)[0]))]
+        fits += [(f"{Ta} -> {Tb}", (pb - pa) / (Tb - Ta)) for (Ta, pa), (Tb, pb) in itertools.pairwise(pts)]
         for what, growth in fits:  # bytes per token
             rows.append({"store": store, "T": what, "measured KB/token": round(growth / 1e3, 1),
                          "KV cache KB/token": round(kv / 1e3, 1), "recorded rows KB/token": round(stored / 1e3, 1),
@@ -168,33 +193,23 @@ def steps_table(steps: list[Step]) -> pl.DataFrame:
 
 
 def parse_lengths(values: list[str]) -> list[int]:
-    try:
-        lengths = [int(v) for v in values]
-    except ValueError:
-        raise UserError(f"--lengths {','.join(values)}: use comma-separated token counts, e.g. 1024,2048,4096,8192") from None
-    if len(set(lengths)) < len(lengths):
-        raise UserError(f"--lengths {','.join(values)}: a length is given twice; give each once")
-    return sorted(lengths)
+    """``--lengths``: positive token counts, each once, ascending."""
+    return sorted(parse_list(values, "--lengths", int, low=1, example="1024,2048,4096,8192"))
 
 
 def parse_stores(values: list[str]) -> list[str]:
-    for v in values:
+    """``--store`` modes, each once; ``all`` first (labels and figures read the first, fastest Trace)."""
+    for v in values:  # whole values: a mode may itself be a comma-separated layer list (0,15,29)
         parse_store(v)
     if len(set(values)) < len(values):
         raise UserError(f"--store {','.join(values)}: a mode is given twice; give each once")
-    if values[0] != "all" and "all" in values:
-        values = ["all"] + [v for v in values if v != "all"]  # labels and figures read the first (fastest) Trace
+    if values and values[0] != "all" and "all" in values:
+        values = ["all"] + [v for v in values if v != "all"]
     return values
 
 
-def _markdown(df: pl.DataFrame) -> str:
-    from kvdiag.report import md_table
-
-    return md_table(df.columns, [[("" if v is None else v) for v in row] for row in df.rows()])
-
-
 def _growth_text(growth: pl.DataFrame) -> str:
-    return _markdown(growth) if growth.height else "(no store mode traced at two lengths yet)\n"
+    return frame_table(growth) if growth.height else "(no store mode traced at two lengths yet)\n"
 
 
 def bench_scale(plan: ScalePlan, report: Callable[[Step], None] = lambda s: None) -> str:
@@ -219,10 +234,11 @@ def bench_scale(plan: ScalePlan, report: Callable[[Step], None] = lambda s: None
     write_csv(table, plan.out / "scale.csv")
     text = (f"bench scale: {plan.model} {plan.dtype}, prompt of {prompt_len} tokens, T - {prompt_len} generated "
             f"(greedy, end-of-sequence held off); each step is the kvdiag command in a process of its own "
-            f"(peak_rss = its ru_maxrss over the whole process; load_peak = up to the end of the model load; work_peak = after "
-            f"it, the high-water mark restarted there; disk = the Trace directory).\n\n{_markdown(table)}\n"
-            f"Trace memory growth per token (work_peak: least-squares slope over the lengths, then each interval) against the arithmetic "
-            f"bound, KV cache ({plan.dtype}) + recorded rows (float16), from kvdiag.cost:\n\n"
+            "(peak_rss = its ru_maxrss over the whole process; load_peak = up to the end of the model load; "
+            "work_peak = after "
+            f"it, the high-water mark restarted there; disk = the Trace directory).\n\n{frame_table(table)}\n"
+            "Trace memory growth per token (work_peak: least-squares slope over the lengths, then each interval) "
+            f"against the arithmetic bound, KV cache ({plan.dtype}) + recorded rows (float16), from kvdiag.cost:\n\n"
             f"{_growth_text(memory_growth(steps, shape, plan.dtype))}")
     write_text(plan.out / "scale.md", text)
     return text

@@ -23,6 +23,10 @@ CHECKPOINTS = f"every:{CHECKPOINT_INTERVAL}"
 W_OBS = 32  # observation window W_obs: the queries [t - W_obs, t) a compressor reads
 W_DELAY = 128  # AvoKV-E's delay buffer: one compression interval
 HORIZON = 16  # teacher-forced steps H of a label
+HARM = "quantile:0.9"  # harmful: kl_mean above the 0.9-quantile of the analysed labels (kvdiag.harm)
+NOISE_MULT = 1.0  # unresolved: kl_mean <= NOISE_MULT x the checkpoint's noise floor
+N_BOOT = 1000  # cluster-bootstrap resamples over prompts
+RHO = 0.5  # eviction fraction of the ranking metrics: the floor(rho * C) lowest-scored candidates are evicted
 
 
 def default_checkpoints(prompt_len: int, length: int, interval: int = CHECKPOINT_INTERVAL, horizon: int = 0,
@@ -48,7 +52,8 @@ def check_checkpoint(trace, pid: str, t: int) -> None:
     """A ``UserError`` unless ``t`` is a checkpoint of prompt ``pid`` of the Trace (``1 <= t <= T``)."""
     T = trace.length(pid)
     if not 1 <= t <= T:
-        raise UserError(f"checkpoint {t} of prompt {pid!r} is not in the Trace (it has positions 0..{T - 1}; a checkpoint t is in 1..{T})")
+        raise UserError(f"checkpoint {t} of prompt {pid!r} is not in the Trace (it has positions 0..{T - 1}; a "
+                        f"checkpoint t is in 1..{T})")
 
 
 def check_keys(trace, keys: pl.DataFrame, what: str = "labels") -> pl.DataFrame:
@@ -61,7 +66,8 @@ def check_keys(trace, keys: pl.DataFrame, what: str = "labels") -> pl.DataFrame:
         raise UserError(f"{what} has missing values in its key columns; regenerate it")
     unknown = sorted(set(keys["prompt_id"].unique().to_list()) - set(trace.prompt_ids))
     if unknown:
-        raise UserError(f"{what} names prompt {unknown[0]!r}, which is not in the Trace {getattr(trace, 'path', '')}; pass the matching --trace")
+        raise UserError(f"{what} names prompt {unknown[0]!r}, which is not in the Trace {getattr(trace, 'path', '')}; "
+                        "pass the matching --trace")
     bad_g = sorted(set(keys["granularity"].unique().to_list()) - set(GRANULARITIES))
     if bad_g:
         raise UserError(f"{what} has granularity {bad_g[0]!r}; only token, layer and head exist")
@@ -70,7 +76,8 @@ def check_keys(trace, keys: pl.DataFrame, what: str = "labels") -> pl.DataFrame:
     bad = keys.filter((pl.col("position") < 0) | (pl.col("position") >= pl.col("checkpoint")))
     if bad.height:
         row = bad.row(0, named=True)
-        raise UserError(f"{what}: position {row['position']} is not cached at checkpoint {row['checkpoint']} (need 0 <= position < checkpoint)")
+        raise UserError(f"{what}: position {row['position']} is not cached at checkpoint {row['checkpoint']} (need 0 "
+                        "<= position < checkpoint)")
     L, Hkv = trace.num_layers, trace.num_kv_heads
     bad = keys.filter(
         ((pl.col("granularity") == "token") & ((pl.col("layer") != -1) | (pl.col("kv_head") != -1)))
@@ -80,6 +87,7 @@ def check_keys(trace, keys: pl.DataFrame, what: str = "labels") -> pl.DataFrame:
     )
     if bad.height:
         row = bad.row(0, named=True)
-        raise UserError(f"{what}: granularity {row['granularity']} with layer {row['layer']}, kv_head {row['kv_head']} does not fit "
+        raise UserError(f"{what}: granularity {row['granularity']} with layer {row['layer']}, kv_head "
+                        f"{row['kv_head']} does not fit "
                         f"a Trace of {L} layers and {Hkv} KV heads (token rows use -1, -1; layer rows kv_head -1)")
     return keys

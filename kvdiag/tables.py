@@ -1,8 +1,11 @@
-"""Markdown tables: one writer for rank-eval's table.md, replay's summary.md and the report."""
+"""Markdown tables: one writer for rank-eval's table.md, replay's summary.md, the report and the benches."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
 
 
 def markdown_table(headers: Sequence[str], rows: Iterable[Sequence], align: str | None = None,
@@ -20,3 +23,39 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence], align: str 
 
 def _line(cells: Iterable[str]) -> str:
     return "| " + " | ".join(cells) + " |"
+
+
+def number_text(x, digits: int = 4) -> str:
+    """A report cell's text for a number: ``n/a`` for None/NaN, ``∞``, thousands separators for integral values,
+    ``digits`` significant digits otherwise."""
+    if x is None:
+        return "n/a"
+    if isinstance(x, (bool, np.bool_)):
+        return str(bool(x))
+    if isinstance(x, (int, np.integer)):
+        return f"{int(x):,}"
+    x = float(x)
+    if math.isnan(x):
+        return "n/a"
+    if math.isinf(x):  # e.g. an odds ratio with an empty cell
+        return "∞" if x > 0 else "−∞"
+    if x == int(x) and abs(x) < 1e9:
+        return f"{int(x):,}"
+    return f"{x:.{digits}g}"
+
+
+def cell_text(x) -> str:
+    """A report cell: strings as they are, numbers by :func:`number_text`; ``|`` escaped, one line."""
+    text = x if isinstance(x, str) else number_text(x)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def md_table(headers: Sequence[str], rows: Iterable[Sequence], align: str | None = None) -> str:
+    """A Markdown table of report cells (:func:`cell_text`); ``align`` one char per column (l or r; default: l then
+    r)."""
+    return markdown_table(headers, rows, align, cell_text)
+
+
+def frame_table(df) -> str:
+    """A polars DataFrame as a Markdown table of report cells (None as an empty cell)."""
+    return md_table(df.columns, [[("" if v is None else v) for v in row] for row in df.rows()])

@@ -39,8 +39,8 @@ class TokenFeatureParams:
 
 
 def layer_pressure_payload(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: LayerAttention | float, positions: dict[int, torch.Tensor],
-    params: TokenFeatureParams,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: LayerAttention | float,
+    positions: dict[int, torch.Tensor], params: TokenFeatureParams,
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Read pressure and value payload of one layer, KV-head means.
 
@@ -82,8 +82,7 @@ class PromptSums:
     def finish(self) -> pl.DataFrame:
         ts = list(self.positions)
         return pl.DataFrame({
-            "prompt_id": self.pid,
-            "checkpoint": np.concatenate([np.full(len(self.positions[t]), t) for t in ts]),
+            "prompt_id": self.pid, "checkpoint": np.concatenate([np.full(len(self.positions[t]), t) for t in ts]),
             "position": np.concatenate([self.positions[t].numpy() for t in ts]),
             "read_pressure": np.concatenate([(self.p[t] / self.num_layers).numpy() for t in ts]),
             "value_payload": np.concatenate([(self.b[t] / self.num_layers).numpy() for t in ts]),
@@ -124,7 +123,9 @@ def read_token_features(scores: str | os.PathLike) -> tuple[pl.DataFrame, dict] 
     return df, {**meta, "file": path.name}
 
 
-def usable_features(features: tuple[pl.DataFrame, dict] | None, params: TokenFeatureParams, trace) -> tuple[pl.DataFrame | None, str]:
+def usable_features(
+    features: tuple[pl.DataFrame, dict] | None, params: TokenFeatureParams, trace
+) -> tuple[pl.DataFrame | None, str]:
     """``features`` (a table and its metadata, :func:`read_token_features`) when made with ``params`` from
     ``trace``, else None; and a sentence saying which (the figures record it). Another Trace's table is refused."""
     if features is None:
@@ -132,7 +133,10 @@ def usable_features(features: tuple[pl.DataFrame, dict] | None, params: TokenFea
     df, meta = features
     name = meta.get("file", "the features table")
     if meta.get("kind") != "token_features" or meta.get("params") != asdict(params):
-        return None, f"computed from the Trace ({name} was made with {meta.get('params')}, the figures use {asdict(params)})"
+        return (
+            None,
+            f"computed from the Trace ({name} was made with {meta.get('params')}, the figures use {asdict(params)})",
+        )
     if hasattr(trace, "check_belongs"):
         trace.check_belongs(meta, name)
     return df, f"read from {name} (written by kvdiag score)"

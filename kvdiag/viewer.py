@@ -2,7 +2,8 @@
 token, coloured by oracle damage at a chosen checkpoint, with each rule's eviction decision at a chosen ρ or budget.
 
 The page embeds its data once as compact JSON; the script renders the tokens of a prompt once and recolours them by
-swapping class names (docs/report.md, "Token viewer"). Conventions follow ``rank-eval``: harmful = ``kl_mean`` strictly above
+swapping class names (docs/report.md, "Token viewer"). Conventions follow ``rank-eval``: harmful = ``kl_mean`` strictly
+above
 the ``--harm`` threshold of the evaluated labels (resolved, scored token labels); a rule evicts the ``floor(ρ·C)``
 lowest-scored candidates of a checkpoint, a tie group straddling the boundary evicted at random (shown as partly evicted
 with its probability). Unlike rank-eval, C counts every scored candidate of the checkpoint, unresolved ones included:
@@ -23,9 +24,9 @@ import numpy as np
 import polars as pl
 
 from kvdiag.errors import UserError
-from kvdiag.rankeval import KEYS, harm_threshold, parse_harm, unresolved
+from kvdiag.harm import HarmSpec
+from kvdiag.schema import HARM, KEYS, NOISE_MULT, RHO
 
-DEFAULT_HARM = "quantile:0.9"
 KL_BINS = 10  # colour bins of the log-KL scale (the stylesheet defines .k0 ... .k9)
 # JSON numbers: 4 significant digits are enough to colour and to read, and keep a 4k-token page small
 _DIGITS = 4
@@ -35,19 +36,21 @@ _DIGITS = 4
 class ViewerSettings:
     """How labels are classified and where the eviction control starts (defaults: rank-eval's)."""
 
-    harm: str = DEFAULT_HARM  # harmful: kl_mean > threshold; quantile:Q of the evaluated labels, or abs:TAU
-    noise_mult: float = 1.0  # unresolved: kl_mean <= noise_mult * noise_floor
+    harm: str = HARM  # harmful: kl_mean > threshold; quantile:Q of the evaluated labels, or abs:TAU
+    noise_mult: float = NOISE_MULT  # unresolved: kl_mean <= noise_mult * noise_floor
     include_unresolved: bool = False  # whether unresolved labels enter the harm threshold (rank-eval's flag)
-    rho: float = 0.5  # initial eviction fraction
+    rho: float = RHO  # initial eviction fraction
+
+    @property
+    def harm_spec(self) -> HarmSpec:
+        return HarmSpec(self.harm, self.noise_mult, self.include_unresolved)
 
     @classmethod
     def from_configs(cls, rank_eval: dict | None = None, figures: dict | None = None) -> ViewerSettings:
-        """rank-eval's settings (``config.json["config"]``), else the figures' (``figures.json["params"]``), else defaults."""
-        for cfg in (rank_eval, figures):
-            if cfg:
-                return cls(harm=cfg.get("harm", DEFAULT_HARM), noise_mult=float(cfg.get("noise_mult", 1.0)),
-                           include_unresolved=bool(cfg.get("include_unresolved", False)), rho=float(cfg.get("rho", 0.5)))
-        return cls()
+        """rank-eval's settings (``config.json["config"]``), else the figures' (``figures.json["params"]``), else
+        defaults."""
+        spec, _ = HarmSpec.from_configs(("rank-eval", rank_eval), ("figures", figures))
+        return cls(**spec.to_config(), rho=float((rank_eval or figures or {}).get("rho", RHO)))
 
 
 def _round(x: np.ndarray) -> list[float]:
@@ -90,33 +93,39 @@ def _figure_marks(figures_dir: Path | None) -> tuple[dict, dict, list[str]]:
         else:
             notes.append(f"{points.name} is missing: no blind-spot marks")
     except (pl.exceptions.PolarsError, KeyError, TypeError, ValueError) as err:
-        raise UserError(f"{figures_dir}: a figures CSV is unreadable ({type(err).__name__}: {err}); rerun kvdiag figures") from err
+        raise UserError(f"{figures_dir}: a figures CSV is unreadable ({type(err).__name__}: {err}); rerun kvdiag "
+                        "figures") from err
     return delayed, blind, notes
 
 
-def viewer_data(tokens: pl.DataFrame, prompt_lens: dict[str, int], labels: pl.DataFrame, scores: pl.DataFrame | None = None,
-                settings: ViewerSettings = ViewerSettings(), figures_dir: str | os.PathLike | None = None,
-                title: str = "kvdiag token viewer") -> dict:
+def viewer_data(
+    tokens: pl.DataFrame, prompt_lens: dict[str, int], labels: pl.DataFrame, scores: pl.DataFrame | None = None,
+    settings: ViewerSettings = ViewerSettings(), figures_dir: str | os.PathLike | None = None,
+    title: str = "kvdiag token viewer",
+) -> dict:
     """The page's data. ``tokens``: prompt_id, position, token_id (token_text if present) of every prompt in
     ``prompt_lens`` (prompt id -> prompt length); ``labels``: kvdiag label's table; ``scores``: kvdiag score's."""
-    parse_harm(settings.harm)
+    spec = settings.harm_spec
     labels = labels.filter(pl.col("granularity") == "token").filter(pl.col("prompt_id").is_in(list(prompt_lens)))
     if labels.height == 0:
-        raise UserError("the labels hold no token-granularity label of the Trace's prompts: label with --granularity token")
+        raise UserError("the labels hold no token-granularity label of the Trace's prompts: label with --granularity "
+                        "token")
     labels = labels.with_columns(pl.col("layer").fill_null(-1), pl.col("kv_head").fill_null(-1))
     rules: list[str] = []
     if scores is not None:
         rules = [c for c in scores.columns if c not in KEYS and scores.schema[c].is_numeric()]
         # prefixed: a score column may share a name with a label column
-        labels = labels.join(scores.select(*KEYS, *(pl.col(r).alias(f"score:{r}") for r in rules)), on=list(KEYS), how="left")
-    labels = labels.with_columns(_unres=unresolved(settings.noise_mult).fill_null(False)).sort("prompt_id", "checkpoint", "position")
+        labels = labels.join(
+            scores.select(*KEYS, *(pl.col(r).alias(f"score:{r}") for r in rules)), on=list(KEYS), how="left"
+        )
+    labels = labels.with_columns(_unres=spec.unresolved()).sort("prompt_id", "checkpoint", "position")
 
     # harm threshold over rank-eval's evaluated rows: scored (when there are scores) and resolved (unless included)
-    evaluated = labels if settings.include_unresolved else labels.filter(~pl.col("_unres"))
+    evaluated = spec.analysed(labels, what="token labels", require=False)
     if rules:
         evaluated = evaluated.filter(pl.any_horizontal(pl.col(f"score:{r}").is_not_null() for r in rules))
     kl_eval = evaluated["kl_mean"].to_numpy().astype(float)
-    threshold = harm_threshold(kl_eval, settings.harm) if len(kl_eval) else math.nan
+    threshold = spec.threshold(kl_eval)
     resolved_kl = labels.filter(~pl.col("_unres"))["kl_mean"].to_numpy().astype(float)
     positive = resolved_kl[resolved_kl > 0]
     lo, hi = (np.log10(np.quantile(positive, [0.01, 1.0])) if len(positive) else (-12.0, 0.0))
@@ -134,17 +143,20 @@ def viewer_data(tokens: pl.DataFrame, prompt_lens: dict[str, int], labels: pl.Da
         ids = tok["token_id"].to_list()
         texts = tok[text_col].to_list() if text_col else [None] * len(ids)
         # an empty piece (special or partial byte) would be unhoverable: show its id
-        shown = [t if t else f"⟨{i}⟩" for t, i in zip(texts, ids)]
+        shown = [t if t else f"⟨{i}⟩" for t, i in zip(texts, ids, strict=True)]
         ckpts = []
         for (t,), g in labels.filter(pl.col("prompt_id") == pid).group_by("checkpoint", maintain_order=True):
             kl = g["kl_mean"].to_numpy().astype(float)
             unres = g["_unres"].to_numpy()
             harmful = (kl > threshold) & (settings.include_unresolved | ~unres)
-            c = {"t": int(t), "floor": _round(g["noise_floor"].to_numpy()[:1].astype(float))[0],
-                 "pos": g["position"].to_list(), "kl": _round(kl), "st": np.where(harmful, 1, np.where(unres, 2, 0)).tolist(),
-                 "age": g["age"].to_list() if "age" in g.columns else (int(t) - g["position"]).to_list(),
-                 "flips": g["top1_flips"].fill_null(-1).to_list() if "top1_flips" in g.columns else [-1] * g.height,
-                 "lo": [], "sz": {}, "n": []}
+            c = {
+                "t": int(t), "floor": _round(g["noise_floor"].to_numpy()[:1].astype(float))[0],
+                "pos": g["position"].to_list(), "kl": _round(kl),
+                "st": np.where(harmful, 1, np.where(unres, 2, 0)).tolist(),
+                "age": g["age"].to_list() if "age" in g.columns else (int(t) - g["position"]).to_list(),
+                "flips": g["top1_flips"].fill_null(-1).to_list() if "top1_flips" in g.columns else [-1] * g.height,
+                "lo": [], "sz": {}, "n": [],
+            }
             for k, rule in enumerate(rules):
                 lo_r, size, n = _tie_ranks(g[f"score:{rule}"].cast(pl.Float64).fill_null(float("nan")).to_numpy())
                 c["lo"].append(lo_r.tolist())
@@ -154,11 +166,15 @@ def viewer_data(tokens: pl.DataFrame, prompt_lens: dict[str, int], labels: pl.Da
             ckpts.append(c)
         prompts.append({"id": pid, "plen": int(plen), "tokens": shown, "ckpts": ckpts,
                         "dr": delayed.get(pid, {}), "bs": blind.get(pid, {})})
-    return {"meta": {"title": title, "harm": settings.harm, "threshold": None if math.isnan(threshold) else threshold,
-                     "noise_mult": settings.noise_mult, "include_unresolved": settings.include_unresolved, "rho": settings.rho,
-                     "n_evaluated": len(kl_eval), "log_lo": float(lo), "log_hi": float(max(hi, lo + 1e-6)), "bins": KL_BINS,
-                     "rules": rules, "notes": notes, "figures": figures_dir is not None},
-            "prompts": prompts}
+    return {
+        "meta": {
+            "title": title, "harm": settings.harm, "threshold": None if math.isnan(threshold) else threshold,
+            "noise_mult": settings.noise_mult, "include_unresolved": settings.include_unresolved, "rho": settings.rho,
+            "n_evaluated": len(kl_eval), "log_lo": float(lo), "log_hi": float(max(hi, lo + 1e-6)), "bins": KL_BINS,
+            "rules": rules, "notes": notes, "figures": figures_dir is not None,
+        },
+        "prompts": prompts,
+    }
 
 
 def viewer_html(data: dict) -> str:
@@ -173,9 +189,11 @@ def viewer_html(data: dict) -> str:
                 .replace("KVDIAG_DATA", blob))
 
 
-def build_viewer(trace, labels: pl.DataFrame | None, scores: pl.DataFrame | None, out: str | os.PathLike, *,
-                 labels_meta: dict | None = None, scores_meta: dict | None = None, settings: ViewerSettings = ViewerSettings(),
-                 figures_dir: str | os.PathLike | None = None, title: str | None = None) -> Path:
+def build_viewer(
+    trace, labels: pl.DataFrame | None, scores: pl.DataFrame | None, out: str | os.PathLike, *,
+    labels_meta: dict | None = None, scores_meta: dict | None = None, settings: ViewerSettings = ViewerSettings(),
+    figures_dir: str | os.PathLike | None = None, title: str | None = None,
+) -> Path:
     """Write ``out`` (viewer.html) for a Trace, its labels and (optionally) scores and figures directory.
 
     Inputs that do not belong together are refused as in ``kvdiag figures`` (``check_figure_inputs``).
@@ -186,7 +204,8 @@ def build_viewer(trace, labels: pl.DataFrame | None, scores: pl.DataFrame | None
     if trace is None:
         raise UserError("the viewer needs the Trace (RUN/trace): kvdiag trace --out RUN/trace")
     if labels is None:
-        raise UserError("the viewer needs the labels (RUN/labels.parquet): kvdiag label --trace RUN/trace --out RUN/labels.parquet")
+        raise UserError("the viewer needs the labels (RUN/labels.parquet): kvdiag label --trace RUN/trace --out "
+                        "RUN/labels.parquet")
     labels = check_figure_inputs(trace, labels, scores, labels_meta, scores_meta)
     lens = {pid: trace.prompt_len(pid) for pid in trace.prompt_ids}
     data = viewer_data(trace.tokens, lens, labels, scores, settings, figures_dir,

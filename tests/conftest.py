@@ -36,7 +36,9 @@ def make_trace(lm, path, n_prompts=2, max_new_tokens=40, storage_dtype="float32"
     from kvdiag.prompts import load_prompts
     from kvdiag.trace import GenerationSettings, Trace, trace_prompts
 
-    settings = GenerationSettings(max_new_tokens=max_new_tokens, chat=False, instruction=None, storage_dtype=storage_dtype)
+    settings = GenerationSettings(
+        max_new_tokens=max_new_tokens, chat=False, instruction=None, storage_dtype=storage_dtype
+    )
     trace_prompts(lm, load_prompts("builtin:arith", limit=n_prompts), path, settings, show_progress=False)
     return Trace(path)
 
@@ -76,18 +78,23 @@ def make_scorer(name: str, **params):
     if name == "fitted" and "path" not in params:
         gen = torch.Generator().manual_seed(0)
         n = len(FEATURES)
-        model = {"kind": "kvdiag_fitted_logreg", "features": list(FEATURES), "mean": torch.randn(n, generator=gen).tolist(),
-                 "scale": (torch.rand(n, generator=gen) + 0.5).tolist(), "coef": torch.randn(n, generator=gen).tolist(),
-                 "intercept": 0.1}
+        model = {
+            "kind": "kvdiag_fitted_logreg", "features": list(FEATURES), "mean": torch.randn(n, generator=gen).tolist(),
+            "scale": (torch.rand(n, generator=gen) + 0.5).tolist(), "coef": torch.randn(n, generator=gen).tolist(),
+            "intercept": 0.1,
+        }
         path = Path(tempfile.mkdtemp(prefix="kvdiag-fitted-")) / "model.json"
         path.write_text(json.dumps(model))
         params["path"] = str(path)
     return get_scorer(name, **params)
 
 
-def synthetic_labels(trace, seed: int = 0, back: int = 60, random_flips: bool = False, floor_by_checkpoint: bool = True):
+def synthetic_labels(
+    trace, seed: int = 0, back: int = 60, random_flips: bool = False, floor_by_checkpoint: bool = True
+):
     """A labels table for ``trace``: checkpoints ``T - back`` and ``T`` of every prompt, 30 random candidates each,
-    lognormal KL; top-1 flips 0 (or random in 0..2); noise floor 1e-4 (doubled at ``T`` with ``floor_by_checkpoint``)."""
+    lognormal KL; top-1 flips 0 (or random in 0..2); noise floor 1e-4 (doubled at ``T`` with
+    ``floor_by_checkpoint``)."""
     import numpy as np
     import polars as pl
 
@@ -102,7 +109,11 @@ def synthetic_labels(trace, seed: int = 0, back: int = 60, random_flips: bool = 
                 kl = float(np.exp(rng.normal(-6, 2)))
                 flips = int(rng.integers(0, 3)) if random_flips else 0
                 floor = 1e-4 * (1 + (t == T)) if floor_by_checkpoint else 1e-4
-                rows.append(dict(prompt_id=pid, checkpoint=t, position=int(i), granularity="token", layer=-1, kv_head=-1,
-                                 horizon=16, kl_mean=kl, kl_max=kl, kl_steps=[kl], js_mean=kl / 4, nll_delta=0.0,
-                                 top1_flips=flips, noise_floor=floor, age=t - int(i), token_id=int(ids[i])))
+                rows.append(
+                    dict(
+                        prompt_id=pid, checkpoint=t, position=int(i), granularity="token", layer=-1, kv_head=-1,
+                        horizon=16, kl_mean=kl, kl_max=kl, kl_steps=[kl], js_mean=kl / 4, nll_delta=0.0,
+                        top1_flips=flips, noise_floor=floor, age=t - int(i), token_id=int(ids[i]),
+                    )
+                )
     return pl.DataFrame(rows, schema=LABEL_SCHEMA)

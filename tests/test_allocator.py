@@ -28,7 +28,9 @@ print(applied, min(faults[2:]))
 
 
 def _faults(mode: str) -> tuple[str, int]:
-    out = subprocess.run([sys.executable, "-c", _CHILD, mode], capture_output=True, text=True, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, mode], capture_output=True, text=True, check=True
+    ).stdout.split()
     return out[0], int(out[1])
 
 

@@ -21,128 +21,439 @@ CASES: list[tuple[str, list[str], str]] = [
     # ---- trace
     ("trace-gguf-missing", ["trace", "--model", "/no/such.gguf", "--out", "{out}"], "/no/such.gguf"),
     ("trace-unknown-tiny", ["trace", "--model", "tiny:gpt9", "--out", "{out}"], "tiny:gpt9"),
-    ("trace-max-new-0", ["trace", "--model", "tiny:llama", "--max-new-tokens", "0", "--out", "{out}"], "--max-new-tokens 0"),
+    (
+        "trace-max-new-0", ["trace", "--model", "tiny:llama", "--max-new-tokens", "0", "--out", "{out}"],
+        "--max-new-tokens 0",
+    ),
     ("trace-max-new-type", ["trace", "--max-new-tokens", "many", "--out", "{out}"], "--max-new-tokens"),
-    ("trace-prompts-missing", ["trace", "--model", "tiny:llama", "--prompts", "/no/such.jsonl", "--out", "{out}"], "/no/such.jsonl"),
-    ("trace-prompts-empty", ["trace", "--model", "tiny:llama", "--prompts", "{empty_jsonl}", "--out", "{out}"], "empty.jsonl"),
-    ("trace-prompts-bad-line", ["trace", "--model", "tiny:llama", "--prompts", "{bad_jsonl}", "--out", "{out}"], "line 2"),
+    (
+        "trace-prompts-missing", ["trace", "--model", "tiny:llama", "--prompts", "/no/such.jsonl", "--out", "{out}"],
+        "/no/such.jsonl",
+    ),
+    (
+        "trace-prompts-empty", ["trace", "--model", "tiny:llama", "--prompts", "{empty_jsonl}", "--out", "{out}"],
+        "empty.jsonl",
+    ),
+    (
+        "trace-prompts-bad-line", ["trace", "--model", "tiny:llama", "--prompts", "{bad_jsonl}", "--out", "{out}"],
+        "line 2",
+    ),
     ("trace-builtin-unknown", ["trace", "--prompts", "builtin:nope", "--out", "{out}"], "builtin:nope"),
     ("trace-limit-0", ["trace", "--model", "tiny:llama", "--limit", "0", "--out", "{out}"], "--limit 0"),
-    ("trace-storage-dtype", ["trace", "--model", "tiny:llama", "--storage-dtype", "int8", "--out", "{out}"], "--storage-dtype int8"),
+    (
+        "trace-storage-dtype", ["trace", "--model", "tiny:llama", "--storage-dtype", "int8", "--out", "{out}"],
+        "--storage-dtype int8",
+    ),
     ("trace-dtype", ["trace", "--model", "tiny:llama", "--dtype", "float8", "--out", "{out}"], "--dtype"),
     ("trace-device", ["trace", "--model", "tiny:llama", "--device", "tpu", "--out", "{out}"], "--device"),
     ("trace-shard", ["trace", "--model", "tiny:llama", "--shard", "3/2", "--out", "{out}"], "--shard 3/2"),
     ("trace-out-below-file", ["trace", "--model", "tiny:llama", "--out", "{file}/t"], "--out"),
-    ("trace-instruction-conflict", ["trace", "--instruction", "x", "--no-instruction", "--out", "{out}"], "--instruction"),
+    (
+        "trace-instruction-conflict", ["trace", "--instruction", "x", "--no-instruction", "--out", "{out}"],
+        "--instruction",
+    ),
     ("trace-repeated-limit", ["trace", "--limit", "1", "--limit", "2", "--out", "{out}"], "--limit"),
     ("trace-sample-and-greedy", ["trace", "--sample", "--greedy", "--out", "{out}"], "--greedy"),
     ("trace-temperature-greedy", ["trace", "--temperature", "0.7", "--out", "{out}"], "--temperature"),
     ("trace-temperature-0", ["trace", "--sample", "--temperature", "0", "--out", "{out}"], "--temperature 0"),
     ("trace-top-p", ["trace", "--sample", "--top-p", "1.5", "--out", "{out}"], "--top-p 1.5"),
-    ("trace-min-new-tokens", ["trace", "--max-new-tokens", "8", "--min-new-tokens", "9", "--out", "{out}"], "--min-new-tokens 9"),
-    ("trace-beyond-context", ["trace", "--model", "tiny:llama", "--max-new-tokens", "5000", "--no-chat", "--out", "{out}"], "context of 4096"),
+    (
+        "trace-min-new-tokens", ["trace", "--max-new-tokens", "8", "--min-new-tokens", "9", "--out", "{out}"],
+        "--min-new-tokens 9",
+    ),
+    (
+        "trace-beyond-context",
+        ["trace", "--model", "tiny:llama", "--max-new-tokens", "5000", "--no-chat", "--out", "{out}"],
+        "context of 4096",
+    ),
     ("trace-unknown-option", ["trace", "--temprature", "1", "--out", "{out}"], "--temprature"),
     ("trace-store-bad", ["trace", "--model", "tiny:llama", "--store", "some", "--out", "{out}"], "--store some"),
     ("trace-store-negative", ["trace", "--model", "tiny:llama", "--store", "-1", "--out", "{out}"], "--store -1"),
     ("trace-store-twice", ["trace", "--model", "tiny:llama", "--store", "0,0", "--out", "{out}"], "--store 0,0"),
-    ("trace-store-beyond", ["trace", "--model", "tiny:llama", "--store", "0,9", "--out", "{out}"], "layer 9 does not exist"),
+    (
+        "trace-store-beyond", ["trace", "--model", "tiny:llama", "--store", "0,9", "--out", "{out}"],
+        "layer 9 does not exist",
+    ),
     # ---- label
-    ("label-candidates", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--candidates", "foo"], "--candidates foo"),
-    ("label-batch-size", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--batch-size", "0"], "--batch-size 0"),
+    (
+        "label-candidates", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--candidates", "foo"],
+        "--candidates foo",
+    ),
+    (
+        "label-batch-size", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--batch-size", "0"],
+        "--batch-size 0",
+    ),
     ("label-horizon-0", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", "--horizon", "0"], "--horizon 0"),
-    ("label-horizon-long", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", "--horizon", "100000"], "--horizon 100000"),
-    ("label-granularity", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--granularity", "neuron"], "--granularity neuron"),
-    ("label-every-0", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", "--checkpoints", "every:0"], "--checkpoints every:0"),
-    ("label-checkpoints-text", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", "--checkpoints", "soon"], "--checkpoints soon"),
-    ("label-checkpoint-outside", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", "--checkpoints", "100000"], "--checkpoints"),
-    ("label-layers-range", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--granularity", "layer", "--layers", "7"], "--layers 7"),
-    ("label-layers-token", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--layers", "0"], "--layers"),
-    ("label-layers-type", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--granularity", "layer", "--layers", "a"], "--layers"),
-    ("label-backend", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--backend", "cuda"], "--backend cuda"),
-    ("label-shard", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--shard", "1/1"], "--shard 1/1"),
-    ("label-dtype", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--dtype", "half-ish"], "--dtype"),
+    (
+        "label-horizon-long", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", "--horizon", "100000"],
+        "--horizon 100000",
+    ),
+    (
+        "label-granularity",
+        ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--granularity", "neuron"],
+        "--granularity neuron",
+    ),
+    (
+        "label-every-0", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", "--checkpoints", "every:0"],
+        "--checkpoints every:0",
+    ),
+    (
+        "label-checkpoints-text", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", "--checkpoints", "soon"],
+        "--checkpoints soon",
+    ),
+    (
+        "label-checkpoint-outside",
+        ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", "--checkpoints", "100000"], "--checkpoints",
+    ),
+    (
+        "label-layers-range",
+        ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--granularity", "layer", "--layers", "7"],
+        "--layers 7",
+    ),
+    (
+        "label-layers-token", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--layers", "0"],
+        "--layers",
+    ),
+    (
+        "label-layers-type",
+        ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--granularity", "layer", "--layers", "a"],
+        "--layers",
+    ),
+    (
+        "label-backend", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--backend", "cuda"],
+        "--backend cuda",
+    ),
+    (
+        "label-shard", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--shard", "1/1"],
+        "--shard 1/1",
+    ),
+    (
+        "label-dtype", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--dtype", "half-ish"],
+        "--dtype",
+    ),
     ("label-trace-missing", ["label", "--trace", "/no/trace", "--out", "{out}/l.parquet"], "/no/trace"),
-    ("label-manifest-corrupt", ["label", "--trace", "{trace_bad_manifest}", "--out", "{out}/l.parquet"], "manifest.json"),
-    ("label-manifest-wrong-type", ["label", "--trace", "{trace_list_manifest}", "--out", "{out}/l.parquet"], "manifest.json"),
-    ("label-tokens-truncated", ["label", "--trace", "{trace_bad_tokens}", "--out", "{out}/l.parquet"], "tokens.parquet"),
+    (
+        "label-manifest-corrupt", ["label", "--trace", "{trace_bad_manifest}", "--out", "{out}/l.parquet"],
+        "manifest.json",
+    ),
+    (
+        "label-manifest-wrong-type", ["label", "--trace", "{trace_list_manifest}", "--out", "{out}/l.parquet"],
+        "manifest.json",
+    ),
+    (
+        "label-tokens-truncated", ["label", "--trace", "{trace_bad_tokens}", "--out", "{out}/l.parquet"],
+        "tokens.parquet",
+    ),
     ("label-out-below-file", ["label", "--trace", "{trace}", *FITS, "--out", "{file}/l.parquet"], "--out"),
-    ("label-other-model", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--model", "tiny:qwen3"], "--model tiny:qwen3"),
-    ("label-force-without-model", ["label", "--trace", "{trace}", *FITS, "--force", "--out", "{out}/l.parquet"], "--force"),
-    ("label-repeated-horizon", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", "--horizon", "4", "--horizon", "8"], "--horizon"),
-    ("label-method-unknown", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--method", "guess"], "--method guess"),
-    ("label-samples-0", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--method", "fast", "--samples", "0"], "--samples 0"),
-    ("label-samples-exact", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--samples", "4"], "--method exact"),
+    (
+        "label-other-model",
+        ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--model", "tiny:qwen3"],
+        "--model tiny:qwen3",
+    ),
+    (
+        "label-force-without-model", ["label", "--trace", "{trace}", *FITS, "--force", "--out", "{out}/l.parquet"],
+        "--force",
+    ),
+    (
+        "label-repeated-horizon",
+        ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", "--horizon", "4", "--horizon", "8"], "--horizon",
+    ),
+    (
+        "label-method-unknown", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--method", "guess"],
+        "--method guess",
+    ),
+    (
+        "label-samples-0",
+        ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--method", "fast", "--samples", "0"],
+        "--samples 0",
+    ),
+    (
+        "label-samples-exact", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--samples", "4"],
+        "--method exact",
+    ),
     # ---- bench scale
     ("bench-scale-lengths", ["bench", "scale", "--lengths", "many", "--out", "{out}"], "--lengths many"),
     ("bench-scale-store", ["bench", "scale", "--store", "some", "--out", "{out}"], "--store some"),
-    ("bench-scale-store-twice", ["bench", "scale", "--store", "all", "--store", "all", "--out", "{out}"], "--store all,all"),
-    ("bench-scale-too-short", ["bench", "scale", "--model", "tiny:llama", "--lengths", "50", "--out", "{out}"], "--lengths 50"),
-    ("bench-scale-beyond-context", ["bench", "scale", "--model", "tiny:llama", "--lengths", "9000", "--out", "{out}"], "--lengths 9000"),
+    (
+        "bench-scale-store-twice", ["bench", "scale", "--store", "all", "--store", "all", "--out", "{out}"],
+        "--store all,all",
+    ),
+    (
+        "bench-scale-too-short", ["bench", "scale", "--model", "tiny:llama", "--lengths", "50", "--out", "{out}"],
+        "--lengths 50",
+    ),
+    (
+        "bench-scale-beyond-context",
+        ["bench", "scale", "--model", "tiny:llama", "--lengths", "9000", "--out", "{out}"], "--lengths 9000",
+    ),
     # ---- validate-labels
-    ("validate-labels-quantile", ["validate-labels", "--exact", "{labels}", "--approx", "{labels}", "--harmful-quantile", "1.5", "--out", "{out}"], "--harmful-quantile 1.5"),
-    ("validate-labels-top-k", ["validate-labels", "--exact", "{labels}", "--approx", "{labels}", "--top-k", "0", "--out", "{out}"], "--top-k 0"),
-    ("validate-labels-missing", ["validate-labels", "--exact", "/no/l.parquet", "--approx", "{labels}", "--out", "{out}"], "/no/l.parquet"),
-    ("validate-labels-garbage", ["validate-labels", "--exact", "{labels}", "--approx", "{garbage_parquet}", "--out", "{out}"], "garbage.parquet"),
-    ("validate-labels-scores-column", ["validate-labels", "--exact", "{labels}", "--approx", "{labels}", "--scores", "{scores}", "--payload", "nope", "--out", "{out}"], "nope"),
+    (
+        "validate-labels-quantile",
+        [
+            "validate-labels", "--exact", "{labels}", "--approx", "{labels}", "--harmful-quantile", "1.5", "--out",
+            "{out}",
+        ],
+        "--harmful-quantile 1.5",
+    ),
+    (
+        "validate-labels-top-k",
+        ["validate-labels", "--exact", "{labels}", "--approx", "{labels}", "--top-k", "0", "--out", "{out}"],
+        "--top-k 0",
+    ),
+    (
+        "validate-labels-missing",
+        ["validate-labels", "--exact", "/no/l.parquet", "--approx", "{labels}", "--out", "{out}"], "/no/l.parquet",
+    ),
+    (
+        "validate-labels-garbage",
+        ["validate-labels", "--exact", "{labels}", "--approx", "{garbage_parquet}", "--out", "{out}"],
+        "garbage.parquet",
+    ),
+    (
+        "validate-labels-scores-column",
+        [
+            "validate-labels", "--exact", "{labels}", "--approx", "{labels}", "--scores", "{scores}", "--payload",
+            "nope", "--out", "{out}",
+        ],
+        "nope",
+    ),
     # ---- score
     ("score-no-source", ["score", "--trace", "{trace}", "--out", "{out}/s.parquet"], "--labels"),
-    ("score-granularity-with-labels", ["score", "--trace", "{trace}", "--labels", "{labels}", "--granularity", "neuron", "--out", "{out}/s.parquet"], "--granularity"),
-    ("score-granularity-unknown", ["score", "--trace", "{trace}", "--checkpoints", "default", "--granularity", "neuron", "--out", "{out}/s.parquet"], "--granularity"),
-    ("score-labels-missing", ["score", "--trace", "{trace}", "--labels", "/no/l.parquet", "--out", "{out}/s.parquet"], "/no/l.parquet"),
-    ("score-labels-garbage", ["score", "--trace", "{trace}", "--labels", "{garbage_parquet}", "--out", "{out}/s.parquet"], "garbage.parquet"),
-    ("score-labels-truncated", ["score", "--trace", "{trace}", "--labels", "{truncated_labels}", "--out", "{out}/s.parquet"], "truncated.parquet"),
-    ("score-labels-no-keys", ["score", "--trace", "{trace}", "--labels", "{keyless_parquet}", "--out", "{out}/s.parquet"], "keyless.parquet"),
-    ("score-labels-other-trace", ["score", "--trace", "{trace}", "--labels", "{foreign_labels}", "--out", "{out}/s.parquet"], "foreign.parquet"),
-    ("score-scorer-unknown", ["score", "--trace", "{trace}", "--labels", "{labels}", "--scorers", "nope", "--out", "{out}/s.parquet"], "nope"),
-    ("score-param-unknown", ["score", "--trace", "{trace}", "--labels", "{labels}", "--scorers", "rkv", "--param", "rkv.nope=1", "--out", "{out}/s.parquet"], "nope"),
-    ("score-param-syntax", ["score", "--trace", "{trace}", "--labels", "{labels}", "--param", "rkv", "--out", "{out}/s.parquet"], "--param"),
-    ("score-param-type", ["score", "--trace", "{trace}", "--labels", "{labels}", "--scorers", "rkv", "--param", "rkv.mix_lambda=lots", "--out", "{out}/s.parquet"], "mix_lambda"),
-    ("score-aggregation", ["score", "--trace", "{trace}", "--labels", "{labels}", "--aggregation", "median", "--out", "{out}/s.parquet"], "--aggregation"),
-    ("score-checkpoint-0", ["score", "--trace", "{trace}", "--checkpoints", "0", "--out", "{out}/s.parquet"], "checkpoint 0"),
-    ("score-safetensors-truncated", ["score", "--trace", "{trace_bad_layer}", "--checkpoints", "20", "--out", "{out}/s.parquet"], "layer_000.safetensors"),
-    ("score-plugin-missing", ["score", "--trace", "{trace}", "--labels", "{labels}", "--plugin", "/no/plugin.py", "--out", "{out}/s.parquet"], "/no/plugin.py"),
-    ("score-fitted-missing", ["score", "--trace", "{trace}", "--labels", "{labels}", "--scorers", "fitted:/no/model.json", "--out", "{out}/s.parquet"], "/no/model.json"),
-    ("score-fitted-no-model", ["score", "--trace", "{trace}", "--labels", "{labels}", "--scorers", "fitted", "--out", "{out}/s.parquet"], "fitted"),
-    ("fit-features", ["fit", "--trace", "{trace}", "--labels", "{labels}", "--features", "nope", "--out", "{out}"], "--features nope"),
+    (
+        "score-granularity-with-labels",
+        ["score", "--trace", "{trace}", "--labels", "{labels}", "--granularity", "neuron", "--out", "{out}/s.parquet"],
+        "--granularity",
+    ),
+    (
+        "score-granularity-unknown",
+        [
+            "score", "--trace", "{trace}", "--checkpoints", "default", "--granularity", "neuron", "--out",
+            "{out}/s.parquet",
+        ],
+        "--granularity",
+    ),
+    (
+        "score-labels-missing",
+        ["score", "--trace", "{trace}", "--labels", "/no/l.parquet", "--out", "{out}/s.parquet"], "/no/l.parquet",
+    ),
+    (
+        "score-labels-garbage",
+        ["score", "--trace", "{trace}", "--labels", "{garbage_parquet}", "--out", "{out}/s.parquet"], "garbage.parquet",
+    ),
+    (
+        "score-labels-truncated",
+        ["score", "--trace", "{trace}", "--labels", "{truncated_labels}", "--out", "{out}/s.parquet"],
+        "truncated.parquet",
+    ),
+    (
+        "score-labels-no-keys",
+        ["score", "--trace", "{trace}", "--labels", "{keyless_parquet}", "--out", "{out}/s.parquet"], "keyless.parquet",
+    ),
+    (
+        "score-labels-other-trace",
+        ["score", "--trace", "{trace}", "--labels", "{foreign_labels}", "--out", "{out}/s.parquet"], "foreign.parquet",
+    ),
+    (
+        "score-scorer-unknown",
+        ["score", "--trace", "{trace}", "--labels", "{labels}", "--scorers", "nope", "--out", "{out}/s.parquet"],
+        "nope",
+    ),
+    (
+        "score-param-unknown",
+        [
+            "score", "--trace", "{trace}", "--labels", "{labels}", "--scorers", "rkv", "--param", "rkv.nope=1", "--out",
+            "{out}/s.parquet",
+        ],
+        "nope",
+    ),
+    (
+        "score-param-syntax",
+        ["score", "--trace", "{trace}", "--labels", "{labels}", "--param", "rkv", "--out", "{out}/s.parquet"],
+        "--param",
+    ),
+    (
+        "score-param-type",
+        [
+            "score", "--trace", "{trace}", "--labels", "{labels}", "--scorers", "rkv", "--param", "rkv.mix_lambda=lots",
+            "--out", "{out}/s.parquet",
+        ],
+        "mix_lambda",
+    ),
+    (
+        "score-aggregation",
+        ["score", "--trace", "{trace}", "--labels", "{labels}", "--aggregation", "median", "--out", "{out}/s.parquet"],
+        "--aggregation",
+    ),
+    (
+        "score-checkpoint-0", ["score", "--trace", "{trace}", "--checkpoints", "0", "--out", "{out}/s.parquet"],
+        "checkpoint 0",
+    ),
+    (
+        "score-safetensors-truncated",
+        ["score", "--trace", "{trace_bad_layer}", "--checkpoints", "20", "--out", "{out}/s.parquet"],
+        "layer_000.safetensors",
+    ),
+    (
+        "score-plugin-missing",
+        [
+            "score", "--trace", "{trace}", "--labels", "{labels}", "--plugin", "/no/plugin.py", "--out",
+            "{out}/s.parquet",
+        ],
+        "/no/plugin.py",
+    ),
+    (
+        "score-fitted-missing",
+        [
+            "score", "--trace", "{trace}", "--labels", "{labels}", "--scorers", "fitted:/no/model.json", "--out",
+            "{out}/s.parquet",
+        ],
+        "/no/model.json",
+    ),
+    (
+        "score-fitted-no-model",
+        ["score", "--trace", "{trace}", "--labels", "{labels}", "--scorers", "fitted", "--out", "{out}/s.parquet"],
+        "fitted",
+    ),
+    (
+        "fit-features", ["fit", "--trace", "{trace}", "--labels", "{labels}", "--features", "nope", "--out", "{out}"],
+        "--features nope",
+    ),
     ("fit-folds", ["fit", "--trace", "{trace}", "--labels", "{labels}", "--folds", "1", "--out", "{out}"], "--folds 1"),
     ("fit-harm", ["fit", "--trace", "{trace}", "--labels", "{labels}", "--harm", "lots", "--out", "{out}"], "--harm"),
-    ("fit-labels-other-trace", ["fit", "--trace", "{trace}", "--labels", "{foreign_labels}", "--out", "{out}"], "foreign.parquet"),
-    ("rank-eval-eligible-unknown", ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--eligible", "nope", "--out", "{out}"], "--eligible nope"),
-    ("rank-eval-min-age", ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--min-age", "0", "--out", "{out}"], "--min-age 0"),
-    ("rank-eval-rho-grid", ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--rho-grid", "0.5,1.5", "--out", "{out}"], "--rho-grid"),
-    ("score-model-unused", ["score", "--trace", "{trace}", "--labels", "{labels}", "--scorers", "knorm", "--model", "tiny:llama", "--out", "{out}/s.parquet"], "--model tiny:llama"),
-    ("score-out-below-file", ["score", "--trace", "{trace}", "--labels", "{labels}", "--out", "{file}/s.parquet"], "--out"),
+    (
+        "fit-labels-other-trace", ["fit", "--trace", "{trace}", "--labels", "{foreign_labels}", "--out", "{out}"],
+        "foreign.parquet",
+    ),
+    (
+        "rank-eval-eligible-unknown",
+        ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--eligible", "nope", "--out", "{out}"],
+        "--eligible nope",
+    ),
+    (
+        "rank-eval-min-age",
+        ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--min-age", "0", "--out", "{out}"],
+        "--min-age 0",
+    ),
+    (
+        "rank-eval-rho-grid",
+        ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--rho-grid", "0.5,1.5", "--out", "{out}"],
+        "--rho-grid",
+    ),
+    (
+        "score-model-unused",
+        [
+            "score", "--trace", "{trace}", "--labels", "{labels}", "--scorers", "knorm", "--model", "tiny:llama",
+            "--out", "{out}/s.parquet",
+        ],
+        "--model tiny:llama",
+    ),
+    (
+        "score-out-below-file", ["score", "--trace", "{trace}", "--labels", "{labels}", "--out", "{file}/s.parquet"],
+        "--out",
+    ),
     # ---- rank-eval
-    ("rank-eval-labels-missing", ["rank-eval", "--labels", "/no/l.parquet", "--scores", "{scores}", "--out", "{out}"], "/no/l.parquet"),
-    ("rank-eval-scores-garbage", ["rank-eval", "--labels", "{labels}", "--scores", "{garbage_parquet}", "--out", "{out}"], "garbage.parquet"),
-    ("rank-eval-harm", ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--harm", "lots", "--out", "{out}"], "--harm"),
-    ("rank-eval-rho", ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--rho", "2", "--out", "{out}"], "--rho"),
-    ("rank-eval-bootstrap", ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--bootstrap", "-1", "--out", "{out}"], "--bootstrap"),
-    ("rank-eval-reference", ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--reference", "nope", "--out", "{out}"], "--reference nope"),
-    ("rank-eval-scorers", ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--scorers", "nope", "--out", "{out}"], "nope"),
-    ("rank-eval-scope", ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--table-scope", "x", "--out", "{out}"], "--table-scope"),
-    ("rank-eval-mismatch", ["rank-eval", "--labels", "{foreign_labels}", "--scores", "{scores}", "--out", "{out}"], "trace"),
-    ("rank-eval-out-below-file", ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--out", "{file}/r"], "--out"),
+    (
+        "rank-eval-labels-missing",
+        ["rank-eval", "--labels", "/no/l.parquet", "--scores", "{scores}", "--out", "{out}"], "/no/l.parquet",
+    ),
+    (
+        "rank-eval-scores-garbage",
+        ["rank-eval", "--labels", "{labels}", "--scores", "{garbage_parquet}", "--out", "{out}"], "garbage.parquet",
+    ),
+    (
+        "rank-eval-harm",
+        ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--harm", "lots", "--out", "{out}"], "--harm",
+    ),
+    (
+        "rank-eval-rho", ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--rho", "2", "--out", "{out}"],
+        "--rho",
+    ),
+    (
+        "rank-eval-bootstrap",
+        ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--bootstrap", "-1", "--out", "{out}"],
+        "--bootstrap",
+    ),
+    (
+        "rank-eval-reference",
+        ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--reference", "nope", "--out", "{out}"],
+        "--reference nope",
+    ),
+    (
+        "rank-eval-scorers",
+        ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--scorers", "nope", "--out", "{out}"], "nope",
+    ),
+    (
+        "rank-eval-scope",
+        ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--table-scope", "x", "--out", "{out}"],
+        "--table-scope",
+    ),
+    (
+        "rank-eval-mismatch", ["rank-eval", "--labels", "{foreign_labels}", "--scores", "{scores}", "--out", "{out}"],
+        "trace",
+    ),
+    (
+        "rank-eval-out-below-file", ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--out", "{file}/r"],
+        "--out",
+    ),
     # ---- figures
-    ("figures-trace-missing", ["figures", "--trace", "/no/trace", "--labels", "{labels}", "--scores", "{scores}", "--out", "{out}"], "/no/trace"),
-    ("figures-labels-garbage", ["figures", "--trace", "{trace}", "--labels", "{garbage_parquet}", "--scores", "{scores}", "--out", "{out}"], "garbage.parquet"),
-    ("figures-payload", ["figures", "--trace", "{trace}", "--labels", "{labels}", "--scores", "{scores}", "--payload", "l7", "--out", "{out}"], "payload"),
-    ("figures-rank-eval-dir", ["figures", "--trace", "{trace}", "--labels", "{labels}", "--scores", "{scores}", "--rank-eval", "{empty_dir}", "--out", "{out}"], "--rank-eval"),
-    ("figures-out-below-file", ["figures", "--trace", "{trace}", "--labels", "{labels}", "--scores", "{scores}", "--out", "{file}/f"], "--out"),
+    (
+        "figures-trace-missing",
+        ["figures", "--trace", "/no/trace", "--labels", "{labels}", "--scores", "{scores}", "--out", "{out}"],
+        "/no/trace",
+    ),
+    (
+        "figures-labels-garbage",
+        ["figures", "--trace", "{trace}", "--labels", "{garbage_parquet}", "--scores", "{scores}", "--out", "{out}"],
+        "garbage.parquet",
+    ),
+    (
+        "figures-payload",
+        [
+            "figures", "--trace", "{trace}", "--labels", "{labels}", "--scores", "{scores}", "--payload", "l7", "--out",
+            "{out}",
+        ],
+        "payload",
+    ),
+    (
+        "figures-rank-eval-dir",
+        [
+            "figures", "--trace", "{trace}", "--labels", "{labels}", "--scores", "{scores}", "--rank-eval",
+            "{empty_dir}", "--out", "{out}",
+        ],
+        "--rank-eval",
+    ),
+    (
+        "figures-out-below-file",
+        ["figures", "--trace", "{trace}", "--labels", "{labels}", "--scores", "{scores}", "--out", "{file}/f"], "--out",
+    ),
     # ---- report
     ("report-empty-run", ["report", "--run", "{empty_dir}", "--out", "{out}"], "--run"),
     ("report-out-below-file", ["report", "--run", "{run}", "--out", "{file}/r"], "--out"),
     # ---- replay
     ("replay-budget-0", ["replay", "--scorer", "rkv", "--budget", "0", "--out", "{out}"], "--budget 0"),
     ("replay-budget-text", ["replay", "--scorer", "rkv", "--budget", "big", "--out", "{out}"], "--budget big"),
-    ("replay-budget-twice", ["replay", "--scorer", "rkv", "--budget", "24", "--budget", "24", "--out", "{out}"], "--budget 24,24"),
+    (
+        "replay-budget-twice", ["replay", "--scorer", "rkv", "--budget", "24", "--budget", "24", "--out", "{out}"],
+        "--budget 24,24",
+    ),
     ("replay-scorer-unknown", ["replay", "--scorer", "nope", "--out", "{out}"], "nope"),
     ("replay-scorer-needs-history", ["replay", "--scorer", "h2o", "--out", "{out}"], "h2o"),
     ("replay-interval", ["replay", "--scorer", "rkv", "--interval", "0", "--out", "{out}"], "--interval 0"),
     ("replay-selection", ["replay", "--scorer", "rkv", "--selection", "greedy", "--out", "{out}"], "--selection"),
-    ("replay-tf-prompts", ["replay", "--scorer", "rkv", "--teacher-forced", "{trace}", "--prompts", "builtin:arith", "--out", "{out}"], "--prompts"),
-    ("replay-tf-max-new", ["replay", "--scorer", "rkv", "--teacher-forced", "{trace}", "--max-new-tokens", "9", "--out", "{out}"], "--max-new-tokens"),
-    ("replay-tf-missing", ["replay", "--scorer", "rkv", "--teacher-forced", "/no/trace", "--out", "{out}"], "/no/trace"),
+    (
+        "replay-tf-prompts",
+        ["replay", "--scorer", "rkv", "--teacher-forced", "{trace}", "--prompts", "builtin:arith", "--out", "{out}"],
+        "--prompts",
+    ),
+    (
+        "replay-tf-max-new",
+        ["replay", "--scorer", "rkv", "--teacher-forced", "{trace}", "--max-new-tokens", "9", "--out", "{out}"],
+        "--max-new-tokens",
+    ),
+    (
+        "replay-tf-missing", ["replay", "--scorer", "rkv", "--teacher-forced", "/no/trace", "--out", "{out}"],
+        "/no/trace",
+    ),
     ("replay-out-below-file", ["replay", "--scorer", "rkv", "--model", "tiny:llama", "--out", "{file}/r"], "--out"),
     # ---- demo and benches
     ("demo-out-below-file", ["demo", "--model", "tiny:llama", "--out", "{file}/d"], "--out"),
@@ -169,10 +480,16 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("bad-input")
     trace = make_trace(tiny_llama, root / "run" / "trace", n_prompts=2, max_new_tokens=40)
     labels, scores = root / "run" / "labels.parquet", root / "run" / "scores.parquet"
-    for argv in (["label", "--trace", str(trace.path), "--out", str(labels), "--checkpoints", "every:16", "--w-obs", "8",
-                  "--candidates", "6", "--horizon", "4", "--quiet"],
-                 ["score", "--trace", str(trace.path), "--labels", str(labels), "--scorers", "attention,knorm",
-                  "--out", str(scores)]):
+    for argv in (
+        [
+            "label", "--trace", str(trace.path), "--out", str(labels), "--checkpoints", "every:16", "--w-obs", "8",
+            "--candidates", "6", "--horizon", "4", "--quiet",
+        ],
+        [
+            "score", "--trace", str(trace.path), "--labels", str(labels), "--scorers", "attention,knorm", "--out",
+            str(scores),
+        ],
+    ):
         with pytest.raises(SystemExit) as exc:
             main(argv)
         assert exc.value.code == 0

@@ -30,8 +30,7 @@ def tables(n_prompts=6, n_ckpt=3, seed=0):
     labels = pl.concat(parts)
     logkl = np.log(labels["kl_mean"].to_numpy())
     scores = labels.select(KEYS).with_columns(
-        noisy=pl.Series(logkl + rng.normal(0, 2.0, labels.height)),
-        random=pl.Series(rng.random(labels.height)),
+        noisy=pl.Series(logkl + rng.normal(0, 2.0, labels.height)), random=pl.Series(rng.random(labels.height)),
     )
     return labels, scores
 
@@ -100,20 +99,32 @@ def test_budget_curves_equal_eviction_by_hand():
     assert curves.filter(pl.col("scorer") == "noisy").height == 2 * len(grid)
     for rho in grid:
         fsr, fnr = fsr_fnr_by_hand(labels, scores, "noisy", rho, 0.02)
-        row = lambda m: curves.filter((pl.col("scorer") == "noisy") & (pl.col("rho") == rho) & (pl.col("metric") == m))["value"].item()  # noqa: E731
-        assert row("fsr") == pytest.approx(fsr, rel=1e-12) and row("fnr") == pytest.approx(fnr, rel=1e-12)
+        at_rho = curves.filter((pl.col("scorer") == "noisy") & (pl.col("rho") == rho))
+        got = {m: at_rho.filter(pl.col("metric") == m)["value"].item() for m in ("fsr", "fnr")}
+        assert got["fsr"] == pytest.approx(fsr, rel=1e-12) and got["fnr"] == pytest.approx(fnr, rel=1e-12)
         rand = curves.filter((pl.col("scorer") == "random (expected)") & (pl.col("rho") == rho))
         assert rand.filter(pl.col("metric") == "fnr")["value"].item() == rho
     # the main table's rho is one point of the curve
-    at_half = curves.filter((pl.col("rho") == 0.5) & (pl.col("scorer") == "noisy") & (pl.col("metric") == "fsr"))["value"].item()
+    at_half = curves.filter((pl.col("rho") == 0.5) & (pl.col("scorer") == "noisy") & (pl.col("metric") == "fsr"))[
+        "value"
+    ].item()
     assert at_half == pytest.approx(values(r)[("noisy", "fsr", "pooled")], rel=1e-12)
 
 
 PROTECTING = ["h2o", "lazyeviction", "rkv", "snapkv", "streamingllm", "value_norm", "vatp", "avokv_e",
               "avokv_e_no_delay", "avokv_e_no_payload", "avokv_e_no_redundancy", "avokv_e_raw"]
-PARAMS = {"h2o": {"recent_size": 6}, "lazyeviction": {"window": 6}, "rkv": {"window": 6}, "snapkv": {"window": 6},
-          **{name: {"w_obs": 4, "w_delay": 10} for name in PROTECTING if name.startswith("avokv_e") and name != "avokv_e_no_delay"},
-          "avokv_e_no_delay": {"w_obs": 4}}
+PARAMS = {
+    "h2o": {"recent_size": 6},
+    "lazyeviction": {"window": 6},
+    "rkv": {"window": 6},
+    "snapkv": {"window": 6},
+    **{
+        name: {"w_obs": 4, "w_delay": 10}
+        for name in PROTECTING
+        if name.startswith("avokv_e") and name != "avokv_e_no_delay"
+    },
+    "avokv_e_no_delay": {"w_obs": 4},
+}
 
 
 @pytest.mark.parametrize("name", sorted(SCORERS))

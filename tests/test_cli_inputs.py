@@ -24,10 +24,8 @@ def test_bad_json_line_is_named(tmp_path, capsys):
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["--model", "/no/such.gguf"], "GGUF file not found"),
-        (["--model", "tiny:gpt9"], "unknown tiny architecture"),
-        (["--max-new-tokens", "0"], "--max-new-tokens"),
-        (["--prompts", "/no/such.jsonl"], "file not found"),
+        (["--model", "/no/such.gguf"], "GGUF file not found"), (["--model", "tiny:gpt9"], "unknown tiny architecture"),
+        (["--max-new-tokens", "0"], "--max-new-tokens"), (["--prompts", "/no/such.jsonl"], "file not found"),
         (["--prompts", "builtin:nope"], "unknown builtin"),
     ],
 )

@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from kvdiag.adapters import FAMILIES, LayerAttention, check_kwargs, family_of
+from kvdiag.attention import attn_implementation
 from kvdiag.errors import UserError
 from kvdiag.label import OracleEngine, Row, candidate_rows, divergences
 from kvdiag.label.reference import reference_logprobs
 from kvdiag.models import load_model
-from kvdiag.attention import attn_implementation
 
 EXACT = "exact"
 MLA = "multi-head latent attention"
@@ -88,7 +88,9 @@ def test_trace_equals_the_model(name, prompts_file, tmp_path):
     from kvdiag.trace import GenerationSettings, Trace, trace_prompts
 
     lm = model(name)
-    settings = GenerationSettings(max_new_tokens=LENGTH - len(PROMPT), chat=False, instruction=None, storage_dtype="float32")
+    settings = GenerationSettings(
+        max_new_tokens=LENGTH - len(PROMPT), chat=False, instruction=None, storage_dtype="float32"
+    )
     trace_prompts(lm, load_prompts(str(prompts_file)), tmp_path / "t", settings, show_progress=False)
     trace = Trace(tmp_path / "t")
     pid = trace.prompt_ids[0]
@@ -131,7 +133,9 @@ def test_labels_equal_physical_deletion(name):
         for j, row in enumerate(rows):
             ref = reference_logprobs(lm.model, eng.ids, T_CKPT, HORIZON, prefix, row)
             want = divergences(logp_full, ref[None], targets)
-            torch.testing.assert_close(got["kl"][j], want["kl"][0], rtol=1e-4, atol=1e-6, msg=lambda m, row=row: f"{name} {row}: {m}")
+            torch.testing.assert_close(
+                got["kl"][j], want["kl"][0], rtol=1e-4, atol=1e-6, msg=lambda m, row=row: f"{name} {row}: {m}"
+            )
             assert got["flips"][j] == want["flips"][0]
             window = lm.attention.layers[row.layer].window if row.layer >= 0 else None
             if window is not None and row.position <= T_CKPT - window:

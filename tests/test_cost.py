@@ -73,10 +73,16 @@ def test_layer_start_ceiling_by_hand():
     """Per token at 512 keys. SmolLM2-135M: a layer 2·(576·64·(2·9 + 2·3) + 3·576·1536) + 4·9·64·512 = 8,257,536
     FLOPs, the LM head 2·576·49,152 = 56,623,104 (~6.9 layers): (30 L + h) / (15.5 L + h) = 1.65. Llama-3.1-8B:
     a layer 444,596,224, the head 1,050,673,152 (~2.4 layers): 1.82."""
-    smol = ModelShape("smollm2", layers=30, heads=9, kv_heads=3, head_dim=64, hidden=576, intermediate=1536, vocab=49152)
+    smol = ModelShape(
+        "smollm2", layers=30, heads=9, kv_heads=3, head_dim=64, hidden=576, intermediate=1536, vocab=49152
+    )
     assert smol.layer_flops(512) == 8_257_536
-    assert smol.layer_start_ceiling(512) == pytest.approx((30 * 8_257_536 + 56_623_104) / (15.5 * 8_257_536 + 56_623_104), rel=1e-12)
+    assert smol.layer_start_ceiling(512) == pytest.approx(
+        (30 * 8_257_536 + 56_623_104) / (15.5 * 8_257_536 + 56_623_104), rel=1e-12
+    )
     assert round(smol.layer_start_ceiling(512), 2) == 1.65
     assert LLAMA_8B.layer_flops(512) == 444_596_224
     assert round(LLAMA_8B.layer_start_ceiling(512), 2) == 1.82
-    assert smol.layer_start_ceiling(4096) > smol.layer_start_ceiling(512)  # attention grows with context, the head does not
+    assert smol.layer_start_ceiling(4096) > smol.layer_start_ceiling(
+        512
+    )  # attention grows with context, the head does not

@@ -40,7 +40,9 @@ KEYS = ["prompt_id", "checkpoint", "position", "granularity", "layer", "kv_head"
 def torchrun(*args: str) -> subprocess.Popen:
     """``torchrun --nproc-per-node 2 -m kvdiag ARGS`` in its own session (so it can be killed as a whole)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread per rank, like the in-process reference (conftest)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", "-m", "kvdiag", *args]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", "-m", "kvdiag", *args,
+    ]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 

@@ -35,7 +35,9 @@ def kvdiag(spec: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess
 
 def killed(spec: str, args: list[str], cwd: Path) -> None:
     proc = kvdiag(spec, args, cwd)
-    assert proc.returncode == -signal.SIGKILL, f"{spec}: expected a SIGKILL, got {proc.returncode}\n{proc.stderr[-2000:]}"
+    assert proc.returncode == -signal.SIGKILL, (
+        f"{spec}: expected a SIGKILL, got {proc.returncode}\n{proc.stderr[-2000:]}"
+    )
 
 
 def finished(args: list[str], cwd: Path) -> None:
@@ -92,8 +94,10 @@ def test_trace_survives_sigkill(reference, tmp_path):
              "call:1:kvdiag.trace.writer._trace_one"]  # mid-generation of prompt 2
     got = interrupted_then_finished(specs, trace_args, tmp_path)
     ref = reference["trace"]
-    strip = lambda m: {k: v for k, v in m.items() if k != "created"}  # noqa: E731
-    assert strip(json.loads((got / "manifest.json").read_text())) == strip(json.loads((ref / "manifest.json").read_text()))
+    strip = lambda m: {k: v for k, v in m.items() if k != "created"}
+    assert strip(json.loads((got / "manifest.json").read_text())) == strip(
+        json.loads((ref / "manifest.json").read_text())
+    )
     assert_frame_equal(pl.read_parquet(got / "tokens.parquet"), pl.read_parquet(ref / "tokens.parquet"), **TOL)
     ref_files = sorted(p.relative_to(ref) for p in (ref / "tensors").rglob("*.safetensors"))
     assert sorted(p.relative_to(got) for p in (got / "tensors").rglob("*.safetensors")) == ref_files
@@ -141,7 +145,9 @@ def test_replay_survives_sigkill(reference, tmp_path):
     assert_frame_equal(pl.read_parquet(got / "generations.parquet").select(timing),
                        pl.read_parquet(ref / "generations.parquet").select(timing), **TOL)
     assert_frame_equal(pl.read_csv(got / "summary.csv"), pl.read_csv(ref / "summary.csv"), **TOL)
-    assert sorted(p.name for p in (got / "parts").glob("*.parquet")) == sorted(p.name for p in (ref / "parts").glob("*.parquet"))
+    assert sorted(p.name for p in (got / "parts").glob("*.parquet")) == sorted(
+        p.name for p in (ref / "parts").glob("*.parquet")
+    )
 
 
 def test_the_read_guard_catches_a_temporary_file(reference, tmp_path):

@@ -82,13 +82,7 @@ def test_rkv_redundancy_by_hand():
     c = 1 / math.sqrt(2)
     # row 0: S > 0.5 at j = 2 (1) and 3 (c) -> zero j = 3;  row 1: j = 3 -> zero 3;  row 2: j = 0, 3 -> zero 3;
     # row 3: j = 0, 1, 2 -> zero 2;  row 4: none -> zero column 0 (R-KV's quirk; S_40 was -1)
-    after = torch.tensor([
-        [0, 0, 1, 0, -1],
-        [0, 0, 0, 0, 0],
-        [1, 0, 0, 0, -1],
-        [c, c, 0, 0, -c],
-        [0, 0, -1, -c, 0],
-    ])
+    after = torch.tensor([[0, 0, 1, 0, -1], [0, 0, 0, 0, 0], [1, 0, 0, 0, -1], [c, c, 0, 0, -c], [0, 0, -1, -c, 0]])
     expected = torch.softmax(after.sum(dim=0) / 5, dim=0)
     torch.testing.assert_close(F.rkv_redundancy(k)[0], expected.float())
 

@@ -17,11 +17,17 @@ from typer.testing import CliRunner
 
 import kvdiag.cli.main
 from kvdiag.errors import UserError
-from kvdiag.figures import FigureParams, check_figure_inputs, classify_reads, first_reads, make_figures, trace_first_reads
+from kvdiag.figures import (
+    FigureParams,
+    check_figure_inputs,
+    classify_reads,
+    first_reads,
+    make_figures,
+    trace_first_reads,
+)
 from kvdiag.io import read_table, write_table
 from kvdiag.label import LABEL_SCHEMA
 from kvdiag.rankeval import KEYS
-
 
 PARAMS = FigureParams(w_obs=8, w_delay=64, interval=16, n_boot=50, min_group=3)
 PLANTED_SCORERS = ("avokv_e", "avokv_e_no_payload", "rkv")
@@ -100,16 +106,22 @@ def run(tiny_trace, tmp_path_factory):
             keys += [(pid, t, int(i)) for i in np.sort(rng.choice(t, 40, replace=False))]
     ref = reference(tr, keys, PARAMS.w_obs, PARAMS.w_delay)
     rows = []
-    for (pid, t), grp in pl.DataFrame(keys, schema=["pid", "t", "i"], orient="row").group_by("pid", "t", maintain_order=True):
+    for (pid, t), grp in pl.DataFrame(keys, schema=["pid", "t", "i"], orient="row").group_by(
+        "pid", "t", maintain_order=True
+    ):
         ps = [ref["features"][(pid, t, i)][0] for i in grp["i"]]
         bs = [ref["features"][(pid, t, i)][1] for i in grp["i"]]
         p_cut, b_cut = quantile(ps, 0.5), quantile(bs, 0.75)
         ids = tr.token_ids(pid)
-        for i, p, b in zip(grp["i"], ps, bs):
+        for i, p, b in zip(grp["i"], ps, bs, strict=True):
             kl = float(np.exp(rng.normal(-2.5, 0.5) if (p < p_cut and b > b_cut) else rng.normal(-6, 1.5)))
-            rows.append(dict(prompt_id=pid, checkpoint=t, position=i, granularity="token", layer=-1, kv_head=-1, horizon=16,
-                             kl_mean=kl, kl_max=kl, kl_steps=[kl], js_mean=kl / 4, nll_delta=0.0, top1_flips=0,
-                             noise_floor=5e-4, age=t - i, token_id=int(ids[i])))
+            rows.append(
+                dict(
+                    prompt_id=pid, checkpoint=t, position=i, granularity="token", layer=-1, kv_head=-1, horizon=16,
+                    kl_mean=kl, kl_max=kl, kl_steps=[kl], js_mean=kl / 4, nll_delta=0.0, top1_flips=0, noise_floor=5e-4,
+                    age=t - i, token_id=int(ids[i]),
+                )
+            )
     labels = pl.DataFrame(rows, schema=LABEL_SCHEMA)
     logkl = np.log(labels["kl_mean"].to_numpy())
     noise = rng.normal(size=(len(PLANTED_SCORERS), labels.height))
@@ -117,7 +129,9 @@ def run(tiny_trace, tmp_path_factory):
         avokv_e=pl.Series(logkl + noise[0]), avokv_e_no_payload=pl.Series(noise[1]), rkv=pl.Series(-logkl + noise[2]))
     out = tmp_path_factory.mktemp("figures")
     meta = {"trace": tr.provenance}
-    result = make_figures(tr, labels, scores, out, PARAMS, labels_meta={"kind": "labels", **meta}, scores_meta={"kind": "scores", **meta})
+    result = make_figures(
+        tr, labels, scores, out, PARAMS, labels_meta={"kind": "labels", **meta}, scores_meta={"kind": "scores", **meta}
+    )
     return {"trace": tr, "labels": labels, "scores": scores, "out": out, "result": result, "ref": ref}
 
 
@@ -157,12 +171,14 @@ def test_blind_spot_statistics_match_an_independent_computation(run):
         ps = [ref[(pid, t, i)][0] for i in grp["position"]]
         bs = [ref[(pid, t, i)][1] for i in grp["position"]]
         p_cut, b_cut = quantile(ps, 0.5), quantile(bs, 0.75)
-        for p, b, kl in zip(ps, bs, grp["kl_mean"]):
+        for p, b, kl in zip(ps, bs, grp["kl_mean"], strict=True):
             if p < p_cut:
                 (kl_large if b > b_cut else kl_small).append(kl)
                 cells[("ll_" if b > b_cut else "ls_") + ("h" if kl > threshold else "n")].append(kl)
     a, b, c, d = (len(cells[k]) for k in ("ll_h", "ll_n", "ls_h", "ls_n"))
-    assert (s["low_large_high"][0], s["low_large_not_high"][0], s["low_small_high"][0], s["low_small_not_high"][0]) == (a, b, c, d)
+    assert (s["low_large_high"][0], s["low_large_not_high"][0], s["low_small_high"][0], s["low_small_not_high"][0]) == (
+        a, b, c, d,
+    )
     assert s["n_blind_spot"][0] == a + b and s["n_low_attention"][0] == a + b + c + d
     assert s["fisher_p"][0] == pytest.approx(fisher_greater(a, b, c, d), rel=1e-9)
     assert s["fisher_odds_ratio"][0] == pytest.approx(a * d / (b * c) if b * c else math.inf)
@@ -181,7 +197,10 @@ def test_blind_spot_statistics_match_an_independent_computation(run):
 def test_delayed_reads_match_the_dense_reference(run):
     tr, strength, mult, w = run["trace"], run["ref"]["strength"], PARAMS.strong_read_mult, PARAMS.w_obs
     lab = analysed(run["labels"])
-    got = {(r["prompt_id"], r["position"]): r for r in pl.read_csv(run["out"] / "delayed_reads_entries.csv").iter_rows(named=True)}
+    got = {
+        (r["prompt_id"], r["position"]): r
+        for r in pl.read_csv(run["out"] / "delayed_reads_entries.csv").iter_rows(named=True)
+    }
     entries = run["labels"].select("prompt_id", "position").unique()
     assert len(got) == entries.height
     classes, delays, evicted, kl_by_class = {}, [], 0, {"delayed": [], "never": []}
@@ -214,7 +233,9 @@ def test_delayed_reads_match_the_dense_reference(run):
             kl_by_class[cls].append(kls.mean())
             assert r["kl"] == pytest.approx(kls.mean())
     # the synthetic run exercises every outcome
-    assert min(classes.get(c, 0) for c in ("early", "delayed", "never", "unobserved")) >= 1 and 0 < evicted < len(delays)
+    assert min(classes.get(c, 0) for c in ("early", "delayed", "never", "unobserved")) >= 1 and 0 < evicted < len(
+        delays
+    )
     s = stats_of(run["out"] / "delayed_reads_stats.csv")
     for c in ("early", "delayed", "never", "unobserved"):
         assert s[f"n_{c}"][0] == classes[c]
@@ -253,7 +274,7 @@ def test_component_figure_matches_sklearn_and_hand_counts(run):
     missing = table.filter(pl.col("scorer") == "avokv_e_raw")
     assert missing["value"].is_nan().all() and "not in the scores" in missing["note"][0]
     base = table.filter(pl.col("scorer") == "random_baseline")
-    assert dict(zip(base["metric"], base["value"]))["fsr"] == pytest.approx(y.mean())
+    assert dict(zip(base["metric"], base["value"], strict=True))["fsr"] == pytest.approx(y.mean())
 
 
 def test_first_reads_by_hand():
@@ -281,23 +302,38 @@ def test_chunked_read_strengths_equal_one_block(tiny_trace, reduce):
     pid = tiny_trace.prompt_ids[0]
     entries = pl.DataFrame({"prompt_id": [pid] * 7, "position": [0, 3, 50, 120, 180, 200, 235]})
     whole = trace_first_reads(tiny_trace, entries, 8, 4.0, reduce, 2**24, 2**26)
-    tiny = trace_first_reads(tiny_trace, entries, 8, 4.0, reduce, 1000, 3 * tiny_trace.length(pid))  # 3 columns per block
+    tiny = trace_first_reads(
+        tiny_trace, entries, 8, 4.0, reduce, 1000, 3 * tiny_trace.length(pid)
+    )  # 3 columns per block
     assert whole.drop("first_window_peak").equals(tiny.drop("first_window_peak"))
     np.testing.assert_allclose(whole["first_window_peak"].to_numpy(), tiny["first_window_peak"].to_numpy(), rtol=1e-6)
     if reduce == "max":
         T = tiny_trace.length(pid)
-        s = torch.stack([dense_probs(tiny_trace.layer(pid, layer).q, tiny_trace.layer(pid, layer).k, tiny_trace.scale).amax(0)
-                         for layer in range(tiny_trace.num_layers)]).amax(0)
+        s = torch.stack(
+            [
+                dense_probs(tiny_trace.layer(pid, layer).q, tiny_trace.layer(pid, layer).k, tiny_trace.scale).amax(0)
+                for layer in range(tiny_trace.num_layers)
+            ]
+        ).amax(0)
         i = 120
-        assert whole["first_window_peak"][3] == pytest.approx(max((tau + 1) * s[tau, i].item() for tau in range(i + 1, i + 9)), rel=1e-5)
+        assert whole["first_window_peak"][3] == pytest.approx(
+            max((tau + 1) * s[tau, i].item() for tau in range(i + 1, i + 9)), rel=1e-5
+        )
         assert whole["future_queries"].to_list()[-1] == max(0, T - 244)
 
 
 def test_too_few_candidates_render_with_notes(tiny_trace, tmp_path):
     pid = tiny_trace.prompt_ids[0]
     ids = tiny_trace.token_ids(pid)
-    labels = pl.DataFrame([dict(prompt_id=pid, checkpoint=200, position=i, granularity="token", layer=-1, kv_head=-1,
-                                kl_mean=0.01 * (i + 1), noise_floor=0.0, token_id=int(ids[i])) for i in (10, 20, 30, 40)])
+    labels = pl.DataFrame(
+        [
+            dict(
+                prompt_id=pid, checkpoint=200, position=i, granularity="token", layer=-1, kv_head=-1,
+                kl_mean=0.01 * (i + 1), noise_floor=0.0, token_id=int(ids[i]),
+            )
+            for i in (10, 20, 30, 40)
+        ]
+    )
     result = make_figures(tiny_trace, labels, None, tmp_path / "few", PARAMS)
     s = stats_of(tmp_path / "few" / "blind_spot_stats.csv")
     assert math.isnan(s["fisher_p"][0]) and "too few" in s["fisher_p"][1]
@@ -340,7 +376,9 @@ def test_cli_writes_the_figures_and_exits_2_on_bad_input(run, tmp_path, capsys):
     sp = write_table(run["scores"].head(60), tmp_path / "scores.parquet", {"kind": "scores", "trace": tr.provenance})
     out = tmp_path / "figs"
     base = ["figures", "--trace", str(tr.path), "--labels", str(lp), "--scores", str(sp)]
-    result = CliRunner().invoke(kvdiag.cli.main.app, [*base, "--out", str(out), "--w-obs", "8", "--bootstrap", "20", "--include-unresolved"])
+    result = CliRunner().invoke(
+        kvdiag.cli.main.app, [*base, "--out", str(out), "--w-obs", "8", "--bootstrap", "20", "--include-unresolved"]
+    )
     assert result.exit_code == 0 and "wrote" in result.output
     record = json.loads((out / "figures.json").read_text())
     assert record["argv"][:2] == ["kvdiag", "figures"] and "--include-unresolved" in record["argv"]
@@ -356,12 +394,20 @@ def test_cli_writes_the_figures_and_exits_2_on_bad_input(run, tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("")
     assert "not a writable directory" in exits_2(*base, "--out", str(blocker / "x"))
-    shifted = write_table(run["labels"].head(60).with_columns(token_id=pl.col("token_id") + 1), tmp_path / "other.parquet",
-                          {"kind": "labels"})
-    assert "another Trace" in exits_2("figures", "--trace", str(tr.path), "--labels", str(shifted), "--scores", str(sp), "--out", str(out))
-    foreign = write_table(run["labels"].head(60), tmp_path / "foreign.parquet", {"kind": "labels", "trace": {"fingerprint": "0123456789abcdef"}})
-    assert "come from different traces" in exits_2("figures", "--trace", str(tr.path), "--labels", str(foreign), "--scores", str(sp),
-                                                   "--out", str(out))
+    shifted = write_table(
+        run["labels"].head(60).with_columns(token_id=pl.col("token_id") + 1), tmp_path / "other.parquet",
+        {"kind": "labels"},
+    )
+    assert "another Trace" in exits_2(
+        "figures", "--trace", str(tr.path), "--labels", str(shifted), "--scores", str(sp), "--out", str(out)
+    )
+    foreign = write_table(
+        run["labels"].head(60), tmp_path / "foreign.parquet",
+        {"kind": "labels", "trace": {"fingerprint": "0123456789abcdef"}},
+    )
+    assert "come from different traces" in exits_2(
+        "figures", "--trace", str(tr.path), "--labels", str(foreign), "--scores", str(sp), "--out", str(out)
+    )
     assert "low_attention_quantile" in exits_2(*base, "--out", str(out), "--low-attention-quantile", "1.5")
 
 
@@ -369,7 +415,7 @@ def test_figures_read_the_features_that_score_wrote(run, tmp_path, monkeypatch):
     """Scoring writes each token row's read pressure and payload beside the scores; the figures read them instead
     of recomputing them from the Trace. Both sides run one function (``token_features.layer_pressure_payload``) on
     the same layer tensors and shapes, so the points are compared exactly."""
-    import kvdiag.figures.registry as registry
+    from kvdiag.figures import registry
     from kvdiag.figures.run import figures_files
     from kvdiag.scorers.run import score_files, score_trace
     from kvdiag.token_features import TokenFeatures, features_path, read_token_features, usable_features
@@ -378,10 +424,14 @@ def test_figures_read_the_features_that_score_wrote(run, tmp_path, monkeypatch):
     meta = {"kind": "labels", "trace": tr.provenance}
     lp = write_table(labels, tmp_path / "labels.parquet", meta)
     sp = tmp_path / "scores.parquet"
-    score_files(tr.path, sp, labels=lp, scorers="avokv_e,h2o", progress=False)  # the command's defaults: w_obs 32, w_delay 128
+    score_files(
+        tr.path, sp, labels=lp, scorers="avokv_e,h2o", progress=False
+    )  # the command's defaults: w_obs 32, w_delay 128
     written, written_meta = read_table(features_path(sp))
     assert written.height == labels.height and written["value_payload"].null_count() == 0
-    assert written_meta["kind"] == "token_features" and written_meta["params"] == {"w_obs": 32, "w_delay": 128, "payload": "l2"}
+    assert written_meta["kind"] == "token_features" and written_meta["params"] == {
+        "w_obs": 32, "w_delay": 128, "payload": "l2",
+    }
 
     # the figures' settings: write the features with them through the library, as score_files does
     feats = TokenFeatures(PARAMS.token_features)
@@ -400,11 +450,19 @@ def test_figures_read_the_features_that_score_wrote(run, tmp_path, monkeypatch):
     record = json.loads((tmp_path / "read" / "figures.json").read_text())
     assert record["inputs"]["read_pressure_payload"] == source
     # the same points as the figures computed from the Trace alone (the module's run): exactly
-    assert pl.read_csv(tmp_path / "read" / "blind_spot_points.csv").equals(pl.read_csv(run["out"] / "blind_spot_points.csv"))
+    assert pl.read_csv(tmp_path / "read" / "blind_spot_points.csv").equals(
+        pl.read_csv(run["out"] / "blind_spot_points.csv")
+    )
 
     # other settings than the file's: recomputed from the Trace, and figures.json says so
-    figures_files(tr.path, lp, sp, tmp_path / "other", FigureParams(w_obs=4, w_delay=64, interval=16, n_boot=20, min_group=3), progress=False)
-    assert "was made with" in json.loads((tmp_path / "other" / "figures.json").read_text())["inputs"]["read_pressure_payload"]
+    figures_files(
+        tr.path, lp, sp, tmp_path / "other", FigureParams(w_obs=4, w_delay=64, interval=16, n_boot=20, min_group=3),
+        progress=False,
+    )
+    assert (
+        "was made with"
+        in json.loads((tmp_path / "other" / "figures.json").read_text())["inputs"]["read_pressure_payload"]
+    )
     # a features file of another Trace beside the scores is refused, not used
     write_table(feats.table(), features_path(sp), feats.meta({"fingerprint": "0123456789abcdef"}))
     with pytest.raises(UserError, match="another Trace"):

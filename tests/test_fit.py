@@ -49,13 +49,17 @@ def test_out_of_fold_predictions_are_honest(signal, monkeypatch, tmp_path):
     monkeypatch.setattr(fit_mod, "feature_table", table)
     cfg = FitConfig(features=("window_attention", "key_norm", "value_norm"), n_boot=50, n_splits=4)
     res = fit_ceiling(None, labels, None, tmp_path, cfg)
-    auroc = {r["scorer"]: r["value"] for r in res["metrics"].filter(metric="auroc", scope="pooled").iter_rows(named=True)}
+    auroc = {
+        r["scorer"]: r["value"] for r in res["metrics"].filter(metric="auroc", scope="pooled").iter_rows(named=True)
+    }
     if signal:  # a feature that orders the label: both models rank almost perfectly out of fold
         assert auroc["fitted_logreg"] > 0.99 and auroc["fitted_gbt"] > 0.95
     else:  # noise: an in-sample fit of the trees would score near 1; out of fold it is chance
         assert abs(auroc["fitted_logreg"] - 0.5) < 0.1 and abs(auroc["fitted_gbt"] - 0.5) < 0.1
     assert res["summary"]["folds"] == 4
-    assert {"model.json", "metrics.csv", "importances.csv", "oof_scores.parquet", "features.parquet"} <= {p.name for p in tmp_path.iterdir()}
+    assert {"model.json", "metrics.csv", "importances.csv", "oof_scores.parquet", "features.parquet"} <= {
+        p.name for p in tmp_path.iterdir()
+    }
 
 
 def test_fitted_scorer_reproduces_the_model(tiny_trace, tmp_path):
@@ -64,8 +68,10 @@ def test_fitted_scorer_reproduces_the_model(tiny_trace, tmp_path):
     from kvdiag.models import load_model
     from kvdiag.scorers import score_trace
 
-    labels_path = label_trace(tiny_trace, load_model("tiny:llama"), tmp_path / "labels.parquet",
-                              LabelConfig(checkpoints="every:8", w_obs=8, horizon=4, candidates="16"), show_progress=False)
+    labels_path = label_trace(
+        tiny_trace, load_model("tiny:llama"), tmp_path / "labels.parquet",
+        LabelConfig(checkpoints="every:8", w_obs=8, horizon=4, candidates="16"), show_progress=False,
+    )
     labels = pl.read_parquet(labels_path)
     out = tmp_path / "fit"
     fit_ceiling(tiny_trace, labels, None, out, FitConfig(n_boot=0, n_splits=2))

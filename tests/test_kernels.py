@@ -24,8 +24,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvdiag.cli.main import app, main
 from kvdiag import kernels
+from kvdiag.cli.main import app, main
 from kvdiag.errors import UserError
 from kvdiag.kernels import torch_ref
 from kvdiag.kernels.bench import run_kernel_bench
@@ -148,12 +148,8 @@ def test_torch_shared_prefix_attention_edges():
 
 # layer semantics (kvdiag.adapters.LayerAttention): window (None / 1 / inside the prefix / beyond it), softcap, sinks
 SEMANTICS = {
-    "window_1": dict(window=1),
-    "window_7": dict(window=7),
-    "window_wide": dict(window=1000),
-    "softcap": dict(softcap=2.0),
-    "sinks": dict(sinks="large"),
-    "all": dict(window=9, softcap=3.0, sinks="large"),
+    "window_1": dict(window=1), "window_7": dict(window=7), "window_wide": dict(window=1000),
+    "softcap": dict(softcap=2.0), "sinks": dict(sinks="large"), "all": dict(window=9, softcap=3.0, sinks="large"),
 }
 
 
@@ -231,7 +227,9 @@ def test_triton_backend_refuses_cpu_tensors_without_interpreter(monkeypatch):
     tk = pytest.importorskip("kvdiag.kernels.triton_kernels")
     monkeypatch.setattr(tk, "_interpreted", lambda: False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-        kernels.compact_kv(torch.zeros(1, 4, 2), torch.zeros(1, 4, 2), torch.zeros(1, 2, dtype=torch.long), backend="triton")
+        kernels.compact_kv(
+            torch.zeros(1, 4, 2), torch.zeros(1, 4, 2), torch.zeros(1, 2, dtype=torch.long), backend="triton"
+        )
 
 
 def test_shapes_are_checked():
@@ -347,7 +345,8 @@ def test_triton_on_cuda(dtype):
     torch.testing.assert_close(out.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
     keys = inputs[1]
     keep = torch.arange(0, P, 3, device="cuda").expand(Hkv, -1)
-    for got, ref in zip(kernels.compact_kv(keys, inputs[2], keep, backend="triton"), torch_ref.compact_kv(keys, inputs[2], keep)):
+    got_ref = (kernels.compact_kv(keys, inputs[2], keep, backend="triton"), torch_ref.compact_kv(keys, inputs[2], keep))
+    for got, ref in zip(*got_ref, strict=True):
         assert torch.equal(got, ref)
 
 

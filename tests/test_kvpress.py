@@ -21,6 +21,7 @@ from kvdiag.errors import UserError
 from kvdiag.io import read_table, write_table
 from kvdiag.scorers import SCORERS, checkpoint_keys, get_scorer, parse_params, resolve_scorers, score_trace
 from tests.conftest import make_trace
+from tests.test_conformance import EXACT, MATRIX
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("kvpress") is None,
@@ -82,9 +83,9 @@ def test_hook_inputs_reproduce_the_trace(trace):
     (fp32, two code paths: atol 1e-4 relative to the queries' scale)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from kvdiag.scorers.kvpress_press import model_run
+    from kvdiag.scorers.kvpress_press import ModelRun
 
-    run = model_run(trace)
+    run = ModelRun(trace)
     pid = trace.prompt_ids[0]
     for layer in range(trace.num_layers):
         hidden, (cos, sin) = run.inputs(pid, layer)
@@ -120,7 +121,9 @@ def test_names_params_and_listing():
     assert code == 0, out
     rows = {line.split()[0]: line.split()[1:3] for line in out.splitlines()}
     assert rows["rkv"] == ["built-in", "gradable"] and rows["kvpress:KeyDiffPress"] == ["kvpress", "gradable"]
-    assert rows["kvpress:AdaKVPress"] == ["kvpress", "refused"] and rows["kvpress:QFilterPress"] == ["kvpress", "refused"]
+    assert rows["kvpress:AdaKVPress"] == ["kvpress", "refused"] and rows["kvpress:QFilterPress"] == [
+        "kvpress", "refused",
+    ]
 
 
 @pytest.mark.parametrize("name, params, message", [
@@ -128,9 +131,12 @@ def test_names_params_and_listing():
     ("kvpress:AdaKVPress", {}, "kvpress:AdaKVPress cannot be graded: wrapper"),
     ("kvpress:ComposedPress", {}, "cannot be graded: wrapper"),
     ("kvpress:QFilterPress", {}, "cannot be graded: needs trained Q-Filters"),
-    ("kvpress:SnapKVPress", {"windows": "3"}, "has no parameter 'windows': its parameters are compression_ratio, hidden_window, kernel_size, window_size"),
-    ("kvpress:SnapKVPress", {"compression_ratio": "2"}, "kvpress refuses these parameters (Compression ratio must be between 0 and 1)"),
-    ("kvpress:CriticalKVPress", {"press": "AdaKVPress"}, "--param kvpress:CriticalKVPress.press=AdaKVPress: use a gradable press"),
+    ("kvpress:SnapKVPress", {"windows": "3"}, "has no parameter 'windows': its parameters are compression_ratio, "
+                                              "hidden_window, kernel_size, window_size"),
+    ("kvpress:SnapKVPress", {"compression_ratio": "2"}, "kvpress refuses these parameters (Compression ratio must be "
+                                                        "between 0 and 1)"),
+    ("kvpress:CriticalKVPress", {"press": "AdaKVPress"}, "--param kvpress:CriticalKVPress.press=AdaKVPress: use a "
+                                                         "gradable press"),
 ])
 def test_bad_names_and_params(name, params, message):
     with pytest.raises(UserError) as err:
@@ -141,7 +147,8 @@ def test_bad_names_and_params(name, params, message):
 def test_missing_kvpress_names_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "kvpress", None)  # `import kvpress` raises ImportError
     monkeypatch.delitem(SCORERS, "kvpress:KeyDiffPress", raising=False)
-    with pytest.raises(UserError, match=r"need kvpress .*pip install 'kvdiag\[kvpress\]' && pip install --no-deps kvpress==0.5.5"):
+    with pytest.raises(UserError, match=r"need kvpress .*pip install 'kvdiag\[kvpress\]' && pip install --no-deps "
+                                        r"kvpress==0.5.5"):
         get_scorer("kvpress:KeyDiffPress")
     code, out = run("score", "--list")
     assert code == 0 and "kvpress:*" in out and "not installed" in out
@@ -155,8 +162,10 @@ def run(*args):
 def test_cli_scores_presses_beside_rules(trace, tmp_path):
     out = tmp_path / "s.parquet"
     t = trace.prompt_len(trace.prompt_ids[0]) + 30
-    code, text = run("score", "--trace", trace.path, "--checkpoints", t, "--scorers", "kvpress:KeyDiffPress,rkv,kvpress:SnapKVPress",
-                     "--param", "kvpress:SnapKVPress.window_size=16", "--out", out)
+    code, text = run(
+        "score", "--trace", trace.path, "--checkpoints", t, "--scorers", "kvpress:KeyDiffPress,rkv,kvpress:SnapKVPress",
+        "--param", "kvpress:SnapKVPress.window_size=16", "--out", out,
+    )
     assert code == 0, text
     df, meta = read_table(out)
     assert [c for c in df.columns if c in ("rkv", "kvpress:KeyDiffPress", "kvpress:SnapKVPress")] == [
@@ -172,7 +181,9 @@ def test_cli_scores_presses_beside_rules(trace, tmp_path):
 def test_cli_bad_input_exits_2_before_writing(trace, tmp_path, capsys, args, message):
     out = tmp_path / "s.parquet"
     with pytest.raises(SystemExit) as err:
-        kvdiag.cli.main.main(["score", "--trace", str(trace.path), "--checkpoints", "default", "--out", str(out), *args])
+        kvdiag.cli.main.main(
+            ["score", "--trace", str(trace.path), "--checkpoints", "default", "--out", str(out), *args]
+        )
     assert err.value.code == 2 and not out.exists()
     assert message in " ".join(capsys.readouterr().err.split())
 
@@ -180,7 +191,7 @@ def test_cli_bad_input_exits_2_before_writing(trace, tmp_path, capsys, args, mes
 def test_replay_refuses_presses_in_one_line():
     from kvdiag.replay import check_live_scorer, make_scorer
 
-    with pytest.raises(UserError, match="cannot run on a live replay cache") as err:
+    with pytest.raises(UserError, match="reads the Trace's model") as err:
         check_live_scorer(make_scorer("kvpress:KnormPress", w_obs=16))
     assert "\n" not in str(err.value)
 
@@ -212,8 +223,36 @@ def test_hidden_window_gives_the_decoding_buffer(trace):
     df, _ = score_trace(trace, checkpoints=cps, granularity=["head"], scorers="kvpress:ExpectedAttentionPress",
                         params={"kvpress:ExpectedAttentionPress": {"hidden_window": 16}})
     assert np.isfinite(df["kvpress:ExpectedAttentionPress"].to_numpy()).all()
-    with pytest.raises(UserError, match=r"kvpress:LeverageScorePress failed at layer 0, .*AssertionError: LeverageScorePress only supports prefill"):
+    with pytest.raises(UserError, match=r"kvpress:LeverageScorePress failed at layer 0, .*AssertionError: "
+                                        r"LeverageScorePress only supports prefill"):
         score_trace(trace, checkpoints=cps, scorers="kvpress:LeverageScorePress",
                     params={"kvpress:LeverageScorePress": {"hidden_window": 16}})
     with pytest.raises(UserError, match="hidden_window=-1 must be 0"):
         get_scorer("kvpress:KnormPress", hidden_window="-1")
+
+
+@pytest.mark.parametrize("family", [f for f, v in MATRIX.items() if v == EXACT])
+def test_every_press_runs_on_every_family_or_is_refused_before_work(family, tmp_path):
+    """Presses reach the model only through the adapter (attention modules, decoder layers, the per-layer rotary
+    embedding): on every exact family each gradable press gives finite [Hkv, t] scores, or the family is refused for
+    presses in one line (``Family.kvpress``) before the model loads."""
+    from kvdiag.adapters import FAMILIES
+    from kvdiag.models import load_model
+    from kvdiag.scorers.kvpress_press import gradable_presses
+
+    lm = load_model(f"tiny:{family}")
+    trace = make_trace(lm, tmp_path / "trace", n_prompts=1, max_new_tokens=24)
+    pid = trace.prompt_ids[0]
+    keys = checkpoint_keys(trace, {pid: [trace.length(pid)]}, ["head"])
+    presses = ["kvpress:" + p for p in gradable_presses()]
+    reason = FAMILIES[lm.attention.family].kvpress
+    if reason:
+        for press in presses:
+            with pytest.raises(UserError, match=f"{press} cannot be graded on {lm.attention.family} models") as err:
+                score_trace(trace, keys=keys, scorers=[press])
+            assert "\n" not in str(err.value)
+        return
+    df, _ = score_trace(trace, keys=keys, scorers=presses)
+    for press in presses:
+        values = df[press].to_numpy()
+        assert np.isfinite(values).all(), (family, press)

@@ -83,7 +83,7 @@ def test_golden_run_is_the_same_however_it_is_reached(tiny_llama, before):
     eng.golden(before)
     prefix, logp_full = eng.golden(T_CKPT)
     fresh_prefix, fresh_logp = OracleEngine(tiny_llama, ids, horizon=H).golden(T_CKPT)
-    for (k1, v1), (k2, v2) in zip(prefix, fresh_prefix):
+    for (k1, v1), (k2, v2) in zip(prefix, fresh_prefix, strict=True):
         assert k1.shape == k2.shape == (tiny_llama.model.config.num_key_value_heads, T_CKPT, k2.shape[-1])
         torch.testing.assert_close(k1, k2, rtol=0, atol=1e-5)
         torch.testing.assert_close(v1, v2, rtol=0, atol=1e-5)
@@ -180,6 +180,8 @@ def test_divergences_match_textbook_formulas():
     # atol: fp32 log-softmax of the logits vs the float64 reference (~1e-7 nats)
     torch.testing.assert_close(got["kl"].double(), kl, rtol=1e-4, atol=5e-7)
     torch.testing.assert_close(got["js"].double(), js, rtol=1e-4, atol=5e-7)
-    torch.testing.assert_close(got["nll_delta"].double(), lf[[0, 1], targets].double() - le[:, [0, 1], targets], rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        got["nll_delta"].double(), lf[[0, 1], targets].double() - le[:, [0, 1], targets], rtol=0, atol=1e-6
+    )
     assert got["kl"][0].abs().max() < 1e-6 and got["js"][0].abs().max() < 1e-6
     assert got["flips"].tolist() == (le.argmax(-1) != lf.argmax(-1)).sum(-1).tolist()

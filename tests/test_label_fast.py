@@ -91,9 +91,13 @@ def test_fast_labels_table_and_parts(tiny_llama, tiny_trace, tmp_path):
     from kvdiag.io import read_table
 
     common = dict(checkpoints="every:10", w_obs=10, horizon=4)
-    fast = label_trace(tiny_trace, tiny_llama, tmp_path / "fast.parquet", LabelConfig(**common, candidates="all", method="fast"),
-                       show_progress=False)
-    exact = label_trace(tiny_trace, tiny_llama, tmp_path / "exact.parquet", LabelConfig(**common, candidates="6"), show_progress=False)
+    fast = label_trace(
+        tiny_trace, tiny_llama, tmp_path / "fast.parquet", LabelConfig(**common, candidates="all", method="fast"),
+        show_progress=False,
+    )
+    exact = label_trace(
+        tiny_trace, tiny_llama, tmp_path / "exact.parquet", LabelConfig(**common, candidates="6"), show_progress=False
+    )
     df, meta = read_table(fast, what="labels")
     assert df.schema == pl.Schema(LABEL_SCHEMA)
     assert meta["config"]["method"] == "fisher" and meta["config"]["params"] == {"samples": 8}
@@ -102,12 +106,20 @@ def test_fast_labels_table_and_parts(tiny_llama, tiny_trace, tmp_path):
     ex = pl.read_parquet(exact)
     assert ex.join(df, on=["prompt_id", "checkpoint", "position"], how="anti").is_empty()
     n_items = df.select("prompt_id", "checkpoint").unique().height
-    assert df.height == int(df.group_by("prompt_id", "checkpoint").agg(pl.col("checkpoint").first().alias("t"))["t"].sum()) and n_items > 1
+    assert (
+        df.height == int(df.group_by("prompt_id", "checkpoint").agg(pl.col("checkpoint").first().alias("t"))["t"].sum())
+        and n_items > 1
+    )
     with pytest.raises(UserError, match="other settings"):
-        label_trace(tiny_trace, tiny_llama, tmp_path / "fast.parquet", LabelConfig(**common, candidates="all"), show_progress=False)
+        label_trace(
+            tiny_trace, tiny_llama, tmp_path / "fast.parquet", LabelConfig(**common, candidates="all"),
+            show_progress=False,
+        )
     with pytest.raises(UserError, match="other settings"):
-        label_trace(tiny_trace, tiny_llama, tmp_path / "fast.parquet",
-                    LabelConfig(**common, candidates="all", method="fisher", params={"samples": 4}), show_progress=False)
+        label_trace(
+            tiny_trace, tiny_llama, tmp_path / "fast.parquet",
+            LabelConfig(**common, candidates="all", method="fisher", params={"samples": 4}), show_progress=False,
+        )
 
 
 def _labels(values, prompts=("a", "b", "c"), checkpoints=(10, 20)):
@@ -115,8 +127,12 @@ def _labels(values, prompts=("a", "b", "c"), checkpoints=(10, 20)):
     for pid in prompts:
         for t in checkpoints:
             for i, v in enumerate(values):
-                rows.append({"prompt_id": pid, "checkpoint": t, "position": i, "granularity": "token", "layer": -1, "kv_head": -1,
-                             "kl_mean": float(v), "age": t - i})
+                rows.append(
+                    {
+                        "prompt_id": pid, "checkpoint": t, "position": i, "granularity": "token", "layer": -1,
+                        "kv_head": -1, "kl_mean": float(v), "age": t - i,
+                    }
+                )
     return pl.DataFrame(rows)
 
 
@@ -127,7 +143,9 @@ def test_validate_metrics_as_defined():
     cfg = ValidateConfig(top_k=2, n_boot=50)
     same = validate_labels(exact, _labels([2 * x for x in range(20)]), cfg).summary
     assert same["metric"].to_list() == ["spearman", "auroc", "topk_overlap", "median_ratio"]
-    assert same["mean"].to_list() == pytest.approx([1.0, 1.0, 1.0, 2.0]) and same["ci_low"].to_list() == pytest.approx([1.0, 1.0, 1.0, 2.0])
+    assert same["mean"].to_list() == pytest.approx([1.0, 1.0, 1.0, 2.0]) and same["ci_low"].to_list() == pytest.approx(
+        [1.0, 1.0, 1.0, 2.0]
+    )
     rev = validate_labels(exact, _labels(range(20, 0, -1)), cfg)
     assert rev.summary["mean"].to_list()[:3] == pytest.approx([-1.0, 0.0, 0.0])
     assert rev.per_checkpoint["harmful"].to_list() == [2] * 6  # 0.9 quantile of 0..19: 18 and 19

@@ -75,8 +75,13 @@ def test_layer_start_bench_times_both_methods_batch_by_batch():
     assert [r.method for r in res.rows] == ["layer start (from the evicted layer)", "full depth (before layer start)"]
     assert all(r.seconds > 0 and r.tokens_per_s > 0 for r in res.rows)
     assert res.max_abs_diff <= 1e-5
-    out = CliRunner().invoke(app, ["bench", "label", "--model", "tiny:llama", "--granularity", "layer", "--prefix", "24",
-                                   "--n", "4", "--horizon", "4", "--repeats", "1"])
+    out = CliRunner().invoke(
+        app,
+        [
+            "bench", "label", "--model", "tiny:llama", "--granularity", "layer", "--prefix", "24", "--n", "4",
+            "--horizon", "4", "--repeats", "1",
+        ],
+    )
     assert out.exit_code == 0, out.output
     text = " ".join(out.output.split())
     assert f"({4 * L} rows)" in text and "per repeat:" in text and "labels differ by at most" in text

@@ -7,8 +7,16 @@ import polars as pl
 import pytest
 from scipy.stats import norm
 
-import kvdiag.rankeval.evaluate as evaluate
-from kvdiag.rankeval import METRICS, SCOPES, holm, paired_p_value, percentile_ci, prompt_multiplicities, rank_eval
+from kvdiag.rankeval import (
+    METRICS,
+    SCOPES,
+    evaluate,
+    holm,
+    paired_p_value,
+    percentile_ci,
+    prompt_multiplicities,
+    rank_eval,
+)
 
 
 def _tables(prompt_rows: list[tuple[np.ndarray, dict[str, np.ndarray]]], n_ckpt: int = 1):
@@ -18,12 +26,8 @@ def _tables(prompt_rows: list[tuple[np.ndarray, dict[str, np.ndarray]]], n_ckpt:
         n = len(kl)
         keys = pl.DataFrame(
             {
-                "prompt_id": f"p{p:03d}",
-                "checkpoint": 100 * (1 + np.arange(n) * n_ckpt // n),
-                "position": np.arange(n),
-                "granularity": "token",
-                "layer": -1,
-                "kv_head": -1,
+                "prompt_id": f"p{p:03d}", "checkpoint": 100 * (1 + np.arange(n) * n_ckpt // n),
+                "position": np.arange(n), "granularity": "token", "layer": -1, "kv_head": -1,
             }
         )
         labels.append(keys.with_columns(kl_mean=pl.Series(kl), noise_floor=pl.lit(0.0)))
@@ -59,7 +63,7 @@ def test_replicates_are_the_metrics_of_the_resampled_prompts(monkeypatch):
         copies = [
             t.filter(pl.col("prompt_id") == pid).with_columns(prompt_id=pl.lit(f"{pid}#{k}"))
             for t in (labels, scores)
-            for pid, m in zip(pids, mult[b])
+            for pid, m in zip(pids, mult[b], strict=True)
             for k in range(m)
         ]
         half = len(copies) // 2
@@ -91,7 +95,8 @@ def test_interval_reflects_between_prompt_variation():
 
 def test_cluster_bootstrap_intervals_cover_the_true_auroc():
     # each prompt has its own separation delta_p ~ N(mu, tau^2): harmful scores N(delta_p, 1), safe N(0, 1),
-    # 4 harmful of 20 per checkpoint. Pooled and macro AUROC both estimate E[Phi(delta/sqrt 2)] = Phi(mu / sqrt(2 + tau^2))
+    # 4 harmful of 20 per checkpoint. Pooled and macro AUROC both estimate E[Phi(delta/sqrt 2)] = Phi(mu / sqrt(2 +
+    # tau^2))
     mu, tau = 1.0, 0.8
     truth = norm.cdf(mu / np.sqrt(2 + tau**2))
     rng = np.random.default_rng(2024)

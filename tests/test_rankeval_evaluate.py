@@ -23,24 +23,17 @@ def make_tables(n_prompts=6, n_ckpt=3, n_cand=40, seed=0, noise_floor=1e-9):
             parts.append(
                 pl.DataFrame(
                     {
-                        "prompt_id": f"p{p:02d}",
-                        "checkpoint": 128 * (c + 2),
-                        "position": np.arange(n_cand),
-                        "granularity": "token",
-                        "layer": -1,
-                        "kv_head": -1,
-                        "kl_mean": np.exp(rng.normal(-5, 2, n_cand)),
-                        "noise_floor": noise_floor,
+                        "prompt_id": f"p{p:02d}", "checkpoint": 128 * (c + 2), "position": np.arange(n_cand),
+                        "granularity": "token", "layer": -1, "kv_head": -1,
+                        "kl_mean": np.exp(rng.normal(-5, 2, n_cand)), "noise_floor": noise_floor,
                     }
                 )
             )
     labels = pl.concat(parts)
     logkl = np.log(labels["kl_mean"].to_numpy())
     scores = labels.select(KEYS).with_columns(
-        perfect=pl.Series(logkl),
-        random=pl.Series(rng.random(labels.height)),
-        avokv_e=pl.Series(logkl + rng.normal(0, 1.5, labels.height)),
-        constant=pl.lit(0.0),
+        perfect=pl.Series(logkl), random=pl.Series(rng.random(labels.height)),
+        avokv_e=pl.Series(logkl + rng.normal(0, 1.5, labels.height)), constant=pl.lit(0.0),
     )
     return labels, scores
 
@@ -183,7 +176,9 @@ def test_granularity_must_be_one():
         ),
         (lambda l, s: (l, s.with_columns(random=pl.lit(float("nan")))), "'random' is NaN for all 720"),
         (
-            lambda l, s: (l, s.with_columns(random=pl.when(pl.col("position") == 3).then(None).otherwise(pl.col("random")))),
+            lambda l, s: (
+                l, s.with_columns(random=pl.when(pl.col("position") == 3).then(None).otherwise(pl.col("random"))),
+            ),
             "'random' is NaN for 18 of 720",
         ),
         (lambda l, s: (l, s.with_columns(name=pl.lit("x"))), "'name' is String, not a numeric score"),
@@ -202,12 +197,9 @@ def test_bad_input_is_a_clear_user_error(change, match):
 @pytest.mark.parametrize(
     ("settings_", "match"),
     [
-        ({"harm": "abs:100"}, "leaves no harmful label among 720"),
-        ({"harm": "abs:0"}, "leaves no safe label"),
-        ({"harm": "quantile:1.5"}, "--harm 'quantile:1.5' is not"),
-        ({"harm": "top:3"}, "--harm 'top:3' is not"),
-        ({"rho": 1.0}, "--rho 1.0"),
-        ({"reference": "nope"}, "--reference nope is not a scorer.*avokv_e"),
+        ({"harm": "abs:100"}, "leaves no harmful label among 720"), ({"harm": "abs:0"}, "leaves no safe label"),
+        ({"harm": "quantile:1.5"}, "--harm 'quantile:1.5' is not"), ({"harm": "top:3"}, "--harm 'top:3' is not"),
+        ({"rho": 1.0}, "--rho 1.0"), ({"reference": "nope"}, "--reference nope is not a scorer.*avokv_e"),
         ({"scorers": ("avokv_e", "nope")}, "--scorers nope not in the scores file"),
         ({"granularity": "layer"}, "--granularity layer not in the labels"),
     ],
@@ -222,7 +214,9 @@ def test_check_inputs_refuses_other_trace_or_swapped_files():
     check_inputs({"kind": "labels", "trace": {"fingerprint": "a"}}, {"kind": "scores", "trace": {"fingerprint": "a"}})
     check_inputs({}, {})  # no provenance: nothing to check
     with pytest.raises(UserError, match="different traces"):
-        check_inputs({"kind": "labels", "trace": {"fingerprint": "a"}}, {"kind": "scores", "trace": {"fingerprint": "b"}})
+        check_inputs(
+            {"kind": "labels", "trace": {"fingerprint": "a"}}, {"kind": "scores", "trace": {"fingerprint": "b"}}
+        )
     with pytest.raises(UserError, match="--labels is a scores table"):
         check_inputs({"kind": "scores"}, {"kind": "scores"})
 
@@ -232,7 +226,8 @@ def test_tables_have_one_row_per_scorer():
     r = rank_eval(labels, scores, n_boot=20)
     md = to_markdown(r)
     assert md.splitlines()[0] == "| Score | AUROC | AP | Top-k recall | False-safe rate | Spearman |"
-    assert [line.split(" | ")[0] for line in md.splitlines()[2:6]] == ["| perfect", "| random", "| avokv_e", "| constant"]
+    assert [line.split(" | ")[0] for line in md.splitlines()[2:6]] == ["| perfect", "| random", "| avokv_e", "| "
+                                                                                                             "constant"]
     assert "n/a" in md and "prevalence" in md and "720 candidates" in md
     tex = to_latex(r, scope="macro")
     assert r"\toprule" in tex and r"\bottomrule" in tex and r"avokv\_e" in tex and r"kl\_mean \textgreater{}" in tex

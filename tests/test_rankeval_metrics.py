@@ -9,7 +9,15 @@ import pytest
 from scipy.stats import spearmanr
 from sklearn.metrics import average_precision_score, roc_auc_score
 
-from kvdiag.rankeval import auroc, average_precision, eviction_counts, n_evicted, ranking_metrics, spearman, topk_recall
+from kvdiag.rankeval import (
+    auroc,
+    average_precision,
+    eviction_counts,
+    n_evicted,
+    ranking_metrics,
+    spearman,
+    topk_recall,
+)
 
 
 def _cases(n_cases: int = 60, seed: int = 0):
@@ -97,7 +105,7 @@ def test_eviction_counts_hand_cases():
 def test_segments_equal_separate_calls():
     # all checkpoints in one vectorized pass = one call per checkpoint
     cases = _cases(12, seed=5)
-    y, s, x = (np.concatenate(v) for v in zip(*cases))
+    y, s, x = (np.concatenate(v) for v in zip(*cases, strict=True))
     seg = np.repeat(np.arange(len(cases))[::-1] * 7, [len(c[0]) for c in cases])  # any integer codes
     got = ranking_metrics(y, np.stack([s, x]), x, segments=seg)
     n, h = eviction_counts(y, s, 0.4, seg)

@@ -13,15 +13,25 @@ from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
+from kvdiag.attention import attn_implementation
 from kvdiag.replay import (
-    Policy, ReplaySettings, check_answer, decode, full_logprobs, kl_steps, make_scorer, prompt_chunks, replay,
-    score_layer, select_keep, teacher_force,
+    Policy,
+    ReplaySettings,
+    check_answer,
+    decode,
+    full_logprobs,
+    kl_steps,
+    make_scorer,
+    prompt_chunks,
+    replay,
+    score_layer,
+    select_keep,
+    teacher_force,
 )
 from kvdiag.replay.live import live_scorer_names, top_slots
 from kvdiag.scorers import ScoreContext, get_scorer
 from kvdiag.scorers.context import live_attention
 from kvdiag.scorers.normalization import percentile_rank
-from kvdiag.attention import attn_implementation
 
 PROMPT = list(range(40, 70))  # 30 byte tokens
 
@@ -94,7 +104,9 @@ def reference_logprobs(lm, run, position_ids: torch.Tensor) -> torch.Tensor:
     token = _MASKS.set(visible.repeat_interleave(g, dim=1))
     try:
         with attn_implementation(lm.model, "test_replay_masked"), torch.no_grad():
-            logits = lm.model(torch.tensor([run.token_ids[:T]]), position_ids=position_ids[None], use_cache=False).logits[0]
+            logits = lm.model(
+                torch.tensor([run.token_ids[:T]]), position_ids=position_ids[None], use_cache=False
+            ).logits[0]
     finally:
         _MASKS.reset(token)
     return torch.log_softmax(logits[run.prompt_len - 1 :].float(), dim=-1)
@@ -144,10 +156,14 @@ def test_teacher_forcing_a_generation_reproduces_its_distributions(tiny_qwen3):
 def test_live_context_over_the_full_cache_equals_the_trace_scorer(name):
     gen = torch.Generator().manual_seed(0)
     t, w = 60, 40
-    q, k, v = torch.randn(4, t, 8, generator=gen), torch.randn(2, t, 8, generator=gen), torch.randn(2, t, 8, generator=gen)
+    q, k, v = (
+        torch.randn(4, t, 8, generator=gen), torch.randn(2, t, 8, generator=gen), torch.randn(2, t, 8, generator=gen),
+    )
     scorer = get_scorer(name)
     full = scorer.scores(ScoreContext(q, k, v, 0.3, 20, layer=1, prompt_id="p"))
-    live = scorer.scores(ScoreContext(q[:, t - w :], k, v, 0.3, 20, layer=1, prompt_id="p", positions=torch.arange(t), checkpoint=t))
+    live = scorer.scores(
+        ScoreContext(q[:, t - w :], k, v, 0.3, 20, layer=1, prompt_id="p", positions=torch.arange(t), checkpoint=t)
+    )
     assert torch.allclose(full, live, atol=1e-6)
 
 
@@ -158,7 +174,9 @@ def test_per_head_contexts_equal_the_layer_context(name, params):
     heads hold the same positions."""
     gen = torch.Generator().manual_seed(2)
     n, w, d = 50, 32, 8
-    k, v, q = torch.randn(2, n, d, generator=gen), torch.randn(2, n, d, generator=gen), torch.randn(4, w, d, generator=gen)
+    k, v, q = (
+        torch.randn(2, n, d, generator=gen), torch.randn(2, n, d, generator=gen), torch.randn(4, w, d, generator=gen),
+    )
     positions = torch.sort(torch.randperm(90, generator=gen)[:n]).values.expand(2, n)
     args = (k, v, positions, q, 90, 0.3, 10, 0, "p", torch.arange(90))
     o_proj = torch.randn(16, 4 * d, generator=gen)
@@ -185,7 +203,8 @@ def test_selection_per_head_and_per_token():
     layer1 = torch.tensor([[1.0, 4.0, 3.0, 2.0], [1.0, 4.0, 2.0, 3.0]])
     per_head = select_keep([layer0, layer1], 2, "per-head")
     assert per_head.tolist() == [[[0, 1], [2, 3]], [[1, 2], [1, 3]]]
-    # per-row ranks (r - 1) / 3, entry 0: 1 + 0 + 0 + 0; 1: 2/3 + 1/3 + 1 + 1; 2: 1/3 + 2/3 + 2/3 + 1/3; 3: 0 + 1 + 1/3 + 2/3
+    # per-row ranks (r - 1) / 3, entry 0: 1 + 0 + 0 + 0; 1: 2/3 + 1/3 + 1 + 1; 2: 1/3 + 2/3 + 2/3 + 1/3; 3: 0 + 1 + 1/3
+    # + 2/3
     ranks = torch.stack([percentile_rank(x) for x in (layer0, layer1)]).mean(dim=(0, 1))
     assert torch.allclose(ranks, torch.tensor([1 / 4, 3 / 4, 1 / 2, 1 / 2]))
     per_token = select_keep([layer0, layer1], 2, "per-token")  # entry 1, then the newer of the tied 2 and 3
@@ -216,8 +235,10 @@ def test_replay_outputs_and_resume(tiny_llama, tmp_path):
     out = replay(tiny_llama, tmp_path / "r", settings, prompts=prompts, command="test", show_progress=False)
     df = pl.read_parquet(out / "generations.parquet")
     assert df.height == 2 * (1 + 2 * 2)
-    for col in ("prompt_id", "scorer", "budget", "prompt_len", "token_ids", "text", "peak_kv", "mean_kv", "compressions",
-                "compression_steps", "max_length_hit", "correct", "kl_mean"):
+    for col in (
+        "prompt_id", "scorer", "budget", "prompt_len", "token_ids", "text", "peak_kv", "mean_kv", "compressions",
+        "compression_steps", "max_length_hit", "correct", "kl_mean",
+    ):
         assert col in df.columns
     squeezed = df.filter(pl.col("scorer") != "full_kv")
     assert (squeezed["peak_kv"] <= squeezed["budget"] + 16).all() and (squeezed["compressions"] > 0).all()
@@ -251,8 +272,8 @@ def test_teacher_forced_replay_of_a_trace(tiny_trace, tmp_path):
     (["--scorer", "rkv", "--budget", "4"], "--budget 4"),  # R-KV keeps its last 8 entries
     (["--scorer", "avokv_e", "--budget", "100"], "--budget 100"),  # W_delay = 128 entries are kept
     (["--scorer", "rkv", "--interval", "0"], "--interval 0"),
-    (["--scorer", "h2o"], "--scorer h2o"),
-    (["--scorer", "vatp"], "--scorer vatp"),
+    (["--scorer", "h2o"], "--scorers h2o"),  # the deprecated flag name still works
+    (["--scorer", "vatp"], "--scorers vatp"),
     (["--scorer", "nope"], "nope"),
     (["--scorer", "rkv", "--budget", "12,x"], "--budget"),
     (["--scorer", "rkv", "--selection", "per-layer"], "--selection"),
@@ -261,6 +282,8 @@ def test_bad_input_exits_2(args, needle, capsys, tmp_path):
     from kvdiag.cli.main import main
 
     with pytest.raises(SystemExit) as exit_:
-        main(["replay", "--model", "tiny:llama", "--limit", "1", "--max-new-tokens", "4", "--out", str(tmp_path), *args])
+        main(
+            ["replay", "--model", "tiny:llama", "--limit", "1", "--max-new-tokens", "4", "--out", str(tmp_path), *args]
+        )
     assert exit_.value.code == 2
     assert needle in capsys.readouterr().err

@@ -18,10 +18,9 @@ import kvdiag.cli.main
 from kvdiag.errors import UserError
 from kvdiag.figures import FigureParams, make_figures
 from kvdiag.io import write_table
-from tests.conftest import synthetic_labels as shared_synthetic_labels
 from kvdiag.rankeval import KEYS
 from kvdiag.report import build_report, label_statistics, record_command
-
+from tests.conftest import synthetic_labels as shared_synthetic_labels
 
 
 def synthetic_labels(trace, seed: int = 0) -> pl.DataFrame:
@@ -57,10 +56,15 @@ def run(tiny_trace, tmp_path_factory):
     assert CliRunner().invoke(kvdiag.cli.main.app, argv).exit_code == 0
     record_command(root, ["kvdiag", *argv])
     fig_argv = ["kvdiag", "figures", "--trace", str(root / "trace"), "--w-obs", "8"]
-    make_figures(tiny_trace, labels, scores, root / "figures", FigureParams(w_obs=8, w_delay=64, n_boot=20), command=fig_argv)
+    make_figures(
+        tiny_trace, labels, scores, root / "figures", FigureParams(w_obs=8, w_delay=64, n_boot=20), command=fig_argv
+    )
     record_command(root, fig_argv)
     md_path, html_path = build_report(root)
-    return {"root": root, "labels": labels, "md": md_path.read_text(), "html": html_path.read_text(), "paths": (md_path, html_path)}
+    return {
+        "root": root, "labels": labels, "md": md_path.read_text(), "html": html_path.read_text(),
+        "paths": (md_path, html_path),
+    }
 
 
 def test_record_command_appends_in_order(tmp_path):
@@ -74,13 +78,17 @@ def test_record_command_appends_in_order(tmp_path):
 def test_report_describes_the_whole_run(run, tiny_trace):
     md, root = run["md"], run["root"]
     assert run["paths"] == (root / "report.md", root / "report.html")
-    for heading in ("Contents of the run", "What was traced", "Labels", "Scores", "Ranking metrics (Table 3)", "Figures",
-                    "Commands and configuration"):
+    for heading in (
+        "Contents of the run", "What was traced", "Labels", "Scores", "Ranking metrics (Table 3)", "Figures",
+        "Commands and configuration",
+    ):
         assert f"## {heading}" in md
     assert "**missing**" not in md and "Warning" not in md
     assert f"same one (fingerprint `{tiny_trace.fingerprint}`)" in md
     for pid in tiny_trace.prompt_ids:
-        assert re.search(rf"^\| {pid} \| {tiny_trace.prompt_len(pid)} \| \d+ \| {tiny_trace.length(pid)} \|", md, re.MULTILINE)
+        assert re.search(
+            rf"^\| {pid} \| {tiny_trace.prompt_len(pid)} \| \d+ \| {tiny_trace.length(pid)} \|", md, re.MULTILINE
+        )
     assert (root / "rank-eval" / "table.md").read_text() in md  # the Table-3-shaped table with CIs, verbatim
     commands = json.loads((root / "commands.json").read_text())
     for c in commands:
@@ -114,7 +122,9 @@ def test_figure_statistics_in_the_report_are_the_csv_numbers(run):
         stats = pl.read_csv(fig / csv, schema_overrides={"value": pl.Float64, "note": pl.String})
         for r in stats.iter_rows(named=True):
             shown = as_float(table_value(md.split(f"[{csv}]", 1)[1], r["statistic"]))
-            assert (math.isnan(shown) and math.isnan(r["value"])) or shown == pytest.approx(r["value"], rel=1e-3), r["statistic"]
+            assert (math.isnan(shown) and math.isnan(r["value"])) or shown == pytest.approx(r["value"], rel=1e-3), r[
+                "statistic"
+            ]
     comp = pl.read_csv(fig / "components.csv", schema_overrides={"note": pl.String})
     auroc = comp.filter((pl.col("scorer") == "avokv_e") & (pl.col("metric") == "auroc")).row(0, named=True)
     assert table_value(md, "AvoKV-E") == f"{auroc['value']:.3f} [{auroc['ci_low']:.3f}, {auroc['ci_high']:.3f}]"

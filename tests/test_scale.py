@@ -17,7 +17,9 @@ def test_bench_scale_records_load_and_work_peaks_and_resumes(tmp_path, monkeypat
     plan = scale.ScalePlan("tiny:llama", str(PROMPTS), [320], ["none"], tmp_path / "scale")
     text = scale.bench_scale(plan)
     steps = {p.stem: json.loads(p.read_text()) for p in (plan.out / "steps").glob("*.json")}
-    assert set(steps) == {"baseline__trace-none", "T320__trace-none", "T320__label", "T320__score-none", "T320__figures"}
+    assert set(steps) == {
+        "baseline__trace-none", "T320__trace-none", "T320__label", "T320__score-none", "T320__figures",
+    }
     for name, s in steps.items():
         if s["load_peak_mb"] is None:  # figures loads no model: its peak is the whole process's
             assert name == "T320__figures" and s["work_peak_mb"] is None
@@ -40,13 +42,17 @@ def test_memory_growth_is_per_interval_against_kv_plus_rows():
     the bound gives ratio 1."""
     from kvdiag.cost import ModelShape
 
-    shape = ModelShape("smollm2", layers=30, heads=9, kv_heads=3, head_dim=64, hidden=576, intermediate=1536, vocab=49152)
+    shape = ModelShape(
+        "smollm2", layers=30, heads=9, kv_heads=3, head_dim=64, hidden=576, intermediate=1536, vocab=49152
+    )
     per_token = 46_080 + 57_600
-    mb = lambda T: (1300 * 2**20 + per_token * (T - 4096)) / 2**20  # noqa: E731
+    mb = lambda T: (1300 * 2**20 + per_token * (T - 4096)) / 2**20
     steps = [scale.Step(f"T{T}/trace-all", "trace", T, "all", 1.0, max(1300, mb(T)), 1.0, 1200.0, max(1300, mb(T)))
              for T in (1024, 4096, 8192)]
     growth = scale.memory_growth(steps, shape, "float32")
     assert growth["T"].to_list() == ["least squares over 1024,4096,8192", "1024 -> 4096", "4096 -> 8192"]
-    assert growth["KV cache KB/token"].to_list() == [46.1] * 3 and growth["recorded rows KB/token"].to_list() == [57.6] * 3
+    assert (
+        growth["KV cache KB/token"].to_list() == [46.1] * 3 and growth["recorded rows KB/token"].to_list() == [57.6] * 3
+    )
     assert growth["measured / (KV + rows)"].to_list()[1:] == [0.0, 1.0]
     assert 0 < growth["measured / (KV + rows)"][0] < 1  # the slope through a flat start and a bound-rate rise

@@ -8,8 +8,6 @@ import torch
 from kvdiag.scorers import ScoreContext, avokv_score, get_scorer, percentile_rank
 from tests.conftest import dense_attention, random_qkv
 
-
-
 # Table 5 of the AvoKV-E paper: four tokens at one checkpoint, all eligible
 TOKENS = ["I", "cook", "dinner", "myself"]
 P = torch.tensor([[0.04, 0.81, 0.02, 0.05]])
@@ -33,14 +31,18 @@ def test_table5_scores_follow_design_formula():
     order = [TOKENS[i] for i in s[0].argsort(descending=True)]
     assert order == ["cook", "dinner", "myself", "I"]  # low-attention "dinner" is kept for its payload
     # weights are parameters: λ_p = 2, λ_r = 0.5, λ_b = 0
-    torch.testing.assert_close(avokv_score(P, R, B, eligible, 2.0, 0.5, 0.0), torch.tensor([[2 / 3 - 0.25, 2.0, -0.25, 4 / 3 - 0.5]]))
+    torch.testing.assert_close(
+        avokv_score(P, R, B, eligible, 2.0, 0.5, 0.0), torch.tensor([[2 / 3 - 0.25, 2.0, -0.25, 4 / 3 - 0.5]])
+    )
 
 
 def test_table5_ablations():
     eligible = torch.ones(4, dtype=torch.bool)
-    torch.testing.assert_close(avokv_score(P, R, B, eligible, lambda_b=0.0), torch.tensor([[1 / 3 - 0.5, 1.0, -0.5, -1 / 3]]))
+    torch.testing.assert_close(
+        avokv_score(P, R, B, eligible, lambda_b=0.0), torch.tensor([[1 / 3 - 0.5, 1.0, -0.5, -1 / 3]])
+    )
     torch.testing.assert_close(avokv_score(P, R, B, eligible, lambda_r=0.0), torch.tensor([[1 / 3, 4 / 3, 1.0, 4 / 3]]))
-    z = lambda x: (x - x.mean()) / x.std(unbiased=False)  # noqa: E731
+    z = lambda x: (x - x.mean()) / x.std(unbiased=False)
     torch.testing.assert_close(avokv_score(P, R, B, eligible, normalization="zscore"), z(P) - z(R) + z(B))
 
 
@@ -72,9 +74,11 @@ def test_full_scorer_matches_slow_reference():
         for i in cand:
             share = [attn[h, :, i].sum() / attn[h][:, cand].sum() for h in (2 * kv, 2 * kv + 1)]
             p.append(float(sum(share) / 2))
-            r.append(sum(torch.cosine_similarity(k[kv, i], k[kv, j], dim=0).item() for j in cand if j != i) / (len(cand) - 1))
+            r.append(
+                sum(torch.cosine_similarity(k[kv, i], k[kv, j], dim=0).item() for j in cand if j != i) / (len(cand) - 1)
+            )
             b.append(v[kv, i].norm().item())
-        expected = [a - c + e for a, c, e in zip(ranks(p), ranks(r), ranks(b))]
+        expected = [a - c + e for a, c, e in zip(ranks(p), ranks(r), ranks(b), strict=True)]
         assert got[kv, cand].tolist() == pytest.approx(expected, abs=1e-5)
         assert got[kv, 14:].min() > got[kv, cand].max()  # the delay buffer is kept
 
@@ -92,7 +96,9 @@ def test_ablation_classes_change_one_thing():
     s = no_delay.scores(ctx)
     assert s[:, 200 - 32 :].min() > s[:, : 200 - 32].max()  # only W_obs entries are protected
     torch.testing.assert_close(no_delay.scores(ctx), get_scorer("avokv_e", w_delay=32).scores(ctx))
-    torch.testing.assert_close(get_scorer("avokv_e_no_payload").scores(ctx), get_scorer("avokv_e", lambda_b=0.0).scores(ctx))
+    torch.testing.assert_close(
+        get_scorer("avokv_e_no_payload").scores(ctx), get_scorer("avokv_e", lambda_b=0.0).scores(ctx)
+    )
 
 
 def test_payload_options():

@@ -8,7 +8,16 @@ import pytest
 import torch
 
 from kvdiag.errors import UserError
-from kvdiag.scorers import SCORERS, Scorer, get_scorer, parse_params, percentile_rank, protect, register_scorer, zscore
+from kvdiag.scorers import (
+    SCORERS,
+    Scorer,
+    get_scorer,
+    parse_params,
+    percentile_rank,
+    protect,
+    register_scorer,
+    zscore,
+)
 from kvdiag.scorers.normalization import aggregation_values
 
 BUILTINS = [
@@ -107,7 +116,7 @@ def test_register_scorer_both_forms_and_conflicts():
     class Doubled(Scorer):
         factor: float = 2.0
 
-        def scores(self, ctx):
+        def score(self, ctx):
             return ctx.k.norm(dim=-1) * self.factor
 
     try:
@@ -125,6 +134,14 @@ def test_register_scorer_both_forms_and_conflicts():
             register_scorer(Other, "test_doubled")
         with pytest.raises(TypeError, match="dataclass subclass"):
             register_scorer(int, "test_int")
+
+        @dataclass
+        class Unprotected(Scorer):  # overriding scores() would bypass the declared protection
+            def scores(self, ctx):
+                return ctx.k.norm(dim=-1)
+
+        with pytest.raises(TypeError, match=r"define score\(ctx\)"):
+            register_scorer(Unprotected, "test_unprotected")
     finally:
         SCORERS.pop("test_doubled", None)
         SCORERS.pop("test_doubled_dec", None)

@@ -106,7 +106,7 @@ def test_rkv_by_hand():
     #   query 3: head 0 (1,0) -> [1, 0, 3], head 1 (0,1) -> [0, 2, 0]; max over the group -> [1, 2, 3]
     #   query 4: head 0 (0,1) -> [0, 2, 0], head 1 (2,0) -> [2, 0, 6]; max over the group -> [2, 2, 6]
     a3, a4 = softmax([1, 2, 3]), softmax([2, 2, 6])
-    importance = torch.tensor([(x + y) / 2 for x, y in zip(a3, a4)])  # [0.0539, 0.1312, 0.8149]
+    importance = torch.tensor([(x + y) / 2 for x, y in zip(a3, a4, strict=True)])  # [0.0539, 0.1312, 0.8149]
     red = rkv_redundancy_by_hand()[:3]
     # kernel 1: no pooling
     s1 = get_scorer("rkv", window=2, kernel_size=1).scores(ctx)[0]
@@ -116,7 +116,7 @@ def test_rkv_by_hand():
     torch.testing.assert_close(s7[:3], 0.1 * importance.max() - 0.9 * red)
     assert s7[3:].min() > s7[:3].max()  # the last W are kept
     # mean pooling of the logits: query 3 -> [0.5, 1, 1.5], query 4 -> [1, 1, 3]
-    mean_imp = torch.tensor([(x + y) / 2 for x, y in zip(softmax([0.5, 1, 1.5]), softmax([1, 1, 3]))])
+    mean_imp = torch.tensor([(x + y) / 2 for x, y in zip(softmax([0.5, 1, 1.5]), softmax([1, 1, 3]), strict=True)])
     s_mean = get_scorer("rkv", window=2, kernel_size=1, pooling="mean").scores(ctx)[0]
     torch.testing.assert_close(s_mean[:3], 0.1 * mean_imp - 0.9 * red)
 
@@ -213,7 +213,9 @@ def test_no_scorer_sees_the_future(name):
     q2[:, :t], k2[:, :t], v2[:, :t] = q[:, :t], k[:, :t], v[:, :t]  # same past, different future
     history = AttentionHistory(q2, k2, 0.3)
     shared = ScoreContext(q2[:, :t], k2[:, :t], v2[:, :t], 0.3, 40, prompt_id="p", history=history)
-    scorer = make_scorer(name, **({"w_obs": 8, "w_delay": 16} if name.startswith("avokv") and name != "avokv_e_no_delay" else {}))
+    scorer = make_scorer(
+        name, **({"w_obs": 8, "w_delay": 16} if name.startswith("avokv") and name != "avokv_e_no_delay" else {})
+    )
     later = ScoreContext(q2[:, :150], k2[:, :150], v2[:, :150], 0.3, 40, prompt_id="p", history=history)
     scorer.scores(later)  # the shared history has streamed past t and must restart
     torch.testing.assert_close(scorer.scores(shared), scorer.scores(alone))

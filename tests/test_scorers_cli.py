@@ -14,8 +14,17 @@ import torch
 from typer.testing import CliRunner
 
 import kvdiag.cli.main
+import kvdiag.registry as registry_mod
 from kvdiag.io import read_table, write_table
-from kvdiag.scorers import SCORERS, ScoreContext, checkpoint_keys, get_scorer, percentile_rank, score_trace
+from kvdiag.scorers import (
+    ENTRY_POINT_GROUP,
+    SCORERS,
+    ScoreContext,
+    checkpoint_keys,
+    get_scorer,
+    percentile_rank,
+    score_trace,
+)
 from kvdiag.scorers import run as score_mod
 from tests.conftest import make_trace
 
@@ -77,8 +86,12 @@ def test_rows_follow_the_aggregation(trace, labels):
         pid, t, i, layer, h = row["prompt_id"], row["checkpoint"], row["position"], row["layer"], row["kv_head"]
         for name in names:
             ranks = [percentile_rank(direct_scores(trace, pid, t, l, name)) for l in range(trace.num_layers)]
-            expected = {"token": lambda: torch.stack(ranks)[:, :, i].mean(),
-                        "layer": lambda: ranks[layer][:, i].mean(), "head": lambda: ranks[layer][h, i]}[gran]()
+            if gran == "token":
+                expected = torch.stack(ranks)[:, :, i].mean()
+            elif gran == "layer":
+                expected = ranks[layer][:, i].mean()
+            else:
+                expected = ranks[layer][h, i]
             assert row[name] == pytest.approx(expected.item(), abs=1e-6), (gran, name)
 
 
@@ -93,7 +106,9 @@ def test_mean_raw_head_rows_are_raw_scores(trace):
 
 def test_cli_scores_every_labeled_candidate_with_all_scorers(trace, labels, tmp_path):
     out = tmp_path / "scores.parquet"
-    code, output = run("score", "--trace", trace.path, "--labels", labels, "--out", out, "--param", "rkv.mix_lambda=0.5")
+    code, output = run(
+        "score", "--trace", trace.path, "--labels", labels, "--out", out, "--param", "rkv.mix_lambda=0.5"
+    )
     assert code == 0, output
     df, meta = read_table(out)
     keys, _ = read_table(labels)
@@ -129,7 +144,9 @@ def test_bad_input_exits_2(trace, labels, tmp_path, capsys):
     assert "unknown scorer 'nope'" in err and "avokv_e_no_redundancy" in err
     err = exits_2(capsys, *base, "--labels", labels, "--scorers", "rkv", "--param", "rkv.lam=0.1")
     assert "rkv has no parameter 'lam'" in err and "mix_lambda" in err
-    assert "not in --scorers" in exits_2(capsys, *base, "--labels", labels, "--scorers", "rkv", "--param", "h2o.normalize=0")
+    assert "not in --scorers" in exits_2(
+        capsys, *base, "--labels", labels, "--scorers", "rkv", "--param", "h2o.normalize=0"
+    )
     assert "not in the Trace" in exits_2(capsys, *base, "--checkpoints", "100000")
     assert "exactly one of" in exits_2(capsys, *base)
     assert "exactly one of" in exits_2(capsys, *base, "--labels", labels, "--checkpoints", "default")
@@ -156,7 +173,7 @@ def test_labels_from_another_trace_or_out_of_range(trace, labels, tmp_path, caps
 
 def readme_plugin(tmp_path) -> Path:
     """The plugin example of the README, written to a file as a user would."""
-    block = re.search(r"```python\n(# my_scorer\.py.*?)```", DOCS.read_text(), re.S).group(1)
+    block = re.search(r"```python\n(# my_scorer\.py.*?)```", DOCS.read_text(), re.DOTALL).group(1)
     assert len(block.strip().splitlines()) <= 15
     path = tmp_path / "my_scorer.py"
     path.write_text(block)
@@ -183,8 +200,8 @@ def test_plugin_by_module_name_and_entry_point(trace, tmp_path, monkeypatch, cle
     (tmp_path / "kv_plugin_mod.py").write_text(plugin.read_text().replace("value_key_ratio", "by_module"))
     (tmp_path / "kv_plugin_ep.py").write_text(plugin.read_text().replace('@register_scorer("value_key_ratio")\n', ""))
     monkeypatch.syspath_prepend(str(tmp_path))
-    ep = EntryPoint(name="from_entry_point", value="kv_plugin_ep:ValueKeyRatio", group=score_mod.ENTRY_POINT_GROUP)
-    monkeypatch.setattr(score_mod, "entry_points", lambda group: [ep] if group == score_mod.ENTRY_POINT_GROUP else [])
+    ep = EntryPoint(name="from_entry_point", value="kv_plugin_ep:ValueKeyRatio", group=ENTRY_POINT_GROUP)
+    monkeypatch.setattr(registry_mod, "entry_points", lambda group: [ep] if group == ENTRY_POINT_GROUP else [])
     pid = trace.prompt_ids[0]
     df, meta = score_trace(trace, checkpoints={pid: [trace.prompt_len(pid) + 64]}, plugins=["kv_plugin_mod"],
                            scorers=["by_module", "from_entry_point"])

@@ -42,4 +42,5 @@ def test_all_scorers_on_a_2048_token_trace(tmp_path):
     assert bench["checkpoints"] == (trace.length(pid) - trace.prompt_len(pid)) // 128
     assert bench["layers"] == 30 and len(bench["scorer_seconds_per_checkpoint"]) >= 18
     assert bench["peak_rss_mib"] < PEAK_RSS_MIB, bench
-    print(f"\nT = {trace.length(pid)}: {bench['seconds_per_checkpoint']:.2f} s per checkpoint, peak RSS {bench['peak_rss_mib']:.0f} MiB")
+    print(f"\nT = {trace.length(pid)}: {bench['seconds_per_checkpoint']:.2f} s per checkpoint, peak RSS "
+          f"{bench['peak_rss_mib']:.0f} MiB")

@@ -15,7 +15,10 @@ def test_rank_eval_layout():  # rankeval/tables.py: "|---|" then "---:|" per met
 
 
 def test_replay_layout():  # replay/figure.py: every column left-aligned
-    old = "\n".join(["| " + " | ".join(HEAD) + " |", "|" + "---|" * 3, *("| " + " | ".join(r) + " |" for r in ROWS)]) + "\n"
+    old = (
+        "\n".join(["| " + " | ".join(HEAD) + " |", "|" + "---|" * 3, *("| " + " | ".join(r) + " |" for r in ROWS)])
+        + "\n"
+    )
     assert markdown_table(HEAD, ROWS, "lll") == old
 
 

@@ -121,7 +121,9 @@ def test_trace_round_trip_and_resume(tiny_llama, tmp_path):
             torch.testing.assert_close(getattr(stored, name), rec.layer(layer)[name], rtol=0, atol=1e-4)
     toks = tr.tokens.filter(tr.tokens["prompt_id"] == "arith001").sort("position")
     logp = torch.log_softmax(logits[P - 1 : T - 1], -1).gather(1, ids[P:, None]).squeeze(1)
-    torch.testing.assert_close(torch.tensor(toks["logprob"].to_list()[P:], dtype=torch.float32), logp, rtol=0, atol=1e-4)
+    torch.testing.assert_close(
+        torch.tensor(toks["logprob"].to_list()[P:], dtype=torch.float32), logp, rtol=0, atol=1e-4
+    )
     assert toks["is_prompt"].to_list() == [True] * P + [False] * (T - P)
 
 

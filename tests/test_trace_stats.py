@@ -26,8 +26,12 @@ def test_token_stats_equal_the_logits_of_a_plain_forward(tiny_llama, tmp_path):
     gen = ids[0, P:]
     want_lp = logp[P - 1 : len(ids[0]) - 1].gather(1, gen[:, None]).squeeze(1)
     want_h = -(logp.exp() * logp).sum(-1)[P - 1 : len(ids[0]) - 1]
-    torch.testing.assert_close(torch.tensor(toks["logprob"].to_list()[P:], dtype=torch.float64), want_lp, rtol=0, atol=1e-4)
-    torch.testing.assert_close(torch.tensor(toks["entropy"].to_list()[P:], dtype=torch.float64), want_h, rtol=0, atol=1e-4)
+    torch.testing.assert_close(
+        torch.tensor(toks["logprob"].to_list()[P:], dtype=torch.float64), want_lp, rtol=0, atol=1e-4
+    )
+    torch.testing.assert_close(
+        torch.tensor(toks["entropy"].to_list()[P:], dtype=torch.float64), want_h, rtol=0, atol=1e-4
+    )
 
 
 def test_min_new_tokens_and_sampling_settings_are_recorded(tiny_llama, tmp_path):

@@ -88,13 +88,17 @@ def test_chunked_rebuild_matches(traces):
     pid = ref.prompt_ids[0]
     for layer in range(ref.num_layers):
         for name in "qkv":
-            torch.testing.assert_close(getattr(tr.layer(pid, layer), name).float(), getattr(ref.layer(pid, layer), name).float(), **TOL)
+            torch.testing.assert_close(
+                getattr(tr.layer(pid, layer), name).float(), getattr(ref.layer(pid, layer), name).float(), **TOL
+            )
 
 
 @pytest.mark.parametrize("mode", ["kv", "none"])
 def test_score_trace_same_scores(traces, mode):
     """Scores on rebuilt tensors equal those on the recorded ones: rtol 1e-2, atol 1e-4 (the inputs differ by
-    at most one fp16 ulp, ~1e-3 relative; attention-derived scores move by about that much)."""
+    at most one fp16 ulp, ~1e-3 relative; attention-derived scores move by about that much), or one rank step: the
+    values are mean percentile ranks (steps of 1/(t - 1)), and a perturbation of ~1e-3 can swap two near-tied
+    entries (seen on AMD: one TOVA row of 946 moved by one step)."""
     from kvdiag.scorers.run import score_trace
 
     ref = traces["all"]
@@ -104,9 +108,12 @@ def test_score_trace_same_scores(traces, mode):
     assert want.columns == got.columns and want.height == got.height > 0
     keys = ["prompt_id", "checkpoint", "position", "granularity", "layer", "kv_head"]
     assert want.select(keys).equals(got.select(keys))
+    step = 1.0 / (want["checkpoint"].to_numpy() - 1)  # one percentile-rank step at the row's checkpoint
     for col in want.columns:
         if col not in keys and want[col].dtype.is_float():
-            np.testing.assert_allclose(got[col].to_numpy(), want[col].to_numpy(), rtol=1e-2, atol=1e-4, err_msg=col)
+            g, w = got[col].to_numpy(), want[col].to_numpy()
+            bad = np.abs(g - w) > np.maximum(1e-2 * np.abs(w) + 1e-4, 1.001 * step)
+            assert not bad.any(), (col, np.flatnonzero(bad)[:5], g[bad][:5], w[bad][:5])
 
 
 def _tensor_bytes(tr: Trace) -> tuple[int, int]:
@@ -140,18 +147,26 @@ def test_rerun_with_another_store_is_refused(tiny_llama, traces, tmp_path):
     out = tmp_path / "copy"
     shutil.copytree(traces["kv"].path, out)
     with pytest.raises(UserError, match="other generation settings"):
-        trace_prompts(tiny_llama, load_prompts("builtin:arith", limit=N_PROMPTS), out, settings("all"), show_progress=False)
-    trace_prompts(tiny_llama, load_prompts("builtin:arith", limit=N_PROMPTS + 1), out, settings("kv"), show_progress=False)
+        trace_prompts(
+            tiny_llama, load_prompts("builtin:arith", limit=N_PROMPTS), out, settings("all"), show_progress=False
+        )
+    trace_prompts(
+        tiny_llama, load_prompts("builtin:arith", limit=N_PROMPTS + 1), out, settings("kv"), show_progress=False
+    )
     assert len(Trace(out).prompt_ids) == N_PROMPTS + 1  # the same --store continues it
 
 
 def test_layer_beyond_the_model_is_refused_before_writing(tiny_llama, tmp_path):
     with pytest.raises(UserError, match="--store 0,2: layer 2 does not exist"):
-        trace_prompts(tiny_llama, load_prompts("builtin:arith", limit=1), tmp_path / "t", settings("0,2"), show_progress=False)
+        trace_prompts(
+            tiny_llama, load_prompts("builtin:arith", limit=1), tmp_path / "t", settings("0,2"), show_progress=False
+        )
     assert not (tmp_path / "t").exists()
 
 
-@pytest.mark.parametrize("value, fragment", [("some", "--store some"), ("0,0", "twice"), ("-1", "--store -1"), ("", "--store")])
+@pytest.mark.parametrize(
+    "value, fragment", [("some", "--store some"), ("0,0", "twice"), ("-1", "--store -1"), ("", "--store")]
+)
 def test_bad_store_refused(value, fragment):
     with pytest.raises(UserError, match=fragment):
         settings(value)

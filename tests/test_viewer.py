@@ -22,11 +22,11 @@ import pytest
 
 from kvdiag.errors import UserError
 from kvdiag.io import write_table
-from tests.conftest import synthetic_labels as shared_synthetic_labels
 from kvdiag.rankeval import KEYS, harm_threshold
 from kvdiag.rankeval.metrics import eviction_counts, n_evicted
 from kvdiag.report import build_report
 from kvdiag.viewer import ViewerSettings, build_viewer, viewer_data, viewer_html
+from tests.conftest import synthetic_labels as shared_synthetic_labels
 
 RULES = ("attention", "rkv", "avokv_e", "streamingllm")
 
@@ -59,14 +59,24 @@ def run(tiny_trace, tmp_path_factory):
     write_table(scores, root / "scores.parquet", {"kind": "scores", **prov})
     (root / "figures").mkdir()
     pid, lab0 = tiny_trace.prompt_ids[0], labels.row(0, named=True)
-    pl.DataFrame({"prompt_id": [pid, pid], "position": [3, 5], "read_class": ["delayed", "early"], "first_strong_read": [20, 7],
-                  "delay": [17, None], "evicted_before_read": [True, False]}).write_csv(root / "figures" / "delayed_reads_entries.csv")
-    pl.DataFrame({"prompt_id": [pid], "checkpoint": [lab0["checkpoint"]], "position": [lab0["position"]], "read_pressure": [0.01],
-                  "value_payload": [7.5], "blind_spot": [True]}).write_csv(root / "figures" / "blind_spot_points.csv")
+    pl.DataFrame(
+        {
+            "prompt_id": [pid, pid], "position": [3, 5], "read_class": ["delayed", "early"],
+            "first_strong_read": [20, 7], "delay": [17, None], "evicted_before_read": [True, False],
+        }
+    ).write_csv(root / "figures" / "delayed_reads_entries.csv")
+    pl.DataFrame(
+        {
+            "prompt_id": [pid], "checkpoint": [lab0["checkpoint"]], "position": [lab0["position"]],
+            "read_pressure": [0.01], "value_payload": [7.5], "blind_spot": [True],
+        }
+    ).write_csv(root / "figures" / "blind_spot_points.csv")
     (root / "figures" / "figures.json").write_text(json.dumps({"params": {"harm": "quantile:0.8"}}))
     md, _ = build_report(root)
-    return {"root": root, "labels": labels, "scores": scores, "md": md.read_text(), "html": (root / "viewer.html").read_text(),
-            "trace": tiny_trace}
+    return {
+        "root": root, "labels": labels, "scores": scores, "md": md.read_text(),
+        "html": (root / "viewer.html").read_text(), "trace": tiny_trace,
+    }
 
 
 def test_report_writes_and_lists_the_viewer(run):
@@ -137,7 +147,10 @@ def test_bad_input(run, tmp_path):
     with pytest.raises(UserError, match="another Trace"):
         build_viewer(trace, labels, scores, tmp_path / "v.html", labels_meta={"trace": {"fingerprint": "0" * 16}})
     with pytest.raises(UserError, match="no token-granularity"):
-        build_viewer(trace, labels.with_columns(granularity=pl.lit("layer"), layer=pl.lit(0, pl.Int64)), None, tmp_path / "v.html")
+        build_viewer(
+            trace, labels.with_columns(granularity=pl.lit("layer"), layer=pl.lit(0, pl.Int64)), None,
+            tmp_path / "v.html",
+        )
     with pytest.raises(UserError, match="--harm"):
         build_viewer(trace, labels, scores, tmp_path / "v.html", settings=ViewerSettings(harm="top:3"))
     # a run without labels still gets its report; the report says why there is no viewer
@@ -154,7 +167,8 @@ def chromium() -> str | None:
     return os.environ.get("KVDIAG_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-needs_chromium = pytest.mark.skipif(chromium() is None, reason="chromium not installed (apt-get install chromium; make browser)")
+needs_chromium = pytest.mark.skipif(chromium() is None, reason="chromium not installed (apt-get install chromium; "
+                                                               "make browser)")
 
 
 class Browser:
@@ -171,16 +185,25 @@ class Browser:
             os.dup2(b, 4)
 
         self.proc = subprocess.Popen(
-            [chromium(), "--headless=new", "--remote-debugging-pipe", "--no-sandbox", "--disable-gpu", "--no-first-run",
-             "--disable-extensions", "--disable-background-networking", "--disable-dev-shm-usage", f"--user-data-dir={self.profile}",
-             f"--window-size={width},{height}", "about:blank"],
-            preexec_fn=fds, pass_fds=(3, 4), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                chromium(), "--headless=new", "--remote-debugging-pipe", "--no-sandbox", "--disable-gpu",
+                "--no-first-run", "--disable-extensions", "--disable-background-networking", "--disable-dev-shm-usage",
+                f"--user-data-dir={self.profile}", f"--window-size={width},{height}", "about:blank",
+            ],
+            preexec_fn=fds,
+            pass_fds=(3, 4),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         os.close(to_chrome)
         os.close(from_chrome)
         self._buf, self._id = b"", 0
         target = self.call("Target.createTarget", url=url)["targetId"]
         self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
-        self.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False, session=True)
+        self.call(
+            "Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False,
+            session=True,
+        )
 
     def call(self, method: str, session: bool = False, **params):
         self._id += 1
@@ -216,7 +239,8 @@ class Browser:
             time.sleep(0.05)
 
     def hover(self, selector: str):
-        box = self.js(f"(() => {{ const e = document.querySelector({json.dumps(selector)}); e.scrollIntoView({{block: 'center'}});"
+        box = self.js(f"(() => {{ const e = document.querySelector({json.dumps(selector)}); e.scrollIntoView({{block: "
+                      f"'center'}});"
                       " const r = e.getBoundingClientRect(); return [r.left + r.width / 2, r.top + r.height / 2]; })()")
         self.call("Input.dispatchMouseEvent", session=True, type="mouseMoved", x=box[0], y=box[1])
 
@@ -267,7 +291,8 @@ def browser():
 
 @needs_chromium
 def test_page_in_chromium(run, browser, tmp_path):
-    """Tokens shown, a checkpoint switch recolours them, a rule (the one with most misses) marks its evictions with the counts of
+    """Tokens shown, a checkpoint switch recolours them, a rule (the one with most misses) marks its evictions with the
+    counts of
     eviction_counts, hover text present; a screenshot is written."""
     path = Path(os.environ.get("KVDIAG_VIEWER") or run["root"] / "viewer.html")
     data = page_data(path.read_text())
@@ -314,7 +339,12 @@ def test_page_in_chromium(run, browser, tmp_path):
     b.hover(f"#tokens span[data-i='{i}']")
     b.wait("!document.getElementById('tip').hidden", 5)
     tip = b.js("document.getElementById('tip').textContent")
-    assert f"position {i}" in tip and "kl_mean" in tip and "top-1 flips" in tip and f"age {c['age'][c['pos'].index(i)]}" in tip
+    assert (
+        f"position {i}" in tip
+        and "kl_mean" in tip
+        and "top-1 flips" in tip
+        and f"age {c['age'][c['pos'].index(i)]}" in tip
+    )
     assert all(r in tip for r in rules) and "percentile" in tip
 
     shot = Path(os.environ.get("KVDIAG_SCREENSHOT") or tmp_path / "viewer.png")
@@ -323,7 +353,8 @@ def test_page_in_chromium(run, browser, tmp_path):
 
     # a budget: keep B of the C scored candidates
     b.js(select("mode", "budget"))
-    b.js("(() => { const a = document.getElementById('amount'); a.value = '3'; a.dispatchEvent(new Event('input')); })()")
+    b.js("(() => { const a = document.getElementById('amount'); a.value = '3'; a.dispatchEvent(new Event('input')); "
+         "})()")
     assert int(b.js("+document.getElementById('n-evicted').textContent")) == max(c["n"][k] - 3, 0)
     if len(data["prompts"]) > 1:
         other = (pi + 1) % len(data["prompts"])
@@ -332,28 +363,41 @@ def test_page_in_chromium(run, browser, tmp_path):
         assert b.js("document.getElementById('ckpt').options.length") == len(data["prompts"][other]["ckpts"])
 
 
-def synthetic_long(n_tokens: int = 4096, n_rules: int = 20, every: int = 256, candidates: int = 1024, seed: int = 0) -> dict:
+def synthetic_long(
+    n_tokens: int = 4096, n_rules: int = 20, every: int = 256, candidates: int = 1024, seed: int = 0
+) -> dict:
     """Page data of one synthetic prompt: ``n_tokens`` tokens, a checkpoint every ``every`` tokens with up to
     ``candidates`` labeled entries, ``n_rules`` scored rules."""
     rng = np.random.default_rng(seed)
     words = ["the", " x", " =", " 2", "\n", " so", " we", " get", ".", " Let"]
-    tokens = pl.DataFrame({"prompt_id": "long", "position": np.arange(n_tokens), "token_id": rng.integers(0, 10, n_tokens)})
+    tokens = pl.DataFrame(
+        {"prompt_id": "long", "position": np.arange(n_tokens), "token_id": rng.integers(0, 10, n_tokens)}
+    )
     tokens = tokens.with_columns(token_text=pl.col("token_id").map_elements(lambda i: words[i], return_dtype=pl.String))
     rows = []
     for t in range(every, n_tokens + 1, every):
         pos = np.sort(rng.choice(t, min(t, candidates), replace=False))
-        rows.append(pl.DataFrame({"prompt_id": "long", "checkpoint": t, "position": pos, "granularity": "token", "layer": -1,
-                                  "kv_head": -1, "kl_mean": np.exp(rng.normal(-6, 2, len(pos))), "noise_floor": 1e-4,
-                                  "top1_flips": rng.integers(0, 3, len(pos)), "age": t - pos}))
+        rows.append(
+            pl.DataFrame(
+                {
+                    "prompt_id": "long", "checkpoint": t, "position": pos, "granularity": "token", "layer": -1,
+                    "kv_head": -1, "kl_mean": np.exp(rng.normal(-6, 2, len(pos))), "noise_floor": 1e-4,
+                    "top1_flips": rng.integers(0, 3, len(pos)), "age": t - pos,
+                }
+            )
+        )
     labels = pl.concat(rows)
-    scores = labels.select(KEYS).with_columns(**{f"rule_{k:02d}": pl.Series(rng.normal(size=labels.height)) for k in range(n_rules)})
+    scores = labels.select(KEYS).with_columns(
+        **{f"rule_{k:02d}": pl.Series(rng.normal(size=labels.height)) for k in range(n_rules)}
+    )
     return viewer_data(tokens, {"long": 64}, labels, scores)
 
 
 @needs_chromium
 def test_responsive_on_4k_tokens_and_20_rules(browser, tmp_path):
     """4,096 tokens, 16 checkpoints of up to 1,024 candidates, 20 rules: switching checkpoint and rule (recolour up to
-    the next painted frame) takes tens of ms; the bound leaves room for a loaded CI machine. Times printed (pytest -s)."""
+    the next painted frame) takes tens of ms; the bound leaves room for a loaded CI machine. Times printed (pytest
+    -s)."""
     t0 = time.perf_counter()
     path = tmp_path / "viewer.html"
     path.write_text(viewer_html(synthetic_long()))
@@ -367,7 +411,8 @@ def test_responsive_on_4k_tokens_and_20_rules(browser, tmp_path):
     b.hover("#tokens span[data-i='4000']")
     b.wait("!document.getElementById('tip').hidden", 5)
     med = {k: float(np.median(v)) for k, v in times.items()}
-    print(f"\n4k tokens x 20 rules: page {path.stat().st_size / 1e6:.2f} MB, built in {build_s:.2f} s, loaded in {load_ms:.0f} ms; "
+    print(f"\n4k tokens x 20 rules: page {path.stat().st_size / 1e6:.2f} MB, built in {build_s:.2f} s, loaded in "
+          f"{load_ms:.0f} ms; "
           f"median switch checkpoint {med['checkpoint']:.1f} ms (max {max(times['checkpoint']):.1f}), "
           f"rule {med['rule']:.1f} ms (max {max(times['rule']):.1f})")
     assert med["checkpoint"] < 250 and med["rule"] < 250

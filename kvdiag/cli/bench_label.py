@@ -15,8 +15,10 @@ def bench_label(
     prefix: int = typer.Option(512, "--prefix", help="prefix length P (the checkpoint)"),
     n: int = typer.Option(64, "--n", help="candidate positions N"),
     horizon: int = typer.Option(16, "--horizon", help="teacher-forced tokens H"),
-    granularity: str = typer.Option("token", "--granularity", help="token: engine vs naive vs plain; layer | head: layer start vs full depth"),
-    method: str = typer.Option("exact", "--method", help="exact, or an approximate method (fast, fisher): its cost per labeled entry vs exact"),
+    granularity: str = typer.Option("token", "--granularity", help="token: engine vs naive vs plain; layer | head: "
+                                                                   "layer start vs full depth"),
+    method: str = typer.Option("exact", "--method", help="exact, or an approximate method (fast, fisher): its cost "
+                                                         "per labeled entry vs exact"),
     samples: int = typer.Option(8, "--samples", help="fisher: sampled continuations per horizon step"),
     repeats: int = typer.Option(3, "--repeats", help="timed runs per method, round-robin (best reported)"),
     dtype: str = common.Dtype,
@@ -35,15 +37,17 @@ def bench_label(
         raise UserError(f"--granularity {granularity}: use one of {', '.join(GRANULARITIES)}")
     method = resolve_method(method)
     if method != "exact" and granularity != "token":
-        raise UserError("--method with --granularity layer|head: bench one of them at a time (the approximate method is benched on token rows)")
+        raise UserError("--method with --granularity layer|head: bench one of them at a time (the approximate method "
+                        "is benched on token rows)")
     common.quiet_transformers()
     lm = load_model(model, dtype=dtype, device=device)
     title = f"bench label: {model} {dtype} on {device}, P={prefix}, N={n}, H={horizon}"
     console = Console()
     if method != "exact":
         res = run_fast_bench(lm, method, prefix, n, horizon, repeats, backend=backend, samples=samples)
-        table = _table(f"{title}, {method} samples={samples}", ("method", "entries", "s", "ms / entry", "peak extra MB"))
-        for r, k in zip(res.rows, res.labeled):
+        table = _table(f"{title}, {method} samples={samples}", ("method", "entries", "s", "ms / entry", "peak extra "
+                                                                                                        "MB"))
+        for r, k in zip(res.rows, res.labeled, strict=True):
             table.add_row(r.method, str(k), f"{r.seconds:.2f}", f"{1000 * r.seconds / k:.1f}", _mb(r.peak_mb))
         (ex, ap), (kx, ka) = res.rows, res.labeled
         console.print(table)
@@ -52,15 +56,16 @@ def bench_label(
         return
     if granularity != "token":
         res = run_layer_start_bench(lm, granularity, prefix, n, horizon, repeats, backend=backend)
-        table = _table(f"{title}, {granularity} granularity ({res.labeled} rows)", ("method", "s", "tok/s", "peak extra MB"))
+        table = _table(f"{title}, {granularity} granularity ({res.labeled} rows)", ("method", "s", "tok/s", "peak "
+                                                                                                            "extra MB"))
         for r in res.rows:
             table.add_row(r.method, f"{r.seconds:.2f}", f"{r.tokens_per_s:.0f}", _mb(r.peak_mb))
         start, full = res.rows
         console.print(table)
         ceiling = ModelShape.from_config(lm.model.config, model).layer_start_ceiling(prefix)
         per_repeat = ", ".join(f"{r:.2f}x" for r in res.ratios)
-        console.print(f"layer start speed-up over full depth: {full.seconds / start.seconds:.2f}x (per repeat: {per_repeat}; "
-                      f"batches timed in alternation; FLOP ceiling for this model "
+        console.print(f"layer start speed-up over full depth: {full.seconds / start.seconds:.2f}x (per repeat: "
+                      f"{per_repeat}; batches timed in alternation; FLOP ceiling for this model "
                       f"at P={prefix}: {ceiling:.2f}x, kvdiag.cost); labels differ by at most "
                       f"{res.max_abs_diff:.2e} nats ({res.max_rel_diff:.1e} relative)")
         return
@@ -68,7 +73,9 @@ def bench_label(
     engine, naive, plain = rows
     table = _table(title, ("method", "s", "tok/s", "peak extra MB", "engine speed-up"))
     for r in rows:
-        table.add_row(r.method, f"{r.seconds:.2f}", f"{r.tokens_per_s:.0f}", _mb(r.peak_mb), f"{r.seconds / engine.seconds:.2f}x")
+        table.add_row(
+            r.method, f"{r.seconds:.2f}", f"{r.tokens_per_s:.0f}", _mb(r.peak_mb), f"{r.seconds / engine.seconds:.2f}x"
+        )
     console.print(table)
     console.print(f"engine / naive speed: {naive.seconds / engine.seconds:.2f}x; "
                   f"engine throughput / plain batched forward: {plain.seconds / engine.seconds:.2f}")

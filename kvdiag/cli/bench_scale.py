@@ -13,18 +13,24 @@ from kvdiag.cli import common
 def bench_scale(
     model: str = common.Model,
     prompts: str = common.Prompts,
-    lengths: list[str] = typer.Option(["1024,2048,4096,8192"], "--lengths", help="trace lengths T, comma-separated (repeatable)"),
-    store: list[str] = typer.Option(["all", "kv", "none"], "--store", help="store mode to trace, repeatable: all | kv | none | LAYERS"),
+    lengths: list[str] = typer.Option(["1024,2048,4096,8192"], "--lengths", help="trace lengths T, comma-separated "
+                                                                                 "(repeatable)"),
+    store: list[str] = typer.Option(["all", "kv", "none"], "--store", help="store mode to trace, repeatable: all | kv "
+                                                                           "| none | LAYERS"),
     dtype: str = common.Dtype,
-    out: Path = typer.Option(..., "--out", help="work directory (Traces, steps/, logs/) and its tables scale.md, scale.csv"),
+    out: Path = typer.Option(..., "--out", help="work directory (Traces, steps/, logs/) and its tables scale.md, "
+                                                "scale.csv"),
 ) -> None:
     """Trace (per store mode), label, score and figures at each length T, each in a process of its own."""
     from kvdiag import scale
 
     common.quiet_transformers()
-    plan = scale.ScalePlan(model, prompts, scale.parse_lengths(common.listed(lengths)), scale.parse_stores(store), out, dtype)
+    plan = scale.ScalePlan(
+        model, prompts, scale.parse_lengths(common.listed(lengths)), scale.parse_stores(store), out, dtype
+    )
     console = Console()
     text = scale.bench_scale(plan, lambda s: console.print(
         f"{s.name}: {s.seconds:.1f} s, peak {s.peak_rss_mb:.0f} MB"
-        + (f" (after the load {s.work_peak_mb:.0f} MB)" if s.work_peak_mb is not None else "") + (f", {s.disk_mb:.1f} MB on disk" if s.disk_mb else "")))
+        + (f" (after the load {s.work_peak_mb:.0f} MB)" if s.work_peak_mb is not None else "") + (f", {s.disk_mb:.1f} "
+            "MB on disk" if s.disk_mb else "")))
     console.print(text)

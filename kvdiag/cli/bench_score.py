@@ -12,21 +12,23 @@ from rich.table import Table
 def bench_score(
     trace: Path = typer.Option(..., "--trace", help="Trace directory written by `kvdiag trace`."),
     scorers: list[str] = typer.Option(["all"], "--scorers", help="'all' or comma-separated scorer names, repeatable."),
-    checkpoints: list[str] = typer.Option(["default"], "--checkpoints", help="'default' (every 128 generated tokens) or positions t, repeatable."),
+    checkpoints: list[str] = typer.Option(["default"], "--checkpoints", help="'default' (every 128 generated tokens) "
+                                                                             "or positions t, repeatable."),
     param: list[str] | None = typer.Option(None, "--param", help="scorer.key=value, repeatable."),
-    plugin: list[str] | None = typer.Option(None, "--plugin", help="Module (or .py file) registering scorers, repeatable."),
+    plugin: list[str] | None = typer.Option(None, "--plugin", help="Module (or .py file) registering scorers, "
+                                                                   "repeatable."),
     out: Path | None = typer.Option(None, "--out", help="Also write the numbers as JSON here."),
 ) -> None:
     """Time `kvdiag score` over every checkpoint (token granularity, all cached entries) and report s/checkpoint."""
-    from kvdiag.cli.common import joined
+    from kvdiag.cli.common import joined, parse_checkpoints, parse_list
     from kvdiag.io import write_json
     from kvdiag.scorers import parse_params
     from kvdiag.scorers.bench import run_score_bench
-    from kvdiag.scorers.run import parse_checkpoints
     from kvdiag.trace import Trace
 
     tr = Trace(trace)
-    r = run_score_bench(tr, joined(scorers), parse_checkpoints(joined(checkpoints)), parse_params(param), plugin or ())
+    r = run_score_bench(tr, parse_list(scorers, "--scorers", str), parse_checkpoints(joined(checkpoints)),
+                        parse_params(param), plugin or ())
     n_cp = r.checkpoints
     table = Table(title=f"kvdiag score on {trace}: {n_cp} checkpoints, {r.layers} layers, {r.entries} entries")
     table.add_column("scorer")

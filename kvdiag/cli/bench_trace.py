@@ -9,13 +9,10 @@ from kvdiag.cli import common
 
 
 def bench_trace(
-    model: str = common.Model,
-    prompts: str = common.Prompts,
-    limit: int = typer.Option(2, "--limit"),
+    model: str = common.Model, prompts: str = common.Prompts, limit: int = typer.Option(2, "--limit"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     repeats: int = typer.Option(2, "--repeats", help="alternating runs per method (best reported)"),
-    dtype: str = common.Dtype,
-    device: str = common.Device,
+    dtype: str = common.Dtype, device: str = common.Device,
 ) -> None:
     """Time `kvdiag trace` (record + write) against plain `generate` on the same prompts."""
     from kvdiag.models import load_model

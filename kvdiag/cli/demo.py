@@ -23,36 +23,57 @@ def demo_commands(out: Path, model: str, prompts: str, limit: int, max_new_token
     """(stage, output that marks it done, argv) for every stage of the pipeline."""
     trace, labels, scores = out / "trace", out / "labels.parquet", out / "scores.parquet"
     return [
-        ("trace", trace / "manifest.json",
-         ["trace", "--model", model, "--prompts", prompts, "--limit", str(limit), "--max-new-tokens", str(max_new_tokens),
-          "--out", str(trace)]),
-        ("label", labels,
-         ["label", "--trace", str(trace), "--out", str(labels), "--checkpoints", f"every:{interval}",
-          "--candidates", str(candidates), "--horizon", str(horizon)]),
-        ("score", scores, ["score", "--trace", str(trace), "--labels", str(labels), "--scorers", "all", "--out", str(scores)]),
-        ("rank-eval", out / "rank-eval" / "metrics.csv",
-         ["rank-eval", "--labels", str(labels), "--scores", str(scores), "--out", str(out / "rank-eval"),
-          "--bootstrap", str(bootstrap)]),
-        ("figures", out / "figures" / "figures.json",
-         ["figures", "--trace", str(trace), "--labels", str(labels), "--scores", str(scores), "--out", str(out / "figures"),
-          "--rank-eval", str(out / "rank-eval")]),
+        (
+            "trace",
+            trace / "manifest.json",
+            [
+                "trace", "--model", model, "--prompts", prompts, "--limit", str(limit), "--max-new-tokens",
+                str(max_new_tokens), "--out", str(trace),
+            ],
+        ),
+        (
+            "label",
+            labels,
+            [
+                "label", "--trace", str(trace), "--out", str(labels), "--checkpoints", f"every:{interval}",
+                "--candidates", str(candidates), "--horizon", str(horizon),
+            ],
+        ),
+        (
+            "score", scores,
+            ["score", "--trace", str(trace), "--labels", str(labels), "--scorers", "all", "--out", str(scores)],
+        ),
+        (
+            "rank-eval",
+            out / "rank-eval" / "metrics.csv",
+            [
+                "rank-eval", "--labels", str(labels), "--scores", str(scores), "--out", str(out / "rank-eval"),
+                "--bootstrap", str(bootstrap),
+            ],
+        ),
+        (
+            "figures",
+            out / "figures" / "figures.json",
+            [
+                "figures", "--trace", str(trace), "--labels", str(labels), "--scores", str(scores), "--out",
+                str(out / "figures"), "--rank-eval", str(out / "rank-eval"),
+            ],
+        ),
         ("report", out / "report.md", ["report", "--run", str(out)]),
     ]
 
 
 def demo(
-    out: Path = typer.Option(Path("runs/demo"), "--out", help="run directory"),
-    model: str = common.Model,
-    prompts: str = common.Prompts,
+    ctx: typer.Context, out: Path = typer.Option(Path("runs/demo"), "--out", help="run directory"),
+    model: str = common.Model, prompts: str = common.Prompts,
     limit: int = typer.Option(6, "--limit", help="prompts to trace"),
     max_new_tokens: int = typer.Option(384, "--max-new-tokens"),
     candidates: int = typer.Option(64, "--candidates", help="labeled candidates per checkpoint"),
     horizon: int = typer.Option(HORIZON, "--horizon"),
     interval: int = typer.Option(64, "--interval", help="checkpoint every K generated tokens"),
-    bootstrap: int = typer.Option(1000, "--bootstrap"),
+    bootstrap: int = common.Bootstrap,
 ) -> None:
     """Run trace -> label -> score -> rank-eval -> figures -> report and print the report's path."""
-    from kvdiag.cli.main import app
     from kvdiag.io import check_writable
     from kvdiag.report import record_command
 
@@ -68,8 +89,9 @@ def demo(
             continue
         console.rule(f"[{i}/{len(stages)}] {stage}")
         console.print(f"[dim]$ {line}[/]", highlight=False)
-        app(args=argv, standalone_mode=False)
+        common.invoke(ctx.find_root().command, argv)  # as typed: repeated options refused
         record_command(out, ["kvdiag", *argv])
     minutes = (time.perf_counter() - start) / 60
     console.rule()
-    console.print(f"demo finished in {minutes:.1f} min; report: [bold]{out / 'report.md'}[/] (and {out / 'report.html'})")
+    console.print(f"demo finished in {minutes:.1f} min; report: [bold]{out / 'report.md'}[/] (and "
+                  f"{out / 'report.html'})")

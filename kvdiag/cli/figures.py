@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from kvdiag.cli import common
 from kvdiag.figures.params import FigureParams
 
 _D = FigureParams()
@@ -15,47 +16,60 @@ _D = FigureParams()
 def figures(
     ctx: typer.Context,
     trace: Path = typer.Option(..., "--trace", help="Trace directory written by kvdiag trace"),
-    labels: Path = typer.Option(..., "--labels", help="labels.parquet written by kvdiag label (token granularity is used)"),
-    scores: Path = typer.Option(..., "--scores", help="scores.parquet written by kvdiag score (for the component figure)"),
+    labels: Path = typer.Option(..., "--labels", help="labels.parquet written by kvdiag label (token granularity is "
+                                                      "used)"),
+    scores: Path = typer.Option(..., "--scores", help="scores.parquet written by kvdiag score (for the component "
+                                                      "figure)"),
     out: Path = typer.Option(..., "--out", help="output directory (PNG, PDF, CSV, figures.json)"),
-    rank_eval: Path | None = typer.Option(None, "--rank-eval", help="a kvdiag rank-eval directory: reuse its metrics.csv"),
-    w_obs: int = typer.Option(_D.w_obs, help="observation window: p's window [t-W, t); (b)'s first window [i+1, i+1+W)"),
-    w_delay: int = typer.Option(_D.w_delay, help="p is normalized over entries of age > w_delay (AvoKV-E's C_t); 0: whole cache"),
+    rank_eval: Path | None = typer.Option(None, "--rank-eval", help="a kvdiag rank-eval directory: reuse its "
+                                                                    "metrics.csv"),
+    w_obs: int = typer.Option(_D.w_obs, help="observation window: p's window [t-W, t); (b)'s first window [i+1, "
+                                             "i+1+W)"),
+    w_delay: int = typer.Option(_D.w_delay, help="p is normalized over entries of age > w_delay (AvoKV-E's C_t); 0: "
+                                                 "whole cache"),
     payload: str = typer.Option(_D.payload, help="value payload b: l2 | l1 | range | var"),
-    harm: str = typer.Option(_D.harm, help="high damage: kl_mean above quantile:Q of the analysed labels, or abs:TAU nats"),
-    include_unresolved: bool = typer.Option(_D.include_unresolved, "--include-unresolved", help="keep labels at or below their noise floor"),
-    noise_mult: float = typer.Option(_D.noise_mult, help="unresolved: kl_mean <= noise_mult * noise_floor"),
-    low_attention_quantile: float = typer.Option(_D.low_attention_quantile, help="low attention: p below this quantile of its checkpoint"),
-    large_payload_quantile: float = typer.Option(_D.large_payload_quantile, help="large payload: b above this quantile of its checkpoint"),
+    harm: str = common.Harm,
+    include_unresolved: bool = common.IncludeUnresolved,
+    noise_mult: float = common.NoiseMult,
+    low_attention_quantile: float = typer.Option(_D.low_attention_quantile, help="low attention: p below this "
+                                                                                 "quantile of its checkpoint"),
+    large_payload_quantile: float = typer.Option(_D.large_payload_quantile, help="large payload: b above this "
+                                                                                 "quantile of its checkpoint"),
     read_reduce: str = typer.Option(_D.read_reduce, help="read strength: mean or max over layers and query heads"),
-    strong_read_mult: float = typer.Option(_D.strong_read_mult, help="strong read: strength >= this many times uniform attention 1/(tau+1)"),
+    strong_read_mult: float = typer.Option(_D.strong_read_mult, help="strong read: strength >= this many times "
+                                                                     "uniform attention 1/(tau+1)"),
     interval: int = typer.Option(_D.interval, help="a window-only rule compresses every INTERVAL generated tokens"),
-    min_group: int = typer.Option(_D.min_group, help="fewest candidates per compared group for a test (else n/a + note)"),
-    bootstrap: int = typer.Option(_D.n_boot, help="cluster-bootstrap resamples of the component metrics"),
+    min_group: int = typer.Option(_D.min_group, help="fewest candidates per compared group for a test (else n/a + "
+                                                     "note)"),
+    bootstrap: int = common.Bootstrap,
     seed: int = typer.Option(_D.seed, help="bootstrap seed"),
     rho: float = typer.Option(_D.rho, help="eviction fraction of the false-safe rate"),
     scope: str = typer.Option(_D.scope, help="component metrics: pooled or macro"),
-    min_age: int | None = typer.Option(None, help="component figure: only candidates of age (checkpoint - position) >= A"),
-    max_age: int | None = typer.Option(None, help="component figure: only candidates of age <= A"),
-    eligible: str | None = typer.Option(None, help="component figure: only the entries this scorer could evict, e.g. avokv_e"),
+    min_age: int | None = common.MinAge,
+    max_age: int | None = common.MaxAge,
+    eligible: str | None = common.Eligible,
 ) -> None:
     """Draw the attention-only blind spot, the delayed-read effect and the AvoKV-E component figure."""
     from kvdiag.figures.run import figures_files
 
     params = FigureParams(
-        w_obs=w_obs, w_delay=w_delay, payload=payload, harm=harm, include_unresolved=include_unresolved, noise_mult=noise_mult,
-        low_attention_quantile=low_attention_quantile, large_payload_quantile=large_payload_quantile, read_reduce=read_reduce,
-        strong_read_mult=strong_read_mult, interval=interval, min_group=min_group, n_boot=bootstrap, seed=seed, rho=rho, scope=scope,
-        min_age=min_age, max_age=max_age, eligible=eligible,
+        w_obs=w_obs, w_delay=w_delay, payload=payload, harm=harm, include_unresolved=include_unresolved,
+        noise_mult=noise_mult, low_attention_quantile=low_attention_quantile,
+        large_payload_quantile=large_payload_quantile, read_reduce=read_reduce, strong_read_mult=strong_read_mult,
+        interval=interval, min_group=min_group, n_boot=bootstrap, seed=seed, rho=rho, scope=scope, min_age=min_age,
+        max_age=max_age, eligible=eligible,
     )
     result = figures_files(trace, labels, scores, out, params, rank_eval, command=invocation(ctx))
     console = Console()
     a, b = result["blind_spot"], result["delayed_reads"]
-    console.print(f"[bold]blind spot[/]: {a['n_blind_spot']:.0f} of {a['n_low_attention']:.0f} low-attention candidates have large "
+    console.print(f"[bold]blind spot[/]: {a['n_blind_spot']:.0f} of {a['n_low_attention']:.0f} low-attention "
+                  "candidates have large "
                   f"payloads, {a['n_blind_spot_high_damage']:.0f} high-damage; Fisher p = {a['fisher_p']:.3g}, "
                   f"rank-biserial r = {a['rank_biserial']:.3g}", highlight=False)
-    console.print(f"[bold]delayed reads[/]: {b['n_delayed']:.0f} delayed, {b['n_never']:.0f} never read, {b['n_early']:.0f} early; "
-                  f"share evicted before the read {b['share_evicted_before_read']:.3g}; KL delayed vs never r = {b['rank_biserial']:.3g}",
+    console.print(f"[bold]delayed reads[/]: {b['n_delayed']:.0f} delayed, {b['n_never']:.0f} never read, "
+                  f"{b['n_early']:.0f} early; "
+                  f"share evicted before the read {b['share_evicted_before_read']:.3g}; KL delayed vs never r = "
+                  f"{b['rank_biserial']:.3g}",
                   highlight=False)
     for note in result["notes"]:
         console.print(f"[yellow]note:[/] {note}", highlight=False)

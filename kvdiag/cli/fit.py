@@ -7,34 +7,43 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from kvdiag.cli import common
+
 
 def fit(
     trace: Path = typer.Option(..., "--trace", help="Trace directory the labels were made from"),
     labels: Path = typer.Option(..., "--labels", help="labels.parquet written by kvdiag label (token rows are used)"),
     out: Path = typer.Option(..., "--out", help="output directory"),
-    scores: Path | None = typer.Option(None, "--scores", help="scores.parquet of the same labels: rank the hand-made rules beside the fit"),
-    features: list[str] | None = typer.Option(None, "--features", help="features to use, comma-separated, repeatable (default: all; see docs/rank-eval.md)"),
-    harm: str = typer.Option("quantile:0.9", "--harm", help="harmful = kl_mean above quantile:Q of the resolved labels, or abs:TAU nats"),
-    folds: int = typer.Option(5, "--folds", help="grouped cross-validation folds (by prompt; at most the number of prompts)"),
-    bootstrap: int = typer.Option(1000, "--bootstrap", help="cluster-bootstrap resamples of the metrics"),
-    include_unresolved: bool = typer.Option(False, "--include-unresolved", help="keep labels at or below their noise floor"),
+    scores: Path | None = typer.Option(None, "--scores", help="scores.parquet of the same labels: rank the hand-made "
+                                                              "rules beside the fit"),
+    features: list[str] | None = typer.Option(None, "--features", help="features to use, comma-separated, repeatable "
+                                                                       "(default: all; see docs/rank-eval.md)"),
+    harm: str = common.Harm,
+    folds: int = typer.Option(5, "--folds", help="grouped cross-validation folds (by prompt; at most the number of "
+                              "prompts)"),
+    bootstrap: int = common.Bootstrap,
+    include_unresolved: bool = common.IncludeUnresolved,
+    noise_mult: float = common.NoiseMult,
     seed: int = typer.Option(0, "--seed"),
 ) -> None:
     """Fit logistic regression and gradient-boosted trees to the harmful label from per-entry features, rank their
     out-of-fold predictions beside the rules, save the logistic regression as a scorer (fitted)."""
-    from kvdiag.cli.common import listed
     from kvdiag.fit import FitConfig, fit_files
 
-    cfg = FitConfig(features=tuple(listed(features)), harm=harm, n_splits=folds, n_boot=bootstrap,
-                    include_unresolved=include_unresolved, seed=seed)
+    cfg = FitConfig(features=tuple(common.parse_list(features, "--features", str)), harm=harm, n_splits=folds,
+                    n_boot=bootstrap, include_unresolved=include_unresolved, noise_mult=noise_mult, seed=seed)
     res = fit_files(trace, labels, scores, out, cfg)
     console = Console()
     s = res["summary"]
-    console.print(f"fit on {s['n']:,} entries ({s['n_harmful']} harmful, {s['prompts']} prompts, {s['folds']} grouped folds); "
-                  f"out-of-fold metrics with rank-eval:", highlight=False)
-    m = res["metrics"].filter((res["metrics"]["scope"] == "pooled") & res["metrics"]["metric"].is_in(["auroc", "ap", "fsr"]))
+    console.print(f"fit on {s['n']:,} entries ({s['n_harmful']} harmful, {s['prompts']} prompts, {s['folds']} grouped "
+                  f"folds); out-of-fold metrics with rank-eval:", highlight=False)
+    m = res["metrics"].filter(
+        (res["metrics"]["scope"] == "pooled") & res["metrics"]["metric"].is_in(["auroc", "ap", "fsr"])
+    )
     for row in m.sort("metric", "value", descending=[False, True]).iter_rows(named=True):
-        console.print(f"  {row['metric']:6s} {row['scorer']:24s} {row['value']:.3f} [{row['ci_low']:.3f}, {row['ci_high']:.3f}]",
+        console.print(f"  {row['metric']:6s} {row['scorer']:24s} {row['value']:.3f} [{row['ci_low']:.3f}, "
+                      f"{row['ci_high']:.3f}]",
                       highlight=False)
-    console.print(f"wrote features.parquet, oof_scores.parquet, metrics.csv, table.md, importances.csv, model.json to {out}",
+    console.print("wrote features.parquet, oof_scores.parquet, metrics.csv, table.md, importances.csv, model.json to "
+                  f"{out}",
                   highlight=False)

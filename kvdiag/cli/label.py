@@ -15,14 +15,17 @@ def label(
     ctx: typer.Context,
     trace: Path = typer.Option(..., "--trace", help="Trace directory from `kvdiag trace`"),
     out: Path = typer.Option(..., "--out", help="labels.parquet (parts are kept beside it in OUT.parts/)"),
-    checkpoints: list[str] = typer.Option([CHECKPOINTS], "--checkpoints", help="every:K (generated tokens) or absolute positions t1,t2,... (repeatable)"),
+    checkpoints: list[str] = typer.Option([CHECKPOINTS], "--checkpoints", help="every:K (generated tokens) or "
+        "absolute positions t1,t2,... (repeatable)"),
     horizon: int = typer.Option(HORIZON, "--horizon", help="teacher-forced steps H"),
     candidates: str = typer.Option("64", "--candidates", help="N (seeded sample per checkpoint) or all"),
     granularity: str = typer.Option("token", "--granularity", help="token | layer | head"),
-    layers: list[str] | None = typer.Option(None, "--layers", help="layer/head granularity: comma-separated layers, repeatable (default all)"),
+    layers: list[str] | None = typer.Option(None, "--layers", help="layer/head granularity: comma-separated layers, "
+                                                                   "repeatable (default all)"),
     w_obs: int = typer.Option(W_OBS, "--w-obs", help="every:K starts once W_obs tokens are generated"),
     batch_size: int = typer.Option(64, "--batch-size", help="candidate rows per forward"),
-    method: str = typer.Option("exact", "--method", help="exact (the oracle) | fast (the recommended approximate method, labels every entry in one pass) | fisher (docs/labels.md)"),
+    method: str = typer.Option("exact", "--method", help="exact (the oracle) | fast (the recommended approximate "
+        "method, labels every entry in one pass) | fisher (docs/labels.md)"),
     samples: int = typer.Option(None, "--samples", help="fisher: sampled continuations per horizon step (default 8)"),
     seed: int = common.Seed,
     model: str = typer.Option(None, "--model", help="override the Trace's model (refused if different unless --force)"),
@@ -30,7 +33,8 @@ def label(
     dtype: str = typer.Option(None, "--dtype", help="default: the Trace's model dtype"),
     device: str = common.Device,
     backend: str = typer.Option("auto", "--backend", help="kernel backend: auto | torch | triton"),
-    shard: str = typer.Option(None, "--shard", help="i/n: label only work items i, i+n, ... (Slurm arrays); merge with a final run without --shard"),
+    shard: str = typer.Option(None, "--shard", help="i/n: label only work items i, i+n, ... (Slurm arrays); merge "
+                                                    "with a final run without --shard"),
     quiet: bool = common.Quiet,
 ) -> None:
     """Evict single cache entries at checkpoints and measure the KL damage to the next H predictions."""

@@ -21,6 +21,7 @@ import typer
 from rich.console import Console
 
 from kvdiag.allocator import reuse_freed_memory
+from kvdiag.cli import common
 from kvdiag.errors import UserError
 
 DEBUG_FLAG = "--debug"
@@ -36,66 +37,41 @@ app = typer.Typer(
 bench_app = typer.Typer(help="Benchmarks: ratios measured in one run.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
-from kvdiag.cli.bench_kernels import bench_kernels  # noqa: E402  (after the apps exist)
-from kvdiag.cli.bench_label import bench_label  # noqa: E402
-from kvdiag.cli.bench_scale import bench_scale  # noqa: E402
-from kvdiag.cli.bench_score import bench_score  # noqa: E402
-from kvdiag.cli.bench_trace import bench_trace  # noqa: E402
-from kvdiag.cli.demo import demo  # noqa: E402
-from kvdiag.cli.figures import figures  # noqa: E402
-from kvdiag.cli.fit import fit  # noqa: E402
-from kvdiag.cli.label import label  # noqa: E402
-from kvdiag.cli.rank_eval import rank_eval  # noqa: E402
-from kvdiag.cli.replay import replay  # noqa: E402
-from kvdiag.cli.report import report  # noqa: E402
-from kvdiag.cli.score import score  # noqa: E402
-from kvdiag.cli.trace import trace  # noqa: E402
-from kvdiag.cli.validate_labels import validate_labels  # noqa: E402
+from kvdiag.cli.bench_kernels import bench_kernels
+from kvdiag.cli.bench_label import bench_label
+from kvdiag.cli.bench_scale import bench_scale
+from kvdiag.cli.bench_score import bench_score
+from kvdiag.cli.bench_trace import bench_trace
+from kvdiag.cli.demo import demo
+from kvdiag.cli.figures import figures
+from kvdiag.cli.fit import fit
+from kvdiag.cli.label import label
+from kvdiag.cli.rank_eval import rank_eval
+from kvdiag.cli.replay import replay
+from kvdiag.cli.report import report
+from kvdiag.cli.score import score
+from kvdiag.cli.trace import trace
+from kvdiag.cli.validate_labels import validate_labels
 
 for _name, _fn in [("trace", trace), ("label", label), ("score", score), ("rank-eval", rank_eval), ("figures", figures),
                    ("report", report), ("replay", replay), ("fit", fit), ("demo", demo),
                    ("validate-labels", validate_labels)]:
     app.command(_name)(_fn)
-for _name, _fn in [("trace", bench_trace), ("label", bench_label), ("score", bench_score), ("kernels", bench_kernels), ("scale", bench_scale)]:
+for _name, _fn in [
+    ("trace", bench_trace), ("label", bench_label), ("score", bench_score), ("kernels", bench_kernels),
+    ("scale", bench_scale),
+]:
     bench_app.command(_name)(_fn)
 
 
 def resolve_command(argv: list[str]):
-    """(the (sub)command ``argv`` runs, its names, the index of its first argument); typer's click is duck-typed."""
-    cmd, names, i = typer.main.get_command(app), [], 0
-    while hasattr(cmd, "commands") and i < len(argv) and not argv[i].startswith("-"):
-        if argv[i] not in cmd.commands:
-            break  # an unknown command: click says so
-        cmd, names, i = cmd.commands[argv[i]], names + [argv[i]], i + 1
-    return cmd, names, i
-
-
-def refuse_repeated_options(argv: list[str]) -> None:
-    """A single-valued option given twice would silently keep the last value: refuse it (list-valued options
-    are declared repeatable and accumulate)."""
-    cmd, _, i = resolve_command(argv)
-    options = {opt: p for p in getattr(cmd, "params", []) if getattr(p, "param_type_name", "") == "option"
-               for opt in p.opts + p.secondary_opts}
-    seen: dict[str, str] = {}
-    args = argv[i:]
-    j = 0
-    while j < len(args):
-        flag, has_value = args[j].split("=", 1)[0], "=" in args[j]
-        p = options.get(flag) if flag.startswith("-") else None
-        if p is not None:
-            if not p.is_flag and not has_value:
-                j += 1  # skip the option's value
-            if not p.multiple:
-                if p.name in seen:
-                    first = seen[p.name]
-                    raise UserError(f"{flag} is given twice: it takes one value; pass it once" if first == flag else
-                                    f"{first} and {flag} set the same option: pass only one of them")
-                seen[p.name] = flag
-        j += 1
+    """(the (sub)command ``argv`` runs, its names, the index of its first argument)."""
+    return common.resolve_command(typer.main.get_command(app), argv)
 
 
 def report_bug(err: BaseException, argv: list[str]) -> Path | None:
-    """Write the traceback of an unexpected exception to a log file; returns its path (None if none could be written)."""
+    """Write the traceback of an unexpected exception to a log file; returns its path (None if none could be
+    written)."""
     text = f"kvdiag {' '.join(argv)}\n\n" + "".join(traceback.format_exception(err))
     name = f"kvdiag-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     from kvdiag.embedded import cache_dir  # the one definition of kvdiag's user cache ($KVDIAG_CACHE)
@@ -121,8 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     err_console = Console(stderr=True, soft_wrap=True)
     reuse_freed_memory()
     try:
-        refuse_repeated_options(argv)
-        code = app(args=argv, standalone_mode=False)
+        code = common.invoke(typer.main.get_command(app), argv)
     except UserError as err:
         err_console.print(f"[bold red]error:[/] {_one_line(err)}", highlight=False)
         sys.exit(2)
@@ -131,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
             Console().print(err.ctx.get_help() if getattr(err, "ctx", None) else "", highlight=False)
             sys.exit(0)
         message = err.format_message() if hasattr(err, "format_message") else str(err)
-        err_console.print(f"[bold red]error:[/] {_one_line(message)} (see {' '.join(['kvdiag', *resolve_command(argv)[1]])} --help)",
+        err_console.print(f"[bold red]error:[/] {_one_line(message)} (see "
+                          f"{' '.join(['kvdiag', *resolve_command(argv)[1]])} --help)",
                           highlight=False)
         sys.exit(2)
     except (KeyboardInterrupt, typer.Abort):

@@ -10,26 +10,21 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvdiag.cli.common import listed
-from kvdiag.errors import UserError
+from kvdiag.cli import common
 from kvdiag.rankeval import RankEvalResult
 from kvdiag.rankeval.registry import metrics_where
 from kvdiag.rankeval.run import OUTPUTS, rank_eval_files
-
-
-def parse_rhos(items: list[str]) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in items)
-    except ValueError:
-        raise UserError(f"--rho-grid {','.join(items)}: pass eviction fractions, e.g. 0.1,0.25,0.5") from None
+from kvdiag.schema import RHO
 
 
 def _print_summary(result: RankEvalResult, scope: str, out: Path, console: Console) -> None:
     s, c = result.summary, result.config
     console.print(
-        f"[bold]rank-eval[/]: {s['n_evaluated']:,} candidates, {s['n_prompts']} prompts, {s['n_checkpoints']} checkpoints "
-        f"({s['granularity']}); harmful: kl_mean > {s['harm_threshold']:.4g} ({c.harm}), prevalence {s['prevalence']:.3f}; "
-        f"unresolved: {s['n_unresolved']} ({'excluded' if s['unresolved_excluded'] else 'included'}); candidates: {s['candidates']}",
+        f"[bold]rank-eval[/]: {s['n_evaluated']:,} candidates, {s['n_prompts']} prompts, {s['n_checkpoints']} "
+        f"checkpoints ({s['granularity']}); harmful: kl_mean > {s['harm_threshold']:.4g} ({c.harm}), prevalence "
+        f"{s['prevalence']:.3f}; "
+        f"unresolved: {s['n_unresolved']} ({'excluded' if s['unresolved_excluded'] else 'included'}); candidates: "
+        f"{s['candidates']}",
         highlight=False,
     )
     if "reference_note" in s:
@@ -40,7 +35,9 @@ def _print_summary(result: RankEvalResult, scope: str, out: Path, console: Conso
     table.add_column("Score")
     for m in metrics_where("table"):
         table.add_column(m.title, justify="right")
-    rows = {(r["scorer"], r["metric"]): r for r in result.metrics.filter(pl.col("scope") == scope).iter_rows(named=True)}
+    rows = {
+        (r["scorer"], r["metric"]): r for r in result.metrics.filter(pl.col("scope") == scope).iter_rows(named=True)
+    }
     for name in result.scorers:
         cells = []
         for m in metrics_where("table"):
@@ -60,20 +57,25 @@ def rank_eval(
     labels: Path = typer.Option(..., "--labels", help="labels.parquet written by kvdiag label"),
     scores: Path = typer.Option(..., "--scores", help="scores.parquet written by kvdiag score (one column per scorer)"),
     out: Path = typer.Option(..., "--out", help="output directory"),
-    harm: str = typer.Option("quantile:0.9", help="harmful = kl_mean above quantile:Q of the evaluated labels, or above abs:TAU nats"),
-    rho: float = typer.Option(0.5, help="eviction fraction: the lowest-scored floor(rho*C) candidates of a checkpoint are evicted"),
-    reference: str = typer.Option("auto", help="scorer for the paired comparisons: a score column, 'none' (no paired table) or 'auto' (avokv_e when the scores have it, else none)"),
-    bootstrap: int = typer.Option(1000, help="cluster-bootstrap resamples over prompts (0: no CIs)"),
+    harm: str = common.Harm,
+    rho: float = typer.Option(RHO, help="eviction fraction: the lowest-scored floor(rho*C) candidates of a checkpoint "
+                                        "are evicted"),
+    reference: str = typer.Option("auto", help="scorer for the paired comparisons: a score column, 'none' (no paired "
+                                               "table) or 'auto' (avokv_e when the scores have it, else none)"),
+    bootstrap: int = common.Bootstrap,
     seed: int = typer.Option(0, help="seed of the bootstrap"),
-    include_unresolved: bool = typer.Option(False, "--include-unresolved", help="keep labels at or below their noise floor"),
-    noise_mult: float = typer.Option(1.0, help="unresolved: kl_mean <= noise_mult * noise_floor"),
-    granularity: str | None = typer.Option(None, help="granularity to evaluate (token, layer, head) when the inputs hold several"),
-    scorers: list[str] | None = typer.Option(None, help="comma-separated score columns to evaluate, repeatable (default: all)"),
+    include_unresolved: bool = common.IncludeUnresolved,
+    noise_mult: float = common.NoiseMult,
+    granularity: str | None = typer.Option(None, help="granularity to evaluate (token, layer, head) when the inputs "
+                                                      "hold several"),
+    scorers: list[str] | None = typer.Option(None, help="comma-separated score columns to evaluate, repeatable "
+                                                        "(default: all)"),
     table_scope: str = typer.Option("pooled", help="scope of table.md / table.tex: pooled or macro"),
-    min_age: int | None = typer.Option(None, help="evaluate only candidates of age (checkpoint - position) >= A"),
-    max_age: int | None = typer.Option(None, help="evaluate only candidates of age <= A"),
-    eligible: str | None = typer.Option(None, help="evaluate only the entries this scorer could evict (outside its protected sinks, windows and delay buffer)"),
-    rho_grid: list[str] | None = typer.Option(None, help="eviction fractions of the budget curves, comma-separated, repeatable (default 0.1,...,0.9)"),
+    min_age: int | None = common.MinAge,
+    max_age: int | None = common.MaxAge,
+    eligible: str | None = common.Eligible,
+    rho_grid: list[str] | None = typer.Option(None, help="eviction fractions of the budget curves, comma-separated, "
+                                                         "repeatable (default 0.1,...,0.9)"),
 ) -> None:
     """Rank every scorer against the oracle labels: AUROC, AP, top-k recall, false-safe rate, Spearman."""
     result = rank_eval_files(
@@ -89,10 +91,11 @@ def rank_eval(
         include_unresolved=include_unresolved,
         noise_mult=noise_mult,
         granularity=granularity,
-        scorers=tuple(listed(scorers)) or None,
+        scorers=tuple(common.parse_list(scorers, "--scorers", str)) or None,
         min_age=min_age,
         max_age=max_age,
         eligible=eligible,
-        **({"rho_grid": parse_rhos(listed(rho_grid))} if rho_grid else {}),
+        **({"rho_grid": tuple(common.parse_list(rho_grid, "--rho-grid", float, low=0, high=1, strict=True,
+                                                 example="0.1,0.25,0.5"))} if rho_grid else {}),
     )
     _print_summary(result, table_scope, out, Console())

@@ -8,33 +8,48 @@ import typer
 from rich.console import Console
 
 from kvdiag.cli import common
-from kvdiag.errors import UserError
 from kvdiag.schema import CHECKPOINT_INTERVAL
 
 
 def replay(
     ctx: typer.Context,
-    scorer: list[str] = typer.Option(..., "--scorer", help="Scorer name(s), comma-separated and repeatable, e.g. rkv,attention,avokv_e."),
-    budget: list[str] = typer.Option(["256"], "--budget", help="KV budget(s): entries kept per layer and KV head, comma-separated and repeatable for a sweep, e.g. 128,256."),
-    interval: int = typer.Option(CHECKPOINT_INTERVAL, "--interval", help="Generated tokens between compressions (R-KV: 128)."),
-    w_obs: int | None = typer.Option(None, "--w-obs", help="Observation window for every scorer's window/w_obs (default: each scorer's own)."),
-    selection: str = typer.Option("per-head", "--selection", help="per-head (each layer and KV head keeps its own top B, R-KV) or per-token (one keep set)."),
-    max_new_tokens: int = typer.Option(512, "--max-new-tokens", help="Generation cap; stopping there is a max-length hit."),
-    teacher_forced: Path | None = typer.Option(None, "--teacher-forced", help="Trace directory: replay its tokens and report per-step KL instead of generating."),
-    out: Path = typer.Option(Path("runs/replay"), "--out", help="Output directory (a rerun with the same settings reuses finished parts)."),
-    model: str | None = typer.Option(None, "--model", help="Model (default: smollm2; with --teacher-forced the Trace's model)."),
-    prompts: str | None = typer.Option(None, "--prompts", help="file.jsonl, file.txt or builtin:arith (default); not with --teacher-forced."),
+    scorers: list[str] = typer.Option(..., "--scorers", "--scorer", help="Scorer name(s), comma-separated and "
+                                      "repeatable, e.g. rkv,attention,avokv_e (--scorer is the deprecated name)."),
+    budget: list[str] = typer.Option(["256"], "--budget", help="KV budget(s): entries kept per layer and KV head, "
+        "comma-separated and repeatable for a sweep, e.g. 128,256."),
+    interval: int = typer.Option(CHECKPOINT_INTERVAL, "--interval", help="Generated tokens between compressions "
+                                                                         "(R-KV: 128)."),
+    w_obs: int | None = typer.Option(None, "--w-obs", help="Observation window for every scorer's window/w_obs "
+                                                           "(default: each scorer's own)."),
+    selection: str = typer.Option("per-head", "--selection", help="per-head (each layer and KV head keeps its own top "
+                                                                  "B, R-KV) or per-token (one keep set)."),
+    max_new_tokens: int = typer.Option(512, "--max-new-tokens", help="Generation cap; stopping there is a max-length "
+                                                                     "hit."),
+    teacher_forced: Path | None = typer.Option(None, "--teacher-forced", help="Trace directory: replay its tokens and "
+        "report per-step KL instead of generating."),
+    out: Path = typer.Option(Path("runs/replay"), "--out", help="Output directory (a rerun with the same settings "
+                                                                "reuses finished parts)."),
+    model: str | None = typer.Option(None, "--model", help="Model (default: smollm2; with --teacher-forced the "
+                                                           "Trace's model)."),
+    prompts: str | None = typer.Option(None, "--prompts", help="file.jsonl, file.txt or builtin:arith (default); not "
+                                                               "with --teacher-forced."),
     limit: int | None = common.Limit,
-    param: list[str] | None = typer.Option(None, "--param", help="scorer.key=value, repeatable (e.g. rkv.mix_lambda=0.07)."),
-    plugin: list[str] | None = typer.Option(None, "--plugin", help="Module (or .py file) whose import registers scorers, repeatable."),
-    full_kv: bool = typer.Option(True, "--full-kv/--no-full-kv", help="Also generate with the full cache (the FullKV reference row)."),
-    kl: bool = typer.Option(True, "--kl/--no-kl", help="Free-running: KL of each generation against a full-cache forward of it."),
+    param: list[str] | None = typer.Option(None, "--param", help="scorer.key=value, repeatable (e.g. "
+                                                                 "rkv.mix_lambda=0.07)."),
+    plugin: list[str] | None = typer.Option(None, "--plugin", help="Module (or .py file) whose import registers "
+                                                                   "scorers, repeatable."),
+    full_kv: bool = typer.Option(True, "--full-kv/--no-full-kv", help="Also generate with the full cache (the FullKV "
+                                                                      "reference row)."),
+    kl: bool = typer.Option(True, "--kl/--no-kl", help="Free-running: KL of each generation against a full-cache "
+                                                       "forward of it."),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Apply the tokenizer's chat template."),
-    instruction: str | None = typer.Option(None, "--instruction", help="Text appended to each prompt (default: step-by-step + \\boxed{})."),
+    instruction: str | None = typer.Option(None, "--instruction", help="Text appended to each prompt (default: "
+                                                                       "step-by-step + \\boxed{})."),
     no_instruction: bool = typer.Option(False, "--no-instruction", help="Append nothing to the prompts."),
     backend: str = typer.Option("auto", "--backend", help="Compaction kernel: auto | torch | triton."),
     seed: int = common.Seed,
-    dtype: str | None = typer.Option(None, "--dtype", help="float32 (default) | float16 | bfloat16; with --teacher-forced the Trace's dtype."),
+    dtype: str | None = typer.Option(None, "--dtype", help="float32 (default) | float16 | bfloat16; with "
+                                                           "--teacher-forced the Trace's dtype."),
     device: str = common.Device,
     revision: str | None = common.Revision,
     trust_remote_code: bool = common.TrustRemoteCode,
@@ -49,33 +64,24 @@ def replay(
 
     common.quiet_transformers()
     if teacher_forced is not None:  # the Trace fixes the tokens: generation settings cannot apply
-        common.refuse_given(ctx, ["prompts", "max_new_tokens", "full_kv", "kl", "chat", "instruction", "no_instruction"],
-                            "with --teacher-forced (the Trace's tokens are replayed)")
+        common.refuse_given(
+            ctx, ["prompts", "max_new_tokens", "full_kv", "kl", "chat", "instruction", "no_instruction"],
+            "with --teacher-forced (the Trace's tokens are replayed)",
+        )
     if no_instruction:
         common.refuse_given(ctx, ["instruction"], "with --no-instruction")
     load_plugins(plugin or ())
     settings = ReplaySettings(
-        scorers=common.listed(scorer), budgets=parse_budgets(common.listed(budget)), interval=interval,
+        scorers=common.parse_list(scorers, "--scorers", str), interval=interval,
+        budgets=common.parse_list(budget, "--budget", int, low=1, example="128,256"),
         w_obs=w_obs, selection=selection, max_new_tokens=max_new_tokens, full_kv=full_kv, kl=kl, chat=chat,
         instruction=None if no_instruction else (instruction or DEFAULT_INSTRUCTION), params=parse_params(param),
         backend=backend,
     )
-    path = replay_sweep(settings, out, teacher_forced=teacher_forced, prompts=prompts, limit=limit, model=model, seed=seed,
-                        dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code, show_progress=not quiet)
+    path = replay_sweep(
+        settings, out, teacher_forced=teacher_forced, prompts=prompts, limit=limit, model=model, seed=seed, dtype=dtype,
+        device=device, revision=revision, trust_remote_code=trust_remote_code, show_progress=not quiet,
+    )
     Console(stderr=True).print(f"replay written to {path} (generations.parquet, summary.md, budget.png)")
     if not quiet:
         Console().print((path / "summary.md").read_text())
-
-
-def parse_budgets(items: list[str]) -> list[int]:
-    """``["128", "256"]`` -> ``[128, 256]`` (each a positive integer; a budget given twice is refused)."""
-    text = ",".join(items)
-    try:
-        values = [int(part) for part in items]
-    except ValueError:
-        raise UserError(f"--budget {text}: use positive integers, comma-separated, e.g. 128,256") from None
-    if not values or min(values) < 1:
-        raise UserError(f"--budget {text}: use positive integers, comma-separated, e.g. 128,256")
-    if len(set(values)) < len(values):
-        raise UserError(f"--budget {text}: a budget is given twice; give each once")
-    return values

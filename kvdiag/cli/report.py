@@ -9,8 +9,10 @@ from rich.console import Console
 
 
 def report(
-    run: Path = typer.Option(..., "--run", help="run directory: trace/, labels.parquet, scores.parquet, rank-eval/, figures/, commands.json"),
-    out: Path | None = typer.Option(None, "--out", help="where report.md and report.html go (default: the run directory)"),
+    run: Path = typer.Option(..., "--run", help="run directory: trace/, labels.parquet, scores.parquet, rank-eval/, "
+                                                "figures/, commands.json"),
+    out: Path | None = typer.Option(None, "--out", help="where report.md and report.html go (default: the run "
+                                                        "directory)"),
 ) -> None:
     """Write report.md, report.html (images embedded) and viewer.html (the token viewer) describing a run."""
     from kvdiag.report import build_report

@@ -11,21 +11,30 @@ from kvdiag.errors import UserError
 
 
 def score(
-    trace: Path | None = typer.Option(None, "--trace", help="Trace directory written by `kvdiag trace` (required unless --list)."),
+    trace: Path | None = typer.Option(None, "--trace", help="Trace directory written by `kvdiag trace` (required "
+                                                            "unless --list)."),
     out: Path | None = typer.Option(None, "--out", help="Output scores.parquet (required unless --list)."),
-    labels: Path | None = typer.Option(None, "--labels", help="labels.parquet: score exactly its candidates (same keys)."),
+    labels: Path | None = typer.Option(None, "--labels", help="labels.parquet: score exactly its candidates (same "
+                                                              "keys)."),
     checkpoints: list[str] | None = typer.Option(
-        None, "--checkpoints", help="Without --labels: 'default' (every 128 generated tokens) or positions t, e.g. 256,384 (repeatable); every entry < t is scored."),
-    granularity: list[str] | None = typer.Option(None, "--granularity", help="With --checkpoints: token (default), layer and/or head, comma-separated, repeatable."),
+        None, "--checkpoints", help="Without --labels: 'default' (every 128 generated tokens) or positions t, e.g. "
+                                    "256,384 (repeatable); every entry < t is scored."),
+    granularity: list[str] | None = typer.Option(None, "--granularity", help="With --checkpoints: token (default), "
+        "layer and/or head, comma-separated, repeatable."),
     scorers: list[str] = typer.Option(["all"], "--scorers", help="'all' or comma-separated scorer names, repeatable."),
-    param: list[str] | None = typer.Option(None, "--param", help="scorer.key=value, repeatable (e.g. rkv.mix_lambda=0.07)."),
-    plugin: list[str] | None = typer.Option(None, "--plugin", help="Module (or .py file) whose import registers scorers, repeatable."),
-    aggregation: str = typer.Option("mean_rank", "--aggregation", help="How token/layer rows combine per-(layer, head) scores: mean_rank or mean_raw."),
-    model: str | None = typer.Option(None, "--model", help="The Trace's model, only for payload wo_l2 (‖W_O v‖₂): its o_proj weights are read."),
-    list_: bool = typer.Option(False, "--list", help="List every scorer (built-in, plugin, kvpress:<Press>) and whether it can be graded, then exit."),
+    param: list[str] | None = typer.Option(None, "--param", help="scorer.key=value, repeatable (e.g. "
+                                                                 "rkv.mix_lambda=0.07)."),
+    plugin: list[str] | None = typer.Option(None, "--plugin", help="Module (or .py file) whose import registers "
+                                                                   "scorers, repeatable."),
+    aggregation: str = typer.Option("mean_rank", "--aggregation", help="How token/layer rows combine per-(layer, "
+                                                                       "head) scores: mean_rank or mean_raw."),
+    model: str | None = typer.Option(None, "--model", help="The Trace's model, only for payload wo_l2 (‖W_O v‖₂): its "
+                                                           "o_proj weights are read."),
+    list_: bool = typer.Option(False, "--list", help="List every scorer (built-in, plugin, kvpress:<Press>) and "
+                                                     "whether it can be graded, then exit."),
 ) -> None:
     """Score candidates of a Trace with the scorer zoo (higher = keep) and write scores.parquet."""
-    from kvdiag.cli.common import joined, listed
+    from kvdiag.cli.common import joined, parse_list
     from kvdiag.scorers import parse_params
     from kvdiag.scorers.run import score_files
 
@@ -34,8 +43,8 @@ def score(
         return
     if trace is None or out is None:
         raise UserError("pass --trace DIR and --out scores.parquet (or --list to see the scorers)")
-    df, meta = score_files(trace, out, labels, joined(checkpoints), joined(granularity), ",".join(listed(scorers)),
-                           parse_params(param), plugin or (), aggregation, model)
+    df, meta = score_files(trace, out, labels, joined(checkpoints), joined(granularity),
+                           parse_list(scorers, "--scorers", str), parse_params(param), plugin or (), aggregation, model)
     Console(stderr=True).print(f"wrote {df.height} rows × {len(meta['scorers'])} scorers to {out}")
 
 

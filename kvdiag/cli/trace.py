@@ -18,21 +18,26 @@ def trace(
     max_new_tokens: int = typer.Option(512, "--max-new-tokens"),
     limit: int | None = common.Limit,
     seed: int = common.Seed,
-    sample: bool = typer.Option(False, "--sample/--greedy", help="sampling (--temperature, --top-p) or greedy decoding"),
+    sample: bool = typer.Option(False, "--sample/--greedy", help="sampling (--temperature, --top-p) or greedy "
+                                                                 "decoding"),
     temperature: float = typer.Option(0.6, "--temperature", help="sampling temperature (with --sample)"),
     top_p: float = typer.Option(0.95, "--top-p", help="nucleus sampling mass (with --sample)"),
-    min_new_tokens: int = typer.Option(0, "--min-new-tokens", help="no end-of-sequence before this many generated tokens"),
+    min_new_tokens: int = typer.Option(0, "--min-new-tokens", help="no end-of-sequence before this many generated "
+                                                                   "tokens"),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="apply the tokenizer's chat template"),
-    instruction: str = typer.Option(None, "--instruction", help="text appended to each prompt (default: step-by-step + \\boxed{})"),
+    instruction: str = typer.Option(None, "--instruction", help="text appended to each prompt (default: step-by-step "
+                                                                "+ \\boxed{})"),
     no_instruction: bool = typer.Option(False, "--no-instruction", help="append nothing to the prompts"),
     storage_dtype: str = typer.Option("float16", "--storage-dtype", help="dtype of the stored q/k/v"),
-    store: str = typer.Option("all", "--store", help="tensors written: all (q/k/v), kv (k/v), none (tokens only), or layers "
-                              "e.g. 0,15,29 (their q/k/v); the rest are rebuilt on demand by one prefill per prompt"),
+    store: str = typer.Option("all", "--store", help="tensors written: all (q/k/v), kv (k/v), none (tokens only), or "
+                                                     "layers "
+        "e.g. 0,15,29 (their q/k/v); the rest are rebuilt on demand by one prefill per prompt"),
     dtype: str = common.Dtype,
     device: str = common.Device,
     revision: str | None = common.Revision,
     trust_remote_code: bool = common.TrustRemoteCode,
-    shard: str | None = typer.Option(None, "--shard", help="i/n: trace only prompts i, i+n, ... (Slurm arrays); merge with a final run without --shard"),
+    shard: str | None = typer.Option(None, "--shard", help="i/n: trace only prompts i, i+n, ... (Slurm arrays); merge "
+                                                           "with a final run without --shard"),
     quiet: bool = common.Quiet,
 ) -> None:
     """Generate each prompt's trace and write the Trace directory (manifest, tokens, per-layer q/k/v)."""
@@ -46,8 +51,8 @@ def trace(
     if not sample:
         common.refuse_given(ctx, ["temperature", "top_p"], "to greedy decoding (add --sample)")
     settings = GenerationSettings(
-        max_new_tokens=max_new_tokens, sample=sample, temperature=temperature, top_p=top_p, min_new_tokens=min_new_tokens,
-        seed=seed, chat=chat, storage_dtype=storage_dtype, store=store,
+        max_new_tokens=max_new_tokens, sample=sample, temperature=temperature, top_p=top_p,
+        min_new_tokens=min_new_tokens, seed=seed, chat=chat, storage_dtype=storage_dtype, store=store,
         instruction=None if no_instruction else (instruction or DEFAULT_INSTRUCTION),
     )
     items = load_prompts(prompts, limit=limit, seed=seed)

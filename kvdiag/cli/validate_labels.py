@@ -1,4 +1,5 @@
-"""``kvdiag validate-labels``: agreement of approximate labels with exact ones (Spearman, AUROC, top-k, where they disagree)."""
+"""``kvdiag validate-labels``: agreement of approximate labels with exact ones (Spearman, AUROC, top-k, where they
+disagree)."""
 
 from __future__ import annotations
 
@@ -12,23 +13,30 @@ from kvdiag.cli import common
 
 def validate_labels(
     exact: Path = typer.Option(..., "--exact", help="labels.parquet from kvdiag label (exact method)"),
-    approx: Path = typer.Option(..., "--approx", help="labels.parquet from kvdiag label --method fast|fisher (a superset of the exact entries is fine)"),
-    out: Path = typer.Option(..., "--out", help="output directory: validation.md, *.csv, validation.png, validation.json"),
-    scores: Path = typer.Option(None, "--scores", help="scores.parquet (kvdiag score) for the attention and payload bins"),
-    harmful_quantile: float = typer.Option(0.9, "--harmful-quantile", help="exact-harmful: exact kl_mean >= this quantile of its checkpoint"),
+    approx: Path = typer.Option(..., "--approx", help="labels.parquet from kvdiag label --method fast|fisher (a "
+                                                      "superset of the exact entries is fine)"),
+    out: Path = typer.Option(..., "--out", help="output directory: validation.md, *.csv, validation.png, "
+                                                "validation.json"),
+    scores: Path = typer.Option(None, "--scores", help="scores.parquet (kvdiag score) for the attention and payload "
+                                                       "bins"),
+    harmful_quantile: float = typer.Option(0.9, "--harmful-quantile", help="exact-harmful: exact kl_mean >= this "
+                                                                           "quantile of its checkpoint"),
     top_k: int = typer.Option(8, "--top-k", help="top-k overlap: k most harmful entries per checkpoint"),
     bins: int = typer.Option(4, "--bins", help="quantile bins per disagreement feature"),
     seed: int = common.Seed,  # of the bootstrap
     attention: str = typer.Option("attention", "--attention", help="scores column binned as attention"),
     payload: str = typer.Option("value_norm", "--payload", help="scores column binned as payload"),
-    bootstrap: int = typer.Option(1000, "--n-boot", help="cluster-bootstrap resamples over prompts"),
+    bootstrap: int = common.Bootstrap,
     level: float = typer.Option(0.95, "--level", help="CI level"),
 ) -> None:
-    """How far approximate labels can be trusted: per-checkpoint Spearman, AUROC for exact-harmful entries, top-k overlap."""
+    """How far approximate labels can be trusted: per-checkpoint Spearman, AUROC for exact-harmful entries, top-k
+    overlap."""
     from kvdiag.label.validate import ValidateConfig, run_validation
 
-    cfg = ValidateConfig(harmful_quantile=harmful_quantile, top_k=top_k, bins=bins, n_boot=bootstrap, level=level, seed=seed,
-                         attention=attention, payload=payload)
+    cfg = ValidateConfig(
+        harmful_quantile=harmful_quantile, top_k=top_k, bins=bins, n_boot=bootstrap, level=level, seed=seed,
+        attention=attention, payload=payload,
+    )
     paths = run_validation(exact, approx, out, cfg, scores)
     Console().print((out / "validation.md").read_text(), markup=False, highlight=False)
     Console().print(f"wrote {', '.join(p.name for p in paths)} to {out}", highlight=False)

@@ -25,15 +25,29 @@ from matplotlib.colors import LogNorm, Normalize
 from scipy.stats import fisher_exact
 from scipy.stats.contingency import odds_ratio
 
-from kvdiag.figures.common import fmt, mann_whitney, new_figure, note_on, save_figure, stat, stats_dict, style, write_stats
+from kvdiag.figures.common import (
+    fmt,
+    mann_whitney,
+    new_figure,
+    note_on,
+    save_figure,
+    stat,
+    stats_dict,
+    style,
+    write_stats,
+)
 from kvdiag.figures.params import FigureParams
 from kvdiag.figures.registry import Drawn, FigureContext, register_figure
 
-POINT_COLUMNS = ["prompt_id", "checkpoint", "position", "read_pressure", "value_payload", "kl_mean", "low_attention_cut",
-                 "large_payload_cut", "low_attention", "large_payload", "high_damage", "blind_spot"]
+POINT_COLUMNS = [
+    "prompt_id", "checkpoint", "position", "read_pressure", "value_payload", "kl_mean", "low_attention_cut",
+    "large_payload_cut", "low_attention", "large_payload", "high_damage", "blind_spot",
+]
 
 
-def blind_spot_flags(points: pl.DataFrame, low_attention_quantile: float, large_payload_quantile: float, harm_threshold: float) -> pl.DataFrame:
+def blind_spot_flags(
+    points: pl.DataFrame, low_attention_quantile: float, large_payload_quantile: float, harm_threshold: float
+) -> pl.DataFrame:
     """``points`` (prompt_id, checkpoint, position, read_pressure, value_payload, kl_mean) with the
     per-checkpoint cuts and the flags low_attention, large_payload, high_damage, blind_spot."""
     by = ["prompt_id", "checkpoint"]
@@ -63,21 +77,17 @@ def blind_spot_stats(points: pl.DataFrame, harm_threshold: float, params: Figure
     rows = [
         stat("n_candidates", n, "" if n else "no analysed token-granularity label"),
         stat("n_checkpoints", points.select("prompt_id", "checkpoint").unique().height),
-        stat("harm_threshold", harm_threshold),
-        stat("prevalence", points["high_damage"].mean() if n else None),
+        stat("harm_threshold", harm_threshold), stat("prevalence", points["high_damage"].mean() if n else None),
         stat("low_attention_quantile", params.low_attention_quantile),
         stat("large_payload_quantile", params.large_payload_quantile),
-        stat("median_low_attention_cut", cuts.median() if n else None),
-        stat("n_low_attention", low.height),
-        stat("n_blind_spot", large.height),
-        stat("n_blind_spot_high_damage", a),
-        stat("low_large_high", a), stat("low_large_not_high", b), stat("low_small_high", c), stat("low_small_not_high", d),
+        stat("median_low_attention_cut", cuts.median() if n else None), stat("n_low_attention", low.height),
+        stat("n_blind_spot", large.height), stat("n_blind_spot_high_damage", a), stat("low_large_high", a),
+        stat("low_large_not_high", b), stat("low_small_high", c), stat("low_small_not_high", d),
     ]
     rate_large = a / large.height if large.height else None
     rate_small = c / small.height if small.height else None
     rows += [
-        stat("harm_rate_large_payload", rate_large),
-        stat("harm_rate_small_payload", rate_small),
+        stat("harm_rate_large_payload", rate_large), stat("harm_rate_small_payload", rate_small),
         stat("risk_difference", None if rate_large is None or rate_small is None else rate_large - rate_small),
     ]
     note = ""
@@ -88,13 +98,18 @@ def blind_spot_stats(points: pl.DataFrame, harm_threshold: float, params: Figure
         note = f"no {'high-damage' if a + c == 0 else 'low-damage'} candidate among the {low.height} low-attention ones"
     table = np.array([[a, b], [c, d]])
     if note:
-        rows += [stat(s, None, note) for s in ("fisher_odds_ratio", "fisher_p", "odds_ratio", "odds_ratio_ci_low", "odds_ratio_ci_high")]
+        rows += [
+            stat(s, None, note)
+            for s in ("fisher_odds_ratio", "fisher_p", "odds_ratio", "odds_ratio_ci_low", "odds_ratio_ci_high")
+        ]
     else:
         fisher = fisher_exact(table, alternative="greater")
         cond = odds_ratio(table, kind="conditional")
         ci = cond.confidence_interval(confidence_level=params.ci_level)
-        rows += [stat("fisher_odds_ratio", fisher.statistic), stat("fisher_p", fisher.pvalue), stat("odds_ratio", cond.statistic),
-                 stat("odds_ratio_ci_low", ci.low), stat("odds_ratio_ci_high", ci.high)]
+        rows += [
+            stat("fisher_odds_ratio", fisher.statistic), stat("fisher_p", fisher.pvalue),
+            stat("odds_ratio", cond.statistic), stat("odds_ratio_ci_low", ci.low), stat("odds_ratio_ci_high", ci.high),
+        ]
     mwu, _ = mann_whitney(large["kl_mean"].to_numpy(), small["kl_mean"].to_numpy(), params.min_group,
                           "KL of large- vs small-payload low-attention candidates")
     rows += mwu
@@ -116,7 +131,9 @@ def plot_blind_spot(points: pl.DataFrame, rows: list[dict], params: FigureParams
             x = np.maximum(points["read_pressure"].to_numpy(), floor)
             y = np.maximum(points["kl_mean"].to_numpy(), floor)
             b = points["value_payload"].to_numpy()
-            norm = LogNorm(max(b.min(), floor), max(b.max(), floor * 10)) if b.min() > 0 else Normalize(b.min(), b.max())
+            norm = (
+                LogNorm(max(b.min(), floor), max(b.max(), floor * 10)) if b.min() > 0 else Normalize(b.min(), b.max())
+            )
             sns.scatterplot(x=x, y=y, hue=b, hue_norm=norm, palette="viridis", s=14, linewidth=0, legend=False, ax=ax)
             spot = points["blind_spot"].to_numpy()
             ax.scatter(x[spot], y[spot], s=46, facecolors="none", edgecolors="black", linewidths=0.8,
@@ -129,16 +146,25 @@ def plot_blind_spot(points: pl.DataFrame, rows: list[dict], params: FigureParams
             ax.set_yscale("log")
             fig.colorbar(ScalarMappable(norm=norm, cmap="viridis"), ax=ax, label=f"value payload b ({params.payload})")
             ax.legend(loc="lower left", fontsize=6, frameon=True)
-            ax.text(0.02, 0.98, f"low attention: {int(s['n_low_attention'])} of {int(s['n_candidates'])}\n"
-                    f"blind spot: {int(s['n_blind_spot'])}, of which high damage {int(s['n_blind_spot_high_damage'])}",
-                    transform=ax.transAxes, va="top", fontsize=7, bbox=dict(facecolor="white", alpha=0.8, edgecolor="none"))
+            ax.text(
+                0.02,
+                0.98,
+                f"low attention: {int(s['n_low_attention'])} of {int(s['n_candidates'])}\n"
+                f"blind spot: {int(s['n_blind_spot'])}, of which high damage {int(s['n_blind_spot_high_damage'])}",
+                transform=ax.transAxes,
+                va="top",
+                fontsize=7,
+                bbox=dict(facecolor="white", alpha=0.8, edgecolor="none"),
+            )
         else:
             note_on(ax, "no analysed candidate: nothing to plot")
         ax.set_xlabel("read pressure p (window attention, candidate-normalized)")
         ax.set_ylabel("eviction KL (kl_mean, nats)")
         ax.set_title("(a) attention-only blind spot", fontsize=9)
 
-        table = np.array([[s["low_large_high"], s["low_large_not_high"]], [s["low_small_high"], s["low_small_not_high"]]])
+        table = np.array(
+            [[s["low_large_high"], s["low_large_not_high"]], [s["low_small_high"], s["low_small_not_high"]]]
+        )
         sns.heatmap(table, annot=True, fmt=".0f", cmap="Blues", cbar=False, ax=ax2,
                     xticklabels=["high damage", "not high"], yticklabels=["large payload", "small payload"])
         ax2.set_title(f"low-attention candidates (n = {int(s['n_low_attention'])})", fontsize=9)
@@ -161,8 +187,13 @@ def blind_spot_figure(ctx: FigureContext) -> Drawn:
     rows = [
         stat("n_token_labels", ctx.token.height),
         stat("n_unresolved_excluded", 0 if params.include_unresolved else ctx.token.filter(ctx.below_floor).height),
-        stat("n_no_eligible_excluded", no_eligible,
-             f"{no_eligible} rows at checkpoints t <= w_delay = {params.w_delay} (no entry to normalize p over)" if no_eligible else ""),
+        stat(
+            "n_no_eligible_excluded",
+            no_eligible,
+            f"{no_eligible} rows at checkpoints t <= w_delay = {params.w_delay} (no entry to normalize p over)"
+            if no_eligible
+            else "",
+        ),
     ]
     flagged = blind_spot_flags(points, params.low_attention_quantile, params.large_payload_quantile, ctx.threshold)
     rows += blind_spot_stats(flagged, ctx.threshold, params)

@@ -40,7 +40,9 @@ def save_figure(fig: Figure, out_dir: Path, name: str) -> list[Path]:
     png, pdf = out_dir / f"{name}.png", out_dir / f"{name}.pdf"
     write_atomically(png, lambda tmp: fig.savefig(tmp, dpi=150, format="png"))
     fig.set_layout_engine("none")  # keep the layout the PNG computed: the PDF needs no second layout pass
-    write_atomically(pdf, lambda tmp: fig.savefig(tmp, format="pdf", metadata={"CreationDate": None}))  # reproducible bytes
+    write_atomically(
+        pdf, lambda tmp: fig.savefig(tmp, format="pdf", metadata={"CreationDate": None})
+    )  # reproducible bytes
     return [png, pdf]
 
 
@@ -52,7 +54,7 @@ def note_on(ax, text: str, y: float = 0.5, width: int = 60) -> None:
             bbox=dict(boxstyle="round", facecolor="white", edgecolor=NOTE_COLOR, alpha=0.9)).set_in_layout(False)
 
 
-def stat(name: str, value: float | int | None, note: str = "") -> dict:
+def stat(name: str, value: float | None, note: str = "") -> dict:
     """One row of a ``*_stats.csv``: statistic, value (NaN when undefined), note."""
     value = float("nan") if value is None else float(value)
     return {"statistic": name, "value": value, "note": note}
@@ -87,7 +89,10 @@ def mann_whitney(x: np.ndarray, y: np.ndarray, min_group: int, what: str) -> tup
         note = f"too few candidates for the Mann-Whitney test on {what}: {n1} vs {n2} (need >= {min_group} each)"
         return [stat("mwu_u", None, note), stat("mwu_p", None, note), stat("rank_biserial", None, note)], note
     res = mannwhitneyu(x, y, alternative="greater")
-    return [stat("mwu_u", res.statistic), stat("mwu_p", res.pvalue), stat("rank_biserial", rank_biserial(res.statistic, n1, n2))], ""
+    return [
+        stat("mwu_u", res.statistic), stat("mwu_p", res.pvalue),
+        stat("rank_biserial", rank_biserial(res.statistic, n1, n2)),
+    ], ""
 
 
 def fmt(value: float, digits: int = 3) -> str:

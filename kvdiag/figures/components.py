@@ -21,12 +21,9 @@ from kvdiag.rankeval import metrics_where, rank_eval
 
 # (scorer, row label) in the paper's Table 4 order
 VARIANTS = (
-    ("avokv_e", "AvoKV-E"),
-    ("avokv_e_no_payload", "− payload (λ_b = 0)"),
-    ("avokv_e_no_delay", "− delay (W_delay = W_obs)"),
-    ("avokv_e_raw", "− rank norm. (raw)"),
-    ("avokv_e_no_redundancy", "− redundancy (λ_r = 0)"),
-    ("rkv", "R-KV-style anchor"),
+    ("avokv_e", "AvoKV-E"), ("avokv_e_no_payload", "− payload (λ_b = 0)"),
+    ("avokv_e_no_delay", "− delay (W_delay = W_obs)"), ("avokv_e_raw", "− rank norm. (raw)"),
+    ("avokv_e_no_redundancy", "− redundancy (λ_r = 0)"), ("rkv", "R-KV-style anchor"),
 )
 RANDOM_SCORER = "random_baseline"
 TABLE_SCHEMA = {"scorer": pl.String, "variant": pl.String, "metric": pl.String, "scope": pl.String, "value": pl.Float64,
@@ -43,10 +40,12 @@ def component_metrics(labels: pl.DataFrame, scores: pl.DataFrame | None, params:
     if not present:
         return None, f"the scores hold none of {', '.join(n for n, _ in VARIANTS)}: score them with kvdiag score"
     try:
-        result = rank_eval(labels, scores, harm=params.harm, rho=params.rho, reference=None, n_boot=params.n_boot,
-                           seed=params.seed, include_unresolved=params.include_unresolved, noise_mult=params.noise_mult,
-                           ci_level=params.ci_level, granularity="token", scorers=tuple(present), min_age=params.min_age,
-                           max_age=params.max_age, eligible=params.eligible, scores_meta=scores_meta)
+        result = rank_eval(
+            labels, scores, harm=params.harm, rho=params.rho, reference=None, n_boot=params.n_boot, seed=params.seed,
+            include_unresolved=params.include_unresolved, noise_mult=params.noise_mult, ci_level=params.ci_level,
+            granularity="token", scorers=tuple(present), min_age=params.min_age, max_age=params.max_age,
+            eligible=params.eligible, scores_meta=scores_meta,
+        )
     except UserError as err:  # too few or degenerate labels: say so in the figure instead of failing
         return None, f"rank-eval could not rank the variants: {err}"
     return result.metrics, ""
@@ -54,7 +53,8 @@ def component_metrics(labels: pl.DataFrame, scores: pl.DataFrame | None, params:
 
 def component_table(metrics: pl.DataFrame | None, scope: str, rho: float, note: str = "") -> pl.DataFrame:
     """One row per (variant, metric flagged ``figure``) from rank-eval ``metrics`` (its metrics.csv columns) and the
-    random scorer's expected values at eviction fraction ``rho`` (``random_baseline``). Variants without metrics get NaN and a note (``note`` when given)."""
+    random scorer's expected values at eviction fraction ``rho`` (``random_baseline``). Variants without metrics get NaN
+    and a note (``note`` when given)."""
     m = metrics.filter(pl.col("scope") == scope) if metrics is not None else pl.DataFrame(schema=TABLE_SCHEMA)
     nan = float("nan")
     rows = []
@@ -63,11 +63,19 @@ def component_table(metrics: pl.DataFrame | None, scope: str, rho: float, note: 
             hit = m.filter((pl.col("scorer") == name) & (pl.col("metric") == metric))
             if hit.height:
                 r = hit.row(0, named=True)
-                rows.append(dict(scorer=name, variant=label, metric=metric, scope=scope, value=r["value"], ci_low=r["ci_low"],
-                                 ci_high=r["ci_high"], n=r["n"], note=r["note"] or ""))
+                rows.append(
+                    dict(
+                        scorer=name, variant=label, metric=metric, scope=scope, value=r["value"], ci_low=r["ci_low"],
+                        ci_high=r["ci_high"], n=r["n"], note=r["note"] or "",
+                    )
+                )
             else:
-                rows.append(dict(scorer=name, variant=label, metric=metric, scope=scope, value=nan, ci_low=nan, ci_high=nan,
-                                 n=None, note=note or f"{name} is not in the scores"))
+                rows.append(
+                    dict(
+                        scorer=name, variant=label, metric=metric, scope=scope, value=nan, ci_low=nan, ci_high=nan,
+                        n=None, note=note or f"{name} is not in the scores",
+                    )
+                )
     prevalence = m.filter(pl.col("metric") == "prevalence")["value"]
     prev = float(prevalence[0]) if len(prevalence) else nan
     for m in metrics_where("figure"):
@@ -82,12 +90,15 @@ def plot_components(table: pl.DataFrame, note: str, params: FigureParams, out_di
     with style():
         metrics = metrics_where("figure")
         fig, axes = new_figure(len(metrics), 3 * len(metrics), 3.2)
-        colors = dict(zip((label for _, label in VARIANTS), sns.color_palette("deep", len(VARIANTS))))
-        for ax, m in zip(axes, metrics):
+        colors = dict(zip((label for _, label in VARIANTS), sns.color_palette("deep", len(VARIANTS)), strict=True))
+        for ax, m in zip(axes, metrics, strict=True):
             t = table.filter((pl.col("metric") == m.name) & (pl.col("scorer") != RANDOM_SCORER))
             for i, r in enumerate(t.iter_rows(named=True)):
                 if not np.isfinite(r["value"]):
-                    ax.text(0.5, i, "n/a", transform=ax.get_yaxis_transform(), ha="center", va="center", fontsize=7, color="grey")
+                    ax.text(
+                        0.5, i, "n/a", transform=ax.get_yaxis_transform(), ha="center", va="center", fontsize=7,
+                        color="grey",
+                    )
                     continue
                 ok = np.isfinite(r["ci_low"])
                 err = [[r["value"] - r["ci_low"]], [r["ci_high"] - r["value"]]] if ok else None
@@ -104,14 +115,19 @@ def plot_components(table: pl.DataFrame, note: str, params: FigureParams, out_di
             ax.tick_params(labelsize=7)
         if note:
             note_on(axes[1], note, width=38)
-        fig.suptitle(f"AvoKV-E components: {params.scope} ranking metrics, {params.ci_level:.0%} CI over prompts "
-                     f"(FSR at rho = {params.rho:g}; dotted: random scorer); candidates: {candidate_set(params)}", fontsize=9)
+        fig.suptitle(
+            f"AvoKV-E components: {params.scope} ranking metrics, {params.ci_level:.0%} CI over prompts "
+            f"(FSR at rho = {params.rho:g}; dotted: random scorer); candidates: {candidate_set(params)}",
+            fontsize=9,
+        )
         return save_figure(fig, out_dir, "components")
 
 
 def candidate_set(params: FigureParams) -> str:
     """The candidate filters of the component figure, in words (rank-eval's summary says the same at length)."""
-    parts = [f"age >= {params.min_age}"] * (params.min_age is not None) + [f"age <= {params.max_age}"] * (params.max_age is not None)
+    parts = [f"age >= {params.min_age}"] * (params.min_age is not None) + [f"age <= {params.max_age}"] * (
+        params.max_age is not None
+    )
     parts += [f"eligible under {params.eligible}"] * (params.eligible is not None)
     return ", ".join(parts) or "all"
 

@@ -31,7 +31,7 @@ import polars as pl
 import seaborn as sns
 from matplotlib import MatplotlibDeprecationWarning
 
-from kvdiag.figures.common import fmt, mann_whitney, new_figure, note_on, save_figure, stat, stats_dict, style, write_stats
+from kvdiag.figures import common
 from kvdiag.figures.params import FigureParams
 from kvdiag.figures.registry import Drawn, FigureContext, register_figure
 
@@ -39,19 +39,25 @@ CLASSES = ("early", "delayed", "never", "unobserved")
 
 
 def classify_reads(reads: pl.DataFrame, w_obs: int, strong_read_mult: float, interval: int) -> pl.DataFrame:
-    """``reads`` (``features.trace_first_reads`` columns) with read_class, delay, next_checkpoint, evicted_before_read."""
+    """``reads`` (``features.trace_first_reads`` columns) with read_class, delay, next_checkpoint,
+    evicted_before_read."""
     pos, P = reads["position"].to_numpy(), reads["prompt_len"].to_numpy()
     window_end = pos + 1 + w_obs
     k = np.maximum(1, -((P - window_end) // interval))  # ceil((window_end - P) / interval), at least 1
     return reads.with_columns(
         next_checkpoint=pl.Series(P + k * interval, dtype=pl.Int64),
-        read_class=pl.when(~pl.col("window_complete")).then(pl.lit("unobserved"))
-        .when(pl.col("first_window_peak") >= strong_read_mult).then(pl.lit("early"))
-        .when(pl.col("first_strong_read") >= 0).then(pl.lit("delayed"))
+        read_class=pl.when(~pl.col("window_complete"))
+        .then(pl.lit("unobserved"))
+        .when(pl.col("first_window_peak") >= strong_read_mult)
+        .then(pl.lit("early"))
+        .when(pl.col("first_strong_read") >= 0)
+        .then(pl.lit("delayed"))
         .otherwise(pl.lit("never")),
     ).with_columns(
         delay=pl.when(pl.col("read_class") == "delayed").then(pl.col("first_strong_read") - pl.col("position")),
-        evicted_before_read=pl.when(pl.col("read_class") == "delayed").then(pl.col("next_checkpoint") <= pl.col("first_strong_read")),
+        evicted_before_read=pl.when(pl.col("read_class") == "delayed").then(
+            pl.col("next_checkpoint") <= pl.col("first_strong_read")
+        ),
     )
 
 
@@ -71,41 +77,59 @@ def delayed_read_stats(entries: pl.DataFrame, params: FigureParams) -> list[dict
     count = {c: entries.filter(pl.col("read_class") == c).height for c in CLASSES}
     delayed = entries.filter(pl.col("read_class") == "delayed")
     weak = count["delayed"] + count["never"]
-    rows = [stat("n_entries", entries.height, "" if entries.height else "no labeled token-granularity entry"),
-            *(stat(f"n_{c}", count[c]) for c in CLASSES),
-            stat("share_delayed_of_weak", count["delayed"] / weak if weak else None,
-                 "" if weak else "no entry with weak reads in its first window"),
-            stat("w_obs", params.w_obs), stat("strong_read_mult", params.strong_read_mult), stat("interval", params.interval)]
+    rows = [
+        common.stat("n_entries", entries.height, "" if entries.height else "no labeled token-granularity entry"),
+        *(common.stat(f"n_{c}", count[c]) for c in CLASSES),
+        common.stat(
+            "share_delayed_of_weak", count["delayed"] / weak if weak else None,
+            "" if weak else "no entry with weak reads in its first window",
+        ),
+        common.stat("w_obs", params.w_obs),
+        common.stat("strong_read_mult", params.strong_read_mult),
+        common.stat("interval", params.interval),
+    ]
     d = delayed["delay"].to_numpy().astype(float)
     none = "" if len(d) else "no delayed-read entry"
-    for name, q in (("delay_min", 0.0), ("delay_q25", 0.25), ("delay_median", 0.5), ("delay_q75", 0.75), ("delay_max", 1.0)):
-        rows.append(stat(name, np.quantile(d, q) if len(d) else None, none))
+    for name, q in (
+        ("delay_min", 0.0), ("delay_q25", 0.25), ("delay_median", 0.5), ("delay_q75", 0.75), ("delay_max", 1.0),
+    ):
+        rows.append(common.stat(name, np.quantile(d, q) if len(d) else None, none))
     evicted = int(delayed["evicted_before_read"].sum())
-    rows += [stat("n_evicted_before_read", evicted), stat("share_evicted_before_read", evicted / len(d) if len(d) else None, none)]
+    rows += [
+        common.stat("n_evicted_before_read", evicted),
+        common.stat("share_evicted_before_read", evicted / len(d) if len(d) else None, none),
+    ]
     kl_d = delayed["kl"].drop_nulls().to_numpy()
     kl_n = entries.filter(pl.col("read_class") == "never")["kl"].drop_nulls().to_numpy()
-    rows += [stat("n_kl_delayed", len(kl_d)), stat("n_kl_never", len(kl_n)),
-             stat("median_kl_delayed", np.median(kl_d) if len(kl_d) else None),
-             stat("median_kl_never", np.median(kl_n) if len(kl_n) else None)]
-    mwu, _ = mann_whitney(kl_d, kl_n, params.min_group, "eviction KL of delayed-read vs never-read entries")
+    rows += [common.stat("n_kl_delayed", len(kl_d)), common.stat("n_kl_never", len(kl_n)),
+             common.stat("median_kl_delayed", np.median(kl_d) if len(kl_d) else None),
+             common.stat("median_kl_never", np.median(kl_n) if len(kl_n) else None)]
+    mwu, _ = common.mann_whitney(kl_d, kl_n, params.min_group, "eviction KL of delayed-read vs never-read entries")
     return rows + mwu
 
 
-def plot_delayed_reads(entries: pl.DataFrame, hist: pl.DataFrame, rows: list[dict], params: FigureParams, out_dir: Path) -> list[Path]:
+def plot_delayed_reads(
+    entries: pl.DataFrame, hist: pl.DataFrame, rows: list[dict], params: FigureParams, out_dir: Path
+) -> list[Path]:
     """Delay histogram, eviction outcome of a window-only rule, and KL of delayed vs never-read entries."""
-    s = stats_dict(rows)
+    s = common.stats_dict(rows)
     notes = {r["statistic"]: r["note"] for r in rows if r["note"]}
-    with style():
-        fig, (ax1, ax2, ax3) = new_figure(3, 12, 3.8)
+    with common.style():
+        fig, (ax1, ax2, ax3) = common.new_figure(3, 12, 3.8)
         if hist.height:
             lo, hi = hist["bin_low"].to_numpy(), hist["bin_high"].to_numpy()
-            ax1.bar(lo, hist["count"].to_numpy(), width=hi - lo, align="edge", color=sns.color_palette()[0], edgecolor="white")
+            ax1.bar(
+                lo, hist["count"].to_numpy(), width=hi - lo, align="edge", color=sns.color_palette()[0],
+                edgecolor="white",
+            )
             ax1.set_xscale("log", base=2)
             ax1.axvline(params.interval, color="grey", ls=":", lw=1, label=f"compression interval {params.interval}")
             ax1.legend(fontsize=6)
-            ax1.set_title(f"delayed reads: n = {int(s['n_delayed'])}, median delay {fmt(s['delay_median'])}", fontsize=9)
+            ax1.set_title(
+                f"delayed reads: n = {int(s['n_delayed'])}, median delay {common.fmt(s['delay_median'])}", fontsize=9
+            )
         else:
-            note_on(ax1, notes.get("delay_median") or "no delayed-read entry", width=45)
+            common.note_on(ax1, notes.get("delay_median") or "no delayed-read entry", width=45)
             ax1.set_title("delayed reads", fontsize=9)
         ax1.set_xlabel("time to first strong read (queries after the entry)")
         ax1.set_ylabel("entries")
@@ -118,10 +142,11 @@ def plot_delayed_reads(entries: pl.DataFrame, hist: pl.DataFrame, rows: list[dic
         ax2.set_ylabel("labeled entries")
         ax2.tick_params(axis="x", labelsize=7)
         ax2.set_title(f"window-only rule (W_obs = {params.w_obs}) evicts before the read:\n"
-                      f"{fmt(s['share_evicted_before_read'])} of delayed ({int(s['n_evicted_before_read'])}/{int(s['n_delayed'])}); "
+                      f"{common.fmt(s['share_evicted_before_read'])} of delayed "
+                      f"({int(s['n_evicted_before_read'])}/{int(s['n_delayed'])}); "
                       f"{int(s['n_unobserved'])} unobserved left out", fontsize=8)
         if "share_evicted_before_read" in notes or "n_entries" in notes:
-            note_on(ax2, notes.get("n_entries") or notes["share_evicted_before_read"], y=0.7, width=45)
+            common.note_on(ax2, notes.get("n_entries") or notes["share_evicted_before_read"], y=0.7, width=45)
 
         kl = entries.filter(pl.col("read_class").is_in(["delayed", "never"]) & pl.col("kl").is_not_null())
         if kl.height:
@@ -130,7 +155,10 @@ def plot_delayed_reads(entries: pl.DataFrame, hist: pl.DataFrame, rows: list[dic
             order = [g for g in ("delayed", "never") if g in groups]
             with warnings.catch_warnings():  # seaborn 0.13 passes matplotlib 3.11's deprecated ``vert``
                 warnings.simplefilter("ignore", MatplotlibDeprecationWarning)
-                sns.boxplot(x=groups, y=y, order=order, hue=groups, hue_order=order, palette="deep", showfliers=False, ax=ax3, legend=False)
+                sns.boxplot(
+                    x=groups, y=y, order=order, hue=groups, hue_order=order, palette="deep", showfliers=False, ax=ax3,
+                    legend=False,
+                )
             # seaborn jitters with numpy's global RNG: seed it for this call only, so the PNG and PDF are reproducible
             state = np.random.get_state()
             np.random.seed(params.seed)
@@ -140,11 +168,11 @@ def plot_delayed_reads(entries: pl.DataFrame, hist: pl.DataFrame, rows: list[dic
         ax3.set_xlabel(f"delayed: n = {int(s['n_kl_delayed'])}, never read: n = {int(s['n_kl_never'])}")
         ax3.set_ylabel("eviction KL (mean kl_mean, nats)")
         ax3.set_title("eviction KL, Mann-Whitney U (delayed > never):\n"
-                      f"p = {fmt(s['mwu_p'])}, rank-biserial r = {fmt(s['rank_biserial'])}", fontsize=8)
+                      f"p = {common.fmt(s['mwu_p'])}, rank-biserial r = {common.fmt(s['rank_biserial'])}", fontsize=8)
         if "mwu_p" in notes:
-            note_on(ax3, notes["mwu_p"], width=45)
+            common.note_on(ax3, notes["mwu_p"], width=45)
         fig.suptitle("(b) delayed-read effect", fontsize=10)
-        return save_figure(fig, out_dir, "delayed_reads")
+        return common.save_figure(fig, out_dir, "delayed_reads")
 
 
 @register_figure("delayed_reads", "(b) Delayed-read effect",
@@ -161,6 +189,6 @@ def delayed_reads_figure(ctx: FigureContext) -> Drawn:
     files = [out_dir / f"delayed_reads_{name}.csv" for name in ("entries", "hist", "stats")]
     entries.write_csv(files[0])
     hist.write_csv(files[1])
-    write_stats(rows, files[2])
-    return Drawn(stats_dict(rows), [r["note"] for r in rows if r["note"]],
+    common.write_stats(rows, files[2])
+    return Drawn(common.stats_dict(rows), [r["note"] for r in rows if r["note"]],
                  [*plot_delayed_reads(entries, hist, rows, params, out_dir), *files])

@@ -27,7 +27,9 @@ def trace_pressure_payload(trace, keys: pl.DataFrame, params: TokenFeatureParams
     for pid, grp in keys.group_by("prompt_id", maintain_order=True):
         pid = pid[0]
         grp = grp.sort("checkpoint", "position")
-        positions = {t: torch.tensor(g["position"].to_numpy()) for (t,), g in grp.group_by("checkpoint", maintain_order=True)}
+        positions = {
+            t: torch.tensor(g["position"].to_numpy()) for (t,), g in grp.group_by("checkpoint", maintain_order=True)
+        }
         sums = PromptSums(params, pid, positions, trace.num_layers)
         for layer in range(trace.num_layers):
             qkv = trace.layer(pid, layer)
@@ -35,12 +37,16 @@ def trace_pressure_payload(trace, keys: pl.DataFrame, params: TokenFeatureParams
             if advance:
                 advance()
         frames.append(sums.finish())
-    return keys.join(pl.concat(frames), on=["prompt_id", "checkpoint", "position"], how="left", maintain_order="left") if frames else keys
+    return (
+        keys.join(pl.concat(frames), on=["prompt_id", "checkpoint", "position"], how="left", maintain_order="left")
+        if frames
+        else keys
+    )
 
 
 def layer_read_strength(
-    q: torch.Tensor, k: torch.Tensor, scale: LayerAttention | float, positions: torch.Tensor, acc: torch.Tensor, reduce: str,
-    num_layers: int, chunk_elements: int,
+    q: torch.Tensor, k: torch.Tensor, scale: LayerAttention | float, positions: torch.Tensor, acc: torch.Tensor,
+    reduce: str, num_layers: int, chunk_elements: int,
 ) -> None:
     """Add one layer's read strengths of every query on the entries ``positions`` to ``acc`` (in place).
 
@@ -93,15 +99,16 @@ def first_reads(strength: torch.Tensor, positions: torch.Tensor, w_obs: int, str
         first[c0 : c0 + block] = torch.where(strong.any(dim=0), strong.int().argmax(dim=0), -1)
     complete = (positions + 1 + w_obs) <= T
     return {
-        "window_complete": complete.numpy(),
-        "first_window_peak": torch.where(complete, peak, float("nan")).numpy(),
+        "window_complete": complete.numpy(), "first_window_peak": torch.where(complete, peak, float("nan")).numpy(),
         "first_strong_read": first.numpy().astype(np.int64),
         "future_queries": (T - (positions + 1 + w_obs)).clamp_min(0).numpy().astype(np.int64),
     }
 
 
-def trace_first_reads(trace, entries: pl.DataFrame, w_obs: int, strong_read_mult: float, reduce: str,
-                      chunk_elements: int, strength_elements: int, advance: Callable[[], None] | None = None) -> pl.DataFrame:
+def trace_first_reads(
+    trace, entries: pl.DataFrame, w_obs: int, strong_read_mult: float, reduce: str, chunk_elements: int,
+    strength_elements: int, advance: Callable[[], None] | None = None,
+) -> pl.DataFrame:
     """``entries`` (prompt_id, position; unique) with :func:`first_reads`'s columns and ``prompt_len``, ``length``.
 
     Per prompt, the entries are taken in column blocks of ``max(1, strength_elements // T)`` so the fp32
@@ -119,12 +126,21 @@ def trace_first_reads(trace, entries: pl.DataFrame, w_obs: int, strong_read_mult
             acc = torch.zeros(T, len(pos))
             for layer in range(trace.num_layers):
                 qkv = trace.layer(pid, layer)
-                layer_read_strength(qkv.q.float(), qkv.k.float(), trace.layer_attention(layer), pos, acc, reduce, trace.num_layers, chunk_elements)
+                layer_read_strength(
+                    qkv.q.float(), qkv.k.float(), trace.layer_attention(layer), pos, acc, reduce, trace.num_layers,
+                    chunk_elements,
+                )
                 if advance:
                     advance()
             parts.append(first_reads(acc, pos, w_obs, strong_read_mult))
         cols = {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
-        frames.append(pl.DataFrame({"prompt_id": pid, "position": positions.numpy(), "prompt_len": P, "length": T, **cols},
-                                   schema_overrides={"prompt_id": pl.String, "position": pl.Int64, "prompt_len": pl.Int64,
-                                                     "length": pl.Int64, "first_window_peak": pl.Float64}))
+        frames.append(
+            pl.DataFrame(
+                {"prompt_id": pid, "position": positions.numpy(), "prompt_len": P, "length": T, **cols},
+                schema_overrides={
+                    "prompt_id": pl.String, "position": pl.Int64, "prompt_len": pl.Int64, "length": pl.Int64,
+                    "first_window_peak": pl.Float64,
+                },
+            )
+        )
     return pl.concat(frames)

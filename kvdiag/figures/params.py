@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvdiag.errors import UserError
-from kvdiag.rankeval import parse_harm
-from kvdiag.schema import CHECKPOINT_INTERVAL, W_DELAY, W_OBS
+from kvdiag.harm import HarmSpec
+from kvdiag.schema import CHECKPOINT_INTERVAL, HARM, N_BOOT, NOISE_MULT, RHO, W_DELAY, W_OBS
 
 PAYLOAD_KINDS = ("l2", "l1", "range", "var")  # features.value_payload kinds computable from the Trace alone
 READ_REDUCES = ("mean", "max")
@@ -27,26 +27,28 @@ class FigureParams:
     """
 
     # --- features
-    w_obs: int = W_OBS  # observation window W_obs: p's window queries [t - w_obs, t); (b)'s first window [i+1, i+1+w_obs)
+    # observation window W_obs: p's window queries [t - w_obs, t); (b)'s first window [i+1, i+1+w_obs)
+    w_obs: int = W_OBS
     w_delay: int = W_DELAY  # p is normalized over the entries of age > w_delay (AvoKV-E's C_t); 0: the whole cache
     payload: str = "l2"  # value payload kind: l2 (‖v‖₂), l1, range (VaSE), var
     # --- which labels are analysed (as rank-eval)
-    harm: str = "quantile:0.9"  # high damage: kl_mean > threshold; quantile:Q of the analysed labels, or abs:TAU nats
+    harm: str = HARM  # high damage: kl_mean > threshold; quantile:Q of the analysed labels, or abs:TAU nats
     include_unresolved: bool = False  # keep labels with kl_mean <= noise_mult * noise_floor
-    noise_mult: float = 1.0
+    noise_mult: float = NOISE_MULT
     # --- (a) attention-only blind spot
-    low_attention_quantile: float = 0.5  # low attention: p < this quantile of p over the checkpoint's analysed candidates
-    large_payload_quantile: float = 0.75  # large payload: b > this quantile of b over the checkpoint's analysed candidates
+    low_attention_quantile: float = 0.5
+    large_payload_quantile: float = 0.75  # large payload: b > this quantile of b over the checkpoint's candidates
     # --- (b) delayed reads
-    read_reduce: str = "mean"  # read strength of query tau on key i: attention prob, mean (or max) over layers and query heads
-    strong_read_mult: float = 4.0  # strong read: read strength >= strong_read_mult / (tau + 1), i.e. that many times uniform attention
-    interval: int = CHECKPOINT_INTERVAL  # a window-only rule compresses at t = prompt_len + k * interval (k >= 1), R-KV's schedule
+    read_reduce: str = "mean"
+    strong_read_mult: float = 4.0
+    # a window-only rule compresses at t = prompt_len + k * interval (k >= 1), R-KV's schedule
+    interval: int = CHECKPOINT_INTERVAL
     # --- statistics
     min_group: int = 5  # a test needs at least this many candidates in each group compared (else NaN + note)
     ci_level: float = 0.95  # odds-ratio CI level; component CIs come from rank-eval's bootstrap at this level
     # --- component figure (rank-eval settings, used when the metrics are computed here)
-    rho: float = 0.5  # eviction fraction of the false-safe rate
-    n_boot: int = 1000  # cluster-bootstrap resamples over prompts
+    rho: float = RHO  # eviction fraction of the false-safe rate
+    n_boot: int = N_BOOT  # cluster-bootstrap resamples over prompts
     seed: int = 0  # bootstrap seed; also seeds the jitter of (b)'s strip plot
     scope: str = "pooled"  # pooled or macro (mean over checkpoints) metrics
     min_age: int | None = None  # evaluate only candidates of age >= min_age (rank-eval's --min-age)
@@ -58,7 +60,12 @@ class FigureParams:
     strength_elements: int = 2**26  # read-strength accumulator [T, candidates] per column block (256 MiB in fp32)
 
     @property
-    def token_features(self) -> "TokenFeatureParams":  # noqa: F821
+    def harm_spec(self) -> HarmSpec:
+        """Which labels are analysed and which are high-damage (``kvdiag.harm``, as rank-eval)."""
+        return HarmSpec(self.harm, self.noise_mult, self.include_unresolved)
+
+    @property
+    def token_features(self) -> TokenFeatureParams:  # noqa: F821
         """The definition of ``p`` and ``b`` (what a scores' features file must have been made with)."""
         from kvdiag.token_features import TokenFeatureParams  # torch: not at import (the CLI starts fast)
 
@@ -72,8 +79,7 @@ class FigureParams:
         need(self.w_obs >= 1, f"w_obs={self.w_obs} must be >= 1 (e.g. 32)")
         need(self.w_delay >= 0, f"w_delay={self.w_delay} must be >= 0 (0: normalize over the whole cache)")
         need(self.payload in PAYLOAD_KINDS, f"payload={self.payload!r} must be one of {', '.join(PAYLOAD_KINDS)}")
-        parse_harm(self.harm)
-        need(self.noise_mult >= 0, f"noise_mult={self.noise_mult} must be >= 0")
+        self.harm_spec  # noqa: B018  (checks harm and noise_mult)
         for name in ("low_attention_quantile", "large_payload_quantile"):
             need(0 < getattr(self, name) < 1, f"{name}={getattr(self, name)} must lie in (0, 1)")
         need(self.read_reduce in READ_REDUCES, f"read_reduce={self.read_reduce!r} must be mean or max")
@@ -87,4 +93,5 @@ class FigureParams:
         for name in ("min_age", "max_age"):
             need(getattr(self, name) is None or getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
         need(self.log_floor > 0, f"log_floor={self.log_floor} must be > 0")
-        need(self.chunk_elements >= 1 and self.strength_elements >= 1, "chunk_elements and strength_elements must be >= 1")
+        need(self.chunk_elements >= 1 and self.strength_elements >= 1, "chunk_elements and strength_elements must be "
+                                                                       ">= 1")

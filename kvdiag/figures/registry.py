@@ -20,7 +20,7 @@ import polars as pl
 
 from kvdiag.figures.features import trace_first_reads, trace_pressure_payload
 from kvdiag.figures.params import FigureParams
-from kvdiag.rankeval import harm_threshold, unresolved
+from kvdiag.registry import Registry
 from kvdiag.schema import KEYS
 from kvdiag.token_features import NO_FILE
 
@@ -43,16 +43,14 @@ class Figure:
     draw: Callable[[FigureContext], Drawn]
 
 
-FIGURES: dict[str, Figure] = {}
+FIGURES: Registry[Figure] = Registry("figure", "kvdiag.figures")
 
 
 def register_figure(name: str, title: str, csvs: tuple[str, ...]) -> Callable:
     """Decorator: register ``draw(ctx) -> Drawn`` as the figure ``name``."""
 
     def add(draw: Callable[[FigureContext], Drawn]) -> Callable:
-        if name in FIGURES:
-            raise ValueError(f"figure {name!r} is already registered")
-        FIGURES[name] = Figure(name, title, tuple(csvs), draw)
+        FIGURES.add(name, Figure(name, title, tuple(csvs), draw))
         return draw
 
     return add
@@ -86,13 +84,11 @@ class FigureContext:
     threshold: float = field(init=False)
 
     def __post_init__(self):
-        p = self.params
+        spec = self.params.harm_spec
         self.token = self.labels.filter(pl.col("granularity") == "token")
-        self.below_floor = unresolved(p.noise_mult).fill_null(False)
-        analysed = self.token if p.include_unresolved else self.token.filter(~self.below_floor)
-        self.analysed = analysed.filter(pl.col("kl_mean").is_not_null() & pl.col("kl_mean").is_not_nan())
-        kl = self.analysed["kl_mean"].to_numpy()
-        self.threshold = harm_threshold(kl, p.harm) if len(kl) else float("nan")
+        self.below_floor = spec.unresolved()
+        self.analysed = spec.analysed(self.token, what="token labels", require=False)  # none: each figure notes it
+        self.threshold = spec.threshold(self.analysed["kl_mean"].to_numpy())
 
     @cached_property
     def points(self) -> pl.DataFrame:
@@ -103,12 +99,16 @@ class FigureContext:
             return keys.with_columns(read_pressure=pl.lit(None, pl.Float64), value_payload=pl.lit(None, pl.Float64))
         if self.features is not None:
             on = list(KEYS[:3])  # prompt_id, checkpoint, position
-            joined = keys.join(self.features.select(*on, "read_pressure", "value_payload"), on=on, how="left", maintain_order="left")
+            joined = keys.join(
+                self.features.select(*on, "read_pressure", "value_payload"), on=on, how="left", maintain_order="left"
+            )
             missing = joined["value_payload"].null_count()
             if not missing:
                 return joined
             self.features_source = f"computed from the Trace (the features file lacks {missing} analysed label(s))"
-        advance = self.task("figures: read pressure, prompt × layer", keys["prompt_id"].n_unique() * self.trace.num_layers)
+        advance = self.task(
+            "figures: read pressure, prompt × layer", keys["prompt_id"].n_unique() * self.trace.num_layers
+        )
         return trace_pressure_payload(self.trace, keys, p.token_features, advance)
 
     @cached_property
@@ -117,12 +117,18 @@ class FigureContext:
         p, entries = self.params, self.token.select("prompt_id", "position").unique(maintain_order=True)
         if not entries.height:
             return _empty_reads()
-        advance = self.task("figures: read strengths, prompt × layer", entries["prompt_id"].n_unique() * self.trace.num_layers)
+        advance = self.task(
+            "figures: read strengths, prompt × layer", entries["prompt_id"].n_unique() * self.trace.num_layers
+        )
         return trace_first_reads(self.trace, entries, p.w_obs, p.strong_read_mult, p.read_reduce, p.chunk_elements,
                                  p.strength_elements, advance)
 
 
 def _empty_reads() -> pl.DataFrame:
-    return pl.DataFrame(schema={"prompt_id": pl.String, "position": pl.Int64, "prompt_len": pl.Int64, "length": pl.Int64,
-                                "window_complete": pl.Boolean, "first_window_peak": pl.Float64, "first_strong_read": pl.Int64,
-                                "future_queries": pl.Int64})
+    return pl.DataFrame(
+        schema={
+            "prompt_id": pl.String, "position": pl.Int64, "prompt_len": pl.Int64, "length": pl.Int64,
+            "window_complete": pl.Boolean, "first_window_peak": pl.Float64, "first_strong_read": pl.Int64,
+            "future_queries": pl.Int64,
+        }
+    )

@@ -10,17 +10,17 @@ from pathlib import Path
 import polars as pl
 
 from kvdiag.errors import UserError
+
+# importing each module registers its figure, in this order (of make_figures, figures.json and the report)
+from kvdiag.figures import blind_spot, delayed_reads, components  # noqa: F401  # isort: skip
 from kvdiag.figures.params import FigureParams
 from kvdiag.figures.registry import FIGURES, FigureContext
-from kvdiag.io import check_writable, read_table, writable_dir, write_json
+from kvdiag.io import check_writable, read_json, read_table, writable_dir, write_json
 from kvdiag.progress import progress_bar
 from kvdiag.provenance import provenance
 from kvdiag.rankeval import check_inputs
 from kvdiag.schema import KEYS, check_keys, keyed
 from kvdiag.token_features import read_token_features, usable_features
-
-# importing each module registers its figure, in this order (of make_figures, figures.json and the report)
-from kvdiag.figures import blind_spot, delayed_reads, components  # noqa: F401
 
 LABEL_COLUMNS = ("prompt_id", "checkpoint", "position", "granularity", "kl_mean", "noise_floor")
 
@@ -40,8 +40,10 @@ def check_figure_inputs(trace, labels: pl.DataFrame, scores: pl.DataFrame | None
     if hasattr(trace, "check_belongs"):
         trace.check_belongs(labels_meta, "--labels")
         trace.check_belongs(scores_meta, "--scores")
-    labels = labels.with_columns(pl.col("layer").fill_null(-1) if "layer" in labels.columns else pl.lit(-1, pl.Int64).alias("layer"),
-                                 pl.col("kv_head").fill_null(-1) if "kv_head" in labels.columns else pl.lit(-1, pl.Int64).alias("kv_head"))
+    labels = labels.with_columns(
+        pl.col("layer").fill_null(-1) if "layer" in labels.columns else pl.lit(-1, pl.Int64).alias("layer"),
+        pl.col("kv_head").fill_null(-1) if "kv_head" in labels.columns else pl.lit(-1, pl.Int64).alias("kv_head"),
+    )
     if labels.height:
         check_keys(trace, labels, "--labels")
     if "token_id" in labels.columns:
@@ -50,13 +52,16 @@ def check_figure_inputs(trace, labels: pl.DataFrame, scores: pl.DataFrame | None
             bad = grp.filter(pl.Series(ids[grp["position"].to_numpy()]) != pl.col("token_id"))
             if bad.height:
                 r = bad.row(0, named=True)
-                raise UserError(f"--labels: token_id {r['token_id']} at position {r['position']} of {pid!r} differs from the Trace's "
-                                f"token {ids[r['position']]}: the labels come from another Trace; pass the matching --trace")
+                raise UserError(f"--labels: token_id {r['token_id']} at position {r['position']} of {pid!r} differs "
+                                "from the Trace's "
+                                f"token {ids[r['position']]}: the labels come from another Trace; pass the matching "
+                                "--trace")
     if scores is not None:
         keyed(scores, "--scores", "pass a scores.parquet written by kvdiag score")
         shared = labels.select(KEYS).join(scores.select(KEYS), on=list(KEYS), how="semi").height
         if labels.height and not shared:
-            raise UserError("--scores share no candidate with --labels: score this labels file (kvdiag score --labels ...)")
+            raise UserError("--scores share no candidate with --labels: score this labels file (kvdiag score --labels "
+                            "...)")
     return labels
 
 
@@ -71,18 +76,10 @@ def _jsonable(x):
 
 
 def make_figures(
-    trace,
-    labels: pl.DataFrame,
-    scores: pl.DataFrame | None = None,
-    out_dir: str | os.PathLike = "figures",
-    params: FigureParams | None = None,
-    *,
-    labels_meta: dict | None = None,
-    scores_meta: dict | None = None,
-    metrics: pl.DataFrame | None = None,
-    features: tuple[pl.DataFrame, dict] | None = None,
-    command: list[str] | None = None,
-    progress: bool = False,
+    trace, labels: pl.DataFrame, scores: pl.DataFrame | None = None, out_dir: str | os.PathLike = "figures",
+    params: FigureParams | None = None, *, labels_meta: dict | None = None, scores_meta: dict | None = None,
+    metrics: pl.DataFrame | None = None, features: tuple[pl.DataFrame, dict] | None = None,
+    command: list[str] | None = None, progress: bool = False,
 ) -> dict:
     """Draw the Appendix D figures and the component figure of one run into ``out_dir``.
 
@@ -91,7 +88,8 @@ def make_figures(
     trace : a :class:`kvdiag.trace.Trace` (or an object with its reader API).
     labels, scores : the labels and scores tables (``scores`` may be None: no component figure, a note instead).
     params : thresholds and definitions (:class:`FigureParams`).
-    labels_meta, scores_meta : the tables' provenance (``kvdiag.io.read_meta``), checked against each other and the Trace.
+    labels_meta, scores_meta : the tables' provenance (``kvdiag.io.read_meta``), checked against each other and the
+    Trace.
     metrics : rank-eval's metrics table (metrics.csv) to reuse; computed from labels and scores when None.
     features : the scores' token features and their metadata (``kvdiag.token_features.read_token_features``),
         used for read pressure and payload when made with ``params``' definitions from this Trace; None, or
@@ -105,7 +103,9 @@ def make_figures(
     """
     params = params or FigureParams()
     labels = check_figure_inputs(trace, labels, scores, labels_meta, scores_meta)
-    features, features_source = usable_features(features, params.token_features, trace)  # refused before anything is written
+    features, features_source = usable_features(
+        features, params.token_features, trace
+    )  # refused before anything is written
     out = writable_dir(out_dir)
     with progress_bar(progress) as bar:
         def task(description: str, total: int):
@@ -117,26 +117,37 @@ def make_figures(
 
     files = [f for d in drawn.values() for f in d.files] + [out / "figures.json"]
     result = {name: d.result for name, d in drawn.items()}
-    result |= {"notes": list(dict.fromkeys(n for d in drawn.values() for n in d.notes)), "files": [str(f) for f in files]}
+    result |= {
+        "notes": list(dict.fromkeys(n for d in drawn.values() for n in d.notes)), "files": [str(f) for f in files],
+    }
     record = {
         "command": "figures",
         "argv": command,
         **provenance(),
         "params": asdict(params),
-        "inputs": {"trace": getattr(trace, "provenance", None), "labels": labels_meta, "scores": scores_meta,
-                   "metrics": "given (rank-eval metrics.csv)" if metrics is not None else "computed with rank_eval from labels and scores",
-                   "read_pressure_payload": ctx.features_source},
+        "inputs": {
+            "trace": getattr(trace, "provenance", None),
+            "labels": labels_meta,
+            "scores": scores_meta,
+            "metrics": "given (rank-eval metrics.csv)"
+            if metrics is not None
+            else "computed with rank_eval from labels and scores",
+            "read_pressure_payload": ctx.features_source,
+        },
         # statistics of each figure (a table's rows stay in its CSV) and the notes
-        "summary": {name: d.result for name, d in drawn.items() if isinstance(d.result, dict)} | {"notes": result["notes"]},
+        "summary": {name: d.result for name, d in drawn.items() if isinstance(d.result, dict)}
+        | {"notes": result["notes"]},
         "outputs": [f.name for f in files],
     }
     write_json(out / "figures.json", _jsonable(record))
     return result
 
 
-def figures_files(trace: str | os.PathLike, labels: str | os.PathLike, scores: str | os.PathLike, out: str | os.PathLike,
-                  params: FigureParams, rank_eval: str | os.PathLike | None = None, command: list[str] | None = None,
-                  progress: bool = True) -> dict:
+def figures_files(
+    trace: str | os.PathLike, labels: str | os.PathLike, scores: str | os.PathLike, out: str | os.PathLike,
+    params: FigureParams, rank_eval: str | os.PathLike | None = None, command: list[str] | None = None,
+    progress: bool = True,
+) -> dict:
     """What ``kvdiag figures`` runs: read the Trace, labels, scores and (``rank_eval``, a rank-eval directory) its
     metrics.csv, refusing bad input before the slow part, then :func:`make_figures`."""
     from kvdiag.label import read_labels  # torch and transformers: not at import (the CLI starts fast)
@@ -153,12 +164,22 @@ def figures_files(trace: str | os.PathLike, labels: str | os.PathLike, scores: s
     features = read_token_features(scores)
     metrics = None
     if rank_eval is not None:
-        for flag, value in (("--min-age", params.min_age), ("--max-age", params.max_age), ("--eligible", params.eligible)):
+        from kvdiag.rankeval.run import load_metrics
+
+        filters = (("--min-age", params.min_age), ("--max-age", params.max_age), ("--eligible", params.eligible))
+        for flag, value in filters:
             if value is not None:
-                raise UserError(f"{flag} does not apply with --rank-eval (its metrics were computed on its own candidates; "
-                                "pass the filters to kvdiag rank-eval); drop it")
-        if not (Path(rank_eval) / "metrics.csv").is_file():
-            raise UserError(f"--rank-eval {rank_eval} has no metrics.csv: pass a directory written by kvdiag rank-eval")
-        metrics = pl.read_csv(Path(rank_eval) / "metrics.csv", schema_overrides={"note": pl.String})
+                raise UserError(f"{flag} does not apply with --rank-eval (its metrics were computed on its own "
+                                "candidates; pass the filters to kvdiag rank-eval); drop it")
+        metrics = load_metrics(rank_eval)
     return make_figures(tr, label_df, score_df, out, params, labels_meta=label_meta, scores_meta=score_meta,
                         metrics=metrics, features=features, command=command, progress=progress)
+
+
+def load_summary(path: str | os.PathLike) -> dict:
+    """What ``kvdiag figures`` wrote into the directory ``path``: figures.json (params, inputs, summary, files, argv);
+    a directory without it (figures did not finish) is a ``UserError``."""
+    info = Path(path) / "figures.json"
+    if not info.is_file():
+        raise UserError("figures.json is missing (kvdiag figures did not finish)")
+    return read_json(info, "figures.json")

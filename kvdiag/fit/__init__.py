@@ -19,8 +19,10 @@ import numpy as np
 import polars as pl
 
 from kvdiag.errors import UserError
+from kvdiag.harm import HarmSpec
 from kvdiag.io import write_csv, write_json, write_table, write_text
 from kvdiag.provenance import provenance
+from kvdiag.schema import HARM, N_BOOT, NOISE_MULT
 
 MODELS = ("fitted_logreg", "fitted_gbt")
 
@@ -30,12 +32,12 @@ class FitConfig:
     """How the ceiling is fitted (written to config.json and model.json)."""
 
     features: tuple[str, ...] = ()  # empty: every feature of entry_features.FEATURES
-    harm: str = "quantile:0.9"  # the harmful label, as rank-eval defines it (on the resolved labels)
+    harm: str = HARM  # the harmful label, as rank-eval defines it (on the resolved labels)
     include_unresolved: bool = False
-    noise_mult: float = 1.0
+    noise_mult: float = NOISE_MULT
     n_splits: int = 5  # grouped folds (at most the number of prompts)
     seed: int = 0
-    n_boot: int = 1000  # rank-eval's cluster bootstrap of the out-of-fold metrics
+    n_boot: int = N_BOOT  # rank-eval's cluster bootstrap of the out-of-fold metrics
     logreg_c: float = 1.0  # inverse L2 strength of the logistic regression
     gbt_max_iter: int = 200  # boosting iterations of HistGradientBoostingClassifier
     gbt_learning_rate: float = 0.05
@@ -44,12 +46,15 @@ class FitConfig:
     # scorer's logit, averaged the same way, is exactly the model's)
     extra: dict = field(default_factory=dict)
 
+    @property
+    def harm_spec(self) -> HarmSpec:
+        return HarmSpec(self.harm, self.noise_mult, self.include_unresolved)
+
 
 def _check(cfg: FitConfig) -> tuple[str, ...]:
-    from kvdiag.rankeval import parse_harm
     from kvdiag.scorers.entry_features import FEATURES
 
-    parse_harm(cfg.harm)
+    cfg.harm_spec  # noqa: B018  (checks the harm settings)
     names = cfg.features or tuple(FEATURES)
     unknown = [f for f in names if f not in FEATURES]
     if unknown:
@@ -71,12 +76,9 @@ def feature_table(trace, keys: pl.DataFrame, names: tuple[str, ...], progress: b
 
 def _labels_y(labels: pl.DataFrame, cfg: FitConfig) -> tuple[pl.DataFrame, np.ndarray, float]:
     """The evaluated labels (resolved unless include_unresolved) and their harm label, as rank-eval makes them."""
-    from kvdiag.rankeval import harm_threshold
-
-    if not cfg.include_unresolved:
-        labels = labels.filter(pl.col("kl_mean") > cfg.noise_mult * pl.col("noise_floor"))
+    labels = cfg.harm_spec.analysed(labels)
     kl = labels["kl_mean"].to_numpy()
-    threshold = harm_threshold(kl, cfg.harm)
+    threshold = cfg.harm_spec.threshold(kl)
     y = (kl > threshold).astype(int)
     if y.min() == y.max():
         raise UserError(f"--harm {cfg.harm} leaves one class only among {len(y)} labels: choose another threshold")
@@ -101,7 +103,8 @@ def fit_ceiling(trace, labels: pl.DataFrame, scores: pl.DataFrame | None, out: s
     """Fit, cross-validate and rank the ceiling models; write the outputs into ``out`` and return the summary.
 
     Outputs: ``features.parquet`` (keys, features, label), ``oof_scores.parquet`` (keys, the models' out-of-fold
-    keep scores ``P(harmful)``: keep what would hurt to evict, and the hand-made rules' scores), ``metrics.csv``/``table.md`` (rank-eval of all),
+    keep scores ``P(harmful)``: keep what would hurt to evict, and the hand-made rules' scores),
+    ``metrics.csv``/``table.md`` (rank-eval of all),
     ``importances.csv``, ``model.json`` (the logistic regression on all entries), ``config.json``.
     """
     from sklearn.inspection import permutation_importance
@@ -114,7 +117,8 @@ def fit_ceiling(trace, labels: pl.DataFrame, scores: pl.DataFrame | None, out: s
     t0 = time.perf_counter()
     labels = labels.filter(pl.col("granularity") == "token")
     if labels.height == 0:
-        raise UserError("the labels hold no token-granularity rows: fit learns the token label; label with --granularity token")
+        raise UserError("the labels hold no token-granularity rows: fit learns the token label; label with "
+                        "--granularity token")
     labels, y, threshold = _labels_y(labels, cfg)
     feats = feature_table(trace, labels.select(KEYS), names, progress)
     X = feats.select(names).to_numpy().astype(float)
@@ -136,9 +140,10 @@ def fit_ceiling(trace, labels: pl.DataFrame, scores: pl.DataFrame | None, out: s
     if scores is not None:
         rules = [c for c in scores.columns if c not in KEYS and c not in MODELS]
         ranked = ranked.join(scores.select(*KEYS, *rules), on=list(KEYS), how="left")
-    result = rank_eval(labels, ranked, harm=cfg.harm, include_unresolved=cfg.include_unresolved, noise_mult=cfg.noise_mult,
-                       n_boot=cfg.n_boot, seed=cfg.seed, reference="fitted_logreg", granularity="token",
-                       scores_meta=scores_meta)
+    result = rank_eval(
+        labels, ranked, harm=cfg.harm, include_unresolved=cfg.include_unresolved, noise_mult=cfg.noise_mult,
+        n_boot=cfg.n_boot, seed=cfg.seed, reference="fitted_logreg", granularity="token", scores_meta=scores_meta,
+    )
 
     final = _models(cfg)["fitted_logreg"].fit(X, y)
     scaler, logreg = final[0], final[-1]
@@ -149,16 +154,18 @@ def fit_ceiling(trace, labels: pl.DataFrame, scores: pl.DataFrame | None, out: s
         "aggregation": cfg.aggregation, "trained_on": {"n": len(y), "n_harmful": int(y.sum()), "prompts": n_prompts},
         "labels": labels_meta, "trace": getattr(trace, "provenance", None),
     }
-    std_coef = dict(zip(names, logreg.coef_[0].tolist()))
+    std_coef = dict(zip(names, logreg.coef_[0].tolist(), strict=True))
     imp = pl.DataFrame({
-        "feature": list(names),
-        "logreg_std_coef": [std_coef[n] for n in names],
+        "feature": list(names), "logreg_std_coef": [std_coef[n] for n in names],
         "logreg_permutation_auroc_drop": importance["fitted_logreg"].tolist(),
         "gbt_permutation_auroc_drop": importance["fitted_gbt"].tolist(),
     }).sort("gbt_permutation_auroc_drop", descending=True)
 
     out.mkdir(parents=True, exist_ok=True)
-    write_table(feats.with_columns(harmful=pl.Series(y)), out / "features.parquet", {"kind": "fit_features", "features": list(names)})
+    write_table(
+        feats.with_columns(harmful=pl.Series(y)), out / "features.parquet",
+        {"kind": "fit_features", "features": list(names)},
+    )
     write_table(ranked, out / "oof_scores.parquet", {"kind": "scores", "trace": (labels_meta or {}).get("trace"),
                                                      "scorers": {**((scores_meta or {}).get("scorers") or {}),
                                                                  **{m: {"out_of_fold": True} for m in MODELS}}})
@@ -193,4 +200,19 @@ def fit_files(trace: str | Path, labels: str | Path, scores: str | Path | None, 
     score_df, score_meta = read_table(scores, "scores") if scores is not None else (None, None)
     if scores is not None:
         check_inputs(label_meta, score_meta)
-    return fit_ceiling(tr, label_df, score_df, out, cfg, labels_meta=label_meta, scores_meta=score_meta, progress=progress)
+    return fit_ceiling(
+        tr, label_df, score_df, out, cfg, labels_meta=label_meta, scores_meta=score_meta, progress=progress
+    )
+
+
+def load_summary(path: str | Path) -> dict:
+    """What ``kvdiag fit`` wrote into the directory ``path``: ``{"config": config.json, "table.md": text,
+    "importances": DataFrame}``; an unfinished directory is a ``UserError``."""
+    from kvdiag.io import read_json
+
+    path = Path(path)
+    missing = [f for f in ("config.json", "table.md", "importances.csv") if not (path / f).is_file()]
+    if missing:
+        raise UserError(f"{', '.join(missing)} missing (kvdiag fit did not finish)")
+    return {"config": read_json(path / "config.json", "config.json"), "table.md": (path / "table.md").read_text(),
+            "importances": pl.read_csv(path / "importances.csv")}

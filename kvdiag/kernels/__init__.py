@@ -21,12 +21,7 @@ Backend = Literal["auto", "torch", "triton"]
 BACKENDS = ("auto", "torch", "triton")
 
 __all__ = [
-    "BACKENDS",
-    "compact_kv",
-    "normalize_exclude",
-    "resolve_backend",
-    "shared_prefix_attention",
-    "triton_available",
+    "BACKENDS", "compact_kv", "normalize_exclude", "resolve_backend", "shared_prefix_attention", "triton_available",
 ]
 
 
@@ -89,18 +84,9 @@ def compact_kv(
 
 
 def shared_prefix_attention(
-    q: torch.Tensor,
-    prefix_k: torch.Tensor,
-    prefix_v: torch.Tensor,
-    suffix_k: torch.Tensor,
-    suffix_v: torch.Tensor,
-    exclude: torch.Tensor | None,
-    scale: float | None = None,
-    backend: Backend = "auto",
-    chunk: int | None = None,
-    window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
+    q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, suffix_k: torch.Tensor, suffix_v: torch.Tensor,
+    exclude: torch.Tensor | None, scale: float | None = None, backend: Backend = "auto", chunk: int | None = None,
+    window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of N candidate rows over one shared prefix plus each row's own causal suffix.
 
@@ -126,7 +112,8 @@ def shared_prefix_attention(
     ):
         raise ValueError(
             f"shared_prefix_attention needs q [N, H, W, d], prefix [Hkv, P, d], suffix [N, Hkv, S>=W, d]; got "
-            f"{list(q.shape)}, {list(prefix_k.shape)}/{list(prefix_v.shape)}, {list(suffix_k.shape)}/{list(suffix_v.shape)}"
+            f"{list(q.shape)}, {list(prefix_k.shape)}/{list(prefix_v.shape)}, "
+            f"{list(suffix_k.shape)}/{list(suffix_v.shape)}"
         )
     if len({t.dtype for t in (q, prefix_k, prefix_v, suffix_k, suffix_v)}) != 1:
         raise ValueError("shared_prefix_attention needs q, prefix and suffix tensors of one dtype")

@@ -121,19 +121,9 @@ def peak_mb(fn: Callable[[], object], device: torch.device, cpu_reset: Callable[
 
 
 def run_kernel_bench(
-    device: str = "cpu",
-    n: int = 64,
-    prefix: int = 512,
-    window: int = 16,
-    heads: int = 9,
-    kv_heads: int = 3,
-    head_dim: int = 64,
-    exclude: int = 1,
-    trace_len: int = 16384,
-    keep_fraction: float = 0.5,
-    dtype: torch.dtype = torch.float32,
-    repeats: int = 5,
-    seed: int = 0,
+    device: str = "cpu", n: int = 64, prefix: int = 512, window: int = 16, heads: int = 9, kv_heads: int = 3,
+    head_dim: int = 64, exclude: int = 1, trace_len: int = 16384, keep_fraction: float = 0.5,
+    dtype: torch.dtype = torch.float32, repeats: int = 5, seed: int = 0,
 ) -> list[KernelBenchRow]:
     """Time and peak memory of every implementation of the two ops on ``device``.
 
@@ -149,23 +139,23 @@ def run_kernel_bench(
 
     scale = head_dim**-0.5
     spa = (
-        rand(n, heads, window, head_dim),
-        rand(kv_heads, prefix, head_dim),
-        rand(kv_heads, prefix, head_dim),
-        rand(n, kv_heads, window, head_dim),
-        rand(n, kv_heads, window, head_dim),
-        torch.randint(0, prefix, (n, exclude), generator=gen).to(dev),
-        scale,
+        rand(n, heads, window, head_dim), rand(kv_heads, prefix, head_dim), rand(kv_heads, prefix, head_dim),
+        rand(n, kv_heads, window, head_dim), rand(n, kv_heads, window, head_dim),
+        torch.randint(0, prefix, (n, exclude), generator=gen).to(dev), scale,
     )
     keys, values = rand(kv_heads, trace_len, head_dim), rand(kv_heads, trace_len, head_dim)
     budget = max(1, int(keep_fraction * trace_len))
-    keep = torch.stack([torch.randperm(trace_len, generator=gen)[:budget].sort().values for _ in range(kv_heads)]).to(dev)
+    keep = torch.stack([torch.randperm(trace_len, generator=gen)[:budget].sort().values for _ in range(kv_heads)]).to(
+        dev
+    )
 
     triton_ok = dev.type == "cuda" and kernels.triton_available()
     cases: list[tuple[str, Callable, dict[str, Callable[[], object]]]] = [
         (
             "shared_prefix_attention",
-            lambda: torch_ref.shared_prefix_attention(*spa[:5], kernels.normalize_exclude(spa[5], n, kv_heads, dev), scale),
+            lambda: torch_ref.shared_prefix_attention(
+                *spa[:5], kernels.normalize_exclude(spa[5], n, kv_heads, dev), scale
+            ),
             {
                 "triton": lambda: kernels.shared_prefix_attention(*spa, backend="triton"),
                 "torch": lambda: kernels.shared_prefix_attention(*spa, backend="torch"),

@@ -36,11 +36,8 @@ def compact_kv(
 
 def shared_prefix_attention(
     q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, suffix_k: torch.Tensor, suffix_v: torch.Tensor,
-    exclude: torch.Tensor, scale: float,
-    chunk: int | None = None,
-    window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
+    exclude: torch.Tensor, scale: float, chunk: int | None = None, window: int | None = None,
+    softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of N rows over one shared prefix (never copied per row) plus each row's causal suffix.
 

@@ -49,12 +49,7 @@ def _precision(dtype: torch.dtype) -> str:
 
 @triton.jit
 def _gather_rows_kernel(
-    SRC, IDX, DST,
-    s_h, s_t, s_d,
-    i_h, i_b,
-    o_h, o_b, o_d,
-    B, D,
-    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
+    SRC, IDX, DST, s_h, s_t, s_d, i_h, i_b, o_h, o_b, o_d, B, D, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     kv = tl.program_id(1)
     b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -92,15 +87,8 @@ def _softcap(s, cap):
 
 @triton.jit
 def _shared_prefix_kernel(
-    Q, PK, PV, SK, SV, EX, SINK, O,
-    q_n, q_h, q_w, q_d,
-    pk_h, pk_p, pk_d,
-    pv_h, pv_p, pv_d,
-    sk_n, sk_h, sk_s, sk_d,
-    sv_n, sv_h, sv_s, sv_d,
-    ex_n, ex_h, ex_e,
-    o_n, o_h, o_w, o_d,
-    P, S, W, E, D, scale, window, cap,
+    Q, PK, PV, SK, SV, EX, SINK, O, q_n, q_h, q_w, q_d, pk_h, pk_p, pk_d, pv_h, pv_p, pv_d, sk_n, sk_h, sk_s, sk_d,
+    sv_n, sv_h, sv_s, sv_d, ex_n, ex_h, ex_e, o_n, o_h, o_w, o_d, P, S, W, E, D, scale, window, cap,
     HKV: tl.constexpr, G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
     PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
@@ -177,11 +165,8 @@ def _shared_prefix_kernel(
 
 def shared_prefix_attention(
     q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, suffix_k: torch.Tensor, suffix_v: torch.Tensor,
-    exclude: torch.Tensor, scale: float,
-    block_n: int = BLOCK_N,
-    window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
+    exclude: torch.Tensor, scale: float, block_n: int = BLOCK_N, window: int | None = None,
+    softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton ``shared_prefix_attention`` (flash-style online softmax over prefix blocks, then the suffix).
 
@@ -201,8 +186,7 @@ def shared_prefix_attention(
     _shared_prefix_kernel[(triton.cdiv(g * W, block_m), N * Hkv)](
         q, prefix_k, prefix_v, suffix_k, suffix_v, exclude, sink, out,
         *q.stride(), *prefix_k.stride(), *prefix_v.stride(), *suffix_k.stride(), *suffix_v.stride(),
-        *exclude.stride(), *out.stride(),
-        P, S, W, E, d, scale, window or 0, float(softcap or 1.0),
+        *exclude.stride(), *out.stride(), P, S, W, E, d, scale, window or 0, float(softcap or 1.0),
         HKV=Hkv, G=g, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block(d),
         BLOCK_E=triton.next_power_of_2(max(E, 2)), PRECISION=_precision(q.dtype),
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,

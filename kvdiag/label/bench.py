@@ -118,8 +118,10 @@ def run_layer_start_bench(lm: LoadedModel, granularity: str, prefix_len: int = 5
     Each method then labels all rows once through ``OracleEngine.label`` for its peak memory and the labels compared."""
     batch_size = batch_size or n
     ids = bench_tokens(lm, prefix_len + horizon + 1)
-    engines = {"layer start (from the evicted layer)": OracleEngine(lm, ids, horizon, batch_size, backend, layer_start=True),
-               "full depth (before layer start)": OracleEngine(lm, ids, horizon, batch_size, backend, layer_start=False)}
+    engines = {
+        "layer start (from the evicted layer)": OracleEngine(lm, ids, horizon, batch_size, backend, layer_start=True),
+        "full depth (before layer start)": OracleEngine(lm, ids, horizon, batch_size, backend, layer_start=False),
+    }
     t = prefix_len
     positions = torch.linspace(0, t - 1, n).long().tolist()
     first = next(iter(engines.values()))
@@ -136,14 +138,14 @@ def run_layer_start_bench(lm: LoadedModel, granularity: str, prefix_len: int = 5
     totals = []
     for _ in range(repeats):
         total = [0.0, 0.0]
-        for i, pair in enumerate(zip(*runs)):
+        for i, pair in enumerate(zip(*runs, strict=True)):
             for m in (0, 1) if i % 2 == 0 else (1, 0):
                 total[m] += seconds(pair[m], device)
         totals.append(total)
     probe = cpu_peak_probe() if device.type == "cpu" else None
     labels, peaks = [], []
     for eng in engines.values():
-        peaks.append(peak_mb(lambda: labels.append(eng.label(t, rows)[0]["kl"].double()), device, probe))
+        peaks.append(peak_mb(lambda eng=eng: labels.append(eng.label(t, rows)[0]["kl"].double()), device, probe))
     diff = (labels[0] - labels[1]).abs()
     best = [min(tot[m] for tot in totals) for m in (0, 1)]
     return LayerStartBench([LabelBenchRow(name, best[m], len(rows) * horizon / best[m], peaks[m])
@@ -184,4 +186,4 @@ def run_fast_bench(lm: LoadedModel, method: str = "fisher", prefix_len: int = 51
     got = approx.label(t, all_rows)["kl"][positions]
     rho = float(spearmanr(eng.label(t, exact_rows)[0]["kl"].mean(1).numpy(), got.numpy()).statistic)
     return FastBench([LabelBenchRow(name, best[name], k * horizon / best[name], peak_mb(fn, device, probe))
-                      for (name, fn), k in zip(methods.items(), labeled)], labeled, rho)
+                      for (name, fn), k in zip(methods.items(), labeled, strict=True)], labeled, rho)

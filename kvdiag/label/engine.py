@@ -74,7 +74,7 @@ def cache_from_prefix(config, prefix: list[tuple[torch.Tensor, torch.Tensor]], r
     """A full-layer ``DynamicCache`` over prefix[l] = (k, v) [Hkv, P, d], viewed as ``rows`` batch rows without
     a copy (``update()`` rebinds the layer tensors and never writes into them)."""
     cache = full_cache(len(prefix))
-    for layer, (k, v) in zip(cache.layers, prefix):
+    for layer, (k, v) in zip(cache.layers, prefix, strict=True):
         k, v = k[None].expand(rows, -1, -1, -1), v[None].expand(rows, -1, -1, -1)
         layer.lazy_initialization(k, v)
         layer.keys, layer.values = k, v
@@ -113,7 +113,9 @@ def divergences(logp_full: torch.Tensor, logits_ev: torch.Tensor, targets: torch
         u = F.logsigmoid(d).add_(log2)
         q = le.exp()
         out["js"].append(0.5 * torch.einsum("wv,nwv->nw", p, u) + 0.5 * torch.linalg.vecdot(q, u.sub_(d)))
-        out["nll_delta"].append(nll_full - le[:, :Wt].gather(-1, targets[None, :, None].expand(le.shape[0], Wt, 1)).squeeze(-1))
+        out["nll_delta"].append(
+            nll_full - le[:, :Wt].gather(-1, targets[None, :, None].expand(le.shape[0], Wt, 1)).squeeze(-1)
+        )
         # a max and a gather instead of an argmax (several times slower on CPU)
         top_ev = le.gather(-1, top_full[None, :, None].expand(le.shape[0], -1, 1)).squeeze(-1)
         out["flips"].append((top_ev < le.amax(-1)).sum(-1))
@@ -158,7 +160,8 @@ class OracleEngine:
 
     def check_checkpoint(self, t: int) -> None:
         if not 1 <= t <= self.T - self.horizon:
-            raise UserError(f"checkpoint {t} is outside [1, {self.T - self.horizon}] (trace length {self.T}, horizon {self.horizon}); choose earlier checkpoints or a shorter --horizon")
+            raise UserError(f"checkpoint {t} is outside [1, {self.T - self.horizon}] (trace length {self.T}, horizon "
+                            f"{self.horizon}); choose earlier checkpoints or a shorter --horizon")
 
     @torch.no_grad()
     def golden(self, t: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
@@ -183,15 +186,18 @@ class OracleEngine:
         prefix = [(layer.keys[0, :, :t], layer.values[0, :, :t]) for layer in self._cache.layers]
         if logits is None:  # a checkpoint inside the run's cache
             pos = torch.arange(t, end, device=self.ids.device)[None]
-            logits = self.model(self.ids[None, t:end], cache=cache_from_prefix(self.model.config, prefix), position_ids=pos,
-                                use_cache=True).logits[0]
+            logits = self.model(
+                self.ids[None, t:end], cache=cache_from_prefix(self.model.config, prefix), position_ids=pos,
+                use_cache=True,
+            ).logits[0]
         self._check_finite(logits, t)
         self._golden = (t, prefix, torch.log_softmax(logits.float(), dim=-1))
         return prefix, self._golden[2]
 
     def _check_finite(self, values: torch.Tensor, t: int) -> None:
         if not torch.isfinite(values.sum()):  # one reduction: any inf/nan makes the sum non-finite
-            raise UserError(f"non-finite logits at checkpoint {t}: the model overflows in {self.lm.dtype}; rerun with --dtype float32")
+            raise UserError(f"non-finite logits at checkpoint {t}: the model overflows in {self.lm.dtype}; rerun with "
+                            "--dtype float32")
 
     def _exclusions(self, rows: list[Row]) -> list[torch.Tensor | None]:
         """Per layer: int64 [N, Hkv, 1] with the row's position where it applies, -1 elsewhere."""
@@ -216,7 +222,10 @@ class OracleEngine:
         pos = torch.arange(t, t + self.horizon, device=self.ids.device)[None].expand(n, -1)
         batch = EvictionBatch(prefix=prefix, exclude=self._exclusions(rows), attention=self.attention.layers,
                               backend=self.backend)
-        with evicting(self.model, batch), starting_at_layer(self.model, start, None if hidden is None else hidden.expand(n, -1, -1)):
+        with (
+            evicting(self.model, batch),
+            starting_at_layer(self.model, start, None if hidden is None else hidden.expand(n, -1, -1)),
+        ):
             return self.model(ids, position_ids=pos, use_cache=False).logits
 
     @torch.no_grad()

@@ -100,8 +100,12 @@ class FisherLabeler:
 
     def __init__(self, lm: LoadedModel, token_ids: torch.Tensor, horizon: int, params: FisherParams, seed: int = 0):
         params.validate()
-        self.golden_engine = OracleEngine(lm, token_ids, horizon)  # the full-cache run, extended checkpoint by checkpoint
-        self.model, self.ids, self.horizon, self.params, self.seed = lm.model, self.golden_engine.ids, horizon, params, seed
+        self.golden_engine = OracleEngine(
+            lm, token_ids, horizon
+        )  # the full-cache run, extended checkpoint by checkpoint
+        self.model, self.ids, self.horizon, self.params, self.seed = (
+            lm.model, self.golden_engine.ids, horizon, params, seed,
+        )
         self.attention = lm.attention
         self.num_layers, self.num_kv_heads = self.attention.num_layers, self.attention.num_kv_heads
 
@@ -124,11 +128,13 @@ class FisherLabeler:
         rec = _Pass(prefix, self.attention.layers, t, {}, {})
         # one forward (every row's activations are the same), K + 1 backward passes batched (vmap over cotangents)
         with torch.enable_grad(), attention_context(self.model, FISHER_ATTN, _PASS, rec):
-            logp = torch.log_softmax(self.model(self.ids[None, t : t + W], position_ids=pos, use_cache=False).logits[0].float(), -1)
+            logp = torch.log_softmax(
+                self.model(self.ids[None, t : t + W], position_ids=pos, use_cache=False).logits[0].float(), -1
+            )
             layers = sorted(rec.out)
             grads = torch.autograd.grad(logp, [rec.out[l] for l in layers], grad_outputs=cot, is_grads_batched=True)
         out = torch.zeros(K + 1, self.num_layers, self.num_kv_heads, t)
-        for l, g in zip(layers, grads):
+        for l, g in zip(layers, grads, strict=True):
             out[:, l] = self._layer_effect(rec.probs[l], rec.out[l][0].detach(), prefix[l][1], g[:, 0])
         return out[:K], out[K]
 

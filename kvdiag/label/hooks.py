@@ -57,7 +57,7 @@ def evict_attention(module, query, key, value, attention_mask, scaling=None, dro
 
 def _no_mask(*args, **kwargs):
     """The kernel applies causality and exclusions itself; skip building HF's mask."""
-    return None
+    return
 
 
 AttentionInterface.register(EVICT_ATTN, evict_attention)

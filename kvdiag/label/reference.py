@@ -19,11 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import (
-    AttentionMaskInterface,
-    causal_mask_function,
-    sliding_window_overlay,
-)
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sliding_window_overlay
 
 from kvdiag.attention import attn_implementation, model_eager_attention
 from kvdiag.label.engine import Row, cache_from_prefix
@@ -88,7 +84,8 @@ def _reference(model, state: _State):
 
 @torch.no_grad()
 def reference_logprobs(model, ids: torch.Tensor, t: int, horizon: int, prefix, row: Row) -> torch.Tensor:
-    """log P [H, V] (fp32) with ``row``'s entry physically deleted from a copied cache; prefix[l] = (k, v) [Hkv, t, d]."""
+    """log P [H, V] (fp32) with ``row``'s entry physically deleted from a copied cache; prefix[l] = (k, v) [Hkv, t,
+    d]."""
     copied, key_pos = [], []
     for l, (k, v) in enumerate(prefix):
         pos = torch.arange(k.shape[1])

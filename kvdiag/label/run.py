@@ -8,13 +8,13 @@ output table. Items can be split over processes (``shard=(i, n)``, or torchrun r
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import polars as pl
 import torch
 
+from kvdiag.cli.common import parse_checkpoints
 from kvdiag.distributed import Group, parse_shard
 from kvdiag.errors import UserError
 from kvdiag.io import check_writable
@@ -22,7 +22,7 @@ from kvdiag.kernels import BACKENDS
 from kvdiag.label.engine import GRANULARITIES, OracleEngine, candidate_rows
 from kvdiag.label.fast import APPROXIMATE, method_params, resolve_method
 from kvdiag.models import LoadedModel, check_device, load_model, parse_dtype
-from kvdiag.parts import PartStore
+from kvdiag.parts import PartStore, part_name
 from kvdiag.progress import progress_bar
 from kvdiag.provenance import provenance
 from kvdiag.schema import CHECKPOINTS, HORIZON, KEY_SCHEMA, W_OBS, default_checkpoints
@@ -48,7 +48,9 @@ class LabelConfig:
     batch_size: int = 64
     seed: int = 0
     backend: str = "auto"
-    method: str = "exact"  # exact (the oracle engine) or an approximate method (kvdiag.label.fast; fast = the recommended one)
+    method: str = (
+        "exact"  # exact (the oracle engine) or an approximate method (kvdiag.label.fast; fast = the recommended one)
+    )
     params: dict = field(default_factory=dict)  # the approximate method's settings (defaults filled in)
     sampling: str = field(default="", init=False)
 
@@ -62,11 +64,12 @@ class LabelConfig:
     def validate(self) -> None:
         """Every setting on its own (bad input: ``UserError``), before a model or a file is touched; how the
         settings fit a Trace is checked by ``work_items``."""
-        parse_checkpoint_spec(self.checkpoints)
+        parse_checkpoints(self.checkpoints)
         if self.horizon < 1:
             raise UserError(f"--horizon {self.horizon}: must be a positive number of teacher-forced steps, e.g. 16")
         if self.candidates != "all" and not (self.candidates.isdigit() and int(self.candidates) > 0):
-            raise UserError(f"--candidates {self.candidates}: use a positive number (a seeded sample per checkpoint) or all")
+            raise UserError(f"--candidates {self.candidates}: use a positive number (a seeded sample per checkpoint) "
+                            "or all")
         if self.granularity not in GRANULARITIES:
             raise UserError(f"--granularity {self.granularity}: use one of {', '.join(GRANULARITIES)}")
         if self.layers is not None:
@@ -81,22 +84,8 @@ class LabelConfig:
         if self.backend not in BACKENDS:
             raise UserError(f"--backend {self.backend}: use one of {', '.join(BACKENDS)}")
         if resolve_method(self.method) == "exact" and self.params:
-            raise UserError(f"--method exact has no settings ({', '.join(self.params)}); drop them or choose an approximate --method")
-
-
-def parse_checkpoint_spec(spec: str) -> int | list[int]:
-    """``every:K`` -> K (> 0), or ``t1,t2,...`` -> sorted distinct positions (each > 0); else a ``UserError``."""
-    if m := re.fullmatch(r"every:(\d+)", spec.strip()):
-        if int(m.group(1)) <= 0:
-            raise UserError(f"--checkpoints {spec}: the interval must be positive, e.g. every:128")
-        return int(m.group(1))
-    try:
-        values = sorted({int(x) for x in spec.split(",") if x.strip()})
-    except ValueError:
-        values = []
-    if not values or values[0] < 1:
-        raise UserError(f"--checkpoints {spec}: use every:K or positive positions t1,t2,... (e.g. every:128 or 256,384)")
-    return values
+            raise UserError(f"--method exact has no settings ({', '.join(self.params)}); drop them or choose an "
+                            "approximate --method")
 
 
 def sample_candidates(t: int, spec: str, seed: int) -> list[int]:
@@ -110,31 +99,35 @@ def sample_candidates(t: int, spec: str, seed: int) -> list[int]:
     return sorted(torch.randperm(t, generator=gen)[:n].tolist())
 
 
-def part_name(pid: str, t: int) -> str:
-    return f"{pid}__{t:07d}.parquet"
+def checkpoint_part(pid: str, t: int) -> str:
+    """The part of the work item (``pid``, checkpoint ``t``): ``<pid>__<t, 7 digits>.parquet``."""
+    return part_name(pid, f"{t:07d}")
 
 
 def part_path(parts: Path, pid: str, t: int) -> Path:
     """Where the part of the work item (``pid``, ``t``) lies in the parts directory ``parts``."""
-    return parts / part_name(pid, t)
+    return parts / checkpoint_part(pid, t)
 
 
 def work_items(trace: Trace, cfg: LabelConfig, prompt_ids: list[str] | None = None) -> list[tuple[str, int]]:
     """Every (prompt_id, checkpoint) to label, validated against the Trace."""
     if cfg.layers is not None and max(cfg.layers) >= trace.num_layers:
         raise UserError(f"--layers {max(cfg.layers)}: the Trace's model has layers 0..{trace.num_layers - 1}")
-    items, spec = [], parse_checkpoint_spec(cfg.checkpoints)  # every:K, or positions taken as given (checked here)
+    items, spec = [], parse_checkpoints(cfg.checkpoints)  # every:K, or positions taken as given (checked here)
     for pid in prompt_ids or trace.prompt_ids:
         P, T = trace.prompt_len(pid), trace.length(pid)
         if cfg.horizon >= T:
-            raise UserError(f"--horizon {cfg.horizon} reaches beyond the end of prompt {pid} (length {T}); use a shorter horizon")
+            raise UserError(f"--horizon {cfg.horizon} reaches beyond the end of prompt {pid} (length {T}); use a "
+                            "shorter horizon")
         for t in spec if isinstance(spec, list) else default_checkpoints(P, T, spec, cfg.horizon, cfg.w_obs):
             if not 1 <= t <= T - cfg.horizon:
-                raise UserError(f"--checkpoints: {t} is outside [1, {T - cfg.horizon}] for prompt {pid} (length {T}, horizon {cfg.horizon})")
+                raise UserError(f"--checkpoints: {t} is outside [1, {T - cfg.horizon}] for prompt {pid} (length {T}, "
+                                f"horizon {cfg.horizon})")
             items.append((pid, t))
     if not items:
-        raise UserError(f"--checkpoints {cfg.checkpoints}: no checkpoint fits the Trace (needs t - prompt_len >= W_obs={cfg.w_obs} "
-                        f"and t + horizon <= length); use a smaller interval, --w-obs, --horizon, or explicit positions")
+        raise UserError(f"--checkpoints {cfg.checkpoints}: no checkpoint fits the Trace (needs t - prompt_len >= "
+                        f"W_obs={cfg.w_obs} "
+                        "and t + horizon <= length); use a smaller interval, --w-obs, --horizon, or explicit positions")
     return items
 
 
@@ -155,21 +148,12 @@ def label_item(engine, trace: Trace, pid: str, t: int, cfg: LabelConfig, token_i
     res, noise = engine.label(t, rows, progress=progress)
     kl = res["kl"].double()
     return pl.DataFrame({
-        "prompt_id": [pid] * len(rows),
-        "checkpoint": [t] * len(rows),
-        "position": [r.position for r in rows],
-        "granularity": [cfg.granularity] * len(rows),
-        "layer": [r.layer for r in rows],
-        "kv_head": [r.kv_head for r in rows],
-        "horizon": [cfg.horizon] * len(rows),
-        "kl_mean": kl.mean(1).tolist(),
-        "kl_max": kl.amax(1).tolist(),
-        "kl_steps": kl.tolist(),
-        "js_mean": res["js"].double().mean(1).tolist(),
-        "nll_delta": res["nll_delta"].double().mean(1).tolist(),
-        "top1_flips": res["flips"].tolist(),
-        "noise_floor": [noise] * len(rows),
-        "age": [t - r.position for r in rows],
+        "prompt_id": [pid] * len(rows), "checkpoint": [t] * len(rows), "position": [r.position for r in rows],
+        "granularity": [cfg.granularity] * len(rows), "layer": [r.layer for r in rows],
+        "kv_head": [r.kv_head for r in rows], "horizon": [cfg.horizon] * len(rows), "kl_mean": kl.mean(1).tolist(),
+        "kl_max": kl.amax(1).tolist(), "kl_steps": kl.tolist(), "js_mean": res["js"].double().mean(1).tolist(),
+        "nll_delta": res["nll_delta"].double().mean(1).tolist(), "top1_flips": res["flips"].tolist(),
+        "noise_floor": [noise] * len(rows), "age": [t - r.position for r in rows],
         "token_id": [int(token_ids[r.position]) for r in rows],
     }, schema=LABEL_SCHEMA)
 
@@ -193,8 +177,8 @@ def _approximate_item(labeler, pid: str, t: int, cfg: LabelConfig, rows, token_i
 def labels_meta(trace: Trace, lm: LoadedModel, cfg: LabelConfig) -> dict:
     label = "KL(P_full || P_evict) per step, fp32, full vocabulary; kl_mean = mean over the horizon"
     if cfg.method != "exact":
-        label = (f"approximate ({cfg.method}, settings {cfg.params}, seed {cfg.seed}): kl_mean and nll_delta estimate the exact "
-                 "label's; kl_max, kl_steps, js_mean, top1_flips are null; noise_floor 0 (docs/labels.md)")
+        label = (f"approximate ({cfg.method}, settings {cfg.params}, seed {cfg.seed}): kl_mean and nll_delta estimate "
+                 "the exact label's; kl_max, kl_steps, js_mean, top1_flips are null; noise_floor 0 (docs/labels.md)")
     return {"kind": "labels", **provenance(), "trace": trace.provenance, "model": lm.info,
             "config": asdict(cfg), "label": label}
 
@@ -202,11 +186,14 @@ def labels_meta(trace: Trace, lm: LoadedModel, cfg: LabelConfig) -> dict:
 def check_model(trace: Trace, lm: LoadedModel, force: bool) -> None:
     had = trace.manifest["model"]
     if not (force or lm.is_model_of(had, config=True)):
-        raise UserError(f"--model {lm.spec} is not the model of the Trace ({had['spec']}, weights {had['weights_hash']}); drop --model or pass --force")
+        raise UserError(f"--model {lm.spec} is not the model of the Trace ({had['spec']}, weights "
+                        f"{had['weights_hash']}); drop --model or pass --force")
 
 
-def label_trace(trace: Trace, lm: LoadedModel, out: str | os.PathLike, cfg: LabelConfig, *, shard: tuple[int, int] = (0, 1),
-                merge: bool = True, show_progress: bool = True, force_model: bool = False) -> Path:
+def label_trace(
+    trace: Trace, lm: LoadedModel, out: str | os.PathLike, cfg: LabelConfig, *, shard: tuple[int, int] = (0, 1),
+    merge: bool = True, show_progress: bool = True, force_model: bool = False,
+) -> Path:
     """Label every work item of ``shard`` (items i with i % n == shard index), writing parts; merge at the end."""
     check_model(trace, lm, force_model)
     out = Path(out)
@@ -215,7 +202,7 @@ def label_trace(trace: Trace, lm: LoadedModel, out: str | os.PathLike, cfg: Labe
     items = work_items(trace, cfg)
     _stamp_parts(parts, meta)
     mine = [it for i, it in enumerate(items) if i % shard[1] == shard[0]]
-    todo = [it for it in mine if not parts.done(part_name(*it))]
+    todo = [it for it in mine if not parts.done(checkpoint_part(*it))]
     n_rows = len(candidate_rows([0], cfg.granularity, trace.num_layers, trace.num_kv_heads, cfg.layers))
     with progress_bar(show_progress, remaining=True) as progress:
         item_task = progress.add_task("label: checkpoints", total=len(mine), completed=len(mine) - len(todo))
@@ -238,11 +225,13 @@ def label_trace(trace: Trace, lm: LoadedModel, out: str | os.PathLike, cfg: Labe
                 total = min(t, int(cfg.candidates)) if cfg.candidates != "all" else t
                 progress.reset(cand_task, total=total * n_rows, description=f"  {pid} @ {t}")
                 df = label_item(engine, trace, pid, t, cfg, ids, progress=lambda k: progress.advance(cand_task, k))
-                parts.write(part_name(pid, t), df, meta)
+                parts.write(checkpoint_part(pid, t), df, meta)
                 progress.advance(item_task)
     if merge:
-        parts.merge([part_name(*it) for it in items], out, meta, sort=["prompt_id", "checkpoint", "position", "layer", "kv_head"],
-                    schema=LABEL_SCHEMA)
+        parts.merge(
+            [checkpoint_part(*it) for it in items], out, meta,
+            sort=["prompt_id", "checkpoint", "position", "layer", "kv_head"], schema=LABEL_SCHEMA,
+        )
     return out
 
 
@@ -260,8 +249,10 @@ def _stamp_parts(parts: PartStore, meta: dict) -> None:
     parts.stamp("config.json", want, same)
 
 
-def run_label(trace_dir: Path, out: Path, cfg: LabelConfig, *, model: str | None, force: bool, dtype: str | None, device: str,
-              shard: str | None, quiet: bool) -> Path | None:
+def run_label(
+    trace_dir: Path, out: Path, cfg: LabelConfig, *, model: str | None, force: bool, dtype: str | None, device: str,
+    shard: str | None, quiet: bool,
+) -> Path | None:
     """``kvdiag label``: load the model and label a Trace in this process's share of the work (``shard``, or torchrun's
     rank); returns the merged output where this process merged. Bad input is refused before the model loads."""
     # every input is checked before the (slow) model load and before anything is written

@@ -8,7 +8,8 @@ Per checkpoint (the entries of one prompt's cache at one t):
   exact-harmful = exact ``kl_mean`` at or above the checkpoint's ``harmful_quantile`` quantile (default 0.9:
   the top decile of its joined entries); undefined when one class is empty;
 - ``topk_overlap``: share of the exact top-``top_k`` entries that are also in the approximate top-``top_k``;
-- ``median_ratio``: median of approximate / exact ``kl_mean`` over its entries with exact > 0 (calibration: 1 = right scale).
+- ``median_ratio``: median of approximate / exact ``kl_mean`` over its entries with exact > 0 (calibration: 1 = right
+scale).
 
 Each is averaged over checkpoints; CIs come from a cluster bootstrap over *prompts* (checkpoints of one prompt
 share a trace, so they are not independent: ``kvdiag.rankeval.bootstrap``). Where they disagree: each entry's
@@ -27,6 +28,7 @@ import polars as pl
 
 from kvdiag.errors import UserError
 from kvdiag.rankeval.bootstrap import percentile_ci, prompt_multiplicities
+from kvdiag.schema import N_BOOT
 
 KEYS = ["prompt_id", "checkpoint", "position", "granularity", "layer", "kv_head"]
 METRICS = ("spearman", "auroc", "topk_overlap")  # rank agreement (the figure's panel)
@@ -40,7 +42,7 @@ class ValidateConfig:
     harmful_quantile: float = 0.9  # exact-harmful: exact kl_mean >= this quantile of its checkpoint's entries
     top_k: int = 8
     bins: int = 4  # quantile bins per disagreement feature
-    n_boot: int = 1000
+    n_boot: int = N_BOOT
     level: float = 0.95
     seed: int = 0
     attention: str = "attention"  # scores column binned as attention
@@ -48,13 +50,14 @@ class ValidateConfig:
 
     def validate(self) -> None:
         if not 0 < self.harmful_quantile < 1:
-            raise UserError(f"--harmful-quantile {self.harmful_quantile}: must lie in (0, 1), e.g. 0.9 (the top decile is harmful)")
+            raise UserError(f"--harmful-quantile {self.harmful_quantile}: must lie in (0, 1), e.g. 0.9 (the top "
+                            "decile is harmful)")
         if self.top_k < 1:
             raise UserError(f"--top-k {self.top_k}: must be a positive number of entries, e.g. 8")
         if self.bins < 1:
             raise UserError(f"--bins {self.bins}: must be a positive number of quantile bins, e.g. 4")
         if self.n_boot < 1:
-            raise UserError(f"--n-boot {self.n_boot}: must be a positive number of bootstrap resamples, e.g. 1000")
+            raise UserError(f"--bootstrap {self.n_boot}: must be a positive number of resamples, e.g. {N_BOOT}")
         if not 0 < self.level < 1:
             raise UserError(f"--level {self.level}: must lie in (0, 1), e.g. 0.95")
 
@@ -67,20 +70,24 @@ class Validation:
     joined: pl.DataFrame  # KEYS + exact, approx, age (+ features) per entry
 
 
-def join_labels(exact: pl.DataFrame, approx: pl.DataFrame, scores: pl.DataFrame | None, cfg: ValidateConfig) -> pl.DataFrame:
+def join_labels(
+    exact: pl.DataFrame, approx: pl.DataFrame, scores: pl.DataFrame | None, cfg: ValidateConfig
+) -> pl.DataFrame:
     """KEYS + exact, approx, age (+ attention, payload from ``scores``) for every entry in both tables."""
     joined = exact.select(*KEYS, "age", exact=pl.col("kl_mean")).join(
         approx.select(*KEYS, approx=pl.col("kl_mean")), on=KEYS, how="inner")
     joined = joined.filter(pl.col("exact").is_not_null() & pl.col("approx").is_not_null())
     if joined.is_empty():
-        raise UserError("--exact and --approx share no labeled entry (same prompts, checkpoints, positions, granularity?); "
-                        "label the same Trace at the same checkpoints")
+        raise UserError("--exact and --approx share no labeled entry (same prompts, checkpoints, positions, "
+                        "granularity?); label the same Trace at the same checkpoints")
     if scores is not None:
         missing = [c for c in (cfg.attention, cfg.payload) if c not in scores.columns]
         if missing:
             raise UserError(f"--scores lacks columns {missing}: score with those rules or pass --attention/--payload")
         keys = [k for k in KEYS if k in scores.columns]
-        joined = joined.join(scores.select(*keys, attention=pl.col(cfg.attention), payload=pl.col(cfg.payload)), on=keys, how="left")
+        joined = joined.join(
+            scores.select(*keys, attention=pl.col(cfg.attention), payload=pl.col(cfg.payload)), on=keys, how="left"
+        )
     return joined.sort(KEYS)
 
 
@@ -103,7 +110,9 @@ def _per_checkpoint(joined: pl.DataFrame, cfg: ValidateConfig) -> pl.DataFrame:
     return pl.DataFrame(out)
 
 
-def _cluster_mean(values: np.ndarray, clusters: np.ndarray, mult: np.ndarray, level: float) -> tuple[float, float, float, int]:
+def _cluster_mean(
+    values: np.ndarray, clusters: np.ndarray, mult: np.ndarray, level: float
+) -> tuple[float, float, float, int]:
     """Mean of ``values [n]`` (NaN dropped) and its cluster-bootstrap CI; ``mult [B, P]`` prompt multiplicities."""
     ok = np.isfinite(values)
     if not ok.any():
@@ -119,11 +128,13 @@ def _cluster_mean(values: np.ndarray, clusters: np.ndarray, mult: np.ndarray, le
 def _ranks(joined: pl.DataFrame) -> pl.DataFrame:
     """Within-checkpoint percentile ranks in [0, 1] of the exact and approximate values (1 = most harmful)."""
     by = ["prompt_id", "checkpoint"]
-    pct = lambda c: ((pl.col(c).rank("average").over(by) - 1) / (pl.len().over(by) - 1).clip(1))  # noqa: E731
+    pct = lambda c: ((pl.col(c).rank("average").over(by) - 1) / (pl.len().over(by) - 1).clip(1))
     return joined.with_columns(rank_exact=pct("exact"), rank_approx=pct("approx"))
 
 
-def validate_labels(exact: pl.DataFrame, approx: pl.DataFrame, cfg: ValidateConfig, scores: pl.DataFrame | None = None) -> Validation:
+def validate_labels(
+    exact: pl.DataFrame, approx: pl.DataFrame, cfg: ValidateConfig, scores: pl.DataFrame | None = None
+) -> Validation:
     """Agreement of ``approx`` with ``exact`` labels; see the module docstring."""
     cfg.validate()
     joined = _ranks(join_labels(exact, approx, scores, cfg))
@@ -166,7 +177,8 @@ def run_validation(exact: Path, approx: Path, out: Path, cfg: ValidateConfig, sc
     approx_df, approx_meta = read_labels(approx)
     exact_method = exact_meta.get("config", {}).get("method", "exact")
     if exact_method != "exact":
-        raise UserError(f"--exact {exact} holds {exact_method} labels, not exact ones; pass labels made without --method")
+        raise UserError(f"--exact {exact} holds {exact_method} labels, not exact ones; pass labels made without "
+                        "--method")
     score_df = read_table(scores, "scores")[0] if scores is not None else None
     res = validate_labels(exact_df, approx_df, cfg, score_df)
     inputs = {"exact": str(exact), "approx": str(approx), "scores": None if scores is None else str(scores),
@@ -184,11 +196,20 @@ def write_validation(res: Validation, cfg: ValidateConfig, out: Path, inputs: di
     from kvdiag.io import write_csv, write_json, write_text
 
     out.mkdir(parents=True, exist_ok=True)
-    paths = [write_csv(df, out / name) for df, name in ((res.summary, "summary.csv"), (res.per_checkpoint, "per_checkpoint.csv"),
-                                                         (res.disagreement, "disagreement.csv"))]
+    paths = [
+        write_csv(df, out / name)
+        for df, name in (
+            (res.summary, "summary.csv"), (res.per_checkpoint, "per_checkpoint.csv"),
+            (res.disagreement, "disagreement.csv"),
+        )
+    ]
     paths.append(write_text(out / "validation.md", markdown(res, cfg, inputs)))
-    paths.append(write_json(out / "validation.json", {"kind": "label-validation", "config": asdict(cfg), "inputs": inputs,
-                                                       "summary": res.summary.to_dicts()}))
+    paths.append(
+        write_json(
+            out / "validation.json",
+            {"kind": "label-validation", "config": asdict(cfg), "inputs": inputs, "summary": res.summary.to_dicts()},
+        )
+    )
     paths.append(figure(res, cfg, out / "validation.png"))
     return paths
 
@@ -198,16 +219,23 @@ def markdown(res: Validation, cfg: ValidateConfig, inputs: dict) -> str:
     lines = [f"# Approximate vs exact labels: {inputs.get('approx_method', '?')} vs exact", "",
              f"{res.joined.height} entries joined over {res.per_checkpoint.height} checkpoints of "
              f"{res.joined['prompt_id'].n_unique()} prompts. Exact-harmful: exact kl_mean >= the checkpoint's "
-             f"{cfg.harmful_quantile:g} quantile. Means over checkpoints, {pct}% CIs from {cfg.n_boot} cluster-bootstrap "
-             f"resamples of prompts (seed {cfg.seed}).", "",
+             f"{cfg.harmful_quantile:g} quantile. Means over checkpoints, {pct}% CIs from {cfg.n_boot} "
+             f"cluster-bootstrap resamples of prompts (seed {cfg.seed}).", "",
              f"| metric | mean | {pct}% CI | checkpoints |", "|---|---:|---:|---:|"]
     for r in res.summary.iter_rows(named=True):
-        lines.append(f"| {r['metric']} | {r['mean']:.3f} | [{r['ci_low']:.3f}, {r['ci_high']:.3f}] | {r['checkpoints']} |")
-    lines += ["", f"Where they disagree: |percentile rank (approx) - percentile rank (exact)| within a checkpoint, by "
-              f"quantile bin ({pct}% CIs); mean signed difference > 0: the approximation over-rates the bin.", "",
-              "| feature | bin | range | entries | mean abs rank diff | CI | mean signed diff |", "|---|---:|---|---:|---:|---:|---:|"]
+        lines.append(f"| {r['metric']} | {r['mean']:.3f} | [{r['ci_low']:.3f}, {r['ci_high']:.3f}] | "
+                     f"{r['checkpoints']} |")
+    lines += [
+        "",
+        f"Where they disagree: |percentile rank (approx) - percentile rank (exact)| within a checkpoint, by "
+        f"quantile bin ({pct}% CIs); mean signed difference > 0: the approximation over-rates the bin.",
+        "",
+        "| feature | bin | range | entries | mean abs rank diff | CI | mean signed diff |",
+        "|---|---:|---|---:|---:|---:|---:|",
+    ]
     for r in res.disagreement.iter_rows(named=True):
-        lines.append(f"| {r['feature']} | {r['bin']} | [{r['low']:.3g}, {r['high']:.3g}] | {r['n']} | {r['mean_abs_rank_diff']:.3f} | "
+        lines.append(f"| {r['feature']} | {r['bin']} | [{r['low']:.3g}, {r['high']:.3g}] | {r['n']} | "
+                     f"{r['mean_abs_rank_diff']:.3f} | "
                      f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}] | {r['mean_rank_diff']:+.3f} |")
     return "\n".join(lines) + "\n"
 
@@ -233,14 +261,20 @@ def figure(res: Validation, cfg: ValidateConfig, path: Path) -> Path:
         vals = vals[np.isfinite(vals)]
         ax.scatter(np.full(len(vals), i) + np.linspace(-0.15, 0.15, len(vals)), vals, s=6, alpha=0.5)
         r = res.summary.row(i, named=True)
-        ax.errorbar(i + 0.3, r["mean"], yerr=[[r["mean"] - r["ci_low"]], [r["ci_high"] - r["mean"]]], fmt="ko", capsize=3)
+        ax.errorbar(
+            i + 0.3, r["mean"], yerr=[[r["mean"] - r["ci_low"]], [r["ci_high"] - r["mean"]]], fmt="ko", capsize=3
+        )
     ax.set_xticks(range(len(METRICS)), METRICS)
     ax.set(ylim=(min(-0.05, ax.get_ylim()[0]), 1.02), title=f"per checkpoint; mean, {round(100 * cfg.level)}% CI")
-    for ax, f in zip(axes[2:], feats):
+    for ax, f in zip(axes[2:], feats, strict=True):
         d = res.disagreement.filter(pl.col("feature") == f)
         mean = d["mean_abs_rank_diff"].to_numpy()
-        ax.errorbar(d["bin"].to_numpy(), mean, yerr=[mean - d["ci_low"].to_numpy(), d["ci_high"].to_numpy() - mean], fmt="o-", capsize=3)
-        ax.set_xticks(d["bin"].to_list(), [f"{a:.3g}-{b:.3g}" for a, b in zip(d["low"], d["high"])], rotation=20, fontsize=7)
+        ax.errorbar(
+            d["bin"].to_numpy(), mean, yerr=[mean - d["ci_low"].to_numpy(), d["ci_high"].to_numpy() - mean], fmt="o-",
+            capsize=3,
+        )
+        ticks = [f"{a:.3g}-{b:.3g}" for a, b in zip(d["low"], d["high"], strict=True)]
+        ax.set_xticks(d["bin"].to_list(), ticks, rotation=20, fontsize=7)
         ax.set(xlabel=f"{f} (quantile bins)", ylabel="mean |rank diff|", title=f"disagreement by {f}", ylim=(0, None))
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -14,20 +14,26 @@ def budget_curves_figure(curves: pl.DataFrame, out_dir: Path, candidates: str) -
     (FSR, FNR), one line per rule with its CI band, the random scorer dashed."""
     import seaborn as sns
 
-    from kvdiag.figures.common import new_figure, save_figure, style  # matplotlib on first use only
+    from kvdiag.figures.common import (  # matplotlib on first use only
+        new_figure,
+        save_figure,
+        style,
+    )
 
     rules = [n for n in curves["scorer"].unique(maintain_order=True) if not n.startswith("random (")]
-    colors = dict(zip(rules, sns.color_palette("tab20", len(rules))))  # 20 distinct colours: one per rule
+    colors = dict(zip(rules, sns.color_palette("tab20", len(rules)), strict=True))  # 20 distinct colours: one per rule
     with style():
         metrics = metrics_where("curve")
         fig, axes = new_figure(len(metrics), 5.0 * len(metrics), 4.2)
-        for ax, m in zip(axes, metrics):
+        for ax, m in zip(axes, metrics, strict=True):
             rows = curves.filter(pl.col("metric") == m.name)
             for name in rows["scorer"].unique(maintain_order=True):
                 r = rows.filter(pl.col("scorer") == name).sort("rho")
                 random = name.startswith("random (")
-                ax.plot(r["rho"], r["value"], linestyle="--" if random else "-", color="black" if random else colors[name],
-                        linewidth=1.0, marker=None if random else ".", label=name)
+                ax.plot(
+                    r["rho"], r["value"], linestyle="--" if random else "-", color="black" if random else colors[name],
+                    linewidth=1.0, marker=None if random else ".", label=name,
+                )
                 if not random:
                     ax.fill_between(r["rho"], r["ci_low"], r["ci_high"], alpha=0.08, color=colors[name])
             ax.set_xlabel("eviction fraction ρ")

@@ -45,5 +45,6 @@ def filter_candidates(labels: pl.DataFrame, min_age: int | None, max_age: int | 
         params = ", ".join(f"{k}={v}" for k, v in scorer.params.items())
         parts.append(f"eligible under {eligible} ({params}): not in its protected sinks, windows or delay buffer")
     if labels.height == 0:
-        raise UserError(f"no candidate is left after the filters ({'; '.join(parts)}): loosen --min-age/--max-age/--eligible")
+        raise UserError(f"no candidate is left after the filters ({'; '.join(parts)}): loosen "
+                        "--min-age/--max-age/--eligible")
     return labels, "; ".join(parts) if parts else "all candidates"

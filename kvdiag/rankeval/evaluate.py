@@ -17,11 +17,12 @@ import numpy as np
 import polars as pl
 
 from kvdiag.errors import UserError
-from kvdiag.rankeval.candidates import filter_candidates
+from kvdiag.harm import HarmSpec
 from kvdiag.rankeval.bootstrap import holm, paired_p_value, percentile_ci, prompt_multiplicities
+from kvdiag.rankeval.candidates import filter_candidates
 from kvdiag.rankeval.metrics import Rankings, _div, eviction_counts, n_evicted, ranking_metrics
 from kvdiag.rankeval.registry import METRICS, Counts, Metric, metrics_where
-from kvdiag.schema import KEYS, keyed
+from kvdiag.schema import HARM, KEYS, N_BOOT, NOISE_MULT, RHO, keyed
 
 SCOPES = ("pooled", "macro")
 # below this many prompts, a percentile bootstrap over prompts has too few clusters to be trusted: warn
@@ -38,13 +39,13 @@ AUTO_REFERENCE = "avokv_e"
 class RankEvalConfig:
     """Every setting of one rank-eval run (written to config.json)."""
 
-    harm: str = "quantile:0.9"  # harmful: kl_mean > threshold; quantile:Q of the evaluated labels, or abs:TAU (nats)
-    rho: float = 0.5  # eviction fraction: the floor(rho * C) lowest-scored candidates of a checkpoint are evicted
+    harm: str = HARM  # harmful: kl_mean > threshold; quantile:Q of the evaluated labels, or abs:TAU (nats)
+    rho: float = RHO  # eviction fraction: the floor(rho * C) lowest-scored candidates of a checkpoint are evicted
     reference: str | None = "auto"  # scorer of the paired comparisons; None: no paired table; auto: avokv_e if scored
-    n_boot: int = 1000  # cluster-bootstrap resamples over prompts (0: no CIs)
+    n_boot: int = N_BOOT  # cluster-bootstrap resamples over prompts (0: no CIs)
     seed: int = 0  # seed of the bootstrap's numpy Generator
     include_unresolved: bool = False  # keep labels at or below their checkpoint's noise floor
-    noise_mult: float = 1.0  # a label is unresolved when kl_mean <= noise_mult * noise_floor
+    noise_mult: float = NOISE_MULT  # a label is unresolved when kl_mean <= noise_mult * noise_floor
     kl_floor: float = 1e-12  # Spearman uses log(max(kl_mean, kl_floor)) (KL can be exactly 0)
     ci_level: float = 0.95  # percentile bootstrap interval
     granularity: str | None = None  # which granularity to evaluate; None: the only one present
@@ -53,6 +54,11 @@ class RankEvalConfig:
     max_age: int | None = None  # ... and <= max_age
     eligible: str | None = None  # ... and only those this scorer could evict (outside its protected entries)
     rho_grid: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # budget curves: FSR/FNR at each rho
+
+    @property
+    def harm_spec(self) -> HarmSpec:
+        """Which labels are evaluated and which are harmful (``kvdiag.harm``)."""
+        return HarmSpec(self.harm, self.noise_mult, self.include_unresolved)
 
 
 @dataclass
@@ -98,59 +104,39 @@ class _Estimate:
     note: str = ""
 
 
-def parse_harm(spec: str) -> tuple[str, float]:
-    """``quantile:Q`` (0 < Q < 1) or ``abs:TAU`` (nats) -> (kind, value)."""
-    kind, _, raw = spec.partition(":")
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if (kind == "quantile" and 0 < value < 1) or (kind == "abs" and np.isfinite(value) and value >= 0):
-        return kind, value
-    raise UserError(f"--harm {spec!r} is not quantile:Q with 0 < Q < 1 or abs:TAU with TAU >= 0 nats: e.g. quantile:0.9")
-
-
-def unresolved(noise_mult: float, kl: str = "kl_mean", floor: str = "noise_floor") -> pl.Expr:
-    """A label at or below its checkpoint's noise floor: ``kl <= noise_mult * floor`` (null where either is)."""
-    return pl.col(kl) <= noise_mult * pl.col(floor)
-
-
-def harm_threshold(kl: np.ndarray, spec: str) -> float:
-    """The KL above which a label is harmful: the Q-quantile (linear interpolation) of ``kl [N]``, or TAU."""
-    kind, value = parse_harm(spec)
-    return float(np.quantile(kl, value)) if kind == "quantile" else value
-
-
 def check_inputs(labels_meta: dict, scores_meta: dict) -> None:
     """The provenance of a labels and a scores file (``kvdiag.io.read_meta``) must fit together: each file
     of its own kind, and both from the same trace when both record its fingerprint."""
     for meta, want, command in ((labels_meta, "labels", "label"), (scores_meta, "scores", "score")):
         kind = meta.get("kind")
         if kind is not None and kind != want:
-            raise UserError(f"--{want} is a {kind} table, not {want}: pass the {want}.parquet written by kvdiag {command}")
+            raise UserError(f"--{want} is a {kind} table, not {want}: pass the {want}.parquet written by kvdiag "
+                            f"{command}")
     fp_l = (labels_meta.get("trace") or {}).get("fingerprint")
     fp_s = (scores_meta.get("trace") or {}).get("fingerprint")
     if fp_l and fp_s and fp_l != fp_s:
         raise UserError(
-            f"labels (trace {fp_l}) and scores (trace {fp_s}) come from different traces: score the trace the labels were made from"
+            f"labels (trace {fp_l}) and scores (trace {fp_s}) come from different traces: score the trace the labels "
+            "were made from"
         )
 
 
 def _validate(cfg: RankEvalConfig) -> None:
-    parse_harm(cfg.harm)
+    cfg.harm_spec  # noqa: B018  (checks harm and noise_mult)
     if not 0 < cfg.rho < 1:
         raise UserError(f"--rho {cfg.rho} is not an eviction fraction: pass 0 < rho < 1, e.g. 0.5")
     if cfg.n_boot < 0:
-        raise UserError(f"--bootstrap {cfg.n_boot} is negative: pass a number of resamples, e.g. 1000 (0: no CIs)")
+        raise UserError(f"--bootstrap {cfg.n_boot} is negative: pass a number of resamples, e.g. {N_BOOT} (0: no CIs)")
     if not 0 < cfg.ci_level < 1:
         raise UserError(f"ci_level {cfg.ci_level} is not a confidence level: pass e.g. 0.95")
-    if cfg.noise_mult < 0 or cfg.kl_floor <= 0:
-        raise UserError("noise_mult must be >= 0 and kl_floor > 0")
+    if cfg.kl_floor <= 0:
+        raise UserError("kl_floor must be > 0")
     for flag, age in (("--min-age", cfg.min_age), ("--max-age", cfg.max_age)):
         if age is not None and age < 1:
             raise UserError(f"{flag} {age}: ages start at 1 (the newest cached entry); pass a positive age")
     if not cfg.rho_grid or not all(0 < r < 1 for r in cfg.rho_grid):
-        raise UserError(f"--rho-grid {','.join(map(str, cfg.rho_grid))}: pass eviction fractions 0 < rho < 1, e.g. 0.1,0.2,0.5")
+        raise UserError(f"--rho-grid {','.join(map(str, cfg.rho_grid))}: pass eviction fractions 0 < rho < 1, e.g. "
+                        "0.1,0.2,0.5")
 
 
 def _keyed(df: pl.DataFrame, what: str, fix: str) -> pl.DataFrame:
@@ -170,7 +156,8 @@ def _select_scorers(scores: pl.DataFrame, wanted: tuple[str, ...] | None) -> lis
         columns = list(wanted)
     for c in columns:
         if not scores.schema[c].is_numeric():
-            raise UserError(f"scores column {c!r} is {scores.schema[c]}, not a numeric score: leave it out with --scorers")
+            raise UserError(f"scores column {c!r} is {scores.schema[c]}, not a numeric score: leave it out with "
+                            "--scorers")
     if not columns:
         raise UserError("the scores file has no score column besides the keys: run kvdiag score first")
     return columns
@@ -198,44 +185,42 @@ def _join(labels: pl.DataFrame, scores: pl.DataFrame, cfg: RankEvalConfig, warni
         shared = len(set(labels["prompt_id"].unique()) & set(scores["prompt_id"].unique()))
         raise UserError(
             f"labels ({labels.height} rows) and scores ({scores.height} rows) match on 0 rows of "
-            f"({', '.join(KEYS)}); {shared} prompt_ids in common: score the same labels file (kvdiag score --labels ...)"
+            f"({', '.join(KEYS)}); {shared} prompt_ids in common: score the same labels file (kvdiag score --labels "
+            "...)"
         )
     grans = sorted(joined["granularity"].unique().to_list())
     if len(grans) > 1:
         raise UserError(f"labels and scores share granularities {', '.join(grans)}: evaluate one with --granularity")
     labels_g = labels.filter(pl.col("granularity") == grans[0]).height
     if joined.height < labels_g:
-        warnings.append(f"only {joined.height} of {labels_g} label rows ({grans[0]}) have scores; the rest are not evaluated")
-    counts = {"n_label_rows": labels_g, "n_score_rows": scores.height, "n_matched": joined.height, "granularity": grans[0],
-              "candidates": candidates}
+        warnings.append(f"only {joined.height} of {labels_g} label rows ({grans[0]}) have scores; the rest are not "
+                        "evaluated")
+    counts = {
+        "n_label_rows": labels_g, "n_score_rows": scores.height, "n_matched": joined.height, "granularity": grans[0],
+        "candidates": candidates,
+    }
     return joined, names, counts
 
 
-def _prepare(labels: pl.DataFrame, scores: pl.DataFrame, cfg: RankEvalConfig, scores_meta: dict | None = None) -> tuple[_Data, dict]:
+def _prepare(
+    labels: pl.DataFrame, scores: pl.DataFrame, cfg: RankEvalConfig, scores_meta: dict | None = None
+) -> tuple[_Data, dict]:
     warnings: list[str] = []
     df, names, summary = _join(labels, scores, cfg, warnings, scores_meta)
     for c in names:
         bad = df.select((pl.col(c).is_null() | pl.col(c).cast(pl.Float64).is_nan()).sum()).item()
         if bad == df.height:
-            raise UserError(f"scores column {c!r} is NaN for all {bad} matched rows: rescore it or leave it out with --scorers")
+            raise UserError(f"scores column {c!r} is NaN for all {bad} matched rows: rescore it or leave it out with "
+                            "--scorers")
         if bad:
-            raise UserError(f"scores column {c!r} is NaN for {bad} of {df.height} matched rows: rescore it or leave it out with --scorers")
-    bad_kl = df.select((pl.col("_kl").is_null() | pl.col("_kl").is_nan()).sum()).item()
-    if bad_kl:
-        raise UserError(f"labels kl_mean is missing or NaN in {bad_kl} of {df.height} matched rows: relabel them")
-    below_floor = unresolved(cfg.noise_mult, "_kl", "_floor").fill_null(False)
-    n_unresolved = df.select(below_floor.sum()).item()
-    if not cfg.include_unresolved:
-        no_floor = df.select((pl.col("_floor").is_null() | pl.col("_floor").is_nan()).sum()).item()
-        if no_floor:
-            raise UserError(f"labels noise_floor is missing in {no_floor} rows: relabel, or pass --include-unresolved")
-        df = df.filter(~below_floor)
-        if df.height == 0:
-            raise UserError(f"all {n_unresolved} labels are at or below their checkpoint's noise floor: pass --include-unresolved")
-    df = df.sort("prompt_id", "checkpoint", "position", "layer", "kv_head")
+            raise UserError(f"scores column {c!r} is NaN for {bad} of {df.height} matched rows: rescore it or leave "
+                            "it out with --scorers")
+    spec = cfg.harm_spec
+    n_unresolved = df.select(spec.unresolved("_kl", "_floor").sum()).item()
+    df = spec.analysed(df, "_kl", "_floor", "labels").sort("prompt_id", "checkpoint", "position", "layer", "kv_head")
 
     kl = df["_kl"].to_numpy().astype(float)
-    threshold = harm_threshold(kl, cfg.harm)
+    threshold = spec.threshold(kl)
     y = (kl > threshold).astype(float)
     n_pos = int(y.sum())
     if n_pos == 0 or n_pos == len(y):
@@ -246,30 +231,19 @@ def _prepare(labels: pl.DataFrame, scores: pl.DataFrame, cfg: RankEvalConfig, sc
         )
     pids, prompt = np.unique(df["prompt_id"].to_numpy(), return_inverse=True)
     if len(pids) < FEW_PROMPTS and cfg.n_boot:
-        warnings.append(f"{len(pids)} prompt(s) only: intervals from a bootstrap over so few clusters are rough (label more prompts)")
+        warnings.append(f"{len(pids)} prompt(s) only: intervals from a bootstrap over so few clusters are rough "
+                        "(label more prompts)")
     ckpt = df["checkpoint"].to_numpy()
     new = np.r_[True, (prompt[1:] != prompt[:-1]) | (ckpt[1:] != ckpt[:-1])]
     starts = np.r_[np.flatnonzero(new), len(y)]
     data = _Data(
-        y=y,
-        logkl=np.log(np.maximum(kl, cfg.kl_floor)),
-        scores={c: df[c].cast(pl.Float64).to_numpy() for c in names},
-        prompt=prompt,
-        starts=starts,
-        ckpt_prompt=prompt[starts[:-1]],
-        n_prompts=len(pids),
+        y=y, logkl=np.log(np.maximum(kl, cfg.kl_floor)), scores={c: df[c].cast(pl.Float64).to_numpy() for c in names},
+        prompt=prompt, starts=starts, ckpt_prompt=prompt[starts[:-1]], n_prompts=len(pids),
     )
     summary.update(
-        n_unresolved=n_unresolved,
-        unresolved_excluded=not cfg.include_unresolved,
-        n_evaluated=len(y),
-        n_prompts=len(pids),
-        n_checkpoints=len(starts) - 1,
-        harm_threshold=threshold,
-        n_harmful=n_pos,
-        prevalence=n_pos / len(y),
-        scorers=names,
-        warnings=warnings,
+        n_unresolved=n_unresolved, unresolved_excluded=not cfg.include_unresolved, n_evaluated=len(y),
+        n_prompts=len(pids), n_checkpoints=len(starts) - 1, harm_threshold=threshold, n_harmful=n_pos,
+        prevalence=n_pos / len(y), scorers=names, warnings=warnings,
     )
     return data, summary
 
@@ -292,7 +266,9 @@ def _ratio(num: np.ndarray, den: np.ndarray, mc: np.ndarray, n: int, undefined: 
     return _Estimate(value, _div(mc @ num, mc @ den), n, "" if np.isfinite(value) else f"undefined: {undefined}")
 
 
-def _estimates(data: _Data, names: list[str], cfg: RankEvalConfig, mult: np.ndarray) -> dict[str, dict[tuple[str, str], _Estimate]]:
+def _estimates(
+    data: _Data, names: list[str], cfg: RankEvalConfig, mult: np.ndarray
+) -> dict[str, dict[tuple[str, str], _Estimate]]:
     """Every (metric, scope) estimate of every scorer; ``mult [B, P]`` prompt multiplicities."""
     y, x, starts = data.y, data.logkl, data.starts
     scores = np.stack([data.scores[n] for n in names])  # [S, N]
@@ -375,13 +351,16 @@ def _paired(est: dict, names: list[str], cfg: RankEvalConfig, n_prompts: int) ->
                 else:
                     note, p = "undefined: " + (a.note or ref.note).removeprefix("undefined: "), float("nan")
                 rows.append(
-                    dict(scorer=name, reference=cfg.reference, metric=metric, scope=scope, value=a.value,
-                         reference_value=ref.value, diff=diff, ci_low=low, ci_high=high, p_value=p, n_boot=n_valid, note=note)
+                    dict(
+                        scorer=name, reference=cfg.reference, metric=metric, scope=scope, value=a.value,
+                        reference_value=ref.value, diff=diff, ci_low=low, ci_high=high, p_value=p, n_boot=n_valid,
+                        note=note,
+                    )
                 )
     for metric in METRICS:
         for scope in SCOPES:
             family = [r for r in rows if r["metric"] == metric and r["scope"] == scope]
-            for r, p_holm in zip(family, holm(np.array([r["p_value"] for r in family]))):
+            for r, p_holm in zip(family, holm(np.array([r["p_value"] for r in family])), strict=True):
                 r["p_holm"] = float(p_holm)
     return pl.DataFrame(rows, schema=_PAIRED_SCHEMA)
 
@@ -407,10 +386,14 @@ def rank_eval(labels: pl.DataFrame, scores: pl.DataFrame, config: RankEvalConfig
     names = summary["scorers"]
     if cfg.reference == "auto":  # the paper's rule when it was scored, else no paired table (said in the summary)
         cfg = replace(cfg, reference=AUTO_REFERENCE if AUTO_REFERENCE in names else None)
-        summary["reference_note"] = (f"paired comparisons against {AUTO_REFERENCE} (--reference auto)" if cfg.reference else
-                                     f"no paired comparisons: the scores have no {AUTO_REFERENCE} column (pass --reference NAME)")
+        summary["reference_note"] = (
+            f"paired comparisons against {AUTO_REFERENCE} (--reference auto)"
+            if cfg.reference
+            else f"no paired comparisons: the scores have no {AUTO_REFERENCE} column (pass --reference NAME)"
+        )
     if cfg.reference is not None and cfg.reference not in names:
-        raise UserError(f"--reference {cfg.reference} is not a scorer of the scores file: choose from {', '.join(names)}, or none")
+        raise UserError(f"--reference {cfg.reference} is not a scorer of the scores file: choose from "
+                        f"{', '.join(names)}, or none")
 
     mult = prompt_multiplicities(data.n_prompts, cfg.n_boot, np.random.default_rng(cfg.seed))
     est = _estimates(data, names, cfg, mult)
@@ -423,7 +406,10 @@ def rank_eval(labels: pl.DataFrame, scores: pl.DataFrame, config: RankEvalConfig
                 low, high, n_valid = percentile_ci(e.reps, cfg.ci_level)
                 note = _join_notes(e.note, _ci_note(n_valid, cfg, data.n_prompts) if np.isfinite(e.value) else "")
                 rows.append(
-                    dict(scorer=name, metric=metric, scope=scope, value=e.value, ci_low=low, ci_high=high, n=e.n, n_boot=n_valid, note=note)
+                    dict(
+                        scorer=name, metric=metric, scope=scope, value=e.value, ci_low=low, ci_high=high, n=e.n,
+                        n_boot=n_valid, note=note,
+                    )
                 )
     metrics = pl.DataFrame(rows, schema=_METRICS_SCHEMA)
 
@@ -431,8 +417,10 @@ def rank_eval(labels: pl.DataFrame, scores: pl.DataFrame, config: RankEvalConfig
     curves = _budget_curves(data, names, cfg, mult)
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     replicates = {(name, m, scope): e.reps for name in names for (m, scope), e in est[name].items()}
-    return RankEvalResult(metrics=metrics, paired=paired, summary=summary, config=cfg, scorers=names, replicates=replicates,
-                          budget_curves=curves)
+    return RankEvalResult(
+        metrics=metrics, paired=paired, summary=summary, config=cfg, scorers=names, replicates=replicates,
+        budget_curves=curves,
+    )
 
 
 def _budget_curves(data: _Data, names: list[str], cfg: RankEvalConfig, mult: np.ndarray) -> pl.DataFrame:
@@ -449,13 +437,21 @@ def _budget_curves(data: _Data, names: list[str], cfg: RankEvalConfig, mult: np.
     for rho in cfg.rho_grid:
         ev_c = n_evicted(rho, n_c).astype(float)
         for name in names:
-            counts = Counts(n=n_c, harmful=pos_c, evicted=ev_c, harmful_evicted=eviction_counts(data.y, data.scores[name], rho, ckpt)[1])
+            counts = Counts(
+                n=n_c, harmful=pos_c, evicted=ev_c,
+                harmful_evicted=eviction_counts(data.y, data.scores[name], rho, ckpt)[1],
+            )
             for m in curves:
                 e = _ratio(*m.compute(counts), mc, len(data.y), "")
                 low, high, _ = percentile_ci(e.reps, cfg.ci_level)
                 rows.append(dict(scorer=name, rho=rho, metric=m.name, value=e.value, ci_low=low, ci_high=high))
-        rows += [dict(scorer="random (expected)", rho=rho, metric=m.name, value=m.random(prevalence, rho), ci_low=np.nan,
-                      ci_high=np.nan) for m in curves]
+        rows += [
+            dict(
+                scorer="random (expected)", rho=rho, metric=m.name, value=m.random(prevalence, rho), ci_low=np.nan,
+                ci_high=np.nan,
+            )
+            for m in curves
+        ]
     return pl.DataFrame(rows, schema=_CURVES_SCHEMA)
 
 

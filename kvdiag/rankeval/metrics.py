@@ -158,8 +158,10 @@ def _prevalence(c: Counts) -> tuple[np.ndarray, np.ndarray]:
     return c.harmful, c.n
 
 
-@register_metric("topk_recall", "rank", title="Top-k recall", random=lambda prevalence, rho: prevalence, needs=("harmful",),
-                 table=True, figure=True)
+@register_metric(
+    "topk_recall", "rank", title="Top-k recall", random=lambda prevalence, rho: prevalence, needs=("harmful",),
+    table=True, figure=True,
+)
 def _topk_recall(st: TieStats) -> np.ndarray:
     # k = number of harmful entries; taken from the top: k minus the weight scored above the group
     g = st.groups
@@ -286,7 +288,9 @@ def ranking_metrics(
     return Rankings(y, scores, x, segments)(w)
 
 
-def eviction_counts(y: np.ndarray, s: np.ndarray, rho: float, segments: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def eviction_counts(
+    y: np.ndarray, s: np.ndarray, rho: float, segments: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Evict the ``floor(rho * C)`` lowest-scored of each checkpoint's ``C`` candidates.
 
     ``y [N]`` harm label, ``s [N]`` score, ``segments [N]`` checkpoint codes (None: one checkpoint).

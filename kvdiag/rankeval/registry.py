@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvdiag.registry import Registry
+
 
 @dataclass(frozen=True)
 class Counts:
@@ -51,7 +53,8 @@ class Metric:
     curve: str | None = None  # y label of its budget curve over rho (ratio metrics that depend on rho); None: no curve
 
 
-METRICS: dict[str, Metric] = {}  # name -> Metric, in registration order (the row order of metrics.csv)
+# name -> Metric, in registration order (the row order of metrics.csv)
+METRICS: Registry[Metric] = Registry("metric", "kvdiag.metrics")
 KINDS = ("rank", "ratio")
 
 
@@ -59,11 +62,9 @@ def register_metric(name: str, kind: str, **fields) -> Callable[[Callable], Call
     """Decorator: register ``compute`` as the metric ``name`` (``fields``: the rest of :class:`Metric`)."""
 
     def add(compute: Callable) -> Callable:
-        if name in METRICS:
-            raise ValueError(f"metric {name!r} is already registered")
         if kind not in KINDS:
             raise ValueError(f"metric {name!r}: kind {kind!r} is not one of {', '.join(KINDS)}")
-        METRICS[name] = Metric(name=name, kind=kind, compute=compute, **fields)
+        METRICS.add(name, Metric(name=name, kind=kind, compute=compute, **fields))
         return compute
 
     return add

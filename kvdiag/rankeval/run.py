@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict
+from pathlib import Path
+
+import polars as pl
 
 from kvdiag.errors import UserError
-from kvdiag.io import check_writable, read_table, write_csv, write_json, write_text
+from kvdiag.io import check_writable, read_json, read_table, write_csv, write_json, write_text
 from kvdiag.provenance import provenance
 from kvdiag.rankeval.budget_figure import budget_curves_figure
 from kvdiag.rankeval.evaluate import RankEvalResult, check_inputs, rank_eval
@@ -49,3 +52,23 @@ def rank_eval_files(labels: str | os.PathLike, scores: str | os.PathLike, out: s
     }
     write_json(out / "config.json", config)
     return result
+
+
+def load_summary(path: str | os.PathLike) -> dict:
+    """What ``kvdiag rank-eval`` wrote into the directory ``path``: ``{"config": config.json, "table.md": text or None,
+    "has_budget_curves": bool}``; a directory without config.json (rank-eval did not finish) is a ``UserError``."""
+    path = Path(path)
+    config = path / "config.json"
+    if not config.is_file():
+        raise UserError("config.json is missing (rank-eval did not finish)")
+    table = path / "table.md"
+    return {"config": read_json(config, "config.json"), "table.md": table.read_text() if table.is_file() else None,
+            "has_budget_curves": (path / "budget_curves.png").is_file()}
+
+
+def load_metrics(path: str | os.PathLike, what: str = "--rank-eval") -> pl.DataFrame:
+    """The metrics table (metrics.csv) ``kvdiag rank-eval`` wrote into the directory ``path``."""
+    metrics = Path(path) / "metrics.csv"
+    if not metrics.is_file():
+        raise UserError(f"{what} {path} has no metrics.csv: pass a directory written by kvdiag rank-eval")
+    return pl.read_csv(metrics, schema_overrides={"note": pl.String})

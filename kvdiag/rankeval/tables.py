@@ -39,14 +39,20 @@ def _fmt(value: float, low: float, high: float) -> str:
 def caption(result: RankEvalResult, scope: str = "pooled", undefined: bool = False) -> str:
     """One-paragraph caption: candidates, harm threshold and prevalence, rho, scope and CI method."""
     s, c = result.summary, result.config
-    unresolved = f"; {s['n_unresolved']} labels below their noise floor excluded" if s["unresolved_excluded"] and s["n_unresolved"] else ""
+    unresolved = (
+        f"; {s['n_unresolved']} labels below their noise floor excluded"
+        if s["unresolved_excluded"] and s["n_unresolved"]
+        else ""
+    )
     ci = (
-        f"{c.ci_level:.0%} cluster-bootstrap CIs over prompts (B = {c.n_boot})" if c.n_boot else "no confidence intervals (no bootstrap)"
+        f"{c.ci_level:.0%} cluster-bootstrap CIs over prompts (B = {c.n_boot})" if c.n_boot else "no confidence "
+            "intervals (no bootstrap)"
     )
     how = "pooled over all candidates" if scope == "pooled" else "macro averages over checkpoints"
     text = (
         f"Oracle ranking quality against the {s['granularity']}-eviction KL label on {s['n_evaluated']:,} candidates "
-        f"({s['n_prompts']} prompts, {s['n_checkpoints']} checkpoints{unresolved}; {s.get('candidates', 'all candidates')}). "
+        f"({s['n_prompts']} prompts, {s['n_checkpoints']} checkpoints{unresolved}; "
+        f"{s.get('candidates', 'all candidates')}). "
         f"Harmful: kl_mean > {s['harm_threshold']:.4g} nats ({c.harm}), prevalence {s['prevalence']:.3f}. "
         f"False-safe rate: share of the evicted entries that are harmful when the lowest-scored rho = {c.rho:g} "
         f"of each checkpoint is evicted. Metrics {how}; {ci}."
@@ -85,19 +91,9 @@ def to_latex(result: RankEvalResult, scope: str = "pooled", label: str = "tab:ra
         body.append(f"{latex_escape(name)} & " + " & ".join(row) + r" \\")
     return "\n".join(
         [
-            r"\begin{table}[t]",
-            r"\centering",
-            r"\small",
-            r"\begin{tabular}{l" + "c" * len(columns) + "}",
-            r"\toprule",
-            f"Score & {headers} \\\\",
-            r"\midrule",
-            *body,
-            r"\bottomrule",
-            r"\end{tabular}",
-            rf"\caption{{{latex_escape(caption(result, scope, undefined))}}}",
-            rf"\label{{{label}}}",
-            r"\end{table}",
+            r"\begin{table}[t]", r"\centering", r"\small", r"\begin{tabular}{l" + "c" * len(columns) + "}", r"\toprule",
+            f"Score & {headers} \\\\", r"\midrule", *body, r"\bottomrule", r"\end{tabular}",
+            rf"\caption{{{latex_escape(caption(result, scope, undefined))}}}", rf"\label{{{label}}}", r"\end{table}",
             "",
         ]
     )

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 from kvdiag.adapters import ModelAttention
 from kvdiag.errors import UserError, check_choice
 from kvdiag.kernels import compact_kv
-from kvdiag.replay.live import SELECTIONS, query_window_size
+from kvdiag.replay.live import SELECTIONS
 from kvdiag.schema import CHECKPOINT_INTERVAL
 from kvdiag.scorers import Scorer
 
@@ -55,7 +55,7 @@ class Policy:
     @property
     def query_window(self) -> int:
         """W_q: post-RoPE queries the compressor keeps per layer (the scorer's largest observation window)."""
-        return query_window_size(self.scorer)
+        return max(self.scorer.query_window, 1)
 
 
 class ReplayCache:
@@ -65,8 +65,10 @@ class ReplayCache:
         # transformers masks a window by cache slot; after a compaction slots are no longer positions
         windows = sorted({l.window for l in attention.layers if l.window is not None})
         if windows:
-            raise UserError(f"--model: sliding-window attention (window {', '.join(map(str, windows))}) is not supported by "
-                            "replay (a compacted cache breaks the slot-based window mask); use a model with full attention")
+            raise UserError(f"--model: sliding-window attention (window {', '.join(map(str, windows))}) is not "
+                            "supported by "
+                            "replay (a compacted cache breaks the slot-based window mask); use a model with full "
+                            "attention")
         self.cache = DynamicCache(config=config)
         self.positions = torch.empty(attention.num_layers, attention.num_kv_heads, 0, dtype=torch.long)
 

@@ -25,7 +25,7 @@ from kvdiag.features import o_proj_weights
 from kvdiag.models import LoadedModel
 from kvdiag.replay.cache import Policy, ReplayCache
 from kvdiag.replay.live import QueryWindow, observing, score_layer, select_keep
-from kvdiag.scorers.registry import needs_o_proj
+from kvdiag.scorers.base import needs_o_proj
 
 REFERENCE_CHUNK = 512  # tokens per forward of the full-cache reference (bounds its logits memory)
 
@@ -100,7 +100,8 @@ class Session:
         self.active.extend(range(n0 + 1, n0 + c + 1))
         logits = out.logits[0].float()
         if not bool(torch.isfinite(logits).all()):
-            raise UserError(f"non-finite logits at position {start + c - 1} of {self.prompt_id}: the model overflows; rerun with --dtype float32")
+            raise UserError(f"non-finite logits at position {start + c - 1} of {self.prompt_id}: the model overflows; "
+                            "rerun with --dtype float32")
         return logits
 
     def prefill(self, prompt: list[int], all_logits: bool = False) -> torch.Tensor:
@@ -119,9 +120,13 @@ class Session:
         scores = []
         for layer in range(self.num_layers):
             k, v = self.cache.layer(layer)
-            scores.append(score_layer(
-                policy.scorer, k, v, self.cache.positions[layer], self.window.get(layer), t, self.attention.layers[layer],
-                self.prompt_len, layer, self.prompt_id, ids, policy.selection, self.o_proj.get(layer)))
+            scores.append(
+                score_layer(
+                    policy.scorer, k, v, self.cache.positions[layer], self.window.get(layer), t,
+                    self.attention.layers[layer], self.prompt_len, layer, self.prompt_id, ids, policy.selection,
+                    self.o_proj.get(layer),
+                )
+            )
         self.cache.compact(select_keep(scores, policy.budget, policy.selection), policy.backend)
         self.compressions.append(t)
         if self.keep_history:
@@ -180,8 +185,10 @@ def decode(lm: LoadedModel, prompt: list[int], policy: Policy | None = None, max
 
 
 @torch.no_grad()
-def teacher_force(lm: LoadedModel, token_ids: list[int], prompt_len: int, policy: Policy | None = None,
-                  prompt_id: str = "", keep_history: bool = False, o_proj: dict[int, torch.Tensor] | None = None) -> Decoded:
+def teacher_force(
+    lm: LoadedModel, token_ids: list[int], prompt_len: int, policy: Policy | None = None, prompt_id: str = "",
+    keep_history: bool = False, o_proj: dict[int, torch.Tensor] | None = None,
+) -> Decoded:
     """Feed ``token_ids`` (prompt + continuation) under ``policy``; ``logprobs`` [T - P, V] of every
     continuation position, checkpoints at the end of each prompt chunk and every ``interval`` tokens after it."""
     T, P = len(token_ids), prompt_len

@@ -21,13 +21,10 @@ def summarize(df: pl.DataFrame) -> pl.DataFrame:
     return (
         df.group_by("scorer", "budget", maintain_order=True)
         .agg(
-            pl.len().alias("prompts"),
-            pl.col("correct").is_not_null().sum().alias("answered"),
+            pl.len().alias("prompts"), pl.col("correct").is_not_null().sum().alias("answered"),
             pl.col("correct").cast(pl.Float64).mean().alias("accuracy"),
-            pl.col("max_length_hit").sum().alias("max_length_hits"),
-            pl.col("kl_mean").mean().alias("kl_mean"),
-            pl.col("mean_kv").mean().alias("mean_kv"),
-            pl.col("peak_kv").max().alias("peak_kv"),
+            pl.col("max_length_hit").sum().alias("max_length_hits"), pl.col("kl_mean").mean().alias("kl_mean"),
+            pl.col("mean_kv").mean().alias("mean_kv"), pl.col("peak_kv").max().alias("peak_kv"),
         )
     )
 
@@ -39,7 +36,10 @@ def table2(summary: pl.DataFrame, scorers: list[str], budgets: list[int]) -> pl.
     for scorer in scorers:
         row = {"scorer": FULL_LABEL if scorer == "full_kv" else scorer}
         for b in budgets:
-            sel = summary.filter((pl.col("scorer") == scorer) & (pl.col("budget").is_null() if scorer == "full_kv" else pl.col("budget") == b))
+            sel = summary.filter(
+                (pl.col("scorer") == scorer)
+                & (pl.col("budget").is_null() if scorer == "full_kv" else pl.col("budget") == b)
+            )
             rec = sel.row(0, named=True) if sel.height else {}
             acc = rec.get("accuracy")
             row[f"accuracy@{b}"] = None if acc is None else 100.0 * acc
@@ -53,7 +53,11 @@ def table2(summary: pl.DataFrame, scorers: list[str], budgets: list[int]) -> pl.
 
 def markdown(table: pl.DataFrame, budgets: list[int], prompts: int, teacher_forced: bool) -> str:
     """The Table-2-shaped summary as Markdown (accuracy %, max-length hits out of ``prompts``, mean KL)."""
-    metrics = [("kl_mean", "KL")] if teacher_forced else [("accuracy", "acc %"), ("max_length_hits", "max-len"), ("kl_mean", "KL")]
+    metrics = (
+        [("kl_mean", "KL")]
+        if teacher_forced
+        else [("accuracy", "acc %"), ("max_length_hits", "max-len"), ("kl_mean", "KL")]
+    )
     head = ["scorer"] + [f"{label} @{b}" for b in budgets for _, label in metrics]
     rows = [[row["scorer"], *(_cell(key, row[f"{key}@{b}"], prompts) for b in budgets for key, _ in metrics)]
             for row in table.iter_rows(named=True)]
@@ -65,7 +69,8 @@ def markdown(table: pl.DataFrame, budgets: list[int], prompts: int, teacher_forc
         + (" on the Trace's tokens." if teacher_forced else ", along each policy's own generation."),
     ]
     if not teacher_forced:
-        notes.append(f"{FULL_LABEL} (uncompressed) does not depend on the budget: its values repeat under every budget.")
+        notes.append(f"{FULL_LABEL} (uncompressed) does not depend on the budget: its values repeat under every "
+                     "budget.")
     return markdown_table(head, rows, "l" * len(head)) + "\n" + "\n".join(notes) + "\n"
 
 
@@ -81,18 +86,23 @@ def _cell(key: str, value, prompts: int) -> str:
 
 def budget_figure(summary: pl.DataFrame, scorers: list[str], out_dir: Path) -> list[Path]:
     """``budget.png``/``.pdf``: accuracy and mean KL versus budget, one line per scorer (FullKV dotted)."""
-    panels = [(m, label) for m, label in (("accuracy", "accuracy (%)"), ("kl_mean", "mean KL(P_full || P_policy), nats"))
+    panels = [(m, label) for m, label in (("accuracy", "accuracy (%)"), ("kl_mean", "mean KL(P_full || P_policy), "
+                                                                                    "nats"))
               if summary.filter(pl.col("budget").is_not_null())[m].drop_nulls().len()]
     if not panels:
         return []
-    colors = dict(zip([s for s in scorers if s != "full_kv"], sns.color_palette("colorblind", len(scorers))))
+    rules = [s for s in scorers if s != "full_kv"]
+    colors = dict(zip(rules, sns.color_palette("colorblind", len(rules)), strict=True))
     with style():
         fig, axes = new_figure(len(panels), 4.2 * len(panels), 3.2)
-        for ax, (metric, label) in zip(axes, panels):
+        for ax, (metric, label) in zip(axes, panels, strict=True):
             scale = 100.0 if metric == "accuracy" else 1.0
             for scorer, color in colors.items():
                 rows = summary.filter((pl.col("scorer") == scorer) & pl.col(metric).is_not_null()).sort("budget")
-                ax.plot(rows["budget"].to_list(), [v * scale for v in rows[metric].to_list()], marker="o", color=color, label=scorer)
+                ax.plot(
+                    rows["budget"].to_list(), [v * scale for v in rows[metric].to_list()], marker="o", color=color,
+                    label=scorer,
+                )
             full = summary.filter((pl.col("scorer") == "full_kv") & pl.col(metric).is_not_null())
             if full.height:
                 ax.axhline(full[metric][0] * scale, color="black", linestyle=":", label=FULL_LABEL)

@@ -9,7 +9,6 @@ attention over the cached keys, causal by absolute position, ages ``t - position
 
 from __future__ import annotations
 
-import dataclasses
 from contextvars import ContextVar
 
 import torch
@@ -26,12 +25,10 @@ from kvdiag.scorers.context import HistoryUnavailable
 
 REPLAY_ATTN = "kvdiag_replay"
 SELECTIONS = ("per-head", "per-token")
-# fields that hold a scorer's observation window (the zoo's convention; --w-obs sets them)
-WINDOW_FIELDS = ("window", "w_obs")
-# size of the synthetic probe cache used to list the scorers a live cache supports
+# entries of the seeded live cache on which check_live_scorer runs a rule once
 PROBE_ENTRIES = 64
 
-_WINDOW: ContextVar["QueryWindow | None"] = ContextVar("kvdiag_query_window", default=None)
+_WINDOW: ContextVar[QueryWindow | None] = ContextVar("kvdiag_query_window", default=None)
 
 
 class QueryWindow:
@@ -68,7 +65,9 @@ def replay_attention(module, query, key, value, attention_mask, scaling=None, dr
 def replay_attention_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """As :func:`replay_attention`, through the model file's eager attention (softcap, sinks)."""
     _observe(module, query, kwargs)
-    return model_eager_attention(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    return model_eager_attention(module)(
+        module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+    )
 
 
 AttentionInterface.register(REPLAY_ATTN, replay_attention)
@@ -87,66 +86,83 @@ def observing(model, window: QueryWindow | None):
 # --------------------------------------------------------------------------- scorers in a live cache
 
 
-def query_window_size(scorer: Scorer) -> int:
-    """W_q: the queries the compressor keeps for ``scorer``, its largest observation window (at least 1)."""
-    return max([int(getattr(scorer, f)) for f in WINDOW_FIELDS if getattr(scorer, f, None) is not None] + [1])
-
-
 def make_scorer(name: str, params: dict | None = None, w_obs: int | None = None) -> Scorer:
-    """The scorer ``name`` with ``params``; ``w_obs`` sets its observation-window fields unless ``params`` does."""
-    if name not in SCORERS:
-        get_scorer(name)  # the registry's error names the known scorers
-    fields = {} if w_obs is None else {f.name: w_obs for f in dataclasses.fields(SCORERS[name]) if f.name in WINDOW_FIELDS}
-    return get_scorer(name, **{**fields, **(params or {})})
+    """The scorer ``name`` with ``params``; ``w_obs`` sets its observation window (the field its ``window_field``
+    declares) unless ``params`` does."""
+    cls = SCORERS.resolve(name)
+    window = {} if w_obs is None or cls.window_field is None else {cls.window_field: w_obs}
+    return get_scorer(name, **{**window, **(params or {})})
 
 
-def probe_scores(scorer: Scorer, n: int, group: int, head_dim: int, window: int, seed: int = 0) -> torch.Tensor:
-    """[n] scores of ``scorer`` on a seeded random live cache of ``n`` entries (one KV head of ``group`` query
-    heads, positions ``0..n-1``, checkpoint ``n``, the last ``window`` queries)."""
-    gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(*shape, generator=gen) for shape in
-               ((group, min(window, n), head_dim), (1, n, head_dim), (1, n, head_dim)))
-    ctx = ScoreContext(q, k, v, head_dim**-0.5, prompt_len=n // 2, positions=torch.arange(n), checkpoint=n,
-                       o_proj=torch.randn(8, group * head_dim, generator=gen))
-    return scorer.scores(ctx)[0]
-
-
-def live_scorer_names(group: int = 2, head_dim: int = 16) -> list[str]:
-    """The registered scorers whose defaults run on a live cache (no feature of every past query)."""
+def live_scorer_names() -> list[str]:
+    """The registered scorers whose defaults run on a live cache: they declare no need of every past query's
+    attention (``needs_history``) or of the Trace's model (``needs_model``)."""
     names = []
     for name, cls in SCORERS.items():
         try:
             scorer = cls()  # a rule that needs a setting (fitted's model path) has no default instance
-            probe_scores(scorer, PROBE_ENTRIES, group, head_dim, query_window_size(scorer))
-        except (UserError, ValueError):  # HistoryUnavailable, or a plugin that cannot score a live cache
+        except UserError:
             continue
-        names.append(name)
+        if not (scorer.needs_history or scorer.needs_model):
+            names.append(name)
     return names
 
 
-def check_live_scorer(scorer: Scorer, budget: int | None = None, interval: int = 0, group: int = 2, head_dim: int = 16) -> int:
-    """Refuse ``scorer`` unless it runs on a live cache and (with a ``budget``) its protected entries fit it.
+def protected_count(scorer: Scorer, n: int) -> int:
+    """The most entries ``scorer`` declares protected in a live cache of ``n`` entries: over every split of the cache
+    into the ``k`` oldest positions ``0..k-1`` (sinks) and the ``n - k`` newest entries (ages ``1..n-k``), the largest
+    number its :meth:`~kvdiag.scorers.Scorer.protected` marks."""
+    far = 1 << 40  # the two groups never meet: sinks are old, the newest entries sit at far positions
+    oldest = scorer.protected(far - torch.arange(n), torch.arange(n)).long().cumsum(0)  # protected among the k oldest
+    newest = scorer.protected(torch.arange(1, n + 1), far - torch.arange(1, n + 1)).long().cumsum(0)
+    zero = torch.zeros(1, dtype=torch.long)
+    a, b = torch.cat([zero, oldest]), torch.cat([zero, newest])  # a[k], b[m]: counts among k oldest, m newest
+    return int((a + b.flip(0)).max())
 
-    The protected entries are found by probing a cache of ``budget + interval`` entries (the most a
-    compression ever sees): entries a rule keeps unconditionally share :func:`~kvdiag.scorers.protect`'s kept
-    score, so they are the entries tied at the top of the probe's scores. Returns their number.
+
+def check_live_scorer(scorer: Scorer, budget: int | None = None, interval: int = 0, group: int = 2,
+                      head_dim: int = 16) -> int:
+    """Refuse ``scorer`` unless its declaration lets it run on a live cache and (with a ``budget``) its protected
+    entries fit the budget at every compaction (a cache of ``budget + interval`` entries, the most one sees).
+    Returns the number of entries it protects there.
+
+    The declaration decides (``needs_history``, ``needs_model``, ``protected``); one scoring of a small seeded live
+    cache then checks that the rule keeps it (a plugin whose declaration is wrong gets one line before any work).
     """
+    if scorer.needs_history:
+        raise UserError(
+            f"--scorers {scorer.name} needs the attention of every past query (it declares needs_history), which a "
+            f"live cache does not keep; replay supports {', '.join(live_scorer_names())}")
+    if scorer.needs_model:
+        raise UserError(f"--scorers {scorer.name} reads the Trace's model (it declares needs_model), which a live "
+                        "cache does not carry; grade it with `kvdiag score`")
     n = PROBE_ENTRIES if budget is None else budget + interval
     try:
-        scores = probe_scores(scorer, n, group, head_dim, query_window_size(scorer))
+        _probe(scorer, min(n, PROBE_ENTRIES), group, head_dim)
     except HistoryUnavailable:
-        raise UserError(
-            f"--scorer {scorer.name} needs the attention of every past query, which a live cache does not keep; "
-            f"replay supports {', '.join(live_scorer_names(group, head_dim))}") from None
+        raise UserError(f"--scorers {scorer.name} reads the attention of every past query but does not declare "
+                        "needs_history; set needs_history = True in its class") from None
     except ValueError as err:
-        raise UserError(f"--scorer {scorer.name} cannot score a live cache ({err}); set its window with --w-obs or --param") from err
-    top = scores == scores.max()
-    protected = int(top.sum()) if int(top.sum()) > 1 else 0
+        raise UserError(f"--scorers {scorer.name} cannot score a live cache ({err}); set its window with --w-obs or "
+                        "--param, or declare its window_field") from err
+    protected = protected_count(scorer, n)
     if budget is not None and protected > budget:
         raise UserError(
-            f"--budget {budget} is smaller than the {protected} entries {scorer.name} always keeps (its protected windows "
-            f"at {n} cached entries); use --budget >= {protected} or shrink its windows with --param/--w-obs")
+            f"--budget {budget} is smaller than the {protected} entries {scorer.name} always keeps (its protected "
+            f"windows at {n} cached entries); use --budget >= {protected} or shrink its windows with --param/--w-obs")
     return protected
+
+
+def _probe(scorer: Scorer, n: int, group: int, head_dim: int) -> torch.Tensor:
+    """[n] scores of ``scorer`` on a seeded random live cache of ``n`` entries (one KV head of ``group`` query heads,
+    positions ``0..n-1``, checkpoint ``n``, the last ``query_window`` queries)."""
+    gen = torch.Generator().manual_seed(0)
+    w = min(max(scorer.query_window, 1), n)
+    shapes = ((group, w, head_dim), (1, n, head_dim), (1, n, head_dim))
+    q, k, v = (torch.randn(*shape, generator=gen) for shape in shapes)
+    ctx = ScoreContext(q, k, v, head_dim**-0.5, prompt_len=n // 2, positions=torch.arange(n), checkpoint=n,
+                       o_proj=torch.randn(8, group * head_dim, generator=gen))
+    return scorer.scores(ctx)[0]
 
 
 # --------------------------------------------------------------------------- scoring and selection
@@ -154,17 +170,17 @@ def check_live_scorer(scorer: Scorer, budget: int | None = None, interval: int =
 
 def score_layer(
     scorer: Scorer, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, queries: torch.Tensor,
-    checkpoint: int, scale: LayerAttention | float, prompt_len: int, layer: int, prompt_id: str, token_ids: torch.Tensor,
-    selection: str, o_proj: torch.Tensor | None = None,
+    checkpoint: int, scale: LayerAttention | float, prompt_len: int, layer: int, prompt_id: str,
+    token_ids: torch.Tensor, selection: str, o_proj: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Live scores [Hkv, n] of one layer's cache (fp32, CPU; higher = keep).
 
     keys, values [Hkv, n, d] at absolute ``positions [Hkv, n]`` (ascending per head); queries [H, w, d] at
     ``[checkpoint - w, checkpoint)``; token_ids [checkpoint]; ``scale``: the layer's ``LayerAttention`` (or a bare
-    scale). ``per-token``: every head holds the same positions
-    and one context scores the layer. ``per-head``: one context per KV head (its group of query heads), so each
-    head's ages and windows follow its own positions; such a context's ``prompt_id`` is ``"<id>/kv<h>"`` so that
-    seeded scorers draw per head, and a rule that pools over all query heads (TOVA) pools over the group.
+    scale). ``per-token``: every head holds the same positions and one context scores the layer. ``per-head``: one
+    context per KV head (its group of query heads), so each head's ages and windows follow its own positions; such a
+    context's ``prompt_id`` is ``"<id>/kv<h>"`` so that seeded scorers draw per head, and a rule that pools over all
+    query heads (TOVA) pools over the group.
     """
     keys, values, queries = keys.float().cpu(), values.float().cpu(), queries.float().cpu()
     Hkv = keys.shape[0]
@@ -173,7 +189,7 @@ def score_layer(
         pos = positions[0]
         ctx = ScoreContext(queries, keys, values, attn, prompt_len, layer, prompt_id, token_ids[pos],
                            o_proj=o_proj, positions=pos, checkpoint=checkpoint)
-        return _checked(scorer, scorer.scores(ctx), ctx)
+        return scorer.scores(ctx)  # checked and protected by the Scorer base
     g = group_size(queries.shape[0], Hkv)
     d = keys.shape[2]
     rows = []
@@ -184,15 +200,8 @@ def score_layer(
                            f"{prompt_id}/kv{h}", token_ids[pos],
                            o_proj=None if o_proj is None else o_proj[:, h * g * d : (h + 1) * g * d],
                            positions=pos, checkpoint=checkpoint)
-        rows.append(_checked(scorer, scorer.scores(ctx), ctx))
+        rows.append(scorer.scores(ctx))
     return torch.cat(rows)
-
-
-def _checked(scorer: Scorer, scores: torch.Tensor, ctx: ScoreContext) -> torch.Tensor:
-    if tuple(scores.shape) != (ctx.num_kv_heads, ctx.t) or not bool(torch.isfinite(scores).all()):
-        raise UserError(f"scorer {scorer.name} returned {tuple(scores.shape)} scores (non-finite or not [Hkv, n] = "
-                        f"[{ctx.num_kv_heads}, {ctx.t}]) at layer {ctx.layer}, checkpoint {ctx.checkpoint}; fix its scores()")
-    return scores.float()
 
 
 def top_slots(scores: torch.Tensor, budget: int) -> torch.Tensor:

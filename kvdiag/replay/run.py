@@ -20,15 +20,15 @@ from kvdiag.errors import UserError, check_choice
 from kvdiag.features import o_proj_weights
 from kvdiag.io import check_writable, write_json
 from kvdiag.models import LoadedModel, load_model
-from kvdiag.parts import PartStore
+from kvdiag.parts import PartStore, part_name
 from kvdiag.progress import progress_bar
-from kvdiag.prompts import DEFAULT_INSTRUCTION, Prompt, encode_prompt, load_prompts, safe_id
+from kvdiag.prompts import DEFAULT_INSTRUCTION, Prompt, encode_prompt, load_prompts
 from kvdiag.provenance import command_line, provenance
 from kvdiag.replay.cache import Policy
 from kvdiag.replay.decoding import Decoded, decode, full_logprobs, kl_steps, teacher_force
 from kvdiag.replay.live import SELECTIONS, check_live_scorer, make_scorer
 from kvdiag.schema import CHECKPOINT_INTERVAL
-from kvdiag.scorers.registry import needs_o_proj
+from kvdiag.scorers.base import needs_o_proj
 from kvdiag.trace import Trace
 
 FULL_KV = "full_kv"  # the scorer name of the uncompressed reference rows (the paper's FullKV)
@@ -87,7 +87,7 @@ class Item:
 def check_settings(settings: ReplaySettings) -> None:
     """The checks that need no model (bad input: UserError): sizes, selection, scorers that run on a live cache."""
     if not settings.scorers:
-        raise UserError("--scorer is empty: name at least one scorer, e.g. rkv")
+        raise UserError("--scorers is empty: name at least one scorer, e.g. rkv")
     if not settings.budgets or min(settings.budgets) < 1:
         raise UserError(f"--budget {settings.budgets}: give positive budgets (cache entries), e.g. 128,256")
     if settings.interval < 1:
@@ -123,10 +123,12 @@ def fingerprint(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def replay_sweep(settings: ReplaySettings, out: str | os.PathLike, teacher_forced: str | os.PathLike | None = None,
-                 prompts: str | None = None, limit: int | None = None, model: str | None = None, seed: int = 0,
-                 dtype: str | None = None, device: str = "cpu", revision: str | None = None, trust_remote_code: bool = False,
-                 show_progress: bool = True) -> Path:
+def replay_sweep(
+    settings: ReplaySettings, out: str | os.PathLike, teacher_forced: str | os.PathLike | None = None,
+    prompts: str | None = None, limit: int | None = None, model: str | None = None, seed: int = 0,
+    dtype: str | None = None, device: str = "cpu", revision: str | None = None, trust_remote_code: bool = False,
+    show_progress: bool = True,
+) -> Path:
     """What ``kvdiag replay`` runs: load the model and :func:`replay` the first ``limit`` prompts of ``prompts``
     (free-running; default ``builtin:arith`` on ``smollm2``) or of the Trace directory ``teacher_forced`` (its model
     unless ``model``, which must be the Trace's). Settings and ``out`` are checked before the model loads."""
@@ -135,11 +137,15 @@ def replay_sweep(settings: ReplaySettings, out: str | os.PathLike, teacher_force
     if teacher_forced is not None:
         tr = Trace(teacher_forced)
         had = tr.manifest["model"]
-        lm = load_model(model or had["spec"], dtype=dtype or had.get("dtype", "float32"), device=device, revision=revision,
-                        trust_remote_code=trust_remote_code, seed=seed)
+        lm = load_model(
+            model or had["spec"], dtype=dtype or had.get("dtype", "float32"), device=device, revision=revision,
+            trust_remote_code=trust_remote_code, seed=seed,
+        )
         lm.check_model_of(had, "--model", "drop --model")
         ids = tr.prompt_ids[:limit] if limit else tr.prompt_ids
-        return replay(lm, out, settings, trace=tr, prompt_ids=ids, source=str(teacher_forced), show_progress=show_progress)
+        return replay(
+            lm, out, settings, trace=tr, prompt_ids=ids, source=str(teacher_forced), show_progress=show_progress
+        )
     source = prompts or "builtin:arith"
     items = load_prompts(source, limit=limit, seed=seed)
     lm = load_model(model or "smollm2", dtype=dtype or "float32", device=device, revision=revision,
@@ -147,19 +153,9 @@ def replay_sweep(settings: ReplaySettings, out: str | os.PathLike, teacher_force
     return replay(lm, out, settings, prompts=items, source=source, show_progress=show_progress)
 
 
-def part_name(prompt_id: str, scorer: str, budget: int | None) -> str:
-    return f"{prompt_id}__{safe_id(scorer)}__{'full' if budget is None else budget}.parquet"
-
-
 def replay(
-    lm: LoadedModel,
-    out: str | os.PathLike,
-    settings: ReplaySettings,
-    prompts: list[Prompt] | None = None,
-    trace=None,
-    prompt_ids: list[str] | None = None,
-    source: str | None = None,
-    command: str | None = None,
+    lm: LoadedModel, out: str | os.PathLike, settings: ReplaySettings, prompts: list[Prompt] | None = None, trace=None,
+    prompt_ids: list[str] | None = None, source: str | None = None, command: str | None = None,
     show_progress: bool = True,
 ) -> Path:
     """Replay ``prompts`` (free-running) or the Trace ``trace`` (teacher-forced) under every (scorer, budget).
@@ -180,26 +176,41 @@ def replay(
     out = Path(out)
     parts = PartStore(out / "parts", out)  # each part's fingerprint says what made it: no settings stamp
     mode = "teacher_forced" if teacher_forced else "free"
-    common = {"mode": mode, "model": {k: lm.info[k] for k in ("config_hash", "weights_hash", "dtype")},
-              "settings": {k: v for k, v in asdict(settings).items() if k not in ("scorers", "budgets", "params", "backend", "full_kv")},
-              "trace": trace.fingerprint if teacher_forced else None}
+    common = {
+        "mode": mode,
+        "model": {k: lm.info[k] for k in ("config_hash", "weights_hash", "dtype")},
+        "settings": {
+            k: v for k, v in asdict(settings).items() if k not in ("scorers", "budgets", "params", "backend", "full_kv")
+        },
+        "trace": trace.fingerprint if teacher_forced else None,
+    }
     config = {
-        "kind": "replay_config", **provenance(created=True), "command": command or command_line(), "mode": mode, "settings": asdict(settings),
+        "kind": "replay_config",
+        **provenance(created=True),
+        "command": command or command_line(),
+        "mode": mode,
+        "settings": asdict(settings),
         "scorers": {name: p.scorer.params for (name, budget), p in policies.items() if p is not None},
         "query_window": {name: p.query_window for (name, budget), p in policies.items() if p is not None},
-        "model": lm.info, "prompts_source": source, "trace": trace.provenance if teacher_forced else None,
+        "model": lm.info,
+        "prompts_source": source,
+        "trace": trace.provenance if teacher_forced else None,
         "prompt_ids": [it.prompt_id for it in items],
         "definitions": {
             "budget": "entries kept per (layer, KV head) after each compaction",
             "peak_kv": "most cache entries (per layer and KV head) any query attended, prompt included",
             "mean_kv": "mean cache entries attended by the queries that produced the generated tokens",
             "compression_steps": "absolute checkpoints t at which a compaction ran (cache held [0, t)'s survivors)",
-            "kl": "KL(P_full || P_policy) per generated position, nats; P_full from a full-cache forward of the same tokens",
-            "prefill": "the prompt counts toward the budget and is compressed (chunked when longer than budget + interval)",
+            "kl": "KL(P_full || P_policy) per generated position, nats; P_full from a full-cache forward of the same "
+                  "tokens",
+            "prefill": "the prompt counts toward the budget and is compressed (chunked when longer than budget + "
+                       "interval)",
         },
     }
     write_json(out / "config.json", config)
-    o_proj = o_proj_weights(lm.model) if any(p is not None and needs_o_proj(p.scorer) for p in policies.values()) else None
+    o_proj = (
+        o_proj_weights(lm.model) if any(p is not None and needs_o_proj(p.scorer) for p in policies.values()) else None
+    )
     units = [(it, name, budget) for it in items for (name, budget) in policies]
     names = []
     with progress_bar(show_progress) as progress:
@@ -207,7 +218,7 @@ def replay(
         reference: dict[str, torch.Tensor] = {}  # teacher-forced: P_full of the current prompt
         for it, name, budget in units:
             policy = policies[(name, budget)]
-            part = part_name(it.prompt_id, name, budget)
+            part = part_name(it.prompt_id, name, "full" if budget is None else budget)
             names.append(part)
             fp = fingerprint({**common, "tokens": it.token_ids, "scorer": name, "budget": budget,
                               "params": policy.scorer.params if policy else None})
@@ -223,7 +234,10 @@ def replay(
                 kl = kl_steps(reference[it.prompt_id], run.logprobs)
             else:
                 want_kl = settings.kl and policy is not None
-                run = decode(lm, it.token_ids, policy, settings.max_new_tokens, it.prompt_id, keep_logprobs=want_kl, o_proj=o_proj)
+                run = decode(
+                    lm, it.token_ids, policy, settings.max_new_tokens, it.prompt_id, keep_logprobs=want_kl,
+                    o_proj=o_proj,
+                )
                 kl = kl_steps(full_logprobs(lm.model, run.token_ids, run.prompt_len), run.logprobs) if want_kl else None
             row = _row(lm, it, name, budget, mode, run, kl, time.perf_counter() - start)
             parts.write(part, pl.DataFrame([row], schema=ROW_SCHEMA), {"kind": "replay_part", "fingerprint": fp})
@@ -242,7 +256,9 @@ ROW_SCHEMA = {
 }
 
 
-def _row(lm: LoadedModel, it: Item, scorer: str, budget: int | None, mode: str, run: Decoded, kl, seconds: float) -> dict:
+def _row(
+    lm: LoadedModel, it: Item, scorer: str, budget: int | None, mode: str, run: Decoded, kl, seconds: float
+) -> dict:
     text = lm.tokenizer.decode(run.token_ids[run.prompt_len :], skip_special_tokens=True)
     free = mode == "free"
     return {

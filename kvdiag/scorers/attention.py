@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from kvdiag.errors import check_positive
 from kvdiag.features import group_reduce
+from kvdiag.scorers.base import Scorer
 from kvdiag.scorers.context import ScoreContext
-from kvdiag.scorers.registry import Scorer, register_scorer
+from kvdiag.scorers.registry import register_scorer
 
 
 @register_scorer("attention")
@@ -27,10 +29,11 @@ class AttentionScorer(Scorer):
     window : observation window W_obs (default 32).
     """
 
+    window_field: ClassVar[str | None] = "window"
     window: int = 32
 
     def __post_init__(self):
         check_positive(f"{self.name}.window", self.window)
 
-    def scores(self, ctx: ScoreContext) -> torch.Tensor:
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
         return group_reduce(ctx.window_attention(self.window).mean(dim=1), ctx.num_kv_heads)

@@ -24,5 +24,5 @@ class AttentionXAge(AttentionScorer):
     window : observation window of the attention term (default 32).
     """
 
-    def scores(self, ctx: ScoreContext) -> torch.Tensor:
-        return super().scores(ctx) * ctx.age.float()
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
+        return super().score(ctx) * ctx.age.float()

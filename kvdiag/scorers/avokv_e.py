@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from kvdiag.errors import check_choice, check_positive
 from kvdiag.features import PAYLOADS, mean_cosine_redundancy, read_pressure
 from kvdiag.schema import W_DELAY, W_OBS
+from kvdiag.scorers.base import Scorer
 from kvdiag.scorers.context import ScoreContext
 from kvdiag.scorers.normalization import percentile_rank, protect, zscore
-from kvdiag.scorers.registry import Scorer, register_scorer
+from kvdiag.scorers.registry import register_scorer
 
 NORMALIZATIONS = ("rank", "zscore")
 
@@ -38,7 +40,8 @@ def avokv_score(
 @dataclass
 class AvoKVE(Scorer):
     """AvoKV-E (Yu et al., Oct 2026), **reconstructed from the abstract**: the paper's formulas,
-    windows and weights are unpublished, so every choice below is ours and a parameter (docs/scorers.md, "AvoKV-E (our reconstruction)").
+    windows and weights are unpublished, so every choice below is ours and a parameter (docs/scorers.md, "AvoKV-E (our
+    reconstruction)").
 
     1. Eligibility: entries with age ``t - i > w_delay`` are candidates ``C_t``; younger ones are kept.
     2. Read pressure ``p``: mass the window queries ``[t - w_obs, t)`` put on ``i`` over the mass they put on
@@ -57,6 +60,7 @@ class AvoKVE(Scorer):
     normalization : ``rank`` (percentile rank) or ``zscore``.
     """
 
+    window_field: ClassVar[str | None] = "w_obs"
     w_obs: int = W_OBS
     w_delay: int = W_DELAY
     lambda_p: float = 1.0
@@ -75,10 +79,12 @@ class AvoKVE(Scorer):
         """Never evicted: the delay buffer: entries of age ``<= w_delay``."""
         return age <= self.w_delay
 
-    def scores(self, ctx: ScoreContext) -> torch.Tensor:
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
         eligible = ctx.age > self.w_delay
         key = (self.w_obs, self.w_delay)
-        p = ctx.cached(("read_pressure", *key), lambda: read_pressure(ctx.window_attention(self.w_obs), eligible, ctx.num_kv_heads))
+        p = ctx.cached(
+            ("read_pressure", *key), lambda: read_pressure(ctx.window_attention(self.w_obs), eligible, ctx.num_kv_heads)
+        )
         r = ctx.cached(("redundancy", self.w_delay), lambda: mean_cosine_redundancy(ctx.k, eligible))
         b = ctx.payload(self.payload)
         return avokv_score(p, r, b, eligible, self.lambda_p, self.lambda_r, self.lambda_b, self.normalization)

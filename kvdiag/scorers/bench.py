@@ -28,7 +28,8 @@ class ScoreBenchResult:
         return {
             "trace": trace, "checkpoints": n, "layers": self.layers, "entries": self.entries,
             "seconds_total": self.seconds, "seconds_per_checkpoint": self.seconds / n,
-            "scorer_seconds_per_checkpoint": {k: v / n for k, v in self.scorer_seconds.items()}, "peak_rss_mib": self.peak_rss_mib,
+            "scorer_seconds_per_checkpoint": {k: v / n for k, v in self.scorer_seconds.items()},
+            "peak_rss_mib": self.peak_rss_mib,
         }
 
 

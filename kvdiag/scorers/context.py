@@ -46,6 +46,8 @@ class ScoreContext:
         the full cache, ``arange(t)``.
     checkpoint : the absolute checkpoint (live: required, ``> positions[-1]``); None: ``t``.
     trace : the Trace being scored (None in replay): scorers that rerun its model read it (``kvpress:`` presses).
+    shared : what every context of one scoring run shares (the Trace's model run of the ``kvpress:`` presses); the
+        run owns it, so nothing outlives it.
     """
 
     q: torch.Tensor
@@ -63,13 +65,15 @@ class ScoreContext:
     positions: torch.Tensor | None = None
     checkpoint: int | None = None
     trace: Any = field(default=None, repr=False)
+    shared: dict = field(default_factory=dict, repr=False)
     live: bool = field(init=False, repr=False)
 
     def __post_init__(self):
         self.q, self.k, self.v = self.q.float(), self.k.float(), self.v.float()
         self.live = self.positions is not None
         if self.v.shape[1] != self.t or (not self.live and self.q.shape[1] != self.t):
-            raise ValueError(f"q {tuple(self.q.shape)}, k {tuple(self.k.shape)}, v {tuple(self.v.shape)}: need the same t")
+            raise ValueError(f"q {tuple(self.q.shape)}, k {tuple(self.k.shape)}, v {tuple(self.v.shape)}: need the "
+                             "same t")
         if self.live:
             if self.checkpoint is None or self.positions.shape != (self.t,):
                 raise ValueError(f"a live context needs positions [t={self.t}] and a checkpoint")
@@ -141,7 +145,8 @@ class ScoreContext:
 
     def _history(self) -> features.AttentionHistory:
         if self.live:
-            raise HistoryUnavailable("this scorer needs the attention of every past query, which a live (compacted) cache does not keep")
+            raise HistoryUnavailable("this scorer needs the attention of every past query, which a live (compacted) "
+                                     "cache does not keep")
         if self.history is None:
             self.history = features.AttentionHistory(self.q, self.k, self.attn)
         return self.history
@@ -149,19 +154,31 @@ class ScoreContext:
     def column_sum(self) -> torch.Tensor:
         """[H, t] ``Σ_{tau < t} a_{tau, j}``: attention received from every past query (H2O)."""
         H, T = self.num_heads, self._history().q.shape[1]
-        return self.cached(("colsum",), lambda: self._history().get(("colsum",), lambda: features.ColumnSum(H, T), self.t).snapshot(self.t))
+        return self.cached(
+            ("colsum",),
+            lambda: self._history().get(("colsum",), lambda: features.ColumnSum(H, T), self.t).snapshot(self.t),
+        )
 
     def recurrence(self, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
         """LazyEviction's ``(TS, MRI)`` [H, t] replayed over the decode steps ``< t`` (see ``features.Recurrence``)."""
         H, T, P = self.num_heads, self._history().q.shape[1], self.prompt_len
         key = ("recurrence", alpha)
-        return self.cached(key, lambda: self._history().get(key, lambda: features.Recurrence(H, T, P, alpha), self.t).snapshot(self.t))
+        return self.cached(
+            key, lambda: self._history().get(key, lambda: features.Recurrence(H, T, P, alpha), self.t).snapshot(self.t)
+        )
 
     def sparsity(self, rel_threshold: float) -> torch.Tensor:
         """[H, t] ThinKV attention sparsity of the query at each position ``< t``."""
         H, T = self.num_heads, self._history().q.shape[1]
         key = ("sparsity", rel_threshold)
-        return self.cached(key, lambda: self._history().get(key, lambda: features.Sparsity(H, T, rel_threshold, self.attn.window), self.t).snapshot(self.t))
+        return self.cached(
+            key,
+            lambda: (
+                self._history()
+                .get(key, lambda: features.Sparsity(H, T, rel_threshold, self.attn.window), self.t)
+                .snapshot(self.t)
+            ),
+        )
 
     def payload(self, kind: str) -> torch.Tensor:
         """[Hkv, t] value payload (``features.value_payload``)."""

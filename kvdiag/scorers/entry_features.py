@@ -1,8 +1,9 @@
 """Per-entry features for ``kvdiag fit``: the raw quantities the hand-made rules combine, one [Hkv, t] each.
 
-Each is computed from a :class:`ScoreContext` like a scorer (no protected entries, no normalization), so the
-same code serves training (``kvdiag fit``) and the fitted rule (the ``fitted`` scorer). ``LIVE`` features need
-no past queries beyond the observation window, so a model fitted on them also runs in ``kvdiag replay``.
+Each is computed from a :class:`ScoreContext` like a scorer's raw score (no protected entries, no normalization),
+so the same code serves training (``kvdiag fit``) and the fitted rule (the ``fitted`` scorer). Each declares what it
+reads: features of every past query (``history``) are not in a live cache, so a model fitted on the others runs in
+``kvdiag replay`` too.
 """
 
 from __future__ import annotations
@@ -12,32 +13,46 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdiag.features import group_reduce, mean_cosine_redundancy
+from kvdiag.features import mean_cosine_redundancy
+from kvdiag.scorers.attention import AttentionScorer
+from kvdiag.scorers.base import Scorer
 from kvdiag.scorers.context import ScoreContext
-from kvdiag.scorers.registry import Scorer, get_scorer
+from kvdiag.scorers.h2o import H2O
+from kvdiag.scorers.lazyeviction import LazyEviction
+from kvdiag.scorers.tova import TOVA
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One per-entry feature: ``compute(ctx) -> [Hkv, t]``; ``history``: reads every past query; ``window``: the
+    newest queries it reads."""
+
+    compute: Callable[[ScoreContext], torch.Tensor]
+    history: bool = False
+    window: int = 0
 
 
 def _per_head(ctx: ScoreContext, row: torch.Tensor) -> torch.Tensor:
     return row[None].expand(ctx.num_kv_heads, -1)
 
 
-FEATURES: dict[str, Callable[[ScoreContext], torch.Tensor]] = {
+FEATURES: dict[str, Feature] = {
     # attention the last 32 queries put on the entry (mean over queries and the GQA group)
-    "window_attention": lambda ctx: get_scorer("attention", window=32).scores(ctx),
+    "window_attention": Feature(lambda ctx: AttentionScorer(window=32).score(ctx), window=32),
     # attention the newest query puts on it (TOVA)
-    "newest_attention": lambda ctx: get_scorer("tova").scores(ctx),
+    "newest_attention": Feature(lambda ctx: TOVA().score(ctx), window=1),
     # attention received from every past query (H2O without its recent window)
-    "cumulative_attention": lambda ctx: get_scorer("h2o").scores(ctx),
+    "cumulative_attention": Feature(lambda ctx: H2O().score(ctx), history=True),
     # LazyEviction's recurrence score without its protected window
-    "recurrence": lambda ctx: get_scorer("lazyeviction", window=0).scores(ctx),
-    "key_norm": lambda ctx: ctx.k.norm(dim=-1),
-    "value_norm": lambda ctx: ctx.payload("l2"),
+    "recurrence": Feature(lambda ctx: LazyEviction(window=0).score(ctx), history=True),
+    "key_norm": Feature(lambda ctx: ctx.k.norm(dim=-1)),
+    "value_norm": Feature(lambda ctx: ctx.payload("l2")),
     # mean cosine of the key to every other cached key of its head (R-KV / AvoKV-E redundancy)
-    "redundancy": lambda ctx: mean_cosine_redundancy(ctx.k, torch.ones(ctx.t, dtype=torch.bool)),
-    "log_age": lambda ctx: _per_head(ctx, torch.log(ctx.age.float())),
-    "is_prompt": lambda ctx: _per_head(ctx, (ctx.positions < ctx.prompt_len).float()),
+    "redundancy": Feature(lambda ctx: mean_cosine_redundancy(ctx.k, torch.ones(ctx.t, dtype=torch.bool))),
+    "log_age": Feature(lambda ctx: _per_head(ctx, torch.log(ctx.age.float()))),
+    "is_prompt": Feature(lambda ctx: _per_head(ctx, (ctx.positions < ctx.prompt_len).float())),
 }
-LIVE = ("window_attention", "newest_attention", "key_norm", "value_norm", "redundancy", "log_age", "is_prompt")
+LIVE = tuple(name for name, feature in FEATURES.items() if not feature.history)
 
 
 @dataclass
@@ -46,13 +61,13 @@ class EntryFeature(Scorer):
 
     feature: str = "window_attention"
 
-    def scores(self, ctx: ScoreContext) -> torch.Tensor:
-        return FEATURES[self.feature](ctx).float()
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
+        return FEATURES[self.feature].compute(ctx).float()
 
 
 def entry_features(ctx: ScoreContext, names: list[str]) -> torch.Tensor:
     """[F, Hkv, t] the features ``names`` of every cached entry."""
-    return torch.stack([FEATURES[name](ctx).float() for name in names])
+    return torch.stack([FEATURES[name].compute(ctx).float() for name in names])
 
 
-__all__ = ["FEATURES", "LIVE", "EntryFeature", "entry_features", "group_reduce"]
+__all__ = ["FEATURES", "LIVE", "EntryFeature", "Feature", "entry_features"]

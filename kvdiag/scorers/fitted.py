@@ -12,9 +12,10 @@ from typing import ClassVar
 import torch
 
 from kvdiag.errors import UserError
+from kvdiag.scorers.base import Scorer
 from kvdiag.scorers.context import ScoreContext
 from kvdiag.scorers.entry_features import FEATURES, entry_features
-from kvdiag.scorers.registry import Scorer, register_scorer
+from kvdiag.scorers.registry import SCORERS, register_scorer
 
 
 @register_scorer("fitted")
@@ -51,6 +52,15 @@ class Fitted(Scorer):
         self._model = model
 
     @property
+    def needs_history(self) -> bool:
+        """A model fitted on features of every past query needs them."""
+        return any(FEATURES[f].history for f in self._model["features"])
+
+    @property
+    def query_window(self) -> int:
+        return max([FEATURES[f].window for f in self._model["features"]] + [0])
+
+    @property
     def params(self) -> dict:
         return {"path": self.path}
 
@@ -59,7 +69,7 @@ class Fitted(Scorer):
         m = self._model
         return (torch.tensor(m["mean"]), torch.tensor(m["scale"]), torch.tensor(m["coef"]), float(m["intercept"]))
 
-    def scores(self, ctx: ScoreContext) -> torch.Tensor:
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
         mean, scale, coef, intercept = self._weights
         x = entry_features(ctx, self._model["features"])  # [F, Hkv, t]
         logit = torch.einsum("f,fht->ht", coef / scale, x - mean[:, None, None]) + intercept
@@ -73,3 +83,6 @@ def register_fitted(name: str) -> type[Scorer]:
     cls = dataclasses.make_dataclass("FittedAt", [("path", str, field(default=path))], bases=(Fitted,),
                                      namespace={"__module__": __name__, "__doc__": f"the fitted rule of {path}"})
     return register_scorer(cls, name)
+
+
+SCORERS.add_resolver("fitted:", register_fitted)

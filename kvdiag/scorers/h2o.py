@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from kvdiag.errors import check_positive
 from kvdiag.features import group_reduce
+from kvdiag.scorers.base import Scorer
 from kvdiag.scorers.context import ScoreContext
-from kvdiag.scorers.normalization import protect, recent
-from kvdiag.scorers.registry import Scorer, register_scorer
+from kvdiag.scorers.registry import register_scorer
 
 
 @register_scorer("h2o")
@@ -31,6 +32,7 @@ class H2O(Scorer):
     recent_size : last entries kept unconditionally (default 0).
     """
 
+    needs_history: ClassVar[bool] = True  # every past query's attention
     normalize: bool = True
     recent_size: int = 0
 
@@ -41,8 +43,8 @@ class H2O(Scorer):
         """Never evicted: the last ``recent_size`` entries."""
         return age <= self.recent_size
 
-    def scores(self, ctx: ScoreContext) -> torch.Tensor:
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
         received = ctx.column_sum()
         if self.normalize:
             received = received / ctx.age.float()
-        return protect(group_reduce(received, ctx.num_kv_heads), recent(ctx.t, self.recent_size))
+        return group_reduce(received, ctx.num_kv_heads)

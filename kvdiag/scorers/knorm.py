@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvdiag.scorers.base import Scorer
 from kvdiag.scorers.context import ScoreContext
-from kvdiag.scorers.registry import Scorer, register_scorer
+from kvdiag.scorers.registry import register_scorer
 
 
 @register_scorer("knorm")
@@ -19,5 +20,5 @@ class KNorm(Scorer):
     parameters, no protected entries.
     """
 
-    def scores(self, ctx: ScoreContext) -> torch.Tensor:
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
         return -ctx.k.norm(dim=-1)

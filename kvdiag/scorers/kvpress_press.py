@@ -38,10 +38,12 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvdiag.adapters import FAMILIES, attention_modules, decoder_layers, rotary_embedding
 from kvdiag.attention import attention_rows
 from kvdiag.errors import UserError
+from kvdiag.scorers.base import Scorer
 from kvdiag.scorers.context import ScoreContext
-from kvdiag.scorers.registry import SCORERS, Scorer, register_scorer
+from kvdiag.scorers.registry import SCORERS, register_scorer
 
 PREFIX = "kvpress:"
 KVPRESS_VERSION = "0.5.5"
@@ -50,8 +52,7 @@ ALL = PREFIX + "all"
 
 # presses with no per-entry score() to grade, and why (checked before the generic rules)
 REFUSED: dict[str, str] = {
-    "BasePress": "abstract base class",
-    "ScorerPress": "abstract base class (its subclasses are the graded presses)",
+    "BasePress": "abstract base class", "ScorerPress": "abstract base class (its subclasses are the graded presses)",
     "AdaKVPress": "wrapper: reallocates another press's budget across heads; grade the inner press",
     "CriticalAdaKVPress": "wrapper: AdaKV head budgets over CriticalKV scores; grade kvpress:CriticalKVPress",
     "BlockPress": "wrapper: block-wise iterative pruning with another press",
@@ -84,7 +85,8 @@ REFUSED: dict[str, str] = {
 # presses whose scores depend on the budget (compression_ratio): graded, with a caveat in the listing
 BUDGET_NOTES: dict[str, str] = {
     "StreamingLLMPress": "budget-dependent: a keep/evict mask at compression_ratio (0 gives constant scores)",
-    "CriticalKVPress": "budget-dependent: its stage-1 top (1 - compression_ratio) * first_stage_ratio entries tie at the top",
+    "CriticalKVPress": "budget-dependent: its stage-1 top (1 - compression_ratio) * first_stage_ratio entries tie at "
+                       "the top",
 }
 # presses that assert ``attentions is not None`` (kvpress: attn_implementation="eager")
 NEEDS_ATTENTIONS = frozenset({"ObservedAttentionPress"})
@@ -121,7 +123,11 @@ def press_classes() -> dict[str, type]:
     """Every press class kvpress exports, by class name."""
     kvpress = kvpress_module()
     base = kvpress.BasePress
-    return {name: obj for name in sorted(dir(kvpress)) if isinstance(obj := getattr(kvpress, name), type) and issubclass(obj, base)}
+    return {
+        name: obj
+        for name in sorted(dir(kvpress))
+        if isinstance(obj := getattr(kvpress, name), type) and issubclass(obj, base)
+    }
 
 
 def why_not(name: str, cls: type) -> str | None:
@@ -197,7 +203,8 @@ def _build_press(cls: type, params: dict, scorer: str):
     if "press" in kwargs:  # CriticalKVPress(press=...): a gradable press with kvpress's registry defaults
         inner = kwargs["press"]
         if inner not in classes or why_not(inner, classes[inner]) is not None or inner == cls.__name__:
-            raise UserError(f"--param {scorer}.press={inner}: use a gradable press, one of {', '.join(gradable_presses())}")
+            raise UserError(f"--param {scorer}.press={inner}: use a gradable press, one of "
+                            f"{', '.join(gradable_presses())}")
         inner_kwargs = {"use_vnorm": False} if inner == "ExpectedAttentionPress" else {}  # as kvpress's registry
         kwargs["press"] = classes[inner](**inner_kwargs)
     if "compression_ratio" in kwargs and "compression_ratio" not in inspect.signature(cls.__init__).parameters:
@@ -227,6 +234,7 @@ class KvpressScorer(Scorer):
 
     press_class: ClassVar[str] = ""
     in_all: ClassVar[bool] = False  # never part of `--scorers all` (named, or kvpress:all)
+    needs_model: ClassVar[bool] = True  # the press reads the hidden states and attention module of the Trace's model
     hidden_window: int = 0
 
     def __post_init__(self):
@@ -235,12 +243,16 @@ class KvpressScorer(Scorer):
         params = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "hidden_window"}
         self._press = _build_press(press_classes()[self.press_class], params, self.name)
 
-    def scores(self, ctx: ScoreContext) -> torch.Tensor:
-        if ctx.live:
-            raise UserError(f"--scorer {self.name} cannot run on a live replay cache: kvpress presses read the model's hidden "
-                            "states and attention module, which replay does not carry; grade it with `kvdiag score`")
-        if ctx.trace is None:
-            raise UserError(f"scorer {self.name} needs the Trace's model: score it with `kvdiag score` (score_trace)")
+    def check_trace(self, trace) -> None:
+        family = ((trace.manifest.get("model") or {}).get("attention") or {}).get("family")
+        reason = FAMILIES[family].kvpress if family in FAMILIES else None
+        if reason:
+            raise UserError(f"{self.name} cannot be graded on {family} models: {reason}")
+
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
+        if ctx.live or ctx.trace is None:
+            raise UserError(f"scorer {self.name} reads the Trace's model (hidden states, attention module): score it "
+                            "with `kvdiag score`; replay and live caches do not carry them")
         view = hook_view(ctx, self.hidden_window, self.press_class in NEEDS_ATTENTIONS)
         key = f"{ctx.prompt_id}:{ctx.checkpoint}:{ctx.layer}".encode()
         try:
@@ -260,7 +272,10 @@ def hook_view(ctx: ScoreContext, hidden_window: int, attentions: bool) -> dict:
     n = t if hidden_window == 0 else min(hidden_window, t)
 
     def build() -> dict:
-        run = model_run(ctx.trace)
+        run = ctx.shared.get(("kvpress_run", ctx.trace.fingerprint))
+        if run is None:  # one model load per scoring run; the previous Trace's model is freed first
+            ctx.shared.clear()
+            run = ctx.shared[("kvpress_run", ctx.trace.fingerprint)] = ModelRun(ctx.trace)
         hidden, (cos, sin) = run.inputs(ctx.prompt_id, ctx.layer)
         pos = torch.arange(t - n, t)
         return {
@@ -274,7 +289,9 @@ def hook_view(ctx: ScoreContext, hidden_window: int, attentions: bool) -> dict:
 
     view = ctx.cached(("kvpress", n), build)
     if attentions:
-        full = ctx.cached(("kvpress_attentions",), lambda: attention_rows(ctx.q, ctx.k, torch.arange(t), ctx.attn)[None])
+        full = ctx.cached(
+            ("kvpress_attentions",), lambda: attention_rows(ctx.q, ctx.k, torch.arange(t), ctx.attn)[None]
+        )
         view = {**view, "attentions": full}  # [1, H, t, t]
     return view
 
@@ -285,28 +302,29 @@ def hook_view(ctx: ScoreContext, hidden_window: int, attentions: bool) -> dict:
 class ModelRun:
     """The Trace's model (checked against the manifest's weights hash) and the attention inputs of one prompt.
 
-    ``inputs(pid, layer)`` -> hidden [1, T, hidden] fp32, (cos, sin) [1, T, d] fp32: what the layer's attention
-    module received over the prompt's recorded tokens, from one forward pass per prompt (the last prompt is
-    kept: score_trace visits prompt by prompt).
+    ``modules[l]``: layer ``l``'s attention module in fp32 with the model's rotary embedding attached, as kvpress's
+    ``BasePress`` attaches it; every module path comes from ``kvdiag.adapters``. ``inputs(pid, layer)`` -> hidden
+    [1, T, hidden] fp32, (cos, sin) [1, T, d] fp32: what the layer's attention module received over the prompt's
+    recorded tokens, from one forward pass of the whole model per prompt (the last prompt is kept: score_trace visits
+    prompt by prompt).
     """
 
     def __init__(self, trace):
         from kvdiag.models import load_model
 
         had = trace.manifest["model"]
-        self.fingerprint = trace.fingerprint
         self.trace = trace
         self.lm = load_model(had["spec"], dtype=had.get("dtype", "float32"))
         self.lm.check_model_of(had, "kvpress scorers: the model", "restore that model to grade presses")
-        model = self.lm.model
-        self.language_model = model.model.language_model if hasattr(model.model, "language_model") else model.model
-        layers = self.language_model.layers
+        self.model = model = self.lm.model
+        self._hooked = [attention_modules(model)[i] for i in range(len(decoder_layers(model)))]
         fp32 = next(model.parameters()).dtype == torch.float32
-        self.modules = []
-        for layer in layers:
-            attn = layer.self_attn if fp32 else copy.deepcopy(layer.self_attn).float()  # scoring in fp32
-            attn.rotary_emb = self.language_model.rotary_emb if fp32 else copy.deepcopy(self.language_model.rotary_emb).float()
-            self.modules.append(attn)
+        self.modules = []  # what the presses see: fp32 (kvpress runs in the model dtype; scores here are fp32)
+        for layer, module in enumerate(self._hooked):
+            rotary = rotary_embedding(model, layer)
+            module = module if fp32 else copy.deepcopy(module).float()
+            module.rotary_emb = rotary if fp32 else copy.deepcopy(rotary).float()
+            self.modules.append(module)
         self._pid: str | None = None
         self._inputs: list = []
 
@@ -324,29 +342,17 @@ class ModelRun:
                 hidden = kwargs.get("hidden_states", args[0] if args else None)
                 cos, sin = kwargs["position_embeddings"]
                 captured[index] = (hidden.detach().float(), (cos.detach().float(), sin.detach().float()))
+
             return hook
 
-        handles = [layer.self_attn.register_forward_pre_hook(grab(i), with_kwargs=True)
-                   for i, layer in enumerate(self.language_model.layers)]
+        handles = [module.register_forward_pre_hook(grab(i), with_kwargs=True) for i, module in enumerate(self._hooked)]
         try:
             ids = self.trace.token_ids(pid)[None].to(self.lm.device)
-            self.language_model(input_ids=ids, use_cache=False)
+            self.model(input_ids=ids, use_cache=False, logits_to_keep=1)
         finally:
             for handle in handles:
                 handle.remove()
-        return [captured[i] for i in range(len(self.language_model.layers))]
-
-
-_RUN: ModelRun | None = None
-
-
-def model_run(trace) -> ModelRun:
-    """The shared :class:`ModelRun` of ``trace`` (one model load per Trace per process)."""
-    global _RUN
-    if _RUN is None or _RUN.fingerprint != trace.fingerprint:
-        _RUN = None  # free the previous model first
-        _RUN = ModelRun(trace)
-    return _RUN
+        return [captured[i] for i in range(len(self.modules))]
 
 
 # --------------------------------------------------------------------------- registration
@@ -368,16 +374,18 @@ def register_press(name: str) -> type[Scorer]:
     reason = why_not(press, classes[press])
     if reason is not None:
         raise UserError(f"{name} cannot be graded: {reason}")
-    fields = [(key, hint, dataclasses.field(default=default)) for key, (hint, default) in press_params(classes[press]).items()]
+    fields = [
+        (key, hint, dataclasses.field(default=default)) for key, (hint, default) in press_params(classes[press]).items()
+    ]
     cls = dataclasses.make_dataclass(f"Kvpress{press}", fields, bases=(KvpressScorer,), namespace={
         "press_class": press, "__module__": __name__,
         "__doc__": f"kvpress {press}: its own score() at each checkpoint (see kvdiag.scorers.kvpress_press)."})
     return register_scorer(cls, name)
 
 
-def expand(names: list[str]) -> list[str]:
-    """``kvpress:all`` -> every gradable press (other names unchanged, order kept)."""
-    out = []
-    for name in names:
-        out += [PREFIX + p for p in gradable_presses()] if name == ALL else [name]
-    return out
+def expand(name: str) -> list[str] | None:
+    """``kvpress:all`` -> every gradable press; None for any other name."""
+    return [PREFIX + p for p in gradable_presses()] if name == ALL else None
+
+
+SCORERS.add_resolver(PREFIX, register_press, expand)

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from kvdiag.errors import check_positive
 from kvdiag.features import group_reduce
+from kvdiag.scorers.base import Scorer
 from kvdiag.scorers.context import ScoreContext
-from kvdiag.scorers.normalization import protect, recent
-from kvdiag.scorers.registry import Scorer, register_scorer
+from kvdiag.scorers.registry import register_scorer
 
 
 def lazyeviction_score(ts: torch.Tensor, mri: torch.Tensor, step: int) -> torch.Tensor:
@@ -44,6 +45,7 @@ class LazyEviction(Scorer):
     window : protected recent entries W (official ``decoding_recent_size`` 52 for Llama-8B / MATH).
     """
 
+    needs_history: ClassVar[bool] = True  # the recurrence state replays every decode query
     alpha: float = 5e-4
     window: int = 52
 
@@ -55,7 +57,7 @@ class LazyEviction(Scorer):
         """Never evicted: the last ``window`` entries."""
         return age <= self.window
 
-    def scores(self, ctx: ScoreContext) -> torch.Tensor:
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
         ts, mri = ctx.recurrence(self.alpha)
         per_head = lazyeviction_score(ts, mri, max(0, ctx.t - ctx.prompt_len))
-        return protect(group_reduce(per_head, ctx.num_kv_heads), recent(ctx.t, self.window))
+        return group_reduce(per_head, ctx.num_kv_heads)

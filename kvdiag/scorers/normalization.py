@@ -66,7 +66,7 @@ AGGREGATIONS = {
     "mean_rank": "each (layer, KV head)'s scores are percentile-ranked over the cache [0, t) (N_t); token rows take "
     "the mean over layers and KV heads, layer rows the mean over that layer's KV heads, head rows the rank itself",
     "mean_raw": "raw scores; token rows take the mean over layers and KV heads, layer rows the mean over that "
-    "layer's KV heads, head rows the score itself",
+                "layer's KV heads, head rows the score itself",
 }
 
 

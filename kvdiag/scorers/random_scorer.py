@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvdiag.scorers.base import Scorer
 from kvdiag.scorers.context import ScoreContext
-from kvdiag.scorers.registry import Scorer, register_scorer
+from kvdiag.scorers.registry import register_scorer
 
 
 @register_scorer("random")
@@ -26,7 +27,7 @@ class RandomScorer(Scorer):
 
     seed: int = 0
 
-    def scores(self, ctx: ScoreContext) -> torch.Tensor:
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
         key = f"{self.seed}:{ctx.prompt_id}:{ctx.checkpoint}:{ctx.layer}".encode()
         gen = torch.Generator().manual_seed(zlib.crc32(key))
         return torch.rand(ctx.num_kv_heads, ctx.t, generator=gen)

@@ -1,90 +1,48 @@
-"""The scorer contract and its registry: a :class:`Scorer` dataclass per rule, registered by name; instances
+"""The scorer registry: rules by name (:data:`SCORERS`, a :class:`kvdiag.registry.Registry`), plugins, and instances
 from names and ``--param`` strings (converted to the field types).
+
+``kvpress:<Press>`` and ``fitted:PATH`` are made on first use by the resolvers their modules register
+(``kvdiag.scorers.kvpress_press``, ``kvdiag.scorers.fitted``); plugins come from ``--plugin`` files or modules and
+from the entry-point group ``kvdiag.scorers``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import importlib.util
+import os
+import sys
 import types
 import typing
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
 
-import torch
+from kvdiag.errors import UserError
+from kvdiag.registry import Registry
+from kvdiag.scorers.base import Scorer
 
-from kvdiag.errors import UserError, check_positive
-from kvdiag.scorers.context import ScoreContext
-
-
-@dataclass
-class Scorer:
-    """Base of every scoring rule: a dataclass whose fields are its parameters (with official defaults).
-
-    Subclasses implement :meth:`scores`; the registry name is set by :func:`register_scorer`.
-    """
-
-    name: ClassVar[str] = ""
-    in_all: ClassVar[bool] = True  # part of `--scorers all` (False: needs a setting, e.g. fitted's model path)
-
-    def scores(self, ctx: ScoreContext) -> torch.Tensor:
-        """[Hkv, t]: one score per KV head and cached entry; higher = keep."""
-        raise NotImplementedError
-
-    def protected(self, age: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """[n] bool: the entries of ``age [n]`` (checkpoint − position) and ``position [n]`` that this rule never
-        evicts on a full cache (sinks, recent windows, a delay buffer); they get :func:`protect`'s kept score.
-        rank-eval's ``--eligible`` keeps the others. Default: none."""
-        return torch.zeros_like(age, dtype=torch.bool)
-
-    def __call__(self, ctx: ScoreContext) -> torch.Tensor:
-        """[Hkv, C]: the scores of ``ctx.candidates``."""
-        return self.scores(ctx)[:, ctx.candidates]
-
-    @property
-    def params(self) -> dict:
-        """The parameters as a JSON-serializable dict (written into scores.parquet's metadata)."""
-        return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
-
-
-@dataclass
-class QueryWindowScorer(Scorer):
-    """A rule that scores from its last ``window`` queries and keeps the last ``window`` entries (SnapKV, R-KV)."""
-
-    window: int = 32
-
-    def __post_init__(self):
-        check_positive(f"{self.name}.window", self.window)
-
-    def protected(self, age: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """Never evicted: the last ``window`` entries (the query window)."""
-        return age <= self.window
-
-
-def needs_o_proj(scorer: Scorer) -> bool:
-    """Whether ``scorer`` reads ‖W_O v‖₂ (the ``wo_l2`` payload), which needs the model's o_proj weights."""
-    return "wo_l2" in (str(value) for value in scorer.params.values())
-
-
-def _jsonable(value):
-    return list(value) if isinstance(value, tuple) else value
-
-
-SCORERS: dict[str, type[Scorer]] = {}
+ENTRY_POINT_GROUP = "kvdiag.scorers"
+SCORERS: Registry[type[Scorer]] = Registry("scorer", ENTRY_POINT_GROUP, "load yours with --plugin")
 
 
 def register_scorer(name_or_cls: str | type[Scorer], name: str | None = None):
     """Register a Scorer class under a name: ``@register_scorer("mine")`` or ``register_scorer(Mine, "mine")``.
 
-    Re-registering the same class is a no-op; another class under a taken name is an error.
+    The class implements ``score()`` (the raw score); ``Scorer.scores()`` applies its protection and checks, so a
+    class that overrides ``scores()`` is refused. Re-registering the same class is a no-op; another class under a
+    taken name is an error.
     """
 
     def add(cls: type[Scorer], key: str) -> type[Scorer]:
         if not (isinstance(cls, type) and issubclass(cls, Scorer) and dataclasses.is_dataclass(cls)):
             raise TypeError(f"scorer {key!r}: {cls!r} must be a @dataclass subclass of kvdiag.scorers.Scorer")
-        if key in SCORERS and SCORERS[key] is not cls:
-            raise UserError(f"scorer name {key!r} is taken by {SCORERS[key].__module__}.{SCORERS[key].__name__}; register under another name")
+        if cls.scores is not Scorer.scores:
+            raise TypeError(f"scorer {key!r}: define score(ctx) (the raw score) and protected(age, position); "
+                            "Scorer.scores() applies the protection")
+        SCORERS.add(key, cls)
         cls.name = key
-        SCORERS[key] = cls
         return cls
 
     if isinstance(name_or_cls, str):
@@ -94,30 +52,12 @@ def register_scorer(name_or_cls: str | type[Scorer], name: str | None = None):
 
 def scorer_names() -> list[str]:
     """Every registered name (built-ins, then plugins, in registration order)."""
-    return list(SCORERS)
-
-
-def ensure_registered(name: str) -> None:
-    """Register ``kvpress:<Press>`` (kvpress is optional and slow to import) and ``fitted:PATH`` (a model of
-    ``kvdiag fit``) on first use; other names pass."""
-    if name in SCORERS:
-        return
-    if name.startswith("kvpress:"):
-        from kvdiag.scorers.kvpress_press import register_press
-
-        register_press(name)
-    elif name.startswith("fitted:"):
-        from kvdiag.scorers.fitted import register_fitted
-
-        register_fitted(name)
+    return SCORERS.names()
 
 
 def get_scorer(name: str, **params) -> Scorer:
     """An instance of the scorer ``name`` with ``params`` (strings are converted to the field types)."""
-    ensure_registered(name)
-    if name not in SCORERS:
-        raise UserError(f"unknown scorer {name!r}: use one of {', '.join(SCORERS)} (or load yours with --plugin)")
-    cls = SCORERS[name]
+    cls = SCORERS.resolve(name)
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(params) - fields)
@@ -154,12 +94,82 @@ def coerce(value: Any, hint: Any, what: str) -> Any:
 
 
 def parse_params(items: list[str] | None) -> dict[str, dict[str, str]]:
-    """``["rkv.mix_lambda=0.2", ...]`` -> ``{"rkv": {"mix_lambda": "0.2"}}`` (values converted by get_scorer)."""
+    """``["rkv.mix_lambda=0.2", ...]`` -> ``{"rkv": {"mix_lambda": "0.2"}}`` (values converted by get_scorer).
+    A parameter given twice is refused (the second would silently win)."""
     out: dict[str, dict[str, str]] = {}
     for item in items or []:
         key, sep, value = item.partition("=")
         scorer, dot, param = key.partition(".")
         if not sep or not dot or not scorer or not param:
             raise UserError(f"--param {item!r}: write it as scorer.key=value, e.g. rkv.mix_lambda=0.1")
-        out.setdefault(scorer.strip(), {})[param.strip()] = value.strip()
+        params = out.setdefault(scorer.strip(), {})
+        if param.strip() in params:
+            raise UserError(f"--param {scorer.strip()}.{param.strip()} is given twice: pass it once")
+        params[param.strip()] = value.strip()
     return out
+
+
+# --------------------------------------------------------------------------- plugins
+
+
+def load_plugins(modules: Iterable[str] = ()) -> list[str]:
+    """Register plugin scorers: every installed entry point of group ``kvdiag.scorers`` (a Scorer class, or a
+    module that registers on import), then each of ``modules`` (a module name importable from the current
+    directory or ``PYTHONPATH``, or a ``.py`` file). Returns what was loaded."""
+
+    def register(name: str, obj: object) -> None:
+        if isinstance(obj, type) and issubclass(obj, Scorer):
+            register_scorer(obj, name)
+
+    loaded = SCORERS.load_entry_points(register)
+    for module in modules:
+        _import_plugin(module)
+        loaded.append(module)
+    return loaded
+
+
+def load_plugin_rules(module: str) -> list[str]:
+    """The scorer names that loading ``module`` (a ``.py`` file or module name) registered (in order)."""
+    before = set(SCORERS.names())
+    _import_plugin(module)
+    return [name for name in SCORERS.names() if name not in before]
+
+
+def _import_plugin(module: str) -> None:
+    path = Path(module)
+    try:
+        if module.endswith(".py"):
+            if not path.is_file():
+                raise UserError(f"--plugin {module}: file not found; pass a .py file or an importable module name")
+            spec = importlib.util.spec_from_file_location(f"kvdiag_plugin_{path.stem}", path)
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = mod
+            spec.loader.exec_module(mod)
+        else:
+            if os.getcwd() not in sys.path:  # console scripts do not put the working directory on sys.path
+                sys.path.append(os.getcwd())
+            importlib.import_module(module)
+    except ImportError as err:
+        raise UserError(f"--plugin {module}: cannot import it ({err}); pass a module on PYTHONPATH or a .py file"
+                        ) from err
+
+
+def resolve_scorers(names: str | Iterable[str] = "all", params: dict[str, dict] | None = None,
+                    plugins: Iterable[str] = ()) -> dict[str, Scorer]:
+    """Instances of the named scorers (``"all"``, ``"a,b"`` or a list; group names such as ``kvpress:all`` expand)
+    with ``params[name]`` applied."""
+    load_plugins(plugins)
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    # "all": built-ins and plugins that need no setting (prefixed rules are named, or kvpress:all)
+    every = [n for n in scorer_names() if ":" not in n and SCORERS[n].in_all]
+    names = SCORERS.expand(m for n in names for m in (every if n == "all" else [n]))
+    if not names:
+        raise UserError(f"--scorers is empty: use all or some of {', '.join(SCORERS)}")
+    params = params or {}
+    for name in list(names) + list(params):
+        SCORERS.resolve(name)  # unknown names: one line
+    stray = [n for n in params if n not in names]
+    if stray:
+        raise UserError(f"--param {stray[0]}.…: scorer {stray[0]} is not in --scorers; add it or drop the parameter")
+    return {name: get_scorer(name, **params.get(name, {})) for name in names}

@@ -8,12 +8,14 @@ import torch
 
 from kvdiag.errors import check_choice, check_positive
 from kvdiag.features import max_pool, rkv_redundancy
+from kvdiag.scorers.base import QueryWindowScorer
 from kvdiag.scorers.context import ScoreContext
-from kvdiag.scorers.normalization import protect
-from kvdiag.scorers.registry import QueryWindowScorer, register_scorer
+from kvdiag.scorers.registry import register_scorer
 
 
-def rkv_importance(q_window: torch.Tensor, k_candidates: torch.Tensor, scale: float, pooling: str, kernel_size: int) -> torch.Tensor:
+def rkv_importance(
+    q_window: torch.Tensor, k_candidates: torch.Tensor, scale: float, pooling: str, kernel_size: int
+) -> torch.Tensor:
     """R-KV's importance ``I`` (``R1KV._compute_scores``).
 
     q_window [H, W, d]: the last W queries; k_candidates [Hkv, m, d]: the keys before the window. Raw logits
@@ -61,7 +63,7 @@ class RKV(QueryWindowScorer):
         check_positive(f"{self.name}.kernel_size", self.kernel_size)
         check_choice(self.pooling, ("max", "mean"), f"{self.name}.pooling")
 
-    def scores(self, ctx: ScoreContext) -> torch.Tensor:
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
         q_window = ctx.window_queries(self.window)
         window = ctx.recent(q_window.shape[1])
         m = int((~window).sum())  # entries are in position order: the candidates come first
@@ -70,4 +72,4 @@ class RKV(QueryWindowScorer):
             importance = rkv_importance(q_window, ctx.k[:, :m], ctx.attn.scale, self.pooling, self.kernel_size)
             redundancy = ctx.cached(("rkv_redundancy", self.threshold), lambda: rkv_redundancy(ctx.k, self.threshold))
             out[:, :m] = self.mix_lambda * importance - (1 - self.mix_lambda) * redundancy[:, :m]
-        return protect(out, window)
+        return out

@@ -8,9 +8,9 @@ import torch
 
 from kvdiag.errors import check_choice, check_positive
 from kvdiag.features import avg_pool, group_reduce, max_pool
+from kvdiag.scorers.base import QueryWindowScorer
 from kvdiag.scorers.context import ScoreContext
-from kvdiag.scorers.normalization import protect
-from kvdiag.scorers.registry import QueryWindowScorer, register_scorer
+from kvdiag.scorers.registry import register_scorer
 
 
 @register_scorer("snapkv")
@@ -40,7 +40,7 @@ class SnapKV(QueryWindowScorer):
         check_positive(f"{self.name}.kernel_size", self.kernel_size)
         check_choice(self.pooling, ("avgpool", "maxpool"), f"{self.name}.pooling")
 
-    def scores(self, ctx: ScoreContext) -> torch.Tensor:
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
         attn = ctx.window_attention(self.window)  # [H, w, t]
         window = ctx.recent(attn.shape[1])
         prefix = int((~window).sum())  # entries are in position order: the window comes last
@@ -48,4 +48,4 @@ class SnapKV(QueryWindowScorer):
         if prefix > 0:
             pool = avg_pool if self.pooling == "avgpool" else max_pool
             out[:, :prefix] = group_reduce(pool(attn[:, :, :prefix].sum(dim=1), self.kernel_size), ctx.num_kv_heads)
-        return protect(out, window)
+        return out

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from kvdiag.errors import check_positive
+from kvdiag.scorers.base import Scorer
 from kvdiag.scorers.context import ScoreContext
-from kvdiag.scorers.normalization import protect
-from kvdiag.scorers.registry import Scorer, register_scorer
+from kvdiag.scorers.registry import register_scorer
 
 
 @register_scorer("streamingllm")
@@ -36,6 +36,5 @@ class StreamingLLM(Scorer):
         """Never evicted: the ``n_sink`` first entries."""
         return position < self.n_sink
 
-    def scores(self, ctx: ScoreContext) -> torch.Tensor:
-        position = ctx.positions.float().expand(ctx.num_kv_heads, -1)
-        return protect(position, ctx.sinks(self.n_sink))
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
+        return ctx.positions.float().expand(ctx.num_kv_heads, -1)

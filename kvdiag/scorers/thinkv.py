@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from kvdiag.errors import UserError, check_choice, check_positive
 from kvdiag.features import THOUGHT_CLASSES, TRANSITION, thought_segments
+from kvdiag.scorers.base import Scorer
 from kvdiag.scorers.context import ScoreContext
-from kvdiag.scorers.registry import Scorer, register_scorer
+from kvdiag.scorers.registry import register_scorer
 
 
 @register_scorer("thinkv")
@@ -43,6 +45,7 @@ class ThinKVProxy(Scorer):
     w_level, w_rho, w_rep : weights of the three terms (ours: 1, 0.25, 0.1).
     """
 
+    needs_history: ClassVar[bool] = True  # the sparsity of every decode query
     segment_len: int = 128
     rel_threshold: float = 0.01
     thresholds: tuple[float, ...] | None = None
@@ -58,11 +61,13 @@ class ThinKVProxy(Scorer):
         check_positive(f"{self.name}.segment_len", self.segment_len)
         check_positive(f"{self.name}.max_level", self.max_level, 0)
         check_choice(self.prompt_class, tuple(THOUGHT_CLASSES), f"{self.name}.prompt_class")
-        for what, value, size in (("thresholds", self.thresholds, 2), ("quantiles", self.quantiles, 2), ("rho", self.rho, 3)):
+        for what, value, size in (
+            ("thresholds", self.thresholds, 2), ("quantiles", self.quantiles, 2), ("rho", self.rho, 3),
+        ):
             if value is not None and len(value) != size:
                 raise UserError(f"{self.name}.{what}={','.join(map(str, value))}: give {size} comma-separated numbers")
 
-    def scores(self, ctx: ScoreContext) -> torch.Tensor:
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
         step_sparsity = ctx.sparsity(self.rel_threshold).mean(dim=0)
         segment, classes = thought_segments(
             step_sparsity, ctx.prompt_len, self.segment_len,

@@ -8,9 +8,9 @@ import torch
 
 from kvdiag.errors import check_choice, check_positive
 from kvdiag.features import PAYLOADS
+from kvdiag.scorers.base import Scorer
 from kvdiag.scorers.context import ScoreContext
-from kvdiag.scorers.normalization import protect
-from kvdiag.scorers.registry import Scorer, register_scorer
+from kvdiag.scorers.registry import register_scorer
 
 
 @register_scorer("value_norm")
@@ -38,5 +38,5 @@ class ValueNorm(Scorer):
         """Never evicted: the ``n_sink`` first entries."""
         return position < self.n_sink
 
-    def scores(self, ctx: ScoreContext) -> torch.Tensor:
-        return protect(ctx.payload(self.kind), ctx.sinks(self.n_sink))
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
+        return ctx.payload(self.kind)

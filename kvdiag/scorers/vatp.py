@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from kvdiag.errors import check_choice, check_positive
 from kvdiag.features import group_reduce
+from kvdiag.scorers.base import Scorer
 from kvdiag.scorers.context import ScoreContext
-from kvdiag.scorers.normalization import protect
-from kvdiag.scorers.registry import Scorer, register_scorer
+from kvdiag.scorers.registry import register_scorer
 
 
 @register_scorer("vatp")
@@ -30,6 +31,7 @@ class VATP(Scorer):
     n_sink : first tokens kept (ours: 4).
     """
 
+    window_field: ClassVar[str | None] = "window"
     base: str = "h2o"
     window: int = 32
     n_sink: int = 4
@@ -43,10 +45,14 @@ class VATP(Scorer):
         """Never evicted: the ``n_sink`` first entries."""
         return position < self.n_sink
 
-    def scores(self, ctx: ScoreContext) -> torch.Tensor:
+    @property
+    def needs_history(self) -> bool:
+        """``base=h2o`` reads every past query's attention."""
+        return self.base == "h2o"
+
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
         if self.base == "h2o":
             attention = ctx.column_sum() / ctx.age.float()
         else:
             attention = ctx.window_attention(self.window).mean(dim=1)
-        score = group_reduce(attention, ctx.num_kv_heads) * ctx.payload("l1")
-        return protect(score, ctx.sinks(self.n_sink))
+        return group_reduce(attention, ctx.num_kv_heads) * ctx.payload("l1")

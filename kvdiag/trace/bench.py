@@ -42,7 +42,9 @@ def _plain(lm: LoadedModel, prompts: list[Prompt], settings: GenerationSettings)
     return n
 
 
-def run_trace_bench(lm: LoadedModel, prompts: list[Prompt], max_new_tokens: int = 128, repeats: int = 2) -> TraceBenchResult:
+def run_trace_bench(
+    lm: LoadedModel, prompts: list[Prompt], max_new_tokens: int = 128, repeats: int = 2
+) -> TraceBenchResult:
     settings = GenerationSettings(max_new_tokens=max_new_tokens)
     plain, traced, tokens = float("inf"), float("inf"), 0
     _plain(lm, prompts[:1], GenerationSettings(max_new_tokens=4))  # warm-up

@@ -25,7 +25,7 @@ from kvdiag.attention import attention_context, model_eager_attention
 TRACE_ATTN = "kvdiag_trace"  # records, then runs SDPA
 TRACE_ATTN_EAGER = "kvdiag_trace_eager"  # records, then runs the model file's eager attention
 # generate() rejects unknown model kwargs, so the active recorder travels in a context variable
-_RECORDER: ContextVar["Recorder | None"] = ContextVar("kvdiag_recorder", default=None)
+_RECORDER: ContextVar[Recorder | None] = ContextVar("kvdiag_recorder", default=None)
 
 
 class Recorder:
@@ -76,7 +76,10 @@ def append_rows(block: torch.Tensor | None, filled: int, rows: torch.Tensor, cap
 def _record(module, query, key, value, kwargs) -> None:
     recorder = _RECORDER.get()
     # semantics kwargs (window, softcap, sinks) must agree with the adapter; unknown ones are refused
-    check_kwargs(module, recorder.attention.layers[module.layer_idx] if recorder and recorder.attention else None, dict(kwargs), "trace")
+    check_kwargs(
+        module, recorder.attention.layers[module.layer_idx] if recorder and recorder.attention else None, dict(kwargs),
+        "trace",
+    )
     if recorder is not None:
         n = query.shape[2]
         recorder.add(module.layer_idx, query[0], key[0, :, -n:], value[0, :, -n:])
@@ -92,7 +95,9 @@ def trace_attention(module, query, key, value, attention_mask, scaling=None, dro
 def trace_attention_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """As :func:`trace_attention`, through the model file's eager attention (output [B, q, H, d], weights)."""
     _record(module, query, key, value, kwargs)
-    return model_eager_attention(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    return model_eager_attention(module)(
+        module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+    )
 
 
 AttentionInterface.register(TRACE_ATTN, trace_attention)
@@ -106,7 +111,9 @@ def recording(model, recorder: Recorder):
     runs the implementation that reproduces the model (``kvdiag.adapters``: SDPA or eager)."""
     ma = model_attention(model)
     recorder.attention = ma
-    return attention_context(model, TRACE_ATTN_EAGER if ma.implementation == "eager" else TRACE_ATTN, _RECORDER, recorder)
+    return attention_context(
+        model, TRACE_ATTN_EAGER if ma.implementation == "eager" else TRACE_ATTN, _RECORDER, recorder
+    )
 
 
 def attention_scale(model) -> float:

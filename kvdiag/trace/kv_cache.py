@@ -28,12 +28,16 @@ class PreallocatedLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.length, self.is_initialized = key_states.device, 0, True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """key/value_states [B, Hkv, n, d] -> the whole cache so far, views [B, Hkv, length, d]."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._keys = append_rows(self._keys, self.length, key_states, self.capacity, key_states.dtype, self.device)
-        self._values = append_rows(self._values, self.length, value_states, self.capacity, value_states.dtype, self.device)
+        self._values = append_rows(
+            self._values, self.length, value_states, self.capacity, value_states.dtype, self.device
+        )
         self.length += key_states.shape[-2]
         self.keys, self.values = self._keys[:, :, : self.length], self._values[:, :, : self.length]
         return self.keys, self.values

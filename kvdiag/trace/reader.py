@@ -45,10 +45,13 @@ class Trace:
         try:
             self.manifest: dict = json.loads(manifest.read_text())
         except json.JSONDecodeError as err:
-            raise UserError(f"--trace {self.path}: manifest.json is corrupt ({err.msg}); re-run `kvdiag trace`") from err
+            raise UserError(
+                f"--trace {self.path}: manifest.json is corrupt ({err.msg}); re-run `kvdiag trace`"
+            ) from err
         tokens = self.path / "tokens.parquet"
         if not tokens.is_file():
-            raise UserError(f"--trace {self.path}: tokens.parquet is missing (truncated Trace); re-run `kvdiag trace` with the same --out to repair it")
+            raise UserError(f"--trace {self.path}: tokens.parquet is missing (truncated Trace); re-run `kvdiag trace` "
+                            "with the same --out to repair it")
         m = self.manifest
         missing = [k for k in MANIFEST_KEYS if not isinstance(m, dict) or k not in m]
         if missing or not isinstance(m["prompts"], dict) or not isinstance(m["model"], dict):
@@ -57,10 +60,11 @@ class Trace:
         try:
             self.tokens: pl.DataFrame = pl.read_parquet(tokens)
         except Exception as err:  # polars raises many types for corrupt files
-            raise UserError(f"--trace {self.path}: tokens.parquet is unreadable ({type(err).__name__}); re-run `kvdiag trace` "
-                            "with the same --out to rebuild it") from err
+            raise UserError(f"--trace {self.path}: tokens.parquet is unreadable ({type(err).__name__}); re-run "
+                            "`kvdiag trace` with the same --out to rebuild it") from err
         if missing := {"prompt_id", "position", "token_id"} - set(self.tokens.columns):
-            raise UserError(f"--trace {self.path}: tokens.parquet lacks the column(s) {', '.join(sorted(missing))}; the Trace is corrupt")
+            raise UserError(f"--trace {self.path}: tokens.parquet lacks the column(s) {', '.join(sorted(missing))}; "
+                            "the Trace is corrupt")
         self.prompt_ids: list[str] = list(m["prompts"])
         self.num_layers, self.num_heads = m["num_layers"], m["num_heads"]
         self.num_kv_heads, self.head_dim, self.scale = m["num_kv_heads"], m["head_dim"], m["scale"]
@@ -82,7 +86,8 @@ class Trace:
 
     def _prompt(self, pid: str) -> dict:
         if pid not in self.manifest["prompts"]:
-            raise UserError(f"prompt {pid!r} is not in the Trace {self.path}; it has {', '.join(self.prompt_ids[:5])}...")
+            raise UserError(f"prompt {pid!r} is not in the Trace {self.path}; it has "
+                            f"{', '.join(self.prompt_ids[:5])}...")
         return self.manifest["prompts"][pid]
 
     def length(self, pid: str) -> int:
@@ -103,7 +108,8 @@ class Trace:
         are read from disk; the others (``--store kv|none|LAYERS``) come from a rebuild of the prompt."""
         T = self.length(pid)
         if not 0 <= layer < self.num_layers:
-            raise UserError(f"--trace {self.path}: layer {layer} does not exist; the model has layers 0..{self.num_layers - 1}")
+            raise UserError(f"--trace {self.path}: layer {layer} does not exist; the model has layers "
+                            f"0..{self.num_layers - 1}")
         names = stored_names(self.store, layer)
         found = self._read(pid, layer, names) if names else {}
         if len(found) < 3:
@@ -111,19 +117,23 @@ class Trace:
             found = {**rebuilt, **found}  # stored tensors win: exact, and the rebuild only fills the gaps
         qkv = LayerQKV(found["q"], found["k"], found["v"])
         if qkv.q.shape[1] != T or qkv.k.shape[1] != T:
-            raise UserError(f"--trace {self.path}: layer {layer} of {pid} holds {qkv.k.shape[1]} positions, manifest says {T}; the Trace is corrupt")
+            raise UserError(f"--trace {self.path}: layer {layer} of {pid} holds {qkv.k.shape[1]} positions, manifest "
+                            f"says {T}; the Trace is corrupt")
         return qkv
 
     def _read(self, pid: str, layer: int, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         """The stored tensors ``names`` of one layer file (a missing or unreadable file is a truncated Trace)."""
         path = layer_file(self.path, pid, layer)
         if not path.is_file():
-            raise UserError(f"--trace {self.path}: {path.relative_to(self.path)} is missing (truncated Trace); re-run `kvdiag trace` into a new directory")
+            raise UserError(f"--trace {self.path}: {path.relative_to(self.path)} is missing (truncated Trace); re-run "
+                            "`kvdiag trace` into a new directory")
         try:
             with safe_open(str(path), framework="pt") as f:
                 return {name: f.get_tensor(name) for name in names}
         except Exception as err:  # safetensors raises its own error types for truncated files
-            raise UserError(f"--trace {self.path}: {path.name} of {pid} is unreadable ({err}); re-run `kvdiag trace`") from err
+            raise UserError(
+                f"--trace {self.path}: {path.name} of {pid} is unreadable ({err}); re-run `kvdiag trace`"
+            ) from err
 
     def _rebuild(self, pid: str, layer: int, names: list[str]) -> dict[str, torch.Tensor]:
         """The tensors ``names`` of ``layer`` from the prompt's rebuild; all layers of the prompt are rebuilt at
@@ -147,11 +157,16 @@ class Trace:
             except UserError:
                 device = "cpu"  # traced on a GPU this machine lacks: the rebuild runs on the CPU
             try:
-                lm = load_model(had["spec"], dtype=had.get("dtype", "float32"), device=device, revision=had.get("revision"))
+                lm = load_model(
+                    had["spec"], dtype=had.get("dtype", "float32"), device=device, revision=had.get("revision")
+                )
             except Exception as err:  # a spec that is not loadable here (path, hub id, plugin)
                 reason = " ".join(str(err).split()) or type(err).__name__
-                raise UserError(f"--trace {self.path} stores no {needed} (--store {self.store['mode']}) and its model "
-                                f"{had['spec']} cannot be loaded here to rebuild them ({reason}); use a Trace traced with --store all") from err
+                raise UserError(
+                    f"--trace {self.path} stores no {needed} (--store {self.store['mode']}) and its model "
+                    f"{had['spec']} cannot be loaded here to rebuild them ({reason}); use a Trace traced "
+                    "with --store all"
+                ) from err
             self._check_model(lm)
             self._model = lm
         return self._model
@@ -160,8 +175,8 @@ class Trace:
         had = self.manifest["model"]
         lm.check_model_of(had, f"--trace {self.path}: model", "cannot rebuild its tensors with it")
         if lm.dtype != had.get("dtype", lm.dtype):  # another compute dtype would rebuild other numbers than were traced
-            raise UserError(f"--trace {self.path}: model {lm.spec} runs in {lm.dtype}, the Trace was made in {had['dtype']}; "
-                            f"load it with dtype={had['dtype']!r} to rebuild its tensors")
+            raise UserError(f"--trace {self.path}: model {lm.spec} runs in {lm.dtype}, the Trace was made in "
+                            f"{had['dtype']}; load it with dtype={had['dtype']!r} to rebuild its tensors")
 
     def attention(self, pid: str, layer: int, query_positions, key_limit: int | None = None) -> torch.Tensor:
         """Exact fp32 attention [H, W, T | key_limit] of the queries at ``query_positions``, recomputed from q, k
@@ -188,11 +203,14 @@ class Trace:
         """Refuse a table whose metadata names another Trace."""
         other = (meta.get("trace") or {}).get("fingerprint")
         if other is not None and other != self.fingerprint:
-            raise UserError(f"{what} was made from another Trace (fingerprint {other}, this one {self.fingerprint}); pass the matching --trace")
+            raise UserError(f"{what} was made from another Trace (fingerprint {other}, this one {self.fingerprint}); "
+                            "pass the matching --trace")
 
 
 @torch.no_grad()
-def rebuild_layers(lm, ids: torch.Tensor, dtype: torch.dtype, chunk: int = REBUILD_CHUNK) -> list[dict[str, torch.Tensor]]:
+def rebuild_layers(
+    lm, ids: torch.Tensor, dtype: torch.dtype, chunk: int = REBUILD_CHUNK
+) -> list[dict[str, torch.Tensor]]:
     """Teacher-forced prefill of ``ids`` [T] through the recording attention function: per layer q [H, T, d],
     k [Hkv, T, d], v [Hkv, T, d] in ``dtype``. Forwards of ``chunk`` positions over a growing cache (one forward
     when T <= chunk); the recorder keeps each forward's newest rows, so the result is the whole prompt."""

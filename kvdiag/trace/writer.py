@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.streamers import BaseStreamer
 
+from kvdiag.cli.common import parse_list
 from kvdiag.distributed import Group, parse_shard
 from kvdiag.errors import UserError
 from kvdiag.io import check_writable, write_json
@@ -60,7 +61,8 @@ class GenerationSettings:
         if self.max_new_tokens <= 0:
             raise UserError(f"--max-new-tokens {self.max_new_tokens}: must be a positive number of tokens")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise UserError(f"--min-new-tokens {self.min_new_tokens}: must lie in [0, --max-new-tokens {self.max_new_tokens}]")
+            raise UserError(f"--min-new-tokens {self.min_new_tokens}: must lie in [0, --max-new-tokens "
+                            f"{self.max_new_tokens}]")
         if not self.temperature > 0:
             raise UserError(f"--temperature {self.temperature}: must be > 0 (greedy decoding is --greedy)")
         if not 0 < self.top_p <= 1:
@@ -80,13 +82,9 @@ def parse_store(value: str) -> tuple[str, list[int] | None]:
     text = str(value).strip()
     if text in STORE_WORDS:
         return text, None
-    parts = [p.strip() for p in text.split(",")]
-    if not text or not all(re.fullmatch(r"\d+", p) for p in parts):
+    if not text or not all(re.fullmatch(r"\d+", p.strip()) for p in text.split(",")):
         raise UserError(f"--store {value}: use all, kv, none, or layer indices comma-separated (e.g. 0,15,29)")
-    layers = [int(p) for p in parts]
-    if len(set(layers)) < len(layers):
-        raise UserError(f"--store {value}: a layer is given twice; give each once")
-    return "layers", sorted(layers)
+    return "layers", sorted(parse_list(text, "--store", int, low=0, example="0,15,29"))
 
 
 def store_spec(value: str, num_layers: int) -> dict:
@@ -193,18 +191,13 @@ def _check_compatible(existing: dict, lm: LoadedModel, settings: GenerationSetti
         )
     # a Trace from before --store has every tensor: its settings read as store="all"
     if {"store": "all", **existing["generation"]} != asdict(settings):
-        raise UserError(f"--out {root} holds a Trace made with other generation settings; choose a new output directory or the same settings")
+        raise UserError(f"--out {root} holds a Trace made with other generation settings; choose a new output "
+                        "directory or the same settings")
 
 
 def trace_prompts(
-    lm: LoadedModel,
-    prompts: list[Prompt],
-    out: str | os.PathLike,
-    settings: GenerationSettings | None = None,
-    prompts_source: str | None = None,
-    show_progress: bool = True,
-    shard: tuple[int, int] = (0, 1),
-    merge: bool = True,
+    lm: LoadedModel, prompts: list[Prompt], out: str | os.PathLike, settings: GenerationSettings | None = None,
+    prompts_source: str | None = None, show_progress: bool = True, shard: tuple[int, int] = (0, 1), merge: bool = True,
 ) -> Path:
     """Generate a trace for each prompt of ``shard`` (prompts i with i % n == shard index) into the Trace
     directory ``out``; returns its path. With ``merge`` this process is the only writer: it merges the
@@ -224,12 +217,9 @@ def trace_prompts(
     todo = [p for p in mine if p.prompt_id not in done]
     storage, tok = STORAGE_DTYPES[settings.storage_dtype], lm.tokenizer
     gen_cfg = GenerationConfig(
-        max_new_tokens=settings.max_new_tokens,
-        do_sample=settings.sample,
+        max_new_tokens=settings.max_new_tokens, do_sample=settings.sample,
         temperature=settings.temperature if settings.sample else None,
-        top_p=settings.top_p if settings.sample else None,
-        top_k=None,
-        eos_token_id=tok.eos_token_id,
+        top_p=settings.top_p if settings.sample else None, top_k=None, eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
         return_dict_in_generate=True,
     )
@@ -246,8 +236,10 @@ def trace_prompts(
     return root
 
 
-def run_trace(prompts: list[Prompt], out: Path, settings: GenerationSettings, *, model: str, dtype: str, device: str, revision: str | None,
-              trust_remote_code: bool, prompts_source: str, shard: str | None, quiet: bool) -> Path | None:
+def run_trace(
+    prompts: list[Prompt], out: Path, settings: GenerationSettings, *, model: str, dtype: str, device: str,
+    revision: str | None, trust_remote_code: bool, prompts_source: str, shard: str | None, quiet: bool,
+) -> Path | None:
     """``kvdiag trace``: load the model and trace this process's share of ``prompts`` (``shard``, or torchrun's
     rank); returns the Trace directory where this process merged. Bad input is refused before the model loads."""
     part = parse_shard(shard)
@@ -262,17 +254,23 @@ def run_trace(prompts: list[Prompt], out: Path, settings: GenerationSettings, *,
 
 
 @torch.no_grad()
-def _trace_one(lm: LoadedModel, prompt: Prompt, settings: GenerationSettings, gen_cfg, storage, streamer, store: dict) -> dict:
+def _trace_one(
+    lm: LoadedModel, prompt: Prompt, settings: GenerationSettings, gen_cfg, storage, streamer, store: dict
+) -> dict:
     model, tok = lm.model, lm.tokenizer
     ids = encode_prompt(tok, prompt, chat=settings.chat, instruction=settings.instruction)
     input_ids = torch.tensor([ids], device=model.device)
-    capacity = len(ids) + settings.max_new_tokens  # the longest this trace can get: rows and KV cache are allocated once
+    capacity = (
+        len(ids) + settings.max_new_tokens
+    )  # the longest this trace can get: rows and KV cache are allocated once
     rec = StoreRecorder(model.config.num_hidden_layers, storage, store, capacity=capacity)
     stats = TokenStats(len(ids), settings.min_new_tokens, [tok.eos_token_id])
     torch.manual_seed(settings.seed)
     with recording(model, rec):
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=gen_cfg, streamer=streamer,
-                             logits_processor=LogitsProcessorList([stats]), cache=preallocated_cache(model.config, capacity))
+        out = model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), generation_config=gen_cfg, streamer=streamer,
+            logits_processor=LogitsProcessorList([stats]), cache=preallocated_cache(model.config, capacity),
+        )
         seq = out.sequences[0]
         # generate() never feeds its last token; one more step records that token's q/k/v
         last = seq[-1:].view(1, 1)
@@ -281,10 +279,7 @@ def _trace_one(lm: LoadedModel, prompt: Prompt, settings: GenerationSettings, ge
     gen = seq[len(ids):].cpu()
     logprob, entropy = stats.finish(int(seq[-1]))
     return {
-        "ids": seq.cpu(),
-        "prompt_len": len(ids),
-        "logprob": logprob,
-        "entropy": entropy,
+        "ids": seq.cpu(), "prompt_len": len(ids), "logprob": logprob, "entropy": entropy,
         "layers": [rec.layer(l) for l in range(model.config.num_hidden_layers)],
         "token_text": [tok.decode([i]) for i in seq.tolist()],
         "stop": "eos" if gen.numel() and gen[-1].item() == tok.eos_token_id else "max_new_tokens",
@@ -299,8 +294,8 @@ def _check_context(lm: LoadedModel, prompts: list[Prompt], settings: GenerationS
     for prompt in prompts:
         n = len(encode_prompt(lm.tokenizer, prompt, chat=settings.chat, instruction=settings.instruction))
         if n + settings.max_new_tokens > limit:
-            raise UserError(f"--max-new-tokens {settings.max_new_tokens}: prompt {prompt.prompt_id} has {n} tokens, so its "
-                            f"trace could reach {n + settings.max_new_tokens} > the model's context of {limit}; "
+            raise UserError(f"--max-new-tokens {settings.max_new_tokens}: prompt {prompt.prompt_id} has {n} tokens, "
+                            f"so its trace could reach {n + settings.max_new_tokens} > the model's context of {limit}; "
                             f"use --max-new-tokens {max(1, limit - n)} or less")
 
 
@@ -374,13 +369,9 @@ def _commit_prompt(root: Path, parts: PartStore, prompt: Prompt, record: dict) -
     G = T - P
     null = [None] * P
     part = pl.DataFrame({
-        "prompt_id": [pid] * T,
-        "position": list(range(T)),
-        "token_id": ids.tolist(),
-        "token_text": record["token_text"],
-        "is_prompt": [True] * P + [False] * G,
-        "logprob": null + record["logprob"].tolist(),
-        "entropy": null + record["entropy"].tolist(),
+        "prompt_id": [pid] * T, "position": list(range(T)), "token_id": ids.tolist(),
+        "token_text": record["token_text"], "is_prompt": [True] * P + [False] * G,
+        "logprob": null + record["logprob"].tolist(), "entropy": null + record["entropy"].tolist(),
     }, schema_overrides={"logprob": pl.Float64, "entropy": pl.Float64})
     parts.write(f"{pid}.parquet", part, {"kind": "trace_tokens", "prompt_id": pid})
     entry = {

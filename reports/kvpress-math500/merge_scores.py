@@ -5,8 +5,9 @@ usage: python merge_scores.py RULES.parquet PRESSES.parquet OUT.parquet
 
 import sys
 
-from kvdiag.io import read_table, write_table
 from kvdiag.scorers.score import KEY_COLUMNS
+
+from kvdiag.io import read_table, write_table
 
 rules, rules_meta = read_table(sys.argv[1])
 presses, presses_meta = read_table(sys.argv[2])
