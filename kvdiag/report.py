@@ -398,6 +398,30 @@ def _figures_section(r: _Run, rel: str) -> str:
     return out
 
 
+def _decisions_section(r: _Run, rel: str) -> str:
+    """The decisions (``kvdiag decisions`` in RUN/decisions), when present: its summary, one heading level down."""
+    from kvdiag.decisions import load_summary
+
+    d = r.optional("decisions", load_summary)
+    if d is None:
+        return ""
+    body = d["summary.md"].split("\n", 1)[1] if d["summary.md"].startswith("# ") else d["summary.md"]
+    body = "\n".join(("#" + line) if line.startswith("## ") else line for line in body.splitlines())
+    out = ("## Decisions: the joint damage of each rule's evicted set\n\n`kvdiag decisions` (docs/decisions.md): "
+           "every rule's evicted set under each budget, labeled exactly as one eviction of the whole set, against "
+           "the reference decisions. Outputs: `decisions/`.\n" + body + "\n")
+    if d["has_figure"]:
+        out += f"\n![joint damage against the budget]({rel}/decisions/decisions.png)\n"
+    return out
+
+
+def _decisions_table(r: _Run):
+    """RUN/decisions/decisions.parquet for the viewer, or None."""
+    from kvdiag.io import read_table
+
+    return r.optional("decisions/decisions.parquet", lambda p: read_table(p, "decisions")[0])
+
+
 def _viewer_section(r: _Run, out: Path) -> str:
     """Write ``viewer.html`` (kvdiag.viewer) beside the report and link it, or say why it could not be written."""
     from kvdiag.viewer import ViewerSettings, build_viewer
@@ -409,15 +433,13 @@ def _viewer_section(r: _Run, out: Path) -> str:
     try:
         build_viewer(r.trace, r.labels and r.labels[0], r.scores and r.scores[0], out / "viewer.html",
                      labels_meta=r.labels and r.labels[1], scores_meta=r.scores and r.scores[1], settings=settings,
-                     figures_dir=r.run / "figures" if r.figures is not None else None)
+                     figures_dir=r.run / "figures" if r.figures is not None else None, decisions=_decisions_table(r))
     except UserError as err:
         return out_md + f"`viewer.html` not written: {err}\n"
     return out_md + ("[viewer.html](viewer.html): the trace token by token, coloured by each candidate's oracle label "
-                     "at a chosen "
-                     "checkpoint, with the entries each rule evicts at a chosen ρ or budget, the misses among them, "
-                     "and the "
-                     "delayed-read and blind-spot entries of the figures (one self-contained page; docs/report.md, "
-                     "section Token viewer).\n")
+                     "at a chosen checkpoint, with the entries each rule evicts at a chosen ρ or budget, the misses "
+                     "among them, and the delayed-read and blind-spot entries of the figures (one self-contained page; "
+                     "docs/report.md, section Token viewer).\n")
 
 
 def _commands_section(r: _Run) -> str:
@@ -500,7 +522,7 @@ def build_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
         f"Run directory `{rel}` (relative to this report); report made {time.strftime('%Y-%m-%d %H:%M:%S %Z')} by "
         f"kvdiag {__version__}.\n",
         _contents(r), _trace_section(r), _labels_section(r), _scores_section(r), _rank_eval_section(r, rel),
-        _figures_section(r, rel), _viewer_section(r, out), _commands_section(r),
+        _figures_section(r, rel), _decisions_section(r, rel), _viewer_section(r, out), _commands_section(r),
     ])
     md_path, html_path = out / "report.md", out / "report.html"
     md_path.write_text(md)

@@ -101,10 +101,12 @@ def _figure_marks(figures_dir: Path | None) -> tuple[dict, dict, list[str]]:
 def viewer_data(
     tokens: pl.DataFrame, prompt_lens: dict[str, int], labels: pl.DataFrame, scores: pl.DataFrame | None = None,
     settings: ViewerSettings = ViewerSettings(), figures_dir: str | os.PathLike | None = None,
-    title: str = "kvdiag token viewer",
+    title: str = "kvdiag token viewer", decisions: pl.DataFrame | None = None, cells: int = 1,
 ) -> dict:
     """The page's data. ``tokens``: prompt_id, position, token_id (token_text if present) of every prompt in
-    ``prompt_lens`` (prompt id -> prompt length); ``labels``: kvdiag label's table; ``scores``: kvdiag score's."""
+    ``prompt_lens`` (prompt id -> prompt length); ``labels``: kvdiag label's table; ``scores``: kvdiag score's;
+    ``decisions``: kvdiag decisions' table (each decision's evicted set and joint damage per checkpoint), whose
+    sets span ``cells`` (layer, KV head) pairs."""
     spec = settings.harm_spec
     labels = labels.filter(pl.col("granularity") == "token").filter(pl.col("prompt_id").is_in(list(prompt_lens)))
     if labels.height == 0:
@@ -131,6 +133,7 @@ def viewer_data(
     lo, hi = (np.log10(np.quantile(positive, [0.01, 1.0])) if len(positive) else (-12.0, 0.0))
 
     delayed, blind, notes = _figure_marks(Path(figures_dir) if figures_dir is not None else None)
+    dec_index = _decision_index(decisions)
     text_col = "token_text" if "token_text" in tokens.columns else None
     prompts = []
     labeled = set(labels["prompt_id"].unique())
@@ -163,6 +166,7 @@ def viewer_data(
                 c["n"].append(n)
                 if (size > 1).any():  # sizes only where ties exist: most rules have none
                     c["sz"][k] = size.tolist()
+            c["dec"] = _decision_sets(decisions, pid, int(t), dec_index, cells) if decisions is not None else []
             ckpts.append(c)
         prompts.append({"id": pid, "plen": int(plen), "tokens": shown, "ckpts": ckpts,
                         "dr": delayed.get(pid, {}), "bs": blind.get(pid, {})})
@@ -172,9 +176,39 @@ def viewer_data(
             "noise_mult": settings.noise_mult, "include_unresolved": settings.include_unresolved, "rho": settings.rho,
             "n_evaluated": len(kl_eval), "log_lo": float(lo), "log_hi": float(max(hi, lo + 1e-6)), "bins": KL_BINS,
             "rules": rules, "notes": notes, "figures": figures_dir is not None,
+            "decisions": [f"{d} at {b}" for d, b in dec_index],
         },
         "prompts": prompts,
     }
+
+
+def _decision_index(decisions: pl.DataFrame | None) -> list[tuple[str, str]]:
+    """(decision, budget) pairs in the viewer's order: every budget of a decision together."""
+    if decisions is None or decisions.height == 0:
+        return []
+    pairs = decisions.select("decision", "budget").unique(maintain_order=True)
+    return [(d, b) for d in pairs["decision"].unique(maintain_order=True) for b in
+            pairs.filter(pl.col("decision") == d)["budget"].to_list()]
+
+
+def _decision_sets(decisions: pl.DataFrame, pid: str, t: int, index: list[tuple[str, str]], cells: int) -> list:
+    """Per (decision, budget) of ``index`` at checkpoint ``t``: [kl_mean, sum of singles, evicted-share string] or
+    None. The string has one digit per position < t: the share of the ``cells`` (layer, KV head)s that evict it,
+    0..9 (9: all of them; a token set is all or nothing)."""
+    rows = {(r["decision"], r["budget"]): r for r in
+            decisions.filter((pl.col("prompt_id") == pid) & (pl.col("checkpoint") == t)).iter_rows(named=True)}
+    out = []
+    for key in index:
+        r = rows.get(key)
+        if r is None or r["kl_mean"] is None:
+            out.append(None)
+            continue
+        # 9 only when every cell evicts it, 1..8 when some do: a partly evicted entry never looks kept or gone
+        share = "".join("9" if n >= cells else str(min(8, max(1, round(9 * n / cells)))) if n else "0"
+                        for n in r["evicted_heads"])
+        out.append([float(f"{r['kl_mean']:.{_DIGITS}g}"),
+                    None if r["sum_single"] is None else float(f"{r['sum_single']:.{_DIGITS}g}"), share])
+    return out
 
 
 def viewer_html(data: dict) -> str:
@@ -192,7 +226,7 @@ def viewer_html(data: dict) -> str:
 def build_viewer(
     trace, labels: pl.DataFrame | None, scores: pl.DataFrame | None, out: str | os.PathLike, *,
     labels_meta: dict | None = None, scores_meta: dict | None = None, settings: ViewerSettings = ViewerSettings(),
-    figures_dir: str | os.PathLike | None = None, title: str | None = None,
+    figures_dir: str | os.PathLike | None = None, title: str | None = None, decisions: pl.DataFrame | None = None,
 ) -> Path:
     """Write ``out`` (viewer.html) for a Trace, its labels and (optionally) scores and figures directory.
 
@@ -209,5 +243,6 @@ def build_viewer(
     labels = check_figure_inputs(trace, labels, scores, labels_meta, scores_meta)
     lens = {pid: trace.prompt_len(pid) for pid in trace.prompt_ids}
     data = viewer_data(trace.tokens, lens, labels, scores, settings, figures_dir,
-                       title or f"kvdiag token viewer: {trace.manifest['model'].get('spec', '?')}")
+                       title or f"kvdiag token viewer: {trace.manifest['model'].get('spec', '?')}", decisions,
+                       trace.num_layers * trace.num_kv_heads)
     return write_text(out, viewer_html(data))

@@ -24,7 +24,7 @@ from kvdiag.adapters import FAMILIES, LayerAttention, check_kwargs, family_of
 from kvdiag.attention import attn_implementation
 from kvdiag.errors import UserError
 from kvdiag.label import OracleEngine, Row, candidate_rows, divergences
-from kvdiag.label.reference import reference_logprobs
+from kvdiag.label.reference import reference_logprobs, reference_set_logprobs
 from kvdiag.models import load_model
 
 EXACT = "exact"
@@ -142,6 +142,38 @@ def test_labels_equal_physical_deletion(name):
                 assert (got["kl"][j] == 0).all()  # invisible to every horizon query of that layer
         total += float(got["kl"].mean())
     assert total > 1e-4  # the evictions really do something
+
+
+@pytest.mark.parametrize("name", EXACT_FAMILIES)
+def test_set_labels_equal_physical_deletion(name):
+    """Joint labels of evicted sets (decisions' set rows: many exclusions per row, through the same kernel) equal
+    deleting the set from a copied cache: a token set (the same entries from every layer and head, deleted
+    physically) and a per-head set (its own entries per layer and KV head, hidden per head in the reference), within
+    1e-4 relative + 1e-6 nats, on every exact family."""
+    lm = model(name)
+    ids = torch.randint(0, 250, (LENGTH,), generator=torch.Generator().manual_seed(0))
+    eng = OracleEngine(lm, ids, horizon=HORIZON, batch_size=3)
+    prefix, logp_full = eng.golden(T_CKPT)
+    targets = eng.ids[T_CKPT + 1 : T_CKPT + HORIZON + 1]
+    gen = torch.Generator().manual_seed(1)
+    L, Hkv = eng.num_layers, eng.num_kv_heads
+    per_head = torch.stack([torch.stack([torch.randperm(T_CKPT, generator=gen)[:12] for _ in range(Hkv)])
+                            for _ in range(L)])  # [L, Hkv, 12]: a different set per layer and KV head
+    per_head[0, 0, -2:] = -1  # padding: one head evicts fewer
+    sets = [torch.tensor(CANDIDATES), torch.randperm(T_CKPT, generator=gen)[:20], per_head, torch.tensor([-1])]
+    got, noise = eng.label_sets(T_CKPT, sets)
+    assert 0 <= noise <= 1e-6 and got["kl"].shape == (len(sets), HORIZON)
+    for j, evict in enumerate(sets):
+        ref = reference_set_logprobs(lm.model, eng.ids, T_CKPT, HORIZON, prefix, evict)
+        want = divergences(logp_full, ref[None], targets)
+        torch.testing.assert_close(got["kl"][j], want["kl"][0], rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, j=j: f"{name} set {j}: {m}")
+        assert got["flips"][j] == want["flips"][0]
+    assert float(got["kl"][:3].mean()) > 1e-4 and float(got["kl"][3].max()) <= 1e-6  # the empty set is a null row
+    # a one-entry set is the single label of that entry
+    single, _ = eng.label(T_CKPT, [Row(CANDIDATES[2])])
+    one, _ = eng.label_sets(T_CKPT, [torch.tensor([CANDIDATES[2]])])
+    torch.testing.assert_close(one["kl"], single["kl"], rtol=1e-5, atol=1e-7)
 
 
 def test_windows_make_labels_zero_outside_and_nonzero_inside():

@@ -98,6 +98,14 @@ def exclusions(kind, N, Hkv, P, seed=0):
         ex = torch.randint(-1, P, (N, Hkv, 3), generator=gen)
         ex[0, 0] = torch.tensor([0, 0, P - 1])  # first and last entry, repeated
         return ex
+    if kind in ("set", "per_head_set"):  # decisions' set rows: more than SCATTER_MAX_E entries (the mask path)
+        e = max(torch_ref.SCATTER_MAX_E + 1, P // 2)
+        heads = 1 if kind == "set" else Hkv
+        ex = torch.stack([torch.stack([torch.randperm(P, generator=gen)[:e] for _ in range(heads)]) for _ in range(N)])
+        ex[0, 0, :3] = torch.tensor([0, 0, -1])  # a repeat and padding inside a set
+        if N > 1:
+            ex[1, :, e // 2 :] = -1  # rows of one batch evict sets of different sizes
+        return ex[:, 0] if kind == "set" else ex
     raise ValueError(kind)
 
 
@@ -112,7 +120,7 @@ SHAPES = {  # N, H, Hkv, W, S, P, d
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("kind", ["none", "empty", "all_minus_one", "shared", "per_head"])
+@pytest.mark.parametrize("kind", ["none", "empty", "all_minus_one", "shared", "per_head", "set", "per_head_set"])
 @pytest.mark.parametrize("chunk", [None, 1, 3])
 def test_torch_shared_prefix_attention_equals_physical_deletion(shape, kind, chunk):
     N, H, Hkv, W, S, P, d = SHAPES[shape]
@@ -274,6 +282,8 @@ TRITON_CASES = {
     "row_blocks": (2, 4, 1, 20, 23, 37, 24, 16, None),
     # empty exclusion list, d = 64, MHA
     "mha_empty": (2, 2, 2, 3, 3, 70, 64, 32, torch.empty(2, 0, dtype=torch.long)),
+    # decisions' set rows: 40 of 70 entries per (row, KV head), different per head, padded with -1
+    "per_head_sets": (2, 6, 2, 4, 4, 70, 16, 16, exclusions("per_head_set", 2, 2, 70, seed=3)),
 }
 
 

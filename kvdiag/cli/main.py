@@ -37,11 +37,13 @@ app = typer.Typer(
 bench_app = typer.Typer(help="Benchmarks: ratios measured in one run.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
+# the commands, after the apps they join
 from kvdiag.cli.bench_kernels import bench_kernels
 from kvdiag.cli.bench_label import bench_label
 from kvdiag.cli.bench_scale import bench_scale
 from kvdiag.cli.bench_score import bench_score
 from kvdiag.cli.bench_trace import bench_trace
+from kvdiag.cli.decisions import decisions
 from kvdiag.cli.demo import demo
 from kvdiag.cli.figures import figures
 from kvdiag.cli.fit import fit
@@ -54,7 +56,7 @@ from kvdiag.cli.trace import trace
 from kvdiag.cli.validate_labels import validate_labels
 
 for _name, _fn in [("trace", trace), ("label", label), ("score", score), ("rank-eval", rank_eval), ("figures", figures),
-                   ("report", report), ("replay", replay), ("fit", fit), ("demo", demo),
+                   ("report", report), ("replay", replay), ("decisions", decisions), ("fit", fit), ("demo", demo),
                    ("validate-labels", validate_labels)]:
     app.command(_name)(_fn)
 for _name, _fn in [

@@ -14,6 +14,9 @@ import torch
 # [Hkv, rows, g*W, P] (fp32) take about this many bytes: small enough to stay in cache on
 # CPU (faster than one huge buffer, measured 1.5-3x at P=512..2048) and to bound memory.
 LOGITS_CHUNK_BYTES = 4 << 20
+# Exclusions per row up to this many are scattered into the logits (single entries: cheaper than a pass over them);
+# larger sets are one boolean mask per (row, KV head) applied in one pass. Both give -inf exactly where excluded.
+SCATTER_MAX_E = 8
 
 
 def compact_kv(
@@ -95,11 +98,15 @@ def shared_prefix_attention(
         if pre_hidden is not None:
             pre.masked_fill_(pre_hidden, float("-inf"))
         ex = exclude[n0:n1].transpose(0, 1)  # [Hkv, c, E]
-        if ex.shape[-1] and P:
+        if ex.shape[-1] and P and ex.shape[-1] <= SCATTER_MAX_E:
             # adding -inf hides an entry; -1 adds 0 to column 0, a no-op
             idx = ex.clamp(min=0)[:, :, None, :].expand(-1, -1, rows, -1)
             add = torch.where(ex < 0, 0.0, float("-inf"))[:, :, None, :].expand(-1, -1, rows, -1)
             pre.scatter_add_(-1, idx, add)
+        elif ex.shape[-1] and P:  # a set: one mask per (row, KV head), -1 lands in a spare column P
+            gone = torch.zeros(Hkv, c, P + 1, dtype=torch.bool, device=q.device)
+            gone.scatter_(-1, torch.where(ex < 0, P, ex), True)
+            pre.masked_fill_(gone[:, :, None, :P], float("-inf"))
         m = suf.amax(-1, keepdim=True)  # finite: every query sees at least its own suffix key
         if P:
             m = torch.maximum(m, pre.amax(-1, keepdim=True))

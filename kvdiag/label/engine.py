@@ -125,6 +125,29 @@ def divergences(logp_full: torch.Tensor, logits_ev: torch.Tensor, targets: torch
     return res
 
 
+def set_exclusions(sets: list[torch.Tensor], num_layers: int, num_kv_heads: int, t: int,
+                   device: torch.device | str = "cpu") -> list[torch.Tensor | None]:
+    """Per layer: int64 [N, Hkv, E] exclusions of set rows (``-1`` = none; E the largest set of the batch), or None
+    where no row evicts anything. ``sets[r]`` is [E_r] (the same positions from every layer and KV head: a token
+    set) or [L, Hkv, E_r] (its own positions per layer and KV head: a per-head set); every position in ``[0, t)``."""
+    full = []
+    for r, evict in enumerate(sets):
+        evict = torch.as_tensor(evict, dtype=torch.long)
+        if evict.dim() == 1:
+            evict = evict.expand(num_layers, num_kv_heads, -1)
+        if evict.dim() != 3 or tuple(evict.shape[:2]) != (num_layers, num_kv_heads):
+            raise ValueError(f"set row {r}: need [E] or [L={num_layers}, Hkv={num_kv_heads}, E], "
+                             f"got {list(evict.shape)}")
+        if evict.numel() and (evict.max() >= t or evict.min() < -1):
+            raise UserError(f"set row {r} evicts positions outside [0, {t}) at checkpoint {t}")
+        full.append(evict)
+    width = max([e.shape[-1] for e in full] + [0])
+    ex = torch.full((len(full), num_layers, num_kv_heads, width), -1, dtype=torch.long)
+    for r, evict in enumerate(full):
+        ex[r, :, :, : evict.shape[-1]] = evict
+    return [ex[:, l].to(device) if (ex[:, l] >= 0).any() else None for l in range(num_layers)]
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """What the batches of one checkpoint share: prefix[l] (k, v) [Hkv, t, d], logp_full [H, V], targets [H'] (the
@@ -217,11 +240,20 @@ class OracleEngine:
                        hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [N, H, V] for ``rows`` through the batched shared-prefix path; with ``start`` > 0 the rows
         run decoder layers ``start..L-1`` only, from ``hidden [1, H, D]`` (the null row's input to layer ``start``)."""
-        n = len(rows)
+        return self._forward(t, prefix, self._exclusions(rows), len(rows), start, hidden)
+
+    @torch.no_grad()
+    def set_logits(self, t: int, prefix, sets: list[torch.Tensor]) -> torch.Tensor:
+        """Logits [N, H, V] of set rows: row r evicts ``sets[r]`` (:func:`set_exclusions`) through the same batched
+        shared-prefix path, from layer 0."""
+        return self._forward(t, prefix, set_exclusions(sets, self.num_layers, self.num_kv_heads, t, self.ids.device),
+                             len(sets))
+
+    def _forward(self, t: int, prefix, exclude: list[torch.Tensor | None], n: int, start: int = 0,
+                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         ids = self.ids[None, t : t + self.horizon].expand(n, -1)
         pos = torch.arange(t, t + self.horizon, device=self.ids.device)[None].expand(n, -1)
-        batch = EvictionBatch(prefix=prefix, exclude=self._exclusions(rows), attention=self.attention.layers,
-                              backend=self.backend)
+        batch = EvictionBatch(prefix=prefix, exclude=exclude, attention=self.attention.layers, backend=self.backend)
         with (
             evicting(self.model, batch),
             starting_at_layer(self.model, start, None if hidden is None else hidden.expand(n, -1, -1)),
@@ -309,6 +341,24 @@ class OracleEngine:
         back = torch.empty(len(order), dtype=torch.long)
         back[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
         return {key: val[back] for key, val in out.items()}, noise
+
+    def label_sets(self, t: int, sets: list[torch.Tensor], progress=None) -> tuple[dict[str, torch.Tensor], float]:
+        """Joint labels of set rows at checkpoint ``t``: row r evicts every entry of ``sets[r]`` at once (positions
+        [E] from every layer and KV head, or [L, Hkv, E] per layer and KV head, ``-1`` = none; see
+        :func:`set_exclusions`). Returns the per-row tensors of :meth:`label` (kl [N, H], js [N, H], nll_delta
+        [N, H'], flips [N]) and the checkpoint's noise floor. Rows are batched ``batch_size`` at a time; a set is
+        exact as a physical deletion of its entries (``kvdiag.label.reference.reference_set_logprobs``)."""
+        self.check_checkpoint(t)
+        ckpt = self.checkpoint(t)
+        div_null = self._divergences(ckpt, ckpt.null)
+        parts = {key: [val[:0].cpu()] for key, val in div_null.items()}
+        for s in range(0, len(sets), self.batch_size):
+            batch = sets[s : s + self.batch_size]
+            for key, val in self._divergences(ckpt, self.set_logits(t, ckpt.prefix, batch)).items():
+                parts[key].append(val.cpu())
+            if progress is not None:
+                progress(len(batch))
+        return {key: torch.cat(val) for key, val in parts.items()}, float(div_null["kl"].mean())
 
     def _divergences(self, ckpt: Checkpoint, logits) -> dict[str, torch.Tensor]:
         div = divergences(ckpt.logp_full, logits, ckpt.targets)

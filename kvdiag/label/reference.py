@@ -1,9 +1,10 @@
 """The slow, obvious per-candidate reference: copy the cache, physically delete, decode step by step.
 
-For each candidate: build a fresh cache from the prefix, physically delete the entry from the affected
-layers' key/value tensors (for ``head`` granularity it is hidden from one KV head's query heads by the
-mask instead, since one cache tensor cannot hold heads of different lengths), then teacher-force the H
-tokens one at a time with explicit absolute ``position_ids``. Attention is the stock model file's
+For each candidate (an entry, or a set of entries: ``reference_set_logprobs``): build a fresh cache from the prefix,
+physically delete the entries from the affected layers' key/value tensors (where the KV heads of a layer evict
+different entries, as at ``head`` granularity or for a per-head set, they are hidden from each KV head's query heads
+by the mask instead, since one cache tensor cannot hold heads of different lengths), then teacher-force the H tokens
+one at a time with explicit absolute ``position_ids``. Attention is the stock model file's
 eager function (softcap, sinks and all), with a mask built on the entries' *absolute* positions from
 transformers' own ``causal_mask_function`` and ``sliding_window_overlay`` (window from the
 ``sliding_window`` the layer passes, not from kvdiag's adapter): after a deletion, cache slots are no
@@ -30,7 +31,7 @@ REFERENCE_ATTN = "kvdiag_reference"
 @dataclass
 class _State:
     key_pos: list[torch.Tensor]  # per layer: absolute positions of the cache slots (prefix after deletion)
-    row: Row
+    hide: list[torch.Tensor | None]  # per layer: bool [Hkv, slots], prefix slots one KV head's queries do not see
     num_kv_heads: int
 
 
@@ -54,10 +55,11 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
         visible = visible & sliding_window_overlay(window)(0, 0, qi, ki)
     H = query.shape[1]
     visible = visible[None, None].expand(1, H, -1, -1).clone()  # [1, H, q, kv]
-    row = state.row
-    if row.kv_head >= 0 and row.layer == layer:
+    hide = state.hide[layer]
+    if hide is not None:  # per-KV-head evictions: hidden from that head's query heads (one tensor holds all heads)
         g = H // state.num_kv_heads
-        visible[:, row.kv_head * g : (row.kv_head + 1) * g] &= ki[None] != row.position
+        slots = hide.shape[1]
+        visible[0, :, :, :slots] &= ~hide.to(key.device).repeat_interleave(g, 0)[:, None, :]
     mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
     mask.masked_fill_(~visible, torch.finfo(query.dtype).min)
     kwargs.pop("output_attentions", None)
@@ -84,18 +86,46 @@ def _reference(model, state: _State):
 
 @torch.no_grad()
 def reference_logprobs(model, ids: torch.Tensor, t: int, horizon: int, prefix, row: Row) -> torch.Tensor:
-    """log P [H, V] (fp32) with ``row``'s entry physically deleted from a copied cache; prefix[l] = (k, v) [Hkv, t,
-    d]."""
-    copied, key_pos = [], []
+    """log P [H, V] (fp32) with ``row``'s entry deleted (:func:`reference_set_logprobs` of a one-entry set);
+    prefix[l] = (k, v) [Hkv, t, d]."""
+    L, Hkv = len(prefix), prefix[0][0].shape[0]
+    evict = []
+    for l in range(L):
+        heads = [row.position if row.position >= 0 and row.layer in (-1, l) and row.kv_head in (-1, h) else -1
+                 for h in range(Hkv)]
+        evict.append([[p] for p in heads])
+    return reference_set_logprobs(model, ids, t, horizon, prefix, torch.tensor(evict))
+
+
+@torch.no_grad()
+def reference_set_logprobs(model, ids: torch.Tensor, t: int, horizon: int, prefix, evict: torch.Tensor) -> torch.Tensor:
+    """log P [H, V] (fp32) with the set ``evict`` deleted: [E] positions from every layer and KV head, or
+    [L, Hkv, E] per layer and KV head (``-1`` = none). A layer whose KV heads evict the same positions loses them
+    physically (a copied cache without those entries); a layer whose heads differ keeps one tensor and hides each
+    head's entries from that head's query heads by the mask. The H tokens are then teacher-forced one at a time
+    with absolute ``position_ids``; prefix[l] = (k, v) [Hkv, t, d]."""
+    L, Hkv = len(prefix), prefix[0][0].shape[0]
+    evict = torch.as_tensor(evict, dtype=torch.long).cpu()
+    if evict.dim() == 1:
+        evict = evict.expand(L, Hkv, -1)
+    copied, key_pos, hide = [], [], []
     for l, (k, v) in enumerate(prefix):
         pos = torch.arange(k.shape[1])
-        if row.position >= 0 and row.kv_head < 0 and row.layer in (-1, l):
-            keep = pos != row.position
+        gone = torch.zeros(Hkv, k.shape[1], dtype=torch.bool)
+        for h in range(Hkv):
+            e = evict[l, h]
+            gone[h, e[e >= 0]] = True
+        layer_hide = None
+        if bool((gone == gone[:1]).all()):  # the same entries from every head: delete them
+            keep = ~gone[0]
             k, v, pos = k[:, keep.to(k.device)], v[:, keep.to(v.device)], pos[keep]
+        else:
+            layer_hide = gone
         copied.append((k.clone(), v.clone()))
         key_pos.append(pos)
+        hide.append(layer_hide)
     cache = cache_from_prefix(model.config, copied)
-    state = _State(key_pos, row, prefix[0][0].shape[0])
+    state = _State(key_pos, hide, Hkv)
     out = []
     with _reference(model, state):
         for s in range(horizon):

@@ -12,19 +12,18 @@ from __future__ import annotations
 from contextvars import ContextVar
 
 import torch
-from scipy.stats import rankdata
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from kvdiag.adapters import LayerAttention, as_layer_attention, check_kwargs, model_attention
 from kvdiag.attention import attention_context, group_size, model_eager_attention
-from kvdiag.errors import UserError, check_choice
+from kvdiag.errors import UserError
 from kvdiag.scorers import SCORERS, ScoreContext, Scorer, get_scorer
 from kvdiag.scorers.context import HistoryUnavailable
+from kvdiag.selection import SELECTIONS, select_keep, top_slots  # noqa: F401  (replay's API)
 
 REPLAY_ATTN = "kvdiag_replay"
-SELECTIONS = ("per-head", "per-token")
 # entries of the seeded live cache on which check_live_scorer runs a rule once
 PROBE_ENTRIES = 64
 
@@ -202,29 +201,3 @@ def score_layer(
                            positions=pos, checkpoint=checkpoint)
         rows.append(scorer.scores(ctx))
     return torch.cat(rows)
-
-
-def top_slots(scores: torch.Tensor, budget: int) -> torch.Tensor:
-    """The ``budget`` highest-scored slots of each row of ``scores [..., n]``, ascending; ties keep the newer slot."""
-    n = scores.shape[-1]
-    # a stable descending sort of the reversed row puts the newer of tied entries first
-    order = torch.sort(scores.flip(-1), dim=-1, descending=True, stable=True).indices[..., :budget]
-    return (n - 1 - order).sort(dim=-1).values
-
-
-def select_keep(scores: list[torch.Tensor], budget: int, selection: str) -> torch.Tensor:
-    """Slots to keep [L, Hkv, budget] (ascending) from per-layer scores ``[Hkv, n]``; ties keep the newer entry.
-
-    ``per-head``: each (layer, KV head) keeps its own top ``budget`` (R-KV). ``per-token``: one keep set for every
-    layer and head, ranked by the mean over layers and heads of each row's percentile rank (``mean_rank``, the
-    token aggregation of ``kvdiag score``).
-    """
-    check_choice(selection, SELECTIONS, "--selection")
-    stacked = torch.stack(scores)  # [L, Hkv, n]
-    if selection == "per-head":
-        return top_slots(stacked, budget)
-    L, Hkv, n = stacked.shape
-    # every row ranks the same n entries, so the mean percentile rank orders entries as the sum of average
-    # ranks, which is exact in fp64 (half-integers): float noise never breaks a tie
-    ranks = rankdata(stacked.reshape(L * Hkv, n).double().numpy(), method="average", axis=-1).sum(axis=0)
-    return top_slots(torch.from_numpy(ranks), budget).expand(L, Hkv, budget)

@@ -6,7 +6,7 @@
   const D = JSON.parse(document.getElementById("kvdiag-data").textContent);
   const M = D.meta, NB = M.bins, EPS = 1e-9; // EPS: floor(rho * C) as in kvdiag.rankeval.metrics.n_evicted
   const $ = (id) => document.getElementById(id);
-  const S = { p: 0, c: 0, rule: -1, mode: "rho", amount: M.rho, dr: true, bs: true };
+  const S = { p: 0, c: 0, rule: -1, mode: "rho", amount: M.rho, dr: true, bs: true, dec: 0 };
   let spans = [], cls = [], P = null, C = null;
 
   const fmt = (x) => (x === null || x === undefined ? "n/a" : Math.abs(x) >= 1e-3 && Math.abs(x) < 1e4 ? (+x.toPrecision(4)).toString() : x.toExponential(2));
@@ -52,7 +52,26 @@
     if (S.bs && P.bs[t]) for (const b of P.bs[t]) next[b[0]] += " bs";
     let summary = `checkpoint t = ${t}: ${C.pos.length} candidates, ${C.st.filter((s) => s === 1).length} harmful, ` +
       `${C.st.filter((s) => s === 2).length} unresolved (noise floor ${fmt(C.floor)})`;
-    if (S.rule >= 0) {
+    if (S.mode === "decision") {
+      // a decision of kvdiag decisions: its evicted set at this checkpoint (share of the layers x KV heads evicting
+      // each entry, 0..9) and the exact joint damage of the whole set
+      const d = (C.dec || [])[S.dec];
+      if (!d) summary += ` · <b>${esc(M.decisions[S.dec] || "")}</b>: no decision at this checkpoint`;
+      else {
+        let n = 0, miss = 0;
+        for (let i = 0; i < Math.min(t, d[2].length); i++) {
+          const f = +d[2][i];
+          if (!f) continue;
+          n += f / 9;
+          next[i] += f === 9 ? " ev" : " ep";
+        }
+        for (let j = 0; j < C.pos.length; j++) if (+d[2][C.pos[j]] && C.st[j] === 1) { next[C.pos[j]] += " ms"; miss++; }
+        summary += ` · <b>${esc(M.decisions[S.dec])}</b> evicts <span id="n-evicted">${Math.round(n)}</span> entries` +
+          ` · joint damage <b><span id="joint-kl">${fmt(d[0])}</span></b> nats` +
+          (d[1] === null ? "" : ` · sum of their single labels ${fmt(d[1])} (joint / sum ${d[1] > 0 ? fmt(d[0] / d[1]) : "n/a"})`) +
+          ` · harmful labeled candidates evicted <span id="n-misses">${miss}</span>`;
+      }
+    } else if (S.rule >= 0) {
       const n = C.n[S.rule], e = nEvict(n);
       let miss = 0, part = false;
       for (let j = 0; j < C.pos.length; j++) {
@@ -113,6 +132,11 @@
     option($("rule"), -1, "(none)");
     M.rules.forEach((r, k) => option($("rule"), k, r));
     $("amount").value = S.amount;
+    if (M.decisions && M.decisions.length) {
+      option($("mode"), "decision", "a decision (kvdiag decisions)");
+      M.decisions.forEach((name, k) => option($("decision"), k, name));
+      $("decision").onchange = (e) => { S.dec = +e.target.value; paint(); };
+    } else $("decision").hidden = true;
     legend();
     $("notes").innerHTML = [`Harm threshold over ${M.n_evaluated} evaluated labels; unresolved: kl_mean ≤ ${M.noise_mult} × noise floor` +
       (M.include_unresolved ? " (included in the threshold)" : " (left out of the threshold)") +
@@ -122,7 +146,10 @@
     $("ckpt").onchange = (e) => { S.c = +e.target.value; paint(); };
     $("rule").onchange = (e) => { S.rule = +e.target.value; paint(); };
     $("mode").onchange = (e) => {
-      S.mode = e.target.value; S.amount = S.mode === "rho" ? M.rho : Math.floor(C.n[Math.max(S.rule, 0)] / 2 || 0);
+      S.mode = e.target.value;
+      $("amount").hidden = S.mode === "decision"; $("decision").hidden = S.mode !== "decision";
+      if (S.mode === "decision") { paint(); return; }
+      S.amount = S.mode === "rho" ? M.rho : Math.floor(C.n[Math.max(S.rule, 0)] / 2 || 0);
       $("amount").step = S.mode === "rho" ? 0.05 : 1; $("amount").value = S.amount; paint();
     };
     $("amount").oninput = (e) => { const v = parseFloat(e.target.value); if (Number.isFinite(v) && v >= 0) { S.amount = v; paint(); } };

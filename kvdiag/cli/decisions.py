@@ -1,0 +1,77 @@
+"""``kvdiag decisions``: the exact joint damage of the set each rule evicts under each budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from kvdiag.cli import common
+
+
+def decisions(
+    trace: Path = typer.Option(..., "--trace", help="Trace directory written by kvdiag trace"),
+    scores: Path = typer.Option(..., "--scores", help="scores.parquet with head rows of every cached entry at each "
+                                "checkpoint (kvdiag score --checkpoints ... --granularity head)"),
+    out: Path = typer.Option(..., "--out", help="output directory (decisions.parquet, summary.md, figure; parts/)"),
+    labels: Path | None = typer.Option(None, "--labels", help="exact single labels of every entry at the same "
+                                       "checkpoints (kvdiag label --candidates all): oracle_single, additivity, pairs"),
+    keep: list[str] | None = typer.Option(None, "--keep", help="keep fractions in (0, 1), comma-separated, repeatable, "
+                                          "e.g. 0.5,0.25,0.125"),
+    budget: list[str] | None = typer.Option(None, "--budget", help="or budgets: entries kept per layer and KV head"),
+    selection: str = typer.Option("per-head", "--selection", help="per-head (each layer and KV head keeps its own top "
+                                  "B, as replay) or per-token (one keep set)"),
+    horizon: int | None = typer.Option(None, "--horizon", help="teacher-forced steps per joint label (default: the "
+                                       "labels' horizon, else 16)"),
+    scorers: list[str] | None = typer.Option(None, "--scorers", help="score columns to grade, comma-separated, "
+                                             "repeatable (default: all)"),
+    references: list[str] | None = typer.Option(None, "--references", help="oracle_single, oracle_greedy, fast, random "
+                                                "(default: all; oracle_single only with --labels)"),
+    greedy_chunk: float = typer.Option(0.125, "--greedy-chunk", help="oracle_greedy evicts ceil(F * t) entries per "
+                                       "step, relabelling the survivors each step"),
+    pairs: int = typer.Option(1, "--pairs", help="per checkpoint, the most damaging sets searched for superadditive "
+                              "pairs (0: none)"),
+    pair_candidates: int = typer.Option(16, "--pair-candidates", help="harmless members of such a set paired"),
+    infeasible: str = typer.Option("refuse", "--infeasible", help="a rule protecting more entries than a budget "
+                                   "keeps: refuse (exit 2) or skip (recorded as undefined)"),
+    reference: str = typer.Option("best", "--reference", help="paired comparisons against: best (the best rule at "
+                                  "each budget), a decision name, or none"),
+    bootstrap: int = common.Bootstrap,
+    seed: int = common.Seed,
+    harm: str = common.Harm,
+    noise_mult: float = common.NoiseMult,
+    include_unresolved: bool = common.IncludeUnresolved,
+    batch_size: int = typer.Option(16, "--batch-size", help="set rows per forward"),
+    backend: str = typer.Option("auto", "--backend", help="attention kernel: auto | torch | triton"),
+    model: str | None = typer.Option(None, "--model", help="the Trace's model (default: its manifest's)"),
+    dtype: str | None = typer.Option(None, "--dtype", help="default: the Trace's"),
+    device: str = common.Device,
+    quiet: bool = common.Quiet,
+) -> None:
+    """Label the set each rule evicts under each budget exactly and compare the decisions with oracle references."""
+    from kvdiag.decisions import REFERENCES, DecisionsConfig, budgets_from, decisions_files
+    from kvdiag.harm import HarmSpec
+    from kvdiag.io import read_meta
+    from kvdiag.schema import HORIZON
+
+    common.quiet_transformers()
+    budgets = budgets_from(common.parse_list(keep, "--keep", float, low=0, high=1, strict=True, example="0.5,0.25"),
+                           common.parse_list(budget, "--budget", int, low=1, example="64,128"))
+    refs = common.parse_list(references, "--references", str, choices=REFERENCES) or list(REFERENCES)
+    if labels is None and references is None:
+        refs = [r for r in refs if r != "oracle_single"]  # by default it joins only when labels can define it
+    if horizon is None and labels is not None and labels.is_file():
+        horizon = (read_meta(labels).get("config") or {}).get("horizon")
+    cfg = DecisionsConfig(
+        budgets=budgets, selection=selection, horizon=horizon or HORIZON,
+        rules=tuple(common.parse_list(scorers, "--scorers", str)) or None, references=tuple(refs),
+        greedy_chunk=greedy_chunk, pairs=pairs, pair_candidates=pair_candidates, infeasible=infeasible, seed=seed,
+        n_boot=bootstrap, reference=reference, batch_size=batch_size, backend=backend,
+        harm=HarmSpec(harm, noise_mult, include_unresolved),
+    )
+    path = decisions_files(trace, scores, out, cfg, labels=labels, model=model, dtype=dtype, device=device,
+                           show_progress=not quiet)
+    Console(stderr=True).print(f"decisions written to {path} (decisions.parquet, summary.md, decisions.png)")
+    if not quiet:
+        Console().print((path / "summary.md").read_text(), markup=False, highlight=False)

@@ -1,0 +1,114 @@
+"""What ``kvdiag decisions`` grades and how: budgets, selection, references (written into every output)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from kvdiag.errors import UserError, check_choice
+from kvdiag.harm import HarmSpec
+from kvdiag.schema import HORIZON, N_BOOT
+from kvdiag.selection import SELECTIONS
+
+# the reference decisions every rule is compared with (docs/decisions.md)
+REFERENCES = ("oracle_single", "oracle_greedy", "fast", "random")
+INFEASIBLE = ("refuse", "skip")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """One budget: ``keep:F`` keeps ``max(1, floor(F * t))`` entries per (layer, KV head) of a checkpoint ``t``
+    (0 < F < 1), ``budget:B`` keeps ``B`` (B >= 1; at or above ``t`` nothing is evicted)."""
+
+    kind: str  # keep | budget
+    value: float
+
+    @property
+    def name(self) -> str:
+        return f"keep:{self.value:g}" if self.kind == "keep" else f"budget:{int(self.value)}"
+
+    def entries(self, t: int) -> int:
+        """Entries kept at checkpoint ``t`` (at most ``t``)."""
+        kept = max(1, math.floor(self.value * t)) if self.kind == "keep" else int(self.value)
+        return min(kept, t)
+
+
+def budgets_from(keep: list[float], budget: list[int]) -> tuple[Budget, ...]:
+    """``--keep`` fractions (0 < F < 1) or ``--budget`` entry counts (>= 1), not both, at least one."""
+    if keep and budget:
+        raise UserError("pass --keep fractions or --budget entry counts, not both")
+    if not keep and not budget:
+        raise UserError("pass --keep F,... (e.g. 0.5,0.25,0.125) or --budget B,... (entries kept per layer and head)")
+    for f in keep:
+        if not 0 < f < 1:
+            raise UserError(f"--keep {f:g}: a keep fraction lies in (0, 1), e.g. 0.5,0.25,0.125")
+    for b in budget:
+        if b < 1:
+            raise UserError(f"--budget {b}: a budget keeps at least 1 entry per layer and KV head")
+    return tuple(Budget("keep", float(f)) for f in keep) + tuple(Budget("budget", float(b)) for b in budget)
+
+
+@dataclass(frozen=True)
+class DecisionsConfig:
+    """Every setting of one decisions run.
+
+    budgets : the budgets graded (:class:`Budget`).
+    selection : ``per-head`` (each layer and KV head keeps its own top B, as replay's default) or ``per-token``
+        (one keep set for every layer and head); ``kvdiag.selection.select_keep`` decides for replay and here.
+    horizon : teacher-forced steps of each joint label (the labels file's, when one is given).
+    rules : score columns graded (None: every column of the scores file).
+    references : reference decisions computed (:data:`REFERENCES`; oracle_single needs labels of every entry).
+    greedy_chunk : ``oracle_greedy`` evicts ``ceil(greedy_chunk * t)`` entries per step (the survivors with the
+        smallest joint damage given what is already evicted), relabelling every survivor at each step.
+    pairs : per checkpoint, the most damaging token sets searched for superadditive pairs (0: none).
+    pair_candidates : members of such a set paired (the harmless ones with the largest single labels).
+    infeasible : a rule whose protected entries exceed a budget at a checkpoint: ``refuse`` (bad input) or ``skip``
+        (its row says so and carries no label).
+    seed : seed of ``random`` and of the bootstrap. n_boot, ci_level : cluster bootstrap over prompts.
+    reference : rule of the paired comparisons: ``best`` (the rule with the least mean damage at each budget), a
+        rule or reference name, or ``none``.
+    batch_size : set rows per forward.
+    harm : which single labels are harmless (a superadditive pair's members) and harmful (``kvdiag.harm``).
+    """
+
+    budgets: tuple[Budget, ...]
+    selection: str = "per-head"
+    horizon: int = HORIZON
+    rules: tuple[str, ...] | None = None
+    references: tuple[str, ...] = REFERENCES
+    greedy_chunk: float = 0.125
+    pairs: int = 1
+    pair_candidates: int = 16
+    infeasible: str = "refuse"
+    seed: int = 0
+    n_boot: int = N_BOOT
+    ci_level: float = 0.95
+    reference: str = "best"
+    batch_size: int = 16
+    backend: str = "auto"
+    harm: HarmSpec = field(default_factory=HarmSpec)
+
+    def __post_init__(self):
+        check_choice(self.selection, SELECTIONS, "--selection")
+        check_choice(self.infeasible, INFEASIBLE, "--infeasible")
+        for ref in self.references:
+            check_choice(ref, REFERENCES, "--references")
+        if not self.budgets:
+            raise UserError("no budget to grade: pass --keep or --budget")
+        if self.horizon < 1:
+            raise UserError(f"--horizon {self.horizon}: must be a positive number of teacher-forced steps, e.g. 16")
+        if not 0 < self.greedy_chunk <= 1:
+            raise UserError(f"--greedy-chunk {self.greedy_chunk}: a fraction of the checkpoint in (0, 1], e.g. 0.125")
+        if self.pairs < 0 or self.pair_candidates < 2:
+            raise UserError("--pairs must be >= 0 and --pair-candidates >= 2")
+        if self.n_boot < 0 or not 0 < self.ci_level < 1:
+            raise UserError(f"--bootstrap {self.n_boot}: must be >= 0 (0: no CIs)")
+        if self.batch_size < 1:
+            raise UserError(f"--batch-size {self.batch_size}: must be a positive number of rows, e.g. 16")
+
+    def settings(self) -> dict:
+        """What changes a part's content (the parts' stamp)."""
+        return {"budgets": [b.name for b in self.budgets], "selection": self.selection, "horizon": self.horizon,
+                "references": list(self.references), "greedy_chunk": self.greedy_chunk, "pairs": self.pairs,
+                "pair_candidates": self.pair_candidates, "infeasible": self.infeasible, "seed": self.seed,
+                "harm": self.harm.to_config()}

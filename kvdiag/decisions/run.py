@@ -1,0 +1,336 @@
+"""``decide``: the exact joint label of the set each rule evicts under each budget, at every checkpoint of a scores
+file; ``decisions_files``: the same from files (what ``kvdiag decisions`` runs).
+
+Work items are ``(prompt, checkpoint)``; each is one atomic part in ``OUT/parts/`` (``kvdiag.parts``), so an
+interrupted run keeps its finished checkpoints and the same command continues. At a checkpoint ``t``:
+
+1. every rule's per-(layer, KV head) scores of the whole cache ``[0, t)`` (the scores file's head rows) give its keep
+   set under each budget through ``kvdiag.selection.select_keep``, as replay's compaction does;
+2. the references give theirs: ``oracle_single`` (largest exact single labels), ``oracle_greedy``
+(``sets.greedy_sets``),
+   ``fast`` (largest Fisher labels), ``random``;
+3. every set is one row of ``OracleEngine.label_sets``: the H recorded tokens teacher-forced with the whole set
+   evicted, KL to the full cache on the full vocabulary (exact as a physical deletion of the set);
+4. the most damaging sets are searched for superadditive pairs (``kvdiag.decisions.interactions``).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import torch
+
+from kvdiag.decisions.config import DecisionsConfig
+from kvdiag.decisions.interactions import PAIR_SCHEMA, superadditive_pairs
+from kvdiag.decisions.sets import (
+    greedy_sets,
+    head_label_set,
+    label_set,
+    protected_count,
+    random_set,
+    rule_set,
+)
+from kvdiag.errors import UserError
+from kvdiag.io import check_writable, read_table, write_json
+from kvdiag.parts import PartStore, part_name
+from kvdiag.progress import progress_bar
+from kvdiag.provenance import provenance
+from kvdiag.schema import KEYS
+
+DECISION_SCHEMA = {
+    "prompt_id": pl.String, "checkpoint": pl.Int64, "decision": pl.String, "kind": pl.String, "budget": pl.String,
+    "kept": pl.Int64, "evicted": pl.Int64, "selection": pl.String, "horizon": pl.Int64, "status": pl.String,
+    "protected": pl.Int64, "kl_mean": pl.Float64, "kl_max": pl.Float64, "kl_steps": pl.List(pl.Float64),
+    "js_mean": pl.Float64, "nll_delta": pl.Float64, "top1_flips": pl.Int64, "noise_floor": pl.Float64,
+    "sum_single": pl.Float64, "evicted_positions": pl.List(pl.Int64), "evicted_heads": pl.List(pl.Int64),
+    "cost_rows": pl.Int64, "cost_seconds": pl.Float64,
+}
+STATUS = {"ok": "labeled", "nothing_evicted": "the budget keeps every entry: nothing is evicted (label 0)",
+          "over_budget": "the rule protects more entries than the budget keeps: no decision (--infeasible skip)"}
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def score_columns(scores: pl.DataFrame, wanted: tuple[str, ...] | None) -> list[str]:
+    """The rules graded: numeric score columns (all, or ``wanted``)."""
+    columns = [c for c in scores.columns if c not in KEYS and scores.schema[c].is_numeric()]
+    if wanted is not None:
+        unknown = [c for c in wanted if c not in columns]
+        if unknown:
+            raise UserError(f"--scorers {unknown[0]} is not a column of the scores file: choose from "
+                            f"{', '.join(columns)}")
+        columns = list(wanted)
+    if not columns:
+        raise UserError("the scores file has no score column: run kvdiag score first")
+    return columns
+
+
+def rule_instances(names: list[str], scores_meta: dict) -> dict:
+    """name -> the Scorer the column was made with (its ``protected()`` declaration), or None when the metadata does
+    not record it (then nothing counts as protected)."""
+    from kvdiag.scorers import get_scorer
+
+    params = scores_meta.get("scorers") or {}
+    out = {}
+    for name in names:
+        out[name] = get_scorer(name, **params[name]) if name in params else None
+    return out
+
+
+def checkpoints_of(scores: pl.DataFrame, trace, horizon: int) -> tuple[dict[str, list[int]], list[tuple[str, int]]]:
+    """(prompt -> the checkpoints whose head rows cover every (layer, KV head, position < t), the checkpoints left
+    out because the horizon does not fit before the end of the prompt); a checkpoint whose head rows do not cover
+    the cache is a ``UserError``."""
+    head = scores.filter(pl.col("granularity") == "head")
+    if head.height == 0:
+        raise UserError("the scores file has no head rows: decisions need every rule's score of every cached entry "
+                        "at each (layer, KV head); run kvdiag score --checkpoints every:128 --granularity head")
+    L, Hkv = trace.num_layers, trace.num_kv_heads
+    counts = head.group_by("prompt_id", "checkpoint").len()
+    out: dict[str, list[int]] = {}
+    short: list[tuple[str, int]] = []
+    for pid, t, n in counts.sort("prompt_id", "checkpoint").iter_rows():
+        if n != L * Hkv * t:
+            raise UserError(f"the scores file holds {n} head rows at checkpoint {t} of {pid!r}, not every entry of "
+                            f"every layer and KV head ({L} x {Hkv} x {t}); score every entry: kvdiag score "
+                            "--checkpoints ... --granularity head")
+        if t + horizon > trace.length(pid):
+            short.append((pid, int(t)))
+            continue
+        out.setdefault(pid, []).append(int(t))
+    if not out:
+        raise UserError(f"no checkpoint of the scores file leaves room for --horizon {horizon} before the end of its "
+                        "prompt: use a shorter --horizon or earlier checkpoints")
+    return out, short
+
+
+def single_labels(labels: pl.DataFrame | None, pid: str, t: int) -> torch.Tensor | None:
+    """[t] exact single kl_mean of every entry [0, t) (token rows), or None when the labels lack some."""
+    if labels is None:
+        return None
+    rows = labels.filter((pl.col("prompt_id") == pid) & (pl.col("checkpoint") == t)).sort("position")
+    if rows.height != t or rows["position"].to_list() != list(range(t)):
+        return None
+    return torch.tensor(rows["kl_mean"].to_numpy(), dtype=torch.float64)
+
+
+def head_scores(scores: pl.DataFrame, rules: list[str], pid: str, t: int, L: int, Hkv: int) -> dict[str, torch.Tensor]:
+    """rule -> [L, Hkv, t] its scores of every entry at checkpoint ``t`` of ``pid`` (higher = keep)."""
+    rows = scores.filter((pl.col("prompt_id") == pid) & (pl.col("checkpoint") == t) & (pl.col("granularity") == "head"))
+    rows = rows.sort("layer", "kv_head", "position")
+    return {r: torch.from_numpy(rows[r].to_numpy().astype(np.float64).reshape(L, Hkv, t)) for r in rules}
+
+
+def check_protection(rules: dict, items: dict[str, list[int]], cfg: DecisionsConfig) -> dict[str, dict[str, int]]:
+    """Refuse (``infeasible=refuse``) a rule whose declared protected entries exceed a budget at some checkpoint, as
+    replay refuses such a budget; returns rule -> {budget: checkpoints where it does}."""
+    over: dict[str, dict[str, int]] = {}
+    for name, rule in rules.items():
+        for pid, ts in items.items():
+            for t in ts:
+                n = protected_count(rule, t)
+                for b in cfg.budgets:
+                    if n > b.entries(t):
+                        if cfg.infeasible == "refuse":
+                            raise UserError(
+                                f"{name} always keeps {n} entries at checkpoint {t} of {pid!r}, more than {b.name} "
+                                "keeps "
+                                f"({b.entries(t)}); drop it with --scorers, raise the budget, score it with smaller "
+                                "windows (--param), or pass --infeasible skip to record those decisions as undefined")
+                        over.setdefault(name, {}).setdefault(b.name, 0)
+                        over[name][b.name] += 1
+    return over
+
+
+# --------------------------------------------------------------------------- one checkpoint
+
+
+def _decide_checkpoint(engine, fisher, lm, pid: str, t: int, scores: dict[str, torch.Tensor], rules: dict,
+                       singles: torch.Tensor | None, cfg: DecisionsConfig, harm_threshold: float,
+                       progress) -> tuple[pl.DataFrame, pl.DataFrame]:
+    L, Hkv = engine.num_layers, engine.num_kv_heads
+    kept = {b.name: b.entries(t) for b in cfg.budgets}
+    decisions: list[dict] = []  # one per set row: its fields, its set
+    for name, values in scores.items():
+        n_prot = protected_count(rules.get(name), t)
+        for b, k in kept.items():
+            status = "over_budget" if n_prot > k else ("nothing_evicted" if k >= t else "ok")
+            evict = rule_set(values, k, cfg.selection) if status != "over_budget" else None
+            decisions.append(dict(decision=name, kind="rule", budget=b, kept=k, protected=n_prot, status=status,
+                                  set=evict))
+    refs = cfg.references
+    if "oracle_single" in refs:
+        for b, k in kept.items():
+            decisions.append(dict(decision="oracle_single", kind="reference", budget=b, kept=k, protected=0,
+                                  status="ok" if k < t else "nothing_evicted", set=label_set(singles, k)))
+    if "fast" in refs:
+        a, _ = fisher.effects(t)  # [K, L, Hkv, t] linearized effects on the sampled log-likelihoods
+        for b, k in kept.items():
+            if cfg.selection == "per-token":
+                est = a.double().sum((1, 2)).pow(2).mean(0)  # [t]: a token row sums its cells' effects
+                evict = label_set(est, k)
+            else:
+                evict = head_label_set(a.double().pow(2).mean(0), k)  # [L, Hkv, t]: each cell's own estimate
+            decisions.append(dict(decision="fast", kind="reference", budget=b, kept=k, protected=0,
+                                  status="ok" if k < t else "nothing_evicted", set=evict))
+    if "random" in refs:
+        for b, k in kept.items():
+            evict = random_set(t, k, cfg.selection, L, Hkv, cfg.seed, pid)
+            decisions.append(dict(decision="random", kind="reference", budget=b, kept=k, protected=0,
+                                  status="ok" if k < t else "nothing_evicted", set=evict))
+    greedy_cost = None
+    if "oracle_greedy" in refs:
+        greedy, greedy_cost = greedy_sets(engine, t, list(kept.values()), cfg.greedy_chunk, progress)
+        for b, k in kept.items():
+            decisions.append(dict(decision="oracle_greedy", kind="reference", budget=b, kept=k, protected=0,
+                                  status="ok" if k < t else "nothing_evicted", set=greedy[k]))
+    todo = [d for d in decisions if d["set"] is not None]
+    res, noise = engine.label_sets(t, [d["set"] for d in todo], progress)
+    kl = res["kl"].double()
+    for j, d in enumerate(todo):
+        d.update(kl_mean=float(kl[j].mean()), kl_max=float(kl[j].max()), kl_steps=kl[j].tolist(),
+                 js_mean=float(res["js"][j].double().mean()), nll_delta=float(res["nll_delta"][j].double().mean()),
+                 top1_flips=int(res["flips"][j]))
+    rows = []
+    for d in decisions:
+        evict = d.pop("set")
+        token = evict is not None and evict.dim() == 1
+        heads = torch.zeros(t, dtype=torch.long)
+        if evict is not None:
+            full = evict.expand(L, Hkv, -1) if token else evict
+            heads.index_add_(0, full.reshape(-1), torch.ones(full.numel(), dtype=torch.long))
+        greedy = d["decision"] == "oracle_greedy" and greedy_cost is not None
+        rows.append({
+            "prompt_id": pid, "checkpoint": t, **d, "evicted": t - d["kept"], "selection": cfg.selection,
+            "horizon": cfg.horizon, "noise_floor": noise,
+            "sum_single": float(singles[evict].sum()) if token and singles is not None else None,
+            "evicted_positions": evict.tolist() if token else None, "evicted_heads": heads.tolist(),
+            "cost_rows": greedy_cost["rows"] if greedy else None,
+            "cost_seconds": greedy_cost["seconds"] if greedy else None,
+        })
+    table = pl.DataFrame(rows, schema=DECISION_SCHEMA)
+    pairs = pl.DataFrame(schema=PAIR_SCHEMA)
+    if cfg.pairs and singles is not None:
+        pairs = superadditive_pairs(engine, pid, t, table, singles, harm_threshold, cfg, lm, progress)
+    return table, pairs
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def decide(trace, lm, scores: pl.DataFrame, scores_meta: dict, out: str | os.PathLike, cfg: DecisionsConfig,
+           labels: pl.DataFrame | None = None, labels_meta: dict | None = None, show_progress: bool = True) -> Path:
+    """Grade every rule's decisions at every checkpoint of ``scores`` and write ``OUT/decisions.parquet`` and
+    ``OUT/pairs.parquet`` (parts in ``OUT/parts``; a rerun continues). Inputs are checked before any work."""
+    from kvdiag.label.engine import OracleEngine
+    from kvdiag.label.fast import FisherLabeler, FisherParams
+
+    out = Path(out)
+    trace.check_belongs(scores_meta, "--scores")
+    if labels is not None:
+        trace.check_belongs(labels_meta or {}, "--labels")
+        labels = labels.filter(pl.col("granularity") == "token")
+    names = score_columns(scores, cfg.rules)
+    items, short = checkpoints_of(scores, trace, cfg.horizon)
+    if short:
+        warnings.warn(f"{len(short)} checkpoint(s) of the scores file leave no room for the horizon of {cfg.horizon} "
+                      f"tokens before the end of their prompt (e.g. {short[0][1]} of {short[0][0]!r}): left out",
+                      stacklevel=2)
+    if "oracle_single" in cfg.references:
+        missing = [(pid, t) for pid, ts in items.items() for t in ts if single_labels(labels, pid, t) is None]
+        if missing:
+            pid, t = missing[0]
+            raise UserError(f"oracle_single needs exact labels of every entry at every checkpoint; --labels "
+                            f"{'is not given' if labels is None else f'lacks some at checkpoint {t} of {pid!r}'}: "
+                            "label "
+                            "them with kvdiag label --candidates all --checkpoints (the scores' checkpoints), or drop "
+                            "oracle_single from --references")
+    rules = rule_instances(names, scores_meta)
+    over = check_protection(rules, items, cfg)
+    if any(b.entries(t) >= t for b in cfg.budgets for ts in items.values() for t in ts):
+        warnings.warn("a budget keeps every entry at some checkpoint: those rows record zero evictions", stacklevel=2)
+    spec = cfg.harm
+    threshold = None if labels is None else spec.threshold(spec.analysed(labels, require=False)["kl_mean"].to_numpy())
+    meta = {"kind": "decisions", **provenance(), "trace": trace.provenance, "model": lm.info,
+            "config": {**cfg.settings(), "rules": names, "n_boot": cfg.n_boot, "reference": cfg.reference},
+            "rules": {n: (r.params if r is not None else None) for n, r in rules.items()},
+            "labels": {"method": ((labels_meta or {}).get("config") or {}).get("method", "exact"),
+                       "label": (labels_meta or {}).get("label")} if labels is not None else None,
+            "harm": {**spec.to_config(), "threshold": threshold}, "over_budget": over, "status": STATUS,
+            "left_out": [{"prompt_id": pid, "checkpoint": t, "why": "no room for the horizon"} for pid, t in short]}
+    parts = PartStore(out / "parts", out)
+    parts.stamp("config.json", {"trace": trace.fingerprint, "model": lm.info["weights_hash"], **cfg.settings(),
+                                "rules": names})
+    L, Hkv = trace.num_layers, trace.num_kv_heads
+    all_items = [(pid, t) for pid, ts in items.items() for t in ts]
+    todo = {pid: [t for t in ts if not parts.done(part_name(pid, f"{t:07d}"))] for pid, ts in items.items()}
+    with progress_bar(show_progress, remaining=True) as bar:
+        task = bar.add_task("decisions: checkpoints", total=len(all_items),
+                            completed=len(all_items) - sum(map(len, todo.values())))
+        rows_task = bar.add_task("  set rows", total=None)
+        for pid, ts in items.items():
+            if not todo[pid]:
+                continue
+            ids = trace.token_ids(pid)
+            engine = OracleEngine(lm, ids, cfg.horizon, cfg.batch_size, cfg.backend)
+            fisher = FisherLabeler(lm, ids, cfg.horizon, FisherParams(), cfg.seed) if "fast" in cfg.references else None
+            for t in ts:
+                if t not in todo[pid]:
+                    # extend the caches in the same steps as an uninterrupted run: the same rounding, the same labels
+                    engine.golden(t)
+                    if fisher is not None:
+                        fisher.golden(t)
+                    continue
+                bar.reset(rows_task, total=None, description=f"  {pid} @ {t}")
+                table, pairs = _decide_checkpoint(
+                    engine, fisher, lm, pid, t, head_scores(scores, names, pid, t, L, Hkv), rules,
+                    single_labels(labels, pid, t), cfg, threshold, lambda k: bar.advance(rows_task, k))
+                parts.write(part_name(pid, "pairs", f"{t:07d}"), pairs, meta)  # the pairs first: the table marks done
+                parts.write(part_name(pid, f"{t:07d}"), table, meta)
+                bar.advance(task)
+    names_done = [part_name(pid, f"{t:07d}") for pid, t in all_items]
+    parts.merge(names_done, out / "decisions.parquet", meta, sort=["prompt_id", "checkpoint", "decision", "budget"],
+                schema=DECISION_SCHEMA)
+    parts.merge([part_name(pid, "pairs", f"{t:07d}") for pid, t in all_items], out / "pairs.parquet", meta,
+                schema=PAIR_SCHEMA)
+    write_json(out / "config.json", {"command": "decisions", **meta})
+    return out
+
+
+def decisions_files(trace: str | os.PathLike, scores: str | os.PathLike, out: str | os.PathLike, cfg: DecisionsConfig,
+                    labels: str | os.PathLike | None = None, model: str | None = None, dtype: str | None = None,
+                    device: str = "cpu", show_progress: bool = True) -> Path:
+    """What ``kvdiag decisions`` runs: read and check the inputs (before the model loads), grade, summarize."""
+    from kvdiag.decisions.summary import summarize_files
+    from kvdiag.label.run import read_labels
+    from kvdiag.models import load_model
+    from kvdiag.trace import Trace
+
+    check_writable(out, "--out", "dir")
+    tr = Trace(trace)
+    score_df, score_meta = read_table(scores, "--scores")
+    label_df, label_meta = read_labels(labels) if labels is not None else (None, None)
+    if label_meta is not None:
+        label_horizon = (label_meta.get("config") or {}).get("horizon")
+        if label_horizon is not None and label_horizon != cfg.horizon:
+            raise UserError(f"--horizon {cfg.horizon} differs from the labels' horizon {label_horizon}: joint and "
+                            "single "
+                            f"labels must measure the same steps; pass --horizon {label_horizon}")
+    # every check that needs no model, before it loads
+    tr.check_belongs(score_meta, "--scores")
+    if label_meta is not None:
+        tr.check_belongs(label_meta, "--labels")
+    items, _ = checkpoints_of(score_df, tr, cfg.horizon)
+    names = score_columns(score_df, cfg.rules)
+    check_protection(rule_instances(names, score_meta), items, cfg)
+    had = tr.manifest["model"]
+    lm = load_model(model or had["spec"], dtype=dtype or had.get("dtype", "float32"), device=device)
+    lm.check_model_of(had, "--model", "drop --model")
+    decide(tr, lm, score_df, score_meta, out, cfg, label_df, label_meta, show_progress)
+    summarize_files(out, labels=labels, scores=scores)
+    return Path(out)

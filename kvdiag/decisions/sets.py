@@ -1,0 +1,84 @@
+"""The evicted set of every decision at one checkpoint ``t``: a rule's (from its per-(layer, KV head) scores, through
+``kvdiag.selection`` as in replay) and the references' (exact single labels, the greedy joint oracle, Fisher labels,
+random).
+
+A set is ``[E]`` positions (a token set: the same entries from every layer and KV head) or ``[L, Hkv, E]`` (a per-head
+set: each layer and KV head its own E entries); ``kvdiag.label.OracleEngine.label_sets`` labels either exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import zlib
+
+import torch
+
+from kvdiag.selection import evicted_slots, select_keep, top_slots
+
+
+def rule_set(scores: torch.Tensor, kept: int, selection: str) -> torch.Tensor:
+    """The entries a rule evicts keeping ``kept`` of each (layer, KV head): scores [L, Hkv, t] (higher = keep) ->
+    [E] for ``per-token`` selection, [L, Hkv, E] for ``per-head`` (E = t - kept); ties keep the newer entry."""
+    L, _, t = scores.shape
+    keep = select_keep(list(scores), kept, selection)
+    evicted = evicted_slots(keep, t)
+    return evicted[0, 0] if selection == "per-token" else evicted
+
+
+def label_set(values: torch.Tensor, kept: int) -> torch.Tensor:
+    """[E] the entries evicted keeping the ``kept`` largest of ``values [t]`` (damage: keep what hurts); ties keep
+    the newer entry."""
+    t = values.shape[-1]
+    return evicted_slots(top_slots(values, kept)[None, None], t)[0, 0]
+
+
+def head_label_set(values: torch.Tensor, kept: int) -> torch.Tensor:
+    """[L, Hkv, E]: per (layer, KV head), the entries evicted keeping its ``kept`` largest ``values [L, Hkv, t]``."""
+    return evicted_slots(top_slots(values, kept), values.shape[-1])
+
+
+def random_set(t: int, kept: int, selection: str, num_layers: int, num_kv_heads: int, seed: int,
+               key: str) -> torch.Tensor:
+    """A seeded uniform random set (per head: one draw per layer and KV head), the same for every run of the same
+    ``(seed, key, t)``, whatever else is computed."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{key}:{t}".encode()))
+    if selection == "per-token":
+        return torch.randperm(t, generator=gen)[: t - kept].sort().values
+    draws = torch.stack([torch.randperm(t, generator=gen)[: t - kept] for _ in range(num_layers * num_kv_heads)])
+    return draws.sort(-1).values.view(num_layers, num_kv_heads, t - kept)
+
+
+def protected_count(rule, t: int) -> int:
+    """How many of the entries [0, t) of a full cache at checkpoint ``t`` the rule declares protected
+    (``Scorer.protected``); 0 for a column without a known rule."""
+    if rule is None:
+        return 0
+    return int(rule.protected(t - torch.arange(t), torch.arange(t)).sum())
+
+
+def greedy_sets(engine, t: int, kept: list[int], chunk: float, progress=None) -> tuple[dict[int, torch.Tensor], dict]:
+    """``oracle_greedy``: from the full cache, evict ``ceil(chunk * t)`` entries at a time, each time the survivors
+    whose eviction *on top of the set already evicted* does the least joint damage (exact set rows; ties evict the
+    older entry), until each budget of ``kept`` is reached (one path serves every budget). An approximation of the
+    best set: exact in what it labels, greedy in how it searches. Returns {kept: [E] evicted positions} and its cost
+    (rows labeled, seconds)."""
+    start = time.perf_counter()
+    step = max(1, math.ceil(chunk * t))
+    evicted: list[int] = []
+    survivors = list(range(t))
+    out, rows = {}, 0
+    for target in sorted(set(kept), reverse=True):
+        while len(evicted) < t - target:
+            base = torch.tensor(evicted, dtype=torch.long)
+            sets = [torch.cat([base, torch.tensor([i])]) for i in survivors]
+            kl = engine.label_sets(t, sets, progress)[0]["kl"].double().mean(1)
+            rows += len(sets)
+            n = min(step, t - target - len(evicted))
+            # least damage first; among equals the older entry goes first (the newer is kept, as everywhere)
+            order = sorted(range(len(survivors)), key=lambda j: (float(kl[j]), survivors[j]))[:n]
+            chosen = {survivors[j] for j in order}
+            evicted += sorted(chosen)
+            survivors = [i for i in survivors if i not in chosen]
+        out[target] = torch.tensor(sorted(evicted), dtype=torch.long)
+    return out, {"rows": rows, "seconds": round(time.perf_counter() - start, 3), "chunk": step}

@@ -1,0 +1,289 @@
+"""What the decisions say, with cluster-bootstrap CIs over prompts (resample prompts; every checkpoint of a drawn
+prompt counts, as in rank-eval: ``prompt_multiplicities(P, B, default_rng(seed))`` over the sorted prompt ids).
+
+Per (decision, budget): mean joint damage (``kl_mean`` of the set row) over its checkpoints; the paired difference
+with the reference (``best``: the rule with the least mean damage at that budget) and its bootstrap p-value; the
+regret against ``oracle_greedy`` (difference and ratio of means, on the checkpoints both decided); the additivity
+ratio (joint damage / sum of the set's single labels; token sets). Per budget: the best rule, the headroom factor
+(best rule / oracle_greedy), whether ``oracle_greedy`` beats ``oracle_single``, and the Spearman correlation across
+rules between rank-eval's AUROC and minus the joint damage, with its CI (the same resamples for both). Pairs: how
+often superadditive pairs share a near-duplicate key, the token or adjacency, against every tested pair.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+from scipy.stats import spearmanr
+
+from kvdiag.decisions.interactions import NEAR_DUPLICATE
+from kvdiag.errors import UserError
+from kvdiag.io import read_json, read_table, write_csv, write_json, write_text
+from kvdiag.rankeval.bootstrap import paired_p_value, percentile_ci, prompt_multiplicities
+from kvdiag.schema import KEYS
+from kvdiag.tables import md_table, number_text
+
+ORACLES = ("oracle_single", "oracle_greedy", "fast")
+
+
+class _Boot:
+    """The cluster bootstrap of one run: prompts sorted, multiplicities ``mult [B, P]``."""
+
+    def __init__(self, prompts: list[str], n_boot: int, seed: int, level: float):
+        self.prompts = sorted(prompts)
+        self.index = {p: i for i, p in enumerate(self.prompts)}
+        self.mult = prompt_multiplicities(len(self.prompts), n_boot, np.random.default_rng(seed)) if n_boot else None
+        self.level = level
+
+    def mean(self, values: np.ndarray, prompts: np.ndarray) -> tuple[float, np.ndarray]:
+        """(mean of ``values [N]``, its replicates [B]); each value weighs its prompt's multiplicity."""
+        if not len(values):
+            return float("nan"), np.full(0 if self.mult is None else len(self.mult), np.nan)
+        if self.mult is None:
+            return float(values.mean()), np.empty(0)
+        w = self.mult[:, [self.index[p] for p in prompts]].astype(float)  # [B, N]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return float(values.mean()), (w @ values) / w.sum(1)
+
+    def ci(self, reps: np.ndarray) -> tuple[float, float]:
+        low, high, _ = percentile_ci(reps, self.level) if len(reps) else (float("nan"), float("nan"), 0)
+        return low, high
+
+
+def _paired(df: pl.DataFrame, a: str, b: str, budget: str) -> pl.DataFrame:
+    """Checkpoints where both decisions were labeled at ``budget``: prompt_id, checkpoint, x (a), y (b)."""
+    sel = df.filter(pl.col("budget") == budget)
+    x = sel.filter(pl.col("decision") == a).select("prompt_id", "checkpoint", x="kl_mean")
+    y = sel.filter(pl.col("decision") == b).select("prompt_id", "checkpoint", y="kl_mean")
+    return x.join(y, on=["prompt_id", "checkpoint"]).drop_nulls()
+
+
+def summarize(decisions: pl.DataFrame, meta: dict, pairs: pl.DataFrame | None = None,
+              labels: pl.DataFrame | None = None, scores: pl.DataFrame | None = None) -> dict[str, pl.DataFrame | dict]:
+    """The tables of a decisions run (module docstring). ``labels``/``scores``: for the AUROC-vs-decision Spearman."""
+    cfg = meta.get("config") or {}
+    n_boot, seed, level = int(cfg.get("n_boot", 1000)), int(cfg.get("seed", 0)), 0.95
+    labeled = decisions.filter(pl.col("kl_mean").is_not_null())
+    boot = _Boot(decisions["prompt_id"].unique().to_list(), n_boot, seed, level)
+    budgets = list(dict.fromkeys(cfg.get("budgets") or decisions["budget"].unique(maintain_order=True).to_list()))
+    rules = [d for d in cfg.get("rules", []) if d in set(decisions["decision"])]
+    names = rules + [d for d in ("oracle_single", "oracle_greedy", "fast", "random") if d in set(decisions["decision"])]
+    reps: dict[tuple[str, str], np.ndarray] = {}
+    rows = []
+    for budget in budgets:
+        for name in names:
+            sel = labeled.filter((pl.col("decision") == name) & (pl.col("budget") == budget))
+            total = decisions.filter((pl.col("decision") == name) & (pl.col("budget") == budget)).height
+            value, r = boot.mean(sel["kl_mean"].to_numpy(), sel["prompt_id"].to_numpy())
+            reps[(name, budget)] = r
+            low, high = boot.ci(r)
+            ratio = sel.filter(pl.col("sum_single") > 0).select(pl.col("kl_mean") / pl.col("sum_single"))
+            ratio = ratio.to_series().to_numpy() if ratio.height else np.empty(0)
+            rows.append({"decision": name, "kind": "rule" if name in rules else "reference", "budget": budget,
+                         "mean_kl": value, "ci_low": low, "ci_high": high, "n": sel.height, "n_total": total,
+                         "mean_evicted": float(sel["evicted"].mean()) if sel.height else None,
+                         "additivity_median": float(np.median(ratio)) if len(ratio) else None,
+                         "additivity_q25": float(np.quantile(ratio, 0.25)) if len(ratio) else None,
+                         "additivity_q75": float(np.quantile(ratio, 0.75)) if len(ratio) else None})
+    table = pl.DataFrame(rows)
+    best = {}
+    for budget in budgets:
+        cand = table.filter((pl.col("budget") == budget) & (pl.col("kind") == "rule") & pl.col("mean_kl").is_not_nan())
+        cand = cand.filter(pl.col("n") == pl.col("n_total"))  # a rule undefined somewhere cannot be "the best"
+        best[budget] = cand.sort("mean_kl").row(0, named=True)["decision"] if cand.height else None
+    reference = cfg.get("reference", "best")
+    paired_rows = []
+    for budget in budgets:
+        ref = best[budget] if reference == "best" else (None if reference == "none" else reference)
+        for name in names:
+            for against, what in ((ref, "reference"), ("oracle_greedy", "regret")):
+                if against is None or against == name or against not in names:
+                    continue
+                p = _paired(labeled, name, against, budget)
+                if not p.height:
+                    continue
+                diff, dreps = boot.mean((p["x"] - p["y"]).to_numpy(), p["prompt_id"].to_numpy())
+                mx, xr = boot.mean(p["x"].to_numpy(), p["prompt_id"].to_numpy())
+                my, yr = boot.mean(p["y"].to_numpy(), p["prompt_id"].to_numpy())
+                with np.errstate(invalid="ignore", divide="ignore"):
+                    rreps = xr / yr
+                paired_rows.append({"decision": name, "against": against, "what": what, "budget": budget,
+                                    "diff": diff, "diff_ci_low": boot.ci(dreps)[0], "diff_ci_high": boot.ci(dreps)[1],
+                                    "p_value": paired_p_value(dreps) if len(dreps) else None,
+                                    "ratio": mx / my if my else float("nan"), "ratio_ci_low": boot.ci(rreps)[0],
+                                    "ratio_ci_high": boot.ci(rreps)[1], "n": p.height})
+    paired = pl.DataFrame(paired_rows) if paired_rows else pl.DataFrame()
+    headline = {"best_rule": best, "reference": reference}
+    spearman = _auroc_spearman(labeled, rules, budgets, reps, boot, labels, scores, meta)
+    return {"summary": table, "paired": paired, "spearman": spearman, "headline": headline,
+            "pairs": pair_summary(pairs) if pairs is not None and pairs.height else pl.DataFrame()}
+
+
+def _auroc_spearman(labeled, rules, budgets, reps, boot: _Boot, labels, scores, meta) -> pl.DataFrame:
+    """Across rules, per budget: Spearman(AUROC, - mean joint damage), CI from the same prompt resamples."""
+    if labels is None or scores is None or len(rules) < 3:
+        return pl.DataFrame()
+    from kvdiag.rankeval import rank_eval
+
+    token = scores.filter(pl.col("granularity") == "token")
+    if token.height == 0:  # token rows: the mean over layers and KV heads of the head rows (mean_rank)
+        token = (scores.filter(pl.col("granularity") == "head").group_by("prompt_id", "checkpoint", "position")
+                 .agg(pl.col(r).mean() for r in rules)
+                 .with_columns(granularity=pl.lit("token"), layer=pl.lit(-1, pl.Int64), kv_head=pl.lit(-1, pl.Int64)))
+    token = token.select(*KEYS, *rules)
+    lab = labels.filter(pl.col("granularity") == "token").join(token.select(KEYS), on=list(KEYS), how="semi")
+    harm = (meta.get("harm") or {})
+    result = rank_eval(lab, token, n_boot=len(boot.mult) if boot.mult is not None else 0,
+                       seed=int((meta.get("config") or {}).get("seed", 0)), reference=None, scorers=tuple(rules),
+                       harm=harm.get("harm", "quantile:0.9"), noise_mult=float(harm.get("noise_mult", 1.0)),
+                       include_unresolved=bool(harm.get("include_unresolved", False)))
+    auroc = result.metrics.filter((pl.col("metric") == "auroc") & (pl.col("scope") == "pooled"))
+    a = {r["scorer"]: r["value"] for r in auroc.iter_rows(named=True)}
+    aligned = sorted(lab["prompt_id"].unique().to_list()) == boot.prompts and boot.mult is not None
+    rows = []
+    for budget in budgets:
+        names = [r for r in rules if np.isfinite(a.get(r, np.nan)) and len(reps.get((r, budget), []))]
+        damage = {r: labeled.filter((pl.col("decision") == r) & (pl.col("budget") == budget))["kl_mean"].mean()
+                  for r in names}
+        names = [r for r in names if damage[r] is not None]
+        if len(names) < 3:
+            continue
+        rho = float(spearmanr([a[r] for r in names], [-damage[r] for r in names])[0])
+        low = high = float("nan")
+        if aligned:
+            ar = np.stack([result.replicates[(r, "auroc", "pooled")] for r in names])  # [R, B]
+            dr = np.stack([reps[(r, budget)] for r in names])
+            rr = np.array([spearmanr(ar[:, b], -dr[:, b])[0] for b in range(ar.shape[1])])
+            low, high = boot.ci(rr)
+        rows.append({"budget": budget, "spearman": rho, "ci_low": low, "ci_high": high, "rules": len(names),
+                     "note": "" if aligned else "no CI: rank-eval's prompts differ from the decisions'"})
+    return pl.DataFrame(rows)
+
+
+def pair_summary(pairs: pl.DataFrame) -> pl.DataFrame:
+    """How often superadditive pairs share a near-duplicate key, the token, or adjacency, against all tested pairs."""
+    pairs = pairs.with_columns(near_duplicate=pl.col("key_cosine") >= NEAR_DUPLICATE)
+    rows = []
+    for group, df in (("superadditive", pairs.filter(pl.col("superadditive"))), ("all tested", pairs)):
+        rows.append({"pairs": group, "n": df.height,
+                     **{f"share_{c}": float(df[c].mean()) if df.height else None
+                        for c in ("near_duplicate", "same_token", "adjacent")},
+                     "median_key_cosine": float(df["key_cosine"].median()) if df.height else None,
+                     "median_pair_over_sum": float((df["pair_kl"] / (df["single_i"] + df["single_j"])).median())
+                     if df.height else None})
+    return pl.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+def _fmt_ci(value, low, high, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    ci = "" if low is None or math.isnan(low) else f" [{number_text(low, digits)}, {number_text(high, digits)}]"
+    return number_text(value, digits) + ci
+
+
+def to_markdown(res: dict, meta: dict) -> str:
+    """summary.md: per budget, every decision's joint damage with CIs; the headline comparisons; Spearman; pairs."""
+    table, paired = res["summary"], res["paired"]
+    cfg = meta.get("config") or {}
+    labels = meta.get("labels") or {}
+    text = (f"# Decisions: the joint damage of each rule's evicted set\n\n"
+            f"Selection `{cfg.get('selection')}`, horizon {cfg.get('horizon')}, budgets "
+            f"{', '.join(cfg.get('budgets', []))}; "
+            f"single labels: {labels.get('method', 'none') if labels else 'none'}. Joint damage: `kl_mean` of the set "
+            f"row (nats, mean over the horizon), mean over checkpoints, {res.get('level', 95)}% cluster-bootstrap CI "
+            f"over prompts (B = {cfg.get('n_boot')}).\n\n")
+    for budget in table["budget"].unique(maintain_order=True).to_list():
+        rows = []
+        sub = table.filter(pl.col("budget") == budget).sort("mean_kl", nulls_last=True)
+        regret = {r["decision"]: r for r in paired.filter((pl.col("budget") == budget) & (pl.col("what") == "regret"))
+                  .iter_rows(named=True)} if paired.height else {}
+        for r in sub.iter_rows(named=True):
+            g = regret.get(r["decision"])
+            rows.append([r["decision"] + (" (ref)" if r["kind"] == "reference" else ""),
+                         _fmt_ci(r["mean_kl"], r["ci_low"], r["ci_high"]),
+                         f"{r['n']}/{r['n_total']}",
+                         _fmt_ci(g["ratio"], g["ratio_ci_low"], g["ratio_ci_high"], 3) if g else "",
+                         number_text(r["additivity_median"], 3) if r["additivity_median"] is not None else ""])
+        text += f"## {budget}\n\nBest rule: **{res['headline']['best_rule'].get(budget)}**.\n\n"
+        text += md_table(["decision", "joint damage", "checkpoints", "/ oracle_greedy", "joint / sum of singles"], rows,
+                         "lrrrr") + "\n"
+    if res["spearman"].height:
+        text += ("## Does single-entry AUROC predict the decision?\n\nSpearman across rules of rank-eval's AUROC and "
+                 "minus the joint damage:\n\n")
+        rows = [[r["budget"], _fmt_ci(r["spearman"], r["ci_low"], r["ci_high"]), r["rules"]]
+                for r in res["spearman"].iter_rows(named=True)]
+        text += md_table(["budget", "Spearman", "rules"], rows, "lrr") + "\n"
+    if res["pairs"].height:
+        text += (f"## Superadditive pairs\n\nTwo entries each harmless alone (single label at or below the harm "
+                 f"threshold), harmful together. Near-duplicate key: cosine >= {NEAR_DUPLICATE} (mean over layers and "
+                 f"KV heads).\n\n")
+        p = res["pairs"]
+        text += md_table(list(p.columns), [list(r) for r in p.rows()], "l" + "r" * (len(p.columns) - 1)) + "\n"
+    return text
+
+
+def figure(table: pl.DataFrame, out: Path) -> list[Path]:
+    """decisions.png/.pdf: joint damage against the budget per decision, log y; the oracles dotted."""
+    from kvdiag.figures.common import new_figure, save_figure, style
+
+    budgets = table["budget"].unique(maintain_order=True).to_list()
+    x = {b: float(b.split(":")[1]) for b in budgets}
+    with style():
+        fig, (ax,) = new_figure(1, 7.5, 4.5)
+        for name in table["decision"].unique(maintain_order=True).to_list():
+            sub = table.filter((pl.col("decision") == name) & pl.col("mean_kl").is_not_nan()).sort("budget")
+            if not sub.height:
+                continue
+            xs = [x[b] for b in sub["budget"]]
+            order = np.argsort(xs)
+            ys = np.maximum(sub["mean_kl"].to_numpy(), 1e-9)[order]
+            ref = name in ORACLES or name == "random"
+            ax.plot(np.array(xs)[order], ys, ls=":" if ref else "-", marker="o", ms=3, lw=1.6 if ref else 1,
+                    color="black" if name in ORACLES else ("grey" if name == "random" else None), label=name)
+        ax.set(yscale="log", xlabel="keep fraction" if budgets[0].startswith("keep") else "budget (entries)",
+               ylabel="joint damage (mean KL, nats)")
+        if budgets[0].startswith("keep"):
+            ax.set_xscale("log", base=2)
+        ax.legend(fontsize=6, ncol=2, loc="best")
+        return save_figure(fig, out, "decisions")
+
+
+OUTPUTS = ("summary.csv", "paired.csv", "spearman.csv", "pairs_summary.csv", "summary.md", "summary.json",
+           "decisions.png", "decisions.pdf")
+
+
+def summarize_files(out: str | os.PathLike, labels: str | os.PathLike | None = None,
+                    scores: str | os.PathLike | None = None) -> dict:
+    """Summarize ``OUT/decisions.parquet`` (and pairs.parquet) into ``OUTPUTS`` in the same directory."""
+    out = Path(out)
+    decisions, meta = read_table(out / "decisions.parquet", "decisions")
+    pairs = pl.read_parquet(out / "pairs.parquet") if (out / "pairs.parquet").is_file() else None
+    label_df = read_table(labels, "--labels")[0] if labels is not None else None
+    score_df = read_table(scores, "--scores")[0] if scores is not None else None
+    res = summarize(decisions, meta, pairs, label_df, score_df)
+    write_csv(res["summary"], out / "summary.csv")
+    write_csv(res["paired"], out / "paired.csv")
+    write_csv(res["spearman"], out / "spearman.csv")
+    write_csv(res["pairs"], out / "pairs_summary.csv")
+    write_text(out / "summary.md", to_markdown(res, meta))
+    write_json(out / "summary.json", {"headline": res["headline"], "over_budget": meta.get("over_budget")})
+    figure(res["summary"], out)
+    return res
+
+
+def load_summary(path: str | os.PathLike) -> dict:
+    """What ``kvdiag decisions`` wrote into ``path``: config.json, summary.md, summary.json (the report reads this)."""
+    path = Path(path)
+    missing = [f for f in ("config.json", "summary.md", "summary.json") if not (path / f).is_file()]
+    if missing:
+        raise UserError(f"{', '.join(missing)} missing (kvdiag decisions did not finish)")
+    return {"config": read_json(path / "config.json", "config.json"), "summary.md": (path / "summary.md").read_text(),
+            "summary": read_json(path / "summary.json", "summary.json"),
+            "has_figure": (path / "decisions.png").is_file()}

@@ -1,0 +1,206 @@
+"""``kvdiag decisions`` on a tiny random Trace: every set row equals physically deleting its set, the rules' sets are
+replay's selection, the references are what they say, bad input is refused before work, a rerun continues."""
+
+from __future__ import annotations
+
+import polars as pl
+import pytest
+import torch
+
+import kvdiag.cli.main
+import kvdiag.replay.live
+import kvdiag.selection
+from kvdiag.decisions import Budget, DecisionsConfig, decide, summarize_files
+from kvdiag.decisions.sets import rule_set
+from kvdiag.io import read_table, write_table
+from kvdiag.label import LabelConfig, OracleEngine, divergences, label_trace
+from kvdiag.label.reference import reference_set_logprobs
+from kvdiag.scorers import checkpoint_keys, get_scorer, score_trace
+from tests.conftest import make_trace
+
+HORIZON = 4
+RULES = ["attention", "h2o", "rkv", "streamingllm", "random"]
+
+
+@pytest.fixture(scope="module")
+def run(tiny_llama, tmp_path_factory):
+    """A 2-prompt Trace, exact labels of every entry at its checkpoints, head scores of every entry there."""
+    root = tmp_path_factory.mktemp("decisions")
+    trace = make_trace(tiny_llama, root / "trace", n_prompts=2, max_new_tokens=40)
+    labels_path = label_trace(trace, tiny_llama, root / "labels.parquet",
+                              LabelConfig(checkpoints="every:16", horizon=HORIZON, candidates="all", w_obs=0),
+                              show_progress=False)
+    labels, labels_meta = read_table(labels_path)
+    cps = {pid: sorted(g["checkpoint"].unique().to_list()) for (pid,), g in labels.group_by("prompt_id")}
+    keys = checkpoint_keys(trace, cps, ["head"])
+    scores, scores_meta = score_trace(trace, keys=keys, scorers=RULES, params={"rkv": {"window": 4}})
+    scores_path = write_table(scores, root / "scores.parquet", scores_meta)
+    return {"root": root, "trace": trace, "labels": labels, "labels_meta": labels_meta, "labels_path": labels_path,
+            "scores": scores, "scores_meta": scores_meta, "scores_path": scores_path, "lm": tiny_llama}
+
+
+def config(**kw) -> DecisionsConfig:
+    base = dict(budgets=(Budget("keep", 0.5), Budget("keep", 0.25)), horizon=HORIZON, n_boot=50, pair_candidates=4,
+                batch_size=5, greedy_chunk=0.25)
+    return DecisionsConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def decided(run):
+    out = run["root"] / "out"
+    decide(run["trace"], run["lm"], run["scores"], run["scores_meta"], out, config(selection="per-token"),
+           run["labels"], run["labels_meta"], show_progress=False)
+    summarize_files(out, labels=run["labels_path"], scores=run["scores_path"])
+    return out, read_table(out / "decisions.parquet")[0]
+
+
+def test_replay_and_decisions_share_one_selection_function():
+    assert kvdiag.replay.live.select_keep is kvdiag.selection.select_keep
+
+
+def test_every_decision_is_labeled_and_equals_physical_deletion(run, decided):
+    out, df = decided
+    names = set(df["decision"])
+    assert names == set(RULES) | {"oracle_single", "oracle_greedy", "fast", "random"}
+    assert df.filter(pl.col("status") == "ok")["kl_mean"].is_not_null().all()
+    trace, lm = run["trace"], run["lm"]
+    pid = trace.prompt_ids[0]
+    sample = df.filter((pl.col("prompt_id") == pid) & (pl.col("status") == "ok")).sort("checkpoint", "decision").head(6)
+    eng = OracleEngine(lm, trace.token_ids(pid), HORIZON)
+    for row in sample.iter_rows(named=True):
+        t = row["checkpoint"]
+        prefix, logp_full = eng.golden(t)
+        evict = torch.tensor(row["evicted_positions"])
+        assert len(evict) == row["evicted"] == t - row["kept"]
+        ref = reference_set_logprobs(lm.model, eng.ids, t, HORIZON, prefix, evict)
+        want = divergences(logp_full, ref[None], eng.ids[t + 1 : t + HORIZON + 1])
+        assert row["kl_mean"] == pytest.approx(float(want["kl"][0].double().mean()), rel=1e-4, abs=1e-6), row
+        assert row["sum_single"] == pytest.approx(
+            run["labels"].filter((pl.col("prompt_id") == pid) & (pl.col("checkpoint") == t)
+                                 & pl.col("position").is_in(row["evicted_positions"]))["kl_mean"].sum(), rel=1e-12)
+
+
+def test_rule_sets_are_replays_selection_of_the_rules_scores(run, decided):
+    """A rule's set is the complement of replay's keep set (select_keep over its live scores) on the same cache: the
+    head rows are percentile ranks of the scores, which keep their order and ties."""
+    _, df = decided
+    trace = run["trace"]
+    pid = trace.prompt_ids[1]
+    t = df.filter(pl.col("prompt_id") == pid)["checkpoint"].max()
+    row = df.filter((pl.col("prompt_id") == pid) & (pl.col("checkpoint") == t) & (pl.col("decision") == "attention")
+                    & (pl.col("budget") == "keep:0.25")).row(0, named=True)
+    rule = get_scorer("attention")
+    from kvdiag.scorers import ScoreContext
+
+    live = []
+    for layer in range(trace.num_layers):
+        qkv = trace.layer(pid, layer)
+        ctx = ScoreContext(qkv.q[:, :t], qkv.k[:, :t], qkv.v[:, :t], trace.layer_attention(layer),
+                           trace.prompt_len(pid), layer, pid)
+        live.append(rule.scores(ctx))
+    keep = kvdiag.selection.select_keep(live, row["kept"], "per-token")[0, 0]
+    assert sorted(set(range(t)) - set(keep.tolist())) == row["evicted_positions"]
+
+
+def test_references_are_what_they_say(run, decided):
+    _, df = decided
+    labels = run["labels"]
+    for row in df.filter(pl.col("decision") == "oracle_single").iter_rows(named=True):
+        kl = labels.filter((pl.col("prompt_id") == row["prompt_id"]) & (pl.col("checkpoint") == row["checkpoint"]))
+        kl = kl.sort("position")["kl_mean"].to_numpy()
+        kept = sorted(set(range(row["checkpoint"])) - set(row["evicted_positions"]))
+        assert min(kl[kept]) >= max(kl[row["evicted_positions"]])  # it keeps the largest single labels
+    greedy = df.filter(pl.col("decision") == "oracle_greedy")
+    assert (greedy["cost_rows"] > 0).all()
+    # one greedy path serves every budget: the tighter budget's set contains the looser one's
+    for (_, _), g in greedy.group_by("prompt_id", "checkpoint"):
+        sets = {r["budget"]: set(r["evicted_positions"]) for r in g.iter_rows(named=True)}
+        assert sets["keep:0.5"] <= sets["keep:0.25"]
+    rand = df.filter(pl.col("decision") == "random")
+    assert rand["evicted_positions"].list.len().to_list() == rand["evicted"].to_list()
+
+
+def test_summary_has_cis_regret_additivity_and_the_figure(decided):
+    out, _ = decided
+    summary = pl.read_csv(out / "summary.csv")
+    assert set(summary["budget"]) == {"keep:0.5", "keep:0.25"}
+    assert (summary.filter(pl.col("n") > 0)["ci_low"] <= summary.filter(pl.col("n") > 0)["mean_kl"] + 1e-12).all()
+    paired = pl.read_csv(out / "paired.csv")
+    assert {"reference", "regret"} <= set(paired["what"])
+    text = (out / "summary.md").read_text()
+    assert "Best rule" in text and "oracle_greedy" in text and (out / "decisions.png").is_file()
+    assert (out / "pairs.parquet").is_file()
+
+
+def test_per_head_sets_differ_per_head_and_are_exact(run):
+    trace, lm = run["trace"], run["lm"]
+    pid = trace.prompt_ids[0]
+    scores = run["scores"].filter((pl.col("prompt_id") == pid) & (pl.col("granularity") == "head"))
+    t = scores["checkpoint"].min()
+    s = scores.filter(pl.col("checkpoint") == t).sort("layer", "kv_head", "position")
+    values = torch.tensor(s["attention"].to_numpy()).view(trace.num_layers, trace.num_kv_heads, t)
+    evict = rule_set(values, t // 2, "per-head")
+    assert evict.shape == (trace.num_layers, trace.num_kv_heads, t - t // 2)
+    assert not all(torch.equal(evict[0, 0], evict[l, h]) for l in range(trace.num_layers)
+                   for h in range(trace.num_kv_heads))
+    eng = OracleEngine(lm, trace.token_ids(pid), HORIZON)
+    got, _ = eng.label_sets(t, [evict])
+    prefix, logp_full = eng.golden(t)
+    ref = reference_set_logprobs(lm.model, eng.ids, t, HORIZON, prefix, evict)
+    want = divergences(logp_full, ref[None], eng.ids[t + 1 : t + HORIZON + 1])
+    torch.testing.assert_close(got["kl"][0], want["kl"][0], rtol=1e-4, atol=1e-6)
+
+
+def test_a_rerun_continues_from_its_parts(run, decided, monkeypatch):
+    out, df = decided
+    import kvdiag.decisions.run as run_mod
+
+    monkeypatch.setattr(run_mod, "_decide_checkpoint", lambda *a, **k: pytest.fail("recomputed a finished checkpoint"))
+    decide(run["trace"], run["lm"], run["scores"], run["scores_meta"], out, config(selection="per-token"),
+           run["labels"], run["labels_meta"], show_progress=False)
+    assert read_table(out / "decisions.parquet")[0].equals(df)
+
+
+def _exits_2(capsys, *argv) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        kvdiag.cli.main.main([str(a) for a in argv])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_bad_input_is_refused_before_work(run, capsys, tmp_path):
+    base = ["decisions", "--trace", run["trace"].path, "--scores", run["scores_path"], "--out", tmp_path / "o",
+            "--horizon", HORIZON]
+    assert "--keep 1.5" in _exits_2(capsys, *base, "--keep", "1.5")
+    assert "--budget 0" in _exits_2(capsys, *base, "--budget", "0")
+    assert "not both" in _exits_2(capsys, *base, "--keep", "0.5", "--budget", "4")
+    assert "oracle_single needs exact labels" in _exits_2(capsys, *base, "--keep", "0.5", "--references",
+                                                          "oracle_single")
+    # rkv protects its window of 4; keeping 1 entry per head cannot
+    assert "rkv always keeps 4 entries" in _exits_2(capsys, *base, "--budget", "1")
+    other = run["scores"].head(10)
+    foreign = write_table(other, tmp_path / "foreign.parquet",
+                          {**run["scores_meta"], "trace": {"fingerprint": "0123456789abcdef"}})
+    assert "another Trace" in _exits_2(capsys, *base[:3], "--scores", foreign, *base[5:], "--keep", "0.5")
+    token_only = write_table(run["scores"].filter(pl.col("granularity") == "token"), tmp_path / "t.parquet",
+                             run["scores_meta"])
+    assert not (tmp_path / "o").exists()
+    assert "no head rows" in _exits_2(capsys, *base[:3], "--scores", token_only, *base[5:], "--keep", "0.5")
+    labels = ["--labels", run["labels_path"]]
+    err = _exits_2(capsys, *base[:-1], "8", *labels, "--keep", "0.5")
+    assert "--horizon 8 differs from the labels' horizon 4" in err
+
+
+def test_infeasible_skip_records_undefined_decisions_and_big_budgets_evict_nothing(run, tmp_path):
+    out = tmp_path / "skip"
+    with pytest.warns(UserWarning, match="keeps every entry"):
+        decide(run["trace"], run["lm"], run["scores"], run["scores_meta"], out,
+               config(budgets=(Budget("budget", 1), Budget("budget", 10_000)), references=("random",), pairs=0,
+                      infeasible="skip"), show_progress=False)
+    df = read_table(out / "decisions.parquet")[0]
+    over = df.filter(pl.col("status") == "over_budget")
+    assert set(over["decision"]) == {"rkv", "streamingllm"} and over["kl_mean"].is_null().all()
+    none = df.filter(pl.col("budget") == "budget:10000")
+    assert (none["status"] == "nothing_evicted").all() and (none["evicted"] == 0).all()
+    assert (none["kl_mean"] <= 1e-6).all()
