@@ -3,6 +3,11 @@
 
 Scores are the rule's ``[Hkv, n]`` per layer (higher = keep; protected entries carry the kept score, so they are
 kept first). Ties keep the newer entry (the higher slot): recency is the safer guess between equals.
+
+Selections: ``per-head`` (each layer and KV head keeps its own top B, R-KV), ``per-token`` (one keep set for every layer
+and head), ``stochastic[:TAU]`` (each layer and KV head *samples* the entries it evicts, without replacement, with
+probabilities ``softmax(-r / TAU)`` over the percentile ranks ``r`` of its scores (0: the lowest-scored), so a low score
+makes eviction likely, not certain; protected entries are never drawn; VaSE's stochastic eviction, TAU our parameter).
 """
 
 from __future__ import annotations
@@ -10,9 +15,41 @@ from __future__ import annotations
 import torch
 from scipy.stats import rankdata
 
-from kvdiag.errors import check_choice
+from kvdiag.errors import UserError, check_choice
 
-SELECTIONS = ("per-head", "per-token")
+SELECTIONS = ("per-head", "per-token", "stochastic")
+STOCHASTIC_TAU = 0.1  # default temperature of stochastic selection, over percentile ranks in [0, 1] (ours)
+
+
+def parse_selection(spec: str, flag: str = "--selection") -> tuple[str, float | None]:
+    """``per-head`` | ``per-token`` | ``stochastic`` | ``stochastic:TAU`` (TAU > 0) -> (mode, tau)."""
+    mode, _, raw = str(spec).partition(":")
+    check_choice(mode, SELECTIONS, flag)
+    if mode != "stochastic":
+        if raw:
+            raise UserError(f"{flag} {spec}: only stochastic takes a temperature (stochastic:TAU)")
+        return mode, None
+    try:
+        tau = float(raw) if raw else STOCHASTIC_TAU
+    except ValueError:
+        tau = float("nan")
+    if not tau > 0 or tau == float("inf"):
+        raise UserError(f"{flag} {spec}: the temperature TAU of stochastic:TAU must be a positive number, e.g. "
+                        f"stochastic:{STOCHASTIC_TAU}")
+    return mode, tau
+
+
+def check_stochastic_rule(rule) -> None:
+    """Stochastic selection draws from a rule's score: refuse a rule whose score is no graded preference (it declares
+    ``continuous = False``, e.g. StreamingLLM's recency order)."""
+    if not getattr(rule, "continuous", True):
+        raise UserError(f"--selection stochastic: {rule.name} has no continuous score to draw from (a fixed order); "
+                        "use per-head or per-token for it")
+
+
+def scored_per_head(selection: str) -> bool:
+    """Whether a selection decides per (layer, KV head) (its scores come from one context per KV head in replay)."""
+    return parse_selection(selection)[0] != "per-token"
 
 
 def top_slots(scores: torch.Tensor, budget: int) -> torch.Tensor:
@@ -31,18 +68,36 @@ def token_ranks(stacked: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(rankdata(stacked.reshape(L * Hkv, n).double().numpy(), method="average", axis=-1).sum(0))
 
 
-def select_keep(scores: list[torch.Tensor], budget: int, selection: str) -> torch.Tensor:
+def select_keep(scores: list[torch.Tensor], budget: int, selection: str, protected: torch.Tensor | None = None,
+                generator: torch.Generator | None = None) -> torch.Tensor:
     """Slots to keep [L, Hkv, budget] (ascending) from per-layer scores ``[Hkv, n]``; ties keep the newer entry.
 
     ``per-head``: each (layer, KV head) keeps its own top ``budget`` (R-KV). ``per-token``: one keep set for every
-    layer and head, ranked by :func:`token_ranks`.
+    layer and head, ranked by :func:`token_ranks`. ``stochastic[:TAU]``: each (layer, KV head) samples the ``n -
+    budget`` entries it evicts (module docstring; Gumbel top-k, drawn from ``generator``), never the ``protected``
+    [L, Hkv, n] (or [n]) ones.
     """
-    check_choice(selection, SELECTIONS, "--selection")
+    mode, tau = parse_selection(selection)
     stacked = torch.stack(scores)  # [L, Hkv, n]
-    if selection == "per-head":
+    if mode == "stochastic":
+        return _sample_keep(stacked, budget, tau, protected, generator)
+    if mode == "per-head":
         return top_slots(stacked, budget)
     L, Hkv, _ = stacked.shape
     return top_slots(token_ranks(stacked), budget).expand(L, Hkv, budget)
+
+
+def _sample_keep(stacked: torch.Tensor, budget: int, tau: float, protected: torch.Tensor | None,
+                 generator: torch.Generator | None) -> torch.Tensor:
+    L, Hkv, n = stacked.shape
+    ranks = torch.from_numpy(rankdata(stacked.reshape(L * Hkv, n).double().numpy(), method="average", axis=-1))
+    ranks = (ranks - 1) / max(n - 1, 1)  # percentile ranks in [0, 1]: the temperature means the same for every rule
+    logits = (-ranks / tau).view(L, Hkv, n)
+    if protected is not None:
+        logits = logits.masked_fill(protected.bool().expand(L, Hkv, n), float("-inf"))
+    u = torch.rand(L, Hkv, n, generator=generator, dtype=torch.float64).clamp(1e-300, 1.0 - 1e-16)
+    keys = logits - torch.log(-torch.log(u))  # Gumbel top-k: the n - budget largest keys are a weighted draw
+    return top_slots(-keys, budget)  # keep the smallest keys (never a protected one's -inf unless they overflow B)
 
 
 def evicted_slots(keep: torch.Tensor, n: int) -> torch.Tensor:

@@ -112,12 +112,16 @@ def test_budget_curves_equal_eviction_by_hand():
 
 
 PROTECTING = ["h2o", "lazyeviction", "rkv", "snapkv", "streamingllm", "value_norm", "vatp", "avokv_e",
-              "avokv_e_no_delay", "avokv_e_no_payload", "avokv_e_no_redundancy", "avokv_e_raw"]
+              "avokv_e_no_delay", "avokv_e_no_payload", "avokv_e_no_redundancy", "avokv_e_raw", "vase", "cake",
+              "obcache"]
 PARAMS = {
     "h2o": {"recent_size": 6},
     "lazyeviction": {"window": 6},
     "rkv": {"window": 6},
     "snapkv": {"window": 6},
+    "vase": {"window": 6, "n_large": 8},
+    "cake": {"window": 6},
+    "obcache": {"window": 6},
     **{
         name: {"w_obs": 4, "w_delay": 10}
         for name in PROTECTING

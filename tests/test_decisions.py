@@ -204,3 +204,37 @@ def test_infeasible_skip_records_undefined_decisions_and_big_budgets_evict_nothi
     none = df.filter(pl.col("budget") == "budget:10000")
     assert (none["status"] == "nothing_evicted").all() and (none["evicted"] == 0).all()
     assert (none["kl_mean"] <= 1e-6).all()
+
+
+def test_stochastic_selection_draws_seeded_sets_beside_the_deterministic_ones(run, tmp_path):
+    """stochastic:TAU: each (rule, budget, checkpoint) gets its deterministic per-head set and S seeded draws (never
+    a protected entry); the summary compares them. A rule with no continuous score is refused before work."""
+    rules = ("attention", "rkv")
+    cfg = config(selection="stochastic:0.2", samples=3, references=("random",), pairs=0, rules=rules)
+    out = tmp_path / "sto"
+    decide(run["trace"], run["lm"], run["scores"], run["scores_meta"], out, cfg, show_progress=False)
+    summarize_files(out)
+    df = read_table(out / "decisions.parquet")[0].filter(pl.col("kind") == "rule")
+    one = df.filter((pl.col("decision") == "rkv") & (pl.col("budget") == "keep:0.25"))
+    per_ck = one.group_by("prompt_id", "checkpoint").agg(pl.col("sample").sort().alias("s"), pl.len())
+    assert (per_ck["len"] == 4).all() and per_ck["s"].to_list()[0] == [None, 0, 1, 2]
+    draws = one.filter(pl.col("sample").is_not_null())
+    assert draws["selection"].unique().to_list() == ["stochastic:0.2"] and draws["draw_seed"].n_unique() == draws.height
+    assert one.filter(pl.col("sample").is_null())["selection"].unique().to_list() == ["per-head"]
+    for row in draws.iter_rows(named=True):  # rkv's window of 4 is never drawn
+        t = row["checkpoint"]
+        assert all(n == 0 for n in row["evicted_heads"][t - 4:]), row
+    sets = {tuple(r["evicted_heads"]) for r in draws.filter(pl.col("checkpoint") == draws["checkpoint"].max()
+                                                             ).iter_rows(named=True)}
+    assert len(sets) > 1  # the draws differ
+    # a rerun draws the same sets (the seeds are in the rows)
+    decide(run["trace"], run["lm"], run["scores"], run["scores_meta"], tmp_path / "sto2", cfg, show_progress=False)
+    again = read_table(tmp_path / "sto2" / "decisions.parquet")[0].filter(pl.col("kind") == "rule")
+    assert again["evicted_heads"].to_list() == df["evicted_heads"].to_list()
+    sto = pl.read_csv(out / "stochastic.csv")
+    assert set(sto["decision"]) == set(rules) and "Stochastic against deterministic" in (out / "summary.md").read_text()
+    with pytest.raises(Exception, match="streamingllm has no continuous score"):
+        decide(run["trace"], run["lm"], run["scores"], run["scores_meta"], tmp_path / "x",
+               config(selection="stochastic", rules=("streamingllm",), references=("random",), pairs=0),
+               show_progress=False)
+    assert not (tmp_path / "x").exists()

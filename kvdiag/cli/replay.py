@@ -22,7 +22,8 @@ def replay(
     w_obs: int | None = typer.Option(None, "--w-obs", help="Observation window for every scorer's window/w_obs "
                                                            "(default: each scorer's own)."),
     selection: str = typer.Option("per-head", "--selection", help="per-head (each layer and KV head keeps its own top "
-                                                                  "B, R-KV) or per-token (one keep set)."),
+                                  "B, R-KV), per-token (one keep set) or stochastic[:TAU] (each layer and KV head "
+                                  "draws its evictions, softmax(-rank/TAU); seeded by --seed)."),
     max_new_tokens: int = typer.Option(512, "--max-new-tokens", help="Generation cap; stopping there is a max-length "
                                                                      "hit."),
     teacher_forced: Path | None = typer.Option(None, "--teacher-forced", help="Trace directory: replay its tokens and "
@@ -76,7 +77,7 @@ def replay(
         budgets=common.parse_list(budget, "--budget", int, low=1, example="128,256"),
         w_obs=w_obs, selection=selection, max_new_tokens=max_new_tokens, full_kv=full_kv, kl=kl, chat=chat,
         instruction=None if no_instruction else (instruction or DEFAULT_INSTRUCTION), params=parse_params(param),
-        backend=backend,
+        backend=backend, seed=seed,
     )
     path = replay_sweep(
         settings, out, teacher_forced=teacher_forced, prompts=prompts, limit=limit, model=model, seed=seed, dtype=dtype,

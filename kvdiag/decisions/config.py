@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from kvdiag.errors import UserError, check_choice
 from kvdiag.harm import HarmSpec
 from kvdiag.schema import HORIZON, N_BOOT
-from kvdiag.selection import SELECTIONS
+from kvdiag.selection import parse_selection
 
 # the reference decisions every rule is compared with (docs/decisions.md)
 REFERENCES = ("oracle_single", "oracle_greedy", "fast", "random")
@@ -53,8 +53,11 @@ class DecisionsConfig:
     """Every setting of one decisions run.
 
     budgets : the budgets graded (:class:`Budget`).
-    selection : ``per-head`` (each layer and KV head keeps its own top B, as replay's default) or ``per-token``
-        (one keep set for every layer and head); ``kvdiag.selection.select_keep`` decides for replay and here.
+    selection : ``per-head`` (each layer and KV head keeps its own top B, as replay's default), ``per-token`` (one keep
+        set for every layer and head) or ``stochastic[:TAU]`` (each layer and KV head draws its evictions; every rule
+        then also gets its deterministic per-head set, to compare); ``kvdiag.selection.select_keep`` decides for
+        replay and here.
+    samples : stochastic selection: draws per (rule, budget, checkpoint).
     horizon : teacher-forced steps of each joint label (the labels file's, when one is given).
     rules : score columns graded (None: every column of the scores file).
     references : reference decisions computed (:data:`REFERENCES`; oracle_single needs labels of every entry).
@@ -73,6 +76,7 @@ class DecisionsConfig:
 
     budgets: tuple[Budget, ...]
     selection: str = "per-head"
+    samples: int = 4
     horizon: int = HORIZON
     rules: tuple[str, ...] | None = None
     references: tuple[str, ...] = REFERENCES
@@ -89,7 +93,9 @@ class DecisionsConfig:
     harm: HarmSpec = field(default_factory=HarmSpec)
 
     def __post_init__(self):
-        check_choice(self.selection, SELECTIONS, "--selection")
+        parse_selection(self.selection)
+        if self.samples < 1:
+            raise UserError(f"--samples {self.samples}: must be a positive number of stochastic draws, e.g. 4")
         check_choice(self.infeasible, INFEASIBLE, "--infeasible")
         for ref in self.references:
             check_choice(ref, REFERENCES, "--references")
@@ -108,7 +114,8 @@ class DecisionsConfig:
 
     def settings(self) -> dict:
         """What changes a part's content (the parts' stamp)."""
-        return {"budgets": [b.name for b in self.budgets], "selection": self.selection, "horizon": self.horizon,
+        return {"budgets": [b.name for b in self.budgets], "selection": self.selection, "samples": self.samples,
+                "horizon": self.horizon,
                 "references": list(self.references), "greedy_chunk": self.greedy_chunk, "pairs": self.pairs,
                 "pair_candidates": self.pair_candidates, "infeasible": self.infeasible, "seed": self.seed,
                 "harm": self.harm.to_config()}

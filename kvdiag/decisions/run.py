@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,7 @@ from kvdiag.parts import PartStore, part_name
 from kvdiag.progress import progress_bar
 from kvdiag.provenance import provenance
 from kvdiag.schema import KEYS
+from kvdiag.selection import check_stochastic_rule, parse_selection
 
 DECISION_SCHEMA = {
     "prompt_id": pl.String, "checkpoint": pl.Int64, "decision": pl.String, "kind": pl.String, "budget": pl.String,
@@ -47,7 +49,7 @@ DECISION_SCHEMA = {
     "protected": pl.Int64, "kl_mean": pl.Float64, "kl_max": pl.Float64, "kl_steps": pl.List(pl.Float64),
     "js_mean": pl.Float64, "nll_delta": pl.Float64, "top1_flips": pl.Int64, "noise_floor": pl.Float64,
     "sum_single": pl.Float64, "evicted_positions": pl.List(pl.Int64), "evicted_heads": pl.List(pl.Int64),
-    "cost_rows": pl.Int64, "cost_seconds": pl.Float64,
+    "cost_rows": pl.Int64, "cost_seconds": pl.Float64, "sample": pl.Int64, "draw_seed": pl.Int64,
 }
 STATUS = {"ok": "labeled", "nothing_evicted": "the budget keeps every entry: nothing is evicted (label 0)",
           "over_budget": "the rule protects more entries than the budget keeps: no decision (--infeasible skip)"}
@@ -126,6 +128,14 @@ def head_scores(scores: pl.DataFrame, rules: list[str], pid: str, t: int, L: int
     return {r: torch.from_numpy(rows[r].to_numpy().astype(np.float64).reshape(L, Hkv, t)) for r in rules}
 
 
+def check_stochastic(rules: dict, cfg: DecisionsConfig) -> None:
+    """Stochastic selection needs a graded score to draw from: refuse a rule that declares none."""
+    if parse_selection(cfg.selection)[0] == "stochastic":
+        for rule in rules.values():
+            if rule is not None:
+                check_stochastic_rule(rule)
+
+
 def check_protection(rules: dict, items: dict[str, list[int]], cfg: DecisionsConfig) -> dict[str, dict[str, int]]:
     """Refuse (``infeasible=refuse``) a rule whose declared protected entries exceed a budget at some checkpoint, as
     replay refuses such a budget; returns rule -> {budget: checkpoints where it does}."""
@@ -155,40 +165,52 @@ def _decide_checkpoint(engine, fisher, lm, pid: str, t: int, scores: dict[str, t
                        progress) -> tuple[pl.DataFrame, pl.DataFrame]:
     L, Hkv = engine.num_layers, engine.num_kv_heads
     kept = {b.name: b.entries(t) for b in cfg.budgets}
+    stochastic = parse_selection(cfg.selection)[0] == "stochastic"
+    deterministic = "per-head" if stochastic else cfg.selection  # what the references and the comparison use
     decisions: list[dict] = []  # one per set row: its fields, its set
     for name, values in scores.items():
-        n_prot = protected_count(rules.get(name), t)
+        rule = rules.get(name)
+        n_prot = protected_count(rule, t)
+        protected = rule.protected(t - torch.arange(t), torch.arange(t)) if rule is not None else None
         for b, k in kept.items():
             status = "over_budget" if n_prot > k else ("nothing_evicted" if k >= t else "ok")
-            evict = rule_set(values, k, cfg.selection) if status != "over_budget" else None
+            evict = rule_set(values, k, deterministic) if status != "over_budget" else None
             decisions.append(dict(decision=name, kind="rule", budget=b, kept=k, protected=n_prot, status=status,
-                                  set=evict))
+                                  set=evict, sample=None, draw_seed=None))
+            for draw in range(cfg.samples if stochastic else 0):  # seeded draws: the same whatever else runs
+                seed = zlib.crc32(f"{cfg.seed}:{pid}:{t}:{name}:{b}:{draw}".encode())
+                gen = torch.Generator().manual_seed(seed)
+                evict = (rule_set(values, k, cfg.selection, protected, gen) if status != "over_budget" else None)
+                decisions.append(dict(decision=name, kind="rule", budget=b, kept=k, protected=n_prot,
+                                      status=status, set=evict, sample=draw, draw_seed=seed))
     refs = cfg.references
     if "oracle_single" in refs:
         for b, k in kept.items():
             decisions.append(dict(decision="oracle_single", kind="reference", budget=b, kept=k, protected=0,
-                                  status="ok" if k < t else "nothing_evicted", set=label_set(singles, k)))
+                                  status="ok" if k < t else "nothing_evicted", set=label_set(singles, k),
+                                  sample=None, draw_seed=None))
     if "fast" in refs:
         a, _ = fisher.effects(t)  # [K, L, Hkv, t] linearized effects on the sampled log-likelihoods
         for b, k in kept.items():
-            if cfg.selection == "per-token":
+            if deterministic == "per-token":
                 est = a.double().sum((1, 2)).pow(2).mean(0)  # [t]: a token row sums its cells' effects
                 evict = label_set(est, k)
             else:
                 evict = head_label_set(a.double().pow(2).mean(0), k)  # [L, Hkv, t]: each cell's own estimate
             decisions.append(dict(decision="fast", kind="reference", budget=b, kept=k, protected=0,
-                                  status="ok" if k < t else "nothing_evicted", set=evict))
+                                  status="ok" if k < t else "nothing_evicted", set=evict, sample=None, draw_seed=None))
     if "random" in refs:
         for b, k in kept.items():
-            evict = random_set(t, k, cfg.selection, L, Hkv, cfg.seed, pid)
+            evict = random_set(t, k, deterministic, L, Hkv, cfg.seed, pid)
             decisions.append(dict(decision="random", kind="reference", budget=b, kept=k, protected=0,
-                                  status="ok" if k < t else "nothing_evicted", set=evict))
+                                  status="ok" if k < t else "nothing_evicted", set=evict, sample=None, draw_seed=None))
     greedy_cost = None
     if "oracle_greedy" in refs:
         greedy, greedy_cost = greedy_sets(engine, t, list(kept.values()), cfg.greedy_chunk, progress)
         for b, k in kept.items():
             decisions.append(dict(decision="oracle_greedy", kind="reference", budget=b, kept=k, protected=0,
-                                  status="ok" if k < t else "nothing_evicted", set=greedy[k]))
+                                  status="ok" if k < t else "nothing_evicted", set=greedy[k], sample=None,
+                                  draw_seed=None))
     todo = [d for d in decisions if d["set"] is not None]
     res, noise = engine.label_sets(t, [d["set"] for d in todo], progress)
     kl = res["kl"].double()
@@ -206,7 +228,8 @@ def _decide_checkpoint(engine, fisher, lm, pid: str, t: int, scores: dict[str, t
             heads.index_add_(0, full.reshape(-1), torch.ones(full.numel(), dtype=torch.long))
         greedy = d["decision"] == "oracle_greedy" and greedy_cost is not None
         rows.append({
-            "prompt_id": pid, "checkpoint": t, **d, "evicted": t - d["kept"], "selection": cfg.selection,
+            "prompt_id": pid, "checkpoint": t, **d, "evicted": t - d["kept"],
+            "selection": cfg.selection if d["sample"] is not None else deterministic,
             "horizon": cfg.horizon, "noise_floor": noise,
             "sum_single": float(singles[evict].sum()) if token and singles is not None else None,
             "evicted_positions": evict.tolist() if token else None, "evicted_heads": heads.tolist(),
@@ -251,6 +274,7 @@ def decide(trace, lm, scores: pl.DataFrame, scores_meta: dict, out: str | os.Pat
                             "them with kvdiag label --candidates all --checkpoints (the scores' checkpoints), or drop "
                             "oracle_single from --references")
     rules = rule_instances(names, scores_meta)
+    check_stochastic(rules, cfg)
     over = check_protection(rules, items, cfg)
     if any(b.entries(t) >= t for b in cfg.budgets for ts in items.values() for t in ts):
         warnings.warn("a budget keeps every entry at some checkpoint: those rows record zero evictions", stacklevel=2)
@@ -327,7 +351,9 @@ def decisions_files(trace: str | os.PathLike, scores: str | os.PathLike, out: st
         tr.check_belongs(label_meta, "--labels")
     items, _ = checkpoints_of(score_df, tr, cfg.horizon)
     names = score_columns(score_df, cfg.rules)
-    check_protection(rule_instances(names, score_meta), items, cfg)
+    rules = rule_instances(names, score_meta)
+    check_stochastic(rules, cfg)
+    check_protection(rules, items, cfg)
     had = tr.manifest["model"]
     lm = load_model(model or had["spec"], dtype=dtype or had.get("dtype", "float32"), device=device)
     lm.check_model_of(had, "--model", "drop --model")

@@ -17,11 +17,13 @@ import torch
 from kvdiag.selection import evicted_slots, select_keep, top_slots
 
 
-def rule_set(scores: torch.Tensor, kept: int, selection: str) -> torch.Tensor:
+def rule_set(scores: torch.Tensor, kept: int, selection: str, protected: torch.Tensor | None = None,
+             generator: torch.Generator | None = None) -> torch.Tensor:
     """The entries a rule evicts keeping ``kept`` of each (layer, KV head): scores [L, Hkv, t] (higher = keep) ->
-    [E] for ``per-token`` selection, [L, Hkv, E] for ``per-head`` (E = t - kept); ties keep the newer entry."""
+    [E] for ``per-token`` selection, [L, Hkv, E] for ``per-head`` and ``stochastic`` (E = t - kept; ``protected [t]``
+    and ``generator``: the stochastic draw's); ties keep the newer entry."""
     L, _, t = scores.shape
-    keep = select_keep(list(scores), kept, selection)
+    keep = select_keep(list(scores), kept, selection, protected, generator)
     evicted = evicted_slots(keep, t)
     return evicted[0, 0] if selection == "per-token" else evicted
 

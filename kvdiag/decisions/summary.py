@@ -67,10 +67,13 @@ def summarize(decisions: pl.DataFrame, meta: dict, pairs: pl.DataFrame | None = 
     """The tables of a decisions run (module docstring). ``labels``/``scores``: for the AUROC-vs-decision Spearman."""
     cfg = meta.get("config") or {}
     n_boot, seed, level = int(cfg.get("n_boot", 1000)), int(cfg.get("seed", 0)), 0.95
-    labeled = decisions.filter(pl.col("kl_mean").is_not_null())
     boot = _Boot(decisions["prompt_id"].unique().to_list(), n_boot, seed, level)
     budgets = list(dict.fromkeys(cfg.get("budgets") or decisions["budget"].unique(maintain_order=True).to_list()))
+    decisions, stochastic = _stochastic_means(decisions if "sample" in decisions.columns
+                                              else decisions.with_columns(sample=pl.lit(None, pl.Int64)))
+    labeled = decisions.filter(pl.col("kl_mean").is_not_null())
     rules = [d for d in cfg.get("rules", []) if d in set(decisions["decision"])]
+    rules += [f"{d} (stochastic)" for d in rules if f"{d} (stochastic)" in set(decisions["decision"])]
     names = rules + [d for d in ("oracle_single", "oracle_greedy", "fast", "random") if d in set(decisions["decision"])]
     reps: dict[tuple[str, str], np.ndarray] = {}
     rows = []
@@ -118,9 +121,38 @@ def summarize(decisions: pl.DataFrame, meta: dict, pairs: pl.DataFrame | None = 
                                     "ratio_ci_high": boot.ci(rreps)[1], "n": p.height})
     paired = pl.DataFrame(paired_rows) if paired_rows else pl.DataFrame()
     headline = {"best_rule": best, "reference": reference}
+    sto_rows = []
+    for budget in budgets:
+        for name in [r for r in rules if r.endswith(" (stochastic)")]:
+            det = name.removesuffix(" (stochastic)")
+            p = _paired(labeled, name, det, budget)
+            if not p.height:
+                continue
+            diff, dreps = boot.mean((p["x"] - p["y"]).to_numpy(), p["prompt_id"].to_numpy())
+            spread = stochastic.filter((pl.col("decision") == name) & (pl.col("budget") == budget))["spread"]
+            sto_rows.append({"decision": det, "budget": budget, "stochastic_minus_deterministic": diff,
+                             "ci_low": boot.ci(dreps)[0], "ci_high": boot.ci(dreps)[1],
+                             "p_value": paired_p_value(dreps) if len(dreps) else None,
+                             "mean_spread": float(spread.mean()) if spread.len() else None, "n": p.height})
     spearman = _auroc_spearman(labeled, rules, budgets, reps, boot, labels, scores, meta)
     return {"summary": table, "paired": paired, "spearman": spearman, "headline": headline,
+            "stochastic": pl.DataFrame(sto_rows),
             "pairs": pair_summary(pairs) if pairs is not None and pairs.height else pl.DataFrame()}
+
+
+def _stochastic_means(decisions: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """The deterministic rows plus, per (prompt, checkpoint, rule, budget) of stochastic draws, one row
+    ``"<rule> (stochastic)"`` holding the mean joint damage over the draws; and the draws' spread (std) there."""
+    draws = decisions.filter(pl.col("sample").is_not_null())
+    base = decisions.filter(pl.col("sample").is_null())
+    if not draws.height:
+        return base, pl.DataFrame()
+    per = draws.group_by("prompt_id", "checkpoint", "decision", "budget", maintain_order=True).agg(
+        pl.col("kl_mean").mean(), pl.col("evicted").first(), pl.col("kind").first(), pl.col("status").first(),
+        spread=pl.col("kl_mean").std())
+    per = per.with_columns(decision=pl.col("decision") + " (stochastic)")
+    rows = per.drop("spread").with_columns(sum_single=pl.lit(None, pl.Float64))
+    return pl.concat([base, rows], how="diagonal_relaxed"), per
 
 
 def _auroc_spearman(labeled, rules, budgets, reps, boot: _Boot, labels, scores, meta) -> pl.DataFrame:
@@ -220,6 +252,16 @@ def to_markdown(res: dict, meta: dict) -> str:
         rows = [[r["budget"], _fmt_ci(r["spearman"], r["ci_low"], r["ci_high"]), r["rules"]]
                 for r in res["spearman"].iter_rows(named=True)]
         text += md_table(["budget", "Spearman", "rules"], rows, "lrr") + "\n"
+    if res["stochastic"].height:
+        text += ("## Stochastic against deterministic selection\n\nPer rule and budget: the mean over checkpoints of "
+                 "(mean joint damage of the stochastic draws − the deterministic per-head set's), with its CI and "
+                 "p-value; spread: the mean over checkpoints of the draws' standard deviation.\n\n")
+        rows = [[r["decision"], r["budget"], _fmt_ci(r["stochastic_minus_deterministic"], r["ci_low"], r["ci_high"]),
+                 number_text(r["p_value"], 3) if r["p_value"] is not None else "n/a",
+                 number_text(r["mean_spread"], 3) if r["mean_spread"] is not None else "n/a", r["n"]]
+                for r in res["stochastic"].iter_rows(named=True)]
+        text += md_table(["rule", "budget", "stochastic − deterministic", "p", "spread", "checkpoints"], rows,
+                         "llrrrr") + "\n"
     if res["pairs"].height:
         text += (f"## Superadditive pairs\n\nTwo entries each harmless alone (single label at or below the harm "
                  f"threshold), harmful together. Near-duplicate key: cosine >= {NEAR_DUPLICATE} (mean over layers and "
@@ -255,7 +297,8 @@ def figure(table: pl.DataFrame, out: Path) -> list[Path]:
         return save_figure(fig, out, "decisions")
 
 
-OUTPUTS = ("summary.csv", "paired.csv", "spearman.csv", "pairs_summary.csv", "summary.md", "summary.json",
+OUTPUTS = ("summary.csv", "paired.csv", "spearman.csv", "pairs_summary.csv", "stochastic.csv", "summary.md",
+           "summary.json",
            "decisions.png", "decisions.pdf")
 
 
@@ -272,6 +315,7 @@ def summarize_files(out: str | os.PathLike, labels: str | os.PathLike | None = N
     write_csv(res["paired"], out / "paired.csv")
     write_csv(res["spearman"], out / "spearman.csv")
     write_csv(res["pairs"], out / "pairs_summary.csv")
+    write_csv(res["stochastic"], out / "stochastic.csv")
     write_text(out / "summary.md", to_markdown(res, meta))
     write_json(out / "summary.json", {"headline": res["headline"], "over_budget": meta.get("over_budget")})
     figure(res["summary"], out)

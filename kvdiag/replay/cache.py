@@ -14,11 +14,11 @@ import torch
 from transformers import DynamicCache
 
 from kvdiag.adapters import ModelAttention
-from kvdiag.errors import UserError, check_choice
+from kvdiag.errors import UserError
 from kvdiag.kernels import compact_kv
-from kvdiag.replay.live import SELECTIONS
 from kvdiag.schema import CHECKPOINT_INTERVAL
 from kvdiag.scorers import Scorer
+from kvdiag.selection import parse_selection
 
 
 @dataclass
@@ -35,8 +35,9 @@ class Policy:
     scorer : the scoring rule (must run on a live cache, see ``live.check_live_scorer``).
     budget : B, entries kept per (layer, KV head) after a compaction.
     interval : generated tokens between checkpoints (R-KV's ``divide_length``, 128).
-    selection : ``per-head`` (R-KV) or ``per-token``.
+    selection : ``per-head`` (R-KV), ``per-token`` or ``stochastic[:TAU]`` (``kvdiag.selection``).
     backend : kernel backend of the compaction (``auto``, ``torch``, ``triton``).
+    seed : seed of stochastic selection (each compaction draws from ``crc32(seed:prompt:t)``).
     """
 
     scorer: Scorer
@@ -44,13 +45,14 @@ class Policy:
     interval: int = CHECKPOINT_INTERVAL
     selection: str = "per-head"
     backend: str = "auto"
+    seed: int = 0
 
     def __post_init__(self):
         if self.budget < 1:
             raise UserError(f"--budget {self.budget}: must be a positive number of cache entries")
         if self.interval < 1:
             raise UserError(f"--interval {self.interval}: must be a positive number of tokens between compressions")
-        check_choice(self.selection, SELECTIONS, "--selection")
+        parse_selection(self.selection)
 
     @property
     def query_window(self) -> int:

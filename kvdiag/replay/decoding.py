@@ -15,6 +15,7 @@ so the cache never holds more than ``budget + interval`` entries. The end of the
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -24,8 +25,9 @@ from kvdiag.errors import UserError
 from kvdiag.features import o_proj_weights
 from kvdiag.models import LoadedModel
 from kvdiag.replay.cache import Policy, ReplayCache
-from kvdiag.replay.live import QueryWindow, observing, score_layer, select_keep
+from kvdiag.replay.live import QueryWindow, observing, score_layer
 from kvdiag.scorers.base import needs_o_proj
+from kvdiag.selection import parse_selection, select_keep
 
 REFERENCE_CHUNK = 512  # tokens per forward of the full-cache reference (bounds its logits memory)
 
@@ -127,7 +129,12 @@ class Session:
                     self.o_proj.get(layer),
                 )
             )
-        self.cache.compact(select_keep(scores, policy.budget, policy.selection), policy.backend)
+        generator = protected = None
+        if parse_selection(policy.selection)[0] == "stochastic":  # a seeded draw per compaction; never a protected one
+            generator = torch.Generator().manual_seed(zlib.crc32(f"{policy.seed}:{self.prompt_id}:{t}".encode()))
+            positions = self.cache.positions
+            protected = policy.scorer.protected(t - positions, positions)
+        self.cache.compact(select_keep(scores, policy.budget, policy.selection, protected, generator), policy.backend)
         self.compressions.append(t)
         if self.keep_history:
             self.kept.append((t, self.cache.positions.clone()))

@@ -16,7 +16,7 @@ from pathlib import Path
 import polars as pl
 import torch
 
-from kvdiag.errors import UserError, check_choice
+from kvdiag.errors import UserError
 from kvdiag.features import o_proj_weights
 from kvdiag.io import check_writable, write_json
 from kvdiag.models import LoadedModel, load_model
@@ -26,9 +26,10 @@ from kvdiag.prompts import DEFAULT_INSTRUCTION, Prompt, encode_prompt, load_prom
 from kvdiag.provenance import command_line, provenance
 from kvdiag.replay.cache import Policy
 from kvdiag.replay.decoding import Decoded, decode, full_logprobs, kl_steps, teacher_force
-from kvdiag.replay.live import SELECTIONS, check_live_scorer, make_scorer
+from kvdiag.replay.live import check_live_scorer, make_scorer
 from kvdiag.schema import CHECKPOINT_INTERVAL
 from kvdiag.scorers.base import needs_o_proj
+from kvdiag.selection import check_stochastic_rule, parse_selection
 from kvdiag.trace import Trace
 
 FULL_KV = "full_kv"  # the scorer name of the uncompressed reference rows (the paper's FullKV)
@@ -51,7 +52,7 @@ class ReplaySettings:
     scorers, budgets : the sweep (scorer names; entries kept per layer and KV head).
     interval : generated tokens between compressions (R-KV 128).
     w_obs : observation window given to every scorer's ``window``/``w_obs`` field (None: each scorer's own).
-    selection : ``per-head`` or ``per-token``.
+    selection : ``per-head``, ``per-token`` or ``stochastic[:TAU]`` (``kvdiag.selection``).
     max_new_tokens : free-running generation cap (a stop there is a max-length hit).
     full_kv : also decode with the full cache (the FullKV reference row; free-running only).
     kl : free-running: also measure KL against a full-cache forward of each generation.
@@ -72,6 +73,7 @@ class ReplaySettings:
     instruction: str | None = DEFAULT_INSTRUCTION
     params: dict[str, dict] = field(default_factory=dict)
     backend: str = "auto"
+    seed: int = 0  # of stochastic selection
 
 
 @dataclass
@@ -96,12 +98,15 @@ def check_settings(settings: ReplaySettings) -> None:
         raise UserError(f"--w-obs {settings.w_obs}: must be a positive number of queries")
     if settings.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {settings.max_new_tokens}: must be a positive number of tokens")
-    check_choice(settings.selection, SELECTIONS, "--selection")
+    mode, _ = parse_selection(settings.selection)
     stray = [name for name in settings.params if name not in settings.scorers]
     if stray:
         raise UserError(f"--param {stray[0]}.…: scorer {stray[0]} is not in --scorer; add it or drop the parameter")
     for name in settings.scorers:
-        check_live_scorer(make_scorer(name, settings.params.get(name), settings.w_obs))
+        scorer = make_scorer(name, settings.params.get(name), settings.w_obs)
+        check_live_scorer(scorer)
+        if mode == "stochastic":
+            check_stochastic_rule(scorer)
 
 
 def build_policies(lm: LoadedModel, settings: ReplaySettings) -> dict[tuple[str, int | None], Policy | None]:
@@ -113,7 +118,7 @@ def build_policies(lm: LoadedModel, settings: ReplaySettings) -> dict[tuple[str,
     for name in settings.scorers:
         scorer = make_scorer(name, settings.params.get(name), settings.w_obs)
         for budget in settings.budgets:
-            policy = Policy(scorer, budget, settings.interval, settings.selection, settings.backend)
+            policy = Policy(scorer, budget, settings.interval, settings.selection, settings.backend, settings.seed)
             check_live_scorer(scorer, budget, settings.interval, group, head_dim)
             policies[(name, budget)] = policy
     return policies
@@ -179,8 +184,10 @@ def replay(
     common = {
         "mode": mode,
         "model": {k: lm.info[k] for k in ("config_hash", "weights_hash", "dtype")},
-        "settings": {
-            k: v for k, v in asdict(settings).items() if k not in ("scorers", "budgets", "params", "backend", "full_kv")
+        "settings": {  # the seed changes nothing but a stochastic selection's draws
+            k: v for k, v in asdict(settings).items()
+            if k not in ("scorers", "budgets", "params", "backend", "full_kv")
+            and not (k == "seed" and parse_selection(settings.selection)[0] != "stochastic")
         },
         "trace": trace.fingerprint if teacher_forced else None,
     }

@@ -41,6 +41,10 @@ from kvdiag.scorers.vatp import VATP
 from kvdiag.scorers.random_scorer import RandomScorer
 from kvdiag.scorers.avokv_e import AvoKVE, avokv_score
 from kvdiag.scorers.avokv_e_ablations import AvoKVENoDelay, AvoKVENoPayload, AvoKVENoRedundancy, AvoKVERaw
+from kvdiag.scorers.vase import VaSE
+from kvdiag.scorers.cake import CAKE
+from kvdiag.scorers.obcache import OBCache
+from kvdiag.scorers.longflow import LongFlow
 from kvdiag.scorers.fitted import Fitted  # not in --scorers all: needs --param fitted.path=model.json
 from kvdiag.scorers import kvpress_press  # noqa: F401  (registers the kvpress: resolver; kvpress loads on first use)
 # isort: on
@@ -50,8 +54,9 @@ from kvdiag.scorers.run import KEY_COLUMNS, checkpoint_keys, default_checkpoints
 __all__ = [
     "AGGREGATIONS", "ENTRY_POINT_GROUP", "KEY_COLUMNS", "SCORERS",
     "AttentionScorer", "AttentionXAge", "AvoKVE", "AvoKVENoDelay", "AvoKVENoPayload", "AvoKVENoRedundancy",
-    "AvoKVERaw", "Fitted", "H2O", "HistoryUnavailable", "KNorm", "LazyEviction", "QueryWindowScorer", "RKV",
-    "RandomScorer", "ScoreContext", "Scorer", "SnapKV", "StreamingLLM", "TOVA", "ThinKVProxy", "VATP", "ValueNorm",
+    "AvoKVERaw", "CAKE", "Fitted", "H2O", "HistoryUnavailable", "KNorm", "LazyEviction", "LongFlow", "OBCache",
+    "QueryWindowScorer", "RKV", "RandomScorer", "ScoreContext", "Scorer", "SnapKV", "StreamingLLM", "TOVA",
+    "ThinKVProxy", "VATP", "VaSE", "ValueNorm",
     "avokv_score", "check_scores", "checkpoint_keys", "default_checkpoints", "get_scorer", "lazyeviction_score",
     "load_plugin_rules", "load_plugins", "needs_o_proj", "parse_params", "percentile_rank", "protect",
     "register_scorer", "resolve_scorers", "rkv_importance", "score_trace", "scorer_names", "zscore",

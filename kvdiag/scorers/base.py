@@ -36,6 +36,7 @@ class Scorer:
     window_field: ClassVar[str | None] = None  # the field holding the observation window (replay's --w-obs sets it)
     needs_history: ClassVar[bool] = False  # reads the attention of every past query (a live cache keeps W_q)
     needs_model: ClassVar[bool] = False  # reruns the Trace's model (kvpress presses): not in a live cache
+    continuous: ClassVar[bool] = True  # its score is a graded preference (False: a fixed order; no stochastic draws)
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         """[Hkv, t] raw score of every cached entry, higher = keep; the protected entries' values are replaced."""

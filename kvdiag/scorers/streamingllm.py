@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -27,6 +28,7 @@ class StreamingLLM(Scorer):
     n_sink : attention sinks kept (official start_size 4).
     """
 
+    continuous: ClassVar[bool] = False  # a recency order, not a graded preference: nothing to draw from
     n_sink: int = 4
 
     def __post_init__(self):
