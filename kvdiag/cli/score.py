@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from kvdiag.cli import common
 from kvdiag.errors import UserError
 
 
@@ -17,8 +18,8 @@ def score(
     labels: Path | None = typer.Option(None, "--labels", help="labels.parquet: score exactly its candidates (same "
                                                               "keys)."),
     checkpoints: list[str] | None = typer.Option(
-        None, "--checkpoints", help="Without --labels: 'default' (every 128 generated tokens) or positions t, e.g. "
-                                    "256,384 (repeatable); every entry < t is scored."),
+        None, "--checkpoints", help="Without --labels: every:K (every K generated tokens), 'default' (every:128) or "
+                                    "positions t, e.g. 256,384 (repeatable); every entry < t is scored."),
     granularity: list[str] | None = typer.Option(None, "--granularity", help="With --checkpoints: token (default), "
         "layer and/or head, comma-separated, repeatable."),
     scorers: list[str] = typer.Option(["all"], "--scorers", help="'all' or comma-separated scorer names, repeatable."),
@@ -32,6 +33,7 @@ def score(
                                                            "o_proj weights are read."),
     list_: bool = typer.Option(False, "--list", help="List every scorer (built-in, plugin, kvpress:<Press>) and "
                                                      "whether it can be graded, then exit."),
+    quiet: bool = common.Quiet,
 ) -> None:
     """Score candidates of a Trace with the scorer zoo (higher = keep) and write scores.parquet."""
     from kvdiag.cli.common import joined, parse_list
@@ -44,7 +46,8 @@ def score(
     if trace is None or out is None:
         raise UserError("pass --trace DIR and --out scores.parquet (or --list to see the scorers)")
     df, meta = score_files(trace, out, labels, joined(checkpoints), joined(granularity),
-                           parse_list(scorers, "--scorers", str), parse_params(param), plugin or (), aggregation, model)
+                           parse_list(scorers, "--scorers", str), parse_params(param), plugin or (), aggregation, model,
+                           progress=not quiet)
     Console(stderr=True).print(f"wrote {df.height} rows × {len(meta['scorers'])} scorers to {out}")
 
 

@@ -1,0 +1,68 @@
+"""``kvdiag grade RULE.py|NAME``: grade a rule against a fixed, versioned benchmark; ``--all``: the leaderboard."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvdiag.cli import common
+
+
+def grade(
+    rule_spec: str | None = typer.Argument(None, help="a .py file or module that registers a rule, or a registered "
+                                           "rule name (kvpress:<Press> and fitted:PATH included)"),
+    bench: str = typer.Option("math500-smollm2@1", "--bench", help="benchmark NAME@VERSION shipped in "
+                              "data/kvdiag-bench (or its directory)"),
+    rule: str | None = typer.Option(None, "--rule", help="the rule to grade when the plugin registers several"),
+    param: list[str] | None = typer.Option(None, "--param", help="rule.key=value, repeatable"),
+    out: Path | None = typer.Option(None, "--out", help="output directory (default runs/grade/<rule>)"),
+    all_: bool = typer.Option(False, "--all", help="grade every built-in rule and gradable kvpress press: the "
+                              "leaderboard (the first run of a benchmark version also stores them in it)"),
+    leaderboard: Path | None = typer.Option(None, "--leaderboard", help="with --all: also write the leaderboard "
+                                            "Markdown here (e.g. reports/leaderboard.md)"),
+    quiet: bool = common.Quiet,
+) -> None:
+    """Grade a rule on a shipped benchmark: how it ranks single-entry damage, and the exact joint damage of its
+    decisions at the benchmark's budgets, against the oracle and the built-in rules; prints its leaderboard row."""
+    from kvdiag.errors import UserError
+    from kvdiag.grade import RANK_METRICS, grade_files
+    from kvdiag.scorers import parse_params
+
+    common.quiet_transformers()
+    if all_ == (rule_spec is not None):
+        raise UserError("pass a rule to grade (a .py file, a module or a registered name) or --all, not both")
+    if leaderboard is not None and not all_:
+        raise UserError("--leaderboard applies with --all only; drop it")
+    name = "all" if all_ else Path(rule_spec).stem
+    res = grade_files(rule_spec, bench, out or Path("runs/grade") / name, rule=rule, params=parse_params(param),
+                      everything=all_, leaderboard=leaderboard, show_progress=not quiet)
+    budgets = [k.split("@", 1)[1] for k in res["rows"][0] if k.startswith("joint@") and not k.endswith("_ci")]
+    table = Table(title=f"kvdiag grade on {bench}")
+    for col in ["rule", *RANK_METRICS, *(f"joint @ {b}" for b in budgets)]:
+        table.add_column(col, justify="left" if col == "rule" else "right")
+
+    def cell(row, key):
+        v, ci = row.get(key), row.get(f"{key}_ci")
+        if v is None or v != v:
+            return "n/a"
+        return f"{v:.3g}" + ("" if not ci or ci[0] != ci[0] else f" [{ci[0]:.3g}, {ci[1]:.3g}]")
+
+    for row in res["rows"]:
+        table.add_row(row["rule"], *(cell(row, m) for m in RANK_METRICS),
+                      *(f"{cell(row, f'joint@{b}')} ({row.get(f'decided@{b}')})" for b in budgets))
+    console = Console()
+    console.print(table)
+    for row in res["rows"] if not all_ else []:
+        for b in budgets:
+            extra = [f"regret vs oracle_greedy {cell(row, f'regret@{b}')}x"]
+            if f"place@{b}" in row:
+                extra.append(f"place {row[f'place@{b}']}")
+            if f"vs_best@{b}" in row:
+                v = row[f"vs_best@{b}"]
+                extra.append(f"vs best ({v['best']}): {v['diff']:+.3g} [{v['ci'][0]:+.3g}, {v['ci'][1]:+.3g}], "
+                             f"p = {v['p']:.3g}")
+            console.print(f"{row['rule']} @ {b}: " + "; ".join(extra), highlight=False)
+    console.print("time: " + ", ".join(f"{k} {v:.0f} s" for k, v in res["timings"].items()), highlight=False)

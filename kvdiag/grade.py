@@ -1,0 +1,241 @@
+"""``kvdiag grade RULE.py|NAME``: one command grades a rule against a fixed, versioned benchmark (``kvdiag.benchmark``)
+and prints its leaderboard row; ``--all`` grades every built-in rule and the gradable kvpress presses and writes the
+leaderboard.
+
+A row holds, on the benchmark's Trace (q/k/v rebuilt from the embedded model, its weights hash checked):
+
+- how the rule **ranks** single-entry damage: rank-eval's AUROC, AP, top-k recall, false-safe rate and Spearman
+  against the exact labels of every entry, pooled, with cluster-bootstrap CIs over prompts;
+- how good its **decisions** are: at each budget of the benchmark, the exact joint damage of the set it evicts
+  (``kvdiag.decisions``, per (layer, KV head) selection), its mean with a CI, the regret against ``oracle_greedy``
+  (ratio of means, CI), its place among the built-in rules and a paired test against the best of them.
+
+Where the time goes is printed (rebuild + scoring, rank-eval, decisions' set rows).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from kvdiag import benchmark as bench_mod
+from kvdiag.errors import UserError
+from kvdiag.io import read_table, write_csv, write_json, write_table, write_text
+from kvdiag.schema import KEYS
+from kvdiag.tables import md_table, number_text
+
+RANK_METRICS = ("auroc", "ap", "topk_recall", "fsr", "spearman")
+
+
+def resolve_rules(spec: str | None, rule: str | None, params: dict[str, dict], everything: bool = False) -> dict:
+    """name -> Scorer instance: the rule a plugin file (``.py``) or module registers (``rule`` when it registers
+    several), or the registered ``spec``; with ``everything``, every built-in rule that runs without a setting and
+    every gradable kvpress press. Bad input is one ``UserError`` line."""
+    from kvdiag.scorers import SCORERS, get_scorer, load_plugin_rules
+
+    if everything:
+        names = [n for n, cls in SCORERS.items() if ":" not in n and cls.in_all]
+        try:
+            names += SCORERS.expand(["kvpress:all"])
+        except UserError:  # kvpress not installed: the built-ins only
+            pass
+    elif spec is not None and (spec.endswith(".py") or os.sep in spec):
+        found = load_plugin_rules(spec)
+        if not found:
+            raise UserError(f"{spec} registers no rule: decorate a Scorer dataclass with @register_scorer(\"name\")")
+        if rule is None and len(found) > 1:
+            raise UserError(f"{spec} registers several rules ({', '.join(found)}): choose one with --rule")
+        if rule is not None and rule not in found:
+            raise UserError(f"--rule {rule}: {spec} registers {', '.join(found)}")
+        names = [rule or found[0]]
+    elif spec is not None:
+        SCORERS.resolve(spec)
+        names = [spec]
+    else:
+        raise UserError("pass a rule (a .py file, a module or a registered name) or --all")
+    stray = [n for n in params if n not in names]
+    if stray:
+        raise UserError(f"--param {stray[0]}.…: {stray[0]} is not the rule graded ({', '.join(names)})")
+    return {n: get_scorer(n, **params.get(n, {})) for n in names}
+
+
+def _token_scores(head: pl.DataFrame, rules: list[str]) -> pl.DataFrame:
+    """Token rows: the mean over layers and KV heads of the head rows (the ``mean_rank`` aggregation)."""
+    token = head.group_by("prompt_id", "checkpoint", "position").agg(pl.col(r).mean() for r in rules)
+    return token.with_columns(granularity=pl.lit("token"), layer=pl.lit(-1, pl.Int64),
+                              kv_head=pl.lit(-1, pl.Int64)).select(*KEYS, *rules)
+
+
+def grade(bench: bench_mod.Benchmark, rules: dict, lm, out: Path, show_progress: bool = True) -> dict:
+    """Grade ``rules`` on ``bench``; writes ``out/`` (scores, rank-eval metrics, decisions) and returns the rows, the
+    per-checkpoint joint damages and the timings."""
+    from kvdiag.decisions import DecisionsConfig, decide
+    from kvdiag.decisions.summary import _Boot
+    from kvdiag.harm import HarmSpec
+    from kvdiag.rankeval import rank_eval
+    from kvdiag.scorers import checkpoint_keys, score_trace
+    from kvdiag.trace import Trace
+
+    timings: dict[str, float] = {}
+    s = bench.settings
+    tr = Trace(bench.file("trace"), model=lm)
+    labels, labels_meta = read_table(bench.file("labels.parquet"), "benchmark labels")
+    refs = read_table(bench.file("references.parquet"), "benchmark references")[0]
+    cps = {pid: sorted(g["checkpoint"].unique().to_list()) for (pid,), g in labels.group_by("prompt_id")}
+    start = time.perf_counter()
+    head, meta = score_trace(tr, keys=checkpoint_keys(tr, cps, ["head"]), scorers=rules, progress=show_progress)
+    timings["rebuild + score"] = time.perf_counter() - start
+    names = list(rules)
+    write_table(head, out / "scores-head.parquet", meta)
+    start = time.perf_counter()
+    harm = s.get("harm") or {}
+    result = rank_eval(labels, _token_scores(head, names), n_boot=int(s.get("n_boot", 1000)), seed=int(s["seed"]),
+                       reference=None, scorers=tuple(names), harm=harm.get("harm", "quantile:0.9"),
+                       noise_mult=float(harm.get("noise_mult", 1.0)),
+                       include_unresolved=bool(harm.get("include_unresolved", False)))
+    timings["rank-eval"] = time.perf_counter() - start
+    write_csv(result.metrics, out / "metrics.csv")
+    budgets = tuple(_budget(b) for b in s["budgets"])
+    cfg = DecisionsConfig(budgets=budgets, selection=s["selection"], horizon=int(s["horizon"]), references=(),
+                          pairs=0, infeasible="skip", seed=int(s["seed"]), n_boot=int(s.get("n_boot", 1000)),
+                          harm=HarmSpec.from_config(harm))
+    start = time.perf_counter()
+    decide(tr, lm, head, meta, out / "decisions", cfg, labels, labels_meta, show_progress)
+    timings["decisions (set rows)"] = time.perf_counter() - start
+    dec = read_table(out / "decisions" / "decisions.parquet")[0].select(
+        "prompt_id", "checkpoint", "decision", "budget", "status", "kl_mean")
+    boot = _Boot(labels["prompt_id"].unique().to_list(), int(s.get("n_boot", 1000)), int(s["seed"]), 0.95)
+    builtins = read_table(bench.file(bench_mod.BUILTINS))[0] if bench.has_builtins else None
+    rows = [_row(name, rules[name], result, dec, refs, builtins, boot, [b.name for b in budgets]) for name in names]
+    return {"rows": rows, "decisions": dec, "timings": timings}
+
+
+def _budget(name: str):
+    from kvdiag.decisions import Budget
+
+    kind, value = name.split(":")
+    return Budget(kind, float(value))
+
+
+def _mean_ci(boot, df: pl.DataFrame) -> tuple[float, float, float]:
+    value, reps = boot.mean(df["kl_mean"].to_numpy(), df["prompt_id"].to_numpy())
+    return (value, *boot.ci(reps))
+
+
+def _row(name: str, scorer, result, dec: pl.DataFrame, refs: pl.DataFrame, builtins: pl.DataFrame | None, boot,
+         budgets: list[str]) -> dict:
+    """One leaderboard row (module docstring)."""
+    from kvdiag.rankeval.bootstrap import paired_p_value
+
+    m = result.metrics.filter((pl.col("scorer") == name) & (pl.col("scope") == "pooled"))
+    row: dict = {"rule": name, "params": scorer.params}
+    for metric in RANK_METRICS:
+        r = m.filter(pl.col("metric") == metric)
+        if r.height:
+            r = r.row(0, named=True)
+            row[metric], row[f"{metric}_ci"] = r["value"], [r["ci_low"], r["ci_high"]]
+    for b in budgets:
+        mine = dec.filter((pl.col("decision") == name) & (pl.col("budget") == b))
+        ok = mine.filter(pl.col("kl_mean").is_not_null())
+        value, low, high = _mean_ci(boot, ok) if ok.height else (float("nan"),) * 3
+        row[f"joint@{b}"], row[f"joint@{b}_ci"], row[f"decided@{b}"] = value, [low, high], f"{ok.height}/{mine.height}"
+        greedy = refs.filter((pl.col("decision") == "oracle_greedy") & (pl.col("budget") == b))
+        both = ok.join(greedy.select("prompt_id", "checkpoint", g="kl_mean"), on=["prompt_id", "checkpoint"])
+        if both.height:
+            x, xr = boot.mean(both["kl_mean"].to_numpy(), both["prompt_id"].to_numpy())
+            y, yr = boot.mean(both["g"].to_numpy(), both["prompt_id"].to_numpy())
+            with np.errstate(invalid="ignore", divide="ignore"):
+                row[f"regret@{b}"], row[f"regret@{b}_ci"] = x / y, list(boot.ci(xr / yr))
+        if builtins is not None:
+            lb = builtins.filter(pl.col("budget") == b)
+            means = lb.group_by("rule").agg(pl.col("kl_mean").mean(), n=pl.len(),
+                                            ok=pl.col("kl_mean").is_not_null().sum())
+            complete = means.filter(pl.col("n") == pl.col("ok")).sort("kl_mean")
+            if complete.height and ok.height == mine.height:
+                better = complete.filter(pl.col("kl_mean") < value).height
+                row[f"place@{b}"] = f"{better + 1} of {complete.height + (name not in complete['rule'])}"
+                best = complete.row(0, named=True)["rule"]
+                if best != name:
+                    other = lb.filter(pl.col("rule") == best).select("prompt_id", "checkpoint", o="kl_mean")
+                    p = ok.join(other, on=["prompt_id", "checkpoint"])
+                    diff, dr = boot.mean((p["kl_mean"] - p["o"]).to_numpy(), p["prompt_id"].to_numpy())
+                    row[f"vs_best@{b}"] = {"best": best, "diff": diff, "ci": list(boot.ci(dr)),
+                                           "p": paired_p_value(dr) if len(dr) else None}
+    return row
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+def _ci(value, ci) -> str:
+    if value is None or (isinstance(value, float) and np.isnan(value)):
+        return "n/a"
+    low, high = ci if ci else (float("nan"), float("nan"))
+    return number_text(value, 3) + ("" if low is None or np.isnan(low) else
+                                    f" [{number_text(low, 3)}, {number_text(high, 3)}]")
+
+
+def leaderboard_table(rows: list[dict], budgets: list[str]) -> tuple[list[str], list[list]]:
+    headers = ["rule", "AUROC", "AP", "FSR", *(f"joint @ {b}" for b in budgets), *(f"/ greedy @ {b}" for b in budgets)]
+    out = []
+    for r in rows:
+        out.append([r["rule"], _ci(r.get("auroc"), r.get("auroc_ci")), _ci(r.get("ap"), r.get("ap_ci")),
+                    _ci(r.get("fsr"), r.get("fsr_ci")),
+                    *(_ci(r.get(f"joint@{b}"), r.get(f"joint@{b}_ci")) + f" ({r.get(f'decided@{b}')})"
+                      for b in budgets),
+                    *(_ci(r.get(f"regret@{b}"), r.get(f"regret@{b}_ci")) for b in budgets)])
+    return headers, out
+
+
+def grade_files(spec: str | None, bench: str, out: str | os.PathLike, rule: str | None = None,
+                params: dict | None = None, everything: bool = False, leaderboard: str | os.PathLike | None = None,
+                show_progress: bool = True) -> dict:
+    """What ``kvdiag grade`` runs: every input checked before the model loads, then :func:`grade`."""
+    from kvdiag.io import check_writable
+    from kvdiag.models import load_model
+
+    out = check_writable(out, "--out", "dir")
+    b = bench_mod.load(bench)
+    rules = resolve_rules(spec, rule, params or {}, everything)
+    start = time.perf_counter()
+    lm = load_model(b.manifest["model"]["spec"], dtype=b.manifest["model"].get("dtype", "float32"))
+    bench_mod.check_model(b, lm)
+    load_s = time.perf_counter() - start
+    res = grade(b, rules, lm, Path(out), show_progress)
+    res["timings"] = {"model load": load_s, **res["timings"]}
+    budgets = list(b.settings["budgets"])
+    write_json(Path(out) / "rows.json", {"bench": b.name, "rows": res["rows"], "timings": res["timings"]})
+    if everything:
+        joint = res["decisions"].rename({"decision": "rule"})
+        if not b.has_builtins:  # the first --all of a version completes it; later ones never rewrite it
+            write_table(joint, b.file(bench_mod.BUILTINS), {"kind": "builtins", "bench": b.name})
+            bench_mod.seal(b.path, b.manifest)
+        rows = sorted(res["rows"], key=lambda r: (np.nan_to_num(r.get(f"joint@{budgets[-1]}", np.nan), nan=np.inf)))
+        headers, table = leaderboard_table(rows, budgets)
+        text = (f"# Leaderboard: {b.name}\n\n" + md_table(headers, table, "l" + "r" * (len(headers) - 1)))
+        write_text(Path(out) / "leaderboard.md", text)
+        write_csv(pl.DataFrame([_flat(r) for r in rows]), Path(out) / "leaderboard.csv")
+        if leaderboard is not None:
+            write_text(leaderboard, text)
+    return res
+
+
+def _flat(row: dict) -> dict:
+    out = {}
+    for k, v in row.items():
+        if k == "params":
+            out[k] = str(v)
+        elif isinstance(v, list):
+            out[f"{k}_low"], out[f"{k}_high"] = v
+        elif isinstance(v, dict):
+            out.update({f"{k}_{kk}": (str(vv) if isinstance(vv, list) else vv) for kk, vv in v.items()})
+        else:
+            out[k] = v
+    return out
+
+
+__all__ = ["RANK_METRICS", "grade", "grade_files", "leaderboard_table", "resolve_rules"]

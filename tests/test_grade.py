@@ -1,0 +1,142 @@
+"""``kvdiag grade`` on a tiny benchmark built the way the shipped ones are: a Trace stored as tokens only, labels of
+every entry, the references' joint damage; ``--all`` completes it with the built-in rules; a plugin then gets its
+leaderboard row; a built-in regraded lands inside its stored row's CI; bad input is refused before any work."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+import kvdiag.cli.main
+from kvdiag import benchmark
+from kvdiag.decisions import Budget, DecisionsConfig, decide
+from kvdiag.io import read_table, write_table
+from kvdiag.label import LabelConfig, label_trace
+from kvdiag.scorers import SCORERS, checkpoint_keys, score_trace
+from tests.conftest import make_trace
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.fixture(scope="module")
+def bench(tiny_llama, tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    trace = make_trace(tiny_llama, root / "trace", n_prompts=2, max_new_tokens=40)
+    labels = label_trace(trace, tiny_llama, root / "labels.parquet",
+                         LabelConfig(checkpoints="every:16", horizon=4, candidates="all", w_obs=0), show_progress=False)
+    lab = read_table(labels)[0]
+    cps = {pid: sorted(g["checkpoint"].unique().to_list()) for (pid,), g in lab.group_by("prompt_id")}
+    scores, meta = score_trace(trace, keys=checkpoint_keys(trace, cps, ["head"]), scorers=["random"])
+    cfg = DecisionsConfig(budgets=(Budget("keep", 0.5), Budget("keep", 0.25)), horizon=4, pairs=0, n_boot=50,
+                          greedy_chunk=0.25, infeasible="skip")
+    decide(trace, tiny_llama, scores, meta, root / "decisions", cfg, *read_table(labels), show_progress=False)
+    path = benchmark.make("tiny", 1, root / "trace", labels, root / "decisions", root=root / "shipped",
+                          licence="random weights")
+    return {"root": root, "dir": path.parent, "shipped": root / "shipped"}
+
+
+def run(*argv) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exit_:
+        kvdiag.cli.main.main([str(a) for a in argv])
+    return exit_.value.code, ""
+
+
+@pytest.fixture(scope="module")
+def graded_all(bench):
+    out = bench["root"] / "all"
+    before = dict(SCORERS)
+    code, _ = run("grade", "--all", "--bench", bench["dir"], "--out", out, "--quiet")
+    SCORERS.clear()
+    SCORERS.update(before)
+    assert code == 0
+    return out
+
+
+def test_the_benchmark_holds_tokens_only_and_seals_every_file(bench, graded_all):
+    b = benchmark.load(str(bench["dir"]))
+    assert json.loads((bench["dir"] / "trace" / "manifest.json").read_text())["store"]["mode"] == "none"
+    assert not (bench["dir"] / "trace" / "tensors").exists()
+    assert set(b.manifest["files"]) == {*benchmark.FILES, benchmark.BUILTINS}  # --all completed it
+    assert b.manifest["settings"]["budgets"] == ["keep:0.5", "keep:0.25"]
+
+
+def test_all_writes_the_leaderboard(graded_all):
+    text = (graded_all / "leaderboard.md").read_text()
+    for rule in ("attention", "h2o", "snapkv", "knorm", "random", "avokv_e"):
+        assert f"| {rule} |" in text
+    lb = pl.read_csv(graded_all / "leaderboard.csv")
+    assert {"auroc", "auroc_ci_low", "joint@keep:0.5", "regret@keep:0.25"} <= set(lb.columns)
+
+
+def test_a_plugin_gets_its_row_with_place_and_paired_test(bench, graded_all, tmp_path, capsys):
+    plugin = tmp_path / "my_rule.py"
+    block = re.search(r"```python\n(# my_scorer.py.*?)```", README.read_text(), re.DOTALL).group(1)
+    plugin.write_text(block)
+    before = dict(SCORERS)
+    try:
+        code, _ = run("grade", plugin, "--bench", bench["dir"], "--out", tmp_path / "g", "--quiet")
+    finally:
+        SCORERS.clear()
+        SCORERS.update(before)
+    out = capsys.readouterr().out
+    assert code == 0 and "value_key_ratio" in out and "place" in out and "vs best" in out
+    rows = json.loads((tmp_path / "g" / "rows.json").read_text())["rows"]
+    assert rows[0]["rule"] == "value_key_ratio" and 0 <= rows[0]["auroc"] <= 1
+
+
+def test_regrading_a_builtin_reproduces_its_leaderboard_row(bench, graded_all, tmp_path):
+    """Same benchmark, same rule: the row lands inside the stored row's CIs (here: equal, the same computation)."""
+    code, _ = run("grade", "knorm", "--bench", bench["dir"], "--out", tmp_path / "k", "--quiet")
+    assert code == 0
+    mine = json.loads((tmp_path / "k" / "rows.json").read_text())["rows"][0]
+    stored = next(r for r in json.loads((graded_all / "rows.json").read_text())["rows"] if r["rule"] == "knorm")
+    for key in ("auroc", "joint@keep:0.5", "joint@keep:0.25"):
+        low, high = stored[f"{key}_ci"]
+        assert low - 1e-12 <= mine[key] <= high + 1e-12, key
+        assert mine[key] == pytest.approx(stored[key], rel=1e-6, abs=1e-9)
+
+
+def _exits_2(capsys, *argv) -> str:
+    code, _ = run(*argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_bad_input_is_refused_before_work(bench, tmp_path, capsys):
+    base = ["grade", "--bench", bench["dir"], "--out", tmp_path / "o"]
+    assert "unknown benchmark" in _exits_2(capsys, "grade", "knorm", "--bench", "nope@1", "--out", tmp_path / "o")
+    assert "registers no rule" in _exits_2(capsys, *base, __file__)
+    two = tmp_path / "two.py"
+    two.write_text(
+        "from dataclasses import dataclass\nfrom kvdiag.scorers import Scorer, register_scorer\n"
+        "@register_scorer('two_a')\n@dataclass\nclass A(Scorer):\n"
+        "    def score(self, ctx):\n        return ctx.k.norm(dim=-1)\n"
+        "@register_scorer('two_b')\n@dataclass\nclass B(A):\n    pass\n")
+    before = dict(SCORERS)
+    try:
+        assert "several rules" in _exits_2(capsys, *base, two)
+    finally:
+        SCORERS.clear()
+        SCORERS.update(before)
+    assert "has no parameter 'nope'" in _exits_2(capsys, *base, "knorm", "--param", "knorm.nope=1")
+    assert not (tmp_path / "o").exists()
+    # a changed file, a foreign model
+    copy = tmp_path / "copy"
+    import shutil
+
+    shutil.copytree(bench["dir"], copy)
+    lab = read_table(copy / "labels.parquet")
+    write_table(lab[0].head(10), copy / "labels.parquet", lab[1])
+    assert "does not match its sha256" in _exits_2(capsys, "grade", "knorm", "--bench", copy, "--out", tmp_path / "o")
+    shutil.rmtree(copy)
+    shutil.copytree(bench["dir"], copy)
+    manifest = json.loads((copy / "MANIFEST.json").read_text())
+    manifest["model"]["weights_hash"] = "0000000000000000"
+    (copy / "MANIFEST.json").write_text(json.dumps(manifest))
+    assert "was made with weights 0000000000000000" in _exits_2(capsys, "grade", "knorm", "--bench", copy, "--out",
+                                                               tmp_path / "o")
