@@ -40,6 +40,7 @@ app.add_typer(bench_app, name="bench")
 # the commands, after the apps they join
 from kvdiag.cli.bench_kernels import bench_kernels
 from kvdiag.cli.bench_label import bench_label
+from kvdiag.cli.bench_peak import bench_peak
 from kvdiag.cli.bench_scale import bench_scale
 from kvdiag.cli.bench_score import bench_score
 from kvdiag.cli.bench_trace import bench_trace
@@ -47,6 +48,7 @@ from kvdiag.cli.decisions import decisions
 from kvdiag.cli.demo import demo
 from kvdiag.cli.figures import figures
 from kvdiag.cli.fit import fit
+from kvdiag.cli.grade import grade
 from kvdiag.cli.label import label
 from kvdiag.cli.rank_eval import rank_eval
 from kvdiag.cli.replay import replay
@@ -56,12 +58,13 @@ from kvdiag.cli.trace import trace
 from kvdiag.cli.validate_labels import validate_labels
 
 for _name, _fn in [("trace", trace), ("label", label), ("score", score), ("rank-eval", rank_eval), ("figures", figures),
-                   ("report", report), ("replay", replay), ("decisions", decisions), ("fit", fit), ("demo", demo),
+                   ("report", report), ("replay", replay), ("decisions", decisions), ("grade", grade), ("fit", fit),
+                   ("demo", demo),
                    ("validate-labels", validate_labels)]:
     app.command(_name)(_fn)
 for _name, _fn in [
     ("trace", bench_trace), ("label", bench_label), ("score", bench_score), ("kernels", bench_kernels),
-    ("scale", bench_scale),
+    ("scale", bench_scale), ("peak", bench_peak),
 ]:
     bench_app.command(_name)(_fn)
 
