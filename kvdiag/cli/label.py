@@ -25,8 +25,17 @@ def label(
     w_obs: int = typer.Option(W_OBS, "--w-obs", help="every:K starts once W_obs tokens are generated"),
     batch_size: int = typer.Option(64, "--batch-size", help="candidate rows per forward"),
     method: str = typer.Option("exact", "--method", help="exact (the oracle) | fast (the recommended approximate "
-        "method, labels every entry in one pass) | fisher (docs/labels.md)"),
-    samples: int = typer.Option(None, "--samples", help="fisher: sampled continuations per horizon step (default 8)"),
+        "method, labels every entry in one pass) | fisher | hybrid (fast for every entry, exact for the top M and an "
+        "audit sample; docs/labels.md)"),
+    samples: int = typer.Option(None, "--samples", help="fisher, hybrid: sampled continuations per horizon step "
+                                "(default 8)"),
+    exact_top: int = typer.Option(None, "--exact-top", help="hybrid: the M entries per checkpoint with the largest "
+                                  "fast labels get exact labels"),
+    exact_frac: float = typer.Option(None, "--exact-frac", help="hybrid: M as a share of the checkpoint's candidates"),
+    audit: int = typer.Option(None, "--audit", help="hybrid: a seeded uniform sample of N other entries labeled "
+                              "exactly, to estimate the miss rate (default 32)"),
+    miss_rate: bool = typer.Option(True, "--miss-rate/--no-miss-rate", help="hybrid: estimate the miss rate from "
+                                   "the audit"),
     seed: int = common.Seed,
     model: str = typer.Option(None, "--model", help="override the Trace's model (refused if different unless --force)"),
     force: bool = typer.Option(False, "--force", help="label with a model other than the Trace's"),
@@ -45,11 +54,15 @@ def label(
 
     if model is None:
         common.refuse_given(ctx, ["force"], "without --model (the Trace's own model is used)")
+    if method != "hybrid":
+        common.refuse_given(ctx, ["exact_top", "exact_frac", "audit", "miss_rate"], "without --method hybrid")
+    given = {"samples": samples, "exact_top": exact_top, "exact_frac": exact_frac, "audit": audit}
+    params = {k: v for k, v in given.items() if v is not None}
 
     cfg = LabelConfig(
         checkpoints=common.joined(checkpoints), horizon=horizon, candidates=candidates, granularity=granularity,
         layers=common.parse_ints(layers, "--layers"), w_obs=w_obs, batch_size=batch_size, seed=seed, backend=backend,
-        method=method, params={} if samples is None else {"samples": samples},
+        method=method, params=params, miss_rate=miss_rate,
     )
     path = run_label(trace, out, cfg, model=model, force=force, dtype=dtype, device=device, shard=shard, quiet=quiet)
     if path is not None:

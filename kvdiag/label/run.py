@@ -17,10 +17,11 @@ import torch
 from kvdiag.cli.common import parse_checkpoints
 from kvdiag.distributed import Group, parse_shard
 from kvdiag.errors import UserError
-from kvdiag.io import check_writable
+from kvdiag.io import check_writable, write_table
 from kvdiag.kernels import BACKENDS
 from kvdiag.label.engine import GRANULARITIES, OracleEngine, candidate_rows
 from kvdiag.label.fast import APPROXIMATE, method_params, resolve_method
+from kvdiag.label.hybrid import HybridLabeler, HybridParams, miss_rate
 from kvdiag.models import LoadedModel, check_device, load_model, parse_dtype
 from kvdiag.parts import PartStore, part_name
 from kvdiag.progress import progress_bar
@@ -28,6 +29,7 @@ from kvdiag.provenance import provenance
 from kvdiag.schema import CHECKPOINTS, HORIZON, KEY_SCHEMA, W_OBS, default_checkpoints
 from kvdiag.trace import Trace
 
+HYBRID = "hybrid"
 LABEL_SCHEMA = {
     **KEY_SCHEMA, "horizon": pl.Int64, "kl_mean": pl.Float64, "kl_max": pl.Float64,
     "kl_steps": pl.List(pl.Float64), "js_mean": pl.Float64, "nll_delta": pl.Float64, "top1_flips": pl.Int64,
@@ -48,16 +50,25 @@ class LabelConfig:
     batch_size: int = 64
     seed: int = 0
     backend: str = "auto"
-    method: str = (
-        "exact"  # exact (the oracle engine) or an approximate method (kvdiag.label.fast; fast = the recommended one)
-    )
-    params: dict = field(default_factory=dict)  # the approximate method's settings (defaults filled in)
+    # exact (the oracle engine), an approximate method (kvdiag.label.fast; fast = the recommended one) or hybrid
+    # (kvdiag.label.hybrid: fast for every candidate, exact for the top M and an audit sample)
+    method: str = "exact"
+    params: dict = field(default_factory=dict)  # the method's settings (defaults filled in)
+    miss_rate: bool = True  # hybrid: estimate the miss rate from the audit (written into the metadata)
     sampling: str = field(default="", init=False)
 
     def __post_init__(self):
         self.validate()
-        self.method = resolve_method(self.method)
-        self.params = method_params(self.method, **self.params)
+        if self.method == HYBRID:
+            hybrid = HybridParams(**self.params)
+            hybrid.validate()
+            if hybrid.audit == 0 and self.miss_rate:
+                raise UserError("--audit 0 leaves no sample to estimate the miss rate from: pass --audit N > 0, or "
+                                "--no-miss-rate")
+            self.params = asdict(hybrid)
+        else:
+            self.method = resolve_method(self.method)
+            self.params = method_params(self.method, **self.params)
         self.sampling = ("every cached entry [0, t)" if self.candidates == "all"
                          else f"uniform without replacement over [0, t), seed {self.seed} + checkpoint")
 
@@ -83,7 +94,7 @@ class LabelConfig:
             raise UserError(f"--batch-size {self.batch_size}: must be a positive number of candidate rows, e.g. 64")
         if self.backend not in BACKENDS:
             raise UserError(f"--backend {self.backend}: use one of {', '.join(BACKENDS)}")
-        if resolve_method(self.method) == "exact" and self.params:
+        if self.method != HYBRID and resolve_method(self.method) == "exact" and self.params:
             raise UserError(f"--method exact has no settings ({', '.join(self.params)}); drop them or choose an "
                             "approximate --method")
 
@@ -124,6 +135,13 @@ def work_items(trace: Trace, cfg: LabelConfig, prompt_ids: list[str] | None = No
                 raise UserError(f"--checkpoints: {t} is outside [1, {T - cfg.horizon}] for prompt {pid} (length {T}, "
                                 f"horizon {cfg.horizon})")
             items.append((pid, t))
+    if cfg.method == HYBRID and items:  # the exact set and the audit must fit every checkpoint's candidates
+        hybrid = HybridParams(**cfg.params)
+        fewest = min(t if cfg.candidates == "all" else min(t, int(cfg.candidates)) for _, t in items)
+        top = hybrid.top_count(fewest)
+        if hybrid.audit > fewest - top:
+            raise UserError(f"--audit {hybrid.audit} exceeds the {fewest - top} candidates left outside the exact top "
+                            f"{top} at the smallest checkpoint: use --audit <= {fewest - top}")
     if not items:
         raise UserError(f"--checkpoints {cfg.checkpoints}: no checkpoint fits the Trace (needs t - prompt_len >= "
                         f"W_obs={cfg.w_obs} "
@@ -132,9 +150,12 @@ def work_items(trace: Trace, cfg: LabelConfig, prompt_ids: list[str] | None = No
 
 
 def make_engine(lm: LoadedModel, token_ids, cfg: LabelConfig):
-    """The labeler of one prompt: the oracle engine (exact) or the approximate method's labeler."""
+    """The labeler of one prompt: the oracle engine (exact), the hybrid labeler, or the approximate method's."""
     if cfg.method == "exact":
         return OracleEngine(lm, token_ids, cfg.horizon, cfg.batch_size, cfg.backend)
+    if cfg.method == HYBRID:
+        return HybridLabeler(lm, token_ids, cfg.horizon, HybridParams(**cfg.params), cfg.seed, cfg.batch_size,
+                             cfg.backend)
     labeler, params = APPROXIMATE[cfg.method]
     return labeler(lm, token_ids, cfg.horizon, params(**cfg.params), cfg.seed)
 
@@ -143,6 +164,8 @@ def label_item(engine, trace: Trace, pid: str, t: int, cfg: LabelConfig, token_i
     """Label one checkpoint; returns its rows in ``LABEL_SCHEMA``."""
     positions = sample_candidates(t, cfg.candidates, cfg.seed)
     rows = candidate_rows(positions, cfg.granularity, engine.num_layers, engine.num_kv_heads, cfg.layers)
+    if isinstance(engine, HybridLabeler):
+        return _hybrid_item(engine, pid, t, cfg, rows, token_ids, progress)
     if not isinstance(engine, OracleEngine):
         return _approximate_item(engine, pid, t, cfg, rows, token_ids, progress)
     res, noise = engine.label(t, rows, progress=progress)
@@ -174,9 +197,29 @@ def _approximate_item(labeler, pid: str, t: int, cfg: LabelConfig, rows, token_i
     }, schema=LABEL_SCHEMA)
 
 
+def _hybrid_item(labeler, pid: str, t: int, cfg: LabelConfig, rows, token_ids, progress=None) -> pl.DataFrame:
+    """Hybrid rows: the exact label where ``method`` is exact-top or exact-audit, the Fisher estimate (kl_mean,
+    nll_delta; the rest null) where it is fast; every row the checkpoint's measured noise floor."""
+    res = labeler.label(t, rows, progress)
+    n = len(rows)
+    return pl.DataFrame({
+        "prompt_id": [pid] * n, "checkpoint": [t] * n, "position": [r.position for r in rows],
+        "granularity": [cfg.granularity] * n, "layer": [r.layer for r in rows], "kv_head": [r.kv_head for r in rows],
+        "horizon": [cfg.horizon] * n, "kl_mean": res["kl"], "kl_max": res["kl_max"], "kl_steps": res["kl_steps"],
+        "js_mean": res["js_mean"], "nll_delta": res["nll_delta"], "top1_flips": res["top1_flips"],
+        "noise_floor": [res["noise"]] * n, "age": [t - r.position for r in rows],
+        "token_id": [int(token_ids[r.position]) for r in rows], "method": res["method"],
+    }, schema={**LABEL_SCHEMA, "method": pl.String})
+
+
 def labels_meta(trace: Trace, lm: LoadedModel, cfg: LabelConfig) -> dict:
     label = "KL(P_full || P_evict) per step, fp32, full vocabulary; kl_mean = mean over the horizon"
-    if cfg.method != "exact":
+    if cfg.method == HYBRID:
+        label = (f"hybrid ({cfg.params}, seed {cfg.seed}): the column method says which rows are exact (exact-top: "
+                 "the M largest Fisher labels; exact-audit: a seeded uniform sample of the rest) and which are the "
+                 "Fisher estimate (fast: kl_mean and nll_delta, the rest null); every row the checkpoint's noise floor "
+                 "(docs/labels.md)")
+    elif cfg.method != "exact":
         label = (f"approximate ({cfg.method}, settings {cfg.params}, seed {cfg.seed}): kl_mean and nll_delta estimate "
                  "the exact label's; kl_max, kl_steps, js_mean, top1_flips are null; noise_floor 0 (docs/labels.md)")
     return {"kind": "labels", **provenance(), "trace": trace.provenance, "model": lm.info,
@@ -228,11 +271,29 @@ def label_trace(
                 parts.write(checkpoint_part(pid, t), df, meta)
                 progress.advance(item_task)
     if merge:
-        parts.merge(
+        merged = parts.merge(
             [checkpoint_part(*it) for it in items], out, meta,
             sort=["prompt_id", "checkpoint", "position", "layer", "kv_head"], schema=LABEL_SCHEMA,
         )
+        if cfg.method == HYBRID and cfg.miss_rate:  # the audit's estimate, into the metadata
+            write_table(merged, out, {**meta, "miss_rate": miss_rate(merged, seed=cfg.seed)})
+        warning = noise_floor_warning(pl.read_parquet(out, columns=["kl_mean", "noise_floor"]), lm.dtype)
+        if warning:
+            from rich.console import Console
+
+            Console(stderr=True, soft_wrap=True).print(f"[bold yellow]warning:[/] {warning}", highlight=False)
     return out
+
+
+def noise_floor_warning(df: pl.DataFrame, dtype: str) -> str | None:
+    """One line when the median noise floor (the null row's KL) exceeds the median label: most labels are then
+    numerical noise of the model's ``dtype`` (rank-eval treats labels at or below the floor as unresolved)."""
+    floor, label = df["noise_floor"].median(), df["kl_mean"].median()
+    if floor is None or label is None or not floor > label:
+        return None
+    below = float((df["kl_mean"] <= df["noise_floor"]).mean())
+    return (f"the median noise floor {floor:.2e} nats exceeds the median label {label:.2e} ({below:.0%} of labels at "
+            f"or below their floor: unresolved) in {dtype}; label in float32 (--dtype float32) to resolve them")
 
 
 def _stamp_parts(parts: PartStore, meta: dict) -> None:
