@@ -516,14 +516,14 @@ def build_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
     out = writable_dir(out_dir or run, "--out")
     rel = os.path.relpath(run.resolve(), out.resolve()).replace(os.sep, "/")
     title = f"kvdiag report: {run.resolve().name}"
-    md = "\n".join([
+    md = "\n".join(section for section in [
         f"# {title}\n",
         # relative, so a committed report names no path of the machine that made it
         f"Run directory `{rel}` (relative to this report); report made {time.strftime('%Y-%m-%d %H:%M:%S %Z')} by "
         f"kvdiag {__version__}.\n",
         _contents(r), _trace_section(r), _labels_section(r), _scores_section(r), _rank_eval_section(r, rel),
         _figures_section(r, rel), _decisions_section(r, rel), _viewer_section(r, out), _commands_section(r),
-    ])
+    ] if section)  # an optional section that is absent adds nothing
     md_path, html_path = out / "report.md", out / "report.html"
     md_path.write_text(md)
     html_path.write_text(markdown_to_html(md, out, title))
