@@ -51,7 +51,7 @@ class Registry(dict[str, T]):
         """Register ``entry`` as ``name``. The same entry again (the same class or function, by module and qualified
         name, e.g. a plugin file loaded twice) replaces it; another one is a ``UserError``."""
         taken = super().get(name)
-        if taken is not None and _describe(taken) != _describe(entry):
+        if taken is not None and not _same(taken, entry):
             raise UserError(f"{self.kind} name {name!r} is taken by {_describe(taken)}; register under another name")
         self[name] = entry
         return entry
@@ -103,6 +103,15 @@ class Registry(dict[str, T]):
                 register(ep.name, obj)
             loaded.append(f"{ep.name} = {ep.value}")
         return loaded
+
+
+def _same(a: object, b: object) -> bool:
+    """The same entry: equal, or the same class or function by module and qualified name (a module loaded twice)."""
+    if a is b or a == b:
+        return True
+    named = [x if isinstance(x, type) or callable(x) and hasattr(x, "__qualname__")
+             else getattr(x, "compute", None) or getattr(x, "draw", None) for x in (a, b)]
+    return all(n is not None and hasattr(n, "__qualname__") for n in named) and _describe(a) == _describe(b)
 
 
 def _describe(entry: object) -> str:
