@@ -6,7 +6,7 @@ STAMP := $(VENV)/.kvdiag-installed
 
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo -n)
 
-.PHONY: demo test lint venv browser clean
+.PHONY: demo test lint venv browser clean gpu-bundle gpu-check
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -42,3 +42,23 @@ browser:
 
 clean:
 	rm -rf runs .pytest_cache
+
+# The GPU check (docs/benchmarks.md): `make gpu-bundle` here (PyPI), carry build/gpu-bundle to a CUDA machine,
+# `make gpu-check` there with its own python3 and torch (no network, no venv). DRY_RUN=1: the same script here,
+# end to end on the CPU (bundle built, installed into a clean directory, every step at small shapes).
+GPU_BUNDLE ?= build/gpu-bundle
+GPU_CHECK_OUT ?= build/gpu-check
+GPU_PYTHON ?= python3
+
+# needs the venv, not a fresh install of it (the stamp goes stale whenever this Makefile changes)
+gpu-bundle:
+	test -x $(BIN)/python || $(MAKE) venv
+	$(BIN)/python -m kvdiag.gpu_check bundle --out $(GPU_BUNDLE)
+
+ifeq ($(DRY_RUN),1)
+gpu-check: gpu-bundle
+	$(BIN)/python $(GPU_BUNDLE)/gpu_check.py run --bundle $(GPU_BUNDLE) --out $(GPU_CHECK_OUT) --dry-run
+else
+gpu-check:
+	$(GPU_PYTHON) $(GPU_BUNDLE)/gpu_check.py run --bundle $(GPU_BUNDLE) --out $(GPU_CHECK_OUT)
+endif

@@ -15,12 +15,19 @@ Specs accepted by ``load_model``:
   models built from a config in memory (hidden 64, 2 layers, 4 query / 2 KV heads; hybrids alternate a
   sliding layer of window 8 and a full one) with a byte-level tokenizer. For tests; nothing is downloaded.
   Every load goes through ``kvdiag.adapters.adapt``: unsupported architectures are refused in one line.
+- ``random:<name>[:<option>=<value>,...]`` (``RANDOM``: llama-3.1-8b, qwen2.5-7b, qwen3-8b, gemma-3-4b,
+  gpt-oss-20b; deepseek-v3 is refused: MLA) — the shapes of the reasoning models kvdiag targets, random weights
+  initialised on ``device`` in ``dtype`` (transformers' own init, seeded), a byte-level tokenizer padded to the
+  model's vocabulary. Options: ``layers=N`` (the first N decoder layers), ``vocab=V`` (a smaller vocabulary, for
+  tests), ``seed=S``. For benchmarks only: ``LoadedModel.info["random"]`` marks them, and with it every Trace
+  manifest and labels file (``is_random``).
 - ``path/to/file.gguf`` — loaded through transformers' GGUF support (dequantized).
 - a local directory or a hub id — ``AutoModelForCausalLM.from_pretrained`` (safetensors only).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -49,6 +56,7 @@ class LoadedModel:
     revision: str | None
     config_hash: str
     weights_hash: str
+    random: dict | None = None  # how a random:<name> model was made (None: trained weights)
 
     @property
     def attention(self) -> ModelAttention:
@@ -62,7 +70,7 @@ class LoadedModel:
             "spec": self.spec, "architecture": type(self.model).__name__, "dtype": self.dtype, "device": self.device,
             "revision": self.revision, "config_hash": self.config_hash, "weights_hash": self.weights_hash,
             "num_layers": ma.num_layers, "num_heads": ma.num_heads, "num_kv_heads": ma.num_kv_heads,
-            "head_dim": ma.qk_head_dim, "attention": ma.info(),
+            "head_dim": ma.qk_head_dim, "attention": ma.info(), **({"random": self.random} if self.random else {}),
         }
 
     def is_model_of(self, recorded: dict, config: bool = False) -> bool:
@@ -102,8 +110,11 @@ def load_model(
     """Load ``spec`` (see module docstring) in eval mode on ``device``."""
     torch_dtype = parse_dtype(dtype)
     device = check_device(device)
+    rnd = None
     if spec.startswith("tiny:"):
         model, tok = _tiny(spec.split(":", 1)[1], seed)
+    elif spec.startswith("random:"):
+        model, tok, rnd = _random(spec, torch_dtype, device, seed)
     elif spec in EMBEDDED:  # smollm2, gemma3-270m
         model, tok = _from_dir(embedded_dir(spec), torch_dtype, None, False)
     elif spec.endswith(".gguf"):
@@ -111,7 +122,10 @@ def load_model(
     else:
         model, tok = _from_dir(spec, torch_dtype, revision, trust_remote_code)
     model = adapt(model).to(device=device, dtype=torch_dtype).eval()
-    loaded = LoadedModel(model, tok, spec, dtype, device, revision, config_hash(model.config), weights_hash(model))
+    # a random model's weights are a function of its recipe: a sample of them identifies it (hashing 8B
+    # parameters would take minutes)
+    hashed = sampled_weights_hash(model) if rnd else weights_hash(model)
+    loaded = LoadedModel(model, tok, spec, dtype, device, revision, config_hash(model.config), hashed, rnd)
     _restart_peak_after_load()
     return loaded
 
@@ -150,6 +164,34 @@ def weights_hash(model: torch.nn.Module) -> str:
         h.update(name.encode())
         h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+@torch.no_grad()
+def sampled_weights_hash(model: torch.nn.Module, per_tensor: int = 4096) -> str:
+    """sha256 over ``per_tensor`` evenly spaced entries of every parameter (fp32 bytes, name order, shapes
+    included): a fingerprint of the values themselves, read on the device in milliseconds whatever the size."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        flat = p.detach().reshape(-1)
+        k = min(per_tensor, flat.numel())
+        idx = torch.arange(k, device=flat.device) * (flat.numel() - 1) // max(k - 1, 1)  # integers: exact
+        h.update(f"{name}{tuple(p.shape)}".encode())
+        h.update(flat[idx].to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def is_random(model_info: dict) -> bool:
+    """Whether a manifest's ``model`` entry (``LoadedModel.info``: a Trace's, a labels file's) describes a
+    ``random:<name>`` model: random weights, for benchmarks only."""
+    return bool(model_info.get("random")) or str(model_info.get("spec", "")).startswith("random:")
+
+
+def check_not_random(model_info: dict, what: str) -> None:
+    """A one-line ``UserError`` when ``model_info`` is a random model's (``what`` names the input, e.g. ``--run
+    RUN``): its labels and scores say nothing about a trained model, so they must not be reported on."""
+    if is_random(model_info):
+        raise UserError(f"random weights: benchmark only ({what}: its Trace's model is {model_info.get('spec')}); "
+                        "trace a trained model to report on it")
 
 
 # --------------------------------------------------------------------------- loaders
@@ -203,8 +245,13 @@ TINY_COMMON = dict(
 )
 
 
-def byte_tokenizer():
-    """A byte-level tokenizer (256 byte tokens + bos/eos/pad), built in memory."""
+BYTE_VOCAB = 259  # 256 byte tokens + bos/eos/pad
+
+
+def byte_tokenizer(vocab_size: int = BYTE_VOCAB):
+    """A byte-level tokenizer (256 byte tokens + bos/eos/pad), built in memory. A larger ``vocab_size`` adds
+    filler tokens ``<rI>`` (never produced by encoding) so that every id a model of that vocabulary generates
+    decodes to some text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -212,6 +259,7 @@ def byte_tokenizer():
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
     for special in ("<s>", "</s>", "<pad>"):
         vocab[special] = len(vocab)
+    vocab.update({f"<r{i}>": i for i in range(len(vocab), vocab_size)})
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
@@ -324,3 +372,162 @@ def _tiny(arch: str, seed: int):
                 if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
                     module.sinks.uniform_(lo, hi)
     return model, tok
+
+
+# --------------------------------------------------------------------------- random models of real shapes
+
+def _alternating(n: int, pattern: int) -> list[str]:
+    """Layer types of ``n`` layers: every ``pattern``-th layer full, the others sliding (Gemma 3: 6, GPT-OSS: 2)."""
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+
+
+# random:<name> -> (config class, the checkpoints whose shapes it has, config fields). Fields follow each
+# checkpoint's config.json (transformers 5 names: rope_parameters); weights and tokenizer are not theirs.
+RANDOM: dict[str, tuple[str, str, dict]] = {
+    "llama-3.1-8b": ("LlamaConfig", "meta-llama/Llama-3.1-8B, deepseek-ai/DeepSeek-R1-Distill-Llama-8B", dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    )),
+    "qwen2.5-7b": ("Qwen2Config", "Qwen/Qwen2.5-7B, deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", dict(
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+        vocab_size=152064, max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )),
+    "qwen3-8b": ("Qwen3Config", "Qwen/Qwen3-8B", dict(
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )),
+    "gemma-3-4b": ("Gemma3TextConfig", "google/gemma-3-4b-it (its text_config)", dict(
+        hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=256, vocab_size=262208, max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        query_pre_attn_scalar=256, sliding_window=1024, layer_types=_alternating(34, 6),
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+    )),
+    "gpt-oss-20b": ("GptOssConfig", "openai/gpt-oss-20b (bf16 experts; the checkpoint's are mxfp4)", dict(
+        hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
+        head_dim=64, vocab_size=201088, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        num_local_experts=32, num_experts_per_tok=4, attention_bias=True, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 12, swiglu_limit=7.0,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": False},
+    )),
+    # refused at load (multi-head latent attention): here so that the refusal is tested on the real shapes
+    "deepseek-v3": ("DeepseekV3Config", "deepseek-ai/DeepSeek-V3, DeepSeek-R1", dict(
+        hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+        num_attention_heads=128, num_key_value_heads=128, n_routed_experts=256, n_shared_experts=1,
+        num_experts_per_tok=8, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        v_head_dim=128, vocab_size=129280, first_k_dense_replace=3, n_group=8, topk_group=4,
+        max_position_embeddings=163840,
+    )),
+}
+RANDOM_OPTIONS = ("layers", "vocab", "seed")
+
+
+@dataclass(frozen=True)
+class RandomSpec:
+    """A parsed ``random:<name>[:layers=N,vocab=V,seed=S]``: the first ``layers`` decoder layers of ``name``'s
+    shapes, a vocabulary of ``vocab`` tokens, weights drawn from ``seed``."""
+
+    name: str
+    layers: int
+    vocab: int
+    seed: int
+
+
+def parse_random_spec(spec: str, seed: int = 0) -> RandomSpec:
+    """``random:<name>`` or ``random:<name>:<key>=<value>,...`` (keys ``RANDOM_OPTIONS``, each at most once); bad
+    input is one ``UserError`` line naming the spec and the fix."""
+    parts = spec.split(":")
+    example = "e.g. random:llama-3.1-8b:layers=2"
+    if len(parts) not in (2, 3) or parts[0] != "random" or parts[1] not in RANDOM:
+        known = ", ".join(f"random:{n}" for n in RANDOM)
+        raise UserError(f"--model {spec}: not a random model spec; use random:<name>[:layers=N,vocab=V,seed=S] with "
+                        f"<name> one of {known} ({example})")
+    name, fields = parts[1], RANDOM[parts[1]][2]
+    full = {"layers": fields["num_hidden_layers"], "vocab": fields["vocab_size"], "seed": seed}
+    given: dict[str, int] = {}
+    for item in parts[2].split(",") if len(parts) == 3 else []:
+        key, eq, value = item.partition("=")
+        if key not in RANDOM_OPTIONS or not eq or not value.isdigit() or key in given:
+            raise UserError(f"--model {spec}: option {item!r} is not one of layers=N, vocab=V, seed=S (each at most "
+                            f"once, comma-separated; {example})")
+        given[key] = int(value)
+    opts = {**full, **given}
+    if not 1 <= opts["layers"] <= full["layers"]:
+        raise UserError(f"--model {spec}: layers={opts['layers']} is outside 1..{full['layers']} ({name} has "
+                        f"{full['layers']} decoder layers)")
+    if not BYTE_VOCAB <= opts["vocab"] <= full["vocab"]:
+        raise UserError(f"--model {spec}: vocab={opts['vocab']} is outside {BYTE_VOCAB}..{full['vocab']} (the byte "
+                        f"tokenizer needs {BYTE_VOCAB} ids; {name} has {full['vocab']})")
+    return RandomSpec(name, opts["layers"], opts["vocab"], opts["seed"])
+
+
+def random_config(rs: RandomSpec, tok=None):
+    """The transformers config of ``rs``: the shipped fields with the layer count and vocabulary of ``rs`` and the
+    byte tokenizer's special ids."""
+    import transformers
+
+    cls_name, _, fields = RANDOM[rs.name]
+    tok = tok or _padded_tokenizer(rs.vocab)
+    fields = {**fields, "num_hidden_layers": rs.layers, "vocab_size": rs.vocab, "bos_token_id": tok.bos_token_id,
+              "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    if "layer_types" in fields:
+        fields["layer_types"] = fields["layer_types"][: rs.layers]
+    return getattr(transformers, cls_name)(**fields)
+
+
+@functools.cache
+def _padded_tokenizer(vocab_size: int):
+    return byte_tokenizer(vocab_size)  # ~1 s for 262k ids: built once per process and size
+
+
+def _available_bytes(device: str) -> int | None:
+    """Free memory where the weights will live (CUDA: the device's free memory; CPU: MemAvailable)."""
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    meminfo = Path("/proc/meminfo")
+    if not meminfo.exists():
+        return None
+    line = next((l for l in meminfo.read_text().splitlines() if l.startswith("MemAvailable:")), None)
+    return int(line.split()[1]) * 1024 if line else None
+
+
+def _random(spec: str, torch_dtype: torch.dtype, device: str, seed: int):
+    """(model, tokenizer, recipe) of a ``random:`` spec: the model is built on the meta device, materialized
+    directly on ``device`` in ``torch_dtype`` (``to_empty``: no CPU copy of an 8B model) and initialised there by
+    transformers' own ``initialize_weights`` (the family's init: normal(0, initializer_range) matrices, norms,
+    rotary tables, sinks), seeded. The same spec, dtype, device type and torch version give the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    rs = parse_random_spec(spec, seed)
+    tok = _padded_tokenizer(rs.vocab)
+    config = random_config(rs, tok)
+    family_of(config, f"--model {spec}")  # refuse (deepseek-v3: MLA) before building anything
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    need = sum(p.numel() for p in model.parameters()) * torch_dtype.itemsize
+    free = _available_bytes(device)
+    if free is not None and need > 0.9 * free:
+        raise UserError(f"--model {spec}: its weights need {need / 2**30:.1f} GiB in {str(torch_dtype)[6:]}, "
+                        f"{free / 2**30:.1f} GiB are free on {device}; use fewer layers (:layers=N), a smaller dtype "
+                        "or another device")
+    model.to_empty(device=device)
+    devices = [torch.device(device).index or 0] if device.startswith("cuda") else []
+    with torch.random.fork_rng(devices=devices):  # seeded without disturbing the caller's RNG
+        torch.manual_seed(rs.seed)
+        model.initialize_weights()
+    model.tie_weights()  # to_empty gave tied parameters separate storage
+    cls_name, shapes_of, fields = RANDOM[rs.name]
+    recipe = {
+        "name": rs.name, "shapes_of": shapes_of, "layers": rs.layers, "of_layers": fields["num_hidden_layers"],
+        "vocab": rs.vocab, "of_vocab": fields["vocab_size"], "seed": rs.seed,
+        "init": f"transformers initialize_weights (normal, std {config.initializer_range}) on "
+                f"{torch.device(device).type} in {str(torch_dtype)[6:]}, torch {torch.__version__.split('+')[0]}",
+        "weights_hash": "sampled: 4096 evenly spaced entries per tensor",
+        "use": "random weights: benchmark only",
+    }
+    return model, tok, recipe

@@ -510,6 +510,10 @@ def build_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
     if not run.is_dir():
         raise UserError(f"--run {run} is not a directory: pass the run directory (trace/, labels.parquet, ...)")
     r = _Run(run)
+    if r.trace is not None:
+        from kvdiag.models import check_not_random
+
+        check_not_random(r.trace.manifest["model"], f"--run {run}")
     if all(s == "missing" for s in r.status.values()):
         expected = ", ".join(rel for rel, _ in LAYOUT.values())
         raise UserError(f"--run {run} holds no kvdiag run piece (expected some of {expected}); pass the run directory")

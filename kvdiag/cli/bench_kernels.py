@@ -1,4 +1,6 @@
-"""``kvdiag bench kernels``: eviction kernels vs their torch reference and the obvious composition."""
+"""``kvdiag bench kernels``: eviction kernels vs their torch reference and the obvious composition, with the
+attention's FLOP/s and MFU against the matmul peak measured at the same dtype in the same run, and the
+compaction's GB/s."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ def bench_kernels(
     from kvdiag.kernels import triton_available
     from kvdiag.kernels.bench import run_kernel_bench
     from kvdiag.models import parse_dtype
+    from kvdiag.peak import matmul_peak
 
     torch_dtype = parse_dtype(dtype)
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -39,6 +42,7 @@ def bench_kernels(
         raise UserError(f"--heads {heads} must be a multiple of --kv-heads {kv_heads}")
     if not 0 < keep_fraction <= 1:
         raise UserError(f"--keep-fraction {keep_fraction} must be in (0, 1]")
+    peak = matmul_peak(device, torch_dtype)
     rows = run_kernel_bench(
         device, n, prefix, window, heads, kv_heads, head_dim, exclude, trace_len,
         keep_fraction, torch_dtype, repeats, seed,
@@ -48,13 +52,21 @@ def bench_kernels(
     table = Table(title=f"eviction kernels on {device} ({dtype}, threads={torch.get_num_threads()}, triton: {triton})")
     table.add_column("op", no_wrap=True)
     table.add_column("impl", no_wrap=True)
-    for col in ("ms", "speed-up vs obvious", "peak MB", "memory vs obvious", "max |err| vs torch"):
+    for col in ("ms", "speed-up vs obvious", "GFLOP/s", "MFU", "GB/s", "peak MB", "memory vs obvious",
+                "max |err| vs torch"):
         table.add_column(col, justify="right")
     for r in rows:
         base = obvious[r.op]
         mem_ratio = f"{r.peak_mb / base.peak_mb:.2f}x" if r.peak_mb and base.peak_mb else "n/a"
+        s = r.ms / 1e3
         table.add_row(
             r.op, r.impl, f"{r.ms:.2f}", f"{base.ms / r.ms:.2f}x",
+            "-" if r.flops is None else f"{r.flops / s / 1e9:,.1f}",
+            "-" if r.flops is None else f"{peak.mfu(r.flops, s):.0%}",
+            "-" if r.bytes is None else f"{r.bytes / s / 1e9:,.1f}",
             "n/a" if r.peak_mb is None else f"{r.peak_mb:.1f}", mem_ratio, f"{r.max_err:.1e}",
         )
-    Console(width=max(110, Console().width)).print(table)  # piped output defaults to 80 columns
+    console = Console(width=max(140, Console().width))  # piped output defaults to 80 columns
+    console.print(table)
+    console.print(f"matmul peak, measured in this run: {peak.gflops:,.1f} GFLOP/s (F.linear {peak.size}^3, {dtype}); "
+                  "MFU: the attention's QK + PV FLOPs / that peak; GB/s: the kept entries read and written")

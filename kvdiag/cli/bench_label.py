@@ -1,5 +1,8 @@
 """``kvdiag bench label``: engine vs naive loop vs plain batched forward (token), layer start vs full depth
-(``--granularity layer|head``), or cost per labeled entry of an approximate method vs exact (``--method``)."""
+(``--granularity layer|head``), or cost per labeled entry of an approximate method vs exact (``--method``).
+
+Exact methods also print their achieved matmul FLOP/s (``kvdiag.cost``) and MFU against the matmul peak measured
+at the model's dtype in the same run, before the timed runs (``kvdiag.peak``)."""
 
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ def bench_label(
     from kvdiag.label.engine import GRANULARITIES
     from kvdiag.label.fast import resolve_method
     from kvdiag.models import load_model
+    from kvdiag.peak import model_peak
 
     if granularity not in GRANULARITIES:
         raise UserError(f"--granularity {granularity}: use one of {', '.join(GRANULARITIES)}")
@@ -41,8 +45,9 @@ def bench_label(
                         "is benched on token rows)")
     common.quiet_transformers()
     lm = load_model(model, dtype=dtype, device=device)
-    title = f"bench label: {model} {dtype} on {device}, P={prefix}, N={n}, H={horizon}"
-    console = Console()
+    weights = " (random weights)" if lm.random else ""
+    title = f"bench label: {model}{weights} {dtype} on {device}, P={prefix}, N={n}, H={horizon}"
+    console = Console(width=max(120, Console().width))  # piped output defaults to 80 columns
     if method != "exact":
         res = run_fast_bench(lm, method, prefix, n, horizon, repeats, backend=backend, samples=samples)
         table = _table(f"{title}, {method} samples={samples}", ("method", "entries", "s", "ms / entry", "peak extra "
@@ -54,14 +59,16 @@ def bench_label(
         console.print(f"cost per labeled entry, exact / {method}: {(ex.seconds / kx) / (ap.seconds / ka):.1f}x; "
                       f"Spearman({method}, exact kl_mean) on the N candidates: {res.spearman:.3f}")
         return
+    peak = model_peak(lm)  # the ratio's denominator, measured in this run
     if granularity != "token":
         res = run_layer_start_bench(lm, granularity, prefix, n, horizon, repeats, backend=backend)
-        table = _table(f"{title}, {granularity} granularity ({res.labeled} rows)", ("method", "s", "tok/s", "peak "
-                                                                                                            "extra MB"))
+        table = _table(f"{title}, {granularity} granularity ({res.labeled} rows)",
+                       ("method", "s", "tok/s", *THROUGHPUT, "peak extra MB"))
         for r in res.rows:
-            table.add_row(r.method, f"{r.seconds:.2f}", f"{r.tokens_per_s:.0f}", _mb(r.peak_mb))
+            table.add_row(r.method, f"{r.seconds:.2f}", f"{r.tokens_per_s:.0f}", *_throughput(r, peak), _mb(r.peak_mb))
         start, full = res.rows
         console.print(table)
+        console.print(_peak_line(peak))
         ceiling = ModelShape.from_config(lm.model.config, model).layer_start_ceiling(prefix)
         per_repeat = ", ".join(f"{r:.2f}x" for r in res.ratios)
         console.print(f"layer start speed-up over full depth: {full.seconds / start.seconds:.2f}x (per repeat: "
@@ -71,14 +78,34 @@ def bench_label(
         return
     rows = run_label_bench(lm, prefix, n, horizon, repeats, backend=backend)
     engine, naive, plain = rows
-    table = _table(title, ("method", "s", "tok/s", "peak extra MB", "engine speed-up"))
+    table = _table(title, ("method", "s", "tok/s", *THROUGHPUT, "peak extra MB", "engine speed-up"))
     for r in rows:
-        table.add_row(
-            r.method, f"{r.seconds:.2f}", f"{r.tokens_per_s:.0f}", _mb(r.peak_mb), f"{r.seconds / engine.seconds:.2f}x"
-        )
+        table.add_row(r.method, f"{r.seconds:.2f}", f"{r.tokens_per_s:.0f}", *_throughput(r, peak), _mb(r.peak_mb),
+                      f"{r.seconds / engine.seconds:.2f}x")
     console.print(table)
+    console.print(_peak_line(peak))
     console.print(f"engine / naive speed: {naive.seconds / engine.seconds:.2f}x; "
                   f"engine throughput / plain batched forward: {plain.seconds / engine.seconds:.2f}")
+
+
+THROUGHPUT = ("GFLOP/s", "MFU")
+
+
+def _throughput(row, peak) -> tuple[str, str]:
+    """A row's achieved matmul GFLOP/s and its fraction of the measured ``peak`` (``kvdiag.peak.Peak``)."""
+    if row.flops is None:
+        return "n/a", "n/a"
+    return _gflops(row.flops / row.seconds), f"{peak.mfu(row.flops, row.seconds):.0%}"
+
+
+def _gflops(flops_per_s: float) -> str:
+    g = flops_per_s / 1e9
+    return f"{g:,.1f}" if g >= 10 else f"{g:.3g}"
+
+
+def _peak_line(peak) -> str:
+    return (f"matmul peak, measured in this run: {peak.gflops:,.1f} GFLOP/s (F.linear {peak.size}^3, {peak.dtype}, "
+            f"{peak.device}, best of {peak.calls}); MFU = achieved matmul FLOP/s (kvdiag.cost) / that peak")
 
 
 def _table(title: str, columns: tuple[str, ...]) -> Table:

@@ -1,4 +1,5 @@
-"""``kvdiag bench trace``: tracing time vs plain SDPA generation, as a ratio in one run."""
+"""``kvdiag bench trace``: tracing time vs plain SDPA generation, as a ratio in one run, with each method's
+achieved matmul FLOP/s and MFU against the matmul peak measured at the model's dtype in the same run."""
 
 from __future__ import annotations
 
@@ -16,15 +17,26 @@ def bench_trace(
 ) -> None:
     """Time `kvdiag trace` (record + write) against plain `generate` on the same prompts."""
     from kvdiag.models import load_model
+    from kvdiag.peak import model_peak
     from kvdiag.prompts import load_prompts
     from kvdiag.trace.bench import run_trace_bench
 
     common.quiet_transformers()
     items = load_prompts(prompts, limit=limit)
     lm = load_model(model, dtype=dtype, device=device)
+    peak = model_peak(lm)
     r = run_trace_bench(lm, items, max_new_tokens, repeats)
-    Console().print(
-        f"bench trace: {model} {dtype} on {device}, {len(items)} prompts, {r.tokens} tokens\n"
-        f"  plain generate (sdpa): {r.plain_s:.2f} s\n  kvdiag trace:          {r.trace_s:.2f} s\n"
-        f"  ratio trace / plain:   {r.ratio:.3f}"
+
+    def rate(s: float) -> str:
+        return f"{r.flops / s / 1e9:,.2f} GFLOP/s, MFU {peak.mfu(r.flops, s):.1%}"
+
+    weights = " (random weights)" if lm.random else ""
+    Console(width=max(120, Console().width)).print(
+        f"bench trace: {model}{weights} {dtype} on {device}, {len(items)} prompts, {r.tokens} tokens, "
+        f"{r.flops / 1e9:,.1f} GFLOP of matmuls per run (kvdiag.cost)\n"
+        f"  plain generate (sdpa): {r.plain_s:.2f} s ({rate(r.plain_s)})\n"
+        f"  kvdiag trace:          {r.trace_s:.2f} s ({rate(r.trace_s)})\n"
+        f"  ratio trace / plain:   {r.ratio:.3f}\n"
+        f"  matmul peak, measured in this run: {peak.gflops:,.1f} GFLOP/s (F.linear {peak.size}^3, {peak.dtype}); "
+        "batch-1 decoding is bound by memory bandwidth (every weight read once per token), hence the low MFU"
     )

@@ -11,7 +11,8 @@ from kvdiag.errors import UserError
 from kvdiag.schema import CHECKPOINT_INTERVAL, HARM, N_BOOT, NOISE_MULT
 
 Model = typer.Option("smollm2", "--model", help="hub id, local HF dir, file.gguf, smollm2 or gemma3-270m (embedded), "
-                                                "or tiny:FAMILY (random, for tests)")
+                                                "tiny:FAMILY (random, for tests) or random:NAME[:layers=N] (random "
+                                                "weights at a real model's shape, for benchmarks)")
 Dtype = typer.Option("float32", "--dtype", help="float32 | float16 | bfloat16")
 Device = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N")
 Revision = typer.Option(None, "--revision", help="hub revision (branch, tag or commit)")

@@ -4,6 +4,10 @@
 The "obvious" implementations are what one writes without these kernels (and what transformers' sdpa
 path does with a 4D mask): copy the prefix per row, repeat KV heads, mask, SDPA; ``torch.gather``;
 materialize the window's attention rows.
+
+Each row also carries the op's useful work: ``shared_prefix_attention``'s matmul FLOPs (QK and PV over the keys
+each query sees: 4·d per key, exclusions not subtracted; the same for every implementation) and ``compact_kv``'s
+bytes (the kept entries read and written), so the CLI prints FLOP/s, MFU against a measured matmul peak, and GB/s.
 """
 
 from __future__ import annotations
@@ -29,6 +33,15 @@ class KernelBenchRow:
     ms: float  # best wall time per call over the repeats (least disturbed by other processes)
     peak_mb: float | None  # peak extra memory of one call, output included (None: not measurable here)
     max_err: float  # max |out - torch reference| (fp32)
+    flops: float | None = None  # useful matmul FLOPs of one call (attention)
+    bytes: float | None = None  # bytes read + written by one call (compaction)
+
+
+def attention_flops(n: int, heads: int, window: int, suffix: int, prefix: int, head_dim: int) -> float:
+    """QK and PV FLOPs of ``shared_prefix_attention``: N rows x H heads x W queries, query w (the suffix's
+    ``S - W + w``-th) reading the P prefix keys and ``S - W + w + 1`` suffix keys, 4·d FLOPs per key."""
+    keys = window * (prefix + suffix - window) + window * (window + 1) / 2
+    return 4.0 * n * heads * head_dim * keys
 
 
 def obvious_shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, exclude, scale):
@@ -172,6 +185,8 @@ def run_kernel_bench(
             },
         ),
     ]
+    work = {"shared_prefix_attention": (attention_flops(n, heads, window, window, prefix, head_dim), None),
+            "compact_kv": (None, 2.0 * 2 * kv_heads * budget * head_dim * keys.element_size())}
     timed = []
     for op, reference, impls in cases:
         ref = reference().float()
@@ -180,6 +195,8 @@ def run_kernel_bench(
                 continue
             out = fn()
             err = (torch.as_tensor(out[0] if isinstance(out, tuple) else out).float() - ref).abs().max().item()
+            del out
             timed.append((op, impl, fn, best_seconds({impl: fn}, dev, repeats)[impl] * 1e3, err))
     cpu_reset = cpu_peak_probe() if dev.type == "cpu" else None
-    return [KernelBenchRow(op, impl, ms, peak_mb(fn, dev, cpu_reset), err) for op, impl, fn, ms, err in timed]
+    return [KernelBenchRow(op, impl, ms, peak_mb(fn, dev, cpu_reset), err, *work[op])
+            for op, impl, fn, ms, err in timed]

@@ -17,6 +17,10 @@ is shared by the three methods and not timed.
 labeled by the engine with layer start (each row runs from the layer it evicts from) and without it (every
 row runs the full depth: the method before layer start), timed batch by batch in alternation, with the
 largest difference of their labels.
+
+Every row carries the matmul FLOPs its method executes (``kvdiag.cost.ModelShape.row_flops``: N x H tokens over
+the P-token prefix, the engine's null row included, layer-start rows from their start layer), so the CLI prints
+achieved FLOP/s and MFU against the matmul peak it measures in the same run (``kvdiag.peak``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvdiag.cost import ModelShape
 from kvdiag.kernels.bench import best_seconds, cpu_peak_probe, peak_mb, seconds
 from kvdiag.label.engine import OracleEngine, Row, cache_from_prefix, candidate_rows, divergences
 from kvdiag.models import LoadedModel
@@ -38,6 +43,14 @@ class LabelBenchRow:
     seconds: float
     tokens_per_s: float
     peak_mb: float | None
+    flops: float | None = None  # matmul FLOPs of one run (kvdiag.cost), None where not counted
+
+    @property
+    def flops_per_s(self) -> float | None:
+        return None if self.flops is None else self.flops / self.seconds
+
+
+LABEL_METHODS = ("engine", "naive", "plain")
 
 
 def bench_tokens(lm: LoadedModel, n: int) -> torch.Tensor:
@@ -77,8 +90,11 @@ def plain_forward(eng: OracleEngine, t: int, n: int) -> torch.Tensor:
 
 
 def run_label_bench(lm: LoadedModel, prefix_len: int = 512, n: int = 64, horizon: int = 16, repeats: int = 3,
-                    batch_size: int | None = None, backend: str = "auto") -> list[LabelBenchRow]:
-    """Time the three methods (best of ``repeats``) and their peak extra memory; see the module docstring."""
+                    batch_size: int | None = None, backend: str = "auto",
+                    methods: tuple[str, ...] = LABEL_METHODS) -> list[LabelBenchRow]:
+    """Time the three methods (best of ``repeats``) and their peak extra memory; see the module docstring.
+    ``methods``: a subset of ``LABEL_METHODS`` (the GPU check skips the plain forward where the prefix expanded to
+    N rows would not fit)."""
     ids = bench_tokens(lm, prefix_len + horizon + 1)
     eng = OracleEngine(lm, ids, horizon, batch_size or n, backend)
     t = prefix_len
@@ -86,15 +102,17 @@ def run_label_bench(lm: LoadedModel, prefix_len: int = 512, n: int = 64, horizon
     positions = torch.linspace(0, t - 1, n).long().tolist()
     rows = [Row(p) for p in positions]
     device = torch.device(lm.device)
-    methods = {
-        "engine (shared prefix, batched)": lambda: eng.label(t, rows),
-        "naive per-candidate loop": lambda: naive_label(eng, t, positions),
-        "plain batched forward (no eviction)": lambda: plain_forward(eng, t, n),
+    row = ModelShape.from_config(lm.model.config).row_flops(t, horizon)
+    table = {
+        "engine": ("engine (shared prefix, batched)", lambda: eng.label(t, rows), (n + 1) * row),  # + the null row
+        "naive": ("naive per-candidate loop", lambda: naive_label(eng, t, positions), n * row),
+        "plain": ("plain batched forward (no eviction)", lambda: plain_forward(eng, t, n), n * row),
     }
+    chosen = {table[m][0]: table[m][1:] for m in methods}
     probe = cpu_peak_probe() if device.type == "cpu" else None
-    best = best_seconds(methods, device, repeats)
-    return [LabelBenchRow(name, best[name], n * horizon / best[name], peak_mb(fn, device, probe))
-            for name, fn in methods.items()]
+    best = best_seconds({name: fn for name, (fn, _) in chosen.items()}, device, repeats)
+    return [LabelBenchRow(name, best[name], n * horizon / best[name], peak_mb(fn, device, probe), flops)
+            for name, (fn, flops) in chosen.items()]
 
 
 @dataclass
@@ -148,7 +166,9 @@ def run_layer_start_bench(lm: LoadedModel, granularity: str, prefix_len: int = 5
         peaks.append(peak_mb(lambda eng=eng: labels.append(eng.label(t, rows)[0]["kl"].double()), device, probe))
     diff = (labels[0] - labels[1]).abs()
     best = [min(tot[m] for tot in totals) for m in (0, 1)]
-    return LayerStartBench([LabelBenchRow(name, best[m], len(rows) * horizon / best[m], peaks[m])
+    shape = ModelShape.from_config(lm.model.config)
+    flops = [sum(shape.row_flops(t, horizon, eng.start_layer(r)) for r in rows) for eng in engines.values()]
+    return LayerStartBench([LabelBenchRow(name, best[m], len(rows) * horizon / best[m], peaks[m], flops[m])
                             for m, name in enumerate(engines)], len(rows), [full / start for start, full in totals],
                            float(diff.max()), float((diff / labels[1].abs().clamp_min(1e-6)).max()))
 

@@ -1,0 +1,38 @@
+"""``kvdiag bench peak``: the machine's matmul peak per dtype, measured in one run (the denominator of MFU)."""
+
+from __future__ import annotations
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvdiag.cli import common
+
+
+def bench_peak(
+    device: str = common.Device,
+    dtypes: list[str] = typer.Option(["float32,bfloat16"], "--dtype", help="dtypes to time, comma-separated or "
+                                                                            "repeated (float32, float16, bfloat16)"),
+    size: int = typer.Option(0, "--size", help="matrix size n of the n x n x n product (0: 2048 on CPU, 8192 on "
+                                               "CUDA)"),
+    seconds: float = typer.Option(1.0, "--seconds", help="time each dtype for about this long (best call kept)"),
+) -> None:
+    """Time a large square matmul (F.linear, the product of a linear layer) per dtype: GFLOP/s, one run."""
+    import torch
+
+    from kvdiag.errors import UserError
+    from kvdiag.models import check_device, parse_dtype
+    from kvdiag.peak import matmul_peak
+
+    device = check_device(device)
+    names = common.parse_list(dtypes, "--dtype", str, example="float32,bfloat16")
+    torch_dtypes = [parse_dtype(d) for d in names]
+    if size < 0 or seconds <= 0:
+        raise UserError(f"--size {size} / --seconds {seconds}: use a size >= 0 (0: the default) and seconds > 0")
+    peaks = [matmul_peak(device, dt, size or None, seconds, min_calls=2) for dt in torch_dtypes]
+    table = Table(title=f"matmul peak on {device} (F.linear n x n x n, best call; threads={torch.get_num_threads()})")
+    for col in ("dtype", "n", "calls", "GFLOP/s", "vs first dtype"):
+        table.add_column(col, justify="left" if col == "dtype" else "right")
+    for p in peaks:
+        table.add_row(p.dtype, str(p.size), str(p.calls), f"{p.gflops:,.1f}", f"{p.gflops / peaks[0].gflops:.2f}x")
+    Console(width=max(100, Console().width)).print(table)
