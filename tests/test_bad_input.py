@@ -462,6 +462,13 @@ CASES: list[tuple[str, list[str], str]] = [
     ("bench-label-repeated", ["bench", "label", "--n", "4", "--n", "8"], "--n"),
     ("bench-label-granularity", ["bench", "label", "--granularity", "neuron"], "--granularity neuron"),
     ("bench-label-method", ["bench", "label", "--method", "guess"], "--method guess"),
+    ("bench-label-hybrid-m", ["bench", "label", "--method", "hybrid"], "--exact-frac"),
+    ("bench-label-exact-frac", ["bench", "label", "--exact-frac", "0.1"], "--method hybrid"),
+    ("bench-label-audit", ["bench", "label", "--method", "hybrid", "--exact-frac", "0.5", "--prefix", "64", "--audit",
+                           "40"], "--audit 40"),
+    ("bench-label-sets-keep", ["bench", "label", "--sets", "--keep", "1.5"], "--keep 1.5"),
+    ("bench-label-sets-method", ["bench", "label", "--sets", "--method", "fast"], "--sets"),
+    ("bench-label-out", ["bench", "label", "--out", "{out}"], "--out"),
 ]
 
 

@@ -238,3 +238,23 @@ def test_stochastic_selection_draws_seeded_sets_beside_the_deterministic_ones(ru
                config(selection="stochastic", rules=("streamingllm",), references=("random",), pairs=0),
                show_progress=False)
     assert not (tmp_path / "x").exists()
+
+
+def test_bench_label_sets_agrees_with_physical_deletion(tmp_path):
+    """`kvdiag bench label --sets`: single, token-set and per-head-set batches timed together; every batched set
+    label it checks equals the physical-deletion reference within 1e-5 nats (float32, the same tolerance as
+    the conformance tests' absolute part at these label sizes)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvdiag.cli.main import app
+
+    out = tmp_path / "sets.json"
+    res = CliRunner().invoke(app, ["bench", "label", "--model", "tiny:llama", "--sets", "--keep", "0.25", "--prefix",
+                                   "32", "--n", "3", "--horizon", "3", "--repeats", "1", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    got = json.loads(out.read_text())
+    assert got["evicted"] == 32 - 8 and [r["evicted"] for r in got["rows"]] == [1, 24, 24]
+    assert all(r["max_abs_diff"] <= 1e-5 for r in got["rows"]), got["rows"]
+    assert got["physical_over_batched"] > 0 and "batched speed-up" in res.output

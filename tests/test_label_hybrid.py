@@ -109,3 +109,25 @@ def test_bad_input(labels, capsys, tmp_path):
     assert "--audit 100000 exceeds" in _exits_2(capsys, *base, "--method", "hybrid", "--exact-top", "2", "--audit",
                                                 "100000")
     assert not (tmp_path / "l.parquet").exists()
+
+
+def test_bench_label_hybrid_writes_its_cost_ratio(tmp_path):
+    """`kvdiag bench label --method hybrid`: exact on N candidates vs hybrid on every entry of the same prefix; the
+    JSON's ratio is hybrid's cost per labeled entry over exact's (no timing asserted: only that it is recorded and
+    consistent with the rows)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvdiag.cli.main import app
+
+    out = tmp_path / "bench.json"
+    res = CliRunner().invoke(app, ["bench", "label", "--model", "tiny:llama", "--method", "hybrid", "--exact-frac",
+                                   "0.25", "--audit", "4", "--prefix", "32", "--n", "4", "--horizon", "2",
+                                   "--repeats", "1", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    got = json.loads(out.read_text())
+    (ex, hy), (kx, kh) = got["rows"], got["entries"]
+    assert (kx, kh) == (4, 32) and got["params"]["exact_frac"] == 0.25 and got["params"]["audit"] == 4
+    assert got["ratio"] == pytest.approx((hy["seconds"] / kh) / (ex["seconds"] / kx), rel=1e-9)
+    assert "cost per labeled entry, exact / hybrid" in res.output

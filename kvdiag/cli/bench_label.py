@@ -1,10 +1,14 @@
 """``kvdiag bench label``: engine vs naive loop vs plain batched forward (token), layer start vs full depth
-(``--granularity layer|head``), or cost per labeled entry of an approximate method vs exact (``--method``).
+(``--granularity layer|head``), cost per labeled entry of an approximate method or of hybrid vs exact (``--method``),
+or what a set row of ``kvdiag decisions`` costs against a single row and the physical-deletion reference (``--sets``).
 
 Exact methods also print their achieved matmul FLOP/s (``kvdiag.cost``) and MFU against the matmul peak measured
 at the model's dtype in the same run, before the timed runs (``kvdiag.peak``)."""
 
 from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -20,9 +24,15 @@ def bench_label(
     horizon: int = typer.Option(16, "--horizon", help="teacher-forced tokens H"),
     granularity: str = typer.Option("token", "--granularity", help="token: engine vs naive vs plain; layer | head: "
                                                                    "layer start vs full depth"),
-    method: str = typer.Option("exact", "--method", help="exact, or an approximate method (fast, fisher): its cost "
-                                                         "per labeled entry vs exact"),
-    samples: int = typer.Option(8, "--samples", help="fisher: sampled continuations per horizon step"),
+    method: str = typer.Option("exact", "--method", help="exact, or fast | fisher | hybrid: its cost per labeled "
+                                                         "entry vs exact"),
+    samples: int = typer.Option(8, "--samples", help="fisher, hybrid: sampled continuations per horizon step"),
+    exact_top: int = typer.Option(None, "--exact-top", help="hybrid: M entries labeled exactly"),
+    exact_frac: float = typer.Option(None, "--exact-frac", help="hybrid: M as a share of the P entries"),
+    audit: int = typer.Option(32, "--audit", help="hybrid: audit sample labeled exactly"),
+    sets: bool = typer.Option(False, "--sets", help="set rows (decisions) vs single rows vs physical deletion"),
+    keep: float = typer.Option(0.5, "--keep", help="--sets: the share of the P entries a set keeps"),
+    out: str = typer.Option(None, "--out", help="also write the result as JSON here (--method, --sets)"),
     repeats: int = typer.Option(3, "--repeats", help="timed runs per method, round-robin (best reported)"),
     dtype: str = common.Dtype,
     device: str = common.Device,
@@ -34,30 +44,56 @@ def bench_label(
     from kvdiag.label.bench import run_fast_bench, run_label_bench, run_layer_start_bench
     from kvdiag.label.engine import GRANULARITIES
     from kvdiag.label.fast import resolve_method
+    from kvdiag.label.hybrid import HybridParams
     from kvdiag.models import load_model
     from kvdiag.peak import model_peak
 
     if granularity not in GRANULARITIES:
         raise UserError(f"--granularity {granularity}: use one of {', '.join(GRANULARITIES)}")
-    method = resolve_method(method)
-    if method != "exact" and granularity != "token":
-        raise UserError("--method with --granularity layer|head: bench one of them at a time (the approximate method "
-                        "is benched on token rows)")
+    hybrid = HybridParams(exact_top, exact_frac, audit, samples) if method == "hybrid" else None
+    if hybrid is not None:
+        hybrid.validate()
+        hybrid.top_count(prefix)
+        if audit > prefix - hybrid.top_count(prefix):
+            raise UserError(f"--audit {audit} exceeds the {prefix - hybrid.top_count(prefix)} entries outside the "
+                            "exact top set: lower it or raise --prefix")
+    elif exact_top is not None or exact_frac is not None:
+        raise UserError("--exact-top / --exact-frac: hybrid settings; pass --method hybrid")
+    else:
+        method = resolve_method(method)
+    if (method != "exact" or sets) and granularity != "token":
+        raise UserError("--method / --sets with --granularity layer|head: bench one of them at a time (they are "
+                        "benched on token rows)")
+    if sets and method != "exact":
+        raise UserError("--sets with --method: bench one of them at a time")
+    if sets and not 0 < keep < 1:
+        raise UserError(f"--keep {keep}: a share of the P entries in (0, 1), e.g. 0.5")
+    if out is not None and method == "exact" and not sets:
+        raise UserError("--out: written for --method and --sets only; drop it")
     common.quiet_transformers()
     lm = load_model(model, dtype=dtype, device=device)
     weights = " (random weights)" if lm.random else ""
     title = f"bench label: {model}{weights} {dtype} on {device}, P={prefix}, N={n}, H={horizon}"
     console = Console(width=max(120, Console().width))  # piped output defaults to 80 columns
+    if sets:
+        _bench_sets(console, title, lm, prefix, n, horizon, keep, repeats, backend, out)
+        return
     if method != "exact":
-        res = run_fast_bench(lm, method, prefix, n, horizon, repeats, backend=backend, samples=samples)
-        table = _table(f"{title}, {method} samples={samples}", ("method", "entries", "s", "ms / entry", "peak extra "
-                                                                                                        "MB"))
+        params = asdict(hybrid) if hybrid is not None else {"samples": samples}
+        res = run_fast_bench(lm, method, prefix, n, horizon, repeats, backend=backend, **params)
+        shown = " ".join(f"{k}={v}" for k, v in params.items() if v is not None)
+        table = _table(f"{title}, {method} {shown}", ("method", "entries", "s", "ms / entry", "peak extra MB"))
         for r, k in zip(res.rows, res.labeled, strict=True):
             table.add_row(r.method, str(k), f"{r.seconds:.2f}", f"{1000 * r.seconds / k:.1f}", _mb(r.peak_mb))
         (ex, ap), (kx, ka) = res.rows, res.labeled
+        ratio = (ex.seconds / kx) / (ap.seconds / ka)
         console.print(table)
-        console.print(f"cost per labeled entry, exact / {method}: {(ex.seconds / kx) / (ap.seconds / ka):.1f}x; "
-                      f"Spearman({method}, exact kl_mean) on the N candidates: {res.spearman:.3f}")
+        console.print(f"cost per labeled entry, exact / {method}: {ratio:.1f}x (cost of {method} / exact labels of "
+                      f"every entry: {1 / ratio:.3f}); Spearman({method}, exact kl_mean) on the N candidates: "
+                      f"{res.spearman:.3f}")
+        _write(out, {"model": model, "dtype": dtype, "device": device, "prefix": prefix, "n": n, "horizon": horizon,
+                     "method": method, "params": params, "exact_over_method_per_entry": ratio, "ratio": 1 / ratio,
+                     "spearman": res.spearman, "rows": [asdict(r) for r in res.rows], "entries": res.labeled})
         return
     peak = model_peak(lm)  # the ratio's denominator, measured in this run
     if granularity != "token":
@@ -89,6 +125,28 @@ def bench_label(
 
 
 THROUGHPUT = ("GFLOP/s", "MFU")
+
+
+def _bench_sets(console, title, lm, prefix, n, horizon, keep, repeats, backend, out) -> None:
+    from kvdiag.decisions.bench import run_set_bench
+
+    res = run_set_bench(lm, prefix, n, horizon, keep, repeats, backend=backend)
+    table = _table(f"{title}, set rows (keep {keep:g}: {res['evicted']} entries evicted)",
+                   ("rows", "evicted", "s / batch", "/ single", "max |kl - physical|"))
+    for r in res["rows"]:
+        diff = "n/a" if r.max_abs_diff is None else f"{r.max_abs_diff:.1e}"
+        table.add_row(r.rows, str(r.evicted), f"{r.seconds_per_batch:.3f}", f"{r.ratio_to_single:.2f}x", diff)
+    console.print(table)
+    console.print(f"physical deletion per set {res['physical_seconds_per_set']:.3f} s, batched set row "
+                  f"{res['batched_seconds_per_set']:.3f} s: batched speed-up {res['physical_over_batched']:.2f}x")
+    _write(out, {**res, "rows": [asdict(r) for r in res["rows"]]})
+
+
+def _write(out: str | None, payload: dict) -> None:
+    if out is not None:
+        from kvdiag.io import write_json
+
+        write_json(Path(out), payload)
 
 
 def _throughput(row, peak) -> tuple[str, str]:

@@ -183,13 +183,15 @@ class FastBench:
 def run_fast_bench(lm: LoadedModel, method: str = "fisher", prefix_len: int = 512, n: int = 64, horizon: int = 16,
                    repeats: int = 3, batch_size: int = 64, backend: str = "auto", seed: int = 0,
                    **params) -> FastBench:
-    """Cost per labeled entry: the exact engine on ``n`` token rows vs approximate ``method`` on every entry of
-    the same P-token prefix (its one pass labels them all), same model, tokens and horizon."""
+    """Cost per labeled entry: the exact engine on ``n`` token rows vs approximate ``method`` (or ``hybrid``: Fisher
+    for every entry, exact for its top M and an audit sample) on every entry of the same P-token prefix, same
+    model, tokens and horizon."""
     from scipy.stats import spearmanr
 
     from kvdiag.label.fast import APPROXIMATE
+    from kvdiag.label.hybrid import HybridLabeler, HybridParams
 
-    labeler_cls, params_cls = APPROXIMATE[method]
+    labeler_cls, params_cls = {**APPROXIMATE, "hybrid": (HybridLabeler, HybridParams)}[method]
     ids = bench_tokens(lm, prefix_len + horizon + 1)
     eng = OracleEngine(lm, ids, horizon, batch_size, backend)
     approx = labeler_cls(lm, ids, horizon, params_cls(**params), seed)
@@ -203,7 +205,7 @@ def run_fast_bench(lm: LoadedModel, method: str = "fisher", prefix_len: int = 51
     probe = cpu_peak_probe() if device.type == "cpu" else None
     best = best_seconds(methods, device, repeats)
     labeled = [len(exact_rows), len(all_rows)]
-    got = approx.label(t, all_rows)["kl"][positions]
+    got = torch.as_tensor(approx.label(t, all_rows)["kl"])[positions]
     rho = float(spearmanr(eng.label(t, exact_rows)[0]["kl"].mean(1).numpy(), got.numpy()).statistic)
     return FastBench([LabelBenchRow(name, best[name], k * horizon / best[name], peak_mb(fn, device, probe))
                       for (name, fn), k in zip(methods.items(), labeled, strict=True)], labeled, rho)
