@@ -117,3 +117,14 @@ def synthetic_labels(
                     )
                 )
     return pl.DataFrame(rows, schema=LABEL_SCHEMA)
+
+
+def exits_2(capsys, *argv) -> str:
+    """Run the CLI's ``main`` on ``argv``; assert it exits 2 with exactly one line on stderr, and return that line."""
+    import kvdiag.cli.main
+
+    with pytest.raises(SystemExit) as exit_:
+        kvdiag.cli.main.main([str(a) for a in argv])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
+    return err

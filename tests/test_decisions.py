@@ -16,7 +16,7 @@ from kvdiag.io import read_table, write_table
 from kvdiag.label import LabelConfig, OracleEngine, divergences, label_trace
 from kvdiag.label.reference import reference_set_logprobs
 from kvdiag.scorers import checkpoint_keys, get_scorer, score_trace
-from tests.conftest import make_trace
+from tests.conftest import exits_2, make_trace
 
 HORIZON = 4
 RULES = ["attention", "h2o", "rkv", "streamingllm", "random"]
@@ -161,34 +161,27 @@ def test_a_rerun_continues_from_its_parts(run, decided, monkeypatch):
     assert read_table(out / "decisions.parquet")[0].equals(df)
 
 
-def _exits_2(capsys, *argv) -> str:
-    with pytest.raises(SystemExit) as exit_:
-        kvdiag.cli.main.main([str(a) for a in argv])
-    err = capsys.readouterr().err.strip()
-    assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
-    return err
-
 
 def test_bad_input_is_refused_before_work(run, capsys, tmp_path):
     base = ["decisions", "--trace", run["trace"].path, "--scores", run["scores_path"], "--out", tmp_path / "o",
             "--horizon", HORIZON]
-    assert "--keep 1.5" in _exits_2(capsys, *base, "--keep", "1.5")
-    assert "--budget 0" in _exits_2(capsys, *base, "--budget", "0")
-    assert "not both" in _exits_2(capsys, *base, "--keep", "0.5", "--budget", "4")
-    assert "oracle_single needs exact labels" in _exits_2(capsys, *base, "--keep", "0.5", "--references",
+    assert "--keep 1.5" in exits_2(capsys, *base, "--keep", "1.5")
+    assert "--budget 0" in exits_2(capsys, *base, "--budget", "0")
+    assert "not both" in exits_2(capsys, *base, "--keep", "0.5", "--budget", "4")
+    assert "oracle_single needs exact labels" in exits_2(capsys, *base, "--keep", "0.5", "--references",
                                                           "oracle_single")
     # rkv protects its window of 4; keeping 1 entry per head cannot
-    assert "rkv always keeps 4 entries" in _exits_2(capsys, *base, "--budget", "1")
+    assert "rkv always keeps 4 entries" in exits_2(capsys, *base, "--budget", "1")
     other = run["scores"].head(10)
     foreign = write_table(other, tmp_path / "foreign.parquet",
                           {**run["scores_meta"], "trace": {"fingerprint": "0123456789abcdef"}})
-    assert "another Trace" in _exits_2(capsys, *base[:3], "--scores", foreign, *base[5:], "--keep", "0.5")
+    assert "another Trace" in exits_2(capsys, *base[:3], "--scores", foreign, *base[5:], "--keep", "0.5")
     token_only = write_table(run["scores"].filter(pl.col("granularity") == "token"), tmp_path / "t.parquet",
                              run["scores_meta"])
     assert not (tmp_path / "o").exists()
-    assert "no head rows" in _exits_2(capsys, *base[:3], "--scores", token_only, *base[5:], "--keep", "0.5")
+    assert "no head rows" in exits_2(capsys, *base[:3], "--scores", token_only, *base[5:], "--keep", "0.5")
     labels = ["--labels", run["labels_path"]]
-    err = _exits_2(capsys, *base[:-1], "8", *labels, "--keep", "0.5")
+    err = exits_2(capsys, *base[:-1], "8", *labels, "--keep", "0.5")
     assert "--horizon 8 differs from the labels' horizon 4" in err
 
 

@@ -7,12 +7,11 @@ import numpy as np
 import polars as pl
 import pytest
 
-import kvdiag.cli.main
 from kvdiag.harm import HarmSpec
 from kvdiag.io import read_table
 from kvdiag.label import LabelConfig, label_trace
 from kvdiag.label.hybrid import miss_rate, weighted_quantile
-from tests.conftest import make_trace
+from tests.conftest import exits_2, make_trace
 
 SETTINGS = dict(checkpoints="every:16", horizon=4, candidates="all", w_obs=0)
 
@@ -88,25 +87,18 @@ def test_estimator_is_exact_when_the_audit_is_everything():
     assert abs(est["threshold"] - thr) <= np.ptp(df["kl_mean"].to_numpy()) / df.height * 10
 
 
-def _exits_2(capsys, *argv) -> str:
-    with pytest.raises(SystemExit) as exit_:
-        kvdiag.cli.main.main([str(a) for a in argv])
-    err = capsys.readouterr().err.strip()
-    assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
-    return err
-
 
 def test_bad_input(labels, capsys, tmp_path):
     base = ["label", "--trace", labels["trace"].path, "--out", tmp_path / "l.parquet", "--checkpoints", "every:16",
             "--w-obs", "0", "--horizon", "4", "--candidates", "all"]
-    assert "--exact-top" in _exits_2(capsys, *base, "--exact-top", "3")  # without --method hybrid
-    assert "one of --exact-top" in _exits_2(capsys, *base, "--method", "hybrid")
+    assert "--exact-top" in exits_2(capsys, *base, "--exact-top", "3")  # without --method hybrid
+    assert "one of --exact-top" in exits_2(capsys, *base, "--method", "hybrid")
     hybrid = [*base, "--method", "hybrid"]
-    assert "one of --exact-top" in _exits_2(capsys, *hybrid, "--exact-top", "2", "--exact-frac", "0.1")
-    assert "--exact-top -1" in _exits_2(capsys, *base, "--method", "hybrid", "--exact-top", "-1")
-    assert "--audit 0 leaves no sample" in _exits_2(capsys, *hybrid, "--exact-top", "2", "--audit", "0")
-    assert "exceeds the" in _exits_2(capsys, *base, "--method", "hybrid", "--exact-top", "100000")
-    assert "--audit 100000 exceeds" in _exits_2(capsys, *base, "--method", "hybrid", "--exact-top", "2", "--audit",
+    assert "one of --exact-top" in exits_2(capsys, *hybrid, "--exact-top", "2", "--exact-frac", "0.1")
+    assert "--exact-top -1" in exits_2(capsys, *base, "--method", "hybrid", "--exact-top", "-1")
+    assert "--audit 0 leaves no sample" in exits_2(capsys, *hybrid, "--exact-top", "2", "--audit", "0")
+    assert "exceeds the" in exits_2(capsys, *base, "--method", "hybrid", "--exact-top", "100000")
+    assert "--audit 100000 exceeds" in exits_2(capsys, *base, "--method", "hybrid", "--exact-top", "2", "--audit",
                                                 "100000")
     assert not (tmp_path / "l.parquet").exists()
 

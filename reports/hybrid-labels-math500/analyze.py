@@ -33,7 +33,8 @@ def main() -> None:
     thr = HarmSpec().threshold(HarmSpec().analysed(exact)["kl_mean"].to_numpy())
     truth = exact.select(*KEY, "kl_mean").with_columns(harmful=pl.col("kl_mean") > thr)
     rows, text = [], ["# Hybrid labels on MATH-500 (SmolLM2-135M)\n"]
-    cost = json.loads((OUT / "bench.json").read_text()) if (OUT / "bench.json").is_file() else {}
+    cost = {stem: json.loads((OUT / f"bench-{stem}.json").read_text()) for stem in SETTINGS.values()
+            if (OUT / f"bench-{stem}.json").is_file()}
     for name, stem in SETTINGS.items():
         lab, meta = read_table(D / f"smollm2-{stem}.parquet")
         est = meta["miss_rate"]
@@ -43,7 +44,7 @@ def main() -> None:
         low, high = boot.ci(reps)
         share = lab.filter(pl.col("method") != "fast").height / lab.height
         rows.append([name, f"{share:.1%}", ci(est["miss_rate"], est["ci_low"], est["ci_high"]), ci(value, low, high),
-                     number_text(cost.get(stem, {}).get("ratio"), 3) if cost.get(stem) else "see bench"])
+                     number_text(cost[stem]["ratio"], 3) if stem in cost else "not measured"])
     text.append(f"Exact labels of every entry at the {exact.select('prompt_id', 'checkpoint').n_unique()} checkpoints "
                 f"({exact.height:,} entries) are the truth. Harmful: kl_mean > {thr:.3g} nats (quantile 0.9 of the "
                 "resolved exact labels). Miss rate: the share of the harmful entries outside the exact top set; the "

@@ -3,16 +3,18 @@
 # outputs in runs/decisions-math500 (the Trace, exact labels of every entry, head scores, the decisions).
 set -euo pipefail
 K=.venv/bin/kvdiag
-S=runs/math500
 D=runs/decisions-math500
-L="--trace $S/trace --checkpoints every:128 --candidates all --horizon 16"
+T=$D/smollm2-trace
+R=reports/hybrid-labels-math500
+L="--trace $T --checkpoints every:512 --candidates all --horizon 8"
 $K label $L --method fast --out $D/smollm2-fast-all.parquet
 for f in 0.1 0.2; do
     $K label $L --method hybrid --exact-frac $f --audit 32 --out $D/smollm2-hybrid-$f.parquet
-    $K decisions --trace $S/trace --scores $D/smollm2-scores-head.parquet --labels $D/smollm2-hybrid-$f.parquet \
+    $K decisions --trace $T --scores $D/smollm2-scores-head.parquet --labels $D/smollm2-hybrid-$f.parquet \
         --keep 0.5,0.25,0.125 --infeasible skip --references oracle_single --scorers random --pairs 0 \
         --out $D/smollm2-oracle-hybrid-$f
+    # cost: hybrid against exact labels of every entry, the same prefix and horizon, in one run
+    $K bench label --method hybrid --exact-frac $f --audit 32 --prefix 512 --horizon 8 --n 64 --repeats 2 \
+        --out $R/bench-hybrid-$f.json
 done
-# cost: hybrid against exact labels of every entry, the same entries, in one run
-$K bench label --method hybrid --exact-frac 0.1 --audit 32 --prefix 512 --out reports/hybrid-labels-math500/bench.json
-.venv/bin/python reports/hybrid-labels-math500/analyze.py
+.venv/bin/python $R/analyze.py
