@@ -251,3 +251,28 @@ def test_bench_label_sets_agrees_with_physical_deletion(tmp_path):
     assert got["evicted"] == 32 - 8 and [r["evicted"] for r in got["rows"]] == [1, 24, 24]
     assert all(r["max_abs_diff"] <= 1e-5 for r in got["rows"]), got["rows"]
     assert got["physical_over_batched"] > 0 and "batched speed-up" in res.output
+
+
+def test_summary_keeps_a_rule_and_a_reference_of_one_name_apart_and_states_the_headline(decided):
+    """The zoo's `random` rule and the `random` reference: two rows of the summary, each over the checkpoints once;
+    the headline's greedy-vs-single difference is the plain mean of the paired differences."""
+    import json
+
+    out, df = decided
+    summary = pl.read_csv(out / "summary.csv")
+    n_cp = df.select("prompt_id", "checkpoint").n_unique()
+    for name, kind in (("random", "rule"), ("random_reference", "reference")):
+        rows = summary.filter((pl.col("decision") == name) & (pl.col("budget") == "keep:0.5"))
+        assert rows.height == 1 and rows["kind"][0] == kind and rows["n_total"][0] == n_cp, (name, rows)
+    rule = df.filter((pl.col("decision") == "random") & (pl.col("kind") == "rule") & (pl.col("budget") == "keep:0.5"))
+    assert summary.filter((pl.col("decision") == "random") & (pl.col("budget") == "keep:0.5"))["mean_kl"][0] == \
+        pytest.approx(rule["kl_mean"].mean(), rel=1e-12)
+    head = json.loads((out / "summary.json").read_text())["headline"]["budgets"]["keep:0.25"]
+    assert head["best_oracle"] in ("oracle_single", "oracle_greedy", "fast")
+    g = df.filter(pl.col("budget") == "keep:0.25")
+    pair = (g.filter(pl.col("decision") == "oracle_greedy").select("prompt_id", "checkpoint", a="kl_mean")
+            .join(g.filter(pl.col("decision") == "oracle_single").select("prompt_id", "checkpoint", b="kl_mean"),
+                  on=["prompt_id", "checkpoint"]))
+    assert head["greedy_vs_single"]["diff"] == pytest.approx((pair["a"] - pair["b"]).mean(), rel=1e-9, abs=1e-15)
+    assert head["greedy_vs_single"]["n"] == pair.height
+    assert "## Headline" in (out / "summary.md").read_text()

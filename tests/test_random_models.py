@@ -169,6 +169,8 @@ def test_gemma3_random_model_runs_its_sliding_layers():
 
     assert "most labels are numerical noise" in noise_floor_warning(df, "bfloat16")
     assert noise_floor_warning(df.with_columns(noise_floor=pl.lit(1e-9)), "float32") is None
+    assert "--dtype float32" in noise_floor_warning(df, "bfloat16")
+    assert "--dtype float32" not in noise_floor_warning(df, "float32")  # already float32: no advice to switch
 
 
 def test_report_refuses_a_random_model_run(tmp_path, capsys):

@@ -28,6 +28,7 @@ from kvdiag.schema import KEYS
 from kvdiag.tables import md_table, number_text
 
 ORACLES = ("oracle_single", "oracle_greedy", "fast")
+REF_SUFFIX = "_reference"  # appended to a reference's name where a scored rule has the same name
 
 
 class _Boot:
@@ -62,6 +63,45 @@ def _paired(df: pl.DataFrame, a: str, b: str, budget: str) -> pl.DataFrame:
     return x.join(y, on=["prompt_id", "checkpoint"]).drop_nulls()
 
 
+def _compare(labeled: pl.DataFrame, boot: "_Boot", a: str, b: str, budget: str) -> dict | None:
+    """``a`` against ``b`` at ``budget`` on the checkpoints both decided: the mean difference (a - b) and the ratio of
+    means, each with its cluster-bootstrap CI, and the paired p-value."""
+    p = _paired(labeled, a, b, budget)
+    if not p.height:
+        return None
+    diff, dr = boot.mean((p["x"] - p["y"]).to_numpy(), p["prompt_id"].to_numpy())
+    mx, xr = boot.mean(p["x"].to_numpy(), p["prompt_id"].to_numpy())
+    my, yr = boot.mean(p["y"].to_numpy(), p["prompt_id"].to_numpy())
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rr = xr / yr
+    return {"a": a, "b": b, "diff": diff, "diff_ci": list(boot.ci(dr)), "ratio": mx / my if my else float("nan"),
+            "ratio_ci": list(boot.ci(rr)), "p_value": paired_p_value(dr) if len(dr) else None, "n": p.height}
+
+
+def _p_text(p: float | None, n_boot: int) -> str:
+    """A bootstrap p-value as text: 0 means below the resolution 1/B."""
+    if p is None or p != p:
+        return "p n/a"
+    return f"p < {1 / n_boot:.2g}" if p == 0 and n_boot else f"p = {number_text(p, 3)}"
+
+
+def _headline(table: pl.DataFrame, labeled: pl.DataFrame, boot: "_Boot", budget: str, best_rule: str | None) -> dict:
+    """Per budget: the best oracle (the reference of ``ORACLES`` with the lowest mean damage, decided everywhere), the
+    headroom factor (best rule / best oracle, ratio of means), and whether oracle_greedy beats oracle_single and the
+    best rule (paired differences)."""
+    sub = table.filter((pl.col("budget") == budget) & pl.col("decision").is_in(list(ORACLES))
+                       & (pl.col("n") == pl.col("n_total")) & (pl.col("n") > 0))
+    best_oracle = sub.sort("mean_kl").row(0, named=True)["decision"] if sub.height else None
+    out = {"best_rule": best_rule, "best_oracle": best_oracle, "headroom": None, "greedy_vs_single": None,
+           "greedy_vs_best_rule": None}
+    if best_rule is not None and best_oracle is not None:
+        out["headroom"] = _compare(labeled, boot, best_rule, best_oracle, budget)
+    out["greedy_vs_single"] = _compare(labeled, boot, "oracle_greedy", "oracle_single", budget)
+    if best_rule is not None:
+        out["greedy_vs_best_rule"] = _compare(labeled, boot, "oracle_greedy", best_rule, budget)
+    return out
+
+
 def summarize(decisions: pl.DataFrame, meta: dict, pairs: pl.DataFrame | None = None,
               labels: pl.DataFrame | None = None, scores: pl.DataFrame | None = None) -> dict[str, pl.DataFrame | dict]:
     """The tables of a decisions run (module docstring). ``labels``/``scores``: for the AUROC-vs-decision Spearman."""
@@ -69,12 +109,17 @@ def summarize(decisions: pl.DataFrame, meta: dict, pairs: pl.DataFrame | None = 
     n_boot, seed, level = int(cfg.get("n_boot", 1000)), int(cfg.get("seed", 0)), 0.95
     boot = _Boot(decisions["prompt_id"].unique().to_list(), n_boot, seed, level)
     budgets = list(dict.fromkeys(cfg.get("budgets") or decisions["budget"].unique(maintain_order=True).to_list()))
+    # a reference named like a scored rule (the zoo's `random` rule and the `random` reference) keeps its own rows
+    clash = set(cfg.get("rules", [])) & set(decisions.filter(pl.col("kind") == "reference")["decision"])
+    decisions = decisions.with_columns(decision=pl.when((pl.col("kind") == "reference") & pl.col("decision").is_in(
+        list(clash))).then(pl.col("decision") + REF_SUFFIX).otherwise(pl.col("decision")))
     decisions, stochastic = _stochastic_means(decisions if "sample" in decisions.columns
                                               else decisions.with_columns(sample=pl.lit(None, pl.Int64)))
     labeled = decisions.filter(pl.col("kl_mean").is_not_null())
     rules = [d for d in cfg.get("rules", []) if d in set(decisions["decision"])]
     rules += [f"{d} (stochastic)" for d in rules if f"{d} (stochastic)" in set(decisions["decision"])]
-    names = rules + [d for d in ("oracle_single", "oracle_greedy", "fast", "random") if d in set(decisions["decision"])]
+    present = set(decisions["decision"])
+    names = rules + [d for d in (*ORACLES, "random", "random" + REF_SUFFIX) if d in present and d not in rules]
     reps: dict[tuple[str, str], np.ndarray] = {}
     rows = []
     for budget in budgets:
@@ -120,7 +165,8 @@ def summarize(decisions: pl.DataFrame, meta: dict, pairs: pl.DataFrame | None = 
                                     "ratio": mx / my if my else float("nan"), "ratio_ci_low": boot.ci(rreps)[0],
                                     "ratio_ci_high": boot.ci(rreps)[1], "n": p.height})
     paired = pl.DataFrame(paired_rows) if paired_rows else pl.DataFrame()
-    headline = {"best_rule": best, "reference": reference}
+    headline = {"best_rule": best, "reference": reference,
+                "budgets": {b: _headline(table, labeled, boot, b, best[b]) for b in budgets}}
     sto_rows = []
     for budget in budgets:
         for name in [r for r in rules if r.endswith(" (stochastic)")]:
@@ -231,6 +277,27 @@ def to_markdown(res: dict, meta: dict) -> str:
             f"single labels: {labels.get('method', 'none') if labels else 'none'}. Joint damage: `kl_mean` of the set "
             f"row (nats, mean over the horizon), mean over checkpoints, {res.get('level', 95)}% cluster-bootstrap CI "
             f"over prompts (B = {cfg.get('n_boot')}).\n\n")
+    heads = res["headline"].get("budgets") or {}
+    n_boot = int(cfg.get("n_boot") or 0)
+    if heads:
+        text += ("## Headline\n\nPer budget: the best rule; the best oracle (the lowest mean damage among "
+                 f"{', '.join(ORACLES)}); the headroom factor, best rule / best oracle (ratio of mean joint damage); "
+                 "oracle_greedy against oracle_single and against the best rule (mean difference, nats; paired by "
+                 "checkpoint; p: paired bootstrap). `oracle_single` and `oracle_greedy` evict token sets (the same "
+                 "positions in every layer and KV head); `fast` and, at per-head selection, the rules choose each "
+                 "layer's and KV head's own set, so they can beat the token-set oracles.\n\n")
+        rows = []
+        for budget, h in heads.items():
+            def cmp(c):
+                if not c:
+                    return "n/a"
+                return f"{_fmt_ci(c['diff'], *c['diff_ci'], 3)}, {_p_text(c['p_value'], n_boot)}"
+            hr = h.get("headroom")
+            rows.append([budget, h.get("best_rule") or "n/a", h.get("best_oracle") or "n/a",
+                         _fmt_ci(hr["ratio"], *hr["ratio_ci"], 3) if hr else "n/a", cmp(h.get("greedy_vs_single")),
+                         cmp(h.get("greedy_vs_best_rule"))])
+        text += md_table(["budget", "best rule", "best oracle", "headroom (best rule / best oracle)",
+                          "oracle_greedy − oracle_single", "oracle_greedy − best rule"], rows, "lllrrr") + "\n"
     for budget in table["budget"].unique(maintain_order=True).to_list():
         rows = []
         sub = table.filter(pl.col("budget") == budget).sort("mean_kl", nulls_last=True)

@@ -299,9 +299,11 @@ def noise_floor_warning(df: pl.DataFrame, dtype: str) -> str | None:
     if floor is None or label is None or not floor > 0 or label > NOISE_WARN_RATIO * floor:
         return None
     near = float((df["kl_mean"] <= NOISE_WARN_RATIO * df["noise_floor"]).mean())
+    fix = ("label in float32 (--dtype float32) to resolve them" if dtype in ("float16", "bfloat16") else
+           "these entries' single evictions are below what float32 resolves (rank-eval treats labels at or below "
+           "their floor as unresolved)")
     return (f"the median label {label:.2e} nats is within {NOISE_WARN_RATIO:g}x the median noise floor {floor:.2e} "
-            f"({near:.0%} of labels are): in {dtype} most labels are numerical noise; label in float32 (--dtype "
-            "float32) to resolve them")
+            f"({near:.0%} of labels are): in {dtype} most labels are numerical noise; {fix}")
 
 
 def _stamp_parts(parts: PartStore, meta: dict) -> None:
