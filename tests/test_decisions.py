@@ -166,6 +166,7 @@ def test_bad_input_is_refused_before_work(run, capsys, tmp_path):
     base = ["decisions", "--trace", run["trace"].path, "--scores", run["scores_path"], "--out", tmp_path / "o",
             "--horizon", HORIZON]
     assert "--keep 1.5" in exits_2(capsys, *base, "--keep", "1.5")
+    assert "--samples applies to --selection stochastic" in exits_2(capsys, *base, "--keep", "0.5", "--samples", "3")
     assert "--budget 0" in exits_2(capsys, *base, "--budget", "0")
     assert "not both" in exits_2(capsys, *base, "--keep", "0.5", "--budget", "4")
     assert "oracle_single needs exact labels" in exits_2(capsys, *base, "--keep", "0.5", "--references",
@@ -276,3 +277,17 @@ def test_summary_keeps_a_rule_and_a_reference_of_one_name_apart_and_states_the_h
     assert head["greedy_vs_single"]["diff"] == pytest.approx((pair["a"] - pair["b"]).mean(), rel=1e-9, abs=1e-15)
     assert head["greedy_vs_single"]["n"] == pair.height
     assert "## Headline" in (out / "summary.md").read_text()
+
+
+def test_cli_stochastic_selection_takes_its_draw_count(run, tmp_path):
+    out = tmp_path / "sto"
+    with pytest.raises(SystemExit) as exit_:
+        kvdiag.cli.main.main(["decisions", "--trace", str(run["trace"].path), "--scores", str(run["scores_path"]),
+                              "--out", str(out), "--horizon", str(HORIZON), "--keep", "0.5", "--selection",
+                              "stochastic:0.2", "--samples", "2", "--scorers", "attention", "--references", "random",
+                              "--pairs", "0", "--bootstrap", "20", "--quiet"])
+    assert exit_.value.code == 0
+    df = read_table(out / "decisions.parquet")[0]
+    draws = df.filter(pl.col("sample").is_not_null())
+    assert sorted(draws["sample"].unique().to_list()) == [0, 1]
+    assert draws.height == 2 * df.filter((pl.col("decision") == "attention") & pl.col("sample").is_null()).height

@@ -21,7 +21,10 @@ def decisions(
                                           "e.g. 0.5,0.25,0.125"),
     budget: list[str] | None = typer.Option(None, "--budget", help="or budgets: entries kept per layer and KV head"),
     selection: str = typer.Option("per-head", "--selection", help="per-head (each layer and KV head keeps its own top "
-                                  "B, as replay) or per-token (one keep set)"),
+                                  "B, as replay), per-token (one keep set) or stochastic[:TAU] (each layer and KV "
+                                  "head draws its evictions from softmax(-rank / TAU), beside the per-head set)"),
+    samples: int | None = typer.Option(None, "--samples", help="stochastic selection: draws per (rule, budget, "
+                                       "checkpoint) (default 4)"),
     horizon: int | None = typer.Option(None, "--horizon", help="teacher-forced steps per joint label (default: the "
                                        "labels' horizon, else 16)"),
     scorers: list[str] | None = typer.Option(None, "--scorers", help="score columns to grade, comma-separated, "
@@ -51,11 +54,15 @@ def decisions(
 ) -> None:
     """Label the set each rule evicts under each budget exactly and compare the decisions with oracle references."""
     from kvdiag.decisions import REFERENCES, DecisionsConfig, budgets_from, decisions_files
+    from kvdiag.errors import UserError
     from kvdiag.harm import HarmSpec
     from kvdiag.io import read_meta
     from kvdiag.schema import HORIZON
 
     common.quiet_transformers()
+    if samples is not None and not selection.startswith("stochastic"):
+        raise UserError(f"--samples applies to --selection stochastic[:TAU] only (got --selection {selection}); "
+                        "drop it")
     budgets = budgets_from(common.parse_list(keep, "--keep", float, low=0, high=1, strict=True, example="0.5,0.25"),
                            common.parse_list(budget, "--budget", int, low=1, example="64,128"))
     refs = common.parse_list(references, "--references", str, choices=REFERENCES) or list(REFERENCES)
@@ -64,7 +71,7 @@ def decisions(
     if horizon is None and labels is not None and labels.is_file():
         horizon = (read_meta(labels).get("config") or {}).get("horizon")
     cfg = DecisionsConfig(
-        budgets=budgets, selection=selection, horizon=horizon or HORIZON,
+        budgets=budgets, selection=selection, samples=4 if samples is None else samples, horizon=horizon or HORIZON,
         rules=tuple(common.parse_list(scorers, "--scorers", str)) or None, references=tuple(refs),
         greedy_chunk=greedy_chunk, pairs=pairs, pair_candidates=pair_candidates, infeasible=infeasible, seed=seed,
         n_boot=bootstrap, reference=reference, batch_size=batch_size, backend=backend,
