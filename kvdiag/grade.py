@@ -179,6 +179,19 @@ def _ci(value, ci) -> str:
                                     f" [{number_text(low, 3)}, {number_text(high, 3)}]")
 
 
+def _intro(b: bench_mod.Benchmark) -> str:
+    """What the leaderboard's numbers are, from the benchmark's manifest."""
+    m, st = b.manifest, b.settings
+    return (f"`kvdiag grade --all --bench {b.name}`: {m['trace']['prompts']} prompts of {m['model']['spec']} "
+            f"({m['model']['dtype']}), {m['checkpoints']} checkpoints, exact labels of {m['labels']:,} entries, "
+            f"horizon {st['horizon']}, `{st['selection']}` selection. AUROC, AP and FSR (false-safe rate): how each "
+            f"rule ranks the single-entry labels (harmful: {st['harm']['harm']}). joint @ budget: the mean exact joint "
+            "damage (nats) of the set the rule evicts there, over the checkpoints it could decide (decided / all). "
+            "/ greedy: that damage over oracle_greedy's (ratio of means). oracle_greedy evicts token sets (the same "
+            "positions in every layer and KV head), so a rule choosing per head can beat it (ratio < 1). 95% "
+            f"cluster-bootstrap CIs over prompts (B = {st['n_boot']}). Sorted by the tightest budget's joint damage.")
+
+
 def leaderboard_table(rows: list[dict], budgets: list[str]) -> tuple[list[str], list[list]]:
     headers = ["rule", "AUROC", "AP", "FSR", *(f"joint @ {b}" for b in budgets), *(f"/ greedy @ {b}" for b in budgets)]
     out = []
@@ -216,11 +229,12 @@ def grade_files(spec: str | None, bench: str, out: str | os.PathLike, rule: str 
             bench_mod.seal(b.path, b.manifest)
         rows = sorted(res["rows"], key=lambda r: (np.nan_to_num(r.get(f"joint@{budgets[-1]}", np.nan), nan=np.inf)))
         headers, table = leaderboard_table(rows, budgets)
-        text = (f"# Leaderboard: {b.name}\n\n" + md_table(headers, table, "l" + "r" * (len(headers) - 1)))
-        write_text(Path(out) / "leaderboard.md", text)
-        write_csv(pl.DataFrame([_flat(r) for r in rows]), Path(out) / "leaderboard.csv")
-        if leaderboard is not None:
-            write_text(leaderboard, text)
+        text = (f"# Leaderboard: {b.name}\n\n{_intro(b)}\n\n"
+                + md_table(headers, table, "l" + "r" * (len(headers) - 1)) + "\n")
+        flat = pl.DataFrame([_flat(r) for r in rows])
+        for path in [Path(out) / "leaderboard.md", *([Path(leaderboard)] if leaderboard is not None else [])]:
+            write_text(path, text)
+            write_csv(flat, path.with_suffix(".csv"))
     return res
 
 

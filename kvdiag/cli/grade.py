@@ -63,6 +63,6 @@ def grade(
             if f"vs_best@{b}" in row:
                 v = row[f"vs_best@{b}"]
                 extra.append(f"vs best ({v['best']}): {v['diff']:+.3g} [{v['ci'][0]:+.3g}, {v['ci'][1]:+.3g}], "
-                             f"p = {v['p']:.3g}")
+                             f"p = {v['p']:.3g}" + (" (below 1/B)" if v["p"] == 0 else ""))
             console.print(f"{row['rule']} @ {b}: " + "; ".join(extra), highlight=False)
     console.print("time: " + ", ".join(f"{k} {v:.0f} s" for k, v in res["timings"].items()), highlight=False)
