@@ -133,6 +133,12 @@ def viewer_data(
     lo, hi = (np.log10(np.quantile(positive, [0.01, 1.0])) if len(positive) else (-12.0, 0.0))
 
     delayed, blind, notes = _figure_marks(Path(figures_dir) if figures_dir is not None else None)
+    if decisions is not None:
+        from kvdiag.decisions.summary import distinct_names
+
+        # one row per (decision, budget, checkpoint): the deterministic sets (stochastic draws are summary material)
+        decisions = distinct_names(decisions.filter(pl.col("sample").is_null()) if "sample" in decisions.columns
+                                   else decisions)
     dec_index = _decision_index(decisions)
     text_col = "token_text" if "token_text" in tokens.columns else None
     prompts = []

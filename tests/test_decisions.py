@@ -291,3 +291,15 @@ def test_cli_stochastic_selection_takes_its_draw_count(run, tmp_path):
     draws = df.filter(pl.col("sample").is_not_null())
     assert sorted(draws["sample"].unique().to_list()) == [0, 1]
     assert draws.height == 2 * df.filter((pl.col("decision") == "attention") & pl.col("sample").is_null()).height
+
+
+def test_viewer_shows_the_random_rule_and_the_random_reference_apart(run, decided):
+    from kvdiag.viewer import viewer_data
+
+    _, df = decided
+    trace = run["trace"]
+    lens = {pid: trace.prompt_len(pid) for pid in trace.prompt_ids}
+    data = viewer_data(trace.tokens, lens, run["labels"], decisions=df, cells=trace.num_layers * trace.num_kv_heads)
+    names = data["meta"]["decisions"]
+    assert "random at keep:0.5" in names and "random_reference at keep:0.5" in names
+    assert len(names) == len(set(names))

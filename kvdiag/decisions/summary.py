@@ -63,6 +63,14 @@ def _paired(df: pl.DataFrame, a: str, b: str, budget: str) -> pl.DataFrame:
     return x.join(y, on=["prompt_id", "checkpoint"]).drop_nulls()
 
 
+def distinct_names(decisions: pl.DataFrame) -> pl.DataFrame:
+    """``decisions`` with every reference named like a scored rule (the zoo's ``random`` rule and the ``random``
+    reference) renamed ``<name>_reference``, so the two never share rows."""
+    both = decisions.group_by("decision").agg(pl.col("kind").n_unique()).filter(pl.col("kind") > 1)["decision"]
+    return decisions.with_columns(decision=pl.when((pl.col("kind") == "reference") & pl.col("decision").is_in(
+        both.to_list())).then(pl.col("decision") + REF_SUFFIX).otherwise(pl.col("decision")))
+
+
 def _compare(labeled: pl.DataFrame, boot: "_Boot", a: str, b: str, budget: str) -> dict | None:
     """``a`` against ``b`` at ``budget`` on the checkpoints both decided: the mean difference (a - b) and the ratio of
     means, each with its cluster-bootstrap CI, and the paired p-value."""
@@ -109,10 +117,7 @@ def summarize(decisions: pl.DataFrame, meta: dict, pairs: pl.DataFrame | None = 
     n_boot, seed, level = int(cfg.get("n_boot", 1000)), int(cfg.get("seed", 0)), 0.95
     boot = _Boot(decisions["prompt_id"].unique().to_list(), n_boot, seed, level)
     budgets = list(dict.fromkeys(cfg.get("budgets") or decisions["budget"].unique(maintain_order=True).to_list()))
-    # a reference named like a scored rule (the zoo's `random` rule and the `random` reference) keeps its own rows
-    clash = set(cfg.get("rules", [])) & set(decisions.filter(pl.col("kind") == "reference")["decision"])
-    decisions = decisions.with_columns(decision=pl.when((pl.col("kind") == "reference") & pl.col("decision").is_in(
-        list(clash))).then(pl.col("decision") + REF_SUFFIX).otherwise(pl.col("decision")))
+    decisions = distinct_names(decisions)
     decisions, stochastic = _stochastic_means(decisions if "sample" in decisions.columns
                                               else decisions.with_columns(sample=pl.lit(None, pl.Int64)))
     labeled = decisions.filter(pl.col("kl_mean").is_not_null())
