@@ -51,6 +51,15 @@ def main() -> None:
                 "estimate uses only the hybrid run's own audit; 95% cluster-bootstrap CIs over prompts.\n")
     text.append(md_table(["setting", "entries labeled exactly", "miss rate (estimated from the audit)",
                           "miss rate (measured)", "cost / exact-all"], rows, "lrrrr"))
+    for name, stem in SETTINGS.items():
+        if stem in cost:
+            c = cost[stem]
+            (ex, hy), (kx, kh) = c["rows"], c["entries"]
+            text.append(f"- Cost, {name}: `kvdiag bench label --method hybrid` on {c['model']} ({c['dtype']}, "
+                        f"{c['device']}), P = {c['prefix']}, H = {c['horizon']}, in one run: exact "
+                        f"{1000 * ex['seconds'] / kx:.1f} ms per entry ({kx} entries), hybrid "
+                        f"{1000 * hy['seconds'] / kh:.1f} ms per entry (all {kh}); ratio {c['ratio']:.3f}.")
+    text.append("")
     # where the fast label misses: the exact top decile outside the fast top decile, by position class
     j = truth.join(fast, on=KEY).join(exact.select(*KEY, "age"), on=KEY)
     j = j.with_columns(fast_rank=pl.col("fast").rank("average").over("prompt_id", "checkpoint")
@@ -78,8 +87,9 @@ def main() -> None:
                 on=["prompt_id", "checkpoint"])
             diff, dr = boot.mean((p["h"] - p["e"]).to_numpy(), p["prompt_id"].to_numpy())
             ratio = float(p["h"].mean() / p["e"].mean())
+            pv = paired_p_value(dr)
             orow.append([name, budget, ci(diff, *boot.ci(dr), 3), number_text(ratio, 3),
-                         number_text(paired_p_value(dr), 3), p.height])
+                         f"< {1 / len(dr):.2g}" if pv == 0 else number_text(pv, 3), p.height])
     text.append("\n## oracle_single from hybrid labels\n\nThe joint damage of the set that keeps the largest labels, "
                 "hybrid labels minus exact labels (paired by checkpoint, nats), and the ratio of means:\n")
     text.append(md_table(["setting", "budget", "difference", "ratio", "p", "checkpoints"], orow, "llrrrr"))
