@@ -329,7 +329,7 @@ def to_markdown(res: dict, meta: dict) -> str:
                  "(mean joint damage of the stochastic draws − the deterministic per-head set's), with its CI and "
                  "p-value; spread: the mean over checkpoints of the draws' standard deviation.\n\n")
         rows = [[r["decision"], r["budget"], _fmt_ci(r["stochastic_minus_deterministic"], r["ci_low"], r["ci_high"]),
-                 number_text(r["p_value"], 3) if r["p_value"] is not None else "n/a",
+                 _p_text(r["p_value"], n_boot).removeprefix("p = ").removeprefix("p "),
                  number_text(r["mean_spread"], 3) if r["mean_spread"] is not None else "n/a", r["n"]]
                 for r in res["stochastic"].iter_rows(named=True)]
         text += md_table(["rule", "budget", "stochastic − deterministic", "p", "spread", "checkpoints"], rows,
