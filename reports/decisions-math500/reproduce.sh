@@ -33,9 +33,3 @@ for m in smollm2 smollm2-stochastic gemma3; do
         if [ -f $D/$m/$f ]; then cp $D/$m/$f reports/decisions-math500/$m/; fi
     done
 done
-# oracle_greedy with half the step (12.5 % of the entries per step) against 25 %: does a finer search help?
-$K decisions --trace $D/smollm2-trace --scores $D/smollm2-scores-head.parquet --labels $D/smollm2-labels-all.parquet \
-    --keep 0.5,0.25,0.125 --infeasible skip --greedy-chunk 0.125 --references oracle_single,oracle_greedy \
-    --scorers snapkv,cake --pairs 0 --out $D/smollm2-greedy8
-mkdir -p reports/decisions-math500/smollm2-greedy8
-cp $D/smollm2-greedy8/{summary.md,summary.csv,summary.json,config.json} reports/decisions-math500/smollm2-greedy8/
