@@ -86,11 +86,17 @@ def _compare(labeled: pl.DataFrame, boot: "_Boot", a: str, b: str, budget: str) 
             "ratio_ci": list(boot.ci(rr)), "p_value": paired_p_value(dr) if len(dr) else None, "n": p.height}
 
 
-def _p_text(p: float | None, n_boot: int) -> str:
-    """A bootstrap p-value as text: 0 means below the resolution 1/B."""
+def _p_value(p: float | None, n_boot: int) -> str:
+    """A bootstrap p-value as a table cell: 0 means below the resolution 1/B."""
     if p is None or p != p:
-        return "p n/a"
-    return f"p < {1 / n_boot:.2g}" if p == 0 and n_boot else f"p = {number_text(p, 3)}"
+        return "n/a"
+    return f"< {1 / n_boot:.2g}" if p == 0 and n_boot else number_text(p, 3)
+
+
+def _p_text(p: float | None, n_boot: int) -> str:
+    """The same in running text: ``p < 0.001``, ``p = 0.068``, ``p n/a``."""
+    v = _p_value(p, n_boot)
+    return f"p {v}" if v.startswith("<") or v == "n/a" else f"p = {v}"
 
 
 def _headline(table: pl.DataFrame, labeled: pl.DataFrame, boot: "_Boot", budget: str, best_rule: str | None) -> dict:
@@ -156,19 +162,13 @@ def summarize(decisions: pl.DataFrame, meta: dict, pairs: pl.DataFrame | None = 
             for against, what in ((ref, "reference"), ("oracle_greedy", "regret")):
                 if against is None or against == name or against not in names:
                     continue
-                p = _paired(labeled, name, against, budget)
-                if not p.height:
+                c = _compare(labeled, boot, name, against, budget)
+                if c is None:
                     continue
-                diff, dreps = boot.mean((p["x"] - p["y"]).to_numpy(), p["prompt_id"].to_numpy())
-                mx, xr = boot.mean(p["x"].to_numpy(), p["prompt_id"].to_numpy())
-                my, yr = boot.mean(p["y"].to_numpy(), p["prompt_id"].to_numpy())
-                with np.errstate(invalid="ignore", divide="ignore"):
-                    rreps = xr / yr
                 paired_rows.append({"decision": name, "against": against, "what": what, "budget": budget,
-                                    "diff": diff, "diff_ci_low": boot.ci(dreps)[0], "diff_ci_high": boot.ci(dreps)[1],
-                                    "p_value": paired_p_value(dreps) if len(dreps) else None,
-                                    "ratio": mx / my if my else float("nan"), "ratio_ci_low": boot.ci(rreps)[0],
-                                    "ratio_ci_high": boot.ci(rreps)[1], "n": p.height})
+                                    "diff": c["diff"], "diff_ci_low": c["diff_ci"][0], "diff_ci_high": c["diff_ci"][1],
+                                    "p_value": c["p_value"], "ratio": c["ratio"], "ratio_ci_low": c["ratio_ci"][0],
+                                    "ratio_ci_high": c["ratio_ci"][1], "n": c["n"]})
     paired = pl.DataFrame(paired_rows) if paired_rows else pl.DataFrame()
     headline = {"best_rule": best, "reference": reference,
                 "budgets": {b: _headline(table, labeled, boot, b, best[b]) for b in budgets}}
@@ -176,15 +176,13 @@ def summarize(decisions: pl.DataFrame, meta: dict, pairs: pl.DataFrame | None = 
     for budget in budgets:
         for name in [r for r in rules if r.endswith(" (stochastic)")]:
             det = name.removesuffix(" (stochastic)")
-            p = _paired(labeled, name, det, budget)
-            if not p.height:
+            c = _compare(labeled, boot, name, det, budget)
+            if c is None:
                 continue
-            diff, dreps = boot.mean((p["x"] - p["y"]).to_numpy(), p["prompt_id"].to_numpy())
             spread = stochastic.filter((pl.col("decision") == name) & (pl.col("budget") == budget))["spread"]
-            sto_rows.append({"decision": det, "budget": budget, "stochastic_minus_deterministic": diff,
-                             "ci_low": boot.ci(dreps)[0], "ci_high": boot.ci(dreps)[1],
-                             "p_value": paired_p_value(dreps) if len(dreps) else None,
-                             "mean_spread": float(spread.mean()) if spread.len() else None, "n": p.height})
+            sto_rows.append({"decision": det, "budget": budget, "stochastic_minus_deterministic": c["diff"],
+                             "ci_low": c["diff_ci"][0], "ci_high": c["diff_ci"][1], "p_value": c["p_value"],
+                             "mean_spread": float(spread.mean()) if spread.len() else None, "n": c["n"]})
     spearman = _auroc_spearman(labeled, rules, budgets, reps, boot, labels, scores, meta)
     return {"summary": table, "paired": paired, "spearman": spearman, "headline": headline,
             "stochastic": pl.DataFrame(sto_rows),
@@ -329,7 +327,7 @@ def to_markdown(res: dict, meta: dict) -> str:
                  "(mean joint damage of the stochastic draws − the deterministic per-head set's), with its CI and "
                  "p-value; spread: the mean over checkpoints of the draws' standard deviation.\n\n")
         rows = [[r["decision"], r["budget"], _fmt_ci(r["stochastic_minus_deterministic"], r["ci_low"], r["ci_high"]),
-                 _p_text(r["p_value"], n_boot).removeprefix("p = ").removeprefix("p "),
+                 _p_value(r["p_value"], n_boot),
                  number_text(r["mean_spread"], 3) if r["mean_spread"] is not None else "n/a", r["n"]]
                 for r in res["stochastic"].iter_rows(named=True)]
         text += md_table(["rule", "budget", "stochastic − deterministic", "p", "spread", "checkpoints"], rows,
