@@ -53,10 +53,7 @@ def bench_label(
     hybrid = HybridParams(exact_top, exact_frac, audit, samples) if method == "hybrid" else None
     if hybrid is not None:
         hybrid.validate()
-        hybrid.top_count(prefix)
-        if audit > prefix - hybrid.top_count(prefix):
-            raise UserError(f"--audit {audit} exceeds the {prefix - hybrid.top_count(prefix)} entries outside the "
-                            "exact top set: lower it or raise --prefix")
+        hybrid.check_fits(prefix, f"of the --prefix {prefix} entries")
     elif exact_top is not None or exact_frac is not None:
         raise UserError("--exact-top / --exact-frac: hybrid settings; pass --method hybrid")
     else:

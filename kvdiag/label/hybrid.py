@@ -69,6 +69,14 @@ class HybridParams:
         return m
 
 
+    def check_fits(self, candidates: int, where: str = "at the smallest checkpoint") -> None:
+        """Refuse settings whose exact top set and audit do not fit ``candidates`` rows."""
+        top = self.top_count(candidates)
+        if self.audit > candidates - top:
+            raise UserError(f"--audit {self.audit} exceeds the {candidates - top} candidates left outside the exact "
+                            f"top {top} {where}: use --audit <= {candidates - top}")
+
+
 class HybridLabeler:
     """Labels one prompt's checkpoints with ``hybrid``; build once per prompt (its two engines extend their caches
     checkpoint by checkpoint)."""

@@ -136,12 +136,8 @@ def work_items(trace: Trace, cfg: LabelConfig, prompt_ids: list[str] | None = No
                                 f"horizon {cfg.horizon})")
             items.append((pid, t))
     if cfg.method == HYBRID and items:  # the exact set and the audit must fit every checkpoint's candidates
-        hybrid = HybridParams(**cfg.params)
-        fewest = min(t if cfg.candidates == "all" else min(t, int(cfg.candidates)) for _, t in items)
-        top = hybrid.top_count(fewest)
-        if hybrid.audit > fewest - top:
-            raise UserError(f"--audit {hybrid.audit} exceeds the {fewest - top} candidates left outside the exact top "
-                            f"{top} at the smallest checkpoint: use --audit <= {fewest - top}")
+        HybridParams(**cfg.params).check_fits(min(t if cfg.candidates == "all" else min(t, int(cfg.candidates))
+                                                  for _, t in items))
     if not items:
         raise UserError(f"--checkpoints {cfg.checkpoints}: no checkpoint fits the Trace (needs t - prompt_len >= "
                         f"W_obs={cfg.w_obs} "
