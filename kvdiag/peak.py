@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvdiag.kernels.bench import sync
+
 # default matmul sizes: large enough to reach the GEMM's plateau, short enough for a bench's preamble
 # (CPU: 2,048^3 = 17 GFLOP per call, ~0.2 s at 100 GFLOP/s; CUDA: 8,192^3 = 1.1 TFLOP, ~1.5 ms in bf16)
 CPU_SIZE, CUDA_SIZE = 2048, 8192
@@ -45,11 +47,6 @@ class Peak:
                 "gflops": self.gflops}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.no_grad()
 def matmul_peak(device: str = "cpu", dtype: torch.dtype = torch.float32, size: int | None = None,
                 seconds: float = 1.0, min_calls: int = 3) -> Peak:
@@ -64,12 +61,12 @@ def matmul_peak(device: str = "cpu", dtype: torch.dtype = torch.float32, size: i
     a = torch.randn(n, n, device=dev, generator=gen).to(dtype)
     b = torch.randn(n, n, device=dev, generator=gen).to(dtype)
     F.linear(a, b)  # warm-up: kernel choice, the allocator
-    _sync(dev)
+    sync(dev)
     best, calls, start = float("inf"), 0, time.perf_counter()
     while calls < min_calls or time.perf_counter() - start < seconds:
         t0 = time.perf_counter()
         F.linear(a, b)
-        _sync(dev)
+        sync(dev)
         best = min(best, time.perf_counter() - t0)
         calls += 1
     return Peak(str(dev), str(dtype).removeprefix("torch."), n, calls, 2 * n**3 / best)
@@ -78,9 +75,3 @@ def matmul_peak(device: str = "cpu", dtype: torch.dtype = torch.float32, size: i
 def model_peak(lm) -> Peak:
     """The matmul peak at ``lm``'s dtype and device (``kvdiag.models.LoadedModel``)."""
     return matmul_peak(lm.device, next(lm.model.parameters()).dtype)
-
-
-def rate(flops: float, seconds: float) -> str:
-    """FLOP/s in the unit that reads best: GFLOP/s below 1 TFLOP/s, else TFLOP/s."""
-    r = flops / seconds
-    return f"{r / 1e12:.1f} TFLOP/s" if r >= 1e12 else f"{r / 1e9:.1f} GFLOP/s"

@@ -67,7 +67,8 @@ def obvious_compact_kv(keys, values, keep):
     return keys.gather(1, idx), values.gather(1, idx)
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA), so a timer reads finished work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -87,10 +88,10 @@ def best_seconds(fns: dict[str, Callable[[], object]], device: torch.device, rep
 
 def seconds(fn: Callable[[], object], device: torch.device) -> float:
     """Wall time of one call of ``fn``, with the device's queued work finished before and after."""
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     fn()
-    _sync(device)
+    sync(device)
     return time.perf_counter() - t0
 
 
@@ -119,11 +120,11 @@ def cpu_peak_probe() -> Callable[[], None] | None:
 
 def peak_mb(fn: Callable[[], object], device: torch.device, cpu_reset: Callable[[], None] | None) -> float | None:
     if device.type == "cuda":
-        _sync(device)
+        sync(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         fn()
-        _sync(device)
+        sync(device)
         return (torch.cuda.max_memory_allocated(device) - base) / 2**20
     if cpu_reset is None:
         return None
