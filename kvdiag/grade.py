@@ -74,9 +74,9 @@ def grade(bench: bench_mod.Benchmark, rules: dict, lm, out: Path, show_progress:
     """Grade ``rules`` on ``bench``; writes ``out/`` (scores, rank-eval metrics, decisions) and returns the rows, the
     per-checkpoint joint damages and the timings."""
     from kvdiag.decisions import DecisionsConfig, decide
-    from kvdiag.decisions.summary import _Boot
     from kvdiag.harm import HarmSpec
     from kvdiag.rankeval import rank_eval
+    from kvdiag.rankeval.bootstrap import PromptBootstrap
     from kvdiag.scorers import checkpoint_keys, score_trace
     from kvdiag.trace import Trace
 
@@ -108,7 +108,7 @@ def grade(bench: bench_mod.Benchmark, rules: dict, lm, out: Path, show_progress:
     timings["decisions (set rows)"] = time.perf_counter() - start
     dec = read_table(out / "decisions" / "decisions.parquet")[0].select(
         "prompt_id", "checkpoint", "decision", "budget", "status", "kl_mean")
-    boot = _Boot(labels["prompt_id"].unique().to_list(), int(s.get("n_boot", 1000)), int(s["seed"]), 0.95)
+    boot = PromptBootstrap(labels["prompt_id"].unique().to_list(), int(s.get("n_boot", 1000)), int(s["seed"]), 0.95)
     builtins = read_table(bench.file(bench_mod.BUILTINS))[0] if bench.has_builtins else None
     rows = [_row(name, rules[name], result, dec, refs, builtins, boot, [b.name for b in budgets]) for name in names]
     return {"rows": rows, "decisions": dec, "timings": timings}

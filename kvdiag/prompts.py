@@ -1,7 +1,16 @@
-"""Prompt sources: JSONL (MATH-500 / AIME fields), plain text, and ``builtin:arith``.
+"""Prompt sources: JSONL (MATH-500 / AIME fields), plain text, and the builtin suites ``builtin:<suite>[:N[:LENGTH]]``.
 
 ``load_prompts(source)`` returns ``Prompt`` records; ``encode_prompt`` turns one into token ids,
 applying the tokenizer's chat template when the model has one (``chat=True``).
+
+Builtin suites (seeded, checked by code; ``N`` prompts, ``LENGTH`` the suite's length knob):
+
+- ``arith`` -- 3-5 step word problems with an integer answer (math-verify); no length knob.
+- ``recall`` -- the model copies a 4-digit code, counts from 1 to ``LENGTH`` (default 20) and writes the code again
+  at the end, after two worked examples of the same length given as earlier chat turns. Graded exactly: the whole
+  generation must equal the expected text. The stop depends on the model's own count (the examples fix its
+  length) and the final line on recalling a value ``LENGTH`` lines back, so an eviction that drops the code or
+  loses the count shows up as a wrong answer. FullKV accuracy: README, "Eviction in the loop".
 """
 
 from __future__ import annotations
@@ -28,6 +37,8 @@ class Prompt:
     text: str
     answer: str | None = None
     source_id: str | None = None
+    shots: tuple[tuple[str, str], ...] = ()  # worked (user, assistant) turns before ``text``; they fix the format
+    check: str = "math"  # how ``answer`` is graded: ``math`` (math-verify) or ``exact`` (the whole generation)
 
 
 def safe_id(raw: str) -> str:
@@ -39,14 +50,12 @@ def load_prompts(source: str, limit: int | None = None, seed: int = 0) -> list[P
     if limit is not None and limit <= 0:
         raise UserError(f"--limit {limit}: must be a positive number of prompts")
     if source.startswith("builtin:"):
-        name, _, count = source.removeprefix("builtin:").partition(":")
-        if name != "arith":
-            raise UserError(f"--prompts {source}: unknown builtin source; use builtin:arith (or builtin:arith:N)")
-        prompts = arith_prompts(int(count) if count else (limit or 20), seed)
+        prompts = _builtin(source, limit, seed)
     else:
         path = Path(source)
         if not path.is_file():
-            raise UserError(f"--prompts {source}: file not found; pass a .jsonl or .txt file, or builtin:arith")
+            raise UserError(f"--prompts {source}: file not found; pass a .jsonl or .txt file, or builtin:<suite> "
+                            f"({', '.join(SUITES)})")
         prompts = _jsonl(path) if path.suffix == ".jsonl" else _text(path)
     if not prompts:
         raise UserError(f"--prompts {source}: no prompts found; the file is empty")
@@ -55,6 +64,27 @@ def load_prompts(source: str, limit: int | None = None, seed: int = 0) -> list[P
         dup = next(i for i in ids if ids.count(i) > 1)
         raise UserError(f"--prompts {source}: prompt id {dup!r} occurs twice; make the ids unique")
     return prompts[:limit] if limit else prompts
+
+
+def _builtin(source: str, limit: int | None, seed: int) -> list[Prompt]:
+    """``builtin:<suite>[:N[:LENGTH]]``: N prompts of the suite (default: ``limit`` or 20) at its length knob."""
+    name, *rest = source.removeprefix("builtin:").split(":")
+    usage = "builtin:<suite>[:N[:LENGTH]], e.g. builtin:recall:50:20"
+    if name not in SUITES:
+        raise UserError(f"--prompts {source}: unknown builtin suite {name!r}; use one of {', '.join(SUITES)} ({usage})")
+    if len(rest) > 2 or not all(r.isdigit() and int(r) > 0 for r in rest):
+        raise UserError(f"--prompts {source}: N and LENGTH must be positive integers ({usage})")
+    count = int(rest[0]) if rest else (limit or 20)
+    make, lengths = SUITES[name]
+    if len(rest) < 2:
+        return make(count, seed)
+    if lengths is None:
+        raise UserError(f"--prompts {source}: builtin:{name} has no length knob; drop :{rest[1]}")
+    length = int(rest[1])
+    if length not in lengths:
+        raise UserError(f"--prompts {source}: LENGTH {length} is outside builtin:{name}'s {lengths.start}.."
+                        f"{lengths.stop - 1}; pick a length in that range")
+    return make(count, seed, length)
 
 
 def _jsonl(path: Path) -> list[Prompt]:
@@ -120,15 +150,46 @@ def arith_prompts(n: int, seed: int = 0) -> list[Prompt]:
     return out
 
 
+# --------------------------------------------------------------------------- builtin:recall
+
+RECALL_LENGTH = 20  # count length when builtin:recall is given no LENGTH
+RECALL_SHOTS = 2  # worked examples before the question (same length: the model copies their shape)
+
+
+def recall_prompts(n: int, seed: int = 0, length: int = RECALL_LENGTH) -> list[Prompt]:
+    """``n`` seeded recall prompts: copy a 4-digit code, count 1..``length``, write the code again (exact check)."""
+    rng = random.Random(seed)
+
+    def example() -> tuple[str, str]:
+        code = rng.randint(1000, 9999)
+        counting = "\n".join(f"{i}. {i}" for i in range(1, length + 1))
+        return (f"Remember the code {code}. Count from 1 to {length}, then write the code.",
+                f"Code: {code}\n{counting}\nThe code is {code}.")
+
+    out = []
+    for i in range(n):
+        shots = tuple(example() for _ in range(RECALL_SHOTS))
+        question, answer = example()
+        out.append(Prompt(f"recall{i:03d}", question, answer, f"recall{i:03d}", shots=shots, check="exact"))
+    return out
+
+
+# name -> (make(n, seed[, length]), the lengths it accepts or None: no length knob)
+SUITES = {"arith": (arith_prompts, None), "recall": (recall_prompts, range(1, 1001))}
+
+
 def encode_prompt(
     tokenizer, prompt: Prompt, chat: bool = True, instruction: str | None = DEFAULT_INSTRUCTION
 ) -> list[int]:
-    """Token ids of ``prompt``; with ``chat`` and a chat template, as a user turn plus the generation prompt."""
-    text = f"{prompt.text}\n{instruction}" if instruction else prompt.text
+    """Token ids of ``prompt``; with ``chat`` and a chat template, its shots as earlier turns and its text as the
+    last user turn plus the generation prompt (without, the turns joined by blank lines). ``instruction`` is
+    appended to the text unless the prompt has shots (they fix the answer's format)."""
+    text = f"{prompt.text}\n{instruction}" if instruction and not prompt.shots else prompt.text
     if chat and getattr(tokenizer, "chat_template", None):
+        turns = [{"role": role, "content": c} for user, answer in prompt.shots
+                 for role, c in (("user", user), ("assistant", answer))]
         rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            [*turns, {"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
         )
         return tokenizer(rendered, add_special_tokens=False).input_ids
-    ids = tokenizer(text).input_ids
-    return ids
+    return tokenizer("\n\n".join([*(f"{q}\n{a}" for q, a in prompt.shots), text])).input_ids

@@ -18,7 +18,8 @@ Device = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N")
 Revision = typer.Option(None, "--revision", help="hub revision (branch, tag or commit)")
 TrustRemoteCode = typer.Option(False, "--trust-remote-code", help="allow the model repo's own code (off by default)")
 Prompts = typer.Option("builtin:arith", "--prompts", help="file.jsonl (problem/question/prompt, answer, "
-                                                          "unique_id/id), file.txt, or builtin:arith")
+                                                          "unique_id/id), file.txt, or builtin:<suite>[:N[:LENGTH]] "
+                                                          "(arith, recall)")
 Limit = typer.Option(None, "--limit", help="use only the first K prompts")
 Seed = typer.Option(0, "--seed")
 Quiet = typer.Option(False, "--quiet", help="no progress bars")

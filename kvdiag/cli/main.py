@@ -41,6 +41,7 @@ app.add_typer(bench_app, name="bench")
 from kvdiag.cli.bench_kernels import bench_kernels
 from kvdiag.cli.bench_label import bench_label
 from kvdiag.cli.bench_peak import bench_peak
+from kvdiag.cli.bench_replay import bench_replay
 from kvdiag.cli.bench_scale import bench_scale
 from kvdiag.cli.bench_score import bench_score
 from kvdiag.cli.bench_trace import bench_trace
@@ -64,7 +65,7 @@ for _name, _fn in [("trace", trace), ("label", label), ("score", score), ("rank-
     app.command(_name)(_fn)
 for _name, _fn in [
     ("trace", bench_trace), ("label", bench_label), ("score", bench_score), ("kernels", bench_kernels),
-    ("scale", bench_scale), ("peak", bench_peak),
+    ("scale", bench_scale), ("peak", bench_peak), ("replay", bench_replay),
 ]:
     bench_app.command(_name)(_fn)
 

@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 
 from kvdiag.cli import common
-from kvdiag.schema import CHECKPOINT_INTERVAL
+from kvdiag.schema import CHECKPOINT_INTERVAL, HORIZON
 
 
 def replay(
@@ -28,12 +28,25 @@ def replay(
                                                                      "hit."),
     teacher_forced: Path | None = typer.Option(None, "--teacher-forced", help="Trace directory: replay its tokens and "
         "report per-step KL instead of generating."),
+    samples: int = typer.Option(1, "--samples", help="Free-running: generations per prompt (needs --temperature); "
+                                "sample s of every policy shares FullKV's random draws."),
+    temperature: float | None = typer.Option(None, "--temperature", help="Free-running: sample at this temperature "
+                                             "(default: greedy)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Free-running: nucleus of the sampling (needs --temperature)."),
+    batch_size: int = typer.Option(16, "--batch-size", help="Free-running: generations decoded together (rows of one "
+                                   "prompt length and budget); changes no token."),
+    horizon: int = typer.Option(HORIZON, "--horizon", help="Teacher-forced: steps of the exact labels (each "
+                                "compression's joint damage; the oracle policy)."),
+    outcomes: Path | None = typer.Option(None, "--outcomes", help="Teacher-forced: a free-running replay directory "
+                                         "of the same prompts; correlate the joint labels with its fidelity."),
+    joint: bool = typer.Option(True, "--joint/--no-joint", help="Teacher-forced: label each compression's whole "
+                               "evicted set exactly (joint_kl)."),
     out: Path = typer.Option(Path("runs/replay"), "--out", help="Output directory (a rerun with the same settings "
                                                                 "reuses finished parts)."),
     model: str | None = typer.Option(None, "--model", help="Model (default: smollm2; with --teacher-forced the "
                                                            "Trace's model)."),
-    prompts: str | None = typer.Option(None, "--prompts", help="file.jsonl, file.txt or builtin:arith (default); not "
-                                                               "with --teacher-forced."),
+    prompts: str | None = typer.Option(None, "--prompts", help="file.jsonl, file.txt or builtin:<suite>[:N[:LENGTH]] "
+                                       "(arith, the default; recall); not with --teacher-forced."),
     limit: int | None = common.Limit,
     param: list[str] | None = typer.Option(None, "--param", help="scorer.key=value, repeatable (e.g. "
                                                                  "rkv.mix_lambda=0.07)."),
@@ -66,9 +79,12 @@ def replay(
     common.quiet_transformers()
     if teacher_forced is not None:  # the Trace fixes the tokens: generation settings cannot apply
         common.refuse_given(
-            ctx, ["prompts", "max_new_tokens", "full_kv", "kl", "chat", "instruction", "no_instruction"],
+            ctx, ["prompts", "max_new_tokens", "full_kv", "kl", "chat", "instruction", "no_instruction", "samples",
+                  "temperature", "top_p", "batch_size"],
             "with --teacher-forced (the Trace's tokens are replayed)",
         )
+    else:  # exact labels need the Trace's future tokens
+        common.refuse_given(ctx, ["horizon", "joint", "outcomes"], "without --teacher-forced (they need a Trace)")
     if no_instruction:
         common.refuse_given(ctx, ["instruction"], "with --no-instruction")
     load_plugins(plugin or ())
@@ -77,11 +93,13 @@ def replay(
         budgets=common.parse_list(budget, "--budget", int, low=1, example="128,256"),
         w_obs=w_obs, selection=selection, max_new_tokens=max_new_tokens, full_kv=full_kv, kl=kl, chat=chat,
         instruction=None if no_instruction else (instruction or DEFAULT_INSTRUCTION), params=parse_params(param),
-        backend=backend, seed=seed,
+        backend=backend, seed=seed, samples=samples, temperature=temperature, top_p=top_p, batch_size=batch_size,
+        horizon=horizon, joint=joint,
     )
     path = replay_sweep(
         settings, out, teacher_forced=teacher_forced, prompts=prompts, limit=limit, model=model, seed=seed, dtype=dtype,
         device=device, revision=revision, trust_remote_code=trust_remote_code, show_progress=not quiet,
+        outcomes=outcomes,
     )
     Console(stderr=True).print(f"replay written to {path} (generations.parquet, summary.md, budget.png)")
     if not quiet:

@@ -23,36 +23,12 @@ from scipy.stats import spearmanr
 from kvdiag.decisions.interactions import NEAR_DUPLICATE
 from kvdiag.errors import UserError
 from kvdiag.io import read_json, read_table, write_csv, write_json, write_text
-from kvdiag.rankeval.bootstrap import paired_p_value, percentile_ci, prompt_multiplicities
+from kvdiag.rankeval.bootstrap import PromptBootstrap, paired_p_value
 from kvdiag.schema import KEYS
 from kvdiag.tables import md_table, number_text
 
 ORACLES = ("oracle_single", "oracle_greedy", "fast")
 REF_SUFFIX = "_reference"  # appended to a reference's name where a scored rule has the same name
-
-
-class _Boot:
-    """The cluster bootstrap of one run: prompts sorted, multiplicities ``mult [B, P]``."""
-
-    def __init__(self, prompts: list[str], n_boot: int, seed: int, level: float):
-        self.prompts = sorted(prompts)
-        self.index = {p: i for i, p in enumerate(self.prompts)}
-        self.mult = prompt_multiplicities(len(self.prompts), n_boot, np.random.default_rng(seed)) if n_boot else None
-        self.level = level
-
-    def mean(self, values: np.ndarray, prompts: np.ndarray) -> tuple[float, np.ndarray]:
-        """(mean of ``values [N]``, its replicates [B]); each value weighs its prompt's multiplicity."""
-        if not len(values):
-            return float("nan"), np.full(0 if self.mult is None else len(self.mult), np.nan)
-        if self.mult is None:
-            return float(values.mean()), np.empty(0)
-        w = self.mult[:, [self.index[p] for p in prompts]].astype(float)  # [B, N]
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return float(values.mean()), (w @ values) / w.sum(1)
-
-    def ci(self, reps: np.ndarray) -> tuple[float, float]:
-        low, high, _ = percentile_ci(reps, self.level) if len(reps) else (float("nan"), float("nan"), 0)
-        return low, high
 
 
 def _paired(df: pl.DataFrame, a: str, b: str, budget: str) -> pl.DataFrame:
@@ -71,7 +47,7 @@ def distinct_names(decisions: pl.DataFrame) -> pl.DataFrame:
         both.to_list())).then(pl.col("decision") + REF_SUFFIX).otherwise(pl.col("decision")))
 
 
-def _compare(labeled: pl.DataFrame, boot: "_Boot", a: str, b: str, budget: str) -> dict | None:
+def _compare(labeled: pl.DataFrame, boot: PromptBootstrap, a: str, b: str, budget: str) -> dict | None:
     """``a`` against ``b`` at ``budget`` on the checkpoints both decided: the mean difference (a - b) and the ratio of
     means, each with its cluster-bootstrap CI, and the paired p-value."""
     p = _paired(labeled, a, b, budget)
@@ -99,7 +75,8 @@ def _p_text(p: float | None, n_boot: int) -> str:
     return f"p {v}" if v.startswith("<") or v == "n/a" else f"p = {v}"
 
 
-def _headline(table: pl.DataFrame, labeled: pl.DataFrame, boot: "_Boot", budget: str, best_rule: str | None) -> dict:
+def _headline(table: pl.DataFrame, labeled: pl.DataFrame, boot: PromptBootstrap, budget: str,
+              best_rule: str | None) -> dict:
     """Per budget: the best oracle (the reference of ``ORACLES`` with the lowest mean damage, decided everywhere), the
     headroom factor (best rule / best oracle, ratio of means), and whether oracle_greedy beats oracle_single and the
     best rule (paired differences)."""
@@ -121,7 +98,7 @@ def summarize(decisions: pl.DataFrame, meta: dict, pairs: pl.DataFrame | None = 
     """The tables of a decisions run (module docstring). ``labels``/``scores``: for the AUROC-vs-decision Spearman."""
     cfg = meta.get("config") or {}
     n_boot, seed, level = int(cfg.get("n_boot", 1000)), int(cfg.get("seed", 0)), 0.95
-    boot = _Boot(decisions["prompt_id"].unique().to_list(), n_boot, seed, level)
+    boot = PromptBootstrap(decisions["prompt_id"].unique().to_list(), n_boot, seed, level)
     budgets = list(dict.fromkeys(cfg.get("budgets") or decisions["budget"].unique(maintain_order=True).to_list()))
     decisions = distinct_names(decisions)
     decisions, stochastic = _stochastic_means(decisions if "sample" in decisions.columns
@@ -204,7 +181,7 @@ def _stochastic_means(decisions: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFra
     return pl.concat([base, rows], how="diagonal_relaxed"), per
 
 
-def _auroc_spearman(labeled, rules, budgets, reps, boot: _Boot, labels, scores, meta) -> pl.DataFrame:
+def _auroc_spearman(labeled, rules, budgets, reps, boot: PromptBootstrap, labels, scores, meta) -> pl.DataFrame:
     """Across rules, per budget: Spearman(AUROC, - mean joint damage), CI from the same prompt resamples."""
     if labels is None or scores is None or len(rules) < 3:
         return pl.DataFrame()

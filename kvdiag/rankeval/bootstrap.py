@@ -53,3 +53,27 @@ def holm(p: np.ndarray) -> np.ndarray:
     m = len(order)
     out[order] = np.minimum(1.0, np.maximum.accumulate((m - np.arange(m)) * p[order]))
     return out
+
+
+class PromptBootstrap:
+    """The cluster bootstrap of one run: prompts sorted, multiplicities ``mult [B, P]`` (None when ``n_boot`` is 0)."""
+
+    def __init__(self, prompts: list[str], n_boot: int, seed: int, level: float):
+        self.prompts = sorted(prompts)
+        self.index = {p: i for i, p in enumerate(self.prompts)}
+        self.mult = prompt_multiplicities(len(self.prompts), n_boot, np.random.default_rng(seed)) if n_boot else None
+        self.level = level
+
+    def mean(self, values: np.ndarray, prompts: np.ndarray) -> tuple[float, np.ndarray]:
+        """(mean of ``values [N]``, its replicates [B]); each value weighs its prompt's multiplicity."""
+        if not len(values):
+            return float("nan"), np.full(0 if self.mult is None else len(self.mult), np.nan)
+        if self.mult is None:
+            return float(values.mean()), np.empty(0)
+        w = self.mult[:, [self.index[p] for p in prompts]].astype(float)  # [B, N]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return float(values.mean()), (w @ values) / w.sum(1)
+
+    def ci(self, reps: np.ndarray) -> tuple[float, float]:
+        low, high, _ = percentile_ci(reps, self.level) if len(reps) else (float("nan"), float("nan"), 0)
+        return low, high

@@ -61,9 +61,13 @@ class Policy:
 
 
 class ReplayCache:
-    """A ``DynamicCache`` plus the absolute position of every entry, ``positions [L, Hkv, n]``."""
+    """A ``DynamicCache`` of ``b`` batch rows plus the absolute position of every entry, ``positions [b, L, Hkv, n]``.
 
-    def __init__(self, config, attention: ModelAttention):
+    Every row holds the same number of entries: the rows of one batch share their prompt length, budget and
+    schedule, so they are fed and compacted at the same steps (each keeps its own entries).
+    """
+
+    def __init__(self, config, attention: ModelAttention, batch: int = 1):
         # transformers masks a window by cache slot; after a compaction slots are no longer positions
         windows = sorted({l.window for l in attention.layers if l.window is not None})
         if windows:
@@ -72,25 +76,36 @@ class ReplayCache:
                             "replay (a compacted cache breaks the slot-based window mask); use a model with full "
                             "attention")
         self.cache = DynamicCache(config=config)
-        self.positions = torch.empty(attention.num_layers, attention.num_kv_heads, 0, dtype=torch.long)
+        self.positions = torch.empty(batch, attention.num_layers, attention.num_kv_heads, 0, dtype=torch.long)
 
     def __len__(self) -> int:
-        """n: entries per (layer, KV head); every head holds the same number."""
+        """n: entries per (row, layer, KV head); every head holds the same number."""
         return self.positions.shape[-1]
 
     def extend(self, start: int, count: int) -> None:
-        """Record that the model appended the tokens at positions ``[start, start + count)``."""
-        new = torch.arange(start, start + count).expand(*self.positions.shape[:2], count)
+        """Record that the model appended the tokens at positions ``[start, start + count)`` to every row."""
+        new = torch.arange(start, start + count).expand(*self.positions.shape[:3], count)
         self.positions = torch.cat([self.positions, new], dim=-1)
 
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """keys, values [Hkv, n, d] of ``layer`` (batch row 0, views)."""
+    def layer(self, layer: int, row: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values [Hkv, n, d] of ``layer`` in batch row ``row`` (views)."""
         entry = self.cache.layers[layer]
-        return entry.keys[0], entry.values[0]
+        return entry.keys[row], entry.values[row]
 
-    def compact(self, keep: torch.Tensor, backend: str = "auto") -> None:
-        """Keep the slots ``keep [L, Hkv, B]`` (ascending per head) of every layer, physically."""
+    def compact(self, keep: list[torch.Tensor], backend: str = "auto") -> None:
+        """Keep, in batch row ``r``, the slots ``keep[r] [L, Hkv, B]`` (ascending per head) of every layer."""
         for layer, entry in enumerate(self.cache.layers):
-            k, v = compact_kv(entry.keys[0], entry.values[0], keep[layer].to(entry.keys.device), backend=backend)
-            entry.keys, entry.values = k[None], v[None]
-        self.positions = self.positions.gather(-1, keep)
+            pairs = [compact_kv(entry.keys[r], entry.values[r], kr[layer].to(entry.keys.device), backend=backend)
+                     for r, kr in enumerate(keep)]
+            entry.keys, entry.values = torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])
+        self.positions = self.positions.gather(-1, torch.stack(keep))
+
+    def select(self, rows: torch.Tensor, positions: bool = True) -> None:
+        """Make batch row ``i`` the current row ``rows[i]`` (finished generations leave the batch; a shared prefill
+        is copied to its rows). ``positions``: also select the positions (False when they already have the new
+        batch's rows)."""
+        for entry in self.cache.layers:
+            idx = rows.to(entry.keys.device)
+            entry.keys, entry.values = entry.keys[idx], entry.values[idx]
+        if positions:
+            self.positions = self.positions[rows]

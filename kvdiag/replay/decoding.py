@@ -26,6 +26,8 @@ from kvdiag.features import o_proj_weights
 from kvdiag.models import LoadedModel
 from kvdiag.replay.cache import Policy, ReplayCache
 from kvdiag.replay.live import QueryWindow, observing, score_layer
+from kvdiag.replay.oracle import LiveLabels, OracleRule
+from kvdiag.replay.sampling import Sampling
 from kvdiag.scorers.base import needs_o_proj
 from kvdiag.selection import parse_selection, select_keep
 
@@ -42,6 +44,8 @@ class Decoded:
     logprobs : [G, V] fp32 log P_policy of each generated position (row j predicts position prompt_len + j),
         or None when not kept.
     kept : (checkpoint, positions [L, Hkv, B]) after each compaction, when asked for (tests, inspection).
+    joint : teacher-forced with exact labels: the joint damage (mean KL over the label horizon) of the whole evicted
+        set after each compaction, aligned with ``compressions``.
     """
 
     token_ids: list[int]
@@ -51,6 +55,7 @@ class Decoded:
     compressions: list[int] = field(default_factory=list)
     logprobs: torch.Tensor | None = None
     kept: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    joint: list[float] = field(default_factory=list)
 
     @property
     def generated(self) -> int:
@@ -69,78 +74,129 @@ class Decoded:
 
 
 class Session:
-    """The model, its bounded cache and the compressor's query window for one sequence.
+    """The model, its bounded cache and the compressor's query window for a batch of sequences.
+
+    The rows share their prompt length and schedule (budget and interval, or all the full cache), so every row is
+    fed and compacted at the same steps; each row has its own policy (scorer), tokens and kept entries. A finished
+    row leaves the batch (:meth:`select`).
 
     o_proj : layer -> W_O [hidden, H*d] for the ``wo_l2`` payload (read from the model when needed and not given).
+    labels : the exact labels of a teacher-forced sequence (batch of one): the oracle policy's scores, and the
+        joint damage of the evicted set after each compaction (``joint``).
     """
 
-    def __init__(self, lm: LoadedModel, policy: Policy | None, prompt_id: str, prompt_len: int,
-                 o_proj: dict[int, torch.Tensor] | None = None, keep_history: bool = False):
-        self.model, self.policy, self.prompt_id, self.prompt_len = lm.model, policy, prompt_id, prompt_len
-        if o_proj is None and policy is not None and needs_o_proj(policy.scorer):
+    def __init__(self, lm: LoadedModel, policies: list[Policy | None], prompt_ids: list[str], prompt_len: int,
+                 o_proj: dict[int, torch.Tensor] | None = None, keep_history: bool = False,
+                 labels: LiveLabels | None = None):
+        schedules = {None if p is None else (p.budget, p.interval) for p in policies}
+        if len(schedules) != 1 or len(prompt_ids) != len(policies):
+            raise ValueError("one batch needs one prompt id per policy and one (budget, interval) for all rows")
+        if labels is not None and len(policies) != 1:
+            raise ValueError("exact labels run on a batch of one sequence")
+        self.model, self.prompt_len = lm.model, prompt_len
+        self.policy = policies[0]  # its budget and interval are every row's
+        self.policies, self.prompt_ids = list(policies), list(prompt_ids)
+        if o_proj is None and any(p is not None and needs_o_proj(p.scorer) for p in policies):
             o_proj = o_proj_weights(self.model)
-        self.o_proj, self.keep_history = o_proj or {}, keep_history
-        cfg = self.model.config
+        self.o_proj, self.keep_history, self.labels = o_proj or {}, keep_history, labels
         self.attention = lm.attention  # per-layer semantics (softcap, sinks) for the scorers
         self.num_layers = self.attention.num_layers
-        self.cache = ReplayCache(cfg, self.attention)
-        self.window = QueryWindow(self.num_layers, policy.query_window) if policy else None
-        self.token_ids: list[int] = []
-        self.active: list[int] = []
+        self.cache = ReplayCache(self.model.config, self.attention, len(policies))
+        size = 0 if self.policy is None else max(p.query_window for p in policies)
+        self.window = QueryWindow(self.num_layers, size) if size else None
+        self.token_ids: list[list[int]] = [[] for _ in policies]
+        self.active: list[int] = []  # shared: every row holds the same number of entries
         self.compressions: list[int] = []
-        self.kept: list[tuple[int, torch.Tensor]] = []
+        self.kept: list[list[tuple[int, torch.Tensor]]] = [[] for _ in policies]
+        self.joint: list[float] = []
 
-    def feed(self, ids: list[int], start: int, all_logits: bool = False) -> torch.Tensor:
-        """Run the tokens ``ids`` at positions ``[start, start + c)``; fp32 logits [c, V] (or [1, V])."""
+    def feed(self, ids: list[list[int]], start: int, all_logits: bool = False) -> torch.Tensor:
+        """Feed row r its tokens ``ids[r]`` at positions ``[start, start + c)``; fp32 logits [b, c, V] or [b, 1, V]."""
         device = self.model.device
-        n0, c = len(self.cache), len(ids)
-        out = self.model(torch.tensor([ids], device=device), cache=self.cache.cache, use_cache=True,
-                         position_ids=torch.arange(start, start + c, device=device)[None],
+        n0, c = len(self.cache), len(ids[0])
+        # rows that start from an empty cache with the same tokens are the same computation: run each once (the
+        # first prefill chunk of one prompt under several scorers or samples), then copy it to its rows
+        unique = list(dict.fromkeys(map(tuple, ids))) if n0 == 0 else [tuple(r) for r in ids]
+        out = self.model(torch.tensor(unique, device=device), cache=self.cache.cache, use_cache=True,
+                         position_ids=torch.arange(start, start + c, device=device).expand(len(unique), c),
                          logits_to_keep=0 if all_logits else 1)
+        logits = out.logits.float()
+        if len(unique) < len(ids):
+            where = {row: u for u, row in enumerate(unique)}
+            copy = torch.tensor([where[tuple(r)] for r in ids])
+            self.cache.select(copy, positions=False)
+            if self.window is not None:
+                self.window.select(copy)
+            logits = logits[copy.to(logits.device)]
         self.cache.extend(start, c)
-        self.token_ids.extend(ids)
+        for row, new in zip(self.token_ids, ids, strict=True):
+            row.extend(new)
         self.active.extend(range(n0 + 1, n0 + c + 1))
-        logits = out.logits[0].float()
-        if not bool(torch.isfinite(logits).all()):
-            raise UserError(f"non-finite logits at position {start + c - 1} of {self.prompt_id}: the model overflows; "
+        finite = torch.isfinite(logits).flatten(1).all(dim=1)
+        if not bool(finite.all()):
+            bad = self.prompt_ids[int((~finite).nonzero()[0])]
+            raise UserError(f"non-finite logits at position {start + c - 1} of {bad}: the model overflows; "
                             "rerun with --dtype float32")
         return logits
 
-    def prefill(self, prompt: list[int], all_logits: bool = False) -> torch.Tensor:
-        """Feed the prompt in the chunks of :func:`prompt_chunks`, a checkpoint after each; the last chunk's logits."""
-        for start, end in prompt_chunks(len(prompt), self.policy):
-            logits = self.feed(prompt[start:end], start, all_logits)
+    def prefill(self, prompts: list[list[int]], all_logits: bool = False) -> torch.Tensor:
+        """Feed the prompts (one per row, of equal length) in the chunks of :func:`prompt_chunks`, a checkpoint after
+        each; the last chunk's logits [b, c, V]."""
+        for start, end in prompt_chunks(len(prompts[0]), self.policy):
+            logits = self.feed([p[start:end] for p in prompts], start, all_logits)
             self.checkpoint(end)
         return logits
 
     def checkpoint(self, t: int) -> None:
-        """Compact the cache to the budget if it holds more (the cache holds the survivors of ``[0, t)``)."""
-        policy = self.policy
-        if policy is None or len(self.cache) <= policy.budget:
+        """Compact every row's cache to the budget if it holds more (the cache holds the survivors of ``[0, t)``)."""
+        if self.policy is None or len(self.cache) <= self.policy.budget:
             return
-        ids = torch.tensor(self.token_ids)
-        scores = []
-        for layer in range(self.num_layers):
-            k, v = self.cache.layer(layer)
-            scores.append(
+        keep = [self._keep(row, policy, t) for row, policy in enumerate(self.policies)]
+        self.cache.compact(keep, self.policy.backend)
+        self.compressions.append(t)
+        for row, kept in enumerate(self.kept):
+            if self.keep_history:
+                kept.append((t, self.cache.positions[row].clone()))
+        if self.labels is not None:
+            self.joint.append(self.labels.joint(self.cache.positions[0], t))
+
+    def _keep(self, row: int, policy: Policy, t: int) -> torch.Tensor:
+        """[L, Hkv, B] the slots row ``row`` keeps at checkpoint ``t``."""
+        positions = self.cache.positions[row]
+        if isinstance(policy.scorer, OracleRule):
+            if self.labels is None:
+                raise ValueError("the oracle policy needs exact labels (teacher-forced replay)")
+            label = self.labels.token_labels(positions, t)  # [n]
+            scores = [label.expand(positions.shape[1], -1)] * self.num_layers
+        else:
+            ids = torch.tensor(self.token_ids[row])
+            scores = [
                 score_layer(
-                    policy.scorer, k, v, self.cache.positions[layer], self.window.get(layer), t,
-                    self.attention.layers[layer], self.prompt_len, layer, self.prompt_id, ids, policy.selection,
-                    self.o_proj.get(layer),
+                    policy.scorer, *self.cache.layer(layer, row), positions[layer],
+                    self.window.get(layer, row)[:, -policy.query_window :], t, self.attention.layers[layer],
+                    self.prompt_len, layer, self.prompt_ids[row], ids, policy.selection, self.o_proj.get(layer),
                 )
-            )
+                for layer in range(self.num_layers)
+            ]
         generator = protected = None
         if parse_selection(policy.selection)[0] == "stochastic":  # a seeded draw per compaction; never a protected one
-            generator = torch.Generator().manual_seed(zlib.crc32(f"{policy.seed}:{self.prompt_id}:{t}".encode()))
-            positions = self.cache.positions
+            seed = f"{policy.seed}:{self.prompt_ids[row]}:{t}"
+            generator = torch.Generator().manual_seed(zlib.crc32(seed.encode()))
             protected = policy.scorer.protected(t - positions, positions)
-        self.cache.compact(select_keep(scores, policy.budget, policy.selection, protected, generator), policy.backend)
-        self.compressions.append(t)
-        if self.keep_history:
-            self.kept.append((t, self.cache.positions.clone()))
+        return select_keep(scores, policy.budget, policy.selection, protected, generator)
 
-    def result(self, token_ids: list[int], stop: str, logprobs: torch.Tensor | None) -> Decoded:
-        return Decoded(token_ids, self.prompt_len, stop, self.active, self.compressions, logprobs, self.kept)
+    def select(self, rows: list[int]) -> None:
+        """Keep only the batch rows ``rows`` (in this order)."""
+        idx = torch.tensor(rows, dtype=torch.long)
+        self.cache.select(idx)
+        if self.window is not None:
+            self.window.select(idx)
+        for name in ("policies", "prompt_ids", "token_ids", "kept"):
+            setattr(self, name, [getattr(self, name)[r] for r in rows])
+
+    def result(self, row: int, token_ids: list[int], stop: str, logprobs: torch.Tensor | None) -> Decoded:
+        return Decoded(list(token_ids), self.prompt_len, stop, list(self.active), list(self.compressions), logprobs,
+                       self.kept[row], list(self.joint))
 
 
 def prompt_chunks(prompt_len: int, policy: Policy | None) -> list[tuple[int, int]]:
@@ -163,54 +219,86 @@ def eos_ids(lm: LoadedModel) -> set[int]:
 @torch.no_grad()
 def decode(lm: LoadedModel, prompt: list[int], policy: Policy | None = None, max_new_tokens: int = 512,
            prompt_id: str = "", keep_logprobs: bool = False, keep_history: bool = False,
-           o_proj: dict[int, torch.Tensor] | None = None) -> Decoded:
-    """Greedy generation of up to ``max_new_tokens`` after ``prompt`` under ``policy`` (None: the full cache).
+           o_proj: dict[int, torch.Tensor] | None = None, sampling: Sampling | None = None, sample: int = 0) -> Decoded:
+    """One generation of up to ``max_new_tokens`` after ``prompt`` under ``policy`` (None: the full cache): a batch
+    of one of :func:`decode_batch`."""
+    return decode_batch(lm, [prompt], [policy], max_new_tokens, [prompt_id], keep_logprobs, keep_history, o_proj,
+                        sampling, [sample])[0]
+
+
+@torch.no_grad()
+def decode_batch(
+    lm: LoadedModel, prompts: list[list[int]], policies: list[Policy | None], max_new_tokens: int = 512,
+    prompt_ids: list[str] | None = None, keep_logprobs: bool = False, keep_history: bool = False,
+    o_proj: dict[int, torch.Tensor] | None = None, sampling: Sampling | None = None, samples: list[int] | None = None,
+) -> list[Decoded]:
+    """Generations of up to ``max_new_tokens`` after each of ``prompts`` (equal lengths) under ``policies[r]``
+    (all with one budget and interval, or all None: the full cache), decoded together; a row that writes EOS leaves
+    the batch. Greedy unless ``sampling`` has a temperature; row ``r`` then draws as generation
+    ``(prompt_ids[r], samples[r])`` (:class:`~kvdiag.replay.sampling.Sampling`), whatever the batch.
 
     A checkpoint follows every ``interval`` generated tokens: after the query at position ``t - 1`` produced the
     token at ``t`` (from the cache as it was), the cache is compacted, and the token at ``t`` is fed to it.
     """
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {max_new_tokens}: must be a positive number of tokens")
-    session = Session(lm, policy, prompt_id, len(prompt), o_proj, keep_history)
-    P, ids, rows, stop, eos = len(prompt), list(prompt), [], "max_new_tokens", eos_ids(lm)
+    if len({len(p) for p in prompts}) != 1:
+        raise ValueError("one batch needs prompts of one length")
+    b, P = len(prompts), len(prompts[0])
+    prompt_ids = prompt_ids or [""] * b
+    sampling, samples = sampling or Sampling(), samples or [0] * b
+    draws = [sampling.generator(pid, s) for pid, s in zip(prompt_ids, samples, strict=True)]
+    session = Session(lm, policies, prompt_ids, P, o_proj, keep_history)
+    ids, rows, eos = [list(p) for p in prompts], [[] for _ in prompts], eos_ids(lm)
+    live, results = list(range(b)), [None] * b  # live: the original row of each batch row
     with observing(lm.model, session.window):
-        logits = session.prefill(ids)
+        logits = session.prefill(prompts)[:, -1]
         for g in range(1, max_new_tokens + 1):
-            token = int(logits[-1].argmax())
-            ids.append(token)
-            if keep_logprobs:
-                rows.append(torch.log_softmax(logits[-1], dim=-1).cpu())
-            if token in eos:
-                stop = "eos"
+            staying = []
+            for j, r in enumerate(live):
+                token = sampling.pick(logits[j], draws[r])
+                ids[r].append(token)
+                if keep_logprobs:
+                    rows[r].append(torch.log_softmax(logits[j], dim=-1).cpu())
+                if token in eos or g == max_new_tokens:
+                    logprobs = torch.stack(rows[r]) if keep_logprobs else None
+                    results[r] = session.result(j, ids[r], "eos" if token in eos else "max_new_tokens", logprobs)
+                else:
+                    staying.append(j)
+            if not staying:
                 break
-            if g == max_new_tokens:
-                break
-            logits = session.feed([token], P + g - 1)
-            if policy is not None and g % policy.interval == 0:
+            if len(staying) < len(live):
+                session.select(staying)
+                live = [live[j] for j in staying]
+            logits = session.feed([[ids[r][-1]] for r in live], P + g - 1)[:, -1]
+            if session.policy is not None and g % session.policy.interval == 0:
                 session.checkpoint(P + g)
-    return session.result(ids, stop, torch.stack(rows) if keep_logprobs else None)
+    return results
 
 
 @torch.no_grad()
 def teacher_force(
     lm: LoadedModel, token_ids: list[int], prompt_len: int, policy: Policy | None = None, prompt_id: str = "",
-    keep_history: bool = False, o_proj: dict[int, torch.Tensor] | None = None,
+    keep_history: bool = False, o_proj: dict[int, torch.Tensor] | None = None, labels: LiveLabels | None = None,
 ) -> Decoded:
     """Feed ``token_ids`` (prompt + continuation) under ``policy``; ``logprobs`` [T - P, V] of every
-    continuation position, checkpoints at the end of each prompt chunk and every ``interval`` tokens after it."""
+    continuation position, checkpoints at the end of each prompt chunk and every ``interval`` tokens after it.
+    With ``labels`` (:class:`~kvdiag.replay.oracle.LiveLabels` of these tokens), ``joint`` holds the exact joint
+    damage of the evicted set after each compaction, and the oracle policy can run."""
     T, P = len(token_ids), prompt_len
     if not 1 <= P < T:
         raise UserError(f"prompt {prompt_id!r}: needs at least one token after its {P} prompt tokens to teacher-force")
-    session = Session(lm, policy, prompt_id, P, o_proj, keep_history)
+    session = Session(lm, [policy], [prompt_id], P, o_proj, keep_history, labels)
     interval = policy.interval if policy else T
     with observing(lm.model, session.window):
-        rows = [torch.log_softmax(session.prefill(token_ids[:P]), dim=-1).cpu()]
+        rows = [torch.log_softmax(session.prefill([token_ids[:P]])[0], dim=-1).cpu()]
         for start in range(P, T - 1, interval):
             end = min(start + interval, T - 1)
-            rows.append(torch.log_softmax(session.feed(token_ids[start:end], start, all_logits=True), dim=-1).cpu())
+            logits = session.feed([token_ids[start:end]], start, all_logits=True)[0]
+            rows.append(torch.log_softmax(logits, dim=-1).cpu())
             if (end - P) % interval == 0:
                 session.checkpoint(end)
-    return session.result(list(token_ids), "teacher_forced", torch.cat(rows))
+    return session.result(0, list(token_ids), "teacher_forced", torch.cat(rows))
 
 
 @torch.no_grad()

@@ -121,9 +121,12 @@ def budget_figure(summary: pl.DataFrame, scorers: list[str], out_dir: Path) -> l
         return save_figure(fig, out_dir, "budget")
 
 
-def write_summary(df: pl.DataFrame, out_dir: Path, scorers: list[str], budgets: list[int]) -> pl.DataFrame:
+def write_summary(df: pl.DataFrame, out_dir: Path, scorers: list[str], budgets: list[int], horizon: int = 16,
+                  free: pl.DataFrame | None = None) -> pl.DataFrame:
     """``summary.md``, ``summary.csv`` (Table-2 shape), ``budget.csv`` (every number of the figure, long form)
-    and the figure, from the rows of ``generations.parquet``."""
+    and the figure, from the rows of ``generations.parquet``; free-running with FullKV: the outcomes
+    (``kvdiag.replay.outcomes``); teacher-forced with joint labels: decisions to outcomes and the regret
+    (``kvdiag.replay.predict``, ``free``: a free-running replay's generations of the same prompts)."""
     summary = summarize(df)
     teacher_forced = bool((df["mode"] == "teacher_forced").all())
     table = table2(summary, scorers, sorted(budgets))
@@ -132,4 +135,12 @@ def write_summary(df: pl.DataFrame, out_dir: Path, scorers: list[str], budgets: 
     write_text(out_dir / "summary.md", markdown(table, sorted(budgets), prompts, teacher_forced))
     write_csv(summary, out_dir / "budget.csv")
     budget_figure(summary, scorers, out_dir)
+    if not teacher_forced and (df["scorer"] == "full_kv").any():
+        from kvdiag.replay.outcomes import write_outcomes
+
+        write_outcomes(df, out_dir)
+    if teacher_forced and df["joint_kl"].drop_nulls().len():
+        from kvdiag.replay.predict import write_predictions
+
+        write_predictions(df, out_dir, horizon, free)
     return table

@@ -31,31 +31,36 @@ _WINDOW: ContextVar[QueryWindow | None] = ContextVar("kvdiag_query_window", defa
 
 
 class QueryWindow:
-    """The last ``size`` post-RoPE queries of every layer (batch row 0), ``[H, w, d]`` with ``w <= size``."""
+    """The last ``size`` post-RoPE queries of every layer for each batch row, ``[b, H, w, d]`` with ``w <= size``."""
 
     def __init__(self, num_layers: int, size: int):
         self.size = size
         self.rows: list[torch.Tensor | None] = [None] * num_layers
 
     def add(self, layer: int, query: torch.Tensor) -> None:
-        """query [H, c, d]: the newest ``c`` queries of ``layer``."""
+        """query [b, H, c, d]: the newest ``c`` queries of ``layer`` for every batch row."""
         rows = self.rows[layer]
-        rows = query if rows is None else torch.cat([rows, query], dim=1)
-        self.rows[layer] = rows[:, -self.size :].detach()
+        rows = query if rows is None else torch.cat([rows, query], dim=2)
+        self.rows[layer] = rows[:, :, -self.size :].detach()
 
-    def get(self, layer: int) -> torch.Tensor:
-        return self.rows[layer]
+    def get(self, layer: int, row: int = 0) -> torch.Tensor:
+        """[H, w, d] the window of batch row ``row``."""
+        return self.rows[layer][row]
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows ``rows`` (finished generations leave the batch)."""
+        self.rows = [None if r is None else r[rows.to(r.device)] for r in self.rows]
 
 
 def _observe(module, query, kwargs) -> None:
     check_kwargs(module, None, dict(kwargs), "replay")  # unknown attention arguments are refused
     window = _WINDOW.get()
     if window is not None:
-        window.add(module.layer_idx, query[0])
+        window.add(module.layer_idx, query)
 
 
 def replay_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """query [1, H, q, d] -> records the queries, then the plain SDPA kernel (outputs unchanged)."""
+    """query [b, H, q, d] -> records the queries, then the plain SDPA kernel (outputs unchanged)."""
     _observe(module, query, kwargs)
     kwargs.pop("output_attentions", None)
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)

@@ -1,0 +1,77 @@
+"""``kvdiag bench replay``: batched free-running replay vs one generation at a time, as a ratio in one run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from kvdiag.cli import common
+
+
+def bench_replay(
+    model: str = common.Model,
+    prompts: str = typer.Option("builtin:recall:4", "--prompts", help="Prompts of one token length (a builtin suite "
+                                "has one length)."),
+    scorers: list[str] = typer.Option(["rkv,snapkv,tova,streamingllm"], "--scorers", help="Scorers, comma-separated "
+                                      "and repeatable; full_kv decodes with the full cache."),
+    budget: int = typer.Option(128, "--budget", help="KV budget of every row."),
+    interval: int = typer.Option(32, "--interval", help="Generated tokens between compressions."),
+    selection: str = typer.Option("per-head", "--selection", help="per-head | per-token | stochastic[:TAU]."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    batch_size: int = typer.Option(16, "--batch-size", help="Rows decoded together."),
+    repeats: int = typer.Option(1, "--repeats", help="Alternating runs per method (best reported)."),
+    out: Path | None = typer.Option(None, "--out", help="Also write the numbers as JSON here."),
+    dtype: str = common.Dtype, device: str = common.Device,
+) -> None:
+    """Decode every prompt under every scorer alone and in batches; report seconds, tokens/s, the speed-up, peak
+    memory and how many rows wrote the same tokens."""
+    from kvdiag.errors import UserError
+    from kvdiag.io import check_writable, write_json
+    from kvdiag.models import load_model
+    from kvdiag.prompts import encode_prompt, load_prompts
+    from kvdiag.replay.bench import run_replay_bench
+    from kvdiag.replay.cache import Policy
+    from kvdiag.replay.live import check_live_scorer, make_scorer
+    from kvdiag.replay.run import FULL_KV
+
+    common.quiet_transformers()
+    names = common.parse_list(scorers, "--scorers", str)
+    if batch_size < 1 or repeats < 1 or max_new_tokens < 1:
+        raise UserError(f"--batch-size {batch_size} / --repeats {repeats} / --max-new-tokens {max_new_tokens}: use "
+                        "positive numbers")
+    if out is not None:
+        check_writable(out, "--out", "file")
+    full = [n for n in names if n == FULL_KV]
+    if full and len(full) != len(names):
+        raise UserError(f"--scorers {','.join(names)}: full_kv rows have no budget; bench them on their own")
+    policies = [None] * len(full) or [Policy(make_scorer(n), budget, interval, selection) for n in names]
+    items = load_prompts(prompts)
+    lm = load_model(model, dtype=dtype, device=device)
+    for pol in policies:
+        if pol is not None:
+            check_live_scorer(pol.scorer, budget, interval, lm.attention.num_heads // lm.attention.num_kv_heads,
+                              lm.attention.qk_head_dim)
+    ids = [encode_prompt(lm.tokenizer, p) for p in items]
+    if len({len(i) for i in ids}) != 1:
+        raise UserError(f"--prompts {prompts}: the prompts have {len({len(i) for i in ids})} token lengths; bench "
+                        "prompts of one length (a builtin suite)")
+    r = run_replay_bench(lm, ids, [p.prompt_id for p in items], policies, max_new_tokens, batch_size, repeats)
+
+    def mb(x):
+        return "n/a" if x is None else f"{x:,.0f} MB"
+
+    Console(width=max(120, Console().width)).print(
+        f"bench replay: {model} {dtype} on {device}, {len(items)} prompts x {', '.join(names)} = {r.rows} rows, "
+        f"B={budget if policies[0] else 'full'}, interval {interval}, {selection}, prompt {len(ids[0])} tokens\n"
+        f"  alone (one decode per row): {r.alone_s:.1f} s, {r.tokens / r.alone_s:.1f} tokens/s, peak "
+        f"{mb(r.alone_peak_mb)}\n"
+        f"  batched ({batch_size} rows):     {r.batched_s:.1f} s, {r.tokens / r.batched_s:.1f} tokens/s, peak "
+        f"{mb(r.batched_peak_mb)}\n"
+        f"  speed-up alone / batched:   {r.speedup:.2f}x; rows with the same tokens: {r.same_tokens}/{r.rows}"
+    )
+    if out is not None:
+        write_json(out, {"kind": "bench_replay", "model": model, "prompts": prompts, "scorers": names, "budget": budget,
+                         "interval": interval, "selection": selection, "max_new_tokens": max_new_tokens,
+                         **r.to_json()})

@@ -1,0 +1,205 @@
+"""From decisions to outcomes: how well each compression's joint damage, and each rule's single-label AUROC,
+predict what follows in the loop; and every rule's in-loop regret against the oracle policy.
+
+Inputs: a teacher-forced replay with joint labels (``joint_kl`` per compression, ``kvdiag.replay.oracle``), and
+optionally a free-running replay of the same prompts (fidelity and first divergence per generation,
+``kvdiag.replay.outcomes``) and rank-eval's per-rule AUROC on the same Trace.
+
+- **Per compression** (pooled over runs): Spearman between the joint damage ``J_c`` at checkpoint ``t_c`` and the
+  teacher-forced KL that follows it, over ``[t_c + H, t_{c+1})``: the steps after the label's own horizon ``H`` (the
+  first ``H`` steps are what the label measures, so they would correlate by construction).
+- **Per run** (prompt, rule, budget): Spearman between the mean joint damage and the run's mean KL, its free-running
+  fidelity (share of samples whose answer equals FullKV's) and first-divergence step (mean over samples).
+- **Per rule** (each budget, across rules): Spearman between single-label AUROC and minus the mean in-loop KL, and
+  between minus the mean joint damage and minus the mean in-loop KL.
+- **Regret**: a rule's mean teacher-forced KL minus the oracle policy's, paired by prompt.
+
+Every CI is a 95% cluster bootstrap over prompts (``PromptBootstrap``: resample prompts, keep all their runs and
+compressions; the same resamples for every statistic, so rank-eval's AUROC replicates align when seeded alike).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+from scipy.stats import spearmanr
+
+from kvdiag.rankeval.bootstrap import PromptBootstrap, paired_p_value
+from kvdiag.replay.oracle import ORACLE
+
+
+def compression_table(tf: pl.DataFrame, horizon: int) -> pl.DataFrame:
+    """One row per compression of a teacher-forced replay with joint labels: prompt_id, scorer, budget, t (the
+    checkpoint), joint (its joint damage, nats), kl_after (mean KL over ``[t + horizon, next checkpoint)``; null when
+    that is empty)."""
+    rows = []
+    for r in tf.filter(pl.col("joint_kl").is_not_null()).iter_rows(named=True):
+        steps, kl, P, T = r["compression_steps"], np.asarray(r["kl_steps"]), r["prompt_len"], len(r["token_ids"])
+        # kl[j] is the step that predicts position P + j (teacher_force's logprobs row j)
+        ends = [*steps[1:], T]
+        for t, end, joint in zip(steps, ends, r["joint_kl"], strict=True):
+            lo, hi = max(t + horizon, P) - P, end - P
+            rows.append({"prompt_id": r["prompt_id"], "scorer": r["scorer"], "budget": r["budget"], "t": t,
+                         "joint": joint, "kl_after": float(kl[lo:hi].mean()) if hi > lo else None})
+    return pl.DataFrame(rows, schema={"prompt_id": pl.String, "scorer": pl.String, "budget": pl.Int64, "t": pl.Int64,
+                                      "joint": pl.Float64, "kl_after": pl.Float64})
+
+
+def run_table(tf: pl.DataFrame, free: pl.DataFrame | None = None) -> pl.DataFrame:
+    """One row per (prompt, scorer, budget): joint (mean joint damage over its compressions), kl (teacher-forced mean
+    KL) and, with ``free`` (rows with ``fidelity``, ``first_divergence``), fidelity and divergence (means over
+    samples; a sample identical to FullKV diverges at its length)."""
+    runs = tf.select("prompt_id", "scorer", "budget", pl.col("joint_kl").list.mean().alias("joint"),
+                     pl.col("kl_mean").alias("kl"))
+    if free is None:
+        return runs
+    agg = free.filter(pl.col("budget").is_not_null()).group_by("prompt_id", "scorer", "budget").agg(
+        pl.col("fidelity").cast(pl.Float64).mean().alias("fidelity"),
+        pl.col("first_divergence").fill_null(pl.col("generated")).cast(pl.Float64).mean().alias("divergence"),
+    )
+    return runs.join(agg, on=["prompt_id", "scorer", "budget"], how="left")
+
+
+def _spearman(x: np.ndarray, y: np.ndarray) -> float:
+    ok = np.isfinite(x) & np.isfinite(y)
+    if ok.sum() < 3 or np.ptp(x[ok]) == 0 or np.ptp(y[ok]) == 0:
+        return float("nan")
+    return float(spearmanr(x[ok], y[ok])[0])
+
+
+def spearman_ci(boot: PromptBootstrap, x: np.ndarray, y: np.ndarray, prompts: np.ndarray) -> dict:
+    """Spearman(x, y) over rows clustered by ``prompts``, and its cluster-bootstrap CI (a prompt drawn k times
+    contributes its rows k times)."""
+    rho = _spearman(x, y)
+    reps = np.empty(0)
+    if boot.mult is not None:
+        idx = np.array([boot.index[p] for p in prompts])
+        reps = np.array([_spearman(np.repeat(x, m[idx]), np.repeat(y, m[idx])) for m in boot.mult])
+    low, high = boot.ci(reps)
+    return {"spearman": rho, "ci_low": low, "ci_high": high, "n": int(np.isfinite(x).sum())}
+
+
+def correlations(tf: pl.DataFrame, horizon: int, boot: PromptBootstrap, free: pl.DataFrame | None = None,
+                 auroc: dict[str, tuple[float, np.ndarray]] | None = None) -> pl.DataFrame:
+    """The decisions-to-outcomes table: one row per (level, predictor, outcome[, budget]) with Spearman and CI.
+
+    auroc : rule -> (pooled single-label AUROC, its replicates [B] on ``boot``'s resamples) from rank-eval.
+    """
+    rows = []
+
+    def add(level, predictor, outcome, budget, stats):
+        rows.append({"level": level, "predictor": predictor, "outcome": outcome, "budget": budget, **stats})
+
+    comp = compression_table(tf, horizon).drop_nulls("kl_after")
+    if comp.height:
+        add("compression", "joint damage", "KL after the horizon", None,
+            spearman_ci(boot, comp["joint"].to_numpy(), comp["kl_after"].to_numpy(), comp["prompt_id"].to_numpy()))
+    runs = run_table(tf, free)
+    for outcome, sign in (("kl", 1.0), ("fidelity", -1.0), ("divergence", -1.0)):
+        if outcome in runs.columns:  # higher damage should mean more KL, less fidelity, earlier divergence
+            add("run", "joint damage", outcome if sign > 0 else f"minus {outcome}", None,
+                spearman_ci(boot, runs["joint"].to_numpy(), sign * runs[outcome].to_numpy(),
+                            runs["prompt_id"].to_numpy()))
+    for budget in sorted(runs["budget"].unique().to_list()):
+        sel = runs.filter((pl.col("budget") == budget) & (pl.col("scorer") != ORACLE))
+        rules = sorted(sel["scorer"].unique().to_list())
+        means = {r: _rule_means(boot, sel.filter(pl.col("scorer") == r)) for r in rules}
+        kl = {r: means[r]["kl"] for r in rules}
+        add("rule", "minus joint damage", "minus KL", budget,
+            _across(boot, rules, {r: _neg(means[r]["joint"]) for r in rules}, {r: _neg(kl[r]) for r in rules}))
+        if auroc:
+            named = [r for r in rules if r in auroc]
+            add("rule", "single-label AUROC", "minus KL", budget,
+                _across(boot, named, {r: auroc[r] for r in named}, {r: _neg(kl[r]) for r in named}))
+    return pl.DataFrame(rows, schema={"level": pl.String, "predictor": pl.String, "outcome": pl.String,
+                                      "budget": pl.Int64, "spearman": pl.Float64, "ci_low": pl.Float64,
+                                      "ci_high": pl.Float64, "n": pl.Int64})
+
+
+def _neg(pair: tuple[float, np.ndarray]) -> tuple[float, np.ndarray]:
+    return -pair[0], -pair[1]
+
+
+def _rule_means(boot: PromptBootstrap, runs: pl.DataFrame) -> dict[str, tuple[float, np.ndarray]]:
+    prompts = runs["prompt_id"].to_numpy()
+    return {c: boot.mean(runs[c].to_numpy(), prompts) for c in ("joint", "kl")}
+
+
+def _across(boot: PromptBootstrap, rules: list[str], x: dict, y: dict) -> dict:
+    """Spearman across ``rules`` of x[r] against y[r] (each (value, replicates [B])), CI from the replicates."""
+    if len(rules) < 3:
+        return {"spearman": float("nan"), "ci_low": float("nan"), "ci_high": float("nan"), "n": len(rules)}
+    rho = _spearman(np.array([x[r][0] for r in rules]), np.array([y[r][0] for r in rules]))
+    reps = np.empty(0)
+    if boot.mult is not None:
+        xr, yr = np.stack([x[r][1] for r in rules]), np.stack([y[r][1] for r in rules])  # [R, B]
+        reps = np.array([_spearman(xr[:, b], yr[:, b]) for b in range(xr.shape[1])])
+    low, high = boot.ci(reps)
+    return {"spearman": rho, "ci_low": low, "ci_high": high, "n": len(rules)}
+
+
+def regret(tf: pl.DataFrame, boot: PromptBootstrap) -> pl.DataFrame:
+    """Per (scorer, budget): mean teacher-forced KL, the oracle policy's, their paired difference (regret) and
+    ratio with cluster-bootstrap CIs, and the paired p-value; prompts where both ran."""
+    runs = tf.select("prompt_id", "scorer", "budget", pl.col("kl_mean").alias("kl"))
+    oracle = runs.filter(pl.col("scorer") == ORACLE).select("prompt_id", "budget", pl.col("kl").alias("oracle"))
+    rows = []
+    for (scorer, budget), g in runs.filter(pl.col("scorer") != ORACLE).join(
+            oracle, on=["prompt_id", "budget"]).group_by("scorer", "budget", maintain_order=True):
+        prompts = g["prompt_id"].to_numpy()
+        x, o = g["kl"].to_numpy(), g["oracle"].to_numpy()
+        diff, dr = boot.mean(x - o, prompts)
+        (mx, xr), (mo, orr) = boot.mean(x, prompts), boot.mean(o, prompts)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ratio, rr = mx / mo, xr / orr
+        rows.append({"scorer": scorer, "budget": budget, "kl": mx, "oracle_kl": mo, "regret": diff,
+                     "regret_low": boot.ci(dr)[0], "regret_high": boot.ci(dr)[1], "ratio": ratio,
+                     "ratio_low": boot.ci(rr)[0], "ratio_high": boot.ci(rr)[1],
+                     "p_value": paired_p_value(dr) if len(dr) else None, "prompts": len(prompts)})
+    return pl.DataFrame(rows).sort("budget", "regret") if rows else pl.DataFrame()
+
+
+def write_predictions(tf: pl.DataFrame, out_dir, horizon: int, free: pl.DataFrame | None = None, n_boot: int = 2000,
+                      seed: int = 0, level: float = 0.95) -> None:
+    """``compressions.csv``, ``correlations.csv``, ``regret.csv`` (with the oracle) and ``decisions.md`` from a
+    teacher-forced replay with joint labels; ``free``: a free-running replay's generations (its outcomes join on
+    prompt, rule and budget)."""
+    from kvdiag.io import write_csv, write_text
+    from kvdiag.replay.outcomes import outcome_rows
+    from kvdiag.tables import markdown_table
+
+    boot = PromptBootstrap(tf["prompt_id"].unique().to_list(), n_boot, seed, level)
+    outcomes = None if free is None else outcome_rows(free).filter(pl.col("prompt_id").is_in(tf["prompt_id"]))
+    comp = compression_table(tf, horizon)
+    corr = correlations(tf, horizon, boot, outcomes)
+    write_csv(comp, out_dir / "compressions.csv")
+    write_csv(corr, out_dir / "correlations.csv")
+
+    def num(v, fmt=".3g"):
+        return "–" if v is None or v != v else format(v, fmt)
+
+    lines = [f"# Decisions to outcomes ({tf['prompt_id'].n_unique()} prompts, teacher-forced, label horizon "
+             f"{horizon})", "", "Spearman with 95% cluster-bootstrap CIs over prompts:", ""]
+    lines.append(markdown_table(
+        ["level", "predictor", "outcome", "budget", "Spearman [CI]", "n"],
+        [[r["level"], r["predictor"], r["outcome"], num(r["budget"], "d") if r["budget"] is not None else "all",
+          f"{num(r['spearman'])} [{num(r['ci_low'])}, {num(r['ci_high'])}]", str(r["n"])]
+         for r in corr.iter_rows(named=True)]))
+    if (tf["scorer"] == ORACLE).any():
+        reg = regret(tf, boot)
+        write_csv(reg, out_dir / "regret.csv")
+        cost = tf.group_by("scorer").agg((pl.col("label_seconds").sum() / pl.col("compressions").sum()).alias("s"),
+                                         (pl.col("label_rows").sum() / pl.col("compressions").sum()).alias("rows"))
+        cost = {r["scorer"]: r for r in cost.iter_rows(named=True)}
+        lines += ["", "In-loop regret against the oracle policy (mean teacher-forced KL minus the oracle's, paired by "
+                  "prompt; ratio = rule / oracle):", ""]
+        lines.append(markdown_table(
+            ["scorer", "budget", "KL", "oracle KL", "regret [CI]", "ratio [CI]", "p"],
+            [[r["scorer"], str(r["budget"]), num(r["kl"]), num(r["oracle_kl"]),
+              f"{num(r['regret'])} [{num(r['regret_low'])}, {num(r['regret_high'])}]",
+              f"{num(r['ratio'])} [{num(r['ratio_low'])}, {num(r['ratio_high'])}]", num(r["p_value"])]
+             for r in reg.iter_rows(named=True)]))
+        o = cost[ORACLE]
+        lines += ["", f"Oracle cost: {o['s']:.2f} s and {o['rows']:.0f} label rows (sets of horizon {horizon}) per "
+                  f"compression; a rule's joint label costs {num(cost[next(s for s in cost if s != ORACLE)]['s'])} s."]
+    write_text(out_dir / "decisions.md", "\n".join(lines) + "\n")

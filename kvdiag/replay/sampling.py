@@ -1,0 +1,59 @@
+"""Seeded, coupled sampling for free-running replay.
+
+Every generation ``(prompt, sample s)`` draws its uniforms from its own generator, seeded by
+``crc32(f"{seed}:{prompt_id}:{s}")``, one per generated token, and turns each into a token by the inverse CDF of
+the (temperature, top-p) distribution in token-id order. FullKV and every policy therefore share their random
+numbers (common random numbers): where their distributions agree they write the same token, so answer fidelity
+compares what the cache changed, not two independent draws.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from kvdiag.errors import UserError
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """temperature > 0 (None: greedy, argmax); top_p in (0, 1] (the nucleus); seed of every generation's draws."""
+
+    temperature: float | None = None
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature is not None and not self.temperature > 0:
+            raise UserError(f"--temperature {self.temperature}: must be positive (omit it for greedy decoding)")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"--top-p {self.top_p}: must be in (0, 1]")
+        if self.temperature is None and self.top_p != 1.0:
+            raise UserError(f"--top-p {self.top_p} needs --temperature (greedy decoding has no nucleus)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature is None
+
+    def generator(self, prompt_id: str, sample: int) -> torch.Generator | None:
+        """The draws of generation ``(prompt_id, sample)`` (None when greedy)."""
+        if self.greedy:
+            return None
+        return torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{prompt_id}:{sample}".encode()))
+
+    def pick(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
+        """The next token from logits [V]: argmax when greedy, else one inverse-CDF draw from ``generator``."""
+        if self.greedy:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.double() / self.temperature, dim=-1)
+        if self.top_p < 1:
+            ranked, order = probs.sort(descending=True, stable=True)
+            outside = ranked.cumsum(0) - ranked >= self.top_p  # the mass before a token already reaches top_p
+            probs = probs.clone()
+            probs[order[outside]] = 0.0
+        cdf = probs.cumsum(0)
+        u = torch.rand((), generator=generator, dtype=torch.float64)
+        # right=True: the first token whose CDF exceeds u * total, never a zero-probability one
+        return int(torch.searchsorted(cdf, u * cdf[-1], right=True).clamp(max=cdf.numel() - 1))

@@ -1,0 +1,77 @@
+"""Outcomes against FullKV: final answers, loops, first divergence, fidelity with Wilson or cluster-bootstrap CIs,
+and the paired test of the best rule."""
+
+from __future__ import annotations
+
+import math
+
+import polars as pl
+import pytest
+
+from kvdiag.replay.outcomes import (
+    final_answer,
+    first_divergence,
+    has_loop,
+    outcome_rows,
+    paired_tests,
+    summarize_outcomes,
+    write_outcomes,
+)
+
+
+def test_final_answer_loops_and_divergence():
+    assert final_answer("so \\boxed{\\frac{1}{2}} and later \\boxed{3}") == "3"
+    assert final_answer("x = \\boxed{\\frac{1}{2}}.") == "\\frac{1}{2}"
+    assert final_answer("Code: 4821\n1. 1\nThe code is 4821.") == "4821"
+    assert final_answer("1,250 apples") == "1250" and final_answer("no answer") is None
+    assert has_loop([1, 2, 3] * 3, n=3, repeats=3) and not has_loop([1, 2, 3] * 3, n=3, repeats=4)
+    assert not has_loop(list(range(100)), n=2, repeats=2)
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 9, 3], [1, 2, 3]) == 1 and first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def _row(pid, scorer, budget, text, tokens, sample=0):
+    return {"prompt_id": pid, "scorer": scorer, "budget": budget, "sample": sample, "prompt_len": 1,
+            "token_ids": [0, *tokens], "text": text, "generated": len(tokens), "correct": None,
+            "max_length_hit": False, "kl_mean": 0.1}
+
+
+def _frame(samples=1):
+    rows = []
+    for i in range(10):
+        for s in range(samples):
+            pid = f"p{i}"
+            rows.append(_row(pid, "full_kv", None, f"answer {i}", [1, 2, 3], s))
+            rows.append(_row(pid, "good", 64, f"answer {i}", [1, 2, 3], s))  # always FullKV's answer
+            keep = i < 4  # bad keeps FullKV's answer on 4 of 10 prompts and diverges at step 1 elsewhere
+            rows.append(_row(pid, "bad", 64, f"answer {i if keep else 99}", [1, 2, 3] if keep else [1, 7], s))
+    return pl.DataFrame(rows)
+
+
+def test_fidelity_with_wilson_and_mcnemar():
+    out = outcome_rows(_frame())
+    bad = out.filter(pl.col("scorer") == "bad")
+    assert bad["fidelity"].sum() == 4 and bad["first_divergence"].drop_nulls().to_list() == [1] * 6
+    assert bad["length_ratio"].drop_nulls().sort().to_list() == pytest.approx([2 / 3] * 6 + [1.0] * 4)
+    s = summarize_outcomes(out, n_boot=200).filter(pl.col("scorer") == "bad").row(0, named=True)
+    assert s["fidelity"] == pytest.approx(0.4)
+    # Wilson 95 % for 4/10: centre (4 + 1.92) / 13.84, half-width 1.96 * sqrt(4*6/10 + 0.96) / 13.84
+    centre, half = (4 + 1.96**2 / 2) / (10 + 1.96**2), 1.96 * math.sqrt(2.4 + 1.96**2 / 4) / (10 + 1.96**2)
+    assert s["fidelity_lo"] == pytest.approx(centre - half, abs=1e-3)
+    assert s["fidelity_hi"] == pytest.approx(centre + half, abs=1e-3)
+    p = paired_tests(out, n_boot=200).row(0, named=True)
+    assert (p["best"], p["other"], p["units"]) == ("good", "bad", 10)
+    assert p["fidelity_diff"] == pytest.approx(0.6) and p["mcnemar_p"] == pytest.approx(2 * 0.5**6)
+    assert 0 < p["diff_lo"] <= 0.6 <= p["diff_hi"]
+
+
+def test_samples_use_the_cluster_bootstrap(tmp_path):
+    out = outcome_rows(_frame(samples=3))
+    s = summarize_outcomes(out, n_boot=500).filter(pl.col("scorer") == "bad").row(0, named=True)
+    assert s["generations"] == 30 and s["fidelity"] == pytest.approx(0.4)
+    # clusters of 3 identical samples: the bootstrap width is that of 10 prompts, wider than Wilson on 30 units
+    assert s["fidelity_hi"] - s["fidelity_lo"] > 0.35
+    assert paired_tests(out, n_boot=200)["mcnemar_p"].to_list() == [None]
+    write_outcomes(_frame(samples=3), tmp_path, n_boot=100)
+    text = (tmp_path / "outcomes.md").read_text()
+    assert "cluster bootstrap over prompts" in text and "| bad" in text
