@@ -55,7 +55,7 @@ class Decoded:
     compressions: list[int] = field(default_factory=list)
     logprobs: torch.Tensor | None = None
     kept: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    joint: list[float] = field(default_factory=list)
+    joint: list[float] | None = field(default_factory=list)
 
     @property
     def generated(self) -> int:
@@ -154,8 +154,8 @@ class Session:
         keep = [self._keep(row, policy, t) for row, policy in enumerate(self.policies)]
         self.cache.compact(keep, self.policy.backend)
         self.compressions.append(t)
-        for row, kept in enumerate(self.kept):
-            if self.keep_history:
+        if self.keep_history:
+            for row, kept in enumerate(self.kept):
                 kept.append((t, self.cache.positions[row].clone()))
         if self.labels is not None:
             self.joint.append(self.labels.joint(self.cache.positions[0], t))

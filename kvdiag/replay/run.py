@@ -367,8 +367,8 @@ def _teacher_forced(lm, settings, policies, pending, o_proj, commit, progress, t
         use = live if settings.joint or u.scorer == ORACLE else None
         before = (sum(live.seconds.values()), sum(live.rows.values()))
         run = teacher_force(lm, it.token_ids, it.prompt_len, policy, it.prompt_id, o_proj=o_proj, labels=use)
-        if not settings.joint:
-            run.joint = []
+        if not settings.joint:  # --no-joint: no joint_kl column values (the oracle's own labels still ran)
+            run.joint = None
         spent = {"seconds": sum(live.seconds.values()) - before[0], "rows": sum(live.rows.values()) - before[1]}
         commit(u, run, kl_steps(reference[it.prompt_id], run.logprobs), time.perf_counter() - start, spent)
         progress.advance(task)
