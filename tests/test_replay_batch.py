@@ -96,6 +96,22 @@ def test_sampling_draws_from_the_nucleus_in_proportion():
     torch.testing.assert_close(counts / counts.sum(), p2 / p2.sum(), atol=0.011, rtol=0)
 
 
+def test_nucleus_equals_a_sort_of_the_whole_vocabulary():
+    """The top-k search (k doubled from 2 here) returns the nucleus a full stable sort gives, ties included."""
+    from kvdiag.replay.sampling import nucleus
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        logits = torch.randn(300, generator=gen, dtype=torch.float64) * (0.5 + trial % 5)
+        if trial % 3 == 0:  # ties: many tokens share a few logits
+            logits = (logits * 2).round() / 2
+        probs = torch.softmax(logits, dim=-1)
+        for top_p in (0.05, 0.5, 0.9, 0.999):
+            ranked, order = probs.sort(descending=True, stable=True)
+            want = order[ranked.cumsum(0) - ranked < top_p].sort().values
+            assert torch.equal(nucleus(probs, top_p, k=2), want)
+
+
 @pytest.mark.parametrize(("kwargs", "fragment"), [({"temperature": 0.0}, "--temperature 0.0"),
                                                   ({"temperature": 1.0, "top_p": 1.5}, "--top-p 1.5"),
                                                   ({"top_p": 0.9}, "needs --temperature")])

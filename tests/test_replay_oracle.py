@@ -4,8 +4,11 @@ whose eviction costs most, and the sweep records both with their cost."""
 
 from __future__ import annotations
 
+import numpy as np
 import polars as pl
+import pytest
 import torch
+from scipy.stats import spearmanr
 
 from kvdiag.label.engine import OracleEngine
 from kvdiag.replay import Policy, ReplaySettings, decode, full_logprobs, kl_steps, make_scorer, replay, teacher_force
@@ -74,3 +77,51 @@ def test_sweep_records_joint_labels_and_their_cost(tiny_llama, tiny_trace, tmp_p
     assert reg["scorer"] == "rkv" and reg["prompts"] == 2 and abs(reg["regret"] - want) < 1e-9
     text = (tmp_path / "r" / "decisions.md").read_text()
     assert "Oracle cost" in text and "joint damage" in text
+
+
+def test_single_label_auroc_joins_rank_eval_and_the_loop(tiny_llama, tiny_trace, tmp_path):
+    """``--auroc LABELS SCORES``: each rule's pooled AUROC and replicates are rank-eval's own; with the replay's
+    prompts and seed they sit on the same resamples, and the rule-level row is the Spearman of AUROC against minus
+    the in-loop KL. A rule without a score column is refused; scored parameters that differ are named."""
+    from kvdiag.errors import UserError
+    from kvdiag.io import read_table, write_table
+    from kvdiag.label import LabelConfig
+    from kvdiag.label.run import label_trace
+    from kvdiag.rankeval.evaluate import rank_eval
+    from kvdiag.replay.predict import single_label_auroc
+    from kvdiag.scorers.run import score_trace
+
+    rules = ["rkv", "tova", "streamingllm"]
+    labels_path = label_trace(tiny_trace, tiny_llama, tmp_path / "labels.parquet",
+                              LabelConfig(checkpoints="every:16", horizon=H, candidates="all", w_obs=0),
+                              show_progress=False)
+    labels, _ = read_table(labels_path)
+    scores, meta = score_trace(tiny_trace, keys=labels, scorers=rules + ["random"])
+    scores_path = write_table(scores, tmp_path / "scores.parquet", meta)
+
+    settings = ReplaySettings(scorers=rules, budgets=[16], interval=16, selection="per-token", horizon=H)
+    params = {r: make_scorer(r, None, settings.w_obs).params for r in rules}
+    single = single_label_auroc(labels_path, scores_path, rules, params, n_boot=200)
+    want = rank_eval(labels, scores, scorers=tuple(rules), n_boot=200, seed=0, reference=None)
+    for r in rules:
+        value, reps = single.auroc[r]
+        row = want.metrics.filter((pl.col("scorer") == r) & (pl.col("metric") == "auroc")
+                                  & (pl.col("scope") == "pooled"))
+        assert value == row["value"][0]
+        assert np.array_equal(reps, want.replicates[(r, "auroc", "pooled")], equal_nan=True)
+    assert single.prompts == sorted(tiny_trace.prompt_ids) and not single.notes
+    changed = {**params, "rkv": {**params["rkv"], "window": 3}}
+    other = single_label_auroc(labels_path, scores_path, rules, changed, n_boot=0)
+    assert len(other.notes) == 1 and other.notes[0].startswith("rkv:")
+    with pytest.raises(UserError, match="no score column for cake"):
+        single_label_auroc(labels_path, scores_path, rules + ["cake"], params)
+
+    single = single_label_auroc(labels_path, scores_path, rules, params)  # n_boot 2000, as the replay's bootstrap
+    replay(tiny_llama, tmp_path / "r", settings, trace=tiny_trace, auroc=single)
+    corr = pl.read_csv(tmp_path / "r" / "correlations.csv").filter(pl.col("predictor") == "single-label AUROC")
+    df = pl.read_parquet(tmp_path / "r" / "generations.parquet")
+    kl = df.group_by("scorer").agg(pl.col("kl_mean").mean()).sort("scorer")
+    x = np.array([single.auroc[r][0] for r in kl["scorer"]])
+    assert corr.height == 1 and corr["n"][0] == 3
+    assert corr["spearman"][0] == pytest.approx(spearmanr(x, -kl["kl_mean"].to_numpy())[0], abs=1e-12)
+    assert "the replay's own, on the same bootstrap resamples" in (tmp_path / "r" / "decisions.md").read_text()

@@ -24,6 +24,9 @@ def test_final_answer_loops_and_divergence():
     assert final_answer("x = \\boxed{\\frac{1}{2}}.") == "\\frac{1}{2}"
     assert final_answer("Code: 4821\n1. 1\nThe code is 4821.") == "4821"
     assert final_answer("1,250 apples") == "1250" and final_answer("no answer") is None
+    # cut at the length limit: a box is an answer, the last number of unfinished reasoning is not
+    assert final_answer("so 12 + 30 = 42", finished=False) is None
+    assert final_answer("\\boxed{42}, and 7", finished=False) == "42"
     assert has_loop([1, 2, 3] * 3, n=3, repeats=3) and not has_loop([1, 2, 3] * 3, n=3, repeats=4)
     assert not has_loop(list(range(100)), n=2, repeats=2)
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
@@ -33,7 +36,7 @@ def test_final_answer_loops_and_divergence():
 def _row(pid, scorer, budget, text, tokens, sample=0):
     return {"prompt_id": pid, "scorer": scorer, "budget": budget, "sample": sample, "prompt_len": 1,
             "token_ids": [0, *tokens], "text": text, "generated": len(tokens), "correct": None,
-            "max_length_hit": False, "kl_mean": 0.1}
+            "max_length_hit": False, "stop": "eos", "kl_mean": 0.1}
 
 
 def _frame(samples=1):

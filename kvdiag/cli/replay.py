@@ -39,6 +39,10 @@ def replay(
                                 "compression's joint damage; the oracle policy)."),
     outcomes: Path | None = typer.Option(None, "--outcomes", help="Teacher-forced: a free-running replay directory "
                                          "of the same prompts; correlate the joint labels with its fidelity."),
+    auroc: tuple[Path, Path] | None = typer.Option(None, "--auroc", help="Teacher-forced: LABELS SCORES (kvdiag label "
+                                                   "and kvdiag score of a Trace of the same task, every replayed rule "
+                                                   "scored); correlate each rule's single-label AUROC with its "
+                                                   "in-loop KL."),
     joint: bool = typer.Option(True, "--joint/--no-joint", help="Teacher-forced: label each compression's whole "
                                "evicted set exactly (joint_kl)."),
     out: Path = typer.Option(Path("runs/replay"), "--out", help="Output directory (a rerun with the same settings "
@@ -84,7 +88,8 @@ def replay(
             "with --teacher-forced (the Trace's tokens are replayed)",
         )
     else:  # exact labels need the Trace's future tokens
-        common.refuse_given(ctx, ["horizon", "joint", "outcomes"], "without --teacher-forced (they need a Trace)")
+        common.refuse_given(ctx, ["horizon", "joint", "outcomes", "auroc"],
+                            "without --teacher-forced (they need a Trace)")
     if no_instruction:
         common.refuse_given(ctx, ["instruction"], "with --no-instruction")
     load_plugins(plugin or ())
@@ -99,7 +104,7 @@ def replay(
     path = replay_sweep(
         settings, out, teacher_forced=teacher_forced, prompts=prompts, limit=limit, model=model, seed=seed, dtype=dtype,
         device=device, revision=revision, trust_remote_code=trust_remote_code, show_progress=not quiet,
-        outcomes=outcomes,
+        outcomes=outcomes, auroc=auroc,
     )
     Console(stderr=True).print(f"replay written to {path} (generations.parquet, summary.md, budget.png)")
     if not quiet:

@@ -122,11 +122,12 @@ def budget_figure(summary: pl.DataFrame, scorers: list[str], out_dir: Path) -> l
 
 
 def write_summary(df: pl.DataFrame, out_dir: Path, scorers: list[str], budgets: list[int], horizon: int = 16,
-                  free: pl.DataFrame | None = None) -> pl.DataFrame:
+                  free: pl.DataFrame | None = None, auroc=None) -> pl.DataFrame:
     """``summary.md``, ``summary.csv`` (Table-2 shape), ``budget.csv`` (every number of the figure, long form)
     and the figure, from the rows of ``generations.parquet``; free-running with FullKV: the outcomes
     (``kvdiag.replay.outcomes``); teacher-forced with joint labels: decisions to outcomes and the regret
-    (``kvdiag.replay.predict``, ``free``: a free-running replay's generations of the same prompts)."""
+    (``kvdiag.replay.predict``, ``free``: a free-running replay's generations of the same prompts, ``auroc``: the
+    rules' ``SingleLabelAUROC``)."""
     summary = summarize(df)
     teacher_forced = bool((df["mode"] == "teacher_forced").all())
     table = table2(summary, scorers, sorted(budgets))
@@ -142,5 +143,5 @@ def write_summary(df: pl.DataFrame, out_dir: Path, scorers: list[str], budgets: 
     if teacher_forced and df["joint_kl"].drop_nulls().len():
         from kvdiag.replay.predict import write_predictions
 
-        write_predictions(df, out_dir, horizon, free)
+        write_predictions(df, out_dir, horizon, free, auroc=auroc)
     return table

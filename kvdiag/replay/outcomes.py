@@ -3,7 +3,7 @@
 Per policy row (matched to the FullKV row of the same ``prompt_id`` and ``sample``):
 
 - **fidelity**: the final answer (:func:`final_answer`) equals FullKV's; meaningful even where FullKV is wrong;
-  undefined (null) where FullKV wrote no final answer;
+  undefined (null) where FullKV wrote no final answer (no ``\\boxed{}``, and no number before EOS);
 - **first divergence**: the first generated step whose token differs from FullKV's (null: never diverged);
 - **length ratio**: generated tokens / FullKV's generated tokens;
 - **loop**: the generation repeats a span (:func:`has_loop`: an ``LOOP_NGRAM``-token n-gram at least
@@ -33,8 +33,9 @@ FULL_KV = "full_kv"
 _NUMBER = re.compile(r"-?\d+(?:[.,]\d+)*")
 
 
-def final_answer(text: str) -> str | None:
-    """The last ``\\boxed{…}`` content (balanced braces), else the last number, else None."""
+def final_answer(text: str, finished: bool = True) -> str | None:
+    """The last ``\\boxed{…}`` content (balanced braces), else (when the generation ``finished``: it wrote EOS) the
+    last number, else None: the last number of a generation cut at the length limit is not its answer."""
     start = text.rfind("\\boxed{")
     if start >= 0:
         depth, i = 1, start + len("\\boxed{")
@@ -42,6 +43,8 @@ def final_answer(text: str) -> str | None:
             depth += {"{": 1, "}": -1}.get(text[j], 0)
             if depth == 0:
                 return text[i:j].strip()
+    if not finished:
+        return None
     numbers = _NUMBER.findall(text)
     return numbers[-1].replace(",", "") if numbers else None
 
@@ -73,7 +76,7 @@ def outcome_rows(df: pl.DataFrame) -> pl.DataFrame:
     full = {(r["prompt_id"], r["sample"]): r for r in df.filter(pl.col("scorer") == FULL_KV).iter_rows(named=True)}
     for r in df.iter_rows(named=True):
         gen = r["token_ids"][r["prompt_len"] :]
-        ans = final_answer(r["text"])
+        ans = final_answer(r["text"], r["stop"] == "eos")
         ref = full.get((r["prompt_id"], r["sample"]))
         out = {"prompt_id": r["prompt_id"], "sample": r["sample"], "scorer": r["scorer"], "budget": r["budget"],
                "correct": r["correct"], "max_length_hit": r["max_length_hit"], "loop": has_loop(gen),
@@ -81,7 +84,7 @@ def outcome_rows(df: pl.DataFrame) -> pl.DataFrame:
                "fidelity": None, "first_divergence": None, "diverged": None, "length_ratio": None}
         if ref is not None and r["scorer"] != FULL_KV:
             ref_gen = ref["token_ids"][ref["prompt_len"] :]
-            ref_ans = final_answer(ref["text"])
+            ref_ans = final_answer(ref["text"], ref["stop"] == "eos")
             step = first_divergence(gen, ref_gen)
             out.update(fidelity=None if ref_ans is None else ans == ref_ans, first_divergence=step,
                        diverged=step is not None, length_ratio=len(gen) / max(len(ref_gen), 1))

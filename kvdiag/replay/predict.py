@@ -20,6 +20,9 @@ compressions; the same resamples for every statistic, so rank-eval's AUROC repli
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import numpy as np
 import polars as pl
 from scipy.stats import spearmanr
@@ -160,8 +163,49 @@ def regret(tf: pl.DataFrame, boot: PromptBootstrap) -> pl.DataFrame:
     return pl.DataFrame(rows).sort("budget", "regret") if rows else pl.DataFrame()
 
 
+def single_label_auroc(labels: str | os.PathLike, scores: str | os.PathLike, rules: list[str], params: dict[str, dict],
+                       n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> SingleLabelAUROC:
+    """Each of ``rules``' pooled single-label AUROC (rank-eval's defaults) on a labels and a scores file of one Trace,
+    with its replicates on rank-eval's cluster bootstrap over that Trace's prompts: the same resamples as the
+    replay's ``PromptBootstrap`` when both have the same prompts and seed, otherwise an independent draw.
+    ``params``: rule -> the parameters the replay ran it with; a rule scored with others is named in ``notes``.
+    Bad input (unreadable files, files of two Traces, a rule without a score column): ``UserError``."""
+    from kvdiag.errors import UserError
+    from kvdiag.io import read_table
+    from kvdiag.rankeval.evaluate import check_inputs, rank_eval
+
+    label_df, label_meta = read_table(labels, "labels")
+    score_df, score_meta = read_table(scores, "scores")
+    check_inputs(label_meta, score_meta)
+    missing = [r for r in rules if r not in score_df.columns]
+    if missing:
+        raise UserError(f"--auroc {scores}: no score column for {', '.join(missing)}; score the Trace with every "
+                        "replayed rule (kvdiag score --scorers ...)")
+    result = rank_eval(label_df, score_df, scores_meta=score_meta, scorers=tuple(rules), n_boot=n_boot, seed=seed,
+                       ci_level=level, reference=None)
+    scored = score_meta.get("scorers", {})
+    notes = [f"{r}: scored with {scored[r]}, replayed with {params[r]}" for r in rules
+             if r in scored and scored[r] != params[r]]
+    values = result.metrics.filter((pl.col("metric") == "auroc") & (pl.col("scope") == "pooled"))
+    auroc = {r["scorer"]: (r["value"], result.replicates[(r["scorer"], "auroc", "pooled")])
+             for r in values.iter_rows(named=True)}
+    harm = f"{result.config.harm} (kl_mean > {result.summary['harm_threshold']:.3g} nats)"
+    return SingleLabelAUROC(auroc, sorted(label_df["prompt_id"].unique().to_list()), harm, notes)
+
+
+@dataclass
+class SingleLabelAUROC:
+    """rank-eval's pooled AUROC per rule: ``auroc[rule] = (value, replicates [B])``, the prompts it was measured on,
+    its harm definition, and the rules whose scored parameters differ from the replay's."""
+
+    auroc: dict[str, tuple[float, np.ndarray]]
+    prompts: list[str]
+    harm: str
+    notes: list[str]
+
+
 def write_predictions(tf: pl.DataFrame, out_dir, horizon: int, free: pl.DataFrame | None = None, n_boot: int = 2000,
-                      seed: int = 0, level: float = 0.95) -> None:
+                      seed: int = 0, level: float = 0.95, auroc: SingleLabelAUROC | None = None) -> None:
     """``compressions.csv``, ``correlations.csv``, ``regret.csv`` (with the oracle) and ``decisions.md`` from a
     teacher-forced replay with joint labels; ``free``: a free-running replay's generations (its outcomes join on
     prompt, rule and budget)."""
@@ -172,7 +216,7 @@ def write_predictions(tf: pl.DataFrame, out_dir, horizon: int, free: pl.DataFram
     boot = PromptBootstrap(tf["prompt_id"].unique().to_list(), n_boot, seed, level)
     outcomes = None if free is None else outcome_rows(free).filter(pl.col("prompt_id").is_in(tf["prompt_id"]))
     comp = compression_table(tf, horizon)
-    corr = correlations(tf, horizon, boot, outcomes)
+    corr = correlations(tf, horizon, boot, outcomes, None if auroc is None else auroc.auroc)
     write_csv(comp, out_dir / "compressions.csv")
     write_csv(corr, out_dir / "correlations.csv")
 
@@ -186,6 +230,13 @@ def write_predictions(tf: pl.DataFrame, out_dir, horizon: int, free: pl.DataFram
         [[r["level"], r["predictor"], r["outcome"], num(r["budget"], "d") if r["budget"] is not None else "all",
           f"{num(r['spearman'])} [{num(r['ci_low'])}, {num(r['ci_high'])}]", str(r["n"])]
          for r in corr.iter_rows(named=True)]))
+    if auroc is not None:
+        same = auroc.prompts == boot.prompts
+        lines += ["", f"Single-label AUROC: rank-eval's pooled AUROC (harmful: {auroc.harm}) on "
+                  f"{len(auroc.prompts)} prompts, "
+                  + ("the replay's own, on the same bootstrap resamples." if same else
+                     "not the replay's prompts; its bootstrap is drawn independently of the replay's.")]
+        lines += [f"- parameters differ: {n}" for n in auroc.notes]
     if (tf["scorer"] == ORACLE).any():
         reg = regret(tf, boot)
         write_csv(reg, out_dir / "regret.csv")

@@ -28,6 +28,7 @@ from kvdiag.replay.cache import Policy
 from kvdiag.replay.decoding import Decoded, decode_batch, full_logprobs, kl_steps, teacher_force
 from kvdiag.replay.live import check_live_scorer, make_scorer
 from kvdiag.replay.oracle import ORACLE, LiveLabels, OracleRule
+from kvdiag.replay.predict import SingleLabelAUROC, single_label_auroc
 from kvdiag.replay.sampling import Sampling
 from kvdiag.schema import CHECKPOINT_INTERVAL, HORIZON
 from kvdiag.scorers.base import needs_o_proj
@@ -183,15 +184,26 @@ def replay_sweep(
     prompts: str | None = None, limit: int | None = None, model: str | None = None, seed: int = 0,
     dtype: str | None = None, device: str = "cpu", revision: str | None = None, trust_remote_code: bool = False,
     show_progress: bool = True, outcomes: str | os.PathLike | None = None,
+    auroc: tuple[str | os.PathLike, str | os.PathLike] | None = None,
 ) -> Path:
     """What ``kvdiag replay`` runs: load the model and :func:`replay` the first ``limit`` prompts of ``prompts``
     (free-running; default ``builtin:arith`` on ``smollm2``) or of the Trace directory ``teacher_forced`` (its model
-    unless ``model``, which must be the Trace's). Settings and ``out`` are checked before the model loads."""
+    unless ``model``, which must be the Trace's). Settings and ``out`` are checked before the model loads.
+    ``auroc``: (labels, scores) files of a Trace of the same task, whose rank-eval AUROC per rule is correlated with
+    the teacher-forced in-loop KL (``kvdiag.replay.predict.single_label_auroc``)."""
     check_settings(settings, teacher_forced is not None)
     check_writable(out, "--out", "dir")
     if outcomes is not None and (teacher_forced is None or not (Path(outcomes) / "generations.parquet").is_file()):
         raise UserError(f"--outcomes {outcomes}: give, with --teacher-forced, a free-running replay directory (its "
                         "generations.parquet) of the same prompts")
+    single = None
+    if auroc is not None:
+        if teacher_forced is None or not settings.joint:
+            raise UserError("--auroc correlates single-label AUROC with teacher-forced joint labels: give it with "
+                            "--teacher-forced and --joint")
+        rules = [n for n in settings.scorers if n != ORACLE]
+        params = {n: make_scorer(n, settings.params.get(n), settings.w_obs).params for n in rules}
+        single = single_label_auroc(*auroc, rules, params, seed=seed)
     if teacher_forced is not None:
         tr = Trace(teacher_forced)
         had = tr.manifest["model"]
@@ -203,7 +215,7 @@ def replay_sweep(
         ids = tr.prompt_ids[:limit] if limit else tr.prompt_ids
         return replay(
             lm, out, settings, trace=tr, prompt_ids=ids, source=str(teacher_forced), show_progress=show_progress,
-            outcomes=outcomes,
+            outcomes=outcomes, auroc=single,
         )
     source = prompts or "builtin:arith"
     items = load_prompts(source, limit=limit, seed=seed)
@@ -215,14 +227,15 @@ def replay_sweep(
 def replay(
     lm: LoadedModel, out: str | os.PathLike, settings: ReplaySettings, prompts: list[Prompt] | None = None, trace=None,
     prompt_ids: list[str] | None = None, source: str | None = None, command: str | None = None,
-    show_progress: bool = True, outcomes: str | os.PathLike | None = None,
+    show_progress: bool = True, outcomes: str | os.PathLike | None = None, auroc: SingleLabelAUROC | None = None,
 ) -> Path:
     """Replay ``prompts`` (free-running) or the Trace ``trace`` (teacher-forced) under every (scorer, budget).
 
     Each (prompt, scorer, budget) is committed to ``out/parts/`` as it finishes; a rerun with the same settings
     reuses finished parts. Writes ``generations.parquet``, ``summary.md``/``summary.csv``, ``budget.png``/``.pdf``
     (+ ``budget.csv``) and ``config.json`` into ``out``; returns ``out``. ``outcomes``: a free-running replay
-    directory of the same prompts whose outcomes the teacher-forced joint labels are correlated with.
+    directory of the same prompts whose outcomes the teacher-forced joint labels are correlated with; ``auroc``: the
+    rules' single-label AUROC, correlated with their in-loop KL.
     """
     from kvdiag.replay.figure import write_summary
 
@@ -294,7 +307,7 @@ def replay(
     df = parts.merge([u.part for u in units], out / "generations.parquet", {**config, "kind": "replay"})
     free = None if outcomes is None else pl.read_parquet(Path(outcomes) / "generations.parquet")
     write_summary(df, out, [name for name in dict.fromkeys(n for n, _ in policies)], settings.budgets,
-                  settings.horizon, free)
+                  settings.horizon, free, auroc)
     return out
 
 

@@ -44,16 +44,29 @@ class Sampling:
         return torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{prompt_id}:{sample}".encode()))
 
     def pick(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
-        """The next token from logits [V]: argmax when greedy, else one inverse-CDF draw from ``generator``."""
+        """The next token from logits [V]: argmax when greedy, else one inverse-CDF draw from ``generator`` over the
+        nucleus in token-id order."""
         if self.greedy:
             return int(logits.argmax())
         probs = torch.softmax(logits.double() / self.temperature, dim=-1)
-        if self.top_p < 1:
-            ranked, order = probs.sort(descending=True, stable=True)
-            outside = ranked.cumsum(0) - ranked >= self.top_p  # the mass before a token already reaches top_p
-            probs = probs.clone()
-            probs[order[outside]] = 0.0
-        cdf = probs.cumsum(0)
+        ids = nucleus(probs, self.top_p) if self.top_p < 1 else torch.arange(probs.numel())
+        cdf = probs[ids].cumsum(0)  # the full vocabulary's CDF at these tokens: the others add exact zeros
         u = torch.rand((), generator=generator, dtype=torch.float64)
-        # right=True: the first token whose CDF exceeds u * total, never a zero-probability one
-        return int(torch.searchsorted(cdf, u * cdf[-1], right=True).clamp(max=cdf.numel() - 1))
+        # right=True: the first token whose CDF exceeds u * total
+        return int(ids[torch.searchsorted(cdf, u * cdf[-1], right=True).clamp(max=cdf.numel() - 1)])
+
+
+def nucleus(probs: torch.Tensor, top_p: float, k: int = 256) -> torch.Tensor:
+    """Token ids (ascending) of the nucleus of ``probs [V]``: ranked by probability, ties by token id, every token
+    whose preceding mass is below ``top_p``. Ranks only the top ``k`` (doubled until the nucleus ends on a
+    probability above the k-th largest, so no tie straddles the cut) instead of sorting the vocabulary."""
+    V = probs.numel()
+    while True:
+        k = min(k, V)
+        top = torch.topk(probs, k).indices.sort().values  # id order, then a stable sort by probability
+        ranked, order = probs[top].sort(descending=True, stable=True)
+        inside = ranked.cumsum(0) - ranked < top_p
+        n = int(inside.sum())
+        if k == V or (n < k and ranked[n - 1] > ranked[-1]):
+            return top[order[:n]].sort().values
+        k *= 2
