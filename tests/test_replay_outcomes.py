@@ -68,6 +68,19 @@ def test_fidelity_with_wilson_and_mcnemar():
     assert 0 < p["diff_lo"] <= 0.6 <= p["diff_hi"]
 
 
+def test_exact_suites_compare_the_whole_generation():
+    """A suite graded on its whole generation (recall) has the whole text as its answer: stopping after the first
+    number FullKV also wrote keeps the last number but is not FullKV's answer."""
+    rows = [_row("r0", "full_kv", None, "Code: 4821\n1\n2\nCode: 4821", [1, 2, 3]),
+            _row("r0", "short", 64, "Code: 4821", [1]),
+            _row("r0", "same", 64, "Code: 4821\n1\n2\nCode: 4821 ", [1, 2, 3])]
+    df = pl.DataFrame(rows)
+    assert outcome_rows(df).filter(pl.col("scorer") == "short")["fidelity"].to_list() == [True]
+    exact = outcome_rows(df, exact={"r0"})
+    assert exact.filter(pl.col("scorer") == "short")["fidelity"].to_list() == [False]
+    assert exact.filter(pl.col("scorer") == "same")["fidelity"].to_list() == [True]  # stripped
+
+
 def test_samples_use_the_cluster_bootstrap(tmp_path):
     out = outcome_rows(_frame(samples=3))
     s = summarize_outcomes(out, n_boot=500).filter(pl.col("scorer") == "bad").row(0, named=True)

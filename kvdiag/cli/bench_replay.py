@@ -21,6 +21,13 @@ def bench_replay(
     selection: str = typer.Option("per-head", "--selection", help="per-head | per-token | stochastic[:TAU]."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
     batch_size: int = typer.Option(16, "--batch-size", help="Rows decoded together."),
+    samples: int = typer.Option(1, "--samples", help="Sampled generations per (prompt, scorer): the sweep's rows "
+                                "with --samples (needs --temperature)."),
+    temperature: float | None = typer.Option(None, "--temperature", help="Sample at this temperature (default: "
+                                             "greedy)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus of the sampling (needs --temperature)."),
+    limit: int | None = common.Limit,
+    param: list[str] | None = typer.Option(None, "--param", help="scorer.key=value, repeatable (as replay's)."),
     repeats: int = typer.Option(1, "--repeats", help="Alternating runs per method (best reported)."),
     out: Path | None = typer.Option(None, "--out", help="Also write the numbers as JSON here."),
     dtype: str = common.Dtype, device: str = common.Device,
@@ -35,19 +42,30 @@ def bench_replay(
     from kvdiag.replay.cache import Policy
     from kvdiag.replay.live import check_live_scorer, make_scorer
     from kvdiag.replay.run import FULL_KV
+    from kvdiag.replay.sampling import Sampling
+    from kvdiag.scorers import parse_params
 
     common.quiet_transformers()
     names = common.parse_list(scorers, "--scorers", str)
-    if batch_size < 1 or repeats < 1 or max_new_tokens < 1:
-        raise UserError(f"--batch-size {batch_size} / --repeats {repeats} / --max-new-tokens {max_new_tokens}: use "
-                        "positive numbers")
+    if batch_size < 1 or repeats < 1 or max_new_tokens < 1 or samples < 1:
+        raise UserError(f"--batch-size {batch_size} / --repeats {repeats} / --max-new-tokens {max_new_tokens} / "
+                        f"--samples {samples}: use positive numbers")
+    sampling = Sampling(temperature, top_p)  # checks temperature and top-p
+    if samples > 1 and sampling.greedy:
+        raise UserError(f"--samples {samples} needs --temperature (greedy rows of one prompt and scorer are the same "
+                        "generation), e.g. --temperature 0.6")
     if out is not None:
         check_writable(out, "--out", "file")
     full = [n for n in names if n == FULL_KV]
     if full and len(full) != len(names):
         raise UserError(f"--scorers {','.join(names)}: full_kv rows have no budget; bench them on their own")
-    policies = [None] * len(full) or [Policy(make_scorer(n), budget, interval, selection) for n in names]
-    items = load_prompts(prompts)
+    params = parse_params(param)
+    stray = [n for n in params if n not in names]
+    if stray:
+        raise UserError(f"--param {stray[0]}.…: scorer {stray[0]} is not in --scorers; add it or drop the parameter")
+    policies = [None] * len(full) or [Policy(make_scorer(n, params.get(n)), budget, interval, selection)
+                                      for n in names]
+    items = load_prompts(prompts, limit=limit)
     lm = load_model(model, dtype=dtype, device=device)
     for pol in policies:
         if pol is not None:
@@ -57,13 +75,16 @@ def bench_replay(
     if len({len(i) for i in ids}) != 1:
         raise UserError(f"--prompts {prompts}: the prompts have {len({len(i) for i in ids})} token lengths; bench "
                         "prompts of one length (a builtin suite)")
-    r = run_replay_bench(lm, ids, [p.prompt_id for p in items], policies, max_new_tokens, batch_size, repeats)
+    r = run_replay_bench(lm, ids, [p.prompt_id for p in items], policies, max_new_tokens, batch_size, repeats,
+                         sampling, samples)
 
     def mb(x):
         return "n/a" if x is None else f"{x:,.0f} MB"
 
     Console(width=max(120, Console().width)).print(
-        f"bench replay: {model} {dtype} on {device}, {len(items)} prompts x {', '.join(names)} = {r.rows} rows, "
+        f"bench replay: {model} {dtype} on {device}, {len(items)} prompts x {', '.join(names)}"
+        + (f" x {samples} samples (temperature {temperature}, top-p {top_p})" if samples > 1 else "")
+        + f" = {r.rows} rows, "
         f"B={budget if policies[0] else 'full'}, interval {interval}, {selection}, prompt {len(ids[0])} tokens\n"
         f"  alone (one decode per row): {r.alone_s:.1f} s, {r.tokens / r.alone_s:.1f} tokens/s, peak "
         f"{mb(r.alone_peak_mb)}\n"
@@ -72,6 +93,7 @@ def bench_replay(
         f"  speed-up alone / batched:   {r.speedup:.2f}x; rows with the same tokens: {r.same_tokens}/{r.rows}"
     )
     if out is not None:
-        write_json(out, {"kind": "bench_replay", "model": model, "prompts": prompts, "scorers": names, "budget": budget,
-                         "interval": interval, "selection": selection, "max_new_tokens": max_new_tokens,
-                         **r.to_json()})
+        write_json(out, {"kind": "bench_replay", "model": model, "prompts": prompts, "limit": limit, "scorers": names,
+                         "params": params, "samples": samples, "temperature": temperature, "top_p": top_p,
+                         "budget": budget, "interval": interval, "selection": selection,
+                         "max_new_tokens": max_new_tokens, **r.to_json()})

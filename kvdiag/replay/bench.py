@@ -1,8 +1,9 @@
 """``kvdiag bench replay``: batched free-running replay against one generation at a time, in one run.
 
-The same rows (every prompt × every scorer, one budget and interval: rows of one batch share their prompt length
-and schedule) are decoded alone, one ``decode`` each, and together, ``decode_batch`` ``batch_size`` rows at a
-time; the batched tokens must equal the alone tokens (a row that differs is counted and reported, never hidden).
+The same rows (every prompt × every scorer × every sample, one budget and interval: rows of one batch share their
+prompt length and schedule) are decoded alone, one ``decode`` each, and together, ``decode_batch`` ``batch_size``
+rows at a time; the batched tokens must equal the alone tokens (a row that differs is counted and reported, never
+hidden).
 Each method runs once per repeat, alternating, and the best time is kept; peak memory is each method's own.
 """
 
@@ -16,6 +17,7 @@ from kvdiag.kernels.bench import cpu_peak_probe, peak_mb, seconds
 from kvdiag.models import LoadedModel
 from kvdiag.replay.cache import Policy
 from kvdiag.replay.decoding import decode, decode_batch
+from kvdiag.replay.sampling import Sampling
 
 
 @dataclass
@@ -39,20 +41,24 @@ class ReplayBenchResult:
 
 @torch.no_grad()
 def run_replay_bench(lm: LoadedModel, prompts: list[list[int]], prompt_ids: list[str], policies: list[Policy | None],
-                     max_new_tokens: int, batch_size: int, repeats: int = 1) -> ReplayBenchResult:
-    """Rows: every prompt (equal lengths) under every policy (one budget and interval, or all None)."""
-    rows = [(p, pid, pol) for p, pid in zip(prompts, prompt_ids, strict=True) for pol in policies]
+                     max_new_tokens: int, batch_size: int, repeats: int = 1, sampling: Sampling | None = None,
+                     samples: int = 1) -> ReplayBenchResult:
+    """Rows: every prompt (equal lengths) under every policy (one budget and interval, or all None), ``samples``
+    generations each (``sampling``: the replay's coupled draws, so a row draws the same tokens alone or batched)."""
+    rows = [(p, pid, pol, s) for p, pid in zip(prompts, prompt_ids, strict=True) for pol in policies
+            for s in range(samples)]
     out: dict[str, list] = {}
 
     def alone():
-        out["alone"] = [decode(lm, p, pol, max_new_tokens, pid).token_ids for p, pid, pol in rows]
+        out["alone"] = [decode(lm, p, pol, max_new_tokens, pid, sampling=sampling, sample=s).token_ids
+                        for p, pid, pol, s in rows]
 
     def batched():
         got = []
-        for s in range(0, len(rows), batch_size):
-            chunk = rows[s : s + batch_size]
-            runs = decode_batch(lm, [p for p, _, _ in chunk], [pol for _, _, pol in chunk], max_new_tokens,
-                                [pid for _, pid, _ in chunk])
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start : start + batch_size]
+            runs = decode_batch(lm, [r[0] for r in chunk], [r[2] for r in chunk], max_new_tokens,
+                                [r[1] for r in chunk], sampling=sampling, samples=[r[3] for r in chunk])
             got += [r.token_ids for r in runs]
         out["batched"] = got
 
@@ -64,6 +70,6 @@ def run_replay_bench(lm: LoadedModel, prompts: list[list[int]], prompt_ids: list
             peak = peak_mb(lambda fn=fn, name=name: times[name].append(seconds(fn, device)), device, reset)
             peaks[name] = peak if peaks.get(name) is None else max(peaks[name], peak)
     same = sum(a == b for a, b in zip(out["alone"], out["batched"], strict=True))
-    tokens = sum(len(ids) - len(p) for ids, (p, _, _) in zip(out["alone"], rows, strict=True))
+    tokens = sum(len(ids) - len(r[0]) for ids, r in zip(out["alone"], rows, strict=True))
     return ReplayBenchResult(len(rows), batch_size, min(times["alone"]), min(times["batched"]), tokens, same,
                              peaks["alone"], peaks["batched"])

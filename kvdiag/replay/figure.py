@@ -16,8 +16,9 @@ FULL_LABEL = "FullKV"
 
 
 def summarize(df: pl.DataFrame) -> pl.DataFrame:
-    """One row per (scorer, budget): prompts, accuracy (share correct among prompts with an answer), max-length
-    hits, mean KL (mean over prompts of each generation's mean per-step KL), mean and peak active KV."""
+    """One row per (scorer, budget): prompts (its generations: prompts × samples), accuracy (share correct among
+    generations with an answer), max-length hits, mean KL (mean over generations of each one's mean per-step KL),
+    mean and peak active KV."""
     return (
         df.group_by("scorer", "budget", maintain_order=True)
         .agg(
@@ -51,20 +52,24 @@ def table2(summary: pl.DataFrame, scorers: list[str], budgets: list[int]) -> pl.
         for b in budgets for m in ("accuracy", "max_length_hits", "kl_mean")}})
 
 
-def markdown(table: pl.DataFrame, budgets: list[int], prompts: int, teacher_forced: bool) -> str:
-    """The Table-2-shaped summary as Markdown (accuracy %, max-length hits out of ``prompts``, mean KL)."""
+def markdown(table: pl.DataFrame, budgets: list[int], prompts: int, teacher_forced: bool, samples: int = 1) -> str:
+    """The Table-2-shaped summary as Markdown (accuracy %, max-length hits out of ``prompts * samples``
+    generations, mean KL)."""
     metrics = (
         [("kl_mean", "KL")]
         if teacher_forced
         else [("accuracy", "acc %"), ("max_length_hits", "max-len"), ("kl_mean", "KL")]
     )
     head = ["scorer"] + [f"{label} @{b}" for b in budgets for _, label in metrics]
-    rows = [[row["scorer"], *(_cell(key, row[f"{key}@{b}"], prompts) for b in budgets for key, _ in metrics)]
+    n = prompts * samples
+    rows = [[row["scorer"], *(_cell(key, row[f"{key}@{b}"], n) for b in budgets for key, _ in metrics)]
             for row in table.iter_rows(named=True)]
-    mode = "teacher-forced on a Trace" if teacher_forced else "free-running greedy decoding"
+    mode = "teacher-forced on a Trace" if teacher_forced else "free-running decoding" + (
+        f", {samples} sampled generations per prompt" if samples > 1 else "")
     notes = [
         f"Replay ({mode}) over {prompts} prompts; budget = entries kept per layer and KV head.",
-        "acc %: math-verify accuracy among prompts with an answer; max-len: generations that hit --max-new-tokens; "
+        "acc %: accuracy among generations with an answer (math-verify, or a builtin suite's exact check of the "
+        "whole generation); max-len: generations that hit --max-new-tokens; "
         "KL: mean over prompts of the mean per-step KL(P_full || P_policy) in nats"
         + (" on the Trace's tokens." if teacher_forced else ", along each policy's own generation."),
     ]
@@ -122,24 +127,26 @@ def budget_figure(summary: pl.DataFrame, scorers: list[str], out_dir: Path) -> l
 
 
 def write_summary(df: pl.DataFrame, out_dir: Path, scorers: list[str], budgets: list[int], horizon: int = 16,
-                  free: pl.DataFrame | None = None, auroc=None) -> pl.DataFrame:
+                  free: pl.DataFrame | None = None, auroc=None, exact: set[str] = frozenset()) -> pl.DataFrame:
     """``summary.md``, ``summary.csv`` (Table-2 shape), ``budget.csv`` (every number of the figure, long form)
     and the figure, from the rows of ``generations.parquet``; free-running with FullKV: the outcomes
     (``kvdiag.replay.outcomes``); teacher-forced with joint labels: decisions to outcomes and the regret
     (``kvdiag.replay.predict``, ``free``: a free-running replay's generations of the same prompts, ``auroc``: the
-    rules' ``SingleLabelAUROC``)."""
+    rules' ``SingleLabelAUROC``); ``exact``: prompts graded on their whole generation (their answer is the
+    generation)."""
     summary = summarize(df)
     teacher_forced = bool((df["mode"] == "teacher_forced").all())
     table = table2(summary, scorers, sorted(budgets))
     write_csv(table, out_dir / "summary.csv")
     prompts = df["prompt_id"].n_unique()
-    write_text(out_dir / "summary.md", markdown(table, sorted(budgets), prompts, teacher_forced))
+    samples = df["sample"].n_unique() if "sample" in df.columns else 1
+    write_text(out_dir / "summary.md", markdown(table, sorted(budgets), prompts, teacher_forced, samples))
     write_csv(summary, out_dir / "budget.csv")
     budget_figure(summary, scorers, out_dir)
     if not teacher_forced and (df["scorer"] == "full_kv").any():
         from kvdiag.replay.outcomes import write_outcomes
 
-        write_outcomes(df, out_dir)
+        write_outcomes(df, out_dir, exact=exact)
     if teacher_forced and df["joint_kl"].drop_nulls().len():
         from kvdiag.replay.predict import write_predictions
 

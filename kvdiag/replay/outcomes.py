@@ -2,7 +2,8 @@
 
 Per policy row (matched to the FullKV row of the same ``prompt_id`` and ``sample``):
 
-- **fidelity**: the final answer (:func:`final_answer`) equals FullKV's; meaningful even where FullKV is wrong;
+- **fidelity**: the answer (:func:`answer_of`: the whole generation for a suite graded on it, else the
+  :func:`final_answer`) equals FullKV's; meaningful even where FullKV is wrong;
   undefined (null) where FullKV wrote no final answer (no ``\\boxed{}``, and no number before EOS);
 - **first divergence**: the first generated step whose token differs from FullKV's (null: never diverged);
 - **length ratio**: generated tokens / FullKV's generated tokens;
@@ -68,15 +69,22 @@ def first_divergence(gen: list[int], ref: list[int]) -> int | None:
     return None if len(gen) == len(ref) else min(len(gen), len(ref))
 
 
-def outcome_rows(df: pl.DataFrame) -> pl.DataFrame:
-    """One row per generation of ``generations.parquet`` (free-running) with its outcomes against FullKV."""
+def answer_of(row: dict, exact: bool = False) -> str | None:
+    """A generation's answer: its whole text (stripped) for a suite graded on the whole generation (``exact``),
+    else its :func:`final_answer`."""
+    return row["text"].strip() if exact else final_answer(row["text"], row["stop"] == "eos")
+
+
+def outcome_rows(df: pl.DataFrame, exact: set[str] = frozenset()) -> pl.DataFrame:
+    """One row per generation of ``generations.parquet`` (free-running) with its outcomes against FullKV;
+    ``exact``: prompt ids whose answer is the whole generation (the builtin suites' exact check)."""
     if "sample" not in df.columns:
         df = df.with_columns(pl.lit(0, pl.Int64).alias("sample"))
     rows = []
     full = {(r["prompt_id"], r["sample"]): r for r in df.filter(pl.col("scorer") == FULL_KV).iter_rows(named=True)}
     for r in df.iter_rows(named=True):
         gen = r["token_ids"][r["prompt_len"] :]
-        ans = final_answer(r["text"], r["stop"] == "eos")
+        ans = answer_of(r, r["prompt_id"] in exact)
         ref = full.get((r["prompt_id"], r["sample"]))
         out = {"prompt_id": r["prompt_id"], "sample": r["sample"], "scorer": r["scorer"], "budget": r["budget"],
                "correct": r["correct"], "max_length_hit": r["max_length_hit"], "loop": has_loop(gen),
@@ -84,7 +92,7 @@ def outcome_rows(df: pl.DataFrame) -> pl.DataFrame:
                "fidelity": None, "first_divergence": None, "diverged": None, "length_ratio": None}
         if ref is not None and r["scorer"] != FULL_KV:
             ref_gen = ref["token_ids"][ref["prompt_len"] :]
-            ref_ans = final_answer(ref["text"], ref["stop"] == "eos")
+            ref_ans = answer_of(ref, r["prompt_id"] in exact)
             step = first_divergence(gen, ref_gen)
             out.update(fidelity=None if ref_ans is None else ans == ref_ans, first_divergence=step,
                        diverged=step is not None, length_ratio=len(gen) / max(len(ref_gen), 1))
@@ -147,10 +155,12 @@ METRICS = [("correct", "acc %"), ("fidelity", "fidelity %"), ("diverged", "diver
            ("max_length_hit", "max-len %"), ("length_ratio", "length ratio"), ("kl_mean", "KL")]
 
 
-def write_outcomes(df: pl.DataFrame, out_dir, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> pl.DataFrame:
+def write_outcomes(df: pl.DataFrame, out_dir, n_boot: int = 2000, seed: int = 0, level: float = 0.95,
+                   exact: set[str] = frozenset()) -> pl.DataFrame:
     """``outcomes.csv`` (every generation's outcomes), ``outcomes_summary.csv``, ``paired.csv`` and
-    ``outcomes.md`` from free-running ``generations.parquet`` rows that include FullKV."""
-    out = outcome_rows(df)
+    ``outcomes.md`` from free-running ``generations.parquet`` rows that include FullKV (``exact``: as
+    :func:`outcome_rows`)."""
+    out = outcome_rows(df, exact)
     summary = summarize_outcomes(out, n_boot, seed, level)
     paired = paired_tests(out, n_boot, seed, level)
     write_csv(out, out_dir / "outcomes.csv")
@@ -172,8 +182,11 @@ def write_outcomes(df: pl.DataFrame, out_dir, n_boot: int = 2000, seed: int = 0,
     notes = [
         f"{summary['prompts'].max()} prompts, {summary['generations'].max()} generations per (rule, budget); "
         f"{level:.0%} CIs: rates {ci}, means cluster bootstrap over prompts ({n_boot} replicates, seed {seed}).",
-        "fidelity: same final answer (last \\boxed{}, else last number) as FullKV's generation of the same prompt "
-        "and sample (null where FullKV wrote none); diverged: the generated tokens differ from FullKV's; "
+        "fidelity: same final answer as FullKV's generation of the same prompt and sample ("
+        + ("the whole generation: the suite grades all of it" if exact and set(out["prompt_id"]) <= set(exact) else
+           "the last \\boxed{}, else in a generation that wrote EOS the last number; null where FullKV wrote none"
+           + ("; the whole generation for the prompts graded on it" if exact else ""))
+        + "); diverged: the generated tokens differ from FullKV's; "
         f"loops: a {LOOP_NGRAM}-token span repeated {LOOP_REPEATS}+ times; length ratio: generated / FullKV's.",
     ]
     if paired.height:

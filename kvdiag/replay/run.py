@@ -307,7 +307,7 @@ def replay(
     df = parts.merge([u.part for u in units], out / "generations.parquet", {**config, "kind": "replay"})
     free = None if outcomes is None else pl.read_parquet(Path(outcomes) / "generations.parquet")
     write_summary(df, out, [name for name in dict.fromkeys(n for n, _ in policies)], settings.budgets,
-                  settings.horizon, free, auroc)
+                  settings.horizon, free, auroc, exact={it.prompt_id for it in items if it.check == "exact"})
     return out
 
 
