@@ -76,8 +76,8 @@ def grade(bench: bench_mod.Benchmark, rules: dict, lm, out: Path, show_progress:
     from kvdiag.decisions import DecisionsConfig, decide
     from kvdiag.harm import HarmSpec
     from kvdiag.rankeval import rank_eval
-    from kvdiag.rankeval.bootstrap import PromptBootstrap
     from kvdiag.scorers import checkpoint_keys, score_trace
+    from kvdiag.stats import PromptBootstrap
     from kvdiag.trace import Trace
 
     timings: dict[str, float] = {}
@@ -129,7 +129,7 @@ def _mean_ci(boot, df: pl.DataFrame) -> tuple[float, float, float]:
 def _row(name: str, scorer, result, dec: pl.DataFrame, refs: pl.DataFrame, builtins: pl.DataFrame | None, boot,
          budgets: list[str]) -> dict:
     """One leaderboard row (module docstring)."""
-    from kvdiag.rankeval.bootstrap import paired_p_value
+    from kvdiag.stats import paired_p_value
 
     m = result.metrics.filter((pl.col("scorer") == name) & (pl.col("scope") == "pooled"))
     row: dict = {"rule": name, "params": scorer.params}

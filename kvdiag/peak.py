@@ -1,6 +1,6 @@
 """The machine's matmul peak, measured, and model FLOP utilization (MFU) against it.
 
-MFU here = achieved matmul FLOP/s of a run (its FLOPs counted by ``kvdiag.cost``, divided by its wall time) /
+MFU here = achieved matmul FLOP/s of a run (its FLOPs counted by ``kvdiag.trace.cost``, divided by its wall time) /
 the FLOP/s of one large square matmul ``F.linear(a, b) = a @ b^T`` (the product ``nn.Linear`` computes) in the
 same dtype on the same device, timed in the same process a few seconds apart. Both are measured on the same
 machine in the same run, so the ratio holds on a shared or throttled machine where a datasheet peak would not;

@@ -7,7 +7,7 @@ its own, so its peak resident memory (``ru_maxrss`` from ``os.wait4``) is that c
 ``score --scorers all`` on every mode's Trace (a ``kv``/``none`` Trace rebuilds its missing tensors: that
 cost shows here) and ``figures``. A baseline trace of one token gives the fixed cost (model, runtime), so
 the growth of trace memory per token can be read against the KV cache and the recorded rows
-(``kvdiag.cost``). Each finished step is kept as ``steps/<name>.json``: a rerun continues (a step without
+(``kvdiag.trace.cost``). Each finished step is kept as ``steps/<name>.json``: a rerun continues (a step without
 its record runs again from scratch).
 """
 
@@ -27,12 +27,12 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from kvdiag.cli.common import parse_list
-from kvdiag.cost import ModelShape
 from kvdiag.errors import UserError
 from kvdiag.io import check_writable, writable_dir, write_csv, write_json, write_text
 from kvdiag.models import PEAK_AFTER_LOAD_ENV
+from kvdiag.parsing import parse_list
 from kvdiag.tables import frame_table
+from kvdiag.trace.cost import ModelShape
 from kvdiag.trace.writer import STORAGE_DTYPES, parse_store
 
 STAGES = ("trace", "label", "score", "figures")
@@ -238,7 +238,8 @@ def bench_scale(plan: ScalePlan, report: Callable[[Step], None] = lambda s: None
             "work_peak = after "
             f"it, the high-water mark restarted there; disk = the Trace directory).\n\n{frame_table(table)}\n"
             "Trace memory growth per token (work_peak: least-squares slope over the lengths, then each interval) "
-            f"against the arithmetic bound, KV cache ({plan.dtype}) + recorded rows (float16), from kvdiag.cost:\n\n"
+            f"against the arithmetic bound, KV cache ({plan.dtype}) + recorded rows (float16), from "
+            "kvdiag.trace.cost:\n\n"
             f"{_growth_text(memory_growth(steps, shape, plan.dtype))}")
     write_text(plan.out / "scale.md", text)
     return text

@@ -1,4 +1,4 @@
-"""``kvdiag.cost``: the arithmetic of bytes per token matches what a Trace writes, and the shape's matmul count
+"""``kvdiag.trace.cost``: the arithmetic of bytes per token matches what a Trace writes, and the shape's matmul count
 matches the model's Linear layers. Exact integer comparisons (byte counts), except the token table, which is
 compressed Parquet and is checked against its stated bound."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from kvdiag.cost import LLAMA_8B, TOKEN_TABLE_BYTES, ModelShape, TraceCost
 from kvdiag.prompts import load_prompts
 from kvdiag.trace import GenerationSettings, Trace, trace_prompts
+from kvdiag.trace.cost import LLAMA_8B, TOKEN_TABLE_BYTES, ModelShape, TraceCost
 
 MODES = ["all", "kv", "none", "1"]
 
@@ -62,7 +62,7 @@ def test_docs_state_the_arithmetic():
     """docs/scale.md's cost table is this module's output (the docs stay true when the model changes)."""
     from pathlib import Path
 
-    from kvdiag.cost import extrapolation
+    from kvdiag.trace.cost import extrapolation
 
     doc = (Path(__file__).parents[1] / "docs" / "scale.md").read_text()
     for quantity, value in extrapolation(TraceCost(LLAMA_8B, 32768)):

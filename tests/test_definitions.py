@@ -8,9 +8,9 @@ import numpy as np
 import polars as pl
 import pytest
 
-from kvdiag.cli.common import parse_checkpoints, parse_list
 from kvdiag.errors import UserError
 from kvdiag.harm import HarmSpec
+from kvdiag.parsing import parse_checkpoints, parse_list
 from kvdiag.registry import Registry
 
 

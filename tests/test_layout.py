@@ -69,3 +69,73 @@ def test_no_import_circles_inside_kvdiag():
     graph = module_graph()
     assert "kvdiag.scorers.registry" in graph and "kvdiag.registry" in graph["kvdiag.scorers.registry"]
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+# The floors of the package, bottom up. Floor 0 is the shared layer (parsing, stats, plotting, io, models, kernels,
+# ...): every module not named here. A module may import its own package, floor 0, and the stages below its floor;
+# never a stage on its own floor or above it. The CLI is the top floor and nothing else imports it.
+FLOORS = {
+    "kvdiag.trace": 1,
+    "kvdiag.label": 2,
+    "kvdiag.scorers": 3,
+    "kvdiag.rankeval": 4,
+    "kvdiag.fit": 5,
+    "kvdiag.figures": 5,
+    "kvdiag.decisions": 6,
+    "kvdiag.replay": 6,
+    "kvdiag.benchmark": 7,
+    "kvdiag.grade": 8,
+    "kvdiag.viewer": 9,
+    "kvdiag.report": 10,
+    "kvdiag.scale": 11,
+    "kvdiag.gpu_check": 11,
+    "kvdiag.cli": 12,
+    "kvdiag.__main__": 13,
+}
+
+
+def unit(module: str) -> str:
+    """The floor unit of ``module``: its stage package (``kvdiag.label.run`` -> ``kvdiag.label``) or itself."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else module
+
+
+def floor(module: str) -> int:
+    return FLOORS.get(unit(module), 0)
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from a module into a later (or the same) floor than its own, outside its own unit."""
+    bad = []
+    for a, targets in graph.items():
+        for b in targets:
+            if unit(a) == unit(b) or b == "kvdiag":
+                continue
+            if floor(b) > floor(a) or (floor(b) == floor(a) and floor(a) > 0):
+                bad.append(f"{a} (floor {floor(a)}) imports {b} (floor {floor(b)})")
+    return sorted(bad)
+
+
+def test_upward_imports_are_found():
+    graph = {"kvdiag.label.run": {"kvdiag.cli.common", "kvdiag.stats", "kvdiag.trace.reader"},
+             "kvdiag.stats": {"kvdiag.rankeval.evaluate"}, "kvdiag.decisions.run": {"kvdiag.replay.run"}}
+    assert upward_imports(graph) == [
+        "kvdiag.decisions.run (floor 6) imports kvdiag.replay.run (floor 6)",
+        "kvdiag.label.run (floor 2) imports kvdiag.cli.common (floor 12)",
+        "kvdiag.stats (floor 0) imports kvdiag.rankeval.evaluate (floor 4)",
+    ]
+
+
+def test_no_module_imports_a_later_floor():
+    """Labels come before rank-eval in the pipeline, so ``label/`` may not import ``rankeval/``; no library module
+    imports ``kvdiag.cli``; the shared layer imports no stage."""
+    graph = module_graph()
+    assert {"kvdiag.parsing", "kvdiag.stats", "kvdiag.plotting"} <= set(graph)
+    assert not (bad := upward_imports(graph)), "\n".join(bad)
+
+
+def test_nothing_outside_the_cli_imports_it():
+    graph = module_graph()
+    users = sorted(a for a, targets in graph.items() for b in targets
+                   if unit(b) == "kvdiag.cli" and unit(a) not in ("kvdiag.cli", "kvdiag.__main__"))
+    assert not users, users

@@ -1,4 +1,4 @@
-"""Achieved FLOP/s and MFU: the FLOP counts of ``kvdiag.cost`` checked by hand, the measured peak, and the bench
+"""Achieved FLOP/s and MFU: the FLOP counts of ``kvdiag.trace.cost`` checked by hand, the measured peak, and the bench
 commands that print them. No timing is asserted: only that the numbers exist and the arithmetic holds."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 from typer.testing import CliRunner
 
 from kvdiag.cli.main import app, main
-from kvdiag.cost import ModelShape
 from kvdiag.peak import Peak, matmul_peak
+from kvdiag.trace.cost import ModelShape
 
 SMOL = ModelShape("smollm2", layers=30, heads=9, kv_heads=3, head_dim=64, hidden=576, intermediate=1536, vocab=49152)
 
@@ -94,8 +94,8 @@ def test_bench_label_trace_and_kernels_print_mfu():
 def test_gpu_from_a_gpu_check_results_file(tmp_path):
     import json
 
-    from kvdiag.cost import GPU
     from kvdiag.errors import UserError
+    from kvdiag.trace.cost import GPU
 
     path = tmp_path / "results.json"
     path.write_text(json.dumps({"summary": {"gpu": "NVIDIA H200", "bf16_peak_tflops": 700.0,

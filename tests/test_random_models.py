@@ -12,9 +12,9 @@ import torch
 from typer.testing import CliRunner
 
 from kvdiag.cli.main import app, main
-from kvdiag.cost import ModelShape
 from kvdiag.errors import UserError
 from kvdiag.models import RANDOM, check_not_random, is_random, load_model, parse_random_spec, random_config
+from kvdiag.trace.cost import ModelShape
 
 SPEC = "random:llama-3.1-8b:layers=1,vocab=512"  # Llama-3.1-8B's layer (4096 wide, 32/8 heads of 128), ~0.9 GB fp32
 

@@ -40,7 +40,7 @@ def test_memory_growth_is_per_interval_against_kv_plus_rows():
     """SmolLM2's shape: KV 30 layers × 3 heads × 64 × 2 × 4 B = 46,080 B/token (float32), recorded rows
     (9 + 3 + 3) × 64 × 30 × 2 B = 57,600 B/token (float16). A flat peak gives 0; a peak growing by exactly
     the bound gives ratio 1."""
-    from kvdiag.cost import ModelShape
+    from kvdiag.trace.cost import ModelShape
 
     shape = ModelShape(
         "smollm2", layers=30, heads=9, kv_heads=3, head_dim=64, hidden=576, intermediate=1536, vocab=49152

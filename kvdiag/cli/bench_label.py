@@ -2,7 +2,7 @@
 (``--granularity layer|head``), cost per labeled entry of an approximate method or of hybrid vs exact (``--method``),
 or what a set row of ``kvdiag decisions`` costs against a single row and the physical-deletion reference (``--sets``).
 
-Exact methods also print their achieved matmul FLOP/s (``kvdiag.cost``) and MFU against the matmul peak measured
+Exact methods also print their achieved matmul FLOP/s (``kvdiag.trace.cost``) and MFU against the matmul peak measured
 at the model's dtype in the same run, before the timed runs (``kvdiag.peak``)."""
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ def bench_label(
     backend: str = typer.Option("auto", "--backend", help="kernel backend of the engine"),
 ) -> None:
     """Oracle engine throughput: vs the naive loop and the plain forward, layer start, or an approximate method."""
-    from kvdiag.cost import ModelShape
     from kvdiag.errors import UserError
     from kvdiag.label.bench import run_fast_bench, run_label_bench, run_layer_start_bench
     from kvdiag.label.engine import GRANULARITIES
@@ -47,6 +46,7 @@ def bench_label(
     from kvdiag.label.hybrid import HybridParams
     from kvdiag.models import load_model
     from kvdiag.peak import model_peak
+    from kvdiag.trace.cost import ModelShape
 
     if granularity not in GRANULARITIES:
         raise UserError(f"--granularity {granularity}: use one of {', '.join(GRANULARITIES)}")
@@ -106,7 +106,7 @@ def bench_label(
         per_repeat = ", ".join(f"{r:.2f}x" for r in res.ratios)
         console.print(f"layer start speed-up over full depth: {full.seconds / start.seconds:.2f}x (per repeat: "
                       f"{per_repeat}; batches timed in alternation; FLOP ceiling for this model "
-                      f"at P={prefix}: {ceiling:.2f}x, kvdiag.cost); labels differ by at most "
+                      f"at P={prefix}: {ceiling:.2f}x, kvdiag.trace.cost); labels differ by at most "
                       f"{res.max_abs_diff:.2e} nats ({res.max_rel_diff:.1e} relative)")
         return
     rows = run_label_bench(lm, prefix, n, horizon, repeats, backend=backend)
@@ -160,7 +160,7 @@ def _gflops(flops_per_s: float) -> str:
 
 def _peak_line(peak) -> str:
     return (f"matmul peak, measured in this run: {peak.gflops:,.1f} GFLOP/s (F.linear {peak.size}^3, {peak.dtype}, "
-            f"{peak.device}, best of {peak.calls}); MFU = achieved matmul FLOP/s (kvdiag.cost) / that peak")
+            f"{peak.device}, best of {peak.calls}); MFU = achieved matmul FLOP/s (kvdiag.trace.cost) / that peak")
 
 
 def _table(title: str, columns: tuple[str, ...]) -> Table:

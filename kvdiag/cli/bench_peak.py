@@ -6,6 +6,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvdiag import parsing
 from kvdiag.cli import common
 
 
@@ -25,7 +26,7 @@ def bench_peak(
     from kvdiag.peak import matmul_peak
 
     device = check_device(device)
-    names = common.parse_list(dtypes, "--dtype", str, example="float32,bfloat16")
+    names = parsing.parse_list(dtypes, "--dtype", str, example="float32,bfloat16")
     torch_dtypes = [parse_dtype(d) for d in names]
     if size < 0 or seconds <= 0:
         raise UserError(f"--size {size} / --seconds {seconds}: use a size >= 0 (0: the default) and seconds > 0")

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from kvdiag import parsing
 from kvdiag.cli import common
 
 
@@ -46,7 +47,7 @@ def bench_replay(
     from kvdiag.scorers import parse_params
 
     common.quiet_transformers()
-    names = common.parse_list(scorers, "--scorers", str)
+    names = parsing.parse_list(scorers, "--scorers", str)
     if batch_size < 1 or repeats < 1 or max_new_tokens < 1 or samples < 1:
         raise UserError(f"--batch-size {batch_size} / --repeats {repeats} / --max-new-tokens {max_new_tokens} / "
                         f"--samples {samples}: use positive numbers")

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from kvdiag import parsing
 from kvdiag.cli import common
 
 
@@ -26,7 +27,7 @@ def bench_scale(
 
     common.quiet_transformers()
     plan = scale.ScalePlan(
-        model, prompts, scale.parse_lengths(common.listed(lengths)), scale.parse_stores(store), out, dtype
+        model, prompts, scale.parse_lengths(parsing.listed(lengths)), scale.parse_stores(store), out, dtype
     )
     console = Console()
     text = scale.bench_scale(plan, lambda s: console.print(

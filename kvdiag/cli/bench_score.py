@@ -20,8 +20,8 @@ def bench_score(
     out: Path | None = typer.Option(None, "--out", help="Also write the numbers as JSON here."),
 ) -> None:
     """Time `kvdiag score` over every checkpoint (token granularity, all cached entries) and report s/checkpoint."""
-    from kvdiag.cli.common import joined, parse_checkpoints, parse_list
     from kvdiag.io import write_json
+    from kvdiag.parsing import joined, parse_checkpoints, parse_list
     from kvdiag.scorers import parse_params
     from kvdiag.scorers.bench import run_score_bench
     from kvdiag.trace import Trace

@@ -33,7 +33,7 @@ def bench_trace(
     weights = " (random weights)" if lm.random else ""
     Console(width=max(120, Console().width)).print(
         f"bench trace: {model}{weights} {dtype} on {device}, {len(items)} prompts, {r.tokens} tokens, "
-        f"{r.flops / 1e9:,.1f} GFLOP of matmuls per run (kvdiag.cost)\n"
+        f"{r.flops / 1e9:,.1f} GFLOP of matmuls per run (kvdiag.trace.cost)\n"
         f"  plain generate (sdpa): {r.plain_s:.2f} s ({rate(r.plain_s)})\n"
         f"  kvdiag trace:          {r.trace_s:.2f} s ({rate(r.trace_s)})\n"
         f"  ratio trace / plain:   {r.ratio:.3f}\n"

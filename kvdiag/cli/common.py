@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
-
 import typer
 
 from kvdiag.errors import UserError
-from kvdiag.schema import CHECKPOINT_INTERVAL, HARM, N_BOOT, NOISE_MULT
+from kvdiag.schema import HARM, N_BOOT, NOISE_MULT
 
 Model = typer.Option("smollm2", "--model", help="hub id, local HF dir, file.gguf, smollm2 or gemma3-270m (embedded), "
                                                 "tiny:FAMILY (random, for tests) or random:NAME[:layers=N] (random "
@@ -43,92 +40,6 @@ def quiet_transformers() -> None:
 
     logging.set_verbosity_error()
     logging.disable_progress_bar()
-
-
-def listed(values: str | Iterable[str] | None) -> list[str]:
-    """The items of a repeatable comma-separated option: ``--budget 128,256 --budget 512`` -> 128, 256, 512
-    (repeats accumulate; nothing is dropped)."""
-    values = [values] if isinstance(values, str) else values
-    return [item.strip() for value in values or () for item in str(value).split(",") if item.strip()]
-
-
-def joined(values: list[str] | None) -> str | None:
-    """``listed`` as one comma-separated string (None when the option was not given)."""
-    items = listed(values)
-    return ",".join(items) if items else None
-
-
-def parse_list(values: str | Iterable[str] | None, flag: str, kind: type = int, *, low: float | None = None,
-               high: float | None = None, strict: bool = False, choices: Iterable[str] | None = None,
-               unique: bool = True, example: str = "") -> list:
-    """The one parser of list options: the items of ``values`` (repeatable, comma-separated; see :func:`listed`)
-    converted to ``kind`` (int, float or str), each within ``[low, high]`` (``strict``: ``(low, high)``) or one of
-    ``choices``, and each given once (``unique``). Bad input is one ``UserError`` line naming ``flag`` and an
-    ``example`` of a good value. Returns [] when nothing was given."""
-    items = listed(values)
-    text = ",".join(items)
-    choices = list(choices) if choices is not None else None
-    if kind is int:
-        what = "integers"
-    elif kind is float:
-        what = "numbers"
-    else:
-        what = "one of " + ", ".join(choices) if choices else "names"
-    if low is not None or high is not None:
-        lo = "" if low is None else f"{low:g} {'<' if strict else '<='} "
-        hi = "" if high is None else f" {'<' if strict else '<='} {high:g}"
-        what += f" with {lo}x{hi}"
-    fix = f"use comma-separated {what}" + (f", e.g. {flag} {example}" if example else "")
-    try:
-        out = [kind(item) for item in items]
-    except ValueError:
-        raise UserError(f"{flag} {text}: {fix}") from None
-    for value, item in zip(out, items, strict=True):
-        if choices is not None and value not in choices:
-            raise UserError(f"{flag} {item}: {fix}")
-        if kind in (int, float) and not math.isfinite(value):
-            raise UserError(f"{flag} {item}: {fix}")
-        below = low is not None and (value <= low if strict else value < low)
-        above = high is not None and (value >= high if strict else value > high)
-        if below or above:
-            raise UserError(f"{flag} {item}: {fix}")
-    if unique:
-        seen = set()
-        for value, item in zip(out, items, strict=True):
-            if value in seen:
-                raise UserError(f"{flag} {text}: {item} is given twice; give each once")
-            seen.add(value)
-    return out
-
-
-CHECKPOINT_GRAMMAR = ("every:K (a checkpoint every K generated tokens), default (every:128) or comma-separated "
-                      "positions t1,t2,...")
-
-
-def parse_checkpoints(spec: str, flag: str = "--checkpoints") -> int | list[int]:
-    """The one checkpoint grammar of every command: ``every:K`` -> K (> 0), ``default`` -> ``CHECKPOINT_INTERVAL``,
-    ``t1,t2,...`` -> the sorted positions (each >= 1, each once); anything else is a ``UserError``."""
-    text = str(spec).strip()
-    if text == "default":
-        return CHECKPOINT_INTERVAL
-    fix = f"use {CHECKPOINT_GRAMMAR}, e.g. every:128 or 256,384"
-    if text.startswith("every:"):
-        interval = text[len("every:"):]
-        if not interval.isdigit() or int(interval) < 1:
-            raise UserError(f"{flag} {spec}: the interval K of every:K must be a positive integer; {fix}")
-        return int(interval)
-    if not text or not all(part.strip().lstrip("-").isdigit() for part in text.split(",")):
-        raise UserError(f"{flag} {spec or repr(spec)}: {fix}")
-    positions = parse_list(text, flag, int, example="256,384")
-    if min(positions) < 1:
-        raise UserError(f"{flag} {spec}: checkpoint {min(positions)} caches nothing; use positive positions (a "
-                        "checkpoint t caches positions 0..t-1)")
-    return sorted(positions)
-
-
-def parse_ints(values: list[str] | None, flag: str) -> list[int] | None:
-    """A repeatable comma-separated option of indices >= 0, each once (None when not given)."""
-    return parse_list(values, flag, int, low=0, example="0,5,11") or None
 
 
 def refuse_given(ctx: typer.Context, names: list[str], reason: str) -> None:

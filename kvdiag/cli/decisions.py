@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from kvdiag import parsing
 from kvdiag.cli import common
 
 
@@ -63,16 +64,16 @@ def decisions(
     if samples is not None and not selection.startswith("stochastic"):
         raise UserError(f"--samples applies to --selection stochastic[:TAU] only (got --selection {selection}); "
                         "drop it")
-    budgets = budgets_from(common.parse_list(keep, "--keep", float, low=0, high=1, strict=True, example="0.5,0.25"),
-                           common.parse_list(budget, "--budget", int, low=1, example="64,128"))
-    refs = common.parse_list(references, "--references", str, choices=REFERENCES) or list(REFERENCES)
+    budgets = budgets_from(parsing.parse_list(keep, "--keep", float, low=0, high=1, strict=True, example="0.5,0.25"),
+                           parsing.parse_list(budget, "--budget", int, low=1, example="64,128"))
+    refs = parsing.parse_list(references, "--references", str, choices=REFERENCES) or list(REFERENCES)
     if labels is None and references is None:
         refs = [r for r in refs if r != "oracle_single"]  # by default it joins only when labels can define it
     if horizon is None and labels is not None and labels.is_file():
         horizon = (read_meta(labels).get("config") or {}).get("horizon")
     cfg = DecisionsConfig(
         budgets=budgets, selection=selection, samples=4 if samples is None else samples, horizon=horizon or HORIZON,
-        rules=tuple(common.parse_list(scorers, "--scorers", str)) or None, references=tuple(refs),
+        rules=tuple(parsing.parse_list(scorers, "--scorers", str)) or None, references=tuple(refs),
         greedy_chunk=greedy_chunk, pairs=pairs, pair_candidates=pair_candidates, infeasible=infeasible, seed=seed,
         n_boot=bootstrap, reference=reference, batch_size=batch_size, backend=backend,
         harm=HarmSpec(harm, noise_mult, include_unresolved),

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from kvdiag import parsing
 from kvdiag.cli import common
 
 
@@ -30,7 +31,7 @@ def fit(
     out-of-fold predictions beside the rules, save the logistic regression as a scorer (fitted)."""
     from kvdiag.fit import FitConfig, fit_files
 
-    cfg = FitConfig(features=tuple(common.parse_list(features, "--features", str)), harm=harm, n_splits=folds,
+    cfg = FitConfig(features=tuple(parsing.parse_list(features, "--features", str)), harm=harm, n_splits=folds,
                     n_boot=bootstrap, include_unresolved=include_unresolved, noise_mult=noise_mult, seed=seed)
     res = fit_files(trace, labels, scores, out, cfg)
     console = Console()

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from kvdiag import parsing
 from kvdiag.cli import common
 from kvdiag.schema import CHECKPOINTS, HORIZON, W_OBS
 
@@ -60,8 +61,8 @@ def label(
     params = {k: v for k, v in given.items() if v is not None}
 
     cfg = LabelConfig(
-        checkpoints=common.joined(checkpoints), horizon=horizon, candidates=candidates, granularity=granularity,
-        layers=common.parse_ints(layers, "--layers"), w_obs=w_obs, batch_size=batch_size, seed=seed, backend=backend,
+        checkpoints=parsing.joined(checkpoints), horizon=horizon, candidates=candidates, granularity=granularity,
+        layers=parsing.parse_ints(layers, "--layers"), w_obs=w_obs, batch_size=batch_size, seed=seed, backend=backend,
         method=method, params=params, miss_rate=miss_rate,
     )
     path = run_label(trace, out, cfg, model=model, force=force, dtype=dtype, device=device, shard=shard, quiet=quiet)

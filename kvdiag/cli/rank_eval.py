@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvdiag import parsing
 from kvdiag.cli import common
 from kvdiag.rankeval import RankEvalResult
 from kvdiag.rankeval.registry import metrics_where
@@ -91,11 +92,11 @@ def rank_eval(
         include_unresolved=include_unresolved,
         noise_mult=noise_mult,
         granularity=granularity,
-        scorers=tuple(common.parse_list(scorers, "--scorers", str)) or None,
+        scorers=tuple(parsing.parse_list(scorers, "--scorers", str)) or None,
         min_age=min_age,
         max_age=max_age,
         eligible=eligible,
-        **({"rho_grid": tuple(common.parse_list(rho_grid, "--rho-grid", float, low=0, high=1, strict=True,
+        **({"rho_grid": tuple(parsing.parse_list(rho_grid, "--rho-grid", float, low=0, high=1, strict=True,
                                                  example="0.1,0.25,0.5"))} if rho_grid else {}),
     )
     _print_summary(result, table_scope, out, Console())

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from kvdiag import parsing
 from kvdiag.cli import common
 from kvdiag.schema import CHECKPOINT_INTERVAL, HORIZON
 
@@ -94,8 +95,8 @@ def replay(
         common.refuse_given(ctx, ["instruction"], "with --no-instruction")
     load_plugins(plugin or ())
     settings = ReplaySettings(
-        scorers=common.parse_list(scorers, "--scorers", str), interval=interval,
-        budgets=common.parse_list(budget, "--budget", int, low=1, example="128,256"),
+        scorers=parsing.parse_list(scorers, "--scorers", str), interval=interval,
+        budgets=parsing.parse_list(budget, "--budget", int, low=1, example="128,256"),
         w_obs=w_obs, selection=selection, max_new_tokens=max_new_tokens, full_kv=full_kv, kl=kl, chat=chat,
         instruction=None if no_instruction else (instruction or DEFAULT_INSTRUCTION), params=parse_params(param),
         backend=backend, seed=seed, samples=samples, temperature=temperature, top_p=top_p, batch_size=batch_size,

@@ -36,7 +36,7 @@ def score(
     quiet: bool = common.Quiet,
 ) -> None:
     """Score candidates of a Trace with the scorer zoo (higher = keep) and write scores.parquet."""
-    from kvdiag.cli.common import joined, parse_list
+    from kvdiag.parsing import joined, parse_list
     from kvdiag.scorers import parse_params
     from kvdiag.scorers.run import score_files
 

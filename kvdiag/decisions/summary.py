@@ -23,8 +23,8 @@ from scipy.stats import spearmanr
 from kvdiag.decisions.interactions import NEAR_DUPLICATE
 from kvdiag.errors import UserError
 from kvdiag.io import read_json, read_table, write_csv, write_json, write_text
-from kvdiag.rankeval.bootstrap import PromptBootstrap, paired_p_value
 from kvdiag.schema import KEYS
+from kvdiag.stats import PromptBootstrap, paired_p_value
 from kvdiag.tables import md_table, number_text
 
 ORACLES = ("oracle_single", "oracle_greedy", "fast")
@@ -320,7 +320,7 @@ def to_markdown(res: dict, meta: dict) -> str:
 
 def figure(table: pl.DataFrame, out: Path) -> list[Path]:
     """decisions.png/.pdf: joint damage against the budget per decision, log y; the oracles dotted."""
-    from kvdiag.figures.common import new_figure, save_figure, style
+    from kvdiag.plotting import new_figure, save_figure, style
 
     budgets = table["budget"].unique(maintain_order=True).to_list()
     x = {b: float(b.split(":")[1]) for b in budgets}

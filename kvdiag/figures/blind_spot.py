@@ -25,7 +25,9 @@ from matplotlib.colors import LogNorm, Normalize
 from scipy.stats import fisher_exact
 from scipy.stats.contingency import odds_ratio
 
-from kvdiag.figures.common import (
+from kvdiag.figures.params import FigureParams
+from kvdiag.figures.registry import Drawn, FigureContext, register_figure
+from kvdiag.plotting import (
     fmt,
     mann_whitney,
     new_figure,
@@ -36,8 +38,6 @@ from kvdiag.figures.common import (
     style,
     write_stats,
 )
-from kvdiag.figures.params import FigureParams
-from kvdiag.figures.registry import Drawn, FigureContext, register_figure
 
 POINT_COLUMNS = [
     "prompt_id", "checkpoint", "position", "read_pressure", "value_payload", "kl_mean", "low_attention_cut",

@@ -14,9 +14,9 @@ import polars as pl
 import seaborn as sns
 
 from kvdiag.errors import UserError
-from kvdiag.figures.common import new_figure, note_on, save_figure, style
 from kvdiag.figures.params import FigureParams
 from kvdiag.figures.registry import Drawn, FigureContext, register_figure
+from kvdiag.plotting import new_figure, note_on, save_figure, style
 from kvdiag.rankeval import metrics_where, rank_eval
 
 # (scorer, row label) in the paper's Table 4 order

@@ -31,7 +31,7 @@ import polars as pl
 import seaborn as sns
 from matplotlib import MatplotlibDeprecationWarning
 
-from kvdiag.figures import common
+from kvdiag import plotting as common
 from kvdiag.figures.params import FigureParams
 from kvdiag.figures.registry import Drawn, FigureContext, register_figure
 

@@ -18,7 +18,7 @@ labeled by the engine with layer start (each row runs from the layer it evicts f
 row runs the full depth: the method before layer start), timed batch by batch in alternation, with the
 largest difference of their labels.
 
-Every row carries the matmul FLOPs its method executes (``kvdiag.cost.ModelShape.row_flops``: N x H tokens over
+Every row carries the matmul FLOPs its method executes (``kvdiag.trace.cost.ModelShape.row_flops``: N x H tokens over
 the P-token prefix, the engine's null row included, layer-start rows from their start layer), so the CLI prints
 achieved FLOP/s and MFU against the matmul peak it measures in the same run (``kvdiag.peak``).
 """
@@ -30,11 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdiag.cost import ModelShape
 from kvdiag.kernels.bench import best_seconds, cpu_peak_probe, peak_mb, seconds
 from kvdiag.label.engine import OracleEngine, Row, cache_from_prefix, candidate_rows, divergences
 from kvdiag.models import LoadedModel
 from kvdiag.prompts import arith_prompts
+from kvdiag.trace.cost import ModelShape
 
 
 @dataclass
@@ -43,7 +43,7 @@ class LabelBenchRow:
     seconds: float
     tokens_per_s: float
     peak_mb: float | None
-    flops: float | None = None  # matmul FLOPs of one run (kvdiag.cost), None where not counted
+    flops: float | None = None  # matmul FLOPs of one run (kvdiag.trace.cost), None where not counted
 
     @property
     def flops_per_s(self) -> float | None:

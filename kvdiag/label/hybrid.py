@@ -28,7 +28,7 @@ from kvdiag.harm import HarmSpec
 from kvdiag.label.engine import OracleEngine, Row
 from kvdiag.label.fast import FisherLabeler, FisherParams
 from kvdiag.models import LoadedModel
-from kvdiag.rankeval.bootstrap import percentile_ci, prompt_multiplicities
+from kvdiag.stats import percentile_ci, prompt_multiplicities
 
 METHODS = ("exact-top", "exact-audit", "fast")
 

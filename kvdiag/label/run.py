@@ -14,7 +14,6 @@ from pathlib import Path
 import polars as pl
 import torch
 
-from kvdiag.cli.common import parse_checkpoints
 from kvdiag.distributed import Group, parse_shard
 from kvdiag.errors import UserError
 from kvdiag.io import check_writable, write_table
@@ -23,6 +22,7 @@ from kvdiag.label.engine import GRANULARITIES, OracleEngine, candidate_rows
 from kvdiag.label.fast import APPROXIMATE, method_params, resolve_method
 from kvdiag.label.hybrid import HybridLabeler, HybridParams, miss_rate
 from kvdiag.models import LoadedModel, check_device, load_model, parse_dtype
+from kvdiag.parsing import parse_checkpoints
 from kvdiag.parts import PartStore, part_name
 from kvdiag.progress import progress_bar
 from kvdiag.provenance import provenance

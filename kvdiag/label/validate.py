@@ -12,7 +12,7 @@ Per checkpoint (the entries of one prompt's cache at one t):
 scale).
 
 Each is averaged over checkpoints; CIs come from a cluster bootstrap over *prompts* (checkpoints of one prompt
-share a trace, so they are not independent: ``kvdiag.rankeval.bootstrap``). Where they disagree: each entry's
+share a trace, so they are not independent: ``kvdiag.stats``). Where they disagree: each entry's
 within-checkpoint percentile ranks (exact, approximate), their absolute difference averaged in quantile bins of
 age, attention and payload (the last two from an optional scores file, e.g. ``kvdiag score``'s ``attention`` and
 ``value_norm``), with the same bootstrap.
@@ -27,8 +27,8 @@ import numpy as np
 import polars as pl
 
 from kvdiag.errors import UserError
-from kvdiag.rankeval.bootstrap import percentile_ci, prompt_multiplicities
 from kvdiag.schema import N_BOOT
+from kvdiag.stats import percentile_ci, prompt_multiplicities
 
 KEYS = ["prompt_id", "checkpoint", "position", "granularity", "layer", "kv_head"]
 METRICS = ("spearman", "auroc", "topk_overlap")  # rank agreement (the figure's panel)

@@ -18,11 +18,11 @@ import polars as pl
 
 from kvdiag.errors import UserError
 from kvdiag.harm import HarmSpec
-from kvdiag.rankeval.bootstrap import holm, paired_p_value, percentile_ci, prompt_multiplicities
 from kvdiag.rankeval.candidates import filter_candidates
 from kvdiag.rankeval.metrics import Rankings, _div, eviction_counts, n_evicted, ranking_metrics
 from kvdiag.rankeval.registry import METRICS, Counts, Metric, metrics_where
 from kvdiag.schema import HARM, KEYS, N_BOOT, NOISE_MULT, RHO, keyed
+from kvdiag.stats import holm, paired_p_value, percentile_ci, prompt_multiplicities
 
 SCOPES = ("pooled", "macro")
 # below this many prompts, a percentile bootstrap over prompts has too few clusters to be trusted: warn

@@ -8,8 +8,8 @@ from pathlib import Path
 import polars as pl
 import seaborn as sns
 
-from kvdiag.figures.common import new_figure, save_figure, style
 from kvdiag.io import write_csv, write_text
+from kvdiag.plotting import new_figure, save_figure, style
 from kvdiag.tables import markdown_table
 
 FULL_LABEL = "FullKV"

@@ -25,7 +25,7 @@ import polars as pl
 from scipy.stats import binomtest
 
 from kvdiag.io import write_csv, write_text
-from kvdiag.rankeval.bootstrap import PromptBootstrap
+from kvdiag.stats import PromptBootstrap
 from kvdiag.tables import markdown_table
 
 LOOP_NGRAM = 12  # tokens of the repeated span (ours; long enough that counting lines never repeat)

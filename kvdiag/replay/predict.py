@@ -27,8 +27,8 @@ import numpy as np
 import polars as pl
 from scipy.stats import spearmanr
 
-from kvdiag.rankeval.bootstrap import PromptBootstrap, paired_p_value
 from kvdiag.replay.oracle import ORACLE
+from kvdiag.stats import PromptBootstrap, paired_p_value
 
 
 def compression_table(tf: pl.DataFrame, horizon: int) -> pl.DataFrame:

@@ -19,10 +19,10 @@ import numpy as np
 import polars as pl
 import torch
 
-from kvdiag.cli.common import parse_checkpoints, parse_list
 from kvdiag.errors import UserError
 from kvdiag.features import AttentionHistory, o_proj_weights
 from kvdiag.io import check_writable, read_table, write_table
+from kvdiag.parsing import parse_checkpoints, parse_list
 from kvdiag.progress import progress_bar
 from kvdiag.provenance import provenance
 from kvdiag.schema import GRANULARITIES, KEY_SCHEMA, KEYS, check_checkpoint, check_keys, default_checkpoints
@@ -45,7 +45,7 @@ def checkpoint_keys(trace, checkpoints: str | int | Iterable[int] | dict[str, It
                     granularity: Iterable[str] = ("token",)) -> pl.DataFrame:
     """Key rows for every cached entry ``i < t`` at the chosen checkpoints of every prompt.
 
-    ``checkpoints``: a spec of the checkpoint grammar (``kvdiag.cli.common.parse_checkpoints``: ``every:K``,
+    ``checkpoints``: a spec of the checkpoint grammar (``kvdiag.parsing.parse_checkpoints``: ``every:K``,
     ``default``, ``t1,t2,...``), an interval K (:func:`default_checkpoints` every K generated tokens), positions
     applied to every prompt, or a dict prompt_id -> positions. ``granularity``: any of token, layer (one row per
     layer), head (per layer and KV head).

@@ -2,7 +2,7 @@
 
 Both generate the same greedy tokens for the same prompts on the same model in one process; the runs
 alternate (plain, trace, plain, trace, ...) and the best time of each is kept, so machine noise hits
-both alike. Both run the same matmuls (``kvdiag.cost.ModelShape.generation_flops``: the prefill, then one
+both alike. Both run the same matmuls (``kvdiag.trace.cost.ModelShape.generation_flops``: the prefill, then one
 forward per generated token; recording copies tensors, it multiplies nothing), so ``flops`` over each time is
 that method's achieved FLOP/s; batch-1 decoding reads every weight once per token and is bound by memory
 bandwidth, so its MFU is low by nature.
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig
 
-from kvdiag.cost import ModelShape
 from kvdiag.models import LoadedModel
 from kvdiag.prompts import Prompt, encode_prompt
+from kvdiag.trace.cost import ModelShape
 from kvdiag.trace.writer import GenerationSettings, trace_prompts
 
 

@@ -26,11 +26,11 @@ from safetensors.torch import save_file
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.streamers import BaseStreamer
 
-from kvdiag.cli.common import parse_list
 from kvdiag.distributed import Group, parse_shard
 from kvdiag.errors import UserError
 from kvdiag.io import check_writable, write_json
 from kvdiag.models import LoadedModel, check_device, load_model, parse_dtype
+from kvdiag.parsing import parse_list
 from kvdiag.parts import PartStore
 from kvdiag.progress import progress_bar
 from kvdiag.prompts import DEFAULT_INSTRUCTION, Prompt, encode_prompt

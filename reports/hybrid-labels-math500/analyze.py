@@ -13,7 +13,7 @@ import polars as pl
 from kvdiag.decisions.summary import _Boot
 from kvdiag.harm import HarmSpec
 from kvdiag.io import read_table
-from kvdiag.rankeval.bootstrap import paired_p_value
+from kvdiag.stats import paired_p_value
 from kvdiag.tables import md_table, number_text
 
 D = Path("runs/decisions-math500")

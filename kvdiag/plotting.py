@@ -1,4 +1,5 @@
-"""Shared plumbing of the figures: Agg figures with the seaborn style, PNG + PDF, stats rows and tests."""
+"""The project's plotting helpers: Agg figures with the seaborn style, PNG + PDF, stats rows and tests (used by figures,
+rank-eval, decisions and replay)."""
 
 from __future__ import annotations
 
