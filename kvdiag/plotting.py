@@ -1,4 +1,4 @@
-"""The project's plotting helpers: Agg figures with the seaborn style, PNG + PDF, stats rows and tests (used by figures,
+"""The project's plotting helpers: Agg figures with the seaborn style, PNG + PDF, stats rows (used by figures,
 rank-eval, decisions and replay)."""
 
 from __future__ import annotations
@@ -8,12 +8,10 @@ import math
 import textwrap
 from pathlib import Path
 
-import numpy as np
 import polars as pl
 import seaborn as sns
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from scipy.stats import mannwhitneyu
 
 from kvdiag.io import write_atomically
 
@@ -55,12 +53,6 @@ def note_on(ax, text: str, y: float = 0.5, width: int = 60) -> None:
             bbox=dict(boxstyle="round", facecolor="white", edgecolor=NOTE_COLOR, alpha=0.9)).set_in_layout(False)
 
 
-def stat(name: str, value: float | None, note: str = "") -> dict:
-    """One row of a ``*_stats.csv``: statistic, value (NaN when undefined), note."""
-    value = float("nan") if value is None else float(value)
-    return {"statistic": name, "value": value, "note": note}
-
-
 def write_stats(rows: list[dict], path: Path) -> pl.DataFrame:
     df = pl.DataFrame(rows, schema=STATS_SCHEMA)
     df.write_csv(path)
@@ -69,31 +61,6 @@ def write_stats(rows: list[dict], path: Path) -> pl.DataFrame:
 
 def stats_dict(rows: list[dict]) -> dict[str, float]:
     return {r["statistic"]: r["value"] for r in rows}
-
-
-def rank_biserial(u: float, n1: int, n2: int) -> float:
-    """Rank-biserial correlation from the Mann–Whitney ``U`` of the first sample: ``2U / (n1 n2) - 1``.
-
-    Equals Cliff's delta ``P(X > Y) - P(X < Y)`` (ties count half in ``U``); in [-1, 1], 0 = no effect.
-    """
-    return 2.0 * u / (n1 * n2) - 1.0
-
-
-def mann_whitney(x: np.ndarray, y: np.ndarray, min_group: int, what: str) -> tuple[list[dict], str]:
-    """One-sided Mann–Whitney U (``x`` stochastically greater than ``y``) with the rank-biserial effect size.
-
-    Returns stats rows ``mwu_u, mwu_p, rank_biserial`` (NaN with a note when a group has < ``min_group``
-    values) and the note ("" when defined).
-    """
-    n1, n2 = len(x), len(y)
-    if n1 < min_group or n2 < min_group:
-        note = f"too few candidates for the Mann-Whitney test on {what}: {n1} vs {n2} (need >= {min_group} each)"
-        return [stat("mwu_u", None, note), stat("mwu_p", None, note), stat("rank_biserial", None, note)], note
-    res = mannwhitneyu(x, y, alternative="greater")
-    return [
-        stat("mwu_u", res.statistic), stat("mwu_p", res.pvalue),
-        stat("rank_biserial", rank_biserial(res.statistic, n1, n2)),
-    ], ""
 
 
 def fmt(value: float, digits: int = 3) -> str:

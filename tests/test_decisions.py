@@ -61,7 +61,7 @@ def test_replay_and_decisions_share_one_selection_function():
 def test_every_decision_is_labeled_and_equals_physical_deletion(run, decided):
     out, df = decided
     names = set(df["decision"])
-    assert names == set(RULES) | {"oracle_single", "oracle_greedy", "fast", "random"}
+    assert names == set(RULES) | {"oracle_single", "oracle_greedy", "fast", "random_reference"}
     assert df.filter(pl.col("status") == "ok")["kl_mean"].is_not_null().all()
     trace, lm = run["trace"], run["lm"]
     pid = trace.prompt_ids[0]
@@ -116,7 +116,8 @@ def test_references_are_what_they_say(run, decided):
     for (_, _), g in greedy.group_by("prompt_id", "checkpoint"):
         sets = {r["budget"]: set(r["evicted_positions"]) for r in g.iter_rows(named=True)}
         assert sets["keep:0.5"] <= sets["keep:0.25"]
-    rand = df.filter(pl.col("decision") == "random")
+    rand = df.filter(pl.col("decision") == "random_reference")
+    assert (rand["kind"] == "reference").all() and (df.filter(pl.col("decision") == "random")["kind"] == "rule").all()
     assert rand["evicted_positions"].list.len().to_list() == rand["evicted"].to_list()
 
 

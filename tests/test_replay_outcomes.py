@@ -36,7 +36,7 @@ def test_final_answer_loops_and_divergence():
 def _row(pid, scorer, budget, text, tokens, sample=0):
     return {"prompt_id": pid, "scorer": scorer, "budget": budget, "sample": sample, "prompt_len": 1,
             "token_ids": [0, *tokens], "text": text, "generated": len(tokens), "correct": None,
-            "max_length_hit": False, "stop": "eos", "kl_mean": 0.1}
+            "max_length_hit": False, "stop": "eos", "kl_mean": 0.1, "compressions": 0 if scorer == "full_kv" else 1}
 
 
 def _frame(samples=1):
@@ -64,7 +64,8 @@ def test_fidelity_with_wilson_and_mcnemar():
     assert s["fidelity_hi"] == pytest.approx(centre + half, abs=1e-3)
     p = paired_tests(out, n_boot=200).row(0, named=True)
     assert (p["best"], p["other"], p["units"]) == ("good", "bad", 10)
-    assert p["fidelity_diff"] == pytest.approx(0.6) and p["mcnemar_p"] == pytest.approx(2 * 0.5**6)
+    assert p["fidelity_diff"] == pytest.approx(0.6) and p["test"] == "mcnemar"
+    assert p["p_value"] == pytest.approx(2 * 0.5**6)
     assert 0 < p["diff_lo"] <= 0.6 <= p["diff_hi"]
 
 
@@ -87,7 +88,21 @@ def test_samples_use_the_cluster_bootstrap(tmp_path):
     assert s["generations"] == 30 and s["fidelity"] == pytest.approx(0.4)
     # clusters of 3 identical samples: the bootstrap width is that of 10 prompts, wider than Wilson on 30 units
     assert s["fidelity_hi"] - s["fidelity_lo"] > 0.35
-    assert paired_tests(out, n_boot=200)["mcnemar_p"].to_list() == [None]
+    p = paired_tests(out, n_boot=200).row(0, named=True)  # several samples: the exact sign test over 10 prompts
+    assert (p["test"], p["prompts"], p["units"]) == ("sign", 10, 30) and p["p_value"] == pytest.approx(2 * 0.5**6)
     write_outcomes(_frame(samples=3), tmp_path, n_boot=100)
     text = (tmp_path / "outcomes.md").read_text()
     assert "cluster bootstrap over prompts" in text and "| bad" in text
+
+
+def test_rates_are_over_compressed_generations_and_the_others_are_counted(tmp_path):
+    """A generation that never compressed is FullKV's own (fidelity 1 by construction): it is left out of the rule's
+    rates, counted apart, and the table states both counts."""
+    df = _frame().with_columns(compressions=pl.when((pl.col("scorer") == "bad") & (pl.col("prompt_id") == "p0"))
+                               .then(0).otherwise(pl.col("compressions")))
+    s = summarize_outcomes(outcome_rows(df), n_boot=100).filter(pl.col("scorer") == "bad").row(0, named=True)
+    assert (s["generations"], s["uncompressed"], s["fidelity_n"]) == (10, 1, 9)
+    assert s["fidelity"] == pytest.approx(3 / 9)  # p0 kept FullKV's answer only because it never compressed
+    write_outcomes(df, tmp_path, n_boot=100)
+    text = (tmp_path / "outcomes.md").read_text()
+    assert "| bad | 64 | 9/10 | 9 |" in text and "compressed generations only" in text

@@ -12,6 +12,7 @@ from kvdiag.selection import parse_selection
 
 # the reference decisions every rule is compared with (docs/decisions.md)
 REFERENCES = ("oracle_single", "oracle_greedy", "fast", "random")
+RANDOM_REFERENCE = "random_reference"  # the random reference's decision name: the zoo has a rule named random
 INFEASIBLE = ("refuse", "skip")
 
 

@@ -11,6 +11,8 @@ import itertools
 import polars as pl
 import torch
 
+from kvdiag.decisions.config import RANDOM_REFERENCE
+
 PAIR_SCHEMA = {
     "prompt_id": pl.String, "checkpoint": pl.Int64, "decision": pl.String, "budget": pl.String, "i": pl.Int64,
     "j": pl.Int64, "single_i": pl.Float64, "single_j": pl.Float64, "pair_kl": pl.Float64, "superadditive": pl.Boolean,
@@ -43,7 +45,7 @@ def superadditive_pairs(engine, pid: str, t: int, table: pl.DataFrame, singles: 
     of the ``cfg.pairs`` most damaging non-random sets in ``table`` (this checkpoint's decisions), labeled exactly as
     a two-entry set row; returns the pairs in ``PAIR_SCHEMA``."""
     L, Hkv = engine.num_layers, engine.num_kv_heads
-    ranked = table.filter((pl.col("status") == "ok") & (pl.col("decision") != "random"))
+    ranked = table.filter((pl.col("status") == "ok") & ~pl.col("decision").is_in(["random", RANDOM_REFERENCE]))
     ranked = ranked.sort("kl_mean", descending=True)
     ids = engine.ids.cpu()
     prefix, _ = engine.golden(t)

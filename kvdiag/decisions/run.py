@@ -25,7 +25,7 @@ import numpy as np
 import polars as pl
 import torch
 
-from kvdiag.decisions.config import DecisionsConfig
+from kvdiag.decisions.config import RANDOM_REFERENCE, DecisionsConfig
 from kvdiag.decisions.interactions import PAIR_SCHEMA, superadditive_pairs
 from kvdiag.decisions.sets import (
     greedy_sets,
@@ -202,7 +202,7 @@ def _decide_checkpoint(engine, fisher, lm, pid: str, t: int, scores: dict[str, t
     if "random" in refs:
         for b, k in kept.items():
             evict = random_set(t, k, deterministic, L, Hkv, cfg.seed, pid)
-            decisions.append(dict(decision="random", kind="reference", budget=b, kept=k, protected=0,
+            decisions.append(dict(decision=RANDOM_REFERENCE, kind="reference", budget=b, kept=k, protected=0,
                                   status="ok" if k < t else "nothing_evicted", set=evict, sample=None, draw_seed=None))
     greedy_cost = None
     if "oracle_greedy" in refs:

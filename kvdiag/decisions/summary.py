@@ -18,17 +18,16 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
-from scipy.stats import spearmanr
 
+from kvdiag.decisions.config import RANDOM_REFERENCE
 from kvdiag.decisions.interactions import NEAR_DUPLICATE
 from kvdiag.errors import UserError
 from kvdiag.io import read_json, read_table, write_csv, write_json, write_text
 from kvdiag.schema import KEYS
-from kvdiag.stats import PromptBootstrap, paired_p_value
+from kvdiag.stats import TEST_NAMES, PromptBootstrap, compare, format_p, format_test, spearman
 from kvdiag.tables import md_table, number_text
 
 ORACLES = ("oracle_single", "oracle_greedy", "fast")
-REF_SUFFIX = "_reference"  # appended to a reference's name where a scored rule has the same name
 
 
 def _paired(df: pl.DataFrame, a: str, b: str, budget: str) -> pl.DataFrame:
@@ -40,39 +39,22 @@ def _paired(df: pl.DataFrame, a: str, b: str, budget: str) -> pl.DataFrame:
 
 
 def distinct_names(decisions: pl.DataFrame) -> pl.DataFrame:
-    """``decisions`` with every reference named like a scored rule (the zoo's ``random`` rule and the ``random``
-    reference) renamed ``<name>_reference``, so the two never share rows."""
-    both = decisions.group_by("decision").agg(pl.col("kind").n_unique()).filter(pl.col("kind") > 1)["decision"]
-    return decisions.with_columns(decision=pl.when((pl.col("kind") == "reference") & pl.col("decision").is_in(
-        both.to_list())).then(pl.col("decision") + REF_SUFFIX).otherwise(pl.col("decision")))
+    """``decisions`` with the random reference named ``RANDOM_REFERENCE``: files written before it had that name call
+    it ``random``, the name of the zoo's random rule, and a group-by on ``decision`` would average the two."""
+    old = (pl.col("kind") == "reference") & (pl.col("decision") == "random")
+    return decisions.with_columns(decision=pl.when(old).then(pl.lit(RANDOM_REFERENCE)).otherwise(pl.col("decision")))
 
 
 def _compare(labeled: pl.DataFrame, boot: PromptBootstrap, a: str, b: str, budget: str) -> dict | None:
-    """``a`` against ``b`` at ``budget`` on the checkpoints both decided: the mean difference (a - b) and the ratio of
-    means, each with its cluster-bootstrap CI, and the paired p-value."""
+    """``a`` against ``b`` at ``budget`` on the checkpoints both decided (``kvdiag.stats.compare``): the mean difference
+    (a - b) and the ratio of means with their cluster-bootstrap CIs, the per-prompt ratio summary and the paired test
+    (exact sign test below 30 prompts); JSON-ready."""
     p = _paired(labeled, a, b, budget)
     if not p.height:
         return None
-    diff, dr = boot.mean((p["x"] - p["y"]).to_numpy(), p["prompt_id"].to_numpy())
-    mx, xr = boot.mean(p["x"].to_numpy(), p["prompt_id"].to_numpy())
-    my, yr = boot.mean(p["y"].to_numpy(), p["prompt_id"].to_numpy())
-    with np.errstate(invalid="ignore", divide="ignore"):
-        rr = xr / yr
-    return {"a": a, "b": b, "diff": diff, "diff_ci": list(boot.ci(dr)), "ratio": mx / my if my else float("nan"),
-            "ratio_ci": list(boot.ci(rr)), "p_value": paired_p_value(dr) if len(dr) else None, "n": p.height}
-
-
-def _p_value(p: float | None, n_boot: int) -> str:
-    """A bootstrap p-value as a table cell: 0 means below the resolution 1/B."""
-    if p is None or p != p:
-        return "n/a"
-    return f"< {1 / n_boot:.2g}" if p == 0 and n_boot else number_text(p, 3)
-
-
-def _p_text(p: float | None, n_boot: int) -> str:
-    """The same in running text: ``p < 0.001``, ``p = 0.068``, ``p n/a``."""
-    v = _p_value(p, n_boot)
-    return f"p {v}" if v.startswith("<") or v == "n/a" else f"p = {v}"
+    c = compare(boot, p["x"].to_numpy(), p["y"].to_numpy(), p["prompt_id"].to_numpy())
+    test = c.pop("test")
+    return {"a": a, "b": b, **c, "test": {**test.as_dict(), "resolution": test.resolution}}
 
 
 def _headline(table: pl.DataFrame, labeled: pl.DataFrame, boot: PromptBootstrap, budget: str,
@@ -107,7 +89,7 @@ def summarize(decisions: pl.DataFrame, meta: dict, pairs: pl.DataFrame | None = 
     rules = [d for d in cfg.get("rules", []) if d in set(decisions["decision"])]
     rules += [f"{d} (stochastic)" for d in rules if f"{d} (stochastic)" in set(decisions["decision"])]
     present = set(decisions["decision"])
-    names = rules + [d for d in (*ORACLES, "random", "random" + REF_SUFFIX) if d in present and d not in rules]
+    names = rules + [d for d in (*ORACLES, "random", RANDOM_REFERENCE) if d in present and d not in rules]
     reps: dict[tuple[str, str], np.ndarray] = {}
     rows = []
     for budget in budgets:
@@ -144,8 +126,10 @@ def summarize(decisions: pl.DataFrame, meta: dict, pairs: pl.DataFrame | None = 
                     continue
                 paired_rows.append({"decision": name, "against": against, "what": what, "budget": budget,
                                     "diff": c["diff"], "diff_ci_low": c["diff_ci"][0], "diff_ci_high": c["diff_ci"][1],
-                                    "p_value": c["p_value"], "ratio": c["ratio"], "ratio_ci_low": c["ratio_ci"][0],
-                                    "ratio_ci_high": c["ratio_ci"][1], "n": c["n"]})
+                                    "test": c["test"]["test"], "p_value": c["p_value"],
+                                    "p_resolution": c["test"]["resolution"], "below": c["test"]["below"],
+                                    "ratio": c["ratio"], "ratio_ci_low": c["ratio_ci"][0],
+                                    "ratio_ci_high": c["ratio_ci"][1], **_ratio_columns(c["ratios"]), "n": c["n"]})
     paired = pl.DataFrame(paired_rows) if paired_rows else pl.DataFrame()
     headline = {"best_rule": best, "reference": reference,
                 "budgets": {b: _headline(table, labeled, boot, b, best[b]) for b in budgets}}
@@ -158,12 +142,21 @@ def summarize(decisions: pl.DataFrame, meta: dict, pairs: pl.DataFrame | None = 
                 continue
             spread = stochastic.filter((pl.col("decision") == name) & (pl.col("budget") == budget))["spread"]
             sto_rows.append({"decision": det, "budget": budget, "stochastic_minus_deterministic": c["diff"],
-                             "ci_low": c["diff_ci"][0], "ci_high": c["diff_ci"][1], "p_value": c["p_value"],
+                             "ci_low": c["diff_ci"][0], "ci_high": c["diff_ci"][1], "test": c["test"]["test"],
+                             "p_value": c["p_value"], "p_resolution": c["test"]["resolution"],
+                             "stochastic_lower": c["test"]["below"], "stochastic_higher": c["test"]["above"],
                              "mean_spread": float(spread.mean()) if spread.len() else None, "n": c["n"]})
     spearman = _auroc_spearman(labeled, rules, budgets, reps, boot, labels, scores, meta)
     return {"summary": table, "paired": paired, "spearman": spearman, "headline": headline,
             "stochastic": pl.DataFrame(sto_rows),
             "pairs": pair_summary(pairs) if pairs is not None and pairs.height else pl.DataFrame()}
+
+
+def _ratio_columns(r: dict) -> dict:
+    """The per-prompt ratio summary as flat columns."""
+    return {"ratio_geomean": r["geomean"], "ratio_geomean_low": r["geomean_ci"][0],
+            "ratio_geomean_high": r["geomean_ci"][1], "ratio_median": r["median"], "ratio_below_one": r["below"],
+            "ratio_prompts": r["n"]}
 
 
 def _stochastic_means(decisions: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
@@ -210,12 +203,12 @@ def _auroc_spearman(labeled, rules, budgets, reps, boot: PromptBootstrap, labels
         names = [r for r in names if damage[r] is not None]
         if len(names) < 3:
             continue
-        rho = float(spearmanr([a[r] for r in names], [-damage[r] for r in names])[0])
+        rho = spearman(np.array([a[r] for r in names]), -np.array([damage[r] for r in names]))
         low = high = float("nan")
         if aligned:
             ar = np.stack([result.replicates[(r, "auroc", "pooled")] for r in names])  # [R, B]
             dr = np.stack([reps[(r, budget)] for r in names])
-            rr = np.array([spearmanr(ar[:, b], -dr[:, b])[0] for b in range(ar.shape[1])])
+            rr = np.array([spearman(ar[:, b], -dr[:, b]) for b in range(ar.shape[1])])
             low, high = boot.ci(rr)
         rows.append({"budget": budget, "spearman": rho, "ci_low": low, "ci_high": high, "rules": len(names),
                      "note": "" if aligned else "no CI: rank-eval's prompts differ from the decisions'"})
@@ -227,12 +220,13 @@ def pair_summary(pairs: pl.DataFrame) -> pl.DataFrame:
     pairs = pairs.with_columns(near_duplicate=pl.col("key_cosine") >= NEAR_DUPLICATE)
     rows = []
     for group, df in (("superadditive", pairs.filter(pl.col("superadditive"))), ("all tested", pairs)):
+        ratio = df["pair_kl"] / (df["single_i"] + df["single_j"])
         rows.append({"pairs": group, "n": df.height,
                      **{f"share_{c}": float(df[c].mean()) if df.height else None
                         for c in ("near_duplicate", "same_token", "adjacent")},
                      "median_key_cosine": float(df["key_cosine"].median()) if df.height else None,
-                     "median_pair_over_sum": float((df["pair_kl"] / (df["single_i"] + df["single_j"])).median())
-                     if df.height else None})
+                     "median_pair_over_sum": float(ratio.median()) if df.height else None,
+                     "share_pair_over_sum_above_2": float((ratio > 2).mean()) if df.height else None})
     return pl.DataFrame(rows)
 
 
@@ -258,26 +252,28 @@ def to_markdown(res: dict, meta: dict) -> str:
             f"row (nats, mean over the horizon), mean over checkpoints, {res.get('level', 95)}% cluster-bootstrap CI "
             f"over prompts (B = {cfg.get('n_boot')}).\n\n")
     heads = res["headline"].get("budgets") or {}
-    n_boot = int(cfg.get("n_boot") or 0)
     if heads:
         text += ("## Headline\n\nPer budget: the best rule; the best oracle (the lowest mean damage among "
-                 f"{', '.join(ORACLES)}); the headroom factor, best rule / best oracle (ratio of mean joint damage); "
-                 "oracle_greedy against oracle_single and against the best rule (mean difference, nats; paired by "
-                 "checkpoint; p: paired bootstrap). `oracle_single` and `oracle_greedy` evict token sets (the same "
-                 "positions in every layer and KV head); `fast` and, at per-head selection, the rules choose each "
+                 f"{', '.join(ORACLES)}); the headroom factor, best rule / best oracle: the ratio of mean joint "
+                 "damage, and per prompt (each prompt's ratio; their geometric mean with its CI, median, and the "
+                 "prompts where the best rule is below the oracle); oracle_greedy against oracle_single and against "
+                 "the best rule (mean difference, nats; paired by checkpoint; p: exact sign test over prompts below "
+                 "30 prompts, else the paired bootstrap). `oracle_single` and `oracle_greedy` evict token sets (the "
+                 "same positions in every layer and KV head); `fast` and, at per-head selection, the rules choose each "
                  "layer's and KV head's own set, so they can beat the token-set oracles.\n\n")
         rows = []
         for budget, h in heads.items():
             def cmp(c):
                 if not c:
                     return "n/a"
-                return f"{_fmt_ci(c['diff'], *c['diff_ci'], 3)}, {_p_text(c['p_value'], n_boot)}"
+                return f"{_fmt_ci(c['diff'], *c['diff_ci'], 3)}, {format_test(c['test'])}"
             hr = h.get("headroom")
             rows.append([budget, h.get("best_rule") or "n/a", h.get("best_oracle") or "n/a",
-                         _fmt_ci(hr["ratio"], *hr["ratio_ci"], 3) if hr else "n/a", cmp(h.get("greedy_vs_single")),
-                         cmp(h.get("greedy_vs_best_rule"))])
-        text += md_table(["budget", "best rule", "best oracle", "headroom (best rule / best oracle)",
-                          "oracle_greedy − oracle_single", "oracle_greedy − best rule"], rows, "lllrrr") + "\n"
+                         _fmt_ci(hr["ratio"], *hr["ratio_ci"], 3) if hr else "n/a", _per_prompt(hr),
+                         cmp(h.get("greedy_vs_single")), cmp(h.get("greedy_vs_best_rule"))])
+        text += md_table(["budget", "best rule", "best oracle", "headroom: ratio of means",
+                          "headroom per prompt: geometric mean [CI], median, below 1",
+                          "oracle_greedy − oracle_single", "oracle_greedy − best rule"], rows, "lllrrrr") + "\n"
     for budget in table["budget"].unique(maintain_order=True).to_list():
         rows = []
         sub = table.filter(pl.col("budget") == budget).sort("mean_kl", nulls_last=True)
@@ -301,14 +297,17 @@ def to_markdown(res: dict, meta: dict) -> str:
         text += md_table(["budget", "Spearman", "rules"], rows, "lrr") + "\n"
     if res["stochastic"].height:
         text += ("## Stochastic against deterministic selection\n\nPer rule and budget: the mean over checkpoints of "
-                 "(mean joint damage of the stochastic draws − the deterministic per-head set's), with its CI and "
-                 "p-value; spread: the mean over checkpoints of the draws' standard deviation.\n\n")
+                 "(mean joint damage of the stochastic draws − the deterministic per-head set's), with its CI; lower: "
+                 "the checkpoints where the stochastic draws' mean is lower; p: the exact sign test over prompts below "
+                 "30 prompts, else the paired bootstrap; spread: the mean over checkpoints of the draws' standard "
+                 "deviation.\n\n")
         rows = [[r["decision"], r["budget"], _fmt_ci(r["stochastic_minus_deterministic"], r["ci_low"], r["ci_high"]),
-                 _p_value(r["p_value"], n_boot),
+                 f"{r['stochastic_lower']}/{r['n']}", f"{format_p(r['p_value'], r['p_resolution'])} "
+                 f"({TEST_NAMES[r['test']]})",
                  number_text(r["mean_spread"], 3) if r["mean_spread"] is not None else "n/a", r["n"]]
                 for r in res["stochastic"].iter_rows(named=True)]
-        text += md_table(["rule", "budget", "stochastic − deterministic", "p", "spread", "checkpoints"], rows,
-                         "llrrrr") + "\n"
+        text += md_table(["rule", "budget", "stochastic − deterministic", "lower", "p", "spread", "checkpoints"], rows,
+                         "llrrrrr") + "\n"
     if res["pairs"].height:
         text += (f"## Superadditive pairs\n\nTwo entries each harmless alone (single label at or below the harm "
                  f"threshold), harmful together. Near-duplicate key: cosine >= {NEAR_DUPLICATE} (mean over layers and "
@@ -316,6 +315,16 @@ def to_markdown(res: dict, meta: dict) -> str:
         p = res["pairs"]
         text += md_table(list(p.columns), [list(r) for r in p.rows()], "l" + "r" * (len(p.columns) - 1)) + "\n"
     return text
+
+
+def _per_prompt(c: dict | None) -> str:
+    """A comparison's per-prompt ratio summary as a cell: ``1.2 [0.8, 1.9], median 1.1, 4/10 below 1``."""
+    if not c or not c["ratios"]["n"]:
+        return "n/a"
+    r = c["ratios"]
+    dropped = f" ({r['dropped']} checkpoints with a zero side left out)" if r["dropped"] else ""
+    return (f"{_fmt_ci(r['geomean'], *r['geomean_ci'], 3)}, median {number_text(r['median'], 3)}, "
+            f"{r['below']}/{r['n']} below 1{dropped}")
 
 
 def figure(table: pl.DataFrame, out: Path) -> list[Path]:
@@ -333,9 +342,9 @@ def figure(table: pl.DataFrame, out: Path) -> list[Path]:
             xs = [x[b] for b in sub["budget"]]
             order = np.argsort(xs)
             ys = np.maximum(sub["mean_kl"].to_numpy(), 1e-9)[order]
-            ref = name in ORACLES or name == "random"
+            ref = name in ORACLES or name.startswith("random")
             ax.plot(np.array(xs)[order], ys, ls=":" if ref else "-", marker="o", ms=3, lw=1.6 if ref else 1,
-                    color="black" if name in ORACLES else ("grey" if name == "random" else None), label=name)
+                    color="black" if name in ORACLES else ("grey" if name.startswith("random") else None), label=name)
         ax.set(yscale="log", xlabel="keep fraction" if budgets[0].startswith("keep") else "budget (entries)",
                ylabel="joint damage (mean KL, nats)")
         if budgets[0].startswith("keep"):

@@ -22,7 +22,6 @@ _HOME = {
     "classify_reads": "delayed_reads", "delay_histogram": "delayed_reads", "delayed_read_stats": "delayed_reads",
     "first_reads": "features", "layer_read_strength": "features",
     "trace_first_reads": "features", "trace_pressure_payload": "features",
-    "rank_biserial": "common",
 }
 __all__ = ["FigureParams", *_HOME]
 

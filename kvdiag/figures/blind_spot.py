@@ -29,15 +29,14 @@ from kvdiag.figures.params import FigureParams
 from kvdiag.figures.registry import Drawn, FigureContext, register_figure
 from kvdiag.plotting import (
     fmt,
-    mann_whitney,
     new_figure,
     note_on,
     save_figure,
-    stat,
     stats_dict,
     style,
     write_stats,
 )
+from kvdiag.stats import mann_whitney, stat
 
 POINT_COLUMNS = [
     "prompt_id", "checkpoint", "position", "read_pressure", "value_payload", "kl_mean", "low_attention_cut",

@@ -34,6 +34,7 @@ from matplotlib import MatplotlibDeprecationWarning
 from kvdiag import plotting as common
 from kvdiag.figures.params import FigureParams
 from kvdiag.figures.registry import Drawn, FigureContext, register_figure
+from kvdiag.stats import mann_whitney, stat
 
 CLASSES = ("early", "delayed", "never", "unobserved")
 
@@ -78,33 +79,33 @@ def delayed_read_stats(entries: pl.DataFrame, params: FigureParams) -> list[dict
     delayed = entries.filter(pl.col("read_class") == "delayed")
     weak = count["delayed"] + count["never"]
     rows = [
-        common.stat("n_entries", entries.height, "" if entries.height else "no labeled token-granularity entry"),
-        *(common.stat(f"n_{c}", count[c]) for c in CLASSES),
-        common.stat(
+        stat("n_entries", entries.height, "" if entries.height else "no labeled token-granularity entry"),
+        *(stat(f"n_{c}", count[c]) for c in CLASSES),
+        stat(
             "share_delayed_of_weak", count["delayed"] / weak if weak else None,
             "" if weak else "no entry with weak reads in its first window",
         ),
-        common.stat("w_obs", params.w_obs),
-        common.stat("strong_read_mult", params.strong_read_mult),
-        common.stat("interval", params.interval),
+        stat("w_obs", params.w_obs),
+        stat("strong_read_mult", params.strong_read_mult),
+        stat("interval", params.interval),
     ]
     d = delayed["delay"].to_numpy().astype(float)
     none = "" if len(d) else "no delayed-read entry"
     for name, q in (
         ("delay_min", 0.0), ("delay_q25", 0.25), ("delay_median", 0.5), ("delay_q75", 0.75), ("delay_max", 1.0),
     ):
-        rows.append(common.stat(name, np.quantile(d, q) if len(d) else None, none))
+        rows.append(stat(name, np.quantile(d, q) if len(d) else None, none))
     evicted = int(delayed["evicted_before_read"].sum())
     rows += [
-        common.stat("n_evicted_before_read", evicted),
-        common.stat("share_evicted_before_read", evicted / len(d) if len(d) else None, none),
+        stat("n_evicted_before_read", evicted),
+        stat("share_evicted_before_read", evicted / len(d) if len(d) else None, none),
     ]
     kl_d = delayed["kl"].drop_nulls().to_numpy()
     kl_n = entries.filter(pl.col("read_class") == "never")["kl"].drop_nulls().to_numpy()
-    rows += [common.stat("n_kl_delayed", len(kl_d)), common.stat("n_kl_never", len(kl_n)),
-             common.stat("median_kl_delayed", np.median(kl_d) if len(kl_d) else None),
-             common.stat("median_kl_never", np.median(kl_n) if len(kl_n) else None)]
-    mwu, _ = common.mann_whitney(kl_d, kl_n, params.min_group, "eviction KL of delayed-read vs never-read entries")
+    rows += [stat("n_kl_delayed", len(kl_d)), stat("n_kl_never", len(kl_n)),
+             stat("median_kl_delayed", np.median(kl_d) if len(kl_d) else None),
+             stat("median_kl_never", np.median(kl_n) if len(kl_n) else None)]
+    mwu, _ = mann_whitney(kl_d, kl_n, params.min_group, "eviction KL of delayed-read vs never-read entries")
     return rows + mwu
 
 

@@ -11,21 +11,25 @@ Per policy row (matched to the FullKV row of the same ``prompt_id`` and ``sample
   ``LOOP_REPEATS`` times);
 - accuracy and max-length hits as graded by the sweep.
 
-Rates carry a Wilson interval when every prompt has one sample, else a cluster bootstrap over prompts (samples of a
-prompt are not independent); means carry the cluster bootstrap. The paired tests compare, at each budget, the rule
-with the highest fidelity against each other rule on the same (prompt, sample) units: the bootstrap CI of the
-difference in fidelity and, with one sample per prompt, McNemar's exact p-value.
+A rule's outcomes are measured only on its **compressed** generations (``compressions > 0``): a generation that ended
+before the cache reached the budget is FullKV's own and says nothing about the rule (fidelity 1 by construction); they
+are counted apart (``uncompressed``), and every rate states its n. Rates carry a Wilson interval when every prompt has
+one sample, else a cluster bootstrap over prompts (samples of a prompt are not independent); means carry the cluster
+bootstrap. The paired tests compare, at each budget, the rule with the highest fidelity against each other rule on
+the (prompt, sample) units where either of the two compressed: the bootstrap CI of the difference in fidelity and,
+with one sample per prompt, McNemar's exact p-value; with several samples, the exact sign test (or the bootstrap p
+from 30 prompts on) of the per-prompt mean differences (``kvdiag.stats``).
 """
 
 from __future__ import annotations
 
 import re
 
+import numpy as np
 import polars as pl
-from scipy.stats import binomtest
 
 from kvdiag.io import write_csv, write_text
-from kvdiag.stats import PromptBootstrap
+from kvdiag.stats import TEST_NAMES, PromptBootstrap, cluster_means, format_p, mcnemar, paired_test, wilson
 from kvdiag.tables import markdown_table
 
 LOOP_NGRAM = 12  # tokens of the repeated span (ours; long enough that counting lines never repeat)
@@ -89,6 +93,7 @@ def outcome_rows(df: pl.DataFrame, exact: set[str] = frozenset()) -> pl.DataFram
         out = {"prompt_id": r["prompt_id"], "sample": r["sample"], "scorer": r["scorer"], "budget": r["budget"],
                "correct": r["correct"], "max_length_hit": r["max_length_hit"], "loop": has_loop(gen),
                "final_answer": ans, "kl_mean": r["kl_mean"], "generated": r["generated"],
+               "compressed": None if r["scorer"] == FULL_KV else (r.get("compressions") or 0) > 0,
                "fidelity": None, "first_divergence": None, "diverged": None, "length_ratio": None}
         if ref is not None and r["scorer"] != FULL_KV:
             ref_gen = ref["token_ids"][ref["prompt_len"] :]
@@ -100,20 +105,16 @@ def outcome_rows(df: pl.DataFrame, exact: set[str] = frozenset()) -> pl.DataFram
     return pl.DataFrame(rows, infer_schema_length=None)
 
 
-def wilson(k: int, n: int, level: float) -> tuple[float, float]:
-    if n == 0:
-        return float("nan"), float("nan")
-    ci = binomtest(k, n).proportion_ci(confidence_level=level, method="wilson")
-    return float(ci.low), float(ci.high)
-
-
 def summarize_outcomes(out: pl.DataFrame, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> pl.DataFrame:
-    """One row per (scorer, budget): each outcome's value and CI (columns ``<metric>``, ``<metric>_lo/_hi``, n)."""
+    """One row per (scorer, budget): each outcome's value and CI over its compressed generations (columns
+    ``<metric>``, ``<metric>_lo/_hi``, ``<metric>_n``); ``generations`` in all, ``uncompressed`` left out."""
     boot = PromptBootstrap(out["prompt_id"].unique().to_list(), n_boot, seed, level)
     single = bool(out.group_by("prompt_id").agg(pl.col("sample").n_unique())["sample"].max() == 1)
     rows = []
     for (scorer, budget), g in out.group_by("scorer", "budget", maintain_order=True):
-        row = {"scorer": scorer, "budget": budget, "generations": g.height, "prompts": g["prompt_id"].n_unique()}
+        row = {"scorer": scorer, "budget": budget, "generations": g.height, "prompts": g["prompt_id"].n_unique(),
+               "uncompressed": int((g["compressed"] == False).sum())}  # noqa: E712 (null: FullKV)
+        g = g.filter(pl.col("compressed").is_null() | pl.col("compressed"))
         for metric in ("correct", "fidelity", "diverged", "loop", "max_length_hit", "length_ratio", "kl_mean"):
             sel = g.filter(pl.col(metric).is_not_null())
             vals = sel[metric].cast(pl.Float64).to_numpy()
@@ -128,26 +129,35 @@ def summarize_outcomes(out: pl.DataFrame, n_boot: int = 2000, seed: int = 0, lev
 
 
 def paired_tests(out: pl.DataFrame, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> pl.DataFrame:
-    """At each budget: the rule with the highest fidelity against every other rule, on their shared units."""
+    """At each budget: the rule with the highest fidelity (on its compressed generations) against every other rule,
+    on the units where either compressed; ``test``/``p_value``: McNemar's exact test with one sample per prompt, else
+    ``kvdiag.stats.paired_test`` of the per-prompt mean differences."""
     boot = PromptBootstrap(out["prompt_id"].unique().to_list(), n_boot, seed, level)
     single = bool(out.group_by("prompt_id").agg(pl.col("sample").n_unique())["sample"].max() == 1)
     rules = out.filter(pl.col("scorer") != FULL_KV)
     rows = []
     for (budget,), g in rules.group_by("budget", maintain_order=True):
-        fid = g.group_by("scorer").agg(pl.col("fidelity").cast(pl.Float64).mean()).sort("fidelity", descending=True)
+        fid = (g.filter(pl.col("compressed")).group_by("scorer").agg(pl.col("fidelity").cast(pl.Float64).mean())
+               .sort("fidelity", "scorer", descending=[True, False], nulls_last=True))
         best = fid["scorer"][0]
         wide = g.pivot(on="scorer", index=["prompt_id", "sample"], values="fidelity")
+        comp = g.pivot(on="scorer", index=["prompt_id", "sample"], values="compressed")
         for other in fid["scorer"][1:]:
-            pair = wide.select("prompt_id", best, other).drop_nulls()
+            either = comp.select("prompt_id", "sample", either=pl.col(best) | pl.col(other))
+            pair = wide.select("prompt_id", "sample", best, other).join(either, on=["prompt_id", "sample"])
+            pair = pair.filter(pl.col("either")).drop_nulls()
             a, b = pair[best].cast(pl.Float64).to_numpy(), pair[other].cast(pl.Float64).to_numpy()
-            diff, reps = boot.mean(a - b, pair["prompt_id"].to_numpy())
+            prompts = pair["prompt_id"].to_numpy()
+            diff, reps = boot.mean(a - b, prompts)
             lo, hi = boot.ci(reps)
-            p = None
             if single:
-                n10, n01 = int(((a == 1) & (b == 0)).sum()), int(((a == 0) & (b == 1)).sum())
-                p = float(binomtest(n10, n10 + n01).pvalue) if n10 + n01 else 1.0
-            rows.append({"budget": budget, "best": best, "other": other, "units": len(a), "fidelity_diff": diff,
-                         "diff_lo": lo, "diff_hi": hi, "mcnemar_p": p})
+                test, p, res = "mcnemar", mcnemar(a == 1, b == 1), 0.0
+            else:
+                t = paired_test(cluster_means(a - b, prompts)[1], reps)
+                test, p, res = t.test, t.p, t.resolution
+            rows.append({"budget": budget, "best": best, "other": other, "units": len(a),
+                         "prompts": int(np.unique(prompts).size), "fidelity_diff": diff, "diff_lo": lo,
+                         "diff_hi": hi, "test": test, "p_value": p, "p_resolution": res})
     return pl.DataFrame(rows, infer_schema_length=None)
 
 
@@ -167,7 +177,8 @@ def write_outcomes(df: pl.DataFrame, out_dir, n_boot: int = 2000, seed: int = 0,
     write_csv(summary, out_dir / "outcomes_summary.csv")
     write_csv(paired, out_dir / "paired.csv")
     single = summary["generations"].max() == summary["prompts"].max()
-    head = ["scorer", "budget", *(label for _, label in METRICS), "first div. (median step)"]
+    head = ["scorer", "budget", "compressed", "fidelity n", *(label for _, label in METRICS),
+            "first div. (median step)"]
     rows = []
     for r in summary.sort("budget", "scorer", nulls_last=False).iter_rows(named=True):
         cells = []
@@ -176,11 +187,16 @@ def write_outcomes(df: pl.DataFrame, out_dir, n_boot: int = 2000, seed: int = 0,
             k = 1.0 if metric in ("length_ratio", "kl_mean") else 100.0
             cells.append("–" if v is None or v != v else f"{k * v:.3g} [{k * lo:.3g}, {k * hi:.3g}]")
         fd = r["first_divergence_median"]
-        rows.append([r["scorer"], "full" if r["budget"] is None else str(r["budget"]), *cells,
+        rows.append([r["scorer"], "full" if r["budget"] is None else str(r["budget"]),
+                     "–" if r["scorer"] == FULL_KV else f"{r['generations'] - r['uncompressed']}/{r['generations']}",
+                     str(r["fidelity_n"]), *cells,
                      "–" if fd is None else f"{fd:.0f}"])
     ci = "Wilson (one sample per prompt)" if single else "cluster bootstrap over prompts"
     notes = [
-        f"{summary['prompts'].max()} prompts, {summary['generations'].max()} generations per (rule, budget); "
+        f"{summary['prompts'].max()} prompts, {summary['generations'].max()} generations per (rule, budget). A rule's "
+        "outcomes are over its compressed generations only (compressed: generations that compressed the cache at "
+        "least once / all; the others ended before the cache reached the budget, are FullKV's own generation, and are "
+        "left out); fidelity n: those where FullKV wrote a final answer. "
         f"{level:.0%} CIs: rates {ci}, means cluster bootstrap over prompts ({n_boot} replicates, seed {seed}).",
         "fidelity: same final answer as FullKV's generation of the same prompt and sample ("
         + ("the whole generation: the suite grades all of it" if exact and set(out["prompt_id"]) <= set(exact) else
@@ -189,10 +205,17 @@ def write_outcomes(df: pl.DataFrame, out_dir, n_boot: int = 2000, seed: int = 0,
         + "); diverged: the generated tokens differ from FullKV's; "
         f"loops: a {LOOP_NGRAM}-token span repeated {LOOP_REPEATS}+ times; length ratio: generated / FullKV's.",
     ]
+    text = markdown_table(head, rows, "l" * len(head)) + "\n" + "\n".join(notes) + "\n"
     if paired.height:
-        best = paired.group_by("budget").agg(pl.col("best").first()).sort("budget")
-        notes.append("Paired (paired.csv): highest fidelity per budget: " + ", ".join(
-            f"B={b} {s}" for b, s in best.iter_rows()) + "; the difference to each other rule with its CI"
-            + (" and McNemar's exact p." if single else "."))
-    write_text(out_dir / "outcomes.md", markdown_table(head, rows, "l" * len(head)) + "\n" + "\n".join(notes) + "\n")
+        text += ("\nPaired (paired.csv): at each budget the rule with the highest fidelity against each other rule, on "
+                 "the (prompt, sample) units where either compressed: the difference in fidelity with its "
+                 f"{level:.0%} CI, and p ("
+                 + ("McNemar's exact test" if single else "of the per-prompt mean differences") + ").\n\n")
+        text += markdown_table(
+            ["budget", "best", "other", "units (prompts)", "fidelity difference, points [CI]", "test", "p"],
+            [[str(r["budget"]), r["best"], r["other"], f"{r['units']} ({r['prompts']})",
+              f"{100 * r['fidelity_diff']:.3g} [{100 * r['diff_lo']:.3g}, {100 * r['diff_hi']:.3g}]",
+              TEST_NAMES.get(r["test"], r["test"]), format_p(r["p_value"], r["p_resolution"])]
+             for r in paired.iter_rows(named=True)], "l" * 7) + "\n"
+    write_text(out_dir / "outcomes.md", text)
     return summary

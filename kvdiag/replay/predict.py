@@ -25,10 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import polars as pl
-from scipy.stats import spearmanr
 
 from kvdiag.replay.oracle import ORACLE
-from kvdiag.stats import PromptBootstrap, paired_p_value
+from kvdiag.stats import TEST_NAMES, PromptBootstrap, compare, format_p, spearman, spearman_ci
 
 
 def compression_table(tf: pl.DataFrame, horizon: int) -> pl.DataFrame:
@@ -62,25 +61,6 @@ def run_table(tf: pl.DataFrame, free: pl.DataFrame | None = None) -> pl.DataFram
         pl.col("first_divergence").fill_null(pl.col("generated")).cast(pl.Float64).mean().alias("divergence"),
     )
     return runs.join(agg, on=["prompt_id", "scorer", "budget"], how="left")
-
-
-def _spearman(x: np.ndarray, y: np.ndarray) -> float:
-    ok = np.isfinite(x) & np.isfinite(y)
-    if ok.sum() < 3 or np.ptp(x[ok]) == 0 or np.ptp(y[ok]) == 0:
-        return float("nan")
-    return float(spearmanr(x[ok], y[ok])[0])
-
-
-def spearman_ci(boot: PromptBootstrap, x: np.ndarray, y: np.ndarray, prompts: np.ndarray) -> dict:
-    """Spearman(x, y) over rows clustered by ``prompts``, and its cluster-bootstrap CI (a prompt drawn k times
-    contributes its rows k times)."""
-    rho = _spearman(x, y)
-    reps = np.empty(0)
-    if boot.mult is not None:
-        idx = np.array([boot.index[p] for p in prompts])
-        reps = np.array([_spearman(np.repeat(x, m[idx]), np.repeat(y, m[idx])) for m in boot.mult])
-    low, high = boot.ci(reps)
-    return {"spearman": rho, "ci_low": low, "ci_high": high, "n": int(np.isfinite(x).sum())}
 
 
 def correlations(tf: pl.DataFrame, horizon: int, boot: PromptBootstrap, free: pl.DataFrame | None = None,
@@ -133,33 +113,35 @@ def _across(boot: PromptBootstrap, rules: list[str], x: dict, y: dict) -> dict:
     """Spearman across ``rules`` of x[r] against y[r] (each (value, replicates [B])), CI from the replicates."""
     if len(rules) < 3:
         return {"spearman": float("nan"), "ci_low": float("nan"), "ci_high": float("nan"), "n": len(rules)}
-    rho = _spearman(np.array([x[r][0] for r in rules]), np.array([y[r][0] for r in rules]))
+    rho = spearman(np.array([x[r][0] for r in rules]), np.array([y[r][0] for r in rules]))
     reps = np.empty(0)
     if boot.mult is not None:
         xr, yr = np.stack([x[r][1] for r in rules]), np.stack([y[r][1] for r in rules])  # [R, B]
-        reps = np.array([_spearman(xr[:, b], yr[:, b]) for b in range(xr.shape[1])])
+        reps = np.array([spearman(xr[:, b], yr[:, b]) for b in range(xr.shape[1])])
     low, high = boot.ci(reps)
     return {"spearman": rho, "ci_low": low, "ci_high": high, "n": len(rules)}
 
 
 def regret(tf: pl.DataFrame, boot: PromptBootstrap) -> pl.DataFrame:
     """Per (scorer, budget): mean teacher-forced KL, the oracle policy's, their paired difference (regret) and
-    ratio with cluster-bootstrap CIs, and the paired p-value; prompts where both ran."""
+    ratio of means with cluster-bootstrap CIs, the per-prompt ratio (geometric mean with its CI, median, prompts where
+    the rule beat the oracle) and the paired test (``kvdiag.stats.compare``: exact sign test below 30 prompts);
+    ``prompts``: where both ran."""
     runs = tf.select("prompt_id", "scorer", "budget", pl.col("kl_mean").alias("kl"))
     oracle = runs.filter(pl.col("scorer") == ORACLE).select("prompt_id", "budget", pl.col("kl").alias("oracle"))
     rows = []
     for (scorer, budget), g in runs.filter(pl.col("scorer") != ORACLE).join(
             oracle, on=["prompt_id", "budget"]).group_by("scorer", "budget", maintain_order=True):
-        prompts = g["prompt_id"].to_numpy()
         x, o = g["kl"].to_numpy(), g["oracle"].to_numpy()
-        diff, dr = boot.mean(x - o, prompts)
-        (mx, xr), (mo, orr) = boot.mean(x, prompts), boot.mean(o, prompts)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            ratio, rr = mx / mo, xr / orr
-        rows.append({"scorer": scorer, "budget": budget, "kl": mx, "oracle_kl": mo, "regret": diff,
-                     "regret_low": boot.ci(dr)[0], "regret_high": boot.ci(dr)[1], "ratio": ratio,
-                     "ratio_low": boot.ci(rr)[0], "ratio_high": boot.ci(rr)[1],
-                     "p_value": paired_p_value(dr) if len(dr) else None, "prompts": len(prompts)})
+        c = compare(boot, x, o, g["prompt_id"].to_numpy())
+        r, t = c["ratios"], c["test"]
+        rows.append({"scorer": scorer, "budget": budget, "kl": float(x.mean()), "oracle_kl": float(o.mean()),
+                     "regret": c["diff"], "regret_low": c["diff_ci"][0], "regret_high": c["diff_ci"][1],
+                     "ratio": c["ratio"], "ratio_low": c["ratio_ci"][0], "ratio_high": c["ratio_ci"][1],
+                     "ratio_geomean": r["geomean"], "ratio_geomean_low": r["geomean_ci"][0],
+                     "ratio_geomean_high": r["geomean_ci"][1], "ratio_median": r["median"],
+                     "prompts_above_oracle": t.above, "test": t.test, "p_value": t.p, "p_resolution": t.resolution,
+                     "prompts": t.n})
     return pl.DataFrame(rows).sort("budget", "regret") if rows else pl.DataFrame()
 
 
@@ -224,7 +206,9 @@ def write_predictions(tf: pl.DataFrame, out_dir, horizon: int, free: pl.DataFram
         return "–" if v is None or v != v else format(v, fmt)
 
     lines = [f"# Decisions to outcomes ({tf['prompt_id'].n_unique()} prompts, teacher-forced, label horizon "
-             f"{horizon})", "", "Spearman with 95% cluster-bootstrap CIs over prompts:", ""]
+             f"{horizon})", "",
+             "Spearman with 95% cluster-bootstrap CIs over prompts; n: the pairs that entered (both sides defined):",
+             ""]
     lines.append(markdown_table(
         ["level", "predictor", "outcome", "budget", "Spearman [CI]", "n"],
         [[r["level"], r["predictor"], r["outcome"], num(r["budget"], "d") if r["budget"] is not None else "all",
@@ -243,13 +227,19 @@ def write_predictions(tf: pl.DataFrame, out_dir, horizon: int, free: pl.DataFram
         cost = tf.group_by("scorer").agg((pl.col("label_seconds").sum() / pl.col("compressions").sum()).alias("s"),
                                          (pl.col("label_rows").sum() / pl.col("compressions").sum()).alias("rows"))
         cost = {r["scorer"]: r for r in cost.iter_rows(named=True)}
+        tests = sorted(set(reg["test"]))
         lines += ["", "In-loop regret against the oracle policy (mean teacher-forced KL minus the oracle's, paired by "
-                  "prompt; ratio = rule / oracle):", ""]
+                  "prompt; ratio of means = rule / oracle; per-prompt ratio: geometric mean over prompts of rule / "
+                  "oracle with its CI, and the prompts where the rule's KL exceeds the oracle's; p: "
+                  + ", ".join(TEST_NAMES[t] for t in tests) + " over prompts):", ""]
         lines.append(markdown_table(
-            ["scorer", "budget", "KL", "oracle KL", "regret [CI]", "ratio [CI]", "p"],
+            ["scorer", "budget", "KL", "oracle KL", "regret [CI]", "ratio of means [CI]",
+             "per-prompt ratio [CI]", "above oracle", "p"],
             [[r["scorer"], str(r["budget"]), num(r["kl"]), num(r["oracle_kl"]),
               f"{num(r['regret'])} [{num(r['regret_low'])}, {num(r['regret_high'])}]",
-              f"{num(r['ratio'])} [{num(r['ratio_low'])}, {num(r['ratio_high'])}]", num(r["p_value"])]
+              f"{num(r['ratio'])} [{num(r['ratio_low'])}, {num(r['ratio_high'])}]",
+              f"{num(r['ratio_geomean'])} [{num(r['ratio_geomean_low'])}, {num(r['ratio_geomean_high'])}]",
+              f"{r['prompts_above_oracle']}/{r['prompts']}", format_p(r["p_value"], r["p_resolution"])]
              for r in reg.iter_rows(named=True)]))
         o = cost[ORACLE]
         lines += ["", f"Oracle cost: {o['s']:.2f} s and {o['rows']:.0f} label rows (sets of horizon {horizon}) per "
