@@ -359,14 +359,19 @@ OUTPUTS = ("summary.csv", "paired.csv", "spearman.csv", "pairs_summary.csv", "st
 
 
 def summarize_files(out: str | os.PathLike, labels: str | os.PathLike | None = None,
-                    scores: str | os.PathLike | None = None) -> dict:
-    """Summarize ``OUT/decisions.parquet`` (and pairs.parquet) into ``OUTPUTS`` in the same directory."""
+                    scores: str | os.PathLike | None = None, keep_spearman: bool = False) -> dict:
+    """Summarize ``OUT/decisions.parquet`` (and pairs.parquet) into ``OUTPUTS`` in the same directory.
+    ``keep_spearman``: without ``labels``/``scores`` (a committed report ships neither), keep the AUROC-vs-decision
+    Spearman table ``spearman.csv`` that the run computed with them, instead of leaving it empty."""
     out = Path(out)
     decisions, meta = read_table(out / "decisions.parquet", "decisions")
     pairs = pl.read_parquet(out / "pairs.parquet") if (out / "pairs.parquet").is_file() else None
     label_df = read_table(labels, "--labels")[0] if labels is not None else None
     score_df = read_table(scores, "--scores")[0] if scores is not None else None
     res = summarize(decisions, meta, pairs, label_df, score_df)
+    kept = out / "spearman.csv"
+    if keep_spearman and label_df is None and kept.is_file() and kept.stat().st_size > 1:
+        res["spearman"] = pl.read_csv(kept, schema_overrides={"note": pl.String})
     write_csv(res["summary"], out / "summary.csv")
     write_csv(res["paired"], out / "paired.csv")
     write_csv(res["spearman"], out / "spearman.csv")
