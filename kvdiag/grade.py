@@ -93,7 +93,8 @@ def grade(bench: bench_mod.Benchmark, rules: dict, lm, out: Path, show_progress:
     write_table(head, out / "scores-head.parquet", meta)
     start = time.perf_counter()
     harm = s.get("harm") or {}
-    result = rank_eval(labels, _token_scores(head, names), n_boot=int(s.get("n_boot", 1000)), seed=int(s["seed"]),
+    token = _token_scores(head, names)
+    result = rank_eval(labels, token, n_boot=int(s.get("n_boot", 1000)), seed=int(s["seed"]),
                        reference=None, scorers=tuple(names), harm=harm.get("harm", "quantile:0.9"),
                        noise_mult=float(harm.get("noise_mult", 1.0)),
                        include_unresolved=bool(harm.get("include_unresolved", False)))
@@ -110,8 +111,21 @@ def grade(bench: bench_mod.Benchmark, rules: dict, lm, out: Path, show_progress:
         "prompt_id", "checkpoint", "decision", "budget", "status", "kl_mean")
     boot = PromptBootstrap(labels["prompt_id"].unique().to_list(), int(s.get("n_boot", 1000)), int(s["seed"]), 0.95)
     builtins = read_table(bench.file(bench_mod.BUILTINS))[0] if bench.has_builtins else None
-    rows = [_row(name, rules[name], result, dec, refs, builtins, boot, [b.name for b in budgets]) for name in names]
+    ranks = ranking_rules(token, labels, names)
+    rows = [{**_rank_part(name, rules[name].params, result, ranks[name]),
+             **_decision_part(name, dec, refs, builtins, boot, [b.name for b in budgets])} for name in names]
     return {"rows": rows, "decisions": dec, "timings": timings}
+
+
+NO_RANKING = "all ties: every labeled entry of every checkpoint has the same score, so it ranks nothing"
+
+
+def ranking_rules(token: pl.DataFrame, labels: pl.DataFrame, names: list[str]) -> dict[str, bool]:
+    """rule -> whether its token scores differ somewhere among the labeled entries of one checkpoint (a rule whose
+    scores all tie gets AUROC 0.5 with a zero-width CI from ties alone, not from ranking)."""
+    keyed = token.join(labels.select(KEYS), on=list(KEYS), how="semi")
+    distinct = keyed.group_by("prompt_id", "checkpoint").agg(pl.col(r).n_unique() for r in names)
+    return {r: bool((distinct[r] > 1).any()) for r in names}
 
 
 def _budget(name: str):
@@ -126,18 +140,27 @@ def _mean_ci(boot, df: pl.DataFrame) -> tuple[float, float, float]:
     return (value, *boot.ci(reps))
 
 
-def _row(name: str, scorer, result, dec: pl.DataFrame, refs: pl.DataFrame, builtins: pl.DataFrame | None, boot,
-         budgets: list[str]) -> dict:
-    """One leaderboard row (module docstring)."""
-    from kvdiag.stats import paired_p_value
-
+def _rank_part(name: str, params: dict, result, ranks: bool) -> dict:
+    """A row's ranking half: rank-eval's pooled metrics with CIs, and whether the rule ranks at all."""
     m = result.metrics.filter((pl.col("scorer") == name) & (pl.col("scope") == "pooled"))
-    row: dict = {"rule": name, "params": scorer.params}
+    row: dict = {"rule": name, "params": params, "ranks": ranks, "note": "" if ranks else NO_RANKING}
     for metric in RANK_METRICS:
         r = m.filter(pl.col("metric") == metric)
         if r.height:
             r = r.row(0, named=True)
             row[metric], row[f"{metric}_ci"] = r["value"], [r["ci_low"], r["ci_high"]]
+    return row
+
+
+def _decision_part(name: str, dec: pl.DataFrame, refs: pl.DataFrame, builtins: pl.DataFrame | None, boot,
+                   budgets: list[str]) -> dict:
+    """A row's decisions half (module docstring): per budget the joint damage with its CI, the regret against
+    oracle_greedy, the place among the built-in rules and the paired test against the best of them
+    (``kvdiag.stats.compare``: exact sign test below 30 prompts). ``dec``: prompt_id, checkpoint, decision, budget,
+    kl_mean rows of the rule."""
+    from kvdiag.stats import compare
+
+    row: dict = {}
     for b in budgets:
         mine = dec.filter((pl.col("decision") == name) & (pl.col("budget") == b))
         ok = mine.filter(pl.col("kl_mean").is_not_null())
@@ -154,7 +177,7 @@ def _row(name: str, scorer, result, dec: pl.DataFrame, refs: pl.DataFrame, built
             lb = builtins.filter(pl.col("budget") == b)
             means = lb.group_by("rule").agg(pl.col("kl_mean").mean(), n=pl.len(),
                                             ok=pl.col("kl_mean").is_not_null().sum())
-            complete = means.filter(pl.col("n") == pl.col("ok")).sort("kl_mean")
+            complete = means.filter(pl.col("n") == pl.col("ok")).sort("kl_mean", "rule")
             if complete.height and ok.height == mine.height:
                 better = complete.filter(pl.col("kl_mean") < value).height
                 row[f"place@{b}"] = f"{better + 1} of {complete.height + (name not in complete['rule'])}"
@@ -162,9 +185,10 @@ def _row(name: str, scorer, result, dec: pl.DataFrame, refs: pl.DataFrame, built
                 if best != name:
                     other = lb.filter(pl.col("rule") == best).select("prompt_id", "checkpoint", o="kl_mean")
                     p = ok.join(other, on=["prompt_id", "checkpoint"])
-                    diff, dr = boot.mean((p["kl_mean"] - p["o"]).to_numpy(), p["prompt_id"].to_numpy())
-                    row[f"vs_best@{b}"] = {"best": best, "diff": diff, "ci": list(boot.ci(dr)),
-                                           "p": paired_p_value(dr) if len(dr) else None}
+                    c = compare(boot, p["kl_mean"].to_numpy(), p["o"].to_numpy(), p["prompt_id"].to_numpy())
+                    t = c["test"]
+                    row[f"vs_best@{b}"] = {"best": best, "diff": c["diff"], "ci": c["diff_ci"], **t.as_dict(),
+                                           "resolution": t.resolution}
     return row
 
 
@@ -189,19 +213,100 @@ def _intro(b: bench_mod.Benchmark) -> str:
             "damage (nats) of the set the rule evicts there, over the checkpoints it could decide (decided / all). "
             "/ greedy: that damage over oracle_greedy's (ratio of means). oracle_greedy evicts token sets (the same "
             "positions in every layer and KV head), so a rule choosing per head can beat it (ratio < 1). 95% "
-            f"cluster-bootstrap CIs over prompts (B = {st['n_boot']}). Sorted by the tightest budget's joint damage.")
+            f"cluster-bootstrap CIs over prompts (B = {st['n_boot']}). Sorted by the tightest budget's joint damage; "
+            "rules not decided at every checkpoint there are listed apart.")
 
 
 def leaderboard_table(rows: list[dict], budgets: list[str]) -> tuple[list[str], list[list]]:
     headers = ["rule", "AUROC", "AP", "FSR", *(f"joint @ {b}" for b in budgets), *(f"/ greedy @ {b}" for b in budgets)]
     out = []
     for r in rows:
-        out.append([r["rule"], _ci(r.get("auroc"), r.get("auroc_ci")), _ci(r.get("ap"), r.get("ap_ci")),
+        out.append([r["rule"] + ("" if r.get("ranks", True) else " (all ties: ranks nothing)"),
+                    _ci(r.get("auroc"), r.get("auroc_ci")), _ci(r.get("ap"), r.get("ap_ci")),
                     _ci(r.get("fsr"), r.get("fsr_ci")),
                     *(_ci(r.get(f"joint@{b}"), r.get(f"joint@{b}_ci")) + f" ({r.get(f'decided@{b}')})"
                       for b in budgets),
                     *(_ci(r.get(f"regret@{b}"), r.get(f"regret@{b}_ci")) for b in budgets)])
     return headers, out
+
+
+def _defined(row: dict, b: str) -> bool:
+    """Whether the rule decided every checkpoint at budget ``b`` (its joint damage there is over all of them)."""
+    decided, total = str(row.get(f"decided@{b}", "0/1")).split("/")
+    v = row.get(f"joint@{b}")
+    return decided == total and v is not None and v == v
+
+
+def leaderboard_order(rows: list[dict], budgets: list[str]) -> tuple[list[dict], list[dict]]:
+    """(rows decided at every checkpoint of the tightest budget, sorted by their joint damage there; the others,
+    undefined there, sorted by the tightest budget where they are defined): undefined is no place, not the worst."""
+    tight = budgets[-1]
+    ranked = sorted((r for r in rows if _defined(r, tight)), key=lambda r: (r[f"joint@{tight}"], r["rule"]))
+    rest = [r for r in rows if r not in ranked]
+
+    def key(r):
+        defined = [i for i, b in enumerate(budgets) if _defined(r, b)]
+        return (-max(defined), r[f"joint@{budgets[max(defined)]}"], r["rule"]) if defined else (1, 0.0, r["rule"])
+
+    return ranked, sorted(rest, key=key)
+
+
+def leaderboard_markdown(b: bench_mod.Benchmark, rows: list[dict]) -> str:
+    """leaderboard.md: the intro, the rules decided everywhere at the tightest budget (sorted there), then apart
+    those not decided everywhere there; rules whose scores all tie are marked."""
+    budgets = list(b.settings["budgets"])
+    ranked, rest = leaderboard_order(rows, budgets)
+    headers, table = leaderboard_table(ranked, budgets)
+    text = f"# Leaderboard: {b.name}\n\n{_intro(b)}\n\n" + md_table(headers, table, "l" + "r" * (len(headers) - 1))
+    if rest:
+        headers, table = leaderboard_table(rest, budgets)
+        text += (f"\n\n## Not decided at every checkpoint of {budgets[-1]}\n\nThese rules protect more entries than "
+                 f"{budgets[-1]} leaves somewhere (decided / all < 1): they have no place at that budget, so they are "
+                 "listed apart, sorted by the tightest budget where they decided every checkpoint.\n\n"
+                 + md_table(headers, table, "l" + "r" * (len(headers) - 1)))
+    ties = [r["rule"] for r in rows if not r.get("ranks", True)]
+    if ties:
+        text += (f"\n\n{', '.join(ties)}: {NO_RANKING}; its AUROC of 0.5 and AP at the prevalence come from the ties, "
+                 "and its decisions from the selection's tie-breaking, not from its scores.")
+    return text + "\n"
+
+
+def write_leaderboard(b: bench_mod.Benchmark, rows: list[dict], paths: list[Path]) -> None:
+    """leaderboard.md and leaderboard.csv (one flat row per rule, in the markdown's order) at each of ``paths``."""
+    ranked, rest = leaderboard_order(rows, list(b.settings["budgets"]))
+    text = leaderboard_markdown(b, rows)
+    flat = pl.DataFrame([_flat(r) for r in ranked + rest], infer_schema_length=None)
+    for path in paths:
+        write_text(path, text)
+        write_csv(flat, path.with_suffix(".csv"))
+
+
+def rewrite_leaderboard(bench: str, path: str | os.PathLike) -> list[dict]:
+    """Rewrite a committed leaderboard (``path``: leaderboard.md beside its leaderboard.csv) without a model: the
+    ranking half of each row from the csv, the decisions half recomputed from the benchmark's sealed
+    ``builtins.parquet`` and ``references.parquet`` (the joint damages ``kvdiag grade --all`` stored)."""
+    from kvdiag.stats import PromptBootstrap
+
+    b = bench_mod.load(bench)
+    if not b.has_builtins:
+        raise UserError(f"--bench {bench}: no builtins.parquet yet; grade it with kvdiag grade --all first")
+    path = Path(path)
+    old = pl.read_csv(path.with_suffix(".csv"), infer_schema_length=None)
+    s = b.settings
+    labels = read_table(b.file("labels.parquet"), "benchmark labels")[0]
+    refs = read_table(b.file("references.parquet"), "benchmark references")[0]
+    builtins = read_table(b.file(bench_mod.BUILTINS))[0]
+    boot = PromptBootstrap(labels["prompt_id"].unique().to_list(), int(s.get("n_boot", 1000)), int(s["seed"]), 0.95)
+    dec = builtins.rename({"rule": "decision"})
+    rows = []
+    for r in old.iter_rows(named=True):
+        rank = {"rule": r["rule"], "params": r["params"], "ranks": r["ranks"], "note": r["note"] or ""}
+        for metric in RANK_METRICS:
+            if r.get(metric) is not None:
+                rank[metric], rank[f"{metric}_ci"] = r[metric], [r[f"{metric}_ci_low"], r[f"{metric}_ci_high"]]
+        rows.append({**rank, **_decision_part(r["rule"], dec, refs, builtins, boot, list(s["budgets"]))})
+    write_leaderboard(b, rows, [path])
+    return rows
 
 
 def grade_files(spec: str | None, bench: str, out: str | os.PathLike, rule: str | None = None,
@@ -220,21 +325,14 @@ def grade_files(spec: str | None, bench: str, out: str | os.PathLike, rule: str 
     load_s = time.perf_counter() - start
     res = grade(b, rules, lm, Path(out), show_progress)
     res["timings"] = {"model load": load_s, **res["timings"]}
-    budgets = list(b.settings["budgets"])
     write_json(Path(out) / "rows.json", {"bench": b.name, "rows": res["rows"], "timings": res["timings"]})
     if everything:
         joint = res["decisions"].rename({"decision": "rule"})
         if not b.has_builtins:  # the first --all of a version completes it; later ones never rewrite it
             write_table(joint, b.file(bench_mod.BUILTINS), {"kind": "builtins", "bench": b.name})
             bench_mod.seal(b.path, b.manifest)
-        rows = sorted(res["rows"], key=lambda r: (np.nan_to_num(r.get(f"joint@{budgets[-1]}", np.nan), nan=np.inf)))
-        headers, table = leaderboard_table(rows, budgets)
-        text = (f"# Leaderboard: {b.name}\n\n{_intro(b)}\n\n"
-                + md_table(headers, table, "l" + "r" * (len(headers) - 1)) + "\n")
-        flat = pl.DataFrame([_flat(r) for r in rows])
-        for path in [Path(out) / "leaderboard.md", *([Path(leaderboard)] if leaderboard is not None else [])]:
-            write_text(path, text)
-            write_csv(flat, path.with_suffix(".csv"))
+        write_leaderboard(b, res["rows"],
+                          [Path(out) / "leaderboard.md", *([Path(leaderboard)] if leaderboard is not None else [])])
     return res
 
 

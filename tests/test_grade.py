@@ -69,7 +69,29 @@ def test_all_writes_the_leaderboard(graded_all):
     for rule in ("attention", "h2o", "snapkv", "knorm", "random", "avokv_e"):
         assert f"| {rule} |" in text
     lb = pl.read_csv(graded_all / "leaderboard.csv")
-    assert {"auroc", "auroc_ci_low", "joint@keep:0.5", "regret@keep:0.25"} <= set(lb.columns)
+    assert {"auroc", "auroc_ci_low", "joint@keep:0.5", "regret@keep:0.25", "ranks", "note"} <= set(lb.columns)
+    assert lb.filter(pl.col("rule") == "attention")["ranks"].to_list() == [True]
+
+
+def test_undefined_rows_are_apart_and_all_ties_rank_nothing():
+    """A rule undefined at the tightest budget is no place there (not the worst); a rule whose scores all tie on
+    the labeled entries of every checkpoint is marked as not ranking."""
+    from kvdiag.grade import leaderboard_order, leaderboard_table, ranking_rules
+
+    def row(rule, a, b, decided_b="2/2"):
+        return {"rule": rule, "joint@k1": a, "decided@k1": "2/2", "joint@k2": b, "decided@k2": decided_b}
+
+    rows = [row("bad", 1.0, 9.0), row("good", 0.1, 0.5), row("undefined", 0.01, float("nan"), "0/2"),
+            row("partly", 0.02, 0.2, "1/2")]
+    ranked, rest = leaderboard_order(rows, ["k1", "k2"])
+    assert [r["rule"] for r in ranked] == ["good", "bad"] and [r["rule"] for r in rest] == ["undefined", "partly"]
+    keys = {"prompt_id": ["p"] * 4, "checkpoint": [8] * 4, "position": [0, 1, 2, 3], "granularity": ["token"] * 4,
+            "layer": [-1] * 4, "kv_head": [-1] * 4}
+    token = pl.DataFrame({**keys, "flat": [1.0, 1.0, 1.0, 0.0], "ranked": [0.1, 0.2, 0.3, 0.4]})
+    labels = pl.DataFrame(keys).head(3)  # position 3 is not labeled: flat's only distinct score does not count
+    assert ranking_rules(token, labels, ["flat", "ranked"]) == {"flat": False, "ranked": True}
+    _, cells = leaderboard_table([{**row("flat", 0.1, 0.2), "ranks": False}], ["k1", "k2"])
+    assert cells[0][0] == "flat (all ties: ranks nothing)"
 
 
 def test_a_plugin_gets_its_row_with_place_and_paired_test(bench, graded_all, tmp_path, capsys):

@@ -30,6 +30,7 @@ def grade(
     from kvdiag.errors import UserError
     from kvdiag.grade import RANK_METRICS, grade_files
     from kvdiag.scorers import parse_params
+    from kvdiag.stats import format_test
 
     common.quiet_transformers()
     if all_ == (rule_spec is not None):
@@ -63,6 +64,8 @@ def grade(
             if f"vs_best@{b}" in row:
                 v = row[f"vs_best@{b}"]
                 extra.append(f"vs best ({v['best']}): {v['diff']:+.3g} [{v['ci'][0]:+.3g}, {v['ci'][1]:+.3g}], "
-                             f"p = {v['p']:.3g}" + (" (below 1/B)" if v["p"] == 0 else ""))
+                             + format_test(v))
             console.print(f"{row['rule']} @ {b}: " + "; ".join(extra), highlight=False)
+        if not row.get("ranks", True):
+            console.print(f"{row['rule']}: {row['note']}", highlight=False)
     console.print("time: " + ", ".join(f"{k} {v:.0f} s" for k, v in res["timings"].items()), highlight=False)
