@@ -241,7 +241,10 @@ def write_predictions(tf: pl.DataFrame, out_dir, horizon: int, free: pl.DataFram
               f"{num(r['ratio_geomean'])} [{num(r['ratio_geomean_low'])}, {num(r['ratio_geomean_high'])}]",
               f"{r['prompts_above_oracle']}/{r['prompts']}", format_p(r["p_value"], r["p_resolution"])]
              for r in reg.iter_rows(named=True)]))
-        o = cost[ORACLE]
+        o = cost.pop(ORACLE)
+        rules = tf.filter(pl.col("scorer") != ORACLE)
+        per = rules["label_seconds"].sum() / rules["compressions"].sum()
         lines += ["", f"Oracle cost: {o['s']:.2f} s and {o['rows']:.0f} label rows (sets of horizon {horizon}) per "
-                  f"compression; a rule's joint label costs {num(cost[next(s for s in cost if s != ORACLE)]['s'])} s."]
+                  f"compression; a rule's joint label costs {num(per)} s per compression (all rules pooled; "
+                  f"{num(min(c['s'] for c in cost.values()))}–{num(max(c['s'] for c in cost.values()))} s by rule)."]
     write_text(out_dir / "decisions.md", "\n".join(lines) + "\n")
