@@ -214,7 +214,10 @@ def _intro(b: bench_mod.Benchmark) -> str:
             "/ greedy: that damage over oracle_greedy's (ratio of means). oracle_greedy evicts token sets (the same "
             "positions in every layer and KV head), so a rule choosing per head can beat it (ratio < 1). 95% "
             f"cluster-bootstrap CIs over prompts (B = {st['n_boot']}). Sorted by the tightest budget's joint damage; "
-            "rules not decided at every checkpoint there are listed apart.")
+            "rules not decided at every checkpoint there are listed apart. The benchmark's Trace holds tokens only: "
+            "grade rebuilds q/k/v by one prefill, so a rule's scores can differ in their last bits from those on a "
+            "Trace that stored its generation's q/k/v, a near-tie in a per-head top-k can flip, and the joint damage "
+            "of that (different) set differs; the same set gets the same label bitwise.")
 
 
 def leaderboard_table(rows: list[dict], budgets: list[str]) -> tuple[list[str], list[list]]:
