@@ -249,6 +249,16 @@ def test_replay_outputs_and_resume(tiny_llama, tmp_path):
     assert summary.columns[1:4] == ["accuracy@48", "max_length_hits@48", "kl_mean@48"]
     for name in ("summary.md", "budget.png", "budget.pdf", "budget.csv", "config.json"):
         assert (out / name).is_file()
+    # the summary-only path (no model) rewrites every table from generations.parquet and config.json, byte for byte
+    from kvdiag.replay.figure import resummarize
+
+    tables = ("summary.md", "summary.csv", "budget.csv", "outcomes.md", "outcomes.csv", "outcomes_summary.csv",
+              "paired.csv")
+    written = {name: (out / name).read_bytes() for name in tables}
+    for name in tables:
+        (out / name).unlink()
+    resummarize(out)
+    assert {name: (out / name).read_bytes() for name in tables} == written
     stamp = {p: p.stat().st_mtime_ns for p in (out / "parts").iterdir()}
     replay(tiny_llama, out, settings, prompts=prompts, command="test", show_progress=False)
     assert {p: p.stat().st_mtime_ns for p in (out / "parts").iterdir()} == stamp  # finished parts are reused
