@@ -260,6 +260,20 @@ def rank_biserial(u: float, n1: int, n2: int) -> float:
     return 2.0 * u / (n1 * n2) - 1.0
 
 
+def fisher_greater(table: np.ndarray, level: float = 0.95) -> dict[str, float]:
+    """One-sided (greater) Fisher exact test of a 2x2 ``table`` with the conditional MLE odds ratio and its exact CI:
+    ``fisher_odds_ratio`` (the sample odds ratio), ``fisher_p``, ``odds_ratio``, ``odds_ratio_ci_low/_high``."""
+    from scipy.stats import fisher_exact
+    from scipy.stats.contingency import odds_ratio
+
+    fisher = fisher_exact(table, alternative="greater")
+    cond = odds_ratio(table, kind="conditional")
+    ci = cond.confidence_interval(confidence_level=level)
+    return {"fisher_odds_ratio": float(fisher.statistic), "fisher_p": float(fisher.pvalue),
+            "odds_ratio": float(cond.statistic), "odds_ratio_ci_low": float(ci.low),
+            "odds_ratio_ci_high": float(ci.high)}
+
+
 def stat(name: str, value: float | None, note: str = "") -> dict:
     """One row of a ``*_stats.csv``: statistic, value (NaN when undefined), note."""
     value = float("nan") if value is None else float(value)

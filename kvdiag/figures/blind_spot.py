@@ -22,8 +22,6 @@ import polars as pl
 import seaborn as sns
 from matplotlib.cm import ScalarMappable
 from matplotlib.colors import LogNorm, Normalize
-from scipy.stats import fisher_exact
-from scipy.stats.contingency import odds_ratio
 
 from kvdiag.figures.params import FigureParams
 from kvdiag.figures.registry import Drawn, FigureContext, register_figure
@@ -36,7 +34,7 @@ from kvdiag.plotting import (
     style,
     write_stats,
 )
-from kvdiag.stats import mann_whitney, stat
+from kvdiag.stats import fisher_greater, mann_whitney, stat
 
 POINT_COLUMNS = [
     "prompt_id", "checkpoint", "position", "read_pressure", "value_payload", "kl_mean", "low_attention_cut",
@@ -102,13 +100,7 @@ def blind_spot_stats(points: pl.DataFrame, harm_threshold: float, params: Figure
             for s in ("fisher_odds_ratio", "fisher_p", "odds_ratio", "odds_ratio_ci_low", "odds_ratio_ci_high")
         ]
     else:
-        fisher = fisher_exact(table, alternative="greater")
-        cond = odds_ratio(table, kind="conditional")
-        ci = cond.confidence_interval(confidence_level=params.ci_level)
-        rows += [
-            stat("fisher_odds_ratio", fisher.statistic), stat("fisher_p", fisher.pvalue),
-            stat("odds_ratio", cond.statistic), stat("odds_ratio_ci_low", ci.low), stat("odds_ratio_ci_high", ci.high),
-        ]
+        rows += [stat(name, value) for name, value in fisher_greater(table, params.ci_level).items()]
     mwu, _ = mann_whitney(large["kl_mean"].to_numpy(), small["kl_mean"].to_numpy(), params.min_group,
                           "KL of large- vs small-payload low-attention candidates")
     rows += mwu

@@ -186,10 +186,9 @@ def run_fast_bench(lm: LoadedModel, method: str = "fisher", prefix_len: int = 51
     """Cost per labeled entry: the exact engine on ``n`` token rows vs approximate ``method`` (or ``hybrid``: Fisher
     for every entry, exact for its top M and an audit sample) on every entry of the same P-token prefix, same
     model, tokens and horizon."""
-    from scipy.stats import spearmanr
-
     from kvdiag.label.fast import APPROXIMATE
     from kvdiag.label.hybrid import HybridLabeler, HybridParams
+    from kvdiag.stats import spearman
 
     labeler_cls, params_cls = {**APPROXIMATE, "hybrid": (HybridLabeler, HybridParams)}[method]
     ids = bench_tokens(lm, prefix_len + horizon + 1)
@@ -206,6 +205,6 @@ def run_fast_bench(lm: LoadedModel, method: str = "fisher", prefix_len: int = 51
     best = best_seconds(methods, device, repeats)
     labeled = [len(exact_rows), len(all_rows)]
     got = torch.as_tensor(approx.label(t, all_rows)["kl"])[positions]
-    rho = float(spearmanr(eng.label(t, exact_rows)[0]["kl"].mean(1).numpy(), got.numpy()).statistic)
+    rho = spearman(eng.label(t, exact_rows)[0]["kl"].mean(1).numpy(), got.numpy())
     return FastBench([LabelBenchRow(name, best[name], k * horizon / best[name], peak_mb(fn, device, probe))
                       for (name, fn), k in zip(methods.items(), labeled, strict=True)], labeled, rho)

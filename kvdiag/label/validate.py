@@ -92,18 +92,18 @@ def join_labels(
 
 
 def _per_checkpoint(joined: pl.DataFrame, cfg: ValidateConfig) -> pl.DataFrame:
-    from scipy.stats import spearmanr
     from sklearn.metrics import roc_auc_score
+
+    from kvdiag.stats import spearman
 
     out = []
     for (pid, t), g in joined.group_by("prompt_id", "checkpoint", maintain_order=True):
         e, a = g["exact"].to_numpy().astype(float), g["approx"].to_numpy().astype(float)
         harmful = e >= np.quantile(e, cfg.harmful_quantile)
-        defined = len(e) > 1 and np.ptp(e) > 0 and np.ptp(a) > 0
         k = min(cfg.top_k, len(e))
         top_e, top_a = set(np.argsort(-e, kind="stable")[:k]), set(np.argsort(-a, kind="stable")[:k])
         out.append({"prompt_id": pid, "checkpoint": t, "n": len(e), "harmful": int(harmful.sum()),
-                    "spearman": float(spearmanr(e, a).statistic) if defined else float("nan"),
+                    "spearman": spearman(e, a),
                     "auroc": float(roc_auc_score(harmful, a)) if 0 < harmful.sum() < len(e) else float("nan"),
                     "topk_overlap": len(top_e & top_a) / k,
                     SCALE: float(np.median(a[e > 0] / e[e > 0])) if (e > 0).any() else float("nan")})
