@@ -158,7 +158,7 @@ def _decision_part(name: str, dec: pl.DataFrame, refs: pl.DataFrame, builtins: p
     oracle_greedy, the place among the built-in rules and the paired test against the best of them
     (``kvdiag.stats.compare``: exact sign test below 30 prompts). ``dec``: prompt_id, checkpoint, decision, budget,
     kl_mean rows of the rule."""
-    from kvdiag.stats import compare
+    from kvdiag.stats import compare, ratio_summary
 
     row: dict = {}
     for b in budgets:
@@ -173,6 +173,8 @@ def _decision_part(name: str, dec: pl.DataFrame, refs: pl.DataFrame, builtins: p
             y, yr = boot.mean(both["g"].to_numpy(), both["prompt_id"].to_numpy())
             with np.errstate(invalid="ignore", divide="ignore"):
                 row[f"regret@{b}"], row[f"regret@{b}_ci"] = x / y, list(boot.ci(xr / yr))
+            r = ratio_summary(boot, both["kl_mean"].to_numpy(), both["g"].to_numpy(), both["prompt_id"].to_numpy())
+            row[f"regret_geomean@{b}"], row[f"regret_geomean@{b}_ci"] = r["geomean"], r["geomean_ci"]
         if builtins is not None:
             lb = builtins.filter(pl.col("budget") == b)
             means = lb.group_by("rule").agg(pl.col("kl_mean").mean(), n=pl.len(),
@@ -211,7 +213,8 @@ def _intro(b: bench_mod.Benchmark) -> str:
             f"horizon {st['horizon']}, `{st['selection']}` selection. AUROC, AP and FSR (false-safe rate): how each "
             f"rule ranks the single-entry labels (harmful: {st['harm']['harm']}). joint @ budget: the mean exact joint "
             "damage (nats) of the set the rule evicts there, over the checkpoints it could decide (decided / all). "
-            "/ greedy: that damage over oracle_greedy's (ratio of means). oracle_greedy evicts token sets (the same "
+            "/ greedy: that damage over oracle_greedy's, per checkpoint (the geometric mean of the checkpoints' "
+            "ratios, with its CI; in parentheses the ratio of means). oracle_greedy evicts token sets (the same "
             "positions in every layer and KV head), so a rule choosing per head can beat it (ratio < 1). 95% "
             f"cluster-bootstrap CIs over prompts (B = {st['n_boot']}). Sorted by the tightest budget's joint damage; "
             "rules not decided at every checkpoint there are listed apart. The benchmark's Trace holds tokens only: "
@@ -229,7 +232,9 @@ def leaderboard_table(rows: list[dict], budgets: list[str]) -> tuple[list[str], 
                     _ci(r.get("fsr"), r.get("fsr_ci")),
                     *(_ci(r.get(f"joint@{b}"), r.get(f"joint@{b}_ci")) + f" ({r.get(f'decided@{b}')})"
                       for b in budgets),
-                    *(_ci(r.get(f"regret@{b}"), r.get(f"regret@{b}_ci")) for b in budgets)])
+                    *(_ci(r.get(f"regret_geomean@{b}"), r.get(f"regret_geomean@{b}_ci"))
+                      + ("" if r.get(f"regret@{b}") is None else f" ({number_text(r[f'regret@{b}'], 3)})")
+                      for b in budgets)])
     return headers, out
 
 

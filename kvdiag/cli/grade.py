@@ -58,7 +58,8 @@ def grade(
     console.print(table)
     for row in res["rows"] if not all_ else []:
         for b in budgets:
-            extra = [f"regret vs oracle_greedy {cell(row, f'regret@{b}')}x"]
+            extra = [f"regret vs oracle_greedy: per checkpoint {cell(row, f'regret_geomean@{b}')}x (ratio of means "
+                     f"{cell(row, f'regret@{b}')}x)"]
             if f"place@{b}" in row:
                 extra.append(f"place {row[f'place@{b}']}")
             if f"vs_best@{b}" in row:

@@ -284,10 +284,12 @@ def to_markdown(res: dict, meta: dict) -> str:
             rows.append([r["decision"] + (" (ref)" if r["kind"] == "reference" else ""),
                          _fmt_ci(r["mean_kl"], r["ci_low"], r["ci_high"]),
                          f"{r['n']}/{r['n_total']}",
-                         _fmt_ci(g["ratio"], g["ratio_ci_low"], g["ratio_ci_high"], 3) if g else "",
+                         _greedy_ratio(g),
                          number_text(r["additivity_median"], 3) if r["additivity_median"] is not None else ""])
         text += f"## {budget}\n\nBest rule: **{res['headline']['best_rule'].get(budget)}**.\n\n"
-        text += md_table(["decision", "joint damage", "checkpoints", "/ oracle_greedy", "joint / sum of singles"], rows,
+        text += md_table(["decision", "joint damage", "checkpoints",
+                          "/ oracle_greedy: per checkpoint, geometric mean [CI] (ratio of means)",
+                          "joint / sum of singles"], rows,
                          "lrrrr") + "\n"
     if res["spearman"].height:
         text += ("## Does single-entry AUROC predict the decision?\n\nSpearman across rules of rank-eval's AUROC and "
@@ -315,6 +317,14 @@ def to_markdown(res: dict, meta: dict) -> str:
         p = res["pairs"]
         text += md_table(list(p.columns), [list(r) for r in p.rows()], "l" + "r" * (len(p.columns) - 1)) + "\n"
     return text
+
+
+def _greedy_ratio(g: dict | None) -> str:
+    """A paired row's ratio to oracle_greedy as a cell: the per-checkpoint geometric mean [CI] (the ratio of means)."""
+    if not g:
+        return ""
+    mean = number_text(g["ratio"], 3) if g["ratio"] is not None and g["ratio"] == g["ratio"] else "n/a"
+    return f"{_fmt_ci(g['ratio_geomean'], g['ratio_geomean_low'], g['ratio_geomean_high'], 3)} ({mean})"
 
 
 def _per_prompt(c: dict | None) -> str:
