@@ -1,13 +1,15 @@
-"""What the decisions say, with cluster-bootstrap CIs over prompts (resample prompts; every checkpoint of a drawn
-prompt counts, as in rank-eval: ``prompt_multiplicities(P, B, default_rng(seed))`` over the sorted prompt ids).
+"""What the decisions say, with cluster-bootstrap CIs over prompts (resample prompts; every checkpoint of a drawn prompt
+counts, as in rank-eval: ``prompt_multiplicities(P, B, default_rng(seed))`` over the sorted prompt ids).
 
 Per (decision, budget): mean joint damage (``kl_mean`` of the set row) over its checkpoints; the paired difference
-with the reference (``best``: the rule with the least mean damage at that budget) and its bootstrap p-value; the
-regret against ``oracle_greedy`` (difference and ratio of means, on the checkpoints both decided); the additivity
-ratio (joint damage / sum of the set's single labels; token sets). Per budget: the best rule, the headroom factor
-(best rule / oracle_greedy), whether ``oracle_greedy`` beats ``oracle_single``, and the Spearman correlation across
-rules between rank-eval's AUROC and minus the joint damage, with its CI (the same resamples for both). Pairs: how
-often superadditive pairs share a near-duplicate key, the token or adjacency, against every tested pair.
+with the reference (``best``: the rule with the least mean damage at that budget) and its paired test; the regret
+against ``oracle_greedy`` (difference, ratio of means and per-prompt ratio, on the checkpoints both decided); the
+additivity ratio (joint damage / sum of the set's single labels; token sets). Per budget: the best rule, the headroom
+factor (best rule / best oracle, of means and per prompt), whether ``oracle_greedy`` beats ``oracle_single``, and the
+Spearman correlation across rules between rank-eval's AUROC and minus the joint damage, with its CI (the same
+resamples for both). Pairs: how often superadditive pairs share a near-duplicate key, the token or adjacency, against
+every tested pair, and how far above additive they are. Every test and ratio summary is ``kvdiag.stats.compare``'s
+(exact sign test below 30 prompts).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ optionally a free-running replay of the same prompts (fidelity and first diverge
   fidelity (share of samples whose answer equals FullKV's) and first-divergence step (mean over samples).
 - **Per rule** (each budget, across rules): Spearman between single-label AUROC and minus the mean in-loop KL, and
   between minus the mean joint damage and minus the mean in-loop KL.
-- **Regret**: a rule's mean teacher-forced KL minus the oracle policy's, paired by prompt.
+- **Regret**: a rule's mean teacher-forced KL minus the oracle policy's, paired by prompt, with the ratio of means and
+  per prompt and the paired test (``kvdiag.stats.compare``: exact sign test below 30 prompts).
 
 Every CI is a 95% cluster bootstrap over prompts (``PromptBootstrap``: resample prompts, keep all their runs and
 compressions; the same resamples for every statistic, so rank-eval's AUROC replicates align when seeded alike).
