@@ -6,6 +6,7 @@ from __future__ import annotations
 import polars as pl
 import pytest
 import torch
+from scipy.stats import binomtest
 
 import kvdiag.cli.main
 import kvdiag.replay.live
@@ -228,6 +229,14 @@ def test_stochastic_selection_draws_seeded_sets_beside_the_deterministic_ones(ru
     assert again["evicted_heads"].to_list() == df["evicted_heads"].to_list()
     sto = pl.read_csv(out / "stochastic.csv")
     assert set(sto["decision"]) == set(rules) and "Stochastic against deterministic" in (out / "summary.md").read_text()
+    # the test is the exact sign test over the prompts' (draws' mean - deterministic) differences, counted by hand
+    mean = draws.group_by("prompt_id", "checkpoint").agg(pl.col("kl_mean").mean().alias("m"))
+    det = one.filter(pl.col("sample").is_null()).select("prompt_id", "checkpoint", d="kl_mean")
+    diff = mean.join(det, on=["prompt_id", "checkpoint"]).group_by("prompt_id").agg((pl.col("m") - pl.col("d")).mean())
+    lower, higher = int((diff["m"] < 0).sum()), int((diff["m"] > 0).sum())
+    row = sto.filter((pl.col("decision") == "rkv") & (pl.col("budget") == "keep:0.25")).row(0, named=True)
+    assert row["test"] == "sign" and (row["stochastic_lower"], row["stochastic_higher"]) == (lower, higher)
+    assert row["p_value"] == pytest.approx(binomtest(higher, lower + higher).pvalue if lower + higher else 1.0)
     with pytest.raises(Exception, match="streamingllm has no continuous score"):
         decide(run["trace"], run["lm"], run["scores"], run["scores_meta"], tmp_path / "x",
                config(selection="stochastic", rules=("streamingllm",), references=("random",), pairs=0),
