@@ -111,7 +111,9 @@ def _rule_means(boot: PromptBootstrap, runs: pl.DataFrame) -> dict[str, tuple[fl
 
 
 def _across(boot: PromptBootstrap, rules: list[str], x: dict, y: dict) -> dict:
-    """Spearman across ``rules`` of x[r] against y[r] (each (value, replicates [B])), CI from the replicates."""
+    """Spearman across ``rules`` of x[r] against y[r] (each (value, replicates [B])), CI from the replicates; ``n``:
+    the rules with both values defined (those that entered)."""
+    rules = [r for r in rules if np.isfinite(x[r][0]) and np.isfinite(y[r][0])]
     if len(rules) < 3:
         return {"spearman": float("nan"), "ci_low": float("nan"), "ci_high": float("nan"), "n": len(rules)}
     rho = spearman(np.array([x[r][0] for r in rules]), np.array([y[r][0] for r in rules]))
