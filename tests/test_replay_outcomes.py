@@ -106,3 +106,10 @@ def test_rates_are_over_compressed_generations_and_the_others_are_counted(tmp_pa
     write_outcomes(df, tmp_path, n_boot=100)
     text = (tmp_path / "outcomes.md").read_text()
     assert "| bad | 64 | 9/10 | 9 |" in text and "compressed generations only" in text
+
+
+def test_generations_without_compressions_are_refused():
+    from kvdiag.errors import UserError
+
+    with pytest.raises(UserError, match="no compressions column"):
+        outcome_rows(_frame().drop("compressions"))

@@ -28,6 +28,7 @@ import re
 import numpy as np
 import polars as pl
 
+from kvdiag.errors import UserError
 from kvdiag.io import write_csv, write_text
 from kvdiag.stats import TEST_NAMES, PromptBootstrap, cluster_means, format_p, mcnemar, paired_test, wilson
 from kvdiag.tables import markdown_table
@@ -82,6 +83,9 @@ def answer_of(row: dict, exact: bool = False) -> str | None:
 def outcome_rows(df: pl.DataFrame, exact: set[str] = frozenset()) -> pl.DataFrame:
     """One row per generation of ``generations.parquet`` (free-running) with its outcomes against FullKV;
     ``exact``: prompt ids whose answer is the whole generation (the builtin suites' exact check)."""
+    if "compressions" not in df.columns:  # without it every rule's outcomes would be over no generation
+        raise UserError("generations.parquet has no compressions column (written before kvdiag recorded it): rerun "
+                        "kvdiag replay into a new --out")
     if "sample" not in df.columns:
         df = df.with_columns(pl.lit(0, pl.Int64).alias("sample"))
     rows = []
@@ -93,7 +97,7 @@ def outcome_rows(df: pl.DataFrame, exact: set[str] = frozenset()) -> pl.DataFram
         out = {"prompt_id": r["prompt_id"], "sample": r["sample"], "scorer": r["scorer"], "budget": r["budget"],
                "correct": r["correct"], "max_length_hit": r["max_length_hit"], "loop": has_loop(gen),
                "final_answer": ans, "kl_mean": r["kl_mean"], "generated": r["generated"],
-               "compressed": None if r["scorer"] == FULL_KV else (r.get("compressions") or 0) > 0,
+               "compressed": None if r["scorer"] == FULL_KV else r["compressions"] > 0,
                "fidelity": None, "first_divergence": None, "diverged": None, "length_ratio": None}
         if ref is not None and r["scorer"] != FULL_KV:
             ref_gen = ref["token_ids"][ref["prompt_len"] :]
