@@ -274,7 +274,7 @@ def to_markdown(res: dict, meta: dict) -> str:
                          _fmt_ci(hr["ratio"], *hr["ratio_ci"], 3) if hr else "n/a", _per_prompt(hr),
                          cmp(h.get("greedy_vs_single")), cmp(h.get("greedy_vs_best_rule"))])
         text += md_table(["budget", "best rule", "best oracle", "headroom: ratio of means",
-                          "headroom per prompt: geometric mean [CI], median, below 1",
+                          "headroom per prompt: geometric mean [CI], median, below 1, p",
                           "oracle_greedy − oracle_single", "oracle_greedy − best rule"], rows, "lllrrrr") + "\n"
     for budget in table["budget"].unique(maintain_order=True).to_list():
         rows = []
@@ -336,7 +336,7 @@ def _per_prompt(c: dict | None) -> str:
     r = c["ratios"]
     dropped = f" ({r['dropped']} checkpoints with a zero side left out)" if r["dropped"] else ""
     return (f"{_fmt_ci(r['geomean'], *r['geomean_ci'], 3)}, median {number_text(r['median'], 3)}, "
-            f"{r['below']}/{r['n']} below 1{dropped}")
+            f"{r['below']}/{r['n']} below 1{dropped}, {format_test(c['test'], wins=False)}")
 
 
 def figure(table: pl.DataFrame, out: Path) -> list[Path]:
