@@ -135,8 +135,15 @@ def test_paired_against_reference():
     assert (twin["diff"], twin["ci_low"], twin["ci_high"], twin["p_value"]) == (0.0, 0.0, 0.0, 1.0)
     worse = r.paired.filter(scorer="random", metric="auroc", scope="macro").row(0, named=True)
     assert worse["diff"] == pytest.approx(worse["value"] - worse["reference_value"])
-    assert worse["ci_high"] < 0 and worse["p_value"] == 0.0
+    # below 30 prompts: the exact sign test of the per-prompt differences (random is worse on every prompt)
+    n = labels["prompt_id"].n_unique()
+    assert worse["ci_high"] < 0 and (worse["test"], worse["prompts"]) == ("sign", n)
+    assert worse["p_value"] == pytest.approx(2 * 0.5**n)
     assert rank_eval(labels, scores, n_boot=0, reference=None).paired.height == 0
+    many_labels, many_scores = make_tables(n_prompts=30)
+    many = rank_eval(many_labels, many_scores, n_boot=100).paired
+    row = many.filter(scorer="random", metric="auroc", scope="macro").row(0, named=True)
+    assert (row["test"], row["prompts"], row["p_value"]) == ("bootstrap", 30, 0.0)  # 30 prompts: the bootstrap p
 
 
 def test_one_prompt_marks_degenerate_intervals():
@@ -232,3 +239,27 @@ def test_tables_have_one_row_per_scorer():
     tex = to_latex(r, scope="macro")
     assert r"\toprule" in tex and r"\bottomrule" in tex and r"avokv\_e" in tex and r"kl\_mean \textgreater{}" in tex
     assert tex.count(r"\\") == 1 + 4  # header + one row per scorer
+
+
+def test_the_exact_test_compares_each_prompt_alone(monkeypatch):
+    """The sign test's per-prompt values are rank-eval on that prompt alone (at the run's harm threshold)."""
+    from kvdiag.rankeval import evaluate as ev
+
+    labels, scores = make_tables()
+    seen, real = {}, ev._estimates
+
+    def spy(data, names, cfg, mult):
+        out = real(data, names, cfg, mult)
+        if mult.shape[0] == mult.shape[1] and (mult == np.eye(len(mult))).all():
+            seen["per_prompt"] = out
+        return out
+
+    monkeypatch.setattr(ev, "_estimates", spy)
+    r = rank_eval(labels, scores, n_boot=20)
+    per_prompt = seen["per_prompt"]
+    for i, pid in enumerate(sorted(labels["prompt_id"].unique())[:2]):
+        one = rank_eval(labels.filter(pl.col("prompt_id") == pid), scores.filter(pl.col("prompt_id") == pid),
+                        n_boot=0, harm=f"abs:{r.summary['harm_threshold']}")
+        for scope in ("pooled", "macro"):
+            want = one.metrics.filter(scorer="random", metric="auroc", scope=scope)["value"].item()
+            assert per_prompt["random"][("auroc", scope)].reps[i] == pytest.approx(want, abs=1e-12)

@@ -22,7 +22,7 @@ from kvdiag.rankeval.candidates import filter_candidates
 from kvdiag.rankeval.metrics import Rankings, _div, eviction_counts, n_evicted, ranking_metrics
 from kvdiag.rankeval.registry import METRICS, Counts, Metric, metrics_where
 from kvdiag.schema import HARM, KEYS, N_BOOT, NOISE_MULT, RHO, keyed
-from kvdiag.stats import holm, paired_p_value, percentile_ci, prompt_multiplicities
+from kvdiag.stats import EXACT_BELOW, holm, paired_p_value, percentile_ci, prompt_multiplicities, sign_test
 
 SCOPES = ("pooled", "macro")
 # below this many prompts, a percentile bootstrap over prompts has too few clusters to be trusted: warn
@@ -67,7 +67,8 @@ class RankEvalResult:
 
     ``metrics``: scorer, metric, scope, value, ci_low, ci_high, n, n_boot, note.
     ``paired``: scorer, reference, metric, scope, value, reference_value, diff, ci_low, ci_high, p_value,
-    p_holm, n_boot, note. ``summary``: counts, harm threshold, prevalence, warnings.
+    p_holm, n_boot, test (``sign``: the exact sign test over prompts, below 30; else ``bootstrap``), prompts (those
+    that entered the test), note. ``summary``: counts, harm threshold, prevalence, warnings.
     ``replicates[(scorer, metric, scope)] [B]``: the metric on each bootstrap resample; resample b draws
     the p-th prompt (prompt ids sorted) ``mult[b, p]`` times, with
     ``mult = prompt_multiplicities(n_prompts, n_boot, np.random.default_rng(seed))``.
@@ -333,9 +334,11 @@ def _ci_note(n_valid: int, cfg: RankEvalConfig, n_prompts: int, what: str = "CI"
     return ""
 
 
-def _paired(est: dict, names: list[str], cfg: RankEvalConfig, n_prompts: int) -> pl.DataFrame:
-    """Differences scorer - reference on the same resamples; Holm-adjusted p-values per (metric, scope)
-    over the scorers compared."""
+def _paired(est: dict, names: list[str], cfg: RankEvalConfig, n_prompts: int, per_prompt: dict | None) -> pl.DataFrame:
+    """Differences scorer - reference on the same resamples, and their test: below ``EXACT_BELOW`` prompts the exact
+    sign test of the per-prompt differences (``per_prompt``: the estimates with each prompt alone as a resample;
+    ``prompts``: those where both are defined), else the bootstrap p-value; Holm-adjusted p-values per (metric,
+    scope) over the scorers compared."""
     rows = []
     others = [n for n in names if n != cfg.reference] if cfg.reference is not None else []
     for name in others:
@@ -345,7 +348,13 @@ def _paired(est: dict, names: list[str], cfg: RankEvalConfig, n_prompts: int) ->
                 diffs = a.reps - ref.reps
                 low, high, n_valid = percentile_ci(diffs, cfg.ci_level)
                 diff = a.value - ref.value
-                if np.isfinite(diff):
+                test, entered = ("sign", 0) if per_prompt is not None else ("bootstrap", n_prompts)
+                if np.isfinite(diff) and per_prompt is not None:
+                    note = _ci_note(n_valid, cfg, n_prompts)
+                    mine, theirs = per_prompt[name][(metric, scope)], per_prompt[cfg.reference][(metric, scope)]
+                    t = sign_test(mine.reps - theirs.reps)
+                    p, entered = (t.p, t.n) if t.n > 1 else (float("nan"), t.n)
+                elif np.isfinite(diff):
                     note = _ci_note(n_valid, cfg, n_prompts, "CI and p-value")
                     p = paired_p_value(diffs) if cfg.n_boot and n_prompts > 1 else float("nan")
                 else:
@@ -354,7 +363,7 @@ def _paired(est: dict, names: list[str], cfg: RankEvalConfig, n_prompts: int) ->
                     dict(
                         scorer=name, reference=cfg.reference, metric=metric, scope=scope, value=a.value,
                         reference_value=ref.value, diff=diff, ci_low=low, ci_high=high, p_value=p, n_boot=n_valid,
-                        note=note,
+                        test=test, prompts=entered, note=note,
                     )
                 )
     for metric in METRICS:
@@ -413,7 +422,9 @@ def rank_eval(labels: pl.DataFrame, scores: pl.DataFrame, config: RankEvalConfig
                 )
     metrics = pl.DataFrame(rows, schema=_METRICS_SCHEMA)
 
-    paired = _paired(est, names, cfg, data.n_prompts)
+    exact = cfg.reference is not None and 1 < data.n_prompts < EXACT_BELOW
+    per_prompt = _estimates(data, names, cfg, np.eye(data.n_prompts, dtype=np.int64)) if exact else None
+    paired = _paired(est, names, cfg, data.n_prompts, per_prompt)
     curves = _budget_curves(data, names, cfg, mult)
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     replicates = {(name, m, scope): e.reps for name in names for (m, scope), e in est[name].items()}
@@ -464,5 +475,6 @@ _CURVES_SCHEMA = {"scorer": pl.String, "rho": pl.Float64, "metric": pl.String, "
 _PAIRED_SCHEMA = {
     "scorer": pl.String, "reference": pl.String, "metric": pl.String, "scope": pl.String, "value": pl.Float64,
     "reference_value": pl.Float64, "diff": pl.Float64, "ci_low": pl.Float64, "ci_high": pl.Float64,
-    "p_value": pl.Float64, "p_holm": pl.Float64, "n_boot": pl.Int64, "note": pl.String,
+    "p_value": pl.Float64, "p_holm": pl.Float64, "n_boot": pl.Int64, "test": pl.String, "prompts": pl.Int64,
+    "note": pl.String,
 }
