@@ -10,10 +10,9 @@ from pathlib import Path
 
 import polars as pl
 
-from kvdiag.decisions.summary import _Boot
 from kvdiag.harm import HarmSpec
 from kvdiag.io import read_table
-from kvdiag.stats import paired_p_value
+from kvdiag.stats import PromptBootstrap, paired_p_value
 from kvdiag.tables import md_table, number_text
 
 D = Path("runs/decisions-math500")
@@ -29,7 +28,7 @@ def ci(v, lo, hi, d=3):
 def main() -> None:
     exact = read_table(D / "smollm2-labels-all.parquet")[0].filter(pl.col("granularity") == "token")
     fast = read_table(D / "smollm2-fast-all.parquet")[0].select(*KEY, fast="kl_mean")
-    boot = _Boot(exact["prompt_id"].unique().to_list(), 1000, 0, 0.95)
+    boot = PromptBootstrap(exact["prompt_id"].unique().to_list(), 1000, 0, 0.95)
     thr = HarmSpec().threshold(HarmSpec().analysed(exact)["kl_mean"].to_numpy())
     truth = exact.select(*KEY, "kl_mean").with_columns(harmful=pl.col("kl_mean") > thr)
     rows, text = [], ["# Hybrid labels on MATH-500 (SmolLM2-135M)\n"]
