@@ -134,7 +134,9 @@ def paired_tests(out: pl.DataFrame, n_boot: int = 2000, seed: int = 0, level: fl
     rules = out.filter(pl.col("scorer") != FULL_KV)
     rows = []
     for (budget,), g in rules.group_by("budget", maintain_order=True):
-        fid = g.group_by("scorer").agg(pl.col("fidelity").cast(pl.Float64).mean()).sort("fidelity", descending=True)
+        # ties keep the rules' order in the generations: the same best on every run
+        fid = (g.group_by("scorer", maintain_order=True).agg(pl.col("fidelity").cast(pl.Float64).mean())
+               .sort("fidelity", descending=True, maintain_order=True))
         best = fid["scorer"][0]
         wide = g.pivot(on="scorer", index=["prompt_id", "sample"], values="fidelity")
         for other in fid["scorer"][1:]:
