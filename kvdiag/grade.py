@@ -129,8 +129,6 @@ def _mean_ci(boot, df: pl.DataFrame) -> tuple[float, float, float]:
 def _row(name: str, scorer, result, dec: pl.DataFrame, refs: pl.DataFrame, builtins: pl.DataFrame | None, boot,
          budgets: list[str]) -> dict:
     """One leaderboard row (module docstring)."""
-    from kvdiag.stats import paired_p_value
-
     m = result.metrics.filter((pl.col("scorer") == name) & (pl.col("scope") == "pooled"))
     row: dict = {"rule": name, "params": scorer.params}
     for metric in RANK_METRICS:
@@ -138,6 +136,18 @@ def _row(name: str, scorer, result, dec: pl.DataFrame, refs: pl.DataFrame, built
         if r.height:
             r = r.row(0, named=True)
             row[metric], row[f"{metric}_ci"] = r["value"], [r["ci_low"], r["ci_high"]]
+    return row | joint_columns(name, dec, refs, builtins, boot, budgets)
+
+
+def joint_columns(name: str, dec: pl.DataFrame, refs: pl.DataFrame, builtins: pl.DataFrame | None, boot,
+                  budgets: list[str]) -> dict:
+    """A leaderboard row's columns that come from joint damages alone (no model): per budget the rule's mean joint
+    damage with CI, decided / all, its ratio to oracle_greedy's and, against the built-in rules, its place and its
+    difference to the best. ``dec``: the rule's decisions (decision, budget, prompt_id, checkpoint, status,
+    kl_mean); ``refs``, ``builtins``: the benchmark's references.parquet and builtins.parquet."""
+    from kvdiag.stats import paired_p_value
+
+    row: dict = {}
     for b in budgets:
         mine = dec.filter((pl.col("decision") == name) & (pl.col("budget") == b))
         ok = mine.filter(pl.col("kl_mean").is_not_null())
@@ -252,4 +262,4 @@ def _flat(row: dict) -> dict:
     return out
 
 
-__all__ = ["RANK_METRICS", "grade", "grade_files", "leaderboard_table", "resolve_rules"]
+__all__ = ["RANK_METRICS", "grade", "grade_files", "joint_columns", "leaderboard_table", "resolve_rules"]
