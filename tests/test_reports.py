@@ -37,12 +37,15 @@ TABLE_SUFFIXES = (".csv", ".md", ".tex")
 # committed tables no test regenerates: path under reports/ -> why not
 _DECISIONS_SPEARMAN = ("needs the exact labels and head scores of every entry (runs/decisions-math500/*-labels-all, "
                        "*-scores-head.parquet), not committed: remaking them runs the model")
-_FIGURES_TRACE = ("kvdiag figures reads the Trace (runs/*/trace, not committed; remaking it runs the model): "
-                  "delayed reads from its queries and keys, every figure's label keys checked against it")
+_FIGURES_TRACE = ("the delayed reads come from the Trace's queries and keys (runs/*/trace, not committed; remaking "
+                  "it runs the model)")
 NOT_REGENERATED = {
     "decisions-math500/smollm2/spearman.csv": _DECISIONS_SPEARMAN,
     "decisions-math500/gemma3/spearman.csv": _DECISIONS_SPEARMAN,
-    **{f"{run}/figures/{f}": _FIGURES_TRACE for run in ("math500-smollm2", "math500-long")
+    **{f"math500-smollm2/figures/{f}": _FIGURES_TRACE
+       for f in ("delayed_reads_entries.csv", "delayed_reads_hist.csv", "delayed_reads_stats.csv")},
+    **{f"math500-long/figures/{f}": _FIGURES_TRACE + " (this run committed no scores.features.parquet: the blind "
+       "spot's read pressure and payload come from the Trace too)"
        for f in ("blind_spot_points.csv", "blind_spot_stats.csv", "components.csv", "delayed_reads_entries.csv",
                  "delayed_reads_hist.csv", "delayed_reads_stats.csv")},
     "math500-smollm2/fit/importances.csv": "refitting the models on the committed features.parquet (fit_features: "
@@ -225,6 +228,34 @@ def test_kvpress_merged_scores():
     committed, committed_meta = read_table(REPORTS / "kvpress-math500/scores_all.parquet")
     assert merged.equals(committed) and merged.columns == committed.columns
     assert meta == committed_meta
+
+
+FIGURES = compared("math500-smollm2/figures", ("blind_spot_points.csv", "blind_spot_stats.csv", "components.csv"))
+
+
+def test_figures_without_trace(tmp_path):
+    """The blind-spot and component tables (``make_figures(only=...)``, no Trace) from the committed labels, scores,
+    their token features (scores.features.parquet) and rank-eval's metrics.csv, as ``kvdiag figures --rank-eval``."""
+    from kvdiag.figures.params import FigureParams
+    from kvdiag.figures.run import make_figures
+    from kvdiag.rankeval.run import load_metrics
+    from kvdiag.token_features import read_token_features
+
+    run, tables = FIGURES
+    src = REPORTS / "math500-smollm2"
+    info = read_json(REPORTS / run / "figures.json")
+    labels, labels_meta = read_table(src / "labels.parquet")
+    scores, scores_meta = read_table(src / "scores.parquet")
+    assert info["inputs"]["labels"] == labels_meta and info["inputs"]["scores"] == scores_meta
+    assert info["inputs"]["metrics"].startswith("given")  # --rank-eval runs/math500/rank-eval: committed as rank-eval/
+    assert info["argv"][-2:] == ["--rank-eval", "runs/math500/rank-eval"]
+    make_figures(None, labels, scores, tmp_path, FigureParams(**info["params"]), labels_meta=labels_meta,
+                 scores_meta=scores_meta, metrics=load_metrics(src / "rank-eval"),
+                 features=read_token_features(src / "scores.parquet"), only=("blind_spot", "components"))
+    assert_same_tables(tmp_path, REPORTS / run, tables)
+    got = read_json(tmp_path / "figures.json")
+    assert got["inputs"]["read_pressure_payload"] == info["inputs"]["read_pressure_payload"]
+    assert_same_json(got["summary"]["blind_spot"], info["summary"]["blind_spot"], f"{run}/figures.json blind_spot")
 
 
 FIT = compared("math500-smollm2/fit", ("metrics.csv", "table.md"))
