@@ -52,15 +52,16 @@ NOT_REGENERATED = {
                                            "5 grouped folds of GBT and logistic regression, permutation importance) "
                                            "takes 4 min on 2 shared cores, over this file's budget; measured "
                                            "2026-12-03: equal within 2e-15 relative",
-    "math500-smollm2/report.md": "kvdiag report reads the run's Trace (not committed)",
-    "math500-long/report.md": "kvdiag report reads the run's Trace (not committed)",
     **{f"bench/{f}": "a measurement: seconds and memory of runs of the model on this machine"
        for f in ("cpu-mfu.md", "kernels.txt", "label-fast.txt", "label-layer.txt", "label.txt", "scale.csv",
                  "scale.md", "score.txt", "trace.txt")},
 }
 _LEADERBOARD_RANKS = ("the AUROC, AP, top-k recall, FSR and Spearman columns: kvdiag grade scores the benchmark's "
                       "Trace, which it rebuilds by running the model; the joint-damage columns are compared")
+_REPORT_TRACE = ("its Trace section, the Trace's row of the contents, the viewer line and the date: kvdiag report "
+                 "reads the run's Trace (not committed); every other line is compared")
 PARTLY_REGENERATED = {
+    "math500-smollm2/report.md": _REPORT_TRACE, "math500-long/report.md": _REPORT_TRACE,
     "leaderboard.csv": _LEADERBOARD_RANKS, "leaderboard.md": _LEADERBOARD_RANKS,
     "hybrid-labels-math500/report.md": "all but its cost lines: analyze.py reads exact, fast and hybrid labels of "
                                        "every entry and the hybrid oracle's decisions from runs/decisions-math500, "
@@ -279,6 +280,43 @@ def test_fit_ranking(tmp_path):
     assert_same_tables(tmp_path, REPORTS / run, tables)
     assert_same_json(result.summary, {k: v for k, v in config["summary"]["rank_eval"].items() if k != "seconds"}
                      | {"seconds": result.summary["seconds"]}, f"{run}/config.json summary.rank_eval")
+
+
+# --------------------------------------------------------------------------- kvdiag report
+
+REPORT = {  # report -> the run directory's name (the title) and the committed pieces kvdiag report reads
+    "math500-smollm2": ("math500", ("labels.parquet", "scores.parquet", "scores.features.parquet", "rank-eval",
+                                    "rank-eval-eligible", "figures", "fit", "commands.json")),
+    "math500-long": ("math500-long", ("labels.parquet", "scores.parquet", "rank-eval", "figures", "commands.json")),
+}
+for _d in REPORT:
+    compared(_d, ("report.md",))
+TRACE_SECTION = "## What was traced"
+TRACE_LINES = re.compile(r"^(\| `trace` \||\[viewer\.html\]|`viewer\.html` not written)")
+TRACE_MISSING = re.compile(r"^Missing or unreadable: trace; their sections below say so\.\n\n", re.M)
+REPORT_DATE = re.compile(r"report made \S+ \S+ UTC")
+
+
+def _without_trace(text: str) -> str:
+    """A report less what only the Trace gives (PARTLY_REGENERATED): its section, its lines, the date."""
+    text = REPORT_DATE.sub("report made (date) UTC", TRACE_MISSING.sub("", _without_section(text, TRACE_SECTION)))
+    return "\n".join(line for line in text.splitlines() if not TRACE_LINES.match(line)) + "\n"
+
+
+@pytest.mark.parametrize("report", list(REPORT))
+def test_report(report, tmp_path):
+    """``kvdiag report`` (``build_report``) of a run directory holding the report's committed pieces, no Trace."""
+    from kvdiag.report import build_report
+
+    name, pieces = REPORT[report]
+    run = tmp_path / name
+    run.mkdir()
+    for piece in pieces:
+        (run / piece).symlink_to(REPORTS / report / piece)
+    md, _ = build_report(run, None)
+    want = (REPORTS / report / "report.md").read_text()
+    assert TRACE_SECTION in want and "Missing or unreadable: trace" in md.read_text()
+    assert_same_text(_without_trace(md.read_text()), _without_trace(want), f"reports/{report}/report.md")
 
 
 # --------------------------------------------------------------------------- math500-long: short against long
