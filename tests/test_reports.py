@@ -54,13 +54,15 @@ NOT_REGENERATED = {
                                            "2026-12-03: equal within 2e-15 relative",
     **{f"bench/{f}": "a measurement: seconds and memory of runs of the model on this machine"
        for f in ("cpu-mfu.md", "kernels.txt", "label-fast.txt", "label-layer.txt", "label.txt", "scale.csv",
-                 "scale.md", "score.txt", "trace.txt")},
+                 "score.txt", "trace.txt")},
 }
 _LEADERBOARD_RANKS = ("the AUROC, AP, top-k recall, FSR and Spearman columns: kvdiag grade scores the benchmark's "
                       "Trace, which it rebuilds by running the model; the joint-damage columns are compared")
 _REPORT_TRACE = ("its Trace section, the Trace's row of the contents, the viewer line and the date: kvdiag report "
                  "reads the run's Trace (not committed); every other line is compared")
 PARTLY_REGENERATED = {
+    "bench/scale.md": "its memory-growth table: bench_scale computes it from the steps' JSON (runs/, not committed) "
+                      "and the model's shape; its steps table is compared with the measured scale.csv",
     "math500-smollm2/report.md": _REPORT_TRACE, "math500-long/report.md": _REPORT_TRACE,
     "leaderboard.csv": _LEADERBOARD_RANKS, "leaderboard.md": _LEADERBOARD_RANKS,
     "hybrid-labels-math500/report.md": "all but its cost lines: analyze.py reads exact, fast and hybrid labels of "
@@ -536,6 +538,23 @@ def test_hybrid_analysis(tmp_path):
             for text in (got, (REPORTS / report / name).read_text())]
     assert len(cost[1]) == 2
     assert_same_text("\n".join(cost[0]), "\n".join(cost[1]), f"reports/{report}/{name} cost lines")
+
+
+# --------------------------------------------------------------------------- bench
+
+
+SCALE = compared("bench", ("scale.md",))
+
+
+def test_scale_steps_table():
+    """scale.md's steps table is ``frame_table`` of the measured steps, which scale.csv holds (as bench_scale writes
+    both from one table)."""
+    from kvdiag.tables import frame_table
+
+    report, (name,) = SCALE
+    steps = pl.read_csv(REPORTS / report / "scale.csv")
+    assert steps.height and steps.columns[:3] == ["T", "stage", "store"]
+    assert frame_table(steps) in (REPORTS / report / name).read_text()
 
 
 # --------------------------------------------------------------------------- scripts and coverage
