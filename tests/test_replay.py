@@ -250,14 +250,14 @@ def test_replay_outputs_and_resume(tiny_llama, tmp_path):
     for name in ("summary.md", "budget.png", "budget.pdf", "budget.csv", "config.json"):
         assert (out / name).is_file()
     # the summary-only path (no model) rewrites every table from generations.parquet and config.json, byte for byte
-    from kvdiag.replay.figure import resummarize
+    from kvdiag.replay.run import summarize_files
 
     tables = ("summary.md", "summary.csv", "budget.csv", "outcomes.md", "outcomes.csv", "outcomes_summary.csv",
               "paired.csv")
     written = {name: (out / name).read_bytes() for name in tables}
     for name in tables:
         (out / name).unlink()
-    resummarize(out)
+    summarize_files(out)
     assert {name: (out / name).read_bytes() for name in tables} == written
     stamp = {p: p.stat().st_mtime_ns for p in (out / "parts").iterdir()}
     replay(tiny_llama, out, settings, prompts=prompts, command="test", show_progress=False)

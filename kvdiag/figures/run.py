@@ -22,6 +22,7 @@ from kvdiag.rankeval import check_inputs
 from kvdiag.schema import KEYS, check_keys, keyed
 from kvdiag.token_features import read_token_features, usable_features
 
+TRACE_FREE = {"blind_spot", "components"}  # figures that need no Trace when the scores' token features are usable
 LABEL_COLUMNS = ("prompt_id", "checkpoint", "position", "granularity", "kl_mean", "noise_floor")
 
 
@@ -44,9 +45,9 @@ def check_figure_inputs(trace, labels: pl.DataFrame, scores: pl.DataFrame | None
         pl.col("layer").fill_null(-1) if "layer" in labels.columns else pl.lit(-1, pl.Int64).alias("layer"),
         pl.col("kv_head").fill_null(-1) if "kv_head" in labels.columns else pl.lit(-1, pl.Int64).alias("kv_head"),
     )
-    if labels.height:
+    if labels.height and trace is not None:  # None: figures drawn without the Trace (make_figures ``only``)
         check_keys(trace, labels, "--labels")
-    if "token_id" in labels.columns:
+    if "token_id" in labels.columns and trace is not None:
         for (pid,), grp in labels.group_by("prompt_id"):
             ids = trace.token_ids(pid).numpy()
             bad = grp.filter(pl.Series(ids[grp["position"].to_numpy()]) != pl.col("token_id"))
@@ -79,7 +80,7 @@ def make_figures(
     trace, labels: pl.DataFrame, scores: pl.DataFrame | None = None, out_dir: str | os.PathLike = "figures",
     params: FigureParams | None = None, *, labels_meta: dict | None = None, scores_meta: dict | None = None,
     metrics: pl.DataFrame | None = None, features: tuple[pl.DataFrame, dict] | None = None,
-    command: list[str] | None = None, progress: bool = False,
+    command: list[str] | None = None, progress: bool = False, only: tuple[str, ...] | None = None,
 ) -> dict:
     """Draw the Appendix D figures and the component figure of one run into ``out_dir``.
 
@@ -95,6 +96,8 @@ def make_figures(
         used for read pressure and payload when made with ``params``' definitions from this Trace; None, or
         other definitions: computed from the Trace (figures.json records which).
     command : the argv that produced this call, recorded in figures.json.
+    only : the figures to draw (names of ``FIGURES``; None: all). Those that read no Trace (``blind_spot`` with
+        ``features``, ``components``) may be drawn with ``trace`` None: a report's tables from its committed files.
 
     Returns ``{"blind_spot": {statistic: value}, "delayed_reads": {...}, "components": [rows], "notes": [...],
     "files": [paths]}``. Writes blind_spot.*, delayed_reads.*, components.* and figures.json.
@@ -102,10 +105,13 @@ def make_figures(
     for a statistic give NaN with a note (in the CSV and on the figure).
     """
     params = params or FigureParams()
+    chosen = {name: figure for name, figure in FIGURES.items() if only is None or name in only}
     labels = check_figure_inputs(trace, labels, scores, labels_meta, scores_meta)
     features, features_source = usable_features(
         features, params.token_features, trace
     )  # refused before anything is written
+    if trace is None and (features is None or not set(chosen) <= TRACE_FREE):
+        raise ValueError(f"without a Trace only {sorted(TRACE_FREE)} can be drawn, blind_spot from usable features")
     out = writable_dir(out_dir)
     with progress_bar(progress) as bar:
         def task(description: str, total: int):
@@ -113,7 +119,7 @@ def make_figures(
             return lambda: bar.advance(tid)
 
         ctx = FigureContext(trace, labels, scores, params, out, scores_meta, metrics, task, features, features_source)
-        drawn = {name: figure.draw(ctx) for name, figure in FIGURES.items()}
+        drawn = {name: figure.draw(ctx) for name, figure in chosen.items()}
 
     files = [f for d in drawn.values() for f in d.files] + [out / "figures.json"]
     result = {name: d.result for name, d in drawn.items()}

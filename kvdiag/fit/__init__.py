@@ -107,20 +107,42 @@ def fit_ceiling(trace, labels: pl.DataFrame, scores: pl.DataFrame | None, out: s
     ``metrics.csv``/``table.md`` (rank-eval of all),
     ``importances.csv``, ``model.json`` (the logistic regression on all entries), ``config.json``.
     """
-    from sklearn.inspection import permutation_importance
-    from sklearn.model_selection import GroupKFold
-
-    from kvdiag.rankeval import KEYS, rank_eval, to_markdown
+    from kvdiag.rankeval import KEYS
 
     names = _check(cfg)
-    out = Path(out)
     t0 = time.perf_counter()
+    labels = _token_labels(labels)
+    feats = feature_table(trace, _labels_y(labels, cfg)[0].select(KEYS), names, progress)
+    return fit_features(feats, labels, scores, out, cfg, labels_meta, scores_meta, getattr(trace, "provenance", None),
+                        t0)
+
+
+def _token_labels(labels: pl.DataFrame) -> pl.DataFrame:
     labels = labels.filter(pl.col("granularity") == "token")
     if labels.height == 0:
         raise UserError("the labels hold no token-granularity rows: fit learns the token label; label with "
                         "--granularity token")
-    labels, y, threshold = _labels_y(labels, cfg)
-    feats = feature_table(trace, labels.select(KEYS), names, progress)
+    return labels
+
+
+def fit_features(feats: pl.DataFrame, labels: pl.DataFrame, scores: pl.DataFrame | None, out: str | Path,
+                 cfg: FitConfig, labels_meta: dict | None = None, scores_meta: dict | None = None,
+                 trace_provenance: dict | None = None, t0: float | None = None) -> dict:
+    """:func:`fit_ceiling` from the features already computed: ``feats`` holds the keys of the analysed token labels,
+    in their order, and one column per feature (``feature_table``; a run's ``features.parquet``). No Trace, no model:
+    the report's tables regenerate from the committed features (tests/test_reports.py)."""
+    from sklearn.inspection import permutation_importance
+    from sklearn.model_selection import GroupKFold
+
+    from kvdiag.rankeval import KEYS, to_markdown
+
+    names = _check(cfg)
+    out = Path(out)
+    t0 = time.perf_counter() if t0 is None else t0
+    labels, y, threshold = _labels_y(_token_labels(labels), cfg)
+    if feats.select(KEYS).rows() != labels.select(KEYS).rows():
+        raise UserError("the features' keys are not the analysed token labels' (in their order): compute them from "
+                        "these labels")
     X = feats.select(names).to_numpy().astype(float)
     groups = labels["prompt_id"].to_numpy()
     n_prompts = len(np.unique(groups))
@@ -140,10 +162,7 @@ def fit_ceiling(trace, labels: pl.DataFrame, scores: pl.DataFrame | None, out: s
     if scores is not None:
         rules = [c for c in scores.columns if c not in KEYS and c not in MODELS]
         ranked = ranked.join(scores.select(*KEYS, *rules), on=list(KEYS), how="left")
-    result = rank_eval(
-        labels, ranked, harm=cfg.harm, include_unresolved=cfg.include_unresolved, noise_mult=cfg.noise_mult,
-        n_boot=cfg.n_boot, seed=cfg.seed, reference="fitted_logreg", granularity="token", scores_meta=scores_meta,
-    )
+    result = rank_fitted(labels, ranked, cfg, scores_meta)
 
     final = _models(cfg)["fitted_logreg"].fit(X, y)
     scaler, logreg = final[0], final[-1]
@@ -152,7 +171,7 @@ def fit_ceiling(trace, labels: pl.DataFrame, scores: pl.DataFrame | None, out: s
         "mean": scaler.mean_.tolist(), "scale": scaler.scale_.tolist(), "coef": logreg.coef_[0].tolist(),
         "intercept": float(logreg.intercept_[0]), "harm": cfg.harm, "harm_threshold": threshold,
         "aggregation": cfg.aggregation, "trained_on": {"n": len(y), "n_harmful": int(y.sum()), "prompts": n_prompts},
-        "labels": labels_meta, "trace": getattr(trace, "provenance", None),
+        "labels": labels_meta, "trace": trace_provenance,
     }
     std_coef = dict(zip(names, logreg.coef_[0].tolist(), strict=True))
     imp = pl.DataFrame({
@@ -163,7 +182,7 @@ def fit_ceiling(trace, labels: pl.DataFrame, scores: pl.DataFrame | None, out: s
 
     out.mkdir(parents=True, exist_ok=True)
     write_table(
-        feats.with_columns(harmful=pl.Series(y)), out / "features.parquet",
+        feats.select(*KEYS, *names).with_columns(harmful=pl.Series(y)), out / "features.parquet",
         {"kind": "fit_features", "features": list(names)},
     )
     write_table(ranked, out / "oof_scores.parquet", {"kind": "scores", "trace": (labels_meta or {}).get("trace"),
@@ -202,6 +221,18 @@ def fit_files(trace: str | Path, labels: str | Path, scores: str | Path | None, 
         check_inputs(label_meta, score_meta)
     return fit_ceiling(
         tr, label_df, score_df, out, cfg, labels_meta=label_meta, scores_meta=score_meta, progress=progress
+    )
+
+
+def rank_fitted(labels: pl.DataFrame, ranked: pl.DataFrame, cfg: FitConfig, scores_meta: dict | None = None):
+    """rank-eval of the out-of-fold scores ``ranked`` (a run's oof_scores.parquet) beside the rules, against the
+    analysed token rows of ``labels``, with ``fitted_logreg`` as the reference: what metrics.csv and table.md hold."""
+    from kvdiag.rankeval import rank_eval
+
+    return rank_eval(
+        cfg.harm_spec.analysed(_token_labels(labels)), ranked, harm=cfg.harm, include_unresolved=cfg.include_unresolved,
+        noise_mult=cfg.noise_mult, n_boot=cfg.n_boot, seed=cfg.seed, reference="fitted_logreg", granularity="token",
+        scores_meta=scores_meta,
     )
 
 

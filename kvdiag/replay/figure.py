@@ -152,30 +152,3 @@ def write_summary(df: pl.DataFrame, out_dir: Path, scorers: list[str], budgets: 
 
         write_predictions(df, out_dir, horizon, free, auroc=auroc)
     return table
-
-
-def resummarize(out: str | Path, free: str | Path | None = None,
-                auroc: tuple[str | Path, str | Path] | None = None) -> pl.DataFrame:
-    """Every table and figure of a finished replay directory ``out``, rewritten from its ``generations.parquet`` and
-    ``config.json`` alone (no model): what ``kvdiag replay`` writes after its last part. ``free``: the free-running
-    replay directory a teacher-forced one was joined with (``--outcomes``); ``auroc``: the (labels, scores) files of
-    ``--auroc`` (each rule's single-label AUROC, with the parameters and seed the replay recorded)."""
-    from kvdiag.io import read_json
-    from kvdiag.prompts import load_prompts
-    from kvdiag.replay.oracle import ORACLE
-    from kvdiag.replay.predict import single_label_auroc
-
-    out = Path(out)
-    df = pl.read_parquet(out / "generations.parquet")
-    cfg = read_json(out / "config.json", "config.json")
-    s = cfg["settings"]
-    scorers = (["full_kv"] if s.get("full_kv") else []) + list(s["scorers"])
-    source = cfg.get("prompts_source")
-    exact = set() if cfg.get("trace") or not source else {
-        p.prompt_id for p in load_prompts(source, seed=int(s.get("seed", 0))) if p.check == "exact"}
-    free_df = None if free is None else pl.read_parquet(Path(free) / "generations.parquet")
-    single = None
-    if auroc is not None:
-        rules = [r for r in s["scorers"] if r != ORACLE]
-        single = single_label_auroc(*auroc, rules, {r: cfg["scorers"][r] for r in rules}, seed=int(s.get("seed", 0)))
-    return write_summary(df, out, scorers, list(s["budgets"]), int(s["horizon"]), free_df, single, exact)

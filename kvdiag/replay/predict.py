@@ -227,8 +227,9 @@ def write_predictions(tf: pl.DataFrame, out_dir, horizon: int, free: pl.DataFram
     if (tf["scorer"] == ORACLE).any():
         reg = regret(tf, boot)
         write_csv(reg, out_dir / "regret.csv")
-        cost = tf.group_by("scorer").agg((pl.col("label_seconds").sum() / pl.col("compressions").sum()).alias("s"),
-                                         (pl.col("label_rows").sum() / pl.col("compressions").sum()).alias("rows"))
+        cost = tf.group_by("scorer", maintain_order=True).agg(  # the first rule after the oracle on every run
+            (pl.col("label_seconds").sum() / pl.col("compressions").sum()).alias("s"),
+            (pl.col("label_rows").sum() / pl.col("compressions").sum()).alias("rows"))
         cost = {r["scorer"]: r for r in cost.iter_rows(named=True)}
         tests = sorted(set(reg["test"]))
         lines += ["", "In-loop regret against the oracle policy (mean teacher-forced KL minus the oracle's, paired by "

@@ -201,9 +201,7 @@ def replay_sweep(
         if teacher_forced is None or not settings.joint:
             raise UserError("--auroc correlates single-label AUROC with teacher-forced joint labels: give it with "
                             "--teacher-forced and --joint")
-        rules = [n for n in settings.scorers if n != ORACLE]
-        params = {n: make_scorer(n, settings.params.get(n), settings.w_obs).params for n in rules}
-        single = single_label_auroc(*auroc, rules, params, seed=seed)
+        single = replayed_auroc(settings, auroc, seed)
     if teacher_forced is not None:
         tr = Trace(teacher_forced)
         had = tr.manifest["model"]
@@ -237,8 +235,6 @@ def replay(
     directory of the same prompts whose outcomes the teacher-forced joint labels are correlated with; ``auroc``: the
     rules' single-label AUROC, correlated with their in-loop KL.
     """
-    from kvdiag.replay.figure import write_summary
-
     teacher_forced = trace is not None
     if teacher_forced == (prompts is not None):
         raise ValueError("pass exactly one of prompts (free-running) or trace (teacher-forced)")
@@ -274,6 +270,7 @@ def replay(
         "prompts_source": source,
         "trace": trace.provenance if teacher_forced else None,
         "prompt_ids": [it.prompt_id for it in items],
+        "graded_whole": [it.prompt_id for it in items if it.check == "exact"],
         "definitions": DEFINITIONS,
     }
     write_json(out / "config.json", config)
@@ -304,11 +301,50 @@ def replay(
             _teacher_forced(lm, settings, policies, pending, o_proj, commit, progress, task)
         else:
             _free_running(lm, settings, policies, pending, o_proj, commit, progress, task)
-    df = parts.merge([u.part for u in units], out / "generations.parquet", {**config, "kind": "replay"})
-    free = None if outcomes is None else pl.read_parquet(Path(outcomes) / "generations.parquet")
-    write_summary(df, out, [name for name in dict.fromkeys(n for n, _ in policies)], settings.budgets,
-                  settings.horizon, free, auroc, exact={it.prompt_id for it in items if it.check == "exact"})
+    parts.merge([u.part for u in units], out / "generations.parquet", {**config, "kind": "replay"})
+    summarize_files(out, outcomes, auroc)
     return out
+
+
+def replayed_auroc(settings: ReplaySettings, auroc: tuple[str | os.PathLike, str | os.PathLike],
+                   seed: int = 0) -> SingleLabelAUROC:
+    """The single-label AUROC (``auroc``: labels and scores files) of every rule of ``settings`` but the oracle, with
+    the parameters the replay runs it with."""
+    rules = [n for n in settings.scorers if n != ORACLE]
+    params = {n: make_scorer(n, settings.params.get(n), settings.w_obs).params for n in rules}
+    return single_label_auroc(*auroc, rules, params, seed=seed)
+
+
+def summarize_files(out: str | os.PathLike, outcomes: str | os.PathLike | None = None,
+                    auroc: SingleLabelAUROC | None = None) -> pl.DataFrame:
+    """The tables and the figure of a replay (``kvdiag.replay.figure.write_summary``) from ``out/generations.parquet``
+    alone, no model: its metadata holds the settings. ``outcomes``: a free-running replay directory of the same
+    prompts (teacher-forced: the decisions-to-outcomes join); ``auroc``: as :func:`replayed_auroc` gives it.
+    Returns the Table-2-shaped summary."""
+    from kvdiag.io import read_table
+    from kvdiag.replay.figure import write_summary
+
+    out = Path(out)
+    df, meta = read_table(out / "generations.parquet", "generations.parquet")
+    s = meta["settings"]
+    scorers = ([FULL_KV] if s["full_kv"] else []) + list(s["scorers"])  # the policies' order (build_policies)
+    free = None if outcomes is None else pl.read_parquet(Path(outcomes) / "generations.parquet")
+    return write_summary(df, out, scorers, s["budgets"], s.get("horizon", HORIZON), free, auroc,
+                         exact=set(_graded_whole(meta)))
+
+
+def _graded_whole(meta: dict) -> list[str]:
+    """The prompts graded on their whole generation: recorded in the metadata, else (replays before it was) looked up
+    in the prompt source."""
+    if "graded_whole" in meta:
+        return meta["graded_whole"]
+    if meta["mode"] != "free":
+        return []
+    source = meta.get("prompts_source")
+    if source is None:
+        raise UserError("generations.parquet records neither graded_whole nor prompts_source: rerun kvdiag replay")
+    ids = set(meta["prompt_ids"])
+    return [p.prompt_id for p in load_prompts(source) if p.prompt_id in ids and p.check == "exact"]
 
 
 DEFINITIONS = {

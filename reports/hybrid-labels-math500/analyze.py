@@ -10,10 +10,9 @@ from pathlib import Path
 
 import polars as pl
 
-from kvdiag.decisions.summary import _Boot
 from kvdiag.harm import HarmSpec
 from kvdiag.io import read_table
-from kvdiag.stats import paired_p_value
+from kvdiag.stats import PromptBootstrap, paired_p_value
 from kvdiag.tables import md_table, number_text
 
 D = Path("runs/decisions-math500")
@@ -26,17 +25,18 @@ def ci(v, lo, hi, d=3):
     return f"{number_text(v, d)} [{number_text(lo, d)}, {number_text(hi, d)}]"
 
 
-def main() -> None:
-    exact = read_table(D / "smollm2-labels-all.parquet")[0].filter(pl.col("granularity") == "token")
-    fast = read_table(D / "smollm2-fast-all.parquet")[0].select(*KEY, fast="kl_mean")
-    boot = _Boot(exact["prompt_id"].unique().to_list(), 1000, 0, 0.95)
+def main(runs: Path = D, out: Path = OUT) -> None:
+    """Read ``runs`` (reproduce.sh's outputs) and the cost files in ``out``; write ``out/report.md``."""
+    exact = read_table(runs / "smollm2-labels-all.parquet")[0].filter(pl.col("granularity") == "token")
+    fast = read_table(runs / "smollm2-fast-all.parquet")[0].select(*KEY, fast="kl_mean")
+    boot = PromptBootstrap(exact["prompt_id"].unique().to_list(), 1000, 0, 0.95)
     thr = HarmSpec().threshold(HarmSpec().analysed(exact)["kl_mean"].to_numpy())
     truth = exact.select(*KEY, "kl_mean").with_columns(harmful=pl.col("kl_mean") > thr)
     rows, text = [], ["# Hybrid labels on MATH-500 (SmolLM2-135M)\n"]
-    cost = {stem: json.loads((OUT / f"bench-{stem}.json").read_text()) for stem in SETTINGS.values()
-            if (OUT / f"bench-{stem}.json").is_file()}
+    cost = {stem: json.loads((out / f"bench-{stem}.json").read_text()) for stem in SETTINGS.values()
+            if (out / f"bench-{stem}.json").is_file()}
     for name, stem in SETTINGS.items():
-        lab, meta = read_table(D / f"smollm2-{stem}.parquet")
+        lab, meta = read_table(runs / f"smollm2-{stem}.parquet")
         est = meta["miss_rate"]
         j = truth.join(lab.select(*KEY, "method"), on=KEY)
         per = j.filter(pl.col("harmful")).with_columns(missed=(pl.col("method") != "exact-top").cast(pl.Float64))
@@ -76,10 +76,10 @@ def main() -> None:
                 "their checkpoint, by position:\n")
     text.append(md_table(["entries", "harmful", "share missed by the fast top decile"], crow, "lrr"))
     # oracle_single from hybrid labels against exact labels
-    exact_dec = read_table(D / "smollm2" / "decisions.parquet")[0].filter(pl.col("decision") == "oracle_single")
+    exact_dec = read_table(runs / "smollm2" / "decisions.parquet")[0].filter(pl.col("decision") == "oracle_single")
     orow = []
     for name, stem in SETTINGS.items():
-        hyb = read_table(D / f"smollm2-oracle-{stem}" / "decisions.parquet")[0].filter(
+        hyb = read_table(runs / f"smollm2-oracle-{stem}" / "decisions.parquet")[0].filter(
             pl.col("decision") == "oracle_single")
         for (budget,), g in hyb.group_by("budget", maintain_order=True):
             p = g.select("prompt_id", "checkpoint", h="kl_mean").join(
@@ -93,8 +93,8 @@ def main() -> None:
     text.append("\n## oracle_single from hybrid labels\n\nThe joint damage of the set that keeps the largest labels, "
                 "hybrid labels minus exact labels (paired by checkpoint, nats), and the ratio of means:\n")
     text.append(md_table(["setting", "budget", "difference", "ratio", "p", "checkpoints"], orow, "llrrrr"))
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "report.md").write_text("\n".join(text) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text("\n".join(text) + "\n")
     sys.stdout.write("\n".join(text) + "\n")
 
 

@@ -3,20 +3,40 @@
 usage: python merge_scores.py RULES.parquet PRESSES.parquet OUT.parquet
 """
 
+from __future__ import annotations
+
 import sys
 
-from kvdiag.scorers.score import KEY_COLUMNS
+import polars as pl
 
+from kvdiag.errors import UserError
 from kvdiag.io import read_table, write_table
+from kvdiag.schema import KEYS
 
-rules, rules_meta = read_table(sys.argv[1])
-presses, presses_meta = read_table(sys.argv[2])
-if rules_meta["trace"]["fingerprint"] != presses_meta["trace"]["fingerprint"]:
-    sys.exit(f"{sys.argv[1]} and {sys.argv[2]} come from different Traces")
-merged = rules.join(presses, on=KEY_COLUMNS, how="inner", maintain_order="left")
-assert merged.height == rules.height == presses.height, "the two tables must score the same candidates"
-meta = {**rules_meta, "scorers": {**rules_meta["scorers"], **presses_meta["scorers"]},
-        "scorer_classes": {**rules_meta.get("scorer_classes", {}), **presses_meta.get("scorer_classes", {})},
-        "source": {"merged": [sys.argv[1], sys.argv[2]]}}
-write_table(merged, sys.argv[3], meta)
-print(f"wrote {merged.height} rows x {len(meta['scorers'])} scorers to {sys.argv[3]}")
+
+def merge(rules_path: str, presses_path: str) -> tuple[pl.DataFrame, dict]:
+    """The rules' and the presses' score columns side by side on the candidates' keys, and the merged metadata."""
+    rules, rules_meta = read_table(rules_path, "RULES")
+    presses, presses_meta = read_table(presses_path, "PRESSES")
+    if rules_meta["trace"]["fingerprint"] != presses_meta["trace"]["fingerprint"]:
+        raise UserError(f"{rules_path} and {presses_path} come from different Traces: score one Trace with both")
+    merged = rules.join(presses, on=KEYS, how="inner", maintain_order="left")
+    if not merged.height == rules.height == presses.height:
+        raise UserError(f"{rules_path} ({rules.height} rows) and {presses_path} ({presses.height} rows) share "
+                        f"{merged.height} candidates: score the same labels with both")
+    meta = {**rules_meta, "scorers": {**rules_meta["scorers"], **presses_meta["scorers"]},
+            "scorer_classes": {**rules_meta.get("scorer_classes", {}), **presses_meta.get("scorer_classes", {})},
+            "source": {"merged": [rules_path, presses_path]}}
+    return merged, meta
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 3:
+        raise SystemExit(__doc__)
+    merged, meta = merge(argv[0], argv[1])
+    write_table(merged, argv[2], meta)
+    print(f"wrote {merged.height} rows x {len(meta['scorers'])} scorers to {argv[2]}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

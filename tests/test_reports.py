@@ -1,0 +1,590 @@
+"""Every committed report's summary tables regenerate from its committed raw files, without a model (issue #39).
+
+Each test reruns what the report's ``reproduce.sh`` ran to make its tables (the function the CLI calls) on the
+report's committed raw files (labels, scores, decisions, generations, ...) into ``tmp_path``, and compares:
+
+- CSV: the same header, the same rows in the same order; numeric cells equal within rel 1e-9 or abs 1e-12 (summation
+  order moves the last bits across CPUs and BLAS builds), NaN equal to NaN; other cells exactly.
+- Markdown and text: line by line; the text between numbers exactly; each printed number within one unit in its last
+  printed digit (a float printed with k digits may round the other way on another CPU).
+- JSON: the same keys, numbers as in CSV, everything else exactly.
+
+Figures (PNG/PDF) are not compared. ``NOT_REGENERATED`` names each committed table that cannot be made again without a
+model, and why (``PARTLY_REGENERATED``: the columns of a compared table that cannot be); ``test_every_table_is_covered``
+keeps these and the compared tables a complete list of ``reports/``.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from kvdiag.io import read_json, read_meta, read_table
+
+ROOT = Path(__file__).resolve().parents[1]
+REPORTS = ROOT / "reports"
+REL, ABS = 1e-9, 1e-12  # CSV and JSON floats
+TABLE_SUFFIXES = (".csv", ".md", ".tex")
+
+# committed tables no test regenerates: path under reports/ -> why not
+_DECISIONS_SPEARMAN = ("needs the exact labels and head scores of every entry (runs/decisions-math500/*-labels-all, "
+                       "*-scores-head.parquet), not committed: remaking them runs the model")
+_FIGURES_TRACE = ("the delayed reads come from the Trace's queries and keys (runs/*/trace, not committed; remaking "
+                  "it runs the model)")
+NOT_REGENERATED = {
+    "decisions-math500/smollm2/spearman.csv": _DECISIONS_SPEARMAN,
+    "decisions-math500/gemma3/spearman.csv": _DECISIONS_SPEARMAN,
+    **{f"math500-smollm2/figures/{f}": _FIGURES_TRACE
+       for f in ("delayed_reads_entries.csv", "delayed_reads_hist.csv", "delayed_reads_stats.csv")},
+    **{f"math500-long/figures/{f}": _FIGURES_TRACE + " (this run committed no scores.features.parquet: the blind "
+       "spot's read pressure and payload come from the Trace too)"
+       for f in ("blind_spot_points.csv", "blind_spot_stats.csv", "components.csv", "delayed_reads_entries.csv",
+                 "delayed_reads_hist.csv", "delayed_reads_stats.csv")},
+    "math500-smollm2/fit/importances.csv": "refitting the models on the committed features.parquet (fit_features: "
+                                           "5 grouped folds of GBT and logistic regression, permutation importance) "
+                                           "takes 4 min on 2 shared cores, over this file's budget; measured "
+                                           "2026-12-03: equal within this file's tolerance (largest rel 1.1e-13)",
+    **{f"bench/{f}": "a measurement: seconds and memory of runs of the model on this machine"
+       for f in ("cpu-mfu.md", "kernels.txt", "label-fast.txt", "label-layer.txt", "label.txt", "scale.csv",
+                 "score.txt", "trace.txt")},
+}
+_LEADERBOARD_RANKS = ("the AUROC, AP, top-k recall, FSR and Spearman columns: kvdiag grade scores the benchmark's "
+                      "Trace, which it rebuilds by running the model; the joint-damage columns are compared")
+_REPORT_TRACE = ("its Trace section, the Trace's row of the contents, the viewer line and the date: kvdiag report "
+                 "reads the run's Trace (not committed); every other line is compared")
+PARTLY_REGENERATED = {
+    "bench/scale.md": "its memory-growth table: bench_scale computes it from the steps' JSON (runs/, not committed) "
+                      "and the model's shape; its steps table is compared with the measured scale.csv",
+    "math500-smollm2/report.md": _REPORT_TRACE, "math500-long/report.md": _REPORT_TRACE,
+    "leaderboard.csv": _LEADERBOARD_RANKS, "leaderboard.md": _LEADERBOARD_RANKS,
+    "hybrid-labels-math500/report.md": "all but its cost lines: analyze.py reads exact, fast and hybrid labels of "
+                                       "every entry and the hybrid oracle's decisions from runs/decisions-math500, "
+                                       "not committed (remaking them runs the model); the cost lines (from the "
+                                       "committed bench JSON) are compared and the script runs on synthetic inputs",
+}
+COMPARED: set[str] = set()  # filled at import by the tables below: every path under reports/ some test compares
+
+
+# --------------------------------------------------------------------------- comparison
+
+NUMBER = re.compile(r"[-+]?\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][-+]?\d+)?")
+
+
+def _unit(token: str) -> float:
+    """One unit in the last printed digit of a number token (``0.123`` -> 1e-3, ``1.5e-05`` -> 1e-6, ``1,024`` -> 1)."""
+    mantissa, _, exponent = token.replace(",", "").lower().partition("e")
+    decimals = len(mantissa.partition(".")[2])
+    return 10.0 ** (int(exponent or 0) - decimals)
+
+
+def same_number_text(got: str, want: str) -> bool:
+    if got == want:
+        return True
+    a, b = float(got.replace(",", "")), float(want.replace(",", ""))
+    return abs(a - b) <= min(_unit(got), _unit(want)) * (1 + 1e-9)
+
+
+def assert_same_text(got: str, want: str, what: str) -> None:
+    """Line by line: the text between numbers exactly, each number within one unit in its last printed digit."""
+    g, w = got.splitlines(), want.splitlines()
+    assert len(g) == len(w), f"{what}: {len(g)} lines regenerated, {len(w)} committed"
+    for i, (gl, wl) in enumerate(zip(g, w, strict=True), 1):
+        gn, wn = NUMBER.findall(gl), NUMBER.findall(wl)
+        assert NUMBER.split(gl) == NUMBER.split(wl) and len(gn) == len(wn), f"{what}:{i}\n  got  {gl}\n  want {wl}"
+        for a, b in zip(gn, wn, strict=True):
+            assert same_number_text(a, b), f"{what}:{i}: {a} against {b}\n  got  {gl}\n  want {wl}"
+
+
+def _float(cell: str) -> float | None:
+    try:
+        return float(cell)
+    except ValueError:
+        return None
+
+
+def same_value(a, b) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool) or not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
+        return a == b
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return math.isclose(a, b, rel_tol=REL, abs_tol=ABS)
+
+
+def assert_same_csv(got: Path, want: Path, what: str) -> None:
+    """Header and row order exactly; numeric cells within rel 1e-9 or abs 1e-12, other cells exactly."""
+    g, w = list(csv.reader(got.open())), list(csv.reader(want.open()))
+    assert g[:1] == w[:1], f"{what}: header {g[:1]} against {w[:1]}"
+    assert len(g) == len(w), f"{what}: {len(g) - 1} rows regenerated, {len(w) - 1} committed"
+    for i, (gr, wr) in enumerate(zip(g, w, strict=True), 1):
+        assert len(gr) == len(wr), f"{what}:{i}: {len(gr)} cells against {len(wr)}"
+        for col, a, b in zip(w[0], gr, wr, strict=True):
+            fa, fb = _float(a), _float(b)
+            ok = a == b or (fa is not None and fb is not None and same_value(fa, fb))
+            assert ok, f"{what}:{i} column {col}: {a!r} regenerated, {b!r} committed"
+
+
+def assert_same_json(got, want, what: str) -> None:
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and sorted(got) == sorted(want), f"{what}: keys {sorted(got)} vs {sorted(want)}"
+        for k in want:
+            assert_same_json(got[k], want[k], f"{what}.{k}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), f"{what}: {got!r} against {want!r}"
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert_same_json(a, b, f"{what}[{i}]")
+    else:
+        assert same_value(got, want), f"{what}: {got!r} regenerated, {want!r} committed"
+
+
+def assert_same_tables(got_dir: Path, want_dir: Path, names) -> None:
+    """Each of ``names`` (a committed table under ``want_dir``) against its regenerated copy in ``got_dir``."""
+    for name in names:
+        got, want = got_dir / name, want_dir / name
+        assert want.is_file(), f"{want} is not committed"
+        assert got.is_file(), f"{name} was not regenerated"
+        what = str(want.relative_to(ROOT))
+        if name.endswith(".csv"):
+            assert_same_csv(got, want, what)
+        elif name.endswith(".json"):
+            assert_same_json(json.loads(got.read_text()), json.loads(want.read_text()), what)
+        else:
+            assert_same_text(got.read_text(), want.read_text(), what)
+
+
+def compared(report: str, names) -> tuple[str, tuple[str, ...]]:
+    COMPARED.update((Path(report) / n).as_posix() for n in names)
+    return report, tuple(names)
+
+
+@pytest.fixture(autouse=True)
+def _repo_root(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the reports record their inputs' paths relative to the repository root
+
+
+def _script(path: str):
+    spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --------------------------------------------------------------------------- the comparison itself
+
+
+def test_comparison_tolerances(tmp_path):
+    want = tmp_path / "want.csv"
+    want.write_text("rule,value\na,0.5\nb,NaN\n")
+    for text, ok in (("rule,value\na,0.5000000000001\nb,nan\n", True), ("rule,value\na,0.5000001\nb,NaN\n", False),
+                     ("rule,value\nb,NaN\na,0.5\n", False), ("rule,value\nA,0.5\nb,NaN\n", False)):
+        (tmp_path / "got.csv").write_text(text)
+        if ok:
+            assert_same_csv(tmp_path / "got.csv", want, "t")
+        else:
+            with pytest.raises(AssertionError):
+                assert_same_csv(tmp_path / "got.csv", want, "t")
+    assert same_number_text("0.123", "0.124") and not same_number_text("0.123", "0.125")
+    assert same_number_text("1,024", "1,025") and not same_number_text("3.2", "2.16")
+    assert same_number_text("1.5e-05", "1.6e-05") and not same_number_text("1.5e-05", "1.7e-05")
+    with pytest.raises(AssertionError):
+        assert_same_text("| a | 0.5 [0.4, 0.6] |", "| b | 0.5 [0.4, 0.6] |", "t")
+    with pytest.raises(AssertionError):
+        assert_same_text("p = 0.04", "p = 0.06", "t")
+    assert same_value(1.0, 1.0 + 1e-12) and not same_value(1.0, 1.0 + 1e-8) and same_value(float("nan"), float("nan"))
+
+
+# --------------------------------------------------------------------------- rank-eval
+
+RANK_EVAL_VOLATILE = ("seconds", "reference_note")
+RANK_EVAL_TABLES = ("metrics.csv", "paired.csv", "table.md", "table.tex", "budget_curves.csv")
+RANK_EVAL = {  # the rank-eval directory -> its committed labels and scores
+    "math500-smollm2/rank-eval": ("math500-smollm2/labels.parquet", "math500-smollm2/scores.parquet"),
+    "math500-smollm2/rank-eval-eligible": ("math500-smollm2/labels.parquet", "math500-smollm2/scores.parquet"),
+    "math500-long/rank-eval": ("math500-long/labels.parquet", "math500-long/scores.parquet"),
+    "kvpress-math500/rank-eval": ("math500-smollm2/labels.parquet", "kvpress-math500/scores_all.parquet"),
+}
+for _d in RANK_EVAL:
+    compared(_d, RANK_EVAL_TABLES)
+
+
+@pytest.mark.parametrize("run", list(RANK_EVAL))
+def test_rank_eval(run, tmp_path):
+    from kvdiag.rankeval.run import rank_eval_files
+
+    labels, scores = (REPORTS / p for p in RANK_EVAL[run])
+    config = read_json(REPORTS / run / "config.json")
+    # the committed raw files are the ones the tables came from
+    assert config["inputs"]["labels"]["meta"] == read_meta(labels)
+    assert config["inputs"]["scores"]["meta"] == read_meta(scores)
+    options = dict(config["config"])
+    table_scope = options.pop("table_scope")
+    rank_eval_files(labels, scores, tmp_path, table_scope, **options)
+    assert_same_tables(tmp_path, REPORTS / run, RANK_EVAL_TABLES)
+    # seconds: timing; reference_note: the CLI's --reference auto, which config.json records resolved
+    got = {k: v for k, v in read_json(tmp_path / "config.json")["summary"].items() if k not in RANK_EVAL_VOLATILE}
+    want = {k: v for k, v in config["summary"].items() if k not in RANK_EVAL_VOLATILE}
+    assert_same_json(got, want, f"{run}/config.json summary")
+
+
+def test_kvpress_merged_scores():
+    """scores_all.parquet is merge_scores.py's join of the committed rule and press scores (values copied: exact)."""
+    module = _script("reports/kvpress-math500/merge_scores.py")
+    merged, meta = module.merge("reports/math500-smollm2/scores.parquet",
+                                "reports/kvpress-math500/scores_kvpress.parquet")
+    committed, committed_meta = read_table(REPORTS / "kvpress-math500/scores_all.parquet")
+    assert merged.equals(committed) and merged.columns == committed.columns
+    assert meta == committed_meta
+
+
+FIGURES = compared("math500-smollm2/figures", ("blind_spot_points.csv", "blind_spot_stats.csv", "components.csv"))
+
+
+def test_figures_without_trace(tmp_path):
+    """The blind-spot and component tables (``make_figures(only=...)``, no Trace) from the committed labels, scores,
+    their token features (scores.features.parquet) and rank-eval's metrics.csv, as ``kvdiag figures --rank-eval``."""
+    from kvdiag.figures.params import FigureParams
+    from kvdiag.figures.run import make_figures
+    from kvdiag.rankeval.run import load_metrics
+    from kvdiag.token_features import read_token_features
+
+    run, tables = FIGURES
+    src = REPORTS / "math500-smollm2"
+    info = read_json(REPORTS / run / "figures.json")
+    labels, labels_meta = read_table(src / "labels.parquet")
+    scores, scores_meta = read_table(src / "scores.parquet")
+    assert info["inputs"]["labels"] == labels_meta and info["inputs"]["scores"] == scores_meta
+    assert info["inputs"]["metrics"].startswith("given")  # --rank-eval runs/math500/rank-eval: committed as rank-eval/
+    assert info["argv"][-2:] == ["--rank-eval", "runs/math500/rank-eval"]
+    make_figures(None, labels, scores, tmp_path, FigureParams(**info["params"]), labels_meta=labels_meta,
+                 scores_meta=scores_meta, metrics=load_metrics(src / "rank-eval"),
+                 features=read_token_features(src / "scores.parquet"), only=("blind_spot", "components"))
+    assert_same_tables(tmp_path, REPORTS / run, tables)
+    got = read_json(tmp_path / "figures.json")
+    assert got["inputs"]["read_pressure_payload"] == info["inputs"]["read_pressure_payload"]
+    assert_same_json(got["summary"]["blind_spot"], info["summary"]["blind_spot"], f"{run}/figures.json blind_spot")
+
+
+FIT = compared("math500-smollm2/fit", ("metrics.csv", "table.md"))
+
+
+def test_fit_ranking(tmp_path):
+    """The fit's rank-eval (``rank_fitted``) of the committed out-of-fold scores beside the rules."""
+    from kvdiag.fit import FitConfig, rank_fitted
+    from kvdiag.io import write_csv, write_text
+    from kvdiag.rankeval import to_markdown
+
+    run, tables = FIT
+    config = read_json(REPORTS / run / "config.json")
+    cfg = FitConfig(**{**config["config"], "features": tuple(config["config"]["features"])})
+    labels = read_table(REPORTS / "math500-smollm2/labels.parquet")[0]
+    oof = read_table(REPORTS / run / "oof_scores.parquet")[0]
+    assert config["inputs"]["labels"] == read_meta(REPORTS / "math500-smollm2/labels.parquet")
+    result = rank_fitted(labels, oof, cfg, config["inputs"]["scores"])
+    write_csv(result.metrics, tmp_path / "metrics.csv")
+    write_text(tmp_path / "table.md", to_markdown(result, "pooled"))
+    assert_same_tables(tmp_path, REPORTS / run, tables)
+    assert_same_json(result.summary, {k: v for k, v in config["summary"]["rank_eval"].items() if k != "seconds"}
+                     | {"seconds": result.summary["seconds"]}, f"{run}/config.json summary.rank_eval")
+
+
+# --------------------------------------------------------------------------- kvdiag report
+
+REPORT = {  # report -> the run directory's name (the title) and the committed pieces kvdiag report reads
+    "math500-smollm2": ("math500", ("labels.parquet", "scores.parquet", "scores.features.parquet", "rank-eval",
+                                    "rank-eval-eligible", "figures", "fit", "commands.json")),
+    "math500-long": ("math500-long", ("labels.parquet", "scores.parquet", "rank-eval", "figures", "commands.json")),
+}
+for _d in REPORT:
+    compared(_d, ("report.md",))
+TRACE_SECTION = "## What was traced"
+TRACE_LINES = re.compile(r"^(\| `trace` \||\[viewer\.html\]|`viewer\.html` not written)")
+TRACE_MISSING = re.compile(r"^Missing or unreadable: trace; their sections below say so\.\n\n", re.M)
+REPORT_DATE = re.compile(r"report made \S+ \S+ UTC")
+
+
+def _without_trace(text: str) -> str:
+    """A report less what only the Trace gives (PARTLY_REGENERATED): its section, its lines, the date."""
+    text = REPORT_DATE.sub("report made (date) UTC", TRACE_MISSING.sub("", _without_section(text, TRACE_SECTION)))
+    return "\n".join(line for line in text.splitlines() if not TRACE_LINES.match(line)) + "\n"
+
+
+@pytest.mark.parametrize("report", list(REPORT))
+def test_report(report, tmp_path):
+    """``kvdiag report`` (``build_report``) of a run directory holding the report's committed pieces, no Trace."""
+    from kvdiag.report import build_report
+
+    name, pieces = REPORT[report]
+    run = tmp_path / name
+    run.mkdir()
+    for piece in pieces:
+        (run / piece).symlink_to(REPORTS / report / piece)
+    md, _ = build_report(run, None)
+    want = (REPORTS / report / "report.md").read_text()
+    assert TRACE_SECTION in want and "Missing or unreadable: trace" in md.read_text()
+    assert_same_text(_without_trace(md.read_text()), _without_trace(want), f"reports/{report}/report.md")
+
+
+# --------------------------------------------------------------------------- math500-long: short against long
+
+
+def test_math500_long_comparison(tmp_path):
+    module = _script("reports/math500-long/compare.py")
+    module.main(module.SHORT, module.LONG, tmp_path / "comparison.md")
+    assert_same_tables(tmp_path, REPORTS / "math500-long", ["comparison.md"])
+
+
+COMPARED.add("math500-long/comparison.md")
+
+
+# --------------------------------------------------------------------------- fast labels
+
+
+FAST_LABELS = compared("fast-labels-math500", ("summary.csv", "per_checkpoint.csv", "disagreement.csv",
+                                               "validation.md"))
+
+
+def test_fast_labels_validation(tmp_path):
+    from kvdiag.label.validate import ValidateConfig, run_validation
+
+    report, tables = FAST_LABELS
+    committed = read_json(REPORTS / report / "validation.json")
+    exact, scores = committed["inputs"]["exact"], committed["inputs"]["scores"]  # committed files, as given then
+    approx = REPORTS / report / "fast-labels.parquet"  # runs/fast8/fast.parquet then, copied here
+    run_validation(Path(exact), approx, tmp_path, ValidateConfig(**committed["config"]), Path(scores))
+    assert_same_tables(tmp_path, REPORTS / report, tables)
+    got = read_json(tmp_path / "validation.json")
+    for key in ("config", "summary"):
+        assert_same_json(got[key], committed[key], f"{report}/validation.json {key}")
+
+
+# --------------------------------------------------------------------------- decisions
+
+
+DECISIONS = {  # run -> the tables its summary writes (committed)
+    "decisions-math500/smollm2": ("summary.csv", "paired.csv", "pairs_summary.csv", "stochastic.csv", "summary.md"),
+    "decisions-math500/gemma3": ("summary.csv", "paired.csv", "pairs_summary.csv", "stochastic.csv", "summary.md"),
+    "decisions-math500/smollm2-stochastic": ("summary.csv", "paired.csv", "stochastic.csv", "summary.md"),
+}
+for _d, _t in DECISIONS.items():
+    compared(_d, _t)
+SPEARMAN_SECTION = "## Does single-entry AUROC predict the decision?"
+
+
+def _without_section(text: str, heading: str) -> str:
+    """``text`` less the Markdown section that starts at ``heading`` (up to the next ``## ``)."""
+    start = text.find(heading + "\n")
+    if start < 0:
+        return text
+    end = text.find("\n## ", start + len(heading))
+    return text[:start] + ("" if end < 0 else text[end + 1:])
+
+
+@pytest.mark.parametrize("run", list(DECISIONS))
+def test_decisions_summary(run, tmp_path):
+    """``kvdiag decisions``' summary (``summarize_files``) from the committed decisions.parquet and pairs.parquet;
+    the Spearman of AUROC against joint damage needs labels and scores that are not committed (NOT_REGENERATED)."""
+    from kvdiag.decisions.summary import summarize_files
+
+    src = REPORTS / run
+    for f in ("decisions.parquet", "pairs.parquet", "config.json"):
+        if (src / f).is_file():
+            shutil.copy(src / f, tmp_path / f)
+    summarize_files(tmp_path)
+    tables = DECISIONS[run]
+    assert_same_tables(tmp_path, src, [t for t in tables if t != "summary.md"])
+    want = (src / "summary.md").read_text()
+    if (src / "spearman.csv").is_file():
+        assert f"{run}/spearman.csv" in NOT_REGENERATED and SPEARMAN_SECTION in want
+        want = _without_section(want, SPEARMAN_SECTION)
+    assert_same_text((tmp_path / "summary.md").read_text(), want, f"reports/{run}/summary.md")
+    assert_same_json(read_json(tmp_path / "summary.json"), read_json(src / "summary.json"), f"{run}/summary.json")
+    for extra in {"pairs_summary.csv", "stochastic.csv", "spearman.csv"} - set(tables):  # not committed: empty here
+        assert not (tmp_path / extra).is_file() or not (tmp_path / extra).read_text().strip(), f"{run}/{extra}"
+
+
+# --------------------------------------------------------------------------- replay
+
+
+REPLAY = {  # run -> the tables its summary writes (committed)
+    "replay-math500": ("summary.md", "summary.csv", "budget.csv", "outcomes.md", "outcomes.csv",
+                       "outcomes_summary.csv", "paired.csv"),
+    "replay-recall": ("summary.md", "summary.csv", "budget.csv", "outcomes.md", "outcomes.csv",
+                      "outcomes_summary.csv", "paired.csv"),
+    "replay-smollm2": ("summary.md", "summary.csv", "budget.csv", "outcomes.md", "outcomes.csv",
+                       "outcomes_summary.csv", "paired.csv"),
+    "replay-smollm2-smoke": ("summary.md", "summary.csv", "budget.csv", "outcomes.md", "outcomes.csv",
+                             "outcomes_summary.csv", "paired.csv"),
+    "replay-tf-math500": ("summary.md", "summary.csv", "budget.csv", "decisions.md", "compressions.csv",
+                          "correlations.csv", "regret.csv"),
+}
+for _d, _t in REPLAY.items():
+    compared(_d, _t)
+# teacher-forced: the free-running replay its outcomes join, and the labels and scores of its single-label AUROC
+REPLAY_TF_INPUTS = {"replay-tf-math500": ("replay-math500", "math500-smollm2/labels.parquet",
+                                          "math500-smollm2/scores.parquet")}
+
+
+@pytest.mark.parametrize("run", list(REPLAY))
+def test_replay_summary(run, tmp_path):
+    """``kvdiag replay``'s tables (``summarize_files``) from the committed generations.parquet alone."""
+    from kvdiag.replay.run import ReplaySettings, replayed_auroc, summarize_files
+
+    shutil.copy(REPORTS / run / "generations.parquet", tmp_path)
+    outcomes = auroc = None
+    if run in REPLAY_TF_INPUTS:
+        free, labels, scores = REPLAY_TF_INPUTS[run]
+        settings = ReplaySettings(**read_json(REPORTS / run / "config.json")["settings"])
+        auroc = replayed_auroc(settings, (REPORTS / labels, REPORTS / scores), settings.seed)
+        outcomes = REPORTS / free
+    summarize_files(tmp_path, outcomes, auroc)
+    tables = REPLAY[run]
+    assert_same_tables(tmp_path, REPORTS / run, tables)
+    made = {p.name for p in tmp_path.iterdir() if p.suffix in TABLE_SUFFIXES}
+    assert made <= set(tables), f"{run}: regenerated tables not committed: {sorted(made - set(tables))}"
+
+
+# --------------------------------------------------------------------------- leaderboard
+
+LEADERBOARD = compared(".", ("leaderboard.csv", "leaderboard.md"))
+BENCH = "math500-smollm2@1"
+
+
+def _md_rows(text: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("| ")]
+
+
+def test_leaderboard_joint_columns():
+    """The leaderboard's joint-damage columns (``joint_columns``) from the benchmark's committed builtins.parquet and
+    references.parquet, its row order and its introduction; the rank columns need the model (PARTLY_REGENERATED)."""
+    from kvdiag import benchmark
+    from kvdiag.grade import _flat, _intro, joint_columns, leaderboard_table
+    from kvdiag.stats import PromptBootstrap
+
+    b = benchmark.load(BENCH)
+    s, budgets = b.settings, list(b.settings["budgets"])
+    labels = read_table(b.file("labels.parquet"))[0]
+    refs = read_table(b.file("references.parquet"))[0]
+    builtins = read_table(b.file(benchmark.BUILTINS))[0]
+    boot = PromptBootstrap(labels["prompt_id"].unique().to_list(), int(s["n_boot"]), int(s["seed"]), 0.95)
+    committed = list(csv.DictReader((REPORTS / "leaderboard.csv").open()))
+    assert sorted(r["rule"] for r in committed) == sorted(builtins["rule"].unique().to_list())
+    rows = [{"rule": r["rule"]} | joint_columns(r["rule"], builtins.rename({"rule": "decision"}), refs, builtins, boot,
+                                                 budgets) for r in committed]
+    for got, want in zip(rows, committed, strict=True):
+        for key, value in _flat(got).items():
+            cell = want[key]
+            ok = (value is None and cell == "") or (isinstance(value, str) and value == cell) or (
+                isinstance(value, float) and _float(cell) is not None and same_value(value, float(cell)))
+            assert ok, f"reports/leaderboard.csv {got['rule']} {key}: {value!r} regenerated, {cell!r} committed"
+    last = f"joint@{budgets[-1]}"  # sorted by the tightest budget's joint damage, as grade_files sorts
+    order = sorted(rows, key=lambda r: math.inf if math.isnan(r[last]) else r[last])
+    assert [r["rule"] for r in order] == [r["rule"] for r in rows]
+    text = (REPORTS / "leaderboard.md").read_text()
+    assert text.startswith(f"# Leaderboard: {b.name}\n\n{_intro(b)}\n\n")
+    headers, table = leaderboard_table(rows, budgets)
+    md = _md_rows(text)
+    assert md[0] == headers and len(md) == len(table) + 1
+    joint = [i for i, h in enumerate(headers) if "@" in h]
+    for got, want in zip(table, md[1:], strict=True):
+        assert got[0] == want[0]
+        assert_same_text(" | ".join(got[i] for i in joint), " | ".join(want[i] for i in joint),
+                         f"reports/leaderboard.md {got[0]}")
+
+
+# --------------------------------------------------------------------------- hybrid labels
+
+HYBRID = compared("hybrid-labels-math500", ("report.md",))
+
+
+def _hybrid_inputs(runs: Path) -> None:
+    """reproduce.sh's outputs in miniature (3 prompts x 2 checkpoints x 40 entries, seeded): what analyze.py reads."""
+    import numpy as np
+
+    from kvdiag.io import write_table
+
+    rng = np.random.default_rng(0)
+    keys = pl.DataFrame([{"prompt_id": f"p{i}", "checkpoint": t, "position": j}
+                         for i in range(3) for t in (64, 128) for j in range(40)])
+    kl = rng.lognormal(-8, 2, keys.height)
+    exact = keys.with_columns(granularity=pl.lit("token"), kl_mean=kl, noise_floor=pl.lit(1e-9),
+                              age=pl.col("checkpoint") - pl.col("position"))
+    write_table(exact, runs / "smollm2-labels-all.parquet", {})
+    write_table(keys.with_columns(kl_mean=kl * rng.lognormal(0, 0.5, keys.height)), runs / "smollm2-fast-all.parquet",
+                {})
+    for frac in (0.1, 0.2):
+        top = kl >= np.quantile(kl, 1 - 2 * frac)
+        write_table(keys.with_columns(method=pl.Series(np.where(top, "exact-top", "fast"))),
+                    runs / f"smollm2-hybrid-{frac}.parquet", {"miss_rate": {"miss_rate": 0.1, "ci_low": 0.0,
+                                                                            "ci_high": 0.3}})
+    cps = keys.select("prompt_id", "checkpoint").unique(maintain_order=True)
+    for sub in ("smollm2", "smollm2-oracle-hybrid-0.1", "smollm2-oracle-hybrid-0.2"):
+        dec = pl.concat([cps.with_columns(decision=pl.lit("oracle_single"), budget=pl.lit(b),
+                                          kl_mean=rng.lognormal(-6, 1, cps.height)) for b in ("keep:0.5", "keep:0.25")])
+        write_table(dec, runs / sub / "decisions.parquet", {})
+
+
+def test_hybrid_analysis(tmp_path):
+    """analyze.py runs end to end (on synthetic inputs: its own are not committed) and its cost lines, made from the
+    committed bench JSON alone, equal the committed report's."""
+    report, (name,) = HYBRID
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    (runs / "smollm2").mkdir(parents=True)
+    out.mkdir()
+    _hybrid_inputs(runs)
+    for f in (REPORTS / report).glob("bench-*.json"):
+        shutil.copy(f, out)
+    _script(f"reports/{report}/analyze.py").main(runs, out)
+    got = (out / name).read_text()
+    for heading in ("# Hybrid labels", "## Where the fast label misses", "## oracle_single from hybrid labels"):
+        assert heading in got
+    cost = [[line for line in text.splitlines() if line.startswith("- Cost, ")]
+            for text in (got, (REPORTS / report / name).read_text())]
+    assert len(cost[1]) == 2
+    assert_same_text("\n".join(cost[0]), "\n".join(cost[1]), f"reports/{report}/{name} cost lines")
+
+
+# --------------------------------------------------------------------------- bench
+
+
+SCALE = compared("bench", ("scale.md",))
+
+
+def test_scale_steps_table():
+    """scale.md's steps table is ``frame_table`` of the measured steps, which scale.csv holds (as bench_scale writes
+    both from one table)."""
+    from kvdiag.tables import frame_table
+
+    report, (name,) = SCALE
+    steps = pl.read_csv(REPORTS / report / "scale.csv")
+    assert steps.height and steps.columns[:3] == ["T", "stage", "store"]
+    assert frame_table(steps) in (REPORTS / report / name).read_text()
+
+
+# --------------------------------------------------------------------------- scripts and coverage
+
+
+def test_report_scripts_import():
+    """Every script under reports/ imports against today's API (hybrid's analyze.py needs runs/ to run)."""
+    scripts = sorted(p.relative_to(ROOT).as_posix() for p in REPORTS.rglob("*.py"))
+    assert scripts, "no report script found"
+    for path in scripts:
+        module = _script(path)
+        assert callable(getattr(module, "main", None)), f"{path} has no main()"
+
+
+def test_every_table_is_covered():
+    """Each committed table under reports/ is compared by a test above or named in NOT_REGENERATED with its reason."""
+    committed = {p.relative_to(REPORTS).as_posix() for p in REPORTS.rglob("*")
+                 if p.is_file() and (p.suffix in TABLE_SUFFIXES or p.suffix == ".txt") and p.name != "README.md"}
+    assert not COMPARED & set(NOT_REGENERATED), sorted(COMPARED & set(NOT_REGENERATED))
+    assert set(PARTLY_REGENERATED) <= COMPARED
+    assert committed - COMPARED - set(NOT_REGENERATED) == set(), "tables no test covers"
+    assert (COMPARED | set(NOT_REGENERATED)) - committed == set(), "listed tables that are not committed"
+
