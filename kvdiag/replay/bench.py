@@ -16,7 +16,7 @@ import torch
 from kvdiag.kernels.bench import cpu_peak_probe, peak_mb, seconds
 from kvdiag.models import LoadedModel
 from kvdiag.replay.cache import Policy
-from kvdiag.replay.decoding import decode, decode_batch
+from kvdiag.replay.decoding import batches, decode, decode_batch
 from kvdiag.replay.sampling import Sampling
 
 
@@ -55,8 +55,7 @@ def run_replay_bench(lm: LoadedModel, prompts: list[list[int]], prompt_ids: list
 
     def batched():
         got = []
-        for start in range(0, len(rows), batch_size):
-            chunk = rows[start : start + batch_size]
+        for chunk in batches(rows, batch_size, lambda r: (len(r[0]), None if r[2] is None else r[2].budget)):
             runs = decode_batch(lm, [r[0] for r in chunk], [r[2] for r in chunk], max_new_tokens,
                                 [r[1] for r in chunk], sampling=sampling, samples=[r[3] for r in chunk])
             got += [r.token_ids for r in runs]
