@@ -8,6 +8,7 @@ Selections: ``per-head`` (each layer and KV head keeps its own top B, R-KV), ``p
 and head), ``stochastic[:TAU]`` (each layer and KV head *samples* the entries it evicts, without replacement, with
 probabilities ``softmax(-r / TAU)`` over the percentile ranks ``r`` of its scores (0: the lowest-scored), so a low score
 makes eviction likely, not certain; protected entries are never drawn; VaSE's stochastic eviction, TAU our parameter).
+A selection is parsed once from its spec string into a :class:`Selection` and passed around as that object.
 """
 
 from __future__ import annotations
