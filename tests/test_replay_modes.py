@@ -189,3 +189,15 @@ def test_batches_group_by_key_in_first_seen_order():
     assert batches(rows, 2, lambda r: r[0]) == [[("a", 1), ("a", 3)], [("a", 4), ("a", 7)], [("b", 2), ("b", 5)],
                                                 [("c", 6)]]
     assert batches([], 4, lambda r: r) == []
+
+
+def test_bench_replay_batches_rows_of_several_lengths_and_budgets(tiny_llama):
+    """``bench replay`` batches as the sweep does (one grouping): rows of another prompt length or budget go to
+    their own batches, and each batched row is compared with the same row decoded alone."""
+    from kvdiag.replay.bench import run_replay_bench
+
+    prompts = [list(range(40, 60)), list(range(70, 95)), list(range(100, 120))]  # 20, 25 and 20 tokens
+    pols = [Policy(make_scorer("rkv"), 16, 6), Policy(make_scorer("knorm"), 20, 6)]
+    # batches: (p0, p2) under rkv, then under knorm, then p1 under each: not the rows' order
+    r = run_replay_bench(tiny_llama, prompts, ["p0", "p1", "p2"], pols, 14, batch_size=3)
+    assert r.rows == 6 and r.same_tokens == 6
