@@ -8,9 +8,12 @@ Selections: ``per-head`` (each layer and KV head keeps its own top B, R-KV), ``p
 and head), ``stochastic[:TAU]`` (each layer and KV head *samples* the entries it evicts, without replacement, with
 probabilities ``softmax(-r / TAU)`` over the percentile ranks ``r`` of its scores (0: the lowest-scored), so a low score
 makes eviction likely, not certain; protected entries are never drawn; VaSE's stochastic eviction, TAU our parameter).
+A selection is parsed once from its spec string into a :class:`Selection` and passed around as that object.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from scipy.stats import rankdata
@@ -21,35 +24,66 @@ SELECTIONS = ("per-head", "per-token", "stochastic")
 STOCHASTIC_TAU = 0.1  # default temperature of stochastic selection, over percentile ranks in [0, 1] (ours)
 
 
-def parse_selection(spec: str, flag: str = "--selection") -> tuple[str, float | None]:
-    """``per-head`` | ``per-token`` | ``stochastic`` | ``stochastic:TAU`` (TAU > 0) -> (mode, tau)."""
-    mode, _, raw = str(spec).partition(":")
-    check_choice(mode, SELECTIONS, flag)
-    if mode != "stochastic":
-        if raw:
-            raise UserError(f"{flag} {spec}: only stochastic takes a temperature (stochastic:TAU)")
-        return mode, None
-    try:
-        tau = float(raw) if raw else STOCHASTIC_TAU
-    except ValueError:
-        tau = float("nan")
-    if not tau > 0 or tau == float("inf"):
-        raise UserError(f"{flag} {spec}: the temperature TAU of stochastic:TAU must be a positive number, e.g. "
-                        f"stochastic:{STOCHASTIC_TAU}")
-    return mode, tau
+@dataclass(frozen=True)
+class Selection:
+    """A selection, parsed once from its spec (:meth:`parse`) and passed around as this object.
+
+    mode : ``per-head``, ``per-token`` or ``stochastic``; tau : the stochastic temperature (None otherwise);
+    spec : the string it was parsed from, its name in configs and part fingerprints (``stochastic`` and
+    ``stochastic:0.1`` select alike but stay distinct settings, as they always were).
+    """
+
+    mode: str
+    tau: float | None = None
+    spec: str = ""
+
+    @classmethod
+    def parse(cls, spec: Selection | str, flag: str = "--selection") -> Selection:
+        """``per-head`` | ``per-token`` | ``stochastic`` | ``stochastic:TAU`` (TAU > 0); a Selection passes as is."""
+        if isinstance(spec, Selection):
+            return spec
+        mode, _, raw = str(spec).partition(":")
+        check_choice(mode, SELECTIONS, flag)
+        if mode != "stochastic":
+            if raw:
+                raise UserError(f"{flag} {spec}: only stochastic takes a temperature (stochastic:TAU)")
+            return cls(mode, None, str(spec))
+        try:
+            tau = float(raw) if raw else STOCHASTIC_TAU
+        except ValueError:
+            tau = float("nan")
+        if not tau > 0 or tau == float("inf"):
+            raise UserError(f"{flag} {spec}: the temperature TAU of stochastic:TAU must be a positive number, e.g. "
+                            f"stochastic:{STOCHASTIC_TAU}")
+        return cls(mode, tau, str(spec))
+
+    def __str__(self) -> str:
+        return self.spec
+
+    @property
+    def stochastic(self) -> bool:
+        return self.mode == "stochastic"
+
+    @property
+    def per_token(self) -> bool:
+        """One keep set for every layer and KV head (scored by one context per layer in replay)."""
+        return self.mode == "per-token"
+
+    @property
+    def deterministic(self) -> Selection:
+        """The deterministic selection beside this one: ``per-head`` for a stochastic one (decisions' references and
+        comparison set), else itself."""
+        return PER_HEAD if self.stochastic else self
+
+    def check_rule(self, rule) -> None:
+        """Stochastic selection draws from a rule's score: refuse a rule whose score is no graded preference (it
+        declares ``continuous = False``, e.g. StreamingLLM's recency order)."""
+        if self.stochastic and not getattr(rule, "continuous", True):
+            raise UserError(f"--selection stochastic: {rule.name} has no continuous score to draw from (a fixed "
+                            "order); use per-head or per-token for it")
 
 
-def check_stochastic_rule(rule) -> None:
-    """Stochastic selection draws from a rule's score: refuse a rule whose score is no graded preference (it declares
-    ``continuous = False``, e.g. StreamingLLM's recency order)."""
-    if not getattr(rule, "continuous", True):
-        raise UserError(f"--selection stochastic: {rule.name} has no continuous score to draw from (a fixed order); "
-                        "use per-head or per-token for it")
-
-
-def scored_per_head(selection: str) -> bool:
-    """Whether a selection decides per (layer, KV head) (its scores come from one context per KV head in replay)."""
-    return parse_selection(selection)[0] != "per-token"
+PER_HEAD = Selection("per-head", None, "per-head")
 
 
 def top_slots(scores: torch.Tensor, budget: int) -> torch.Tensor:
@@ -68,8 +102,8 @@ def token_ranks(stacked: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(rankdata(stacked.reshape(L * Hkv, n).double().numpy(), method="average", axis=-1).sum(0))
 
 
-def select_keep(scores: list[torch.Tensor], budget: int, selection: str, protected: torch.Tensor | None = None,
-                generator: torch.Generator | None = None) -> torch.Tensor:
+def select_keep(scores: list[torch.Tensor], budget: int, selection: Selection | str,
+                protected: torch.Tensor | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
     """Slots to keep [L, Hkv, budget] (ascending) from per-layer scores ``[Hkv, n]``; ties keep the newer entry.
 
     ``per-head``: each (layer, KV head) keeps its own top ``budget`` (R-KV). ``per-token``: one keep set for every
@@ -77,11 +111,11 @@ def select_keep(scores: list[torch.Tensor], budget: int, selection: str, protect
     budget`` entries it evicts (module docstring; Gumbel top-k, drawn from ``generator``), never the ``protected``
     [L, Hkv, n] (or [n]) ones.
     """
-    mode, tau = parse_selection(selection)
+    selection = Selection.parse(selection)
     stacked = torch.stack(scores)  # [L, Hkv, n]
-    if mode == "stochastic":
-        return _sample_keep(stacked, budget, tau, protected, generator)
-    if mode == "per-head":
+    if selection.stochastic:
+        return _sample_keep(stacked, budget, selection.tau, protected, generator)
+    if not selection.per_token:
         return top_slots(stacked, budget)
     L, Hkv, _ = stacked.shape
     return top_slots(token_ranks(stacked), budget).expand(L, Hkv, budget)

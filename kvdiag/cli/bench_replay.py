@@ -44,7 +44,9 @@ def bench_replay(
     from kvdiag.replay.live import check_live_scorer, make_scorer
     from kvdiag.replay.run import FULL_KV
     from kvdiag.replay.sampling import Sampling
+    from kvdiag.replay.settings import check_params, check_samples
     from kvdiag.scorers import parse_params
+    from kvdiag.selection import Selection
 
     common.quiet_transformers()
     names = parsing.parse_list(scorers, "--scorers", str)
@@ -52,20 +54,16 @@ def bench_replay(
         raise UserError(f"--batch-size {batch_size} / --repeats {repeats} / --max-new-tokens {max_new_tokens} / "
                         f"--samples {samples}: use positive numbers")
     sampling = Sampling(temperature, top_p)  # checks temperature and top-p
-    if samples > 1 and sampling.greedy:
-        raise UserError(f"--samples {samples} needs --temperature (greedy rows of one prompt and scorer are the same "
-                        "generation), e.g. --temperature 0.6")
+    check_samples(samples, sampling)
+    chosen = Selection.parse(selection)
     if out is not None:
         check_writable(out, "--out", "file")
     full = [n for n in names if n == FULL_KV]
     if full and len(full) != len(names):
         raise UserError(f"--scorers {','.join(names)}: full_kv rows have no budget; bench them on their own")
     params = parse_params(param)
-    stray = [n for n in params if n not in names]
-    if stray:
-        raise UserError(f"--param {stray[0]}.…: scorer {stray[0]} is not in --scorers; add it or drop the parameter")
-    policies = [None] * len(full) or [Policy(make_scorer(n, params.get(n)), budget, interval, selection)
-                                      for n in names]
+    check_params(params, names)
+    policies = [None] * len(full) or [Policy(make_scorer(n, params.get(n)), budget, interval, chosen) for n in names]
     items = load_prompts(prompts, limit=limit)
     lm = load_model(model, dtype=dtype, device=device)
     for pol in policies:

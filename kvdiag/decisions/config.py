@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from kvdiag.errors import UserError, check_choice
 from kvdiag.harm import HarmSpec
 from kvdiag.schema import HORIZON, N_BOOT
-from kvdiag.selection import parse_selection
+from kvdiag.selection import Selection
 
 # the reference decisions every rule is compared with (docs/decisions.md)
 REFERENCES = ("oracle_single", "oracle_greedy", "fast", "random")
@@ -76,7 +76,7 @@ class DecisionsConfig:
     """
 
     budgets: tuple[Budget, ...]
-    selection: str = "per-head"
+    selection: Selection | str = "per-head"  # a spec string is parsed once, here
     samples: int = 4
     horizon: int = HORIZON
     rules: tuple[str, ...] | None = None
@@ -94,7 +94,7 @@ class DecisionsConfig:
     harm: HarmSpec = field(default_factory=HarmSpec)
 
     def __post_init__(self):
-        parse_selection(self.selection)
+        object.__setattr__(self, "selection", Selection.parse(self.selection))
         if self.samples < 1:
             raise UserError(f"--samples {self.samples}: must be a positive number of stochastic draws, e.g. 4")
         check_choice(self.infeasible, INFEASIBLE, "--infeasible")
@@ -115,7 +115,7 @@ class DecisionsConfig:
 
     def settings(self) -> dict:
         """What changes a part's content (the parts' stamp)."""
-        return {"budgets": [b.name for b in self.budgets], "selection": self.selection, "samples": self.samples,
+        return {"budgets": [b.name for b in self.budgets], "selection": str(self.selection), "samples": self.samples,
                 "horizon": self.horizon,
                 "references": list(self.references), "greedy_chunk": self.greedy_chunk, "pairs": self.pairs,
                 "pair_candidates": self.pair_candidates, "infeasible": self.infeasible, "seed": self.seed,

@@ -41,7 +41,6 @@ from kvdiag.parts import PartStore, part_name
 from kvdiag.progress import progress_bar
 from kvdiag.provenance import provenance
 from kvdiag.schema import KEYS
-from kvdiag.selection import check_stochastic_rule, parse_selection
 
 DECISION_SCHEMA = {
     "prompt_id": pl.String, "checkpoint": pl.Int64, "decision": pl.String, "kind": pl.String, "budget": pl.String,
@@ -130,10 +129,9 @@ def head_scores(scores: pl.DataFrame, rules: list[str], pid: str, t: int, L: int
 
 def check_stochastic(rules: dict, cfg: DecisionsConfig) -> None:
     """Stochastic selection needs a graded score to draw from: refuse a rule that declares none."""
-    if parse_selection(cfg.selection)[0] == "stochastic":
-        for rule in rules.values():
-            if rule is not None:
-                check_stochastic_rule(rule)
+    for rule in rules.values():
+        if rule is not None:
+            cfg.selection.check_rule(rule)
 
 
 def check_protection(rules: dict, items: dict[str, list[int]], cfg: DecisionsConfig) -> dict[str, dict[str, int]]:
@@ -165,8 +163,8 @@ def _decide_checkpoint(engine, fisher, lm, pid: str, t: int, scores: dict[str, t
                        progress) -> tuple[pl.DataFrame, pl.DataFrame]:
     L, Hkv = engine.num_layers, engine.num_kv_heads
     kept = {b.name: b.entries(t) for b in cfg.budgets}
-    stochastic = parse_selection(cfg.selection)[0] == "stochastic"
-    deterministic = "per-head" if stochastic else cfg.selection  # what the references and the comparison use
+    stochastic = cfg.selection.stochastic
+    deterministic = cfg.selection.deterministic  # what the references and the comparison use
     decisions: list[dict] = []  # one per set row: its fields, its set
     for name, values in scores.items():
         rule = rules.get(name)
@@ -192,7 +190,7 @@ def _decide_checkpoint(engine, fisher, lm, pid: str, t: int, scores: dict[str, t
     if "fast" in refs:
         a, _ = fisher.effects(t)  # [K, L, Hkv, t] linearized effects on the sampled log-likelihoods
         for b, k in kept.items():
-            if deterministic == "per-token":
+            if deterministic.per_token:
                 est = a.double().sum((1, 2)).pow(2).mean(0)  # [t]: a token row sums its cells' effects
                 evict = label_set(est, k)
             else:
@@ -229,7 +227,7 @@ def _decide_checkpoint(engine, fisher, lm, pid: str, t: int, scores: dict[str, t
         greedy = d["decision"] == "oracle_greedy" and greedy_cost is not None
         rows.append({
             "prompt_id": pid, "checkpoint": t, **d, "evicted": t - d["kept"],
-            "selection": cfg.selection if d["sample"] is not None else deterministic,
+            "selection": str(cfg.selection if d["sample"] is not None else deterministic),
             "horizon": cfg.horizon, "noise_floor": noise,
             "sum_single": float(singles[evict].sum()) if token and singles is not None else None,
             "evicted_positions": evict.tolist() if token else None, "evicted_heads": heads.tolist(),

@@ -14,18 +14,19 @@ import zlib
 
 import torch
 
-from kvdiag.selection import evicted_slots, select_keep, top_slots
+from kvdiag.selection import Selection, evicted_slots, select_keep, top_slots
 
 
-def rule_set(scores: torch.Tensor, kept: int, selection: str, protected: torch.Tensor | None = None,
+def rule_set(scores: torch.Tensor, kept: int, selection: Selection | str, protected: torch.Tensor | None = None,
              generator: torch.Generator | None = None) -> torch.Tensor:
     """The entries a rule evicts keeping ``kept`` of each (layer, KV head): scores [L, Hkv, t] (higher = keep) ->
     [E] for ``per-token`` selection, [L, Hkv, E] for ``per-head`` and ``stochastic`` (E = t - kept; ``protected [t]``
     and ``generator``: the stochastic draw's); ties keep the newer entry."""
     L, _, t = scores.shape
+    selection = Selection.parse(selection)
     keep = select_keep(list(scores), kept, selection, protected, generator)
     evicted = evicted_slots(keep, t)
-    return evicted[0, 0] if selection == "per-token" else evicted
+    return evicted[0, 0] if selection.per_token else evicted
 
 
 def label_set(values: torch.Tensor, kept: int) -> torch.Tensor:
@@ -40,12 +41,12 @@ def head_label_set(values: torch.Tensor, kept: int) -> torch.Tensor:
     return evicted_slots(top_slots(values, kept), values.shape[-1])
 
 
-def random_set(t: int, kept: int, selection: str, num_layers: int, num_kv_heads: int, seed: int,
+def random_set(t: int, kept: int, selection: Selection, num_layers: int, num_kv_heads: int, seed: int,
                key: str) -> torch.Tensor:
     """A seeded uniform random set (per head: one draw per layer and KV head), the same for every run of the same
     ``(seed, key, t)``, whatever else is computed."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{key}:{t}".encode()))
-    if selection == "per-token":
+    if selection.per_token:
         return torch.randperm(t, generator=gen)[: t - kept].sort().values
     draws = torch.stack([torch.randperm(t, generator=gen)[: t - kept] for _ in range(num_layers * num_kv_heads)])
     return draws.sort(-1).values.view(num_layers, num_kv_heads, t - kept)

@@ -16,7 +16,7 @@ import torch
 from kvdiag.kernels.bench import cpu_peak_probe, peak_mb, seconds
 from kvdiag.models import LoadedModel
 from kvdiag.replay.cache import Policy
-from kvdiag.replay.decoding import decode, decode_batch
+from kvdiag.replay.decoding import batches, decode, decode_batch
 from kvdiag.replay.sampling import Sampling
 
 
@@ -54,12 +54,13 @@ def run_replay_bench(lm: LoadedModel, prompts: list[list[int]], prompt_ids: list
                         for p, pid, pol, s in rows]
 
     def batched():
-        got = []
-        for start in range(0, len(rows), batch_size):
-            chunk = rows[start : start + batch_size]
-            runs = decode_batch(lm, [r[0] for r in chunk], [r[2] for r in chunk], max_new_tokens,
-                                [r[1] for r in chunk], sampling=sampling, samples=[r[3] for r in chunk])
-            got += [r.token_ids for r in runs]
+        got: list = [None] * len(rows)  # in the rows' order, as the alone tokens
+        key = lambda i: (len(rows[i][0]), None if rows[i][2] is None else rows[i][2].budget)  # noqa: E731
+        for chunk in batches(range(len(rows)), batch_size, key):
+            runs = decode_batch(lm, [rows[i][0] for i in chunk], [rows[i][2] for i in chunk], max_new_tokens,
+                                [rows[i][1] for i in chunk], sampling=sampling, samples=[rows[i][3] for i in chunk])
+            for i, run in zip(chunk, runs, strict=True):
+                got[i] = run.token_ids
         out["batched"] = got
 
     device, reset = lm.model.device, cpu_peak_probe()

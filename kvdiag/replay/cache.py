@@ -18,7 +18,7 @@ from kvdiag.errors import UserError
 from kvdiag.kernels import compact_kv
 from kvdiag.schema import CHECKPOINT_INTERVAL
 from kvdiag.scorers import Scorer
-from kvdiag.selection import parse_selection
+from kvdiag.selection import Selection
 
 
 @dataclass
@@ -35,7 +35,8 @@ class Policy:
     scorer : the scoring rule (must run on a live cache, see ``live.check_live_scorer``).
     budget : B, entries kept per (layer, KV head) after a compaction.
     interval : generated tokens between checkpoints (R-KV's ``divide_length``, 128).
-    selection : ``per-head`` (R-KV), ``per-token`` or ``stochastic[:TAU]`` (``kvdiag.selection``).
+    selection : ``per-head`` (R-KV), ``per-token`` or ``stochastic[:TAU]`` (a ``kvdiag.selection.Selection``; a
+        spec string is parsed here).
     backend : kernel backend of the compaction (``auto``, ``torch``, ``triton``).
     seed : seed of stochastic selection (each compaction draws from ``crc32(seed:prompt:t)``).
     """
@@ -43,7 +44,7 @@ class Policy:
     scorer: Scorer
     budget: int
     interval: int = CHECKPOINT_INTERVAL
-    selection: str = "per-head"
+    selection: Selection | str = "per-head"
     backend: str = "auto"
     seed: int = 0
 
@@ -52,7 +53,7 @@ class Policy:
             raise UserError(f"--budget {self.budget}: must be a positive number of cache entries")
         if self.interval < 1:
             raise UserError(f"--interval {self.interval}: must be a positive number of tokens between compressions")
-        parse_selection(self.selection)
+        self.selection = Selection.parse(self.selection)
 
     @property
     def query_window(self) -> int:

@@ -16,7 +16,9 @@ so the cache never holds more than ``budget + interval`` entries. The end of the
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from transformers import DynamicCache
@@ -29,9 +31,10 @@ from kvdiag.replay.live import QueryWindow, observing, score_layer
 from kvdiag.replay.oracle import LiveLabels, OracleRule
 from kvdiag.replay.sampling import Sampling
 from kvdiag.scorers.base import needs_o_proj
-from kvdiag.selection import parse_selection, select_keep
+from kvdiag.selection import select_keep
 
 REFERENCE_CHUNK = 512  # tokens per forward of the full-cache reference (bounds its logits memory)
+Row = TypeVar("Row")
 
 
 @dataclass
@@ -81,13 +84,13 @@ class Session:
     row leaves the batch (:meth:`select`).
 
     o_proj : layer -> W_O [hidden, H*d] for the ``wo_l2`` payload (read from the model when needed and not given).
-    labels : the exact labels of a teacher-forced sequence (batch of one): the oracle policy's scores, and the
-        joint damage of the evicted set after each compaction (``joint``).
+    labels : the exact labels of a teacher-forced sequence (batch of one): the oracle policy's scores, and (with
+        ``joint``) the joint damage of the evicted set after each compaction.
     """
 
     def __init__(self, lm: LoadedModel, policies: list[Policy | None], prompt_ids: list[str], prompt_len: int,
                  o_proj: dict[int, torch.Tensor] | None = None, keep_history: bool = False,
-                 labels: LiveLabels | None = None):
+                 labels: LiveLabels | None = None, joint: bool = True):
         schedules = {None if p is None else (p.budget, p.interval) for p in policies}
         if len(schedules) != 1 or len(prompt_ids) != len(policies):
             raise ValueError("one batch needs one prompt id per policy and one (budget, interval) for all rows")
@@ -99,6 +102,7 @@ class Session:
         if o_proj is None and any(p is not None and needs_o_proj(p.scorer) for p in policies):
             o_proj = o_proj_weights(self.model)
         self.o_proj, self.keep_history, self.labels = o_proj or {}, keep_history, labels
+        self.label_joint = labels is not None and joint
         self.attention = lm.attention  # per-layer semantics (softcap, sinks) for the scorers
         self.num_layers = self.attention.num_layers
         self.cache = ReplayCache(self.model.config, self.attention, len(policies))
@@ -157,7 +161,7 @@ class Session:
         if self.keep_history:
             for row, kept in enumerate(self.kept):
                 kept.append((t, self.cache.positions[row].clone()))
-        if self.labels is not None:
+        if self.label_joint:
             self.joint.append(self.labels.joint(self.cache.positions[0], t))
 
     def _keep(self, row: int, policy: Policy, t: int) -> torch.Tensor:
@@ -179,7 +183,7 @@ class Session:
                 for layer in range(self.num_layers)
             ]
         generator = protected = None
-        if parse_selection(policy.selection)[0] == "stochastic":  # a seeded draw per compaction; never a protected one
+        if policy.selection.stochastic:  # a seeded draw per compaction; never a protected one
             seed = f"{policy.seed}:{self.prompt_ids[row]}:{t}"
             generator = torch.Generator().manual_seed(zlib.crc32(seed.encode()))
             protected = policy.scorer.protected(t - positions, positions)
@@ -276,19 +280,29 @@ def decode_batch(
     return results
 
 
+def batches(rows: Sequence[Row], size: int, key: Callable[[Row], Hashable]) -> list[list[Row]]:
+    """``rows`` cut into batches :func:`decode_batch` takes: the rows of one ``key`` (their prompt length and
+    budget), ``size`` at a time, groups in first-seen order."""
+    groups: dict[Hashable, list[Row]] = {}
+    for row in rows:
+        groups.setdefault(key(row), []).append(row)
+    return [group[s : s + size] for group in groups.values() for s in range(0, len(group), size)]
+
+
 @torch.no_grad()
 def teacher_force(
     lm: LoadedModel, token_ids: list[int], prompt_len: int, policy: Policy | None = None, prompt_id: str = "",
     keep_history: bool = False, o_proj: dict[int, torch.Tensor] | None = None, labels: LiveLabels | None = None,
+    joint: bool = True,
 ) -> Decoded:
     """Feed ``token_ids`` (prompt + continuation) under ``policy``; ``logprobs`` [T - P, V] of every
     continuation position, checkpoints at the end of each prompt chunk and every ``interval`` tokens after it.
-    With ``labels`` (:class:`~kvdiag.replay.oracle.LiveLabels` of these tokens), ``joint`` holds the exact joint
-    damage of the evicted set after each compaction, and the oracle policy can run."""
+    With ``labels`` (:class:`~kvdiag.replay.oracle.LiveLabels` of these tokens) the oracle policy can run and, with
+    ``joint``, the result's ``joint`` holds the exact joint damage of the evicted set after each compaction."""
     T, P = len(token_ids), prompt_len
     if not 1 <= P < T:
         raise UserError(f"prompt {prompt_id!r}: needs at least one token after its {P} prompt tokens to teacher-force")
-    session = Session(lm, [policy], [prompt_id], P, o_proj, keep_history, labels)
+    session = Session(lm, [policy], [prompt_id], P, o_proj, keep_history, labels, joint)
     interval = policy.interval if policy else T
     with observing(lm.model, session.window):
         rows = [torch.log_softmax(session.prefill([token_ids[:P]])[0], dim=-1).cpu()]

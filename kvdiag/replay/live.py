@@ -21,7 +21,7 @@ from kvdiag.attention import attention_context, group_size, model_eager_attentio
 from kvdiag.errors import UserError
 from kvdiag.scorers import SCORERS, ScoreContext, Scorer, get_scorer
 from kvdiag.scorers.context import HistoryUnavailable
-from kvdiag.selection import SELECTIONS, select_keep, top_slots  # noqa: F401  (replay's API)
+from kvdiag.selection import SELECTIONS, Selection, select_keep, top_slots  # noqa: F401  (replay's API)
 
 REPLAY_ATTN = "kvdiag_replay"
 # entries of the seeded live cache on which check_live_scorer runs a rule once
@@ -175,7 +175,7 @@ def _probe(scorer: Scorer, n: int, group: int, head_dim: int) -> torch.Tensor:
 def score_layer(
     scorer: Scorer, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, queries: torch.Tensor,
     checkpoint: int, scale: LayerAttention | float, prompt_len: int, layer: int, prompt_id: str,
-    token_ids: torch.Tensor, selection: str, o_proj: torch.Tensor | None = None,
+    token_ids: torch.Tensor, selection: Selection | str, o_proj: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Live scores [Hkv, n] of one layer's cache (fp32, CPU; higher = keep).
 
@@ -189,7 +189,7 @@ def score_layer(
     keys, values, queries = keys.float().cpu(), values.float().cpu(), queries.float().cpu()
     Hkv = keys.shape[0]
     attn = as_layer_attention(scale)
-    if selection == "per-token":
+    if Selection.parse(selection).per_token:
         pos = positions[0]
         ctx = ScoreContext(queries, keys, values, attn, prompt_len, layer, prompt_id, token_ids[pos],
                            o_proj=o_proj, positions=pos, checkpoint=checkpoint)

@@ -1,0 +1,101 @@
+"""Free-running replay: each prompt generates under every policy (and the full-cache FullKV reference), in
+batches; graded against its answer, KL against a full-cache forward of its own generation."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import ClassVar
+
+import kvdiag.replay.decoding as decoding  # by module: tests/test_faults kills a run inside decode_batch
+from kvdiag.errors import UserError
+from kvdiag.models import LoadedModel
+from kvdiag.prompts import Prompt, encode_prompt
+from kvdiag.replay.decoding import Decoded, full_logprobs, kl_steps
+from kvdiag.replay.oracle import ORACLE
+from kvdiag.replay.settings import ReplaySettings
+from kvdiag.replay.units import Item, Unit, common_key, make_unit
+
+
+def check_answer(text: str, answer: str | None, check: str = "math") -> bool | None:
+    """The verdict on ``text`` against ``answer`` (None without an answer): ``math``: math-verify's; ``exact``: the
+    whole generation, stripped, is the answer (the builtin suites)."""
+    if answer is None:
+        return None
+    if check == "exact":
+        return text.strip() == answer.strip()
+    from math_verify import parse, verify
+
+    gold = parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$")
+    return bool(verify(gold, parse(text)))
+
+
+@dataclass
+class FreeRunning:
+    """Free-running replay of ``prompts`` (``source``: where they came from, for messages and config.json)."""
+
+    prompts: list[Prompt]
+    source: str | None = None
+    name: ClassVar[str] = "free"  # the ``mode`` column and fingerprint field
+
+    @property
+    def provenance(self) -> None:
+        """config.json's ``trace``: none (prompts are the input)."""
+        return None
+
+    @staticmethod
+    def check(settings: ReplaySettings) -> None:
+        """The oracle labels entries on a Trace's future tokens: refused here."""
+        if ORACLE in settings.scorers:
+            raise UserError(f"--scorers {ORACLE} labels entries on the Trace's future tokens: it runs with "
+                            "--teacher-forced only")
+
+    def adjust(self, settings: ReplaySettings) -> ReplaySettings:
+        return settings
+
+    def items(self, lm: LoadedModel, settings: ReplaySettings) -> list[Item]:
+        """The encoded prompts, each checked to fit the model's context with its whole generation (bad input)."""
+        limit = getattr(lm.model.config, "max_position_embeddings", None)
+        items = []
+        for p in self.prompts:
+            ids = encode_prompt(lm.tokenizer, p, chat=settings.chat, instruction=settings.instruction)
+            if limit and len(ids) + settings.max_new_tokens > limit:
+                raise UserError(f"--prompts {self.source}: prompt {p.prompt_id} has {len(ids)} tokens, so its "
+                                f"generation could reach {len(ids) + settings.max_new_tokens} > the model's context "
+                                f"of {limit}; use a shorter suite length or --max-new-tokens "
+                                f"{max(1, limit - len(ids))} or less")
+            items.append(Item(p.prompt_id, ids, len(ids), p.answer, p.check))
+        return items
+
+    def units(self, model_info: dict, settings: ReplaySettings, items: list[Item], policies: dict) -> list[Unit]:
+        """Every (prompt, scorer, budget, sample) with its part and fingerprint; a sampled sweep names and keys each
+        sample, a greedy one has one generation per policy and no sample field."""
+        common = common_key(self.name, model_info, settings, ("horizon", "joint"), None)
+        samples = None if settings.sampling.greedy else range(settings.samples)
+        return [make_unit(common, it, name, budget, policy, s) for it in items
+                for (name, budget), policy in policies.items() for s in (samples or [None])]
+
+    def run(self, lm: LoadedModel, settings: ReplaySettings, policies: dict, pending: list[Unit], o_proj,
+            commit, progress, task) -> None:
+        """Decode the pending units in batches of rows that share their prompt length and budget (any scorers, any
+        samples), ``batch_size`` at a time; each row's part is committed when its batch ends."""
+        for batch in decoding.batches(pending, settings.batch_size, lambda u: (len(u.item.token_ids), u.budget)):
+            budget = batch[0].budget
+            pols = [policies[(u.scorer, u.budget)] for u in batch]
+            progress.update(task, description=f"replay B={budget or 'full'} ×{len(batch)} ({batch[0].item.prompt_id}…)")
+            start = time.perf_counter()
+            want_kl = settings.kl and budget is not None
+            runs = decoding.decode_batch(lm, [u.item.token_ids for u in batch], pols, settings.max_new_tokens,
+                                         [u.item.prompt_id for u in batch], keep_logprobs=want_kl, o_proj=o_proj,
+                                         sampling=settings.sampling, samples=[u.sample for u in batch])
+            seconds = (time.perf_counter() - start) / len(batch)  # the batch's time, shared by its rows
+            for u, run in zip(batch, runs, strict=True):
+                kl = kl_steps(full_logprobs(lm.model, run.token_ids, run.prompt_len), run.logprobs) if want_kl else None
+                commit(u, run, kl, seconds)
+                progress.advance(task)
+
+    @staticmethod
+    def outcome(run: Decoded, item: Item, text: str) -> dict:
+        """The row fields only a generation has: its max-length hit and its verdict."""
+        return {"max_length_hit": run.stop == "max_new_tokens", "correct": check_answer(text, item.answer, item.check),
+                "joint_kl": None}
