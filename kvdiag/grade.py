@@ -208,10 +208,12 @@ def grade_files(spec: str | None, bench: str, out: str | os.PathLike, rule: str 
                 params: dict | None = None, everything: bool = False, leaderboard: str | os.PathLike | None = None,
                 show_progress: bool = True) -> dict:
     """What ``kvdiag grade`` runs: every input checked before the model loads, then :func:`grade`."""
-    from kvdiag.io import check_writable
+    from kvdiag.guard import check_outputs
     from kvdiag.models import load_model
 
-    out = check_writable(out, "--out", "dir")
+    check_outputs({"--out": (out, "dir"), "--leaderboard": leaderboard,
+                   "--leaderboard (its CSV)": None if leaderboard is None else Path(leaderboard).with_suffix(".csv")},
+                  {"--bench": bench_mod.resolve(bench), "RULE": spec if spec and spec.endswith(".py") else None})
     b = bench_mod.load(bench)
     rules = resolve_rules(spec, rule, params or {}, everything)
     start = time.perf_counter()

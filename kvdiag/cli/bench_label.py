@@ -15,6 +15,10 @@ from rich.console import Console
 from rich.table import Table
 
 from kvdiag.cli import common
+from kvdiag.errors import UserError
+from kvdiag.guard import check_outputs
+
+MAX_REPEATS = 1000  # timed runs; more would only hang
 
 
 def bench_label(
@@ -39,7 +43,12 @@ def bench_label(
     backend: str = typer.Option("auto", "--backend", help="kernel backend of the engine"),
 ) -> None:
     """Oracle engine throughput: vs the naive loop and the plain forward, layer start, or an approximate method."""
-    from kvdiag.errors import UserError
+    from kvdiag.errors import check_number
+
+    check_outputs({"--out": out})
+    check_number("--repeats", repeats, 1, MAX_REPEATS)
+    if n > prefix:
+        raise UserError(f"--n {n} candidates exceed the --prefix {prefix} cached entries: use --n {prefix} or less")
     from kvdiag.label.bench import run_fast_bench, run_label_bench, run_layer_start_bench
     from kvdiag.label.engine import GRANULARITIES
     from kvdiag.label.fast import resolve_method

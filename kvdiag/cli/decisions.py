@@ -9,6 +9,7 @@ from rich.console import Console
 
 from kvdiag import parsing
 from kvdiag.cli import common
+from kvdiag.guard import check_outputs
 
 
 def decisions(
@@ -54,6 +55,7 @@ def decisions(
     quiet: bool = common.Quiet,
 ) -> None:
     """Label the set each rule evicts under each budget exactly and compare the decisions with oracle references."""
+    check_outputs({"--out": (out, "dir")}, {"--trace": trace, "--scores": scores, "--labels": labels})
     from kvdiag.decisions import REFERENCES, DecisionsConfig, budgets_from, decisions_files
     from kvdiag.errors import UserError
     from kvdiag.harm import HarmSpec
