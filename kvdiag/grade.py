@@ -73,6 +73,7 @@ def _token_scores(head: pl.DataFrame, rules: list[str]) -> pl.DataFrame:
 def grade(bench: bench_mod.Benchmark, rules: dict, lm, out: Path, show_progress: bool = True) -> dict:
     """Grade ``rules`` on ``bench``; writes ``out/`` (scores, rank-eval metrics, decisions) and returns the rows, the
     per-checkpoint joint damages and the timings."""
+    from kvdiag.contracts import read_labels
     from kvdiag.decisions import DecisionsConfig, decide
     from kvdiag.harm import HarmSpec
     from kvdiag.rankeval import rank_eval
@@ -83,7 +84,7 @@ def grade(bench: bench_mod.Benchmark, rules: dict, lm, out: Path, show_progress:
     timings: dict[str, float] = {}
     s = bench.settings
     tr = Trace(bench.file("trace"), model=lm)
-    labels, labels_meta = read_table(bench.file("labels.parquet"), "benchmark labels")
+    labels, labels_meta = read_labels(bench.file("labels.parquet"), "benchmark labels")
     refs = read_table(bench.file("references.parquet"), "benchmark references")[0]
     cps = {pid: sorted(g["checkpoint"].unique().to_list()) for (pid,), g in labels.group_by("prompt_id")}
     start = time.perf_counter()
@@ -110,7 +111,8 @@ def grade(bench: bench_mod.Benchmark, rules: dict, lm, out: Path, show_progress:
         "prompt_id", "checkpoint", "decision", "budget", "status", "kl_mean")
     boot = PromptBootstrap(labels["prompt_id"].unique().to_list(), int(s.get("n_boot", 1000)), int(s["seed"]), 0.95)
     builtins = read_table(bench.file(bench_mod.BUILTINS))[0] if bench.has_builtins else None
-    rows = [_row(name, rules[name], result, dec, refs, builtins, boot, [b.name for b in budgets]) for name in names]
+    rows = [{**_row(name, rules[name], result, dec, refs, builtins, boot, [b.name for b in budgets]),
+             "bench": bench.name} for name in names]  # a user-built benchmark's rows say so
     return {"rows": rows, "decisions": dec, "timings": timings}
 
 
@@ -182,7 +184,8 @@ def _ci(value, ci) -> str:
 def _intro(b: bench_mod.Benchmark) -> str:
     """What the leaderboard's numbers are, from the benchmark's manifest."""
     m, st = b.manifest, b.settings
-    return (f"`kvdiag grade --all --bench {b.name}`: {m['trace']['prompts']} prompts of {m['model']['spec']} "
+    return (f"`kvdiag grade --all --bench {m['name']}@{m['version']}`: {m['trace']['prompts']} prompts of "
+            f"{m['model']['spec']} "
             f"({m['model']['dtype']}), {m['checkpoints']} checkpoints, exact labels of {m['labels']:,} entries, "
             f"horizon {st['horizon']}, `{st['selection']}` selection. AUROC, AP and FSR (false-safe rate): how each "
             f"rule ranks the single-entry labels (harmful: {st['harm']['harm']}). joint @ budget: the mean exact joint "

@@ -76,11 +76,19 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
     return write_atomically(path, lambda tmp: Path(tmp).write_text(text))
 
 
-def read_meta(path: str | os.PathLike) -> dict:
-    """The ``kvdiag`` metadata dict of a Parquet file written by ``write_table`` ({} if none)."""
-    kv = pq.read_metadata(path).metadata or {}  # polars writes file-level key-value metadata
-    raw = kv.get(META_KEY.encode())
-    return json.loads(raw) if raw else {}
+def read_meta(path: str | os.PathLike, what: str = "table") -> dict:
+    """The ``kvdiag`` metadata dict of a Parquet file written by ``write_table`` ({} if none); a missing, truncated
+    or corrupt file (or metadata) is a ``UserError`` naming ``what``."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{what} {path} does not exist: pass the path of a Parquet file written by kvdiag")
+    try:
+        kv = pq.read_metadata(path).metadata or {}  # polars writes file-level key-value metadata
+        raw = kv.get(META_KEY.encode())
+        return json.loads(raw) if raw else {}
+    except Exception as err:  # pyarrow raises many types for corrupt files
+        raise UserError(f"{what} {path} is not a readable Parquet file ({err.__class__.__name__}): regenerate it") \
+            from err
 
 
 def read_table(path: str | os.PathLike, what: str = "table") -> tuple[pl.DataFrame, dict]:
@@ -89,11 +97,12 @@ def read_table(path: str | os.PathLike, what: str = "table") -> tuple[pl.DataFra
     if not path.is_file():
         raise UserError(f"{what} {path} does not exist: pass the path of a Parquet file written by kvdiag")
     try:
-        return pl.read_parquet(path), read_meta(path)
+        df = pl.read_parquet(path)
     except Exception as err:  # pyarrow/polars raise many types for corrupt files
         raise UserError(
             f"{what} {path} is not a readable Parquet file ({err.__class__.__name__}): regenerate it"
         ) from err
+    return df, read_meta(path, what)
 
 
 def read_json(path: str | os.PathLike, what: str = "file"):

@@ -177,8 +177,9 @@ def test_bad_input_is_refused_before_work(run, capsys, tmp_path):
     foreign = write_table(other, tmp_path / "foreign.parquet",
                           {**run["scores_meta"], "trace": {"fingerprint": "0123456789abcdef"}})
     assert "another Trace" in exits_2(capsys, *base[:3], "--scores", foreign, *base[5:], "--keep", "0.5")
-    token_only = write_table(run["scores"].filter(pl.col("granularity") == "token"), tmp_path / "t.parquet",
-                             run["scores_meta"])
+    heads = run["scores"].filter((pl.col("layer") == 0) & (pl.col("kv_head") == 0))  # one row per (checkpoint, entry)
+    token_only = write_table(heads.with_columns(granularity=pl.lit("token"), layer=-1, kv_head=-1),
+                             tmp_path / "t.parquet", run["scores_meta"])
     assert not (tmp_path / "o").exists()
     assert "no head rows" in exits_2(capsys, *base[:3], "--scores", token_only, *base[5:], "--keep", "0.5")
     labels = ["--labels", run["labels_path"]]

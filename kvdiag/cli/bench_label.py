@@ -78,6 +78,10 @@ def bench_label(
         raise UserError("--out: written for --method and --sets only; drop it")
     common.quiet_transformers()
     lm = load_model(model, dtype=dtype, device=device)
+    limit = getattr(lm.model.config, "max_position_embeddings", None)
+    if limit and prefix + horizon > limit:
+        raise UserError(f"--prefix {prefix} + --horizon {horizon} exceeds {model}'s context of {limit} positions: use "
+                        f"--prefix {max(1, limit - horizon)} or less")
     weights = " (random weights)" if lm.random else ""
     title = f"bench label: {model}{weights} {dtype} on {device}, P={prefix}, N={n}, H={horizon}"
     console = Console(width=max(120, Console().width))  # piped output defaults to 80 columns
