@@ -505,13 +505,13 @@ def build_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
     Missing or unreadable pieces are listed and skipped; pieces made from different Traces are flagged.
     A run directory that does not exist or holds no piece at all is a ``UserError``.
     """
-    from kvdiag.guard import check_outputs
+    from kvdiag.guard import check_creatable, check_outputs
     from kvdiag.io import writable_dir
 
     run = Path(run_dir)
     if not run.is_dir():
         raise UserError(f"--run {run} is not a directory: pass the run directory (trace/, labels.parquet, ...)")
-    folder = Path(out_dir or run)
+    folder = check_creatable(out_dir or run, "--out", "dir")
     check_outputs({f"--out ({name})": folder / name for name in REPORT_FILES},  # the run directory holds the inputs
                   {f"--run {rel}": run / rel for rel, _ in LAYOUT.values() if rel != "commands.json"})
     r = _Run(run)
