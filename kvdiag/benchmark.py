@@ -149,7 +149,8 @@ def make(name: str, version: int, trace_dir: str | os.PathLike, labels: str | os
     existing version is never overwritten (make a new version)."""
     import polars as pl
 
-    from kvdiag.io import read_table, write_table
+    from kvdiag.contracts import read_decisions, read_labels
+    from kvdiag.io import write_table
     from kvdiag.provenance import provenance
     from kvdiag.trace import Trace
 
@@ -157,9 +158,9 @@ def make(name: str, version: int, trace_dir: str | os.PathLike, labels: str | os
     if out.exists():
         raise UserError(f"{out} exists: a benchmark version is never rewritten; make version {version + 1}")
     tr = Trace(trace_dir)
-    dec, dec_meta = read_table(Path(decisions_dir) / "decisions.parquet", "decisions")
+    dec, dec_meta = read_decisions(Path(decisions_dir) / "decisions.parquet")
     tr.check_belongs(dec_meta, "decisions")
-    lab, lab_meta = read_table(labels, "labels")
+    lab, lab_meta = read_labels(labels, "labels")
     tr.check_belongs(lab_meta, "labels")
     cps = dec.select("prompt_id", "checkpoint").unique()
     lab = lab.filter(pl.col("granularity") == "token").join(cps, on=["prompt_id", "checkpoint"], how="semi")

@@ -87,6 +87,28 @@ def read_labels(path: str | os.PathLike, what: str = "--labels", full: bool = Tr
     return df, meta
 
 
+DECISION_KEYS = ["prompt_id", "checkpoint", "decision", "budget", "sample"]  # one decision row (sample: stochastic)
+
+
+def read_decisions(path: str | os.PathLike, what: str = "decisions") -> tuple[pl.DataFrame, dict]:
+    """A ``decisions.parquet`` written by ``kvdiag decisions`` and its metadata: its key and status columns,
+    non-empty, one row per (prompt, checkpoint, decision, budget, sample), ``kl_mean`` finite where labeled."""
+    fix = "pass the decisions.parquet of a finished `kvdiag decisions` run"
+    what = f"{what} {path}"
+    df, meta = read_table(path, what)
+    missing = sorted({*DECISION_KEYS, "kind", "status", "kl_mean"} - set(df.columns))
+    if missing:
+        raise UserError(f"{what} lacks columns {missing}: {fix}")
+    if df.height == 0:
+        raise UserError(f"{what} has no rows: {fix}")
+    dup = df.filter(pl.struct(DECISION_KEYS).is_duplicated())
+    if dup.height:
+        raise UserError(f"{what} holds {dup.height} rows that repeat a (prompt, checkpoint, decision, budget, sample): "
+                        f"{fix}")
+    check_finite(df.filter(pl.col("status") == "ok"), ["kl_mean"], what, fix)
+    return df, meta
+
+
 def belongs(trace, meta: dict, what: str) -> None:
     """Refuse a table whose metadata does not name the Trace it was made from (its fingerprint), or names another
     than ``trace``: a table without provenance could come from any Trace."""
@@ -96,4 +118,5 @@ def belongs(trace, meta: dict, what: str) -> None:
     trace.check_belongs(meta, what)
 
 
-__all__ = ["LABEL_SCHEMA", "belongs", "check_finite", "check_rows", "read_labels", "read_scores", "score_columns"]
+__all__ = ["DECISION_KEYS", "LABEL_SCHEMA", "belongs", "check_finite", "check_rows", "read_decisions", "read_labels",
+           "read_scores", "score_columns"]

@@ -773,3 +773,22 @@ def test_a_benchmark_missing_a_required_file_from_its_manifest_is_refused(tmp_pa
     (copy / "MANIFEST.json").write_text(json.dumps(manifest))
     with pytest.raises(UserError, match="does not list references.parquet"):
         benchmark.load(str(copy))
+
+
+def test_the_decisions_contract(tmp_path):
+    """read_decisions refuses an empty table, a repeated decision row and a labeled row without a finite kl_mean."""
+    from kvdiag.contracts import read_decisions
+    from kvdiag.errors import UserError
+    from kvdiag.io import write_table
+
+    rows = pl.DataFrame({"prompt_id": ["p", "p"], "checkpoint": [8, 8], "decision": ["knorm", "random"],
+                         "kind": ["rule", "reference"], "budget": ["keep:0.5"] * 2, "sample": [None, None],
+                         "status": ["ok", "over_budget"], "kl_mean": [0.25, None]},
+                        schema_overrides={"sample": pl.Int64})
+    assert read_decisions(write_table(rows, tmp_path / "ok.parquet"))[0].height == 2
+    for name, bad, needle in [("empty", rows.head(0), "has no rows"),
+                              ("dup", pl.concat([rows, rows.head(1)]), "repeat"),
+                              ("inf", rows.with_columns(kl_mean=pl.lit(float("inf"))), "null, NaN or infinite"),
+                              ("keyless", rows.drop("budget"), "lacks columns")]:
+        with pytest.raises(UserError, match=needle):
+            read_decisions(write_table(bad, tmp_path / f"{name}.parquet"))
