@@ -27,8 +27,6 @@ from kvdiag.errors import UserError
 from kvdiag.harm import HarmSpec
 from kvdiag.label.engine import OracleEngine, Row
 from kvdiag.label.fast import FisherLabeler, FisherParams
-
-SELECT_DIGITS = 3  # significant digits of the Fisher estimate that choose the exact top M (its noise is far larger)
 from kvdiag.models import LoadedModel
 from kvdiag.stats import percentile_ci, prompt_multiplicities
 
@@ -103,10 +101,7 @@ class HybridLabeler:
         fast = self.fisher.label(t, rows)
         est = fast["kl"].double()
         m = self.params.top_count(n)
-        # the top M by the estimate rounded to SELECT_DIGITS significant digits, ties to the older candidate: a rerun
-        # whose caches were built in other chunks (a resumed run) moves the estimate by ~1e-8, far below the
-        # estimator's own sampling noise, and must not move rows between the exact and the fast set
-        top = torch.sort(significant(est, SELECT_DIGITS), descending=True, stable=True).indices[:m].tolist()
+        top = torch.sort(est, descending=True, stable=True).indices[:m].tolist()  # ties: the older candidate first
         rest = sorted(set(range(n)) - set(top))
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + t + 7)
         audit = sorted(rest[i] for i in torch.randperm(len(rest), generator=gen)[: self.params.audit].tolist())
@@ -135,14 +130,6 @@ class HybridLabeler:
             progress(n - len(chosen))
         return {"method": method, "kl": kl.tolist(), "nll_delta": nll.tolist(), "kl_steps": steps, "kl_max": kl_max,
                 "js_mean": js, "top1_flips": flips, "noise": noise, "rest": len(rest)}
-
-
-def significant(x: torch.Tensor, digits: int) -> torch.Tensor:
-    """``x`` [N] (float64) rounded to ``digits`` significant digits (zeros stay zero)."""
-    nonzero = x != 0
-    exponent = torch.floor(torch.log10(torch.where(nonzero, x.abs(), 1.0))).clamp_min(-300)  # 10^(d-1-e) stays finite
-    scale = torch.pow(10.0, digits - 1 - exponent)
-    return torch.where(nonzero, torch.round(x * scale) / scale, x)
 
 
 def params_dict(params: HybridParams) -> dict:
