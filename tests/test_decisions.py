@@ -304,3 +304,20 @@ def test_viewer_shows_the_random_rule_and_the_random_reference_apart(run, decide
     names = data["meta"]["decisions"]
     assert "random at keep:0.5" in names and "random_reference at keep:0.5" in names
     assert len(names) == len(set(names))
+
+
+def test_sampled_labels_and_another_model_are_refused_before_the_model_loads(run, capsys, tmp_path, monkeypatch):
+    """#40: labels of a sample of the entries cannot define oracle_single, and another built-in --model is known to
+    differ from the Trace's: both refused before any model load."""
+    import kvdiag.models
+
+    monkeypatch.setattr(kvdiag.models, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    sampled = write_table(run["labels"].filter(pl.col("position") % 2 == 0), tmp_path / "sampled.parquet",
+                          run["labels_meta"])
+    err = exits_2(capsys, "decisions", "--trace", run["trace"].path, "--scores", run["scores_path"], "--labels",
+                  sampled, "--keep", "0.5", "--out", tmp_path / "o")
+    assert "oracle_single needs exact labels" in err and "lacks some at checkpoint" in err
+    err = exits_2(capsys, "decisions", "--trace", run["trace"].path, "--scores", run["scores_path"], "--model",
+                  "tiny:qwen3", "--keep", "0.5", "--out", tmp_path / "o")
+    assert "--model tiny:qwen3 is not the Trace's model (tiny:llama)" in err
+    assert not (tmp_path / "o").exists()
