@@ -792,3 +792,30 @@ def test_the_decisions_contract(tmp_path):
                               ("keyless", rows.drop("budget"), "lacks columns")]:
         with pytest.raises(UserError, match=needle):
             read_decisions(write_table(bad, tmp_path / f"{name}.parquet"))
+
+
+def test_the_output_guard(inputs, tmp_path):
+    """kvdiag.guard.check_outputs: an output that is (also through a symlink), holds or lies inside an input, or lies
+    inside any Trace, is refused naming both flags; `kvdiag trace` may continue its own Trace; a fine output passes
+    and the writability probe leaves nothing behind."""
+    from kvdiag.errors import UserError
+    from kvdiag.guard import check_outputs, is_trace_dir
+
+    trace, labels = Path(inputs["trace"]), Path(inputs["labels"])
+    link = tmp_path / "link.parquet"
+    link.symlink_to(labels)
+    refused = [
+        ({"--out": link}, {"--labels": labels}, "is the input --labels"),
+        ({"--out": (labels.parent, "dir")}, {"--labels": labels}, "contains the input --labels"),
+        ({"--out": trace / "x" / "s.parquet"}, {"--trace": trace}, "lies inside the input --trace"),
+        ({"--out": trace / "x.parquet"}, {}, "lies inside the Trace directory"),
+        ({"--out": (trace, "dir")}, {}, "is the Trace directory"),
+    ]
+    for outputs, ins, needle in refused:
+        with pytest.raises(UserError, match=needle):
+            check_outputs(outputs, ins)
+    assert is_trace_dir(trace) and not is_trace_dir(trace.parent)
+    check_outputs({"--out": (trace, "dir")}, {}, writes_trace=True)  # a rerun of kvdiag trace continues it
+    before = sorted(tmp_path.iterdir())
+    check_outputs({"--out": tmp_path / "new" / "s.parquet"}, {"--labels": labels, "--trace": trace})
+    assert sorted(tmp_path.iterdir()) == before
