@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvdiag.cli import common
-from kvdiag.errors import UserError
+from kvdiag.errors import UserError, check_number
 from kvdiag.guard import check_outputs
 
 MAX_REPEATS = 1000  # timed runs; more would only hang
@@ -43,8 +43,6 @@ def bench_label(
     backend: str = typer.Option("auto", "--backend", help="kernel backend of the engine"),
 ) -> None:
     """Oracle engine throughput: vs the naive loop and the plain forward, layer start, or an approximate method."""
-    from kvdiag.errors import check_number
-
     check_outputs({"--out": out})
     check_number("--repeats", repeats, 1, MAX_REPEATS)
     if n > prefix:
