@@ -87,24 +87,25 @@ def read_labels(path: str | os.PathLike, what: str = "--labels", full: bool = Tr
     return df, meta
 
 
-DECISION_KEYS = ["prompt_id", "checkpoint", "decision", "budget", "sample"]  # one decision row (sample: stochastic)
+# one decision row: a rule and a reference may share a name (random), a stochastic selection has samples
+DECISION_KEYS = ["prompt_id", "checkpoint", "kind", "decision", "budget", "sample"]
 
 
 def read_decisions(path: str | os.PathLike, what: str = "decisions") -> tuple[pl.DataFrame, dict]:
     """A ``decisions.parquet`` written by ``kvdiag decisions`` and its metadata: its key and status columns,
-    non-empty, one row per (prompt, checkpoint, decision, budget, sample), ``kl_mean`` finite where labeled."""
+    non-empty, one row per (prompt, checkpoint, kind, decision, budget, sample), ``kl_mean`` finite where labeled."""
     fix = "pass the decisions.parquet of a finished `kvdiag decisions` run"
     what = f"{what} {path}"
     df, meta = read_table(path, what)
-    missing = sorted({*DECISION_KEYS, "kind", "status", "kl_mean"} - set(df.columns))
+    missing = sorted({*DECISION_KEYS, "status", "kl_mean"} - set(df.columns))
     if missing:
         raise UserError(f"{what} lacks columns {missing}: {fix}")
     if df.height == 0:
         raise UserError(f"{what} has no rows: {fix}")
     dup = df.filter(pl.struct(DECISION_KEYS).is_duplicated())
     if dup.height:
-        raise UserError(f"{what} holds {dup.height} rows that repeat a (prompt, checkpoint, decision, budget, sample): "
-                        f"{fix}")
+        raise UserError(f"{what} holds {dup.height} rows that repeat a (prompt, checkpoint, kind, decision, budget, "
+                        f"sample): {fix}")
     check_finite(df.filter(pl.col("status") == "ok"), ["kl_mean"], what, fix)
     return df, meta
 
