@@ -11,7 +11,10 @@ A benchmark ``NAME@VERSION`` is a directory ``data/kvdiag-bench/NAME@VERSION/``:
   budget) and their leaderboard rows, for paired tests against the best;
 - ``MANIFEST.json``: name, version, the model, the decisions settings, the sha256 of every file, provenance, licence.
 
-Every file is checked against its sha256 before anything runs; a changed file is refused in one line.
+Every file is checked against its sha256 before anything runs; a changed file is refused in one line. The manifest
+does not vouch for itself: kvdiag holds the sha256 of each shipped version's ``MANIFEST.json`` (:data:`SHIPPED`) and
+the files every benchmark must list (:data:`FILES`), so a copy whose manifest drops a file or whose hashes were
+recomputed is refused. A benchmark that is not a shipped version is *user-built* and says so in its name.
 """
 
 from __future__ import annotations
@@ -26,8 +29,11 @@ from kvdiag.errors import UserError
 from kvdiag.io import read_json, write_json
 
 BENCH_ROOT = Path(__file__).resolve().parents[1] / "data" / "kvdiag-bench"
-FILES = ("trace/manifest.json", "trace/tokens.parquet", "labels.parquet", "references.parquet")
+FILES = ("trace/manifest.json", "trace/tokens.parquet", "labels.parquet", "references.parquet")  # every benchmark's
 BUILTINS = "builtins.parquet"
+# NAME@VERSION -> the sha256 of its MANIFEST.json as shipped (which holds the sha256 of each of its files)
+SHIPPED = {"math500-smollm2@1": "42aadc13769a62de106a114f3c461b064cb73e7c56e191ab88722badb147a5ed"}
+USER_BUILT = " (user-built)"
 
 
 def sha256(path: Path) -> str:
@@ -52,7 +58,12 @@ class Benchmark:
 
     @property
     def name(self) -> str:
-        return f"{self.manifest['name']}@{self.manifest['version']}"
+        """``NAME@VERSION``, with `` (user-built)`` unless it is a shipped version (its manifest hash checked)."""
+        return f"{self.manifest['name']}@{self.manifest['version']}" + ("" if self.shipped else USER_BUILT)
+
+    @property
+    def shipped(self) -> bool:
+        return f"{self.manifest['name']}@{self.manifest['version']}" in SHIPPED
 
     @property
     def settings(self) -> dict:
@@ -85,9 +96,26 @@ def resolve(spec: str, root: Path = BENCH_ROOT) -> Path:
 
 
 def load(spec: str, root: Path = BENCH_ROOT) -> Benchmark:
-    """The benchmark ``spec``, every file checked against its sha256 (a mismatch is one ``UserError`` line)."""
+    """The benchmark ``spec``, sealed: a shipped version's ``MANIFEST.json`` has the sha256 kvdiag holds, every
+    benchmark's manifest lists each of :data:`FILES`, and every listed file matches its sha256 (else one
+    ``UserError`` line)."""
     path = resolve(spec, root)
     manifest = read_json(path / "MANIFEST.json", f"benchmark {spec} MANIFEST.json")
+    restore = f"restore it (git checkout -- {path})"
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise UserError(f"benchmark {spec}: MANIFEST.json has no `files` table of sha256s, so nothing in it can be "
+                        f"checked; {restore}")
+    missing = [k for k in ("name", "version", "model", "settings") if k not in manifest]
+    if missing:
+        raise UserError(f"benchmark {spec}: MANIFEST.json lacks {', '.join(missing)}; {restore}")
+    name = f"{manifest['name']}@{manifest['version']}"
+    if name in SHIPPED and sha256(path / "MANIFEST.json") != SHIPPED[name]:
+        raise UserError(f"benchmark {spec}: its MANIFEST.json is not the one kvdiag shipped as {name} (sha256 "
+                        f"differs); {restore}, or build a new benchmark under another name or version")
+    unlisted = [rel for rel in FILES if rel not in manifest["files"]]
+    if unlisted:
+        raise UserError(f"benchmark {spec}: MANIFEST.json does not list {unlisted[0]}, which every benchmark must "
+                        f"have and seal; {restore}")
     for rel, digest in manifest["files"].items():
         f = path / rel
         if not f.is_file():
@@ -121,7 +149,8 @@ def make(name: str, version: int, trace_dir: str | os.PathLike, labels: str | os
     existing version is never overwritten (make a new version)."""
     import polars as pl
 
-    from kvdiag.io import read_table, write_table
+    from kvdiag.contracts import read_decisions, read_labels
+    from kvdiag.io import write_table
     from kvdiag.provenance import provenance
     from kvdiag.trace import Trace
 
@@ -129,9 +158,9 @@ def make(name: str, version: int, trace_dir: str | os.PathLike, labels: str | os
     if out.exists():
         raise UserError(f"{out} exists: a benchmark version is never rewritten; make version {version + 1}")
     tr = Trace(trace_dir)
-    dec, dec_meta = read_table(Path(decisions_dir) / "decisions.parquet", "decisions")
+    dec, dec_meta = read_decisions(Path(decisions_dir) / "decisions.parquet")
     tr.check_belongs(dec_meta, "decisions")
-    lab, lab_meta = read_table(labels, "labels")
+    lab, lab_meta = read_labels(labels, "labels")
     tr.check_belongs(lab_meta, "labels")
     cps = dec.select("prompt_id", "checkpoint").unique()
     lab = lab.filter(pl.col("granularity") == "token").join(cps, on=["prompt_id", "checkpoint"], how="semi")

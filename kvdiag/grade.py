@@ -73,6 +73,7 @@ def _token_scores(head: pl.DataFrame, rules: list[str]) -> pl.DataFrame:
 def grade(bench: bench_mod.Benchmark, rules: dict, lm, out: Path, show_progress: bool = True) -> dict:
     """Grade ``rules`` on ``bench``; writes ``out/`` (scores, rank-eval metrics, decisions) and returns the rows, the
     per-checkpoint joint damages and the timings."""
+    from kvdiag.contracts import read_labels
     from kvdiag.decisions import DecisionsConfig, decide
     from kvdiag.harm import HarmSpec
     from kvdiag.rankeval import rank_eval
@@ -83,7 +84,7 @@ def grade(bench: bench_mod.Benchmark, rules: dict, lm, out: Path, show_progress:
     timings: dict[str, float] = {}
     s = bench.settings
     tr = Trace(bench.file("trace"), model=lm)
-    labels, labels_meta = read_table(bench.file("labels.parquet"), "benchmark labels")
+    labels, labels_meta = read_labels(bench.file("labels.parquet"), "benchmark labels")
     refs = read_table(bench.file("references.parquet"), "benchmark references")[0]
     cps = {pid: sorted(g["checkpoint"].unique().to_list()) for (pid,), g in labels.group_by("prompt_id")}
     start = time.perf_counter()
@@ -113,7 +114,8 @@ def grade(bench: bench_mod.Benchmark, rules: dict, lm, out: Path, show_progress:
     builtins = read_table(bench.file(bench_mod.BUILTINS))[0] if bench.has_builtins else None
     ranks = ranking_rules(token, labels, names)
     rows = [{**_rank_part(name, rules[name].params, result, ranks[name]),
-             **_decision_part(name, dec, refs, builtins, boot, [b.name for b in budgets])} for name in names]
+             **_decision_part(name, dec, refs, builtins, boot, [b.name for b in budgets]),
+             "bench": bench.name} for name in names]  # a user-built benchmark's rows say so
     return {"rows": rows, "decisions": dec, "timings": timings}
 
 
@@ -208,7 +210,8 @@ def _ci(value, ci) -> str:
 def _intro(b: bench_mod.Benchmark) -> str:
     """What the leaderboard's numbers are, from the benchmark's manifest."""
     m, st = b.manifest, b.settings
-    return (f"`kvdiag grade --all --bench {b.name}`: {m['trace']['prompts']} prompts of {m['model']['spec']} "
+    return (f"`kvdiag grade --all --bench {m['name']}@{m['version']}`: {m['trace']['prompts']} prompts of "
+            f"{m['model']['spec']} "
             f"({m['model']['dtype']}), {m['checkpoints']} checkpoints, exact labels of {m['labels']:,} entries, "
             f"horizon {st['horizon']}, `{st['selection']}` selection. AUROC, AP and FSR (false-safe rate): how each "
             f"rule ranks the single-entry labels (harmful: {st['harm']['harm']}). joint @ budget: the mean exact joint "
@@ -321,10 +324,12 @@ def grade_files(spec: str | None, bench: str, out: str | os.PathLike, rule: str 
                 params: dict | None = None, everything: bool = False, leaderboard: str | os.PathLike | None = None,
                 show_progress: bool = True) -> dict:
     """What ``kvdiag grade`` runs: every input checked before the model loads, then :func:`grade`."""
-    from kvdiag.io import check_writable
+    from kvdiag.guard import check_outputs
     from kvdiag.models import load_model
 
-    out = check_writable(out, "--out", "dir")
+    check_outputs({"--out": (out, "dir"), "--leaderboard": leaderboard,
+                   "--leaderboard (its CSV)": None if leaderboard is None else Path(leaderboard).with_suffix(".csv")},
+                  {"--bench": bench_mod.resolve(bench), "RULE": spec if spec and spec.endswith(".py") else None})
     b = bench_mod.load(bench)
     rules = resolve_rules(spec, rule, params or {}, everything)
     start = time.perf_counter()

@@ -58,8 +58,8 @@ class HarmSpec:
 
     def __post_init__(self):
         parse_harm(self.harm)
-        if not self.noise_mult >= 0:
-            raise UserError(f"--noise-mult {self.noise_mult}: must be >= 0 (a multiple of the noise floor)")
+        if not 0 <= self.noise_mult < float("inf"):
+            raise UserError(f"--noise-mult {self.noise_mult}: must be >= 0 and finite (a multiple of the noise floor)")
 
     @classmethod
     def from_config(cls, config: Mapping | None) -> HarmSpec:

@@ -15,6 +15,7 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from kvdiag.errors import UserError
+from kvdiag.guard import check_creatable as check_writable  # one definition; the old name stays
 
 META_KEY = "kvdiag"
 _UMASK = os.umask(0)  # read it once (os.umask can only be read by setting it) ...
@@ -35,28 +36,6 @@ def write_atomically(path: str | os.PathLike, write) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return path
-
-
-def check_writable(path: str | os.PathLike, what: str, kind: str = "file") -> Path:
-    """Refuse (``UserError``) an output ``path`` (a ``kind`` = "file" or "dir") that cannot be written: below a
-    regular file, of the other kind, or without write permission. Creates nothing, so it runs before any work."""
-    path = Path(path)
-    existing = next(p for p in [path.absolute(), *path.absolute().parents] if p.exists())
-    if existing == path.absolute():
-        if kind == "dir" and not existing.is_dir():
-            raise UserError(f"{what} {path} is not a writable directory: it is a file; choose a directory path")
-        if kind == "file" and existing.is_dir():
-            raise UserError(f"{what} {path} is a directory; pass a file path")
-        folder = existing if kind == "dir" else existing.parent
-    elif not existing.is_dir():
-        target = "a writable directory" if kind == "dir" else "a writable file path"
-        raise UserError(f"{what} {path} is not {target}: it lies below the file {existing}; choose a path in a "
-                        "directory")
-    else:
-        folder = existing
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise UserError(f"{what} {path}: {folder} is not writable; choose a writable path")
     return path
 
 
@@ -97,11 +76,19 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
     return write_atomically(path, lambda tmp: Path(tmp).write_text(text))
 
 
-def read_meta(path: str | os.PathLike) -> dict:
-    """The ``kvdiag`` metadata dict of a Parquet file written by ``write_table`` ({} if none)."""
-    kv = pq.read_metadata(path).metadata or {}  # polars writes file-level key-value metadata
-    raw = kv.get(META_KEY.encode())
-    return json.loads(raw) if raw else {}
+def read_meta(path: str | os.PathLike, what: str = "table") -> dict:
+    """The ``kvdiag`` metadata dict of a Parquet file written by ``write_table`` ({} if none); a missing, truncated
+    or corrupt file (or metadata) is a ``UserError`` naming ``what``."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{what} {path} does not exist: pass the path of a Parquet file written by kvdiag")
+    try:
+        kv = pq.read_metadata(path).metadata or {}  # polars writes file-level key-value metadata
+        raw = kv.get(META_KEY.encode())
+        return json.loads(raw) if raw else {}
+    except Exception as err:  # pyarrow raises many types for corrupt files
+        raise UserError(f"{what} {path} is not a readable Parquet file ({err.__class__.__name__}): regenerate it") \
+            from err
 
 
 def read_table(path: str | os.PathLike, what: str = "table") -> tuple[pl.DataFrame, dict]:
@@ -110,11 +97,12 @@ def read_table(path: str | os.PathLike, what: str = "table") -> tuple[pl.DataFra
     if not path.is_file():
         raise UserError(f"{what} {path} does not exist: pass the path of a Parquet file written by kvdiag")
     try:
-        return pl.read_parquet(path), read_meta(path)
+        df = pl.read_parquet(path)
     except Exception as err:  # pyarrow/polars raise many types for corrupt files
         raise UserError(
             f"{what} {path} is not a readable Parquet file ({err.__class__.__name__}): regenerate it"
         ) from err
+    return df, read_meta(path, what)
 
 
 def read_json(path: str | os.PathLike, what: str = "file"):

@@ -75,6 +75,9 @@ def _builtin(source: str, limit: int | None, seed: int) -> list[Prompt]:
     if len(rest) > 2 or not all(r.isdigit() and int(r) > 0 for r in rest):
         raise UserError(f"--prompts {source}: N and LENGTH must be positive integers ({usage})")
     count = int(rest[0]) if rest else (limit or 20)
+    if count > MAX_BUILTIN:
+        raise UserError(f"--prompts {source}: N {count} is more than the {MAX_BUILTIN:,} prompts a builtin suite "
+                        f"makes; use N <= {MAX_BUILTIN}")
     make, lengths = SUITES[name]
     if len(rest) < 2:
         return make(count, seed)
@@ -152,6 +155,7 @@ def arith_prompts(n: int, seed: int = 0) -> list[Prompt]:
 
 # --------------------------------------------------------------------------- builtin:recall
 
+MAX_BUILTIN = 10_000  # prompts of a builtin suite: more would only hang the command that makes them
 RECALL_LENGTH = 20  # count length when builtin:recall is given no LENGTH
 RECALL_SHOTS = 2  # worked examples before the question (same length: the model copies their shape)
 

@@ -50,6 +50,7 @@ LAYOUT = {
                            "--out RUN/figures"),
     "commands": ("commands.json", "kvdiag.report.record_command(RUN, argv) after each step"),
 }
+REPORT_FILES = ("report.md", "report.html", "viewer.html")  # what `kvdiag report` writes into --out
 KL_QUANTILES = (0.0, 0.1, 0.5, 0.9, 0.99, 1.0)
 HTML_STYLE = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0
 1em;line-height:1.45;color:#222}
@@ -504,11 +505,15 @@ def build_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
     Missing or unreadable pieces are listed and skipped; pieces made from different Traces are flagged.
     A run directory that does not exist or holds no piece at all is a ``UserError``.
     """
+    from kvdiag.guard import check_creatable, check_outputs
     from kvdiag.io import writable_dir
 
     run = Path(run_dir)
     if not run.is_dir():
         raise UserError(f"--run {run} is not a directory: pass the run directory (trace/, labels.parquet, ...)")
+    folder = check_creatable(out_dir or run, "--out", "dir")
+    check_outputs({f"--out ({name})": folder / name for name in REPORT_FILES},  # the run directory holds the inputs
+                  {f"--run {rel}": run / rel for rel, _ in LAYOUT.values() if rel != "commands.json"})
     r = _Run(run)
     if r.trace is not None:
         from kvdiag.models import check_not_random

@@ -11,6 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
+import polars as pl
 import pytest
 
 from kvdiag.cli.main import main
@@ -496,6 +497,61 @@ CASES: list[tuple[str, list[str], str]] = [
     ("bench-label-sets-keep", ["bench", "label", "--sets", "--keep", "1.5"], "--keep 1.5"),
     ("bench-label-sets-method", ["bench", "label", "--sets", "--method", "fast"], "--sets"),
     ("bench-label-out", ["bench", "label", "--out", "{out}"], "--out"),
+    # ---- #40: nothing a user owns is overwritten (the output guard, before any work)
+    ("decisions-out-is-trace", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5", "--out",
+                                "{trace}"], "is the input --trace"),
+    ("decisions-out-holds-inputs", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5",
+                                    "--out", "{run}"], "contains the input --trace"),
+    ("decisions-out-proc", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5", "--out",
+                            "/proc/kvdiag-out"], "/proc is not writable"),
+    ("score-out-is-labels", ["score", "--trace", "{trace}", "--labels", "{labels}", "--out", "{labels}"],
+     "is the input --labels"),
+    ("score-out-trace-tokens", ["score", "--trace", "{trace}", "--labels", "{labels}", "--out",
+                                "{trace}/tokens.parquet"], "lies inside the input --trace"),
+    ("score-out-other-trace", ["score", "--trace", "{trace}", "--labels", "{labels}", "--out",
+                               "{trace_bad_layer}/s.parquet"], "lies inside the Trace directory"),
+    ("label-out-trace-tokens", ["label", "--trace", "{trace}", "--out", "{trace}/tokens.parquet"],
+     "lies inside the input --trace"),
+    ("rank-eval-out-is-scores", ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--out", "{scores}"],
+     "is the input --scores"),
+    ("bench-label-out-below-file", ["bench", "label", "--method", "fast", "--out", "{file}/b.json"], "--out"),
+    ("bench-replay-out-proc", ["bench", "replay", "--out", "/proc/kvdiag.json"], "/proc is not writable"),
+    # ---- #40: every input's contents are checked (the contracts, before any model loads)
+    ("decisions-scores-nan", ["decisions", "--trace", "{trace}", "--scores", "{scores_nan}", "--keep", "0.5", "--out",
+                              "{out}"], "null, NaN or infinite"),
+    ("decisions-scores-inf", ["decisions", "--trace", "{trace}", "--scores", "{scores_inf}", "--keep", "0.5", "--out",
+                              "{out}"], "null, NaN or infinite"),
+    ("decisions-scores-null", ["decisions", "--trace", "{trace}", "--scores", "{scores_null}", "--keep", "0.5",
+                               "--out", "{out}"], "null, NaN or infinite"),
+    ("decisions-scores-dup", ["decisions", "--trace", "{trace}", "--scores", "{scores_dup}", "--keep", "0.5", "--out",
+                              "{out}"], "2 times"),
+    ("decisions-scores-nometa", ["decisions", "--trace", "{trace}", "--scores", "{scores_nometa}", "--keep", "0.5",
+                                 "--out", "{out}"], "does not record the Trace"),
+    ("decisions-labels-truncated", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--labels",
+                                    "{truncated_labels}", "--keep", "0.5", "--out", "{out}"], "truncated.parquet"),
+    ("rank-eval-scores-nan", ["rank-eval", "--labels", "{labels}", "--scores", "{scores_nan}", "--out", "{out}"],
+     "null, NaN or infinite"),
+    ("rank-eval-labels-empty", ["rank-eval", "--labels", "{labels_empty}", "--scores", "{scores}", "--out", "{out}"],
+     "has no rows"),
+    ("rank-eval-noise-mult-inf", ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--noise-mult", "inf",
+                                  "--out", "{out}"], "--noise-mult inf"),
+    # ---- #40: numbers from the command line are finite, in range and bounded
+    ("trace-temperature-inf", ["trace", "--model", "tiny:llama", "--sample", "--temperature", "inf", "--out", "{out}"],
+     "--temperature inf"),
+    ("replay-temperature-inf", ["replay", "--scorer", "knorm", "--model", "tiny:llama", "--temperature", "inf",
+                                "--out", "{out}"], "--temperature inf"),
+    ("bench-replay-temperature-inf", ["bench", "replay", "--temperature", "inf"], "--temperature inf"),
+    ("replay-builtin-huge", ["replay", "--scorer", "knorm", "--model", "tiny:llama", "--prompts",
+                             "builtin:recall:100000000", "--out", "{out}"], "N 100000000"),
+    ("bench-label-repeats-0", ["bench", "label", "--repeats", "0"], "--repeats 0"),
+    ("bench-label-n-above-prefix", ["bench", "label", "--prefix", "64", "--n", "65"], "--n 65"),
+    ("bench-label-prefix-context", ["bench", "label", "--model", "tiny:llama", "--prefix", "5000", "--n", "8"],
+     "context of 4096"),
+    ("bench-peak-seconds-nan", ["bench", "peak", "--seconds", "nan"], "--seconds nan"),
+    ("bench-peak-seconds-inf", ["bench", "peak", "--seconds", "inf"], "--seconds inf"),
+    # ---- #40: an option that would do nothing
+    ("replay-outcomes-other-prompts", ["replay", "--teacher-forced", "{trace}", "--scorer", "knorm", "--budget", "16",
+                                       "--outcomes", "{other_replay}", "--out", "{out}"], "holds no generation"),
 ]
 
 
@@ -546,6 +602,24 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
     p["keyless_parquet"] = str(root / "keyless.parquet")
     write_table(df, root / "foreign.parquet", {**meta, "trace": {**meta["trace"], "fingerprint": "0123456789abcdef"}})
     p["foreign_labels"] = str(root / "foreign.parquet")
+    write_table(df.head(0), root / "labels-empty.parquet", meta)
+    p["labels_empty"] = str(root / "labels-empty.parquet")
+    sdf, smeta = read_table(scores)
+    first = pl.int_range(pl.len()) == 0
+    for name, broken, broken_meta in [
+        ("nan", sdf.with_columns(pl.when(first).then(float("nan")).otherwise(pl.col("knorm")).alias("knorm")), smeta),
+        ("inf", sdf.with_columns(pl.when(first).then(float("inf")).otherwise(pl.col("attention")).alias("attention")),
+         smeta),
+        ("null", sdf.with_columns(pl.when(first).then(None).otherwise(pl.col("knorm")).alias("knorm")), smeta),
+        ("dup", pl.concat([sdf, sdf.head(1)]), smeta),
+        ("nometa", sdf, {}),
+    ]:
+        write_table(broken, root / f"scores-{name}.parquet", broken_meta)
+        p[f"scores_{name}"] = str(root / f"scores-{name}.parquet")
+    # a free-running replay of other prompts than the Trace's
+    write_table(pl.DataFrame({"prompt_id": ["elsewhere000"], "policy": ["full_kv"]}),
+                root / "other-replay" / "generations.parquet", {"kind": "replay"})
+    p["other_replay"] = str(root / "other-replay")
 
     def broken_trace(name: str, breaker) -> str:
         copy = root / name
@@ -631,3 +705,117 @@ def test_rank_eval_default_reference(inputs, tmp_path, capsys):
     config = json.loads((out / "config.json").read_text())
     assert config["summary"]["reference_note"].startswith("no paired comparisons: the scores have no avokv_e column")
     assert config["config"]["reference"] is None
+
+
+SHIPPED = Path(__file__).resolve().parents[1] / "data" / "kvdiag-bench" / "math500-smollm2@1"
+
+
+def _drop_labels_from_the_manifest(d: Path) -> None:
+    """The labels file is altered and no longer listed: the manifest's own hashes all still match."""
+    from kvdiag.io import read_table, write_table
+
+    df, meta = read_table(d / "labels.parquet")
+    write_table(df.with_columns(pl.col("kl_mean") * 0.5), d / "labels.parquet", meta)
+    manifest = json.loads((d / "MANIFEST.json").read_text())
+    del manifest["files"]["labels.parquet"]
+    (d / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def _recompute_the_hashes(d: Path) -> None:
+    """The labels file is altered and the manifest resealed: the manifest vouches for itself."""
+    from kvdiag import benchmark
+    from kvdiag.io import read_table, write_table
+
+    df, meta = read_table(d / "labels.parquet")
+    write_table(df.with_columns(pl.col("kl_mean") * 0.5), d / "labels.parquet", meta)
+    benchmark.seal(d, json.loads((d / "MANIFEST.json").read_text()))
+
+
+def _drop_the_files_key(d: Path) -> None:
+    manifest = json.loads((d / "MANIFEST.json").read_text())
+    del manifest["files"]
+    (d / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+@pytest.mark.parametrize("tamper, needle", [
+    (_drop_labels_from_the_manifest, "not the one kvdiag shipped"),
+    (_recompute_the_hashes, "not the one kvdiag shipped"),
+    (_drop_the_files_key, "no `files` table"),
+], ids=["unlisted-labels", "recomputed-hashes", "no-files-key"])
+def test_grade_refuses_a_tampered_copy_of_the_shipped_benchmark(tamper, needle, tmp_path, capsys):
+    """The seal (#40): kvdiag holds the sha256 of the shipped MANIFEST.json, so a copy tampered with in any of the three
+    ways is refused with exit 2 and one line, before the model loads or --out is written."""
+    from kvdiag import benchmark
+
+    assert benchmark.sha256(SHIPPED / "MANIFEST.json") == benchmark.SHIPPED["math500-smollm2@1"]
+    assert benchmark.load("math500-smollm2@1").name == "math500-smollm2@1"  # the shipped one passes, not user-built
+    copy = tmp_path / "math500-smollm2@1"
+    shutil.copytree(SHIPPED, copy)
+    tamper(copy)
+    code, err = _run(["grade", "knorm", "--bench", str(copy), "--out", str(tmp_path / "o")], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and needle in lines[0], err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_benchmark_missing_a_required_file_from_its_manifest_is_refused(tmp_path):
+    """A user-built benchmark (not a shipped version) must still list and seal every file a benchmark has."""
+    from kvdiag import benchmark
+    from kvdiag.errors import UserError
+
+    copy = tmp_path / "mine@1"
+    shutil.copytree(SHIPPED, copy)
+    manifest = {**json.loads((copy / "MANIFEST.json").read_text()), "name": "mine"}
+    benchmark.seal(copy, manifest)
+    assert benchmark.load(str(copy)).name == "mine@1 (user-built)"
+    manifest = json.loads((copy / "MANIFEST.json").read_text())
+    del manifest["files"]["references.parquet"]
+    (copy / "MANIFEST.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match="does not list references.parquet"):
+        benchmark.load(str(copy))
+
+
+def test_the_decisions_contract(tmp_path):
+    """read_decisions refuses an empty table, a repeated decision row and a labeled row without a finite kl_mean."""
+    from kvdiag.contracts import read_decisions
+    from kvdiag.errors import UserError
+    from kvdiag.io import write_table
+
+    rows = pl.DataFrame({"prompt_id": ["p", "p"], "checkpoint": [8, 8], "decision": ["knorm", "random"],
+                         "kind": ["rule", "reference"], "budget": ["keep:0.5"] * 2, "sample": [None, None],
+                         "status": ["ok", "over_budget"], "kl_mean": [0.25, None]},
+                        schema_overrides={"sample": pl.Int64})
+    assert read_decisions(write_table(rows, tmp_path / "ok.parquet"))[0].height == 2
+    for name, bad, needle in [("empty", rows.head(0), "has no rows"),
+                              ("dup", pl.concat([rows, rows.head(1)]), "repeat"),
+                              ("inf", rows.with_columns(kl_mean=pl.lit(float("inf"))), "null, NaN or infinite"),
+                              ("keyless", rows.drop("budget"), "lacks columns")]:
+        with pytest.raises(UserError, match=needle):
+            read_decisions(write_table(bad, tmp_path / f"{name}.parquet"))
+
+
+def test_the_output_guard(inputs, tmp_path):
+    """kvdiag.guard.check_outputs: an output that is (also through a symlink), holds or lies inside an input, or lies
+    inside any Trace, is refused naming both flags; `kvdiag trace` may continue its own Trace; a fine output passes
+    and the writability probe leaves nothing behind."""
+    from kvdiag.errors import UserError
+    from kvdiag.guard import check_outputs, is_trace_dir
+
+    trace, labels = Path(inputs["trace"]), Path(inputs["labels"])
+    link = tmp_path / "link.parquet"
+    link.symlink_to(labels)
+    refused = [
+        ({"--out": link}, {"--labels": labels}, "is the input --labels"),
+        ({"--out": (labels.parent, "dir")}, {"--labels": labels}, "contains the input --labels"),
+        ({"--out": trace / "x" / "s.parquet"}, {"--trace": trace}, "lies inside the input --trace"),
+        ({"--out": trace / "x.parquet"}, {}, "lies inside the Trace directory"),
+        ({"--out": (trace, "dir")}, {}, "is the Trace directory"),
+    ]
+    for outputs, ins, needle in refused:
+        with pytest.raises(UserError, match=needle):
+            check_outputs(outputs, ins)
+    assert is_trace_dir(trace) and not is_trace_dir(trace.parent)
+    check_outputs({"--out": (trace, "dir")}, {}, writes_trace=True)  # a rerun of kvdiag trace continues it
+    before = sorted(tmp_path.iterdir())
+    check_outputs({"--out": tmp_path / "new" / "s.parquet"}, {"--labels": labels, "--trace": trace})
+    assert sorted(tmp_path.iterdir()) == before

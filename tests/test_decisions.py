@@ -179,8 +179,9 @@ def test_bad_input_is_refused_before_work(run, capsys, tmp_path):
     foreign = write_table(other, tmp_path / "foreign.parquet",
                           {**run["scores_meta"], "trace": {"fingerprint": "0123456789abcdef"}})
     assert "another Trace" in exits_2(capsys, *base[:3], "--scores", foreign, *base[5:], "--keep", "0.5")
-    token_only = write_table(run["scores"].filter(pl.col("granularity") == "token"), tmp_path / "t.parquet",
-                             run["scores_meta"])
+    heads = run["scores"].filter((pl.col("layer") == 0) & (pl.col("kv_head") == 0))  # one row per (checkpoint, entry)
+    token_only = write_table(heads.with_columns(granularity=pl.lit("token"), layer=-1, kv_head=-1),
+                             tmp_path / "t.parquet", run["scores_meta"])
     assert not (tmp_path / "o").exists()
     assert "no head rows" in exits_2(capsys, *base[:3], "--scores", token_only, *base[5:], "--keep", "0.5")
     labels = ["--labels", run["labels_path"]]
@@ -313,3 +314,20 @@ def test_viewer_shows_the_random_rule_and_the_random_reference_apart(run, decide
     names = data["meta"]["decisions"]
     assert "random at keep:0.5" in names and "random_reference at keep:0.5" in names
     assert len(names) == len(set(names))
+
+
+def test_sampled_labels_and_another_model_are_refused_before_the_model_loads(run, capsys, tmp_path, monkeypatch):
+    """#40: labels of a sample of the entries cannot define oracle_single, and another built-in --model is known to
+    differ from the Trace's: both refused before any model load."""
+    import kvdiag.models
+
+    monkeypatch.setattr(kvdiag.models, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    sampled = write_table(run["labels"].filter(pl.col("position") % 2 == 0), tmp_path / "sampled.parquet",
+                          run["labels_meta"])
+    err = exits_2(capsys, "decisions", "--trace", run["trace"].path, "--scores", run["scores_path"], "--labels",
+                  sampled, "--keep", "0.5", "--out", tmp_path / "o")
+    assert "oracle_single needs exact labels" in err and "lacks some at checkpoint" in err
+    err = exits_2(capsys, "decisions", "--trace", run["trace"].path, "--scores", run["scores_path"], "--model",
+                  "tiny:qwen3", "--keep", "0.5", "--out", tmp_path / "o")
+    assert "--model tiny:qwen3 is not the Trace's model (tiny:llama)" in err
+    assert not (tmp_path / "o").exists()

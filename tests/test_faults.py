@@ -125,6 +125,36 @@ def test_label_survives_sigkill(reference, tmp_path):
     assert_frame_equal(pl.read_parquet(out), pl.read_parquet(reference["labels"]), **TOL)
 
 
+def hybrid_args(trace: Path, out: Path) -> list[str]:
+    return ["label", "--trace", str(trace), "--out", str(out), "--checkpoints", "every:8", "--w-obs", "8",
+            "--candidates", "all", "--horizon", "4", "--method", "hybrid", "--exact-frac", "0.25", "--audit", "2",
+            "--samples", "2", "--quiet"]
+
+
+HYBRID_REPEATS = int(os.environ.get("KVDIAG_HYBRID_REPEATS", "1"))  # #40: run it 20 times in a row under load
+
+
+@pytest.mark.parametrize("attempt", range(HYBRID_REPEATS))
+def test_hybrid_label_survives_sigkill(reference, tmp_path, attempt):
+    """A resumed hybrid run extends its caches in the same steps as an uninterrupted one (one thread, same shapes,
+    same path), so its Fisher estimates, hence the top M it labels exactly, are the same: the same rows are exact
+    and fast, every value within TOL (docs/labels.md: the bound when the thread count differs)."""
+    want_path = tmp_path / "uninterrupted" / "labels.parquet"
+    finished(hybrid_args(reference["trace"], want_path), tmp_path)
+    want = pl.read_parquet(want_path)
+    items = want.select("prompt_id", "checkpoint").n_unique()
+    assert items >= 5 and (want["method"] == "exact-top").sum() >= items
+    out = tmp_path / "interrupted" / "labels.parquet"
+    args = hybrid_args(reference["trace"], out)
+    killed("write:3:mid", args, tmp_path)  # stamp, part 1, then half of part 2
+    killed("call:2:kvdiag.label.run.label_item", args, tmp_path)  # mid-computation of a later item
+    finished(args, tmp_path)
+    got = pl.read_parquet(out)
+    keys = ["prompt_id", "checkpoint", "position", "granularity", "layer", "kv_head", "method"]
+    assert_frame_equal(got.select(keys), want.select(keys))  # the same rows exact, the same rows fast
+    assert_frame_equal(got, want, **TOL)
+
+
 def test_score_survives_sigkill(reference, tmp_path):
     out = tmp_path / "interrupted" / "scores.parquet"
     args = score_args(reference["trace"], reference["labels"], out)

@@ -15,6 +15,10 @@ from rich.console import Console
 from rich.table import Table
 
 from kvdiag.cli import common
+from kvdiag.errors import UserError, check_number
+from kvdiag.guard import check_outputs
+
+MAX_REPEATS = 1000  # timed runs; more would only hang
 
 
 def bench_label(
@@ -39,7 +43,10 @@ def bench_label(
     backend: str = typer.Option("auto", "--backend", help="kernel backend of the engine"),
 ) -> None:
     """Oracle engine throughput: vs the naive loop and the plain forward, layer start, or an approximate method."""
-    from kvdiag.errors import UserError
+    check_outputs({"--out": out})
+    check_number("--repeats", repeats, 1, MAX_REPEATS)
+    if n > prefix:
+        raise UserError(f"--n {n} candidates exceed the --prefix {prefix} cached entries: use --n {prefix} or less")
     from kvdiag.label.bench import run_fast_bench, run_label_bench, run_layer_start_bench
     from kvdiag.label.engine import GRANULARITIES
     from kvdiag.label.fast import resolve_method
@@ -69,6 +76,10 @@ def bench_label(
         raise UserError("--out: written for --method and --sets only; drop it")
     common.quiet_transformers()
     lm = load_model(model, dtype=dtype, device=device)
+    limit = getattr(lm.model.config, "max_position_embeddings", None)
+    if limit and prefix + horizon > limit:
+        raise UserError(f"--prefix {prefix} + --horizon {horizon} exceeds {model}'s context of {limit} positions: use "
+                        f"--prefix {max(1, limit - horizon)} or less")
     weights = " (random weights)" if lm.random else ""
     title = f"bench label: {model}{weights} {dtype} on {device}, P={prefix}, N={n}, H={horizon}"
     console = Console(width=max(120, Console().width))  # piped output defaults to 80 columns

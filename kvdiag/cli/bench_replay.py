@@ -9,6 +9,7 @@ from rich.console import Console
 
 from kvdiag import parsing
 from kvdiag.cli import common
+from kvdiag.guard import check_outputs
 
 
 def bench_replay(
@@ -35,8 +36,9 @@ def bench_replay(
 ) -> None:
     """Decode every prompt under every scorer alone and in batches; report seconds, tokens/s, the speed-up, peak
     memory and how many rows wrote the same tokens."""
+    check_outputs({"--out": out}, {"--prompts": prompts})
     from kvdiag.errors import UserError
-    from kvdiag.io import check_writable, write_json
+    from kvdiag.io import write_json
     from kvdiag.models import load_model
     from kvdiag.prompts import encode_prompt, load_prompts
     from kvdiag.replay.bench import run_replay_bench
@@ -56,8 +58,6 @@ def bench_replay(
     sampling = Sampling(temperature, top_p)  # checks temperature and top-p
     check_samples(samples, sampling)
     chosen = Selection.parse(selection)
-    if out is not None:
-        check_writable(out, "--out", "file")
     full = [n for n in names if n == FULL_KV]
     if full and len(full) != len(names):
         raise UserError(f"--scorers {','.join(names)}: full_kv rows have no budget; bench them on their own")

@@ -9,6 +9,7 @@ from rich.console import Console
 
 from kvdiag import parsing
 from kvdiag.cli import common
+from kvdiag.guard import check_outputs
 
 
 def bench_scale(
@@ -23,6 +24,7 @@ def bench_scale(
                                                 "scale.csv"),
 ) -> None:
     """Trace (per store mode), label, score and figures at each length T, each in a process of its own."""
+    check_outputs({"--out": (out, "dir")}, {"--prompts": prompts})
     from kvdiag import scale
 
     common.quiet_transformers()

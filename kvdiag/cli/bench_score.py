@@ -8,6 +8,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvdiag.guard import check_outputs
+
 
 def bench_score(
     trace: Path = typer.Option(..., "--trace", help="Trace directory written by `kvdiag trace`."),
@@ -20,6 +22,7 @@ def bench_score(
     out: Path | None = typer.Option(None, "--out", help="Also write the numbers as JSON here."),
 ) -> None:
     """Time `kvdiag score` over every checkpoint (token granularity, all cached entries) and report s/checkpoint."""
+    check_outputs({"--out": out}, {"--trace": trace, "--plugin": plugin})
     from kvdiag.io import write_json
     from kvdiag.parsing import joined, parse_checkpoints, parse_list
     from kvdiag.scorers import parse_params

@@ -9,6 +9,7 @@ from rich.console import Console
 
 from kvdiag import parsing
 from kvdiag.cli import common
+from kvdiag.guard import check_outputs
 
 
 def decisions(
@@ -54,6 +55,7 @@ def decisions(
     quiet: bool = common.Quiet,
 ) -> None:
     """Label the set each rule evicts under each budget exactly and compare the decisions with oracle references."""
+    check_outputs({"--out": (out, "dir")}, {"--trace": trace, "--scores": scores, "--labels": labels})
     from kvdiag.decisions import REFERENCES, DecisionsConfig, budgets_from, decisions_files
     from kvdiag.errors import UserError
     from kvdiag.harm import HarmSpec
@@ -69,8 +71,8 @@ def decisions(
     refs = parsing.parse_list(references, "--references", str, choices=REFERENCES) or list(REFERENCES)
     if labels is None and references is None:
         refs = [r for r in refs if r != "oracle_single"]  # by default it joins only when labels can define it
-    if horizon is None and labels is not None and labels.is_file():
-        horizon = (read_meta(labels).get("config") or {}).get("horizon")
+    if horizon is None and labels is not None:
+        horizon = (read_meta(labels, "--labels").get("config") or {}).get("horizon")
     cfg = DecisionsConfig(
         budgets=budgets, selection=selection, samples=4 if samples is None else samples, horizon=horizon or HORIZON,
         rules=tuple(parsing.parse_list(scorers, "--scorers", str)) or None, references=tuple(refs),

@@ -9,6 +9,7 @@ from rich.console import Console
 
 from kvdiag.cli import common
 from kvdiag.figures.params import FigureParams
+from kvdiag.guard import check_outputs
 
 _D = FigureParams()
 
@@ -50,6 +51,8 @@ def figures(
     eligible: str | None = common.Eligible,
 ) -> None:
     """Draw the attention-only blind spot, the delayed-read effect and the AvoKV-E component figure."""
+    check_outputs({"--out": (out, "dir")},
+                  {"--trace": trace, "--labels": labels, "--scores": scores, "--rank-eval": rank_eval})
     from kvdiag.figures.run import figures_files
 
     params = FigureParams(

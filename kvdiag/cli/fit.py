@@ -9,6 +9,7 @@ from rich.console import Console
 
 from kvdiag import parsing
 from kvdiag.cli import common
+from kvdiag.guard import check_outputs
 
 
 def fit(
@@ -29,6 +30,7 @@ def fit(
 ) -> None:
     """Fit logistic regression and gradient-boosted trees to the harmful label from per-entry features, rank their
     out-of-fold predictions beside the rules, save the logistic regression as a scorer (fitted)."""
+    check_outputs({"--out": (out, "dir")}, {"--trace": trace, "--labels": labels, "--scores": scores})
     from kvdiag.fit import FitConfig, fit_files
 
     cfg = FitConfig(features=tuple(parsing.parse_list(features, "--features", str)), harm=harm, n_splits=folds,

@@ -41,7 +41,7 @@ def grade(
     res = grade_files(rule_spec, bench, out or Path("runs/grade") / name, rule=rule, params=parse_params(param),
                       everything=all_, leaderboard=leaderboard, show_progress=not quiet)
     budgets = [k.split("@", 1)[1] for k in res["rows"][0] if k.startswith("joint@") and not k.endswith("_ci")]
-    table = Table(title=f"kvdiag grade on {bench}")
+    table = Table(title=f"kvdiag grade on {res['rows'][0]['bench']}")
     for col in ["rule", *RANK_METRICS, *(f"joint @ {b}" for b in budgets)]:
         table.add_column(col, justify="left" if col == "rule" else "right")
 

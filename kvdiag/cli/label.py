@@ -9,6 +9,7 @@ from rich.console import Console
 
 from kvdiag import parsing
 from kvdiag.cli import common
+from kvdiag.guard import check_outputs
 from kvdiag.schema import CHECKPOINTS, HORIZON, W_OBS
 
 
@@ -48,6 +49,7 @@ def label(
     quiet: bool = common.Quiet,
 ) -> None:
     """Evict single cache entries at checkpoints and measure the KL damage to the next H predictions."""
+    check_outputs({"--out": out, "--out (its parts)": (out.with_name(out.name + ".parts"), "dir")}, {"--trace": trace})
     from kvdiag.label.run import run_label
 
     common.quiet_transformers()

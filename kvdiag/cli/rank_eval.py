@@ -12,6 +12,7 @@ from rich.table import Table
 
 from kvdiag import parsing
 from kvdiag.cli import common
+from kvdiag.guard import check_outputs
 from kvdiag.rankeval import RankEvalResult
 from kvdiag.rankeval.registry import metrics_where
 from kvdiag.rankeval.run import OUTPUTS, rank_eval_files
@@ -79,6 +80,7 @@ def rank_eval(
                                                          "repeatable (default 0.1,...,0.9)"),
 ) -> None:
     """Rank every scorer against the oracle labels: AUROC, AP, top-k recall, false-safe rate, Spearman."""
+    check_outputs({"--out": (out, "dir")}, {"--labels": labels, "--scores": scores})
     result = rank_eval_files(
         labels,
         scores,

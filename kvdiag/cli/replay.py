@@ -9,6 +9,7 @@ from rich.console import Console
 
 from kvdiag import parsing
 from kvdiag.cli import common
+from kvdiag.guard import check_outputs
 from kvdiag.schema import CHECKPOINT_INTERVAL, HORIZON
 
 
@@ -76,6 +77,8 @@ def replay(
 ) -> None:
     """Generate (or teacher-force a Trace) under a KV budget compacted every --interval tokens; write
     generations.parquet, a Table-2-shaped summary and an accuracy/KL-vs-budget figure."""
+    check_outputs({"--out": (out, "dir")}, {"--teacher-forced": teacher_forced, "--outcomes": outcomes,
+                                           "--auroc": auroc, "--prompts": prompts, "--plugin": plugin})
     from kvdiag.prompts import DEFAULT_INSTRUCTION
     from kvdiag.replay import ReplaySettings
     from kvdiag.replay.run import replay_sweep

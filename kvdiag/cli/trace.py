@@ -8,6 +8,7 @@ import typer
 from rich.console import Console
 
 from kvdiag.cli import common
+from kvdiag.guard import check_outputs
 
 
 def trace(
@@ -41,6 +42,7 @@ def trace(
     quiet: bool = common.Quiet,
 ) -> None:
     """Generate each prompt's trace and write the Trace directory (manifest, tokens, per-layer q/k/v)."""
+    check_outputs({"--out": (out, "dir")}, {"--prompts": prompts}, writes_trace=True)
     from kvdiag.prompts import DEFAULT_INSTRUCTION, load_prompts
     from kvdiag.trace import GenerationSettings
     from kvdiag.trace.writer import run_trace

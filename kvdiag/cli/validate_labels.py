@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 
 from kvdiag.cli import common
+from kvdiag.guard import check_outputs
 
 
 def validate_labels(
@@ -31,6 +32,7 @@ def validate_labels(
 ) -> None:
     """How far approximate labels can be trusted: per-checkpoint Spearman, AUROC for exact-harmful entries, top-k
     overlap."""
+    check_outputs({"--out": (out, "dir")}, {"--exact": exact, "--approx": approx, "--scores": scores})
     from kvdiag.label.validate import ValidateConfig, run_validation
 
     cfg = ValidateConfig(

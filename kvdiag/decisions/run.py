@@ -36,7 +36,7 @@ from kvdiag.decisions.sets import (
     rule_set,
 )
 from kvdiag.errors import UserError
-from kvdiag.io import check_writable, read_table, write_json
+from kvdiag.io import check_writable, write_json
 from kvdiag.parts import PartStore, part_name
 from kvdiag.progress import progress_bar
 from kvdiag.provenance import provenance
@@ -81,6 +81,19 @@ def rule_instances(names: list[str], scores_meta: dict) -> dict:
     for name in names:
         out[name] = get_scorer(name, **params[name]) if name in params else None
     return out
+
+
+def check_oracle_single(labels: pl.DataFrame | None, items: dict[str, list[int]], cfg: DecisionsConfig) -> None:
+    """oracle_single needs the exact label of every entry at every checkpoint (``labels``: token rows)."""
+    if "oracle_single" not in cfg.references:
+        return
+    missing = [(pid, t) for pid, ts in items.items() for t in ts if single_labels(labels, pid, t) is None]
+    if missing:
+        pid, t = missing[0]
+        raise UserError(f"oracle_single needs exact labels of every entry at every checkpoint; --labels "
+                        f"{'is not given' if labels is None else f'lacks some at checkpoint {t} of {pid!r}'}: label "
+                        "them with kvdiag label --candidates all --checkpoints (the scores' checkpoints), or drop "
+                        "oracle_single from --references")
 
 
 def checkpoints_of(scores: pl.DataFrame, trace, horizon: int) -> tuple[dict[str, list[int]], list[tuple[str, int]]]:
@@ -262,15 +275,7 @@ def decide(trace, lm, scores: pl.DataFrame, scores_meta: dict, out: str | os.Pat
         warnings.warn(f"{len(short)} checkpoint(s) of the scores file leave no room for the horizon of {cfg.horizon} "
                       f"tokens before the end of their prompt (e.g. {short[0][1]} of {short[0][0]!r}): left out",
                       stacklevel=2)
-    if "oracle_single" in cfg.references:
-        missing = [(pid, t) for pid, ts in items.items() for t in ts if single_labels(labels, pid, t) is None]
-        if missing:
-            pid, t = missing[0]
-            raise UserError(f"oracle_single needs exact labels of every entry at every checkpoint; --labels "
-                            f"{'is not given' if labels is None else f'lacks some at checkpoint {t} of {pid!r}'}: "
-                            "label "
-                            "them with kvdiag label --candidates all --checkpoints (the scores' checkpoints), or drop "
-                            "oracle_single from --references")
+    check_oracle_single(labels, items, cfg)
     rules = rule_instances(names, scores_meta)
     check_stochastic(rules, cfg)
     over = check_protection(rules, items, cfg)
@@ -328,14 +333,14 @@ def decisions_files(trace: str | os.PathLike, scores: str | os.PathLike, out: st
                     labels: str | os.PathLike | None = None, model: str | None = None, dtype: str | None = None,
                     device: str = "cpu", show_progress: bool = True) -> Path:
     """What ``kvdiag decisions`` runs: read and check the inputs (before the model loads), grade, summarize."""
+    from kvdiag.contracts import belongs, read_labels, read_scores
     from kvdiag.decisions.summary import summarize_files
-    from kvdiag.label.run import read_labels
-    from kvdiag.models import load_model
+    from kvdiag.models import builtin_models_differ, load_model
     from kvdiag.trace import Trace
 
     check_writable(out, "--out", "dir")
     tr = Trace(trace)
-    score_df, score_meta = read_table(scores, "--scores")
+    score_df, score_meta = read_scores(scores)
     label_df, label_meta = read_labels(labels) if labels is not None else (None, None)
     if label_meta is not None:
         label_horizon = (label_meta.get("config") or {}).get("horizon")
@@ -344,15 +349,18 @@ def decisions_files(trace: str | os.PathLike, scores: str | os.PathLike, out: st
                             "single "
                             f"labels must measure the same steps; pass --horizon {label_horizon}")
     # every check that needs no model, before it loads
-    tr.check_belongs(score_meta, "--scores")
+    belongs(tr, score_meta, f"--scores {scores}")
     if label_meta is not None:
-        tr.check_belongs(label_meta, "--labels")
+        belongs(tr, label_meta, f"--labels {labels}")
     items, _ = checkpoints_of(score_df, tr, cfg.horizon)
+    check_oracle_single(None if label_df is None else label_df.filter(pl.col("granularity") == "token"), items, cfg)
     names = score_columns(score_df, cfg.rules)
     rules = rule_instances(names, score_meta)
     check_stochastic(rules, cfg)
     check_protection(rules, items, cfg)
     had = tr.manifest["model"]
+    if model is not None and builtin_models_differ(model, had["spec"]):
+        raise UserError(f"--model {model} is not the Trace's model ({had['spec']}); drop --model")
     lm = load_model(model or had["spec"], dtype=dtype or had.get("dtype", "float32"), device=device)
     lm.check_model_of(had, "--model", "drop --model")
     decide(tr, lm, score_df, score_meta, out, cfg, label_df, label_meta, show_progress)

@@ -15,7 +15,7 @@ from kvdiag.errors import UserError
 from kvdiag.figures import blind_spot, delayed_reads, components  # noqa: F401  # isort: skip
 from kvdiag.figures.params import FigureParams
 from kvdiag.figures.registry import FIGURES, FigureContext
-from kvdiag.io import check_writable, read_json, read_table, writable_dir, write_json
+from kvdiag.io import check_writable, read_json, writable_dir, write_json
 from kvdiag.progress import progress_bar
 from kvdiag.provenance import provenance
 from kvdiag.rankeval import check_inputs
@@ -156,7 +156,7 @@ def figures_files(
 ) -> dict:
     """What ``kvdiag figures`` runs: read the Trace, labels, scores and (``rank_eval``, a rank-eval directory) its
     metrics.csv, refusing bad input before the slow part, then :func:`make_figures`."""
-    from kvdiag.label import read_labels  # torch and transformers: not at import (the CLI starts fast)
+    from kvdiag.contracts import read_labels, read_scores
     from kvdiag.trace import Trace
 
     check_writable(out, "--out", "dir")  # fail before the slow part, creating nothing
@@ -166,7 +166,7 @@ def figures_files(
         eligible_scorer(params.eligible, None)  # a registered scorer
     tr = Trace(trace)
     label_df, label_meta = read_labels(labels)
-    score_df, score_meta = read_table(scores, "scores")
+    score_df, score_meta = read_scores(scores)
     features = read_token_features(scores)
     metrics = None
     if rank_eval is not None:

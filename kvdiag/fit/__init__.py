@@ -206,8 +206,8 @@ def fit_files(trace: str | Path, labels: str | Path, scores: str | Path | None, 
               progress: bool = True) -> dict:
     """What ``kvdiag fit`` runs: read the Trace, labels and (optional) scores, refuse inputs that do not belong
     together or an unwritable ``out`` before any work, then :func:`fit_ceiling`."""
-    from kvdiag.io import check_writable, read_table
-    from kvdiag.label import read_labels
+    from kvdiag.contracts import read_labels, read_scores
+    from kvdiag.io import check_writable
     from kvdiag.rankeval import check_inputs
     from kvdiag.trace import Trace
 
@@ -216,7 +216,7 @@ def fit_files(trace: str | Path, labels: str | Path, scores: str | Path | None, 
     tr = Trace(trace)
     label_df, label_meta = read_labels(labels)
     tr.check_belongs(label_meta, f"--labels {labels}")
-    score_df, score_meta = read_table(scores, "scores") if scores is not None else (None, None)
+    score_df, score_meta = read_scores(scores) if scores is not None else (None, None)
     if scores is not None:
         check_inputs(label_meta, score_meta)
     return fit_ceiling(

@@ -14,6 +14,7 @@ from pathlib import Path
 import polars as pl
 import torch
 
+from kvdiag.contracts import LABEL_SCHEMA
 from kvdiag.distributed import Group, parse_shard
 from kvdiag.errors import UserError
 from kvdiag.io import check_writable, write_table
@@ -26,15 +27,10 @@ from kvdiag.parsing import parse_checkpoints
 from kvdiag.parts import PartStore, part_name
 from kvdiag.progress import progress_bar
 from kvdiag.provenance import provenance
-from kvdiag.schema import CHECKPOINTS, HORIZON, KEY_SCHEMA, W_OBS, default_checkpoints
+from kvdiag.schema import CHECKPOINTS, HORIZON, W_OBS, default_checkpoints
 from kvdiag.trace import Trace
 
 HYBRID = "hybrid"
-LABEL_SCHEMA = {
-    **KEY_SCHEMA, "horizon": pl.Int64, "kl_mean": pl.Float64, "kl_max": pl.Float64,
-    "kl_steps": pl.List(pl.Float64), "js_mean": pl.Float64, "nll_delta": pl.Float64, "top1_flips": pl.Int64,
-    "noise_floor": pl.Float64, "age": pl.Int64, "token_id": pl.Int64,
-}
 
 
 @dataclass
@@ -335,13 +331,3 @@ def run_label(
         lm = load_model(spec, dtype=dtype or tr.manifest["model"]["dtype"], device=group.device)
         return group.split(lambda part, merge, show: label_trace(
             tr, lm, out, cfg, shard=part, merge=merge, force_model=force, show_progress=show and not quiet))
-
-
-def read_labels(path) -> tuple[pl.DataFrame, dict]:
-    from kvdiag.io import read_table
-
-    df, meta = read_table(path, what="labels")
-    missing = set(LABEL_SCHEMA) - set(df.columns)
-    if missing:
-        raise UserError(f"labels {path} lacks columns {sorted(missing)}: it is not a kvdiag labels file")
-    return df, meta

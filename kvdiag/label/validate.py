@@ -168,18 +168,18 @@ def validate_labels(
 
 def run_validation(exact: Path, approx: Path, out: Path, cfg: ValidateConfig, scores: Path | None = None) -> list[Path]:
     """Read the inputs (refusing bad ones before anything is written), validate, write ``out``."""
-    from kvdiag.io import check_writable, read_table
-    from kvdiag.label.run import read_labels
+    from kvdiag.contracts import read_labels, read_scores
+    from kvdiag.io import check_writable
 
     cfg.validate()
     check_writable(out, "--out", "dir")
-    exact_df, exact_meta = read_labels(exact)
-    approx_df, approx_meta = read_labels(approx)
+    exact_df, exact_meta = read_labels(exact, "--exact")
+    approx_df, approx_meta = read_labels(approx, "--approx")
     exact_method = exact_meta.get("config", {}).get("method", "exact")
     if exact_method != "exact":
         raise UserError(f"--exact {exact} holds {exact_method} labels, not exact ones; pass labels made without "
                         "--method")
-    score_df = read_table(scores, "scores")[0] if scores is not None else None
+    score_df = read_scores(scores)[0] if scores is not None else None
     res = validate_labels(exact_df, approx_df, cfg, score_df)
     inputs = {"exact": str(exact), "approx": str(approx), "scores": None if scores is None else str(scores),
               "approx_method": approx_meta.get("config", {}).get("method", "exact"),

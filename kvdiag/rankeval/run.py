@@ -8,8 +8,9 @@ from pathlib import Path
 
 import polars as pl
 
+from kvdiag.contracts import read_labels, read_scores
 from kvdiag.errors import UserError
-from kvdiag.io import check_writable, read_json, read_table, write_csv, write_json, write_text
+from kvdiag.io import check_writable, read_json, write_csv, write_json, write_text
 from kvdiag.provenance import provenance
 from kvdiag.rankeval.budget_figure import budget_curves_figure
 from kvdiag.rankeval.evaluate import RankEvalResult, check_inputs, rank_eval
@@ -29,8 +30,8 @@ def rank_eval_files(labels: str | os.PathLike, scores: str | os.PathLike, out: s
     if table_scope not in TABLE_SCOPES:
         raise UserError(f"--table-scope {table_scope} is not pooled or macro")
     out = check_writable(out, "--out", "dir")
-    label_df, label_meta = read_table(labels, "labels")
-    score_df, score_meta = read_table(scores, "scores")
+    label_df, label_meta = read_labels(labels, full=False)
+    score_df, score_meta = read_scores(scores)
     check_inputs(label_meta, score_meta)
     result = rank_eval(label_df, score_df, scores_meta=score_meta, **options)
     write_csv(result.metrics, out / "metrics.csv")  # atomic: `kvdiag figures --rank-eval` reuses it

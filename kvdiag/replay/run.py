@@ -80,6 +80,8 @@ def replay_sweep(
         single = replayed_auroc(settings, auroc, seed)
     if teacher_forced is not None:
         tr = Trace(teacher_forced)
+        if outcomes is not None:  # before the model loads
+            check_outcome_prompts(outcomes, tr.prompt_ids[:limit] if limit else tr.prompt_ids)
         had = tr.manifest["model"]
         lm = load_model(
             model or had["spec"], dtype=dtype or had.get("dtype", "float32"), device=device, revision=revision,
@@ -96,6 +98,20 @@ def replay_sweep(
     lm = load_model(model or "smollm2", dtype=dtype or "float32", device=device, revision=revision,
                     trust_remote_code=trust_remote_code, seed=seed)
     return replay(lm, out, settings, prompts=items, source=source, show_progress=show_progress)
+
+
+def check_outcome_prompts(outcomes: str | os.PathLike, prompt_ids: list[str]) -> None:
+    """``--outcomes``: a free-running replay of the prompts replayed (else its fidelity rows would be empty)."""
+    from kvdiag.io import read_table
+
+    free, _ = read_table(Path(outcomes) / "generations.parquet", f"--outcomes {outcomes} generations.parquet")
+    if "prompt_id" not in free.columns:
+        raise UserError(f"--outcomes {outcomes}: generations.parquet has no prompt_id column; pass a kvdiag replay "
+                        "directory")
+    missing = sorted(set(prompt_ids) - set(free["prompt_id"].unique().to_list()))
+    if missing:
+        raise UserError(f"--outcomes {outcomes} holds no generation of prompt {missing[0]!r} ({len(missing)} of the "
+                        f"{len(prompt_ids)} replayed prompts are missing): pass a replay of the Trace's prompts")
 
 
 def replay(

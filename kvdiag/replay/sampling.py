@@ -26,8 +26,9 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self):
-        if self.temperature is not None and not self.temperature > 0:
-            raise UserError(f"--temperature {self.temperature}: must be positive (omit it for greedy decoding)")
+        if self.temperature is not None and not 0 < self.temperature < float("inf"):
+            raise UserError(f"--temperature {self.temperature}: must be positive and finite (omit it for greedy "
+                            "decoding)")
         if not 0 < self.top_p <= 1:
             raise UserError(f"--top-p {self.top_p}: must be in (0, 1]")
         if self.temperature is None and self.top_p != 1.0:

@@ -21,7 +21,8 @@ import torch
 
 from kvdiag.errors import UserError
 from kvdiag.features import AttentionHistory, o_proj_weights
-from kvdiag.io import check_writable, read_table, write_table
+from kvdiag.guard import check_outputs
+from kvdiag.io import read_table, write_table
 from kvdiag.parsing import parse_checkpoints, parse_list
 from kvdiag.progress import progress_bar
 from kvdiag.provenance import provenance
@@ -165,7 +166,8 @@ def score_files(trace: str | os.PathLike, out: str | os.PathLike, labels: str | 
     if labels is not None and granularity is not None:
         raise UserError("--granularity does not apply with --labels (its rows are scored at their own granularity); "
                         "drop it")
-    check_writable(out, "--out")
+    check_outputs({"--out": out, "--out (its features)": features_path(out)},
+                  {"--trace": trace, "--labels": labels, "--plugin": [p for p in plugins if str(p).endswith(".py")]})
     check_aggregation(aggregation)
     selected = resolve_scorers(scorers, params, plugins)
     if model and not any(needs_o_proj(s) for s in selected.values()):

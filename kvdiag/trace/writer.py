@@ -63,8 +63,8 @@ class GenerationSettings:
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise UserError(f"--min-new-tokens {self.min_new_tokens}: must lie in [0, --max-new-tokens "
                             f"{self.max_new_tokens}]")
-        if not self.temperature > 0:
-            raise UserError(f"--temperature {self.temperature}: must be > 0 (greedy decoding is --greedy)")
+        if not 0 < self.temperature < float("inf"):
+            raise UserError(f"--temperature {self.temperature}: must be > 0 and finite (greedy decoding is --greedy)")
         if not 0 < self.top_p <= 1:
             raise UserError(f"--top-p {self.top_p}: must lie in (0, 1]")
         if self.storage_dtype not in STORAGE_DTYPES:

@@ -1,0 +1,123 @@
+"""One input contract per file kind: the checked readers every command uses (before any model loads).
+
+A reader refuses, in one ``UserError`` line naming the file and the fix: a missing or unreadable Parquet file
+(``kvdiag.io.read_table``), missing or mistyped columns, no rows, missing key values, a key that occurs twice, and
+non-finite values where values must be finite (every score; ``kl_mean``). ``belongs`` refuses a table that does not
+name the Trace it was made from, or names another. No torch: these run before it is imported.
+"""
+
+from __future__ import annotations
+
+import os
+
+import polars as pl
+
+from kvdiag.errors import UserError
+from kvdiag.io import read_table
+from kvdiag.schema import KEY_SCHEMA, KEYS, keyed
+
+LABEL_SCHEMA = {
+    **KEY_SCHEMA, "horizon": pl.Int64, "kl_mean": pl.Float64, "kl_max": pl.Float64,
+    "kl_steps": pl.List(pl.Float64), "js_mean": pl.Float64, "nll_delta": pl.Float64, "top1_flips": pl.Int64,
+    "noise_floor": pl.Float64, "age": pl.Int64, "token_id": pl.Int64,
+}
+
+
+def check_rows(df: pl.DataFrame, what: str, fix: str) -> pl.DataFrame:
+    """``df`` keyed (:func:`kvdiag.schema.keyed`), refused when it has no rows, a missing key value or a key row that
+    occurs twice (a join on it would count that candidate twice)."""
+    df = keyed(df, what, fix)
+    if df.height == 0:
+        raise UserError(f"{what} has no rows: {fix}")
+    nulls = [k for k in KEYS if df[k].null_count()]
+    if nulls:
+        raise UserError(f"{what} has missing values in its key column {nulls[0]}: {fix}")
+    dup = df.select(KEYS).filter(pl.struct(KEYS).is_duplicated())
+    if dup.height:
+        row = dup.row(0, named=True)
+        raise UserError(f"{what} holds the key ({', '.join(str(row[k]) for k in KEYS)}) {dup.height} times: each "
+                        f"candidate must occur once; {fix}")
+    return df
+
+
+def check_finite(df: pl.DataFrame, columns: list[str], what: str, fix: str) -> None:
+    """Refuse a null, NaN or infinite value in any of the numeric ``columns`` of ``df``."""
+    for c in columns:
+        col = df[c].cast(pl.Float64)
+        bad = col.null_count() + int((~col.drop_nulls().is_finite()).sum())
+        if bad:
+            raise UserError(f"{what} column {c!r} is null, NaN or infinite in {bad} of {df.height} rows: every value "
+                            f"must be finite; {fix}")
+
+
+def score_columns(df: pl.DataFrame) -> list[str]:
+    """The score columns of a scores table: every numeric column that is not a key."""
+    return [c for c in df.columns if c not in KEYS and df.schema[c].is_numeric()]
+
+
+def read_scores(path: str | os.PathLike, what: str = "--scores") -> tuple[pl.DataFrame, dict]:
+    """A scores table written by ``kvdiag score`` and its metadata: keyed, non-empty, unique keys, at least one score
+    column, every score finite (``Scorer.scores`` refuses non-finite scores when they are made)."""
+    fix = "pass a scores file written by `kvdiag score` (or rescore)"
+    what = f"{what} {path}"
+    df, meta = read_table(path, what)
+    df = check_rows(df, what, fix)
+    columns = score_columns(df)
+    if not columns:
+        raise UserError(f"{what} has no score column: {fix}")
+    check_finite(df, columns, what, fix)
+    return df, meta
+
+
+def read_labels(path: str | os.PathLike, what: str = "--labels", full: bool = True) -> tuple[pl.DataFrame, dict]:
+    """A labels table written by ``kvdiag label`` and its metadata: every column of :data:`LABEL_SCHEMA` (``full``;
+    else the keys, ``kl_mean`` and ``noise_floor``: all that rank-eval reads), keyed, non-empty, unique keys,
+    ``kl_mean`` finite, ``noise_floor`` finite where given."""
+    fix = "pass a labels file written by `kvdiag label` (or relabel)"
+    what = f"{what} {path}"
+    df, meta = read_table(path, what)
+    missing = sorted(set(LABEL_SCHEMA if full else [*KEYS, "kl_mean", "noise_floor"]) - set(df.columns))
+    if missing:
+        raise UserError(f"{what} lacks columns {missing}: it is not a kvdiag labels file; {fix}")
+    df = check_rows(df, what, fix)
+    check_finite(df, ["kl_mean"], what, fix)
+    floor = df["noise_floor"].cast(pl.Float64).drop_nulls().drop_nans()
+    if floor.len() and not bool(floor.is_finite().all()):
+        raise UserError(f"{what} column 'noise_floor' is infinite in {int((~floor.is_finite()).sum())} rows; {fix}")
+    return df, meta
+
+
+# one decision row: a rule and a reference may share a name (random), a stochastic selection has samples
+DECISION_KEYS = ["prompt_id", "checkpoint", "kind", "decision", "budget", "sample"]
+
+
+def read_decisions(path: str | os.PathLike, what: str = "decisions") -> tuple[pl.DataFrame, dict]:
+    """A ``decisions.parquet`` written by ``kvdiag decisions`` and its metadata: its key and status columns,
+    non-empty, one row per (prompt, checkpoint, kind, decision, budget, sample), ``kl_mean`` finite where labeled."""
+    fix = "pass the decisions.parquet of a finished `kvdiag decisions` run"
+    what = f"{what} {path}"
+    df, meta = read_table(path, what)
+    missing = sorted({*DECISION_KEYS, "status", "kl_mean"} - set(df.columns))
+    if missing:
+        raise UserError(f"{what} lacks columns {missing}: {fix}")
+    if df.height == 0:
+        raise UserError(f"{what} has no rows: {fix}")
+    dup = df.filter(pl.struct(DECISION_KEYS).is_duplicated())
+    if dup.height:
+        raise UserError(f"{what} holds {dup.height} rows that repeat a (prompt, checkpoint, kind, decision, budget, "
+                        f"sample): {fix}")
+    check_finite(df.filter(pl.col("status") == "ok"), ["kl_mean"], what, fix)
+    return df, meta
+
+
+def belongs(trace, meta: dict, what: str) -> None:
+    """Refuse a table whose metadata does not name the Trace it was made from (its fingerprint), or names another
+    than ``trace``: a table without provenance could come from any Trace."""
+    if not (meta.get("trace") or {}).get("fingerprint"):
+        raise UserError(f"{what} does not record the Trace it was made from (no trace fingerprint in its metadata): "
+                        "pass a file written by kvdiag for this --trace")
+    trace.check_belongs(meta, what)
+
+
+__all__ = ["DECISION_KEYS", "LABEL_SCHEMA", "belongs", "check_finite", "check_rows", "read_decisions", "read_labels",
+           "read_scores", "score_columns"]
