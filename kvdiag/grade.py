@@ -43,7 +43,7 @@ def resolve_rules(spec: str | None, rule: str | None, params: dict[str, dict], e
             names += SCORERS.expand(["kvpress:all"])
         except UserError:  # kvpress not installed: the built-ins only
             pass
-    elif spec is not None and (spec.endswith(".py") or os.sep in spec):
+    elif spec is not None and is_plugin_spec(spec):
         found = load_plugin_rules(spec)
         if not found:
             raise UserError(f"{spec} registers no rule: decorate a Scorer dataclass with @register_scorer(\"name\")")
@@ -53,6 +53,9 @@ def resolve_rules(spec: str | None, rule: str | None, params: dict[str, dict], e
             raise UserError(f"--rule {rule}: {spec} registers {', '.join(found)}")
         names = [rule or found[0]]
     elif spec is not None:
+        if rule is not None:  # two sources of the rule: refuse rather than grade one of them silently
+            raise UserError(f"--rule {rule} applies to a plugin that registers several rules; {spec} is a registered "
+                            f"name: grade {rule} or {spec}, and drop --rule")
         SCORERS.resolve(spec)
         names = [spec]
     else:
@@ -61,6 +64,13 @@ def resolve_rules(spec: str | None, rule: str | None, params: dict[str, dict], e
     if stray:
         raise UserError(f"--param {stray[0]}.…: {stray[0]} is not the rule graded ({', '.join(names)})")
     return {n: get_scorer(n, **params.get(n, {})) for n in names}
+
+
+def is_plugin_spec(spec: str) -> bool:
+    """A rule given as a plugin (a ``.py`` file or a path), not a registered name; a prefixed name
+    (``fitted:dir/model.json``, ``kvpress:<Press>``) is a name, its path notwithstanding."""
+    prefixed = ":" in spec.split(os.sep, 1)[0] and not os.path.exists(spec)
+    return not prefixed and (spec.endswith(".py") or os.sep in spec)
 
 
 def _token_scores(head: pl.DataFrame, rules: list[str]) -> pl.DataFrame:
