@@ -165,7 +165,7 @@ CASES: list[tuple[str, list[str], str]] = [
     (
         "label-samples-0",
         ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--method", "fast", "--samples", "0"],
-        "--samples 0",
+        "--fisher-samples 0",
     ),
     (
         "label-samples-exact", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--samples", "4"],

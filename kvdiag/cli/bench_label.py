@@ -26,12 +26,14 @@ def bench_label(
                                                                    "layer start vs full depth"),
     method: str = typer.Option("exact", "--method", help="exact, or fast | fisher | hybrid: its cost per labeled "
                                                          "entry vs exact"),
-    samples: int = typer.Option(8, "--samples", help="fisher, hybrid: sampled continuations per horizon step"),
+    samples: int = typer.Option(8, "--fisher-samples", "--samples", help="fisher, hybrid: sampled continuations per "
+                                "horizon step (--samples is the deprecated name)"),
     exact_top: int = typer.Option(None, "--exact-top", help="hybrid: M entries labeled exactly"),
     exact_frac: float = typer.Option(None, "--exact-frac", help="hybrid: M as a share of the P entries"),
     audit: int = typer.Option(32, "--audit", help="hybrid: audit sample labeled exactly"),
     sets: bool = typer.Option(False, "--sets", help="set rows (decisions) vs single rows vs physical deletion"),
-    keep: float = typer.Option(0.5, "--keep", help="--sets: the share of the P entries a set keeps"),
+    keep: float = typer.Option(0.5, "--keep", help="--sets: the share of the P entries a set keeps "
+                                                     + common.BUDGET_TERMS),
     out: str = typer.Option(None, "--out", help="also write the result as JSON here (--method, --sets)"),
     repeats: int = typer.Option(3, "--repeats", help="timed runs per method, round-robin (best reported)"),
     dtype: str = common.Dtype,
@@ -40,6 +42,11 @@ def bench_label(
 ) -> None:
     """Oracle engine throughput: vs the naive loop and the plain forward, layer start, or an approximate method."""
     from kvdiag.errors import UserError
+
+    for flag, value, example in (("--prefix", prefix, 512), ("--n", n, 64), ("--horizon", horizon, 16),
+                                 ("--repeats", repeats, 3)):
+        if value < 1:
+            raise UserError(f"{flag} {value}: must be a positive integer, e.g. {flag} {example}")
     from kvdiag.label.bench import run_fast_bench, run_label_bench, run_layer_start_bench
     from kvdiag.label.engine import GRANULARITIES
     from kvdiag.label.fast import resolve_method

@@ -9,6 +9,7 @@ from rich.console import Console
 
 from kvdiag import parsing
 from kvdiag.cli import common
+from kvdiag.errors import UserError
 from kvdiag.schema import CHECKPOINTS, HORIZON, W_OBS
 
 
@@ -28,8 +29,8 @@ def label(
     method: str = typer.Option("exact", "--method", help="exact (the oracle) | fast (the recommended approximate "
         "method, labels every entry in one pass) | fisher | hybrid (fast for every entry, exact for the top M and an "
         "audit sample; docs/labels.md)"),
-    samples: int = typer.Option(None, "--samples", help="fisher, hybrid: sampled continuations per horizon step "
-                                "(default 8)"),
+    fisher_samples: int = typer.Option(None, "--fisher-samples", "--samples", help="fisher, hybrid: sampled "
+                                       "continuations per horizon step (default 8; --samples is the deprecated name)"),
     exact_top: int = typer.Option(None, "--exact-top", help="hybrid: the M entries per checkpoint with the largest "
                                   "fast labels get exact labels"),
     exact_frac: float = typer.Option(None, "--exact-frac", help="hybrid: M as a share of the checkpoint's candidates"),
@@ -57,8 +58,13 @@ def label(
         common.refuse_given(ctx, ["force"], "without --model (the Trace's own model is used)")
     if method != "hybrid":
         common.refuse_given(ctx, ["exact_top", "exact_frac", "audit", "miss_rate"], "without --method hybrid")
-    given = {"samples": samples, "exact_top": exact_top, "exact_frac": exact_frac, "audit": audit}
+    given = {"samples": fisher_samples, "exact_top": exact_top, "exact_frac": exact_frac, "audit": audit}
     params = {k: v for k, v in given.items() if v is not None}
+    if method == "hybrid" and not miss_rate:  # the audit only estimates the miss rate: none without it
+        if audit:
+            raise UserError(f"--audit {audit} with --no-miss-rate: the audit sample only estimates the miss rate; "
+                            "drop --audit or --no-miss-rate")
+        params["audit"] = 0
 
     cfg = LabelConfig(
         checkpoints=parsing.joined(checkpoints), horizon=horizon, candidates=candidates, granularity=granularity,

@@ -17,7 +17,7 @@ def replay(
     scorers: list[str] = typer.Option(..., "--scorers", "--scorer", help="Scorer name(s), comma-separated and "
                                       "repeatable, e.g. rkv,attention,avokv_e (--scorer is the deprecated name)."),
     budget: list[str] = typer.Option(["256"], "--budget", help="KV budget(s): entries kept per layer and KV head, "
-        "comma-separated and repeatable for a sweep, e.g. 128,256."),
+        "comma-separated and repeatable for a sweep, e.g. 128,256 " + common.BUDGET_TERMS + "."),
     interval: int = typer.Option(CHECKPOINT_INTERVAL, "--interval", help="Generated tokens between compressions "
                                                                          "(R-KV: 128)."),
     w_obs: int | None = typer.Option(None, "--w-obs", help="Observation window for every scorer's window/w_obs "

@@ -95,7 +95,7 @@ class DecisionsConfig:
     def __post_init__(self):
         parse_selection(self.selection)
         if self.samples < 1:
-            raise UserError(f"--samples {self.samples}: must be a positive number of stochastic draws, e.g. 4")
+            raise UserError(f"--draws {self.samples}: must be a positive number of stochastic draws, e.g. 4")
         check_choice(self.infeasible, INFEASIBLE, "--infeasible")
         for ref in self.references:
             check_choice(ref, REFERENCES, "--references")

@@ -50,7 +50,7 @@ class FisherParams:
 
     def validate(self) -> None:
         if self.samples < 1:
-            raise UserError(f"--samples {self.samples}: must be a positive number of Fisher samples, e.g. 8")
+            raise UserError(f"--fisher-samples {self.samples}: must be a positive number of Fisher samples, e.g. 8")
 
 
 @dataclass
