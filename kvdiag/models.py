@@ -39,6 +39,7 @@ import torch
 from kvdiag.adapters import ModelAttention, adapt, family_of, model_attention
 from kvdiag.embedded import EMBEDDED, embedded_dir
 from kvdiag.errors import UserError
+from kvdiag.parsing import check_device_name, check_dtype
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -88,19 +89,13 @@ class LoadedModel:
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise UserError(f"--dtype {name!r} is not supported: use one of float32, float16, bfloat16")
-    return DTYPES[name]
+    return DTYPES[check_dtype(name)]
 
 
 def check_device(device: str) -> str:
-    if device == "cpu":
-        return device
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise UserError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
-        return device
-    raise UserError(f"--device {device!r} is not supported: use cpu, cuda or cuda:N")
+    if check_device_name(device) != "cpu" and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
+    return device
 
 
 def load_model(

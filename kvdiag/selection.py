@@ -15,28 +15,8 @@ from __future__ import annotations
 import torch
 from scipy.stats import rankdata
 
-from kvdiag.errors import UserError, check_choice
-
-SELECTIONS = ("per-head", "per-token", "stochastic")
-STOCHASTIC_TAU = 0.1  # default temperature of stochastic selection, over percentile ranks in [0, 1] (ours)
-
-
-def parse_selection(spec: str, flag: str = "--selection") -> tuple[str, float | None]:
-    """``per-head`` | ``per-token`` | ``stochastic`` | ``stochastic:TAU`` (TAU > 0) -> (mode, tau)."""
-    mode, _, raw = str(spec).partition(":")
-    check_choice(mode, SELECTIONS, flag)
-    if mode != "stochastic":
-        if raw:
-            raise UserError(f"{flag} {spec}: only stochastic takes a temperature (stochastic:TAU)")
-        return mode, None
-    try:
-        tau = float(raw) if raw else STOCHASTIC_TAU
-    except ValueError:
-        tau = float("nan")
-    if not tau > 0 or tau == float("inf"):
-        raise UserError(f"{flag} {spec}: the temperature TAU of stochastic:TAU must be a positive number, e.g. "
-                        f"stochastic:{STOCHASTIC_TAU}")
-    return mode, tau
+from kvdiag.errors import UserError
+from kvdiag.parsing import SELECTIONS, STOCHASTIC_TAU, parse_selection  # noqa: F401  (selection's API)
 
 
 def check_stochastic_rule(rule) -> None:

@@ -55,13 +55,13 @@ def decisions(
     quiet: bool = common.Quiet,
 ) -> None:
     """Label the set each rule evicts under each budget exactly and compare the decisions with oracle references."""
-    from kvdiag.decisions import REFERENCES, DecisionsConfig, budgets_from, decisions_files
+    from kvdiag.decisions import REFERENCES, DecisionsConfig, budgets_from  # light: the config, not the stage
     from kvdiag.errors import UserError
     from kvdiag.harm import HarmSpec
-    from kvdiag.io import read_meta
+    from kvdiag.io import check_table, check_writable
     from kvdiag.schema import HORIZON
+    from kvdiag.trace.manifest import read_trace_files
 
-    common.quiet_transformers()
     if draws is not None and not selection.startswith("stochastic"):
         raise UserError(f"--draws applies to --selection stochastic[:TAU] only (got --selection {selection}); "
                         "drop it")
@@ -70,8 +70,9 @@ def decisions(
     refs = parsing.parse_list(references, "--references", str, choices=REFERENCES) or list(REFERENCES)
     if labels is None and references is None:
         refs = [r for r in refs if r != "oracle_single"]  # by default it joins only when labels can define it
-    if horizon is None and labels is not None and labels.is_file():
-        horizon = (read_meta(labels).get("config") or {}).get("horizon")
+    label_meta = check_table(labels, "--labels") if labels is not None else {}
+    if horizon is None:
+        horizon = (label_meta.get("config") or {}).get("horizon")
     cfg = DecisionsConfig(
         budgets=budgets, selection=selection, samples=4 if draws is None else draws, horizon=horizon or HORIZON,
         rules=tuple(parsing.parse_list(scorers, "--scorers", str)) or None, references=tuple(refs),
@@ -79,6 +80,16 @@ def decisions(
         n_boot=bootstrap, reference=reference, batch_size=batch_size, backend=backend,
         harm=HarmSpec(harm, noise_mult, include_unresolved),
     )
+    parsing.check_backend(backend)
+    parsing.check_device_name(device)
+    if dtype is not None:
+        parsing.check_dtype(dtype)
+    check_writable(out, "--out", "dir")
+    read_trace_files(trace)
+    check_table(scores, "--scores")
+    from kvdiag.decisions import decisions_files  # the stage: torch and the model, once the arguments are checked
+
+    common.quiet_transformers()
     path = decisions_files(trace, scores, out, cfg, labels=labels, model=model, dtype=dtype, device=device,
                            show_progress=not quiet)
     Console(stderr=True).print(f"decisions written to {path} (decisions.parquet, summary.md, decisions.png)")

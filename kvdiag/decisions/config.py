@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from kvdiag.errors import UserError, check_choice
 from kvdiag.harm import HarmSpec
+from kvdiag.parsing import parse_selection
 from kvdiag.schema import HORIZON, N_BOOT
-from kvdiag.selection import parse_selection
 
 # the reference decisions every rule is compared with (docs/decisions.md)
 REFERENCES = ("oracle_single", "oracle_greedy", "fast", "random")
@@ -97,6 +97,8 @@ class DecisionsConfig:
         if self.samples < 1:
             raise UserError(f"--draws {self.samples}: must be a positive number of stochastic draws, e.g. 4")
         check_choice(self.infeasible, INFEASIBLE, "--infeasible")
+        if self.seed < 0:
+            raise UserError(f"--seed {self.seed}: must be >= 0")
         for ref in self.references:
             check_choice(ref, REFERENCES, "--references")
         if not self.budgets:

@@ -17,12 +17,11 @@ import torch
 from kvdiag.distributed import Group, parse_shard
 from kvdiag.errors import UserError
 from kvdiag.io import check_writable, write_table
-from kvdiag.kernels import BACKENDS
 from kvdiag.label.engine import GRANULARITIES, OracleEngine, candidate_rows
 from kvdiag.label.fast import APPROXIMATE, method_params, resolve_method
 from kvdiag.label.hybrid import HybridLabeler, HybridParams, miss_rate
 from kvdiag.models import LoadedModel, check_device, load_model, parse_dtype
-from kvdiag.parsing import parse_checkpoints
+from kvdiag.parsing import check_backend, parse_checkpoints
 from kvdiag.parts import PartStore, part_name
 from kvdiag.progress import progress_bar
 from kvdiag.provenance import provenance
@@ -92,8 +91,7 @@ class LabelConfig:
             raise UserError(f"--w-obs {self.w_obs}: must be >= 0 generated tokens")
         if self.batch_size < 1:
             raise UserError(f"--batch-size {self.batch_size}: must be a positive number of candidate rows, e.g. 64")
-        if self.backend not in BACKENDS:
-            raise UserError(f"--backend {self.backend}: use one of {', '.join(BACKENDS)}")
+        check_backend(self.backend)
         if self.method != HYBRID and resolve_method(self.method) == "exact" and self.params:
             raise UserError(f"--method exact has no settings ({', '.join(self.params)}); drop them or choose an "
                             "approximate --method")
