@@ -601,6 +601,8 @@ HEAVY: dict[str, str] = {
     "replay-budget-protected": NEEDS_MODEL,
     **{name: NEEDS_PLUGIN for name, _, _ in CASES if "-plugin-" in name and name != "score-plugin-missing"},
     "score-plugin-raises": NEEDS_SCORES, "score-plugin-returns-list": NEEDS_SCORES,
+    "label-horizon-long": STAGE, "label-checkpoint-outside": STAGE, "label-layers-range": STAGE,
+    "label-other-model": "the Trace's model is told from another by its weights hash: " + NEEDS_MODEL,
     "decisions-reference-typo": "the rule names are the scores file's rule columns, which the stage picks: " + STAGE,
 }
 

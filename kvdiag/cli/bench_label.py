@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvdiag import parsing
 from kvdiag.cli import common
 
 
@@ -47,13 +48,8 @@ def bench_label(
                                  ("--repeats", repeats, 3)):
         if value < 1:
             raise UserError(f"{flag} {value}: must be a positive integer, e.g. {flag} {example}")
-    from kvdiag.label.bench import run_fast_bench, run_label_bench, run_layer_start_bench
-    from kvdiag.label.engine import GRANULARITIES
-    from kvdiag.label.fast import resolve_method
-    from kvdiag.label.hybrid import HybridParams
-    from kvdiag.models import load_model
-    from kvdiag.peak import model_peak
-    from kvdiag.trace.cost import ModelShape
+    from kvdiag.label.config import HybridParams, resolve_method
+    from kvdiag.schema import GRANULARITIES
 
     if granularity not in GRANULARITIES:
         raise UserError(f"--granularity {granularity}: use one of {', '.join(GRANULARITIES)}")
@@ -74,6 +70,14 @@ def bench_label(
         raise UserError(f"--keep {keep}: a share of the P entries in (0, 1), e.g. 0.5")
     if out is not None and method == "exact" and not sets:
         raise UserError("--out: written for --method and --sets only; drop it")
+    parsing.check_dtype(dtype)
+    parsing.check_device_name(device)
+    parsing.check_backend(backend)
+    from kvdiag.label.bench import run_fast_bench, run_label_bench, run_layer_start_bench
+    from kvdiag.models import load_model
+    from kvdiag.peak import model_peak
+    from kvdiag.trace.cost import ModelShape
+
     common.quiet_transformers()
     lm = load_model(model, dtype=dtype, device=device)
     weights = " (random weights)" if lm.random else ""

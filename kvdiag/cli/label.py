@@ -49,10 +49,10 @@ def label(
     quiet: bool = common.Quiet,
 ) -> None:
     """Evict single cache entries at checkpoints and measure the KL damage to the next H predictions."""
-    from kvdiag.label.run import run_label
-
-    common.quiet_transformers()
-    from kvdiag.label import LabelConfig
+    from kvdiag.io import check_writable
+    from kvdiag.label import LabelConfig  # light: the config, not the engine
+    from kvdiag.model_specs import check_model_spec
+    from kvdiag.trace.manifest import read_trace_files
 
     if model is None:
         common.refuse_given(ctx, ["force"], "without --model (the Trace's own model is used)")
@@ -71,6 +71,18 @@ def label(
         layers=parsing.parse_ints(layers, "--layers"), w_obs=w_obs, batch_size=batch_size, seed=seed, backend=backend,
         method=method, params=params, miss_rate=miss_rate,
     )
+    parsing.parse_shard(shard)
+    parsing.check_device_name(device)
+    if dtype is not None:
+        parsing.check_dtype(dtype)
+    if model is not None:
+        check_model_spec(model)
+    read_trace_files(trace)
+    check_writable(out, "--out")
+    check_writable(out.with_name(out.name + ".parts"), "--out", "dir")
+    from kvdiag.label.run import run_label  # the engine: torch and the model, once the arguments are checked
+
+    common.quiet_transformers()
     path = run_label(trace, out, cfg, model=model, force=force, dtype=dtype, device=device, shard=shard, quiet=quiet)
     if path is not None:
         Console().print(f"labels written to [bold]{path}[/]")
