@@ -8,7 +8,7 @@ import re
 from collections.abc import Iterable
 
 from kvdiag.errors import UserError, check_choice
-from kvdiag.schema import CHECKPOINT_INTERVAL
+from kvdiag.schema import CHECKPOINT_INTERVAL, GRANULARITIES  # noqa: F401  (the parsers' choices)
 
 
 def listed(values: str | Iterable[str] | None) -> list[str]:
