@@ -35,6 +35,10 @@ def resolve_rules(spec: str | None, rule: str | None, params: dict[str, dict], e
     """name -> Scorer instance: the rule a plugin file (``.py``) or module registers (``rule`` when it registers
     several), or the registered ``spec``; with ``everything``, every built-in rule that runs without a setting and
     every gradable kvpress press. Bad input is one ``UserError`` line."""
+    if not everything and spec is not None and rule is not None and not is_plugin_spec(spec):
+        # two sources of the rule: refuse rather than grade one of them silently
+        raise UserError(f"--rule {rule} applies to a plugin that registers several rules; {spec} is a registered "
+                        f"name: grade {rule} or {spec}, and drop --rule")
     from kvdiag.scorers import SCORERS, get_scorer, load_plugin_rules
 
     if everything:
@@ -53,9 +57,6 @@ def resolve_rules(spec: str | None, rule: str | None, params: dict[str, dict], e
             raise UserError(f"--rule {rule}: {spec} registers {', '.join(found)}")
         names = [rule or found[0]]
     elif spec is not None:
-        if rule is not None:  # two sources of the rule: refuse rather than grade one of them silently
-            raise UserError(f"--rule {rule} applies to a plugin that registers several rules; {spec} is a registered "
-                            f"name: grade {rule} or {spec}, and drop --rule")
         SCORERS.resolve(spec)
         names = [spec]
     else:
@@ -219,11 +220,11 @@ def grade_files(spec: str | None, bench: str, out: str | os.PathLike, rule: str 
                 show_progress: bool = True) -> dict:
     """What ``kvdiag grade`` runs: every input checked before the model loads, then :func:`grade`."""
     from kvdiag.io import check_writable
-    from kvdiag.models import load_model
 
     out = check_writable(out, "--out", "dir")
     b = bench_mod.load(bench)
     rules = resolve_rules(spec, rule, params or {}, everything)
+    from kvdiag.models import load_model  # torch: after the checks that need none
     start = time.perf_counter()
     lm = load_model(b.manifest["model"]["spec"], dtype=b.manifest["model"].get("dtype", "float32"))
     bench_mod.check_model(b, lm)

@@ -168,3 +168,19 @@ def check_device_name(device: str) -> str:
     if device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", device):
         raise UserError(f"--device {device!r} is not supported: use cpu, cuda or cuda:N")
     return device
+
+
+def parse_params(items: list[str] | None) -> dict[str, dict[str, str]]:
+    """``["rkv.mix_lambda=0.2", ...]`` -> ``{"rkv": {"mix_lambda": "0.2"}}`` (values converted by get_scorer).
+    A parameter given twice is refused (the second would silently win)."""
+    out: dict[str, dict[str, str]] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        scorer, dot, param = key.partition(".")
+        if not sep or not dot or not scorer or not param:
+            raise UserError(f"--param {item!r}: write it as scorer.key=value, e.g. rkv.mix_lambda=0.1")
+        params = out.setdefault(scorer.strip(), {})
+        if param.strip() in params:
+            raise UserError(f"--param {scorer.strip()}.{param.strip()} is given twice: pass it once")
+        params[param.strip()] = value.strip()
+    return out

@@ -29,13 +29,13 @@ def grade(
     decisions at the benchmark's budgets, against the oracle and the built-in rules; prints its leaderboard row."""
     from kvdiag.errors import UserError
     from kvdiag.grade import RANK_METRICS, grade_files
-    from kvdiag.scorers import parse_params
+    from kvdiag.parsing import parse_params
 
-    common.quiet_transformers()
     if all_ == (rule_spec is not None):
         raise UserError("pass a rule to grade (a .py file, a module or a registered name) or --all, not both")
     if leaderboard is not None and not all_:
         raise UserError("--leaderboard applies with --all only; drop it")
+    common.quiet_transformers()
     name = "all" if all_ else Path(rule_spec).stem
     res = grade_files(rule_spec, bench, out or Path("runs/grade") / name, rule=rule, params=parse_params(param),
                       everything=all_, leaderboard=leaderboard, show_progress=not quiet)

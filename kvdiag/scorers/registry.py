@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvdiag.errors import UserError
+from kvdiag.parsing import parse_params  # noqa: F401  (the registry's API)
 from kvdiag.registry import Registry
 from kvdiag.scorers.base import Scorer, blame, where
 
@@ -37,7 +38,7 @@ def register_scorer(name_or_cls: str | type[Scorer], name: str | None = None):
 
     def add(cls: type[Scorer], key: str) -> type[Scorer]:
         if not (isinstance(cls, type) and issubclass(cls, Scorer) and dataclasses.is_dataclass(cls)):
-            raise TypeError(f"scorer {key!r}: {cls!r} must be a @dataclass subclass of kvdiag.scorers.Scorer")
+            raise UserError(f"scorer {key!r}: {cls!r} must be a @dataclass subclass of kvdiag.scorers.Scorer")
         if cls.scores is not Scorer.scores:  # the old API: scores() returned the protected score
             raise UserError(f"scorer {key!r} ({where(cls)}) overrides scores(), the old scorer API: rename it to "
                             "score(ctx) (the raw score [Hkv, t]) and declare protected(age, position); "
@@ -95,22 +96,6 @@ def coerce(value: Any, hint: Any, what: str) -> Any:
     except ValueError:
         raise UserError(f"--param {what}={value}: not a valid {getattr(hint, '__name__', hint)}") from None
     raise UserError(f"--param {what}: parameters of type {hint} cannot be set from the command line")
-
-
-def parse_params(items: list[str] | None) -> dict[str, dict[str, str]]:
-    """``["rkv.mix_lambda=0.2", ...]`` -> ``{"rkv": {"mix_lambda": "0.2"}}`` (values converted by get_scorer).
-    A parameter given twice is refused (the second would silently win)."""
-    out: dict[str, dict[str, str]] = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        scorer, dot, param = key.partition(".")
-        if not sep or not dot or not scorer or not param:
-            raise UserError(f"--param {item!r}: write it as scorer.key=value, e.g. rkv.mix_lambda=0.1")
-        params = out.setdefault(scorer.strip(), {})
-        if param.strip() in params:
-            raise UserError(f"--param {scorer.strip()}.{param.strip()} is given twice: pass it once")
-        params[param.strip()] = value.strip()
-    return out
 
 
 # --------------------------------------------------------------------------- plugins
