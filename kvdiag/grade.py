@@ -35,10 +35,7 @@ def resolve_rules(spec: str | None, rule: str | None, params: dict[str, dict], e
     """name -> Scorer instance: the rule a plugin file (``.py``) or module registers (``rule`` when it registers
     several), or the registered ``spec``; with ``everything``, every built-in rule that runs without a setting and
     every gradable kvpress press. Bad input is one ``UserError`` line."""
-    if not everything and spec is not None and rule is not None and not is_plugin_spec(spec):
-        # two sources of the rule: refuse rather than grade one of them silently
-        raise UserError(f"--rule {rule} applies to a plugin that registers several rules; {spec} is a registered "
-                        f"name: grade {rule} or {spec}, and drop --rule")
+    check_rule_source(spec, rule, everything)
     from kvdiag.scorers import SCORERS, get_scorer, load_plugin_rules
 
     if everything:
@@ -65,6 +62,14 @@ def resolve_rules(spec: str | None, rule: str | None, params: dict[str, dict], e
     if stray:
         raise UserError(f"--param {stray[0]}.…: {stray[0]} is not the rule graded ({', '.join(names)})")
     return {n: get_scorer(n, **params.get(n, {})) for n in names}
+
+
+def check_rule_source(spec: str | None, rule: str | None, everything: bool = False) -> None:
+    """``--rule`` picks among a plugin's rules: with a registered name there would be two sources of the rule, and
+    one would be graded silently."""
+    if not everything and spec is not None and rule is not None and not is_plugin_spec(spec):
+        raise UserError(f"--rule {rule} applies to a plugin that registers several rules; {spec} is a registered "
+                        f"name: grade {rule} or {spec}, and drop --rule")
 
 
 def is_plugin_spec(spec: str) -> bool:

@@ -36,6 +36,7 @@ def score(
     quiet: bool = common.Quiet,
 ) -> None:
     """Score candidates of a Trace with the scorer zoo (higher = keep) and write scores.parquet."""
+    from kvdiag import parsing
     from kvdiag.io import check_table, check_writable
     from kvdiag.parsing import GRANULARITIES, joined, parse_checkpoints, parse_list
     from kvdiag.scorer_names import AGGREGATIONS, check_scorer_names
@@ -63,10 +64,10 @@ def score(
     read_trace_files(trace)
     if labels is not None:
         check_table(labels, f"--labels {labels}")
-    from kvdiag.scorers import parse_params  # the scorers: torch, once the arguments are checked
-    from kvdiag.scorers.run import score_files
+    params = parsing.parse_params(param)
+    from kvdiag.scorers.run import score_files  # the scorers: torch, once the arguments are checked
     df, meta = score_files(trace, out, labels, joined(checkpoints), joined(granularity),
-                           parse_list(scorers, "--scorers", str), parse_params(param), plugin or (), aggregation, model,
+                           parse_list(scorers, "--scorers", str), params, plugin or (), aggregation, model,
                            progress=not quiet)
     Console(stderr=True).print(f"wrote {df.height} rows × {len(meta['scorers'])} scorers to {out}")
 
