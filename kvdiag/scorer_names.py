@@ -20,5 +20,5 @@ def check_scorer_names(names: list[str], flag: str = "--scorers", also: tuple[st
     is loaded: call this only without --plugin)."""
     for name in names:
         if name != "all" and name not in BUILTIN_SCORERS + also and not name.startswith(PREFIXES):
-            raise UserError(f"{flag} {name}: unknown scorer; use one of {', '.join(BUILTIN_SCORERS)}, "
-                            "kvpress:<Press> or fitted:PATH (kvdiag score --list), or load yours with --plugin")
+            raise UserError(f"{flag}: unknown scorer {name!r}: use one of {', '.join(BUILTIN_SCORERS)} (or a name "
+                            f"starting with {', '.join(PREFIXES)}; or load yours with --plugin)")

@@ -553,13 +553,12 @@ CASES: list[tuple[str, list[str], str]] = [
     ("replay-auroc-swapped", ["replay", "--scorer", "rkv", "--model", "tiny:llama", "--teacher-forced", "{trace}",
                               "--auroc", "{scores}", "{labels}", "--out", "{out}"], "--auroc LABELS"),
     # ---- plugins: the author's mistake is bad input naming the file (and line) and the fix
-    *[(f"{cmd}-plugin-{kind}", [*argv, "--out", out], needle)
-      for cmd, argv, out in (("score", ["score", "--trace", "{trace}", "--labels", "{labels}", "--plugin"],
+    *[(f"{cmd}-plugin-{kind}", [*base, f"{{plugin_{kind.replace('-', '_')}}}", "--out", out], needle)
+      for cmd, base, out in (("score", ["score", "--trace", "{trace}", "--labels", "{labels}", "--plugin"],
                               "{out}/s.parquet"), ("grade", ["grade"], "{out}"))
       for kind, needle in (("old-api", "old_api.py:5) overrides scores()"), ("no-score", "no_score.py:5) defines no"),
                            ("collides", "is taken by"), ("syntax", "syntax.py line 3"),
-                           ("import", "import_error.py:2"), ("exits", "exits.py:2"))
-      for argv in [[*argv, f"{{plugin_{kind.replace('-', '_')}}}"]]],
+                           ("import", "import_error.py:2"), ("exits", "exits.py:2"))],
     ("score-plugin-raises", ["score", "--trace", "{trace}", "--labels", "{labels}", "--plugin", "{plugin_raises}",
                              "--scorers", "boom", "--out", "{out}/s.parquet"], "raises.py:9"),
     ("score-plugin-returns-list", ["score", "--trace", "{trace}", "--labels", "{labels}", "--plugin",
