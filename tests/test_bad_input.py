@@ -616,7 +616,7 @@ HEAVY: dict[str, str] = {
         "validate-labels-garbage", "validate-labels-scores-column", "fit-features", "fit-folds", "fit-harm",
         "fit-labels-other-trace", "figures-trace-missing", "figures-labels-garbage", "figures-payload",
         "figures-rank-eval-dir", "figures-out-below-file", "report-empty-run", "report-out-below-file",
-        "demo-out-below-file", "bench-kernels-dtype", "bench-score-trace-missing", "bench-replay-samples-greedy",
+        "bench-score-trace-missing", "bench-replay-samples-greedy",
         "bench-replay-param-stray", "score-labels-no-keys", "score-labels-other-trace", "score-checkpoint-0",
         "score-plugin-missing", "replay-outcomes-missing",
     )},
