@@ -612,8 +612,7 @@ HEAVY: dict[str, str] = {
     **{name: NOT_YET for name in (
         "replay-interval", "replay-samples-greedy", "replay-top-p-greedy", "replay-temperature-0",
         "replay-oracle-free", "replay-oracle-per-head", "replay-batch-0", "bench-scale-lengths", "bench-scale-store",
-        "bench-scale-store-twice", "validate-labels-quantile", "validate-labels-top-k", "validate-labels-missing",
-        "validate-labels-garbage", "validate-labels-scores-column", "fit-features", "fit-folds", "fit-harm",
+        "bench-scale-store-twice", "fit-features", "fit-folds", "fit-harm",
         "fit-labels-other-trace", "figures-trace-missing", "figures-labels-garbage", "figures-payload",
         "figures-rank-eval-dir", "figures-out-below-file", "report-empty-run", "report-out-below-file",
         "bench-score-trace-missing", "bench-replay-samples-greedy",

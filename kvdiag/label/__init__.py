@@ -8,7 +8,7 @@ from kvdiag.label.config import LabelConfig
 
 # the submodule that defines each exported name
 _HOME = {"GRANULARITIES": "engine", "OracleEngine": "engine", "Row": "engine", "candidate_rows": "engine",
-         "divergences": "engine", "LABEL_SCHEMA": "run", "label_trace": "run", "read_labels": "run",
+         "divergences": "engine", "LABEL_SCHEMA": "table", "label_trace": "run", "read_labels": "table",
          "work_items": "run"}
 __all__ = ["LabelConfig", *_HOME]
 

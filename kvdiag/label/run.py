@@ -21,19 +21,14 @@ from kvdiag.label.config import HYBRID, LabelConfig  # noqa: F401  (run's API)
 from kvdiag.label.engine import OracleEngine, candidate_rows
 from kvdiag.label.fast import APPROXIMATE
 from kvdiag.label.hybrid import HybridLabeler, HybridParams, miss_rate
+from kvdiag.label.table import LABEL_SCHEMA, read_labels  # noqa: F401  (run's API)
 from kvdiag.models import LoadedModel, check_device, load_model, parse_dtype
 from kvdiag.parsing import parse_checkpoints
 from kvdiag.parts import PartStore, part_name
 from kvdiag.progress import progress_bar
 from kvdiag.provenance import provenance
-from kvdiag.schema import KEY_SCHEMA, default_checkpoints
+from kvdiag.schema import default_checkpoints
 from kvdiag.trace import Trace
-
-LABEL_SCHEMA = {
-    **KEY_SCHEMA, "horizon": pl.Int64, "kl_mean": pl.Float64, "kl_max": pl.Float64,
-    "kl_steps": pl.List(pl.Float64), "js_mean": pl.Float64, "nll_delta": pl.Float64, "top1_flips": pl.Int64,
-    "noise_floor": pl.Float64, "age": pl.Int64, "token_id": pl.Int64,
-}
 
 
 def sample_candidates(t: int, spec: str, seed: int) -> list[int]:
@@ -272,13 +267,3 @@ def run_label(
         lm = load_model(spec, dtype=dtype or tr.manifest["model"]["dtype"], device=group.device)
         return group.split(lambda part, merge, show: label_trace(
             tr, lm, out, cfg, shard=part, merge=merge, force_model=force, show_progress=show and not quiet))
-
-
-def read_labels(path) -> tuple[pl.DataFrame, dict]:
-    from kvdiag.io import read_table
-
-    df, meta = read_table(path, what="labels")
-    missing = set(LABEL_SCHEMA) - set(df.columns)
-    if missing:
-        raise UserError(f"labels {path} lacks columns {sorted(missing)}: it is not a kvdiag labels file")
-    return df, meta

@@ -169,7 +169,7 @@ def validate_labels(
 def run_validation(exact: Path, approx: Path, out: Path, cfg: ValidateConfig, scores: Path | None = None) -> list[Path]:
     """Read the inputs (refusing bad ones before anything is written), validate, write ``out``."""
     from kvdiag.io import check_writable, read_table
-    from kvdiag.label.run import read_labels
+    from kvdiag.label.table import read_labels
 
     cfg.validate()
     check_writable(out, "--out", "dir")
