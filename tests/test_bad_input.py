@@ -788,6 +788,16 @@ def test_light_name_lists_are_the_registries():
     assert {k: v[1] for k, v in APPROXIMATE.items()} == APPROXIMATE_PARAMS
 
 
+def test_grade_tells_names_from_plugins():
+    """``grade fitted:dir/model.json`` grades a registered (prefixed) name, as ``score --scorers fitted:PATH`` does;
+    a path without a prefix is a plugin."""
+    from kvdiag.grade import is_plugin_spec
+
+    assert not is_plugin_spec("fitted:runs/fit/model.json") and not is_plugin_spec("kvpress:SnapKVPress")
+    assert not is_plugin_spec("knorm") and not is_plugin_spec("my_package.rules")
+    assert is_plugin_spec("rules/mine.py") and is_plugin_spec("mine.py") and is_plugin_spec("plugins/mine")
+
+
 def test_help_imports_no_torch(tmp_path):
     """``kvdiag --help`` and every command's --help build without torch or transformers."""
     import typer
