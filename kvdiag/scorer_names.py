@@ -11,6 +11,9 @@ BUILTIN_SCORERS = (
     "avokv_e_no_redundancy", "vase", "cake", "obcache", "longflow", "fitted",
 )
 PREFIXES = ("fitted:", "kvpress:")  # names made on first use by a resolver (kvdiag.scorers.fitted, kvpress_press)
+# the per-entry features of the fitted rule (the keys of kvdiag.scorers.entry_features.FEATURES)
+ENTRY_FEATURES = ("window_attention", "newest_attention", "cumulative_attention", "recurrence", "key_norm",
+                  "value_norm", "redundancy", "log_age", "is_prompt")
 AGGREGATIONS = ("mean_rank", "mean_raw")  # the keys of kvdiag.scorers.AGGREGATIONS
 REPLAY_ONLY = ("oracle",)  # replay's teacher-forced oracle policy, not a scorer
 

@@ -612,13 +612,13 @@ HEAVY: dict[str, str] = {
     **{name: NOT_YET for name in (
         "replay-interval", "replay-samples-greedy", "replay-top-p-greedy", "replay-temperature-0",
         "replay-oracle-free", "replay-oracle-per-head", "replay-batch-0", "bench-scale-lengths", "bench-scale-store",
-        "bench-scale-store-twice", "fit-features", "fit-folds", "fit-harm",
-        "fit-labels-other-trace", "figures-trace-missing", "figures-labels-garbage", "figures-payload",
+        "bench-scale-store-twice", "figures-trace-missing", "figures-labels-garbage", "figures-payload",
         "figures-rank-eval-dir", "figures-out-below-file", "report-empty-run", "report-out-below-file",
         "bench-score-trace-missing", "bench-replay-samples-greedy",
         "bench-replay-param-stray", "score-labels-no-keys", "score-labels-other-trace", "score-checkpoint-0",
         "score-plugin-missing", "replay-outcomes-missing",
     )},
+    "fit-labels-other-trace": "the Trace's fingerprint is read through kvdiag.trace.Trace (torch): " + STAGE,
     "score-param-unknown": "a scorer's parameters are its class's fields (torch): " + STAGE,
     "score-param-type": "a scorer's parameter types are its class's field types (torch): " + STAGE,
     "score-model-unused": "whether a scorer reads wo_l2 is its instance's setting (torch): " + STAGE,
@@ -784,6 +784,9 @@ def test_light_name_lists_are_the_registries():
     assert scorer_names.BUILTIN_SCORERS == tuple(n for n, c in SCORERS.items() if c.__module__.startswith("kvdiag."))
     assert set(scorer_names.PREFIXES) == set(SCORERS._resolvers)
     assert scorer_names.AGGREGATIONS == tuple(AGGREGATIONS)
+    from kvdiag.scorers.entry_features import FEATURES
+
+    assert scorer_names.ENTRY_FEATURES == tuple(FEATURES)
     assert parsing.DTYPE_NAMES == tuple(DTYPES)
     assert {k: v[1] for k, v in APPROXIMATE.items()} == APPROXIMATE_PARAMS
 
