@@ -50,6 +50,14 @@ def figures(
     eligible: str | None = common.Eligible,
 ) -> None:
     """Draw the attention-only blind spot, the delayed-read effect and the AvoKV-E component figure."""
+    from kvdiag.io import check_table, check_writable
+    from kvdiag.trace.manifest import read_trace_files
+
+    # the inputs' files, before torch and matplotlib are imported (their contents: figures_files)
+    check_writable(out, "--out", "dir")
+    read_trace_files(trace)
+    check_table(labels, "labels")
+    check_table(scores, "scores")
     from kvdiag.figures.run import figures_files
 
     params = FigureParams(
