@@ -613,7 +613,7 @@ HEAVY: dict[str, str] = {
         "replay-interval", "replay-samples-greedy", "replay-top-p-greedy", "replay-temperature-0",
         "replay-oracle-free", "replay-oracle-per-head", "replay-batch-0", "bench-scale-lengths", "bench-scale-store",
         "bench-scale-store-twice", "figures-payload", "figures-rank-eval-dir", "report-empty-run",
-        "report-out-below-file", "bench-score-trace-missing", "bench-replay-samples-greedy",
+        "bench-replay-samples-greedy",
         "bench-replay-param-stray", "score-labels-no-keys", "score-labels-other-trace", "score-checkpoint-0",
         "score-plugin-missing", "replay-outcomes-missing",
     )},
