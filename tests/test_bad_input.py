@@ -590,7 +590,8 @@ PLUGIN_FILES = {"import": "import_error"}  # a plugin file named import.py would
 # Rows whose refusal needs what only torch, transformers or a stage gives, each with why; every other row is refused
 # before torch is imported (test_refused_before_torch).
 NEEDS_MODEL = "the model's config (layer count, context length) is the input checked: loading it imports transformers"
-NEEDS_PLUGIN = "the plugin file itself imports kvdiag.scorers (torch): the fault shows only when it is imported"
+NEEDS_PLUGIN = ("a plugin is imported by the scorer registry, kvdiag.scorers (torch), which the plugin imports to "
+                "register itself: the fault shows only when it is imported")
 NEEDS_SCORES = "the fault shows only when the plugin's score() runs on a Trace's tensors"
 STAGE = ("checked by the stage against the Trace's shapes or the inputs' rows, after its torch import (a light "
          "pre-check would duplicate the stage's own)")
