@@ -11,7 +11,6 @@ without ``--shard`` merges (and does whatever is still missing).
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TypeVar
@@ -19,6 +18,7 @@ from typing import TypeVar
 import torch
 
 from kvdiag.errors import UserError
+from kvdiag.parsing import parse_shard  # noqa: F401  (its home until the CLI checked it before torch)
 
 # Ranks only wait for each other at the end (the barrier before rank 0 merges), so the wait is the gap
 # between the fastest and the slowest share; torch's default (30 min) would end long unbalanced runs.
@@ -31,15 +31,6 @@ R = TypeVar("R")
 def dist_env() -> tuple[int, int, int]:
     """(rank, world_size, local_rank) from torchrun's environment; (0, 1, 0) outside torchrun."""
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
-
-
-def parse_shard(spec: str | None) -> tuple[int, int] | None:
-    if spec is None:
-        return None
-    m = re.fullmatch(r"(\d+)/(\d+)", spec)
-    if not m or not 0 <= int(m.group(1)) < int(m.group(2)):
-        raise UserError(f"--shard {spec}: use i/n with 0 <= i < n (e.g. $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT)")
-    return int(m.group(1)), int(m.group(2))
 
 
 class Group:

@@ -35,6 +35,7 @@ def resolve_rules(spec: str | None, rule: str | None, params: dict[str, dict], e
     """name -> Scorer instance: the rule a plugin file (``.py``) or module registers (``rule`` when it registers
     several), or the registered ``spec``; with ``everything``, every built-in rule that runs without a setting and
     every gradable kvpress press. Bad input is one ``UserError`` line."""
+    check_rule_source(spec, rule, everything)
     from kvdiag.scorers import SCORERS, get_scorer, load_plugin_rules
 
     if everything:
@@ -43,7 +44,7 @@ def resolve_rules(spec: str | None, rule: str | None, params: dict[str, dict], e
             names += SCORERS.expand(["kvpress:all"])
         except UserError:  # kvpress not installed: the built-ins only
             pass
-    elif spec is not None and (spec.endswith(".py") or os.sep in spec):
+    elif spec is not None and is_plugin_spec(spec):
         found = load_plugin_rules(spec)
         if not found:
             raise UserError(f"{spec} registers no rule: decorate a Scorer dataclass with @register_scorer(\"name\")")
@@ -61,6 +62,21 @@ def resolve_rules(spec: str | None, rule: str | None, params: dict[str, dict], e
     if stray:
         raise UserError(f"--param {stray[0]}.…: {stray[0]} is not the rule graded ({', '.join(names)})")
     return {n: get_scorer(n, **params.get(n, {})) for n in names}
+
+
+def check_rule_source(spec: str | None, rule: str | None, everything: bool = False) -> None:
+    """``--rule`` picks among a plugin's rules: with a registered name there would be two sources of the rule, and
+    one would be graded silently."""
+    if not everything and spec is not None and rule is not None and not is_plugin_spec(spec):
+        raise UserError(f"--rule {rule} applies to a plugin that registers several rules; {spec} is a registered "
+                        f"name: grade {rule} or {spec}, and drop --rule")
+
+
+def is_plugin_spec(spec: str) -> bool:
+    """A rule given as a plugin (a ``.py`` file or a path), not a registered name; a prefixed name
+    (``fitted:dir/model.json``, ``kvpress:<Press>``) is a name, its path notwithstanding."""
+    prefixed = ":" in spec.split(os.sep, 1)[0] and not os.path.exists(spec)
+    return not prefixed and (spec.endswith(".py") or os.sep in spec)
 
 
 def _token_scores(head: pl.DataFrame, rules: list[str]) -> pl.DataFrame:
@@ -325,13 +341,13 @@ def grade_files(spec: str | None, bench: str, out: str | os.PathLike, rule: str 
                 show_progress: bool = True) -> dict:
     """What ``kvdiag grade`` runs: every input checked before the model loads, then :func:`grade`."""
     from kvdiag.guard import check_outputs
-    from kvdiag.models import load_model
 
     check_outputs({"--out": (out, "dir"), "--leaderboard": leaderboard,
                    "--leaderboard (its CSV)": None if leaderboard is None else Path(leaderboard).with_suffix(".csv")},
                   {"--bench": bench_mod.resolve(bench), "RULE": spec if spec and spec.endswith(".py") else None})
     b = bench_mod.load(bench)
     rules = resolve_rules(spec, rule, params or {}, everything)
+    from kvdiag.models import load_model  # torch: after the checks that need none
     start = time.perf_counter()
     lm = load_model(b.manifest["model"]["spec"], dtype=b.manifest["model"].get("dtype", "float32"))
     bench_mod.check_model(b, lm)

@@ -105,6 +105,20 @@ def read_table(path: str | os.PathLike, what: str = "table") -> tuple[pl.DataFra
     return df, read_meta(path, what)
 
 
+def check_table(path: str | os.PathLike, what: str = "table") -> dict:
+    """The metadata of a Parquet table whose footer reads, without reading its rows (a cheap check before heavy
+    work); a missing or unreadable file is a ``UserError`` (the same line as :func:`read_table`'s)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{what} {path} does not exist: pass the path of a Parquet file written by kvdiag")
+    try:
+        return read_meta(path)
+    except Exception as err:  # pyarrow raises many types for corrupt files
+        raise UserError(
+            f"{what} {path} is not a readable Parquet file ({err.__class__.__name__}): regenerate it"
+        ) from err
+
+
 def read_json(path: str | os.PathLike, what: str = "file"):
     """The JSON value of ``path``; a missing or malformed file is a ``UserError`` naming ``what``."""
     path = Path(path)

@@ -4,10 +4,11 @@ in ``kvdiag.cli.common``; library code parses through these)."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 
-from kvdiag.errors import UserError
-from kvdiag.schema import CHECKPOINT_INTERVAL
+from kvdiag.errors import UserError, check_choice
+from kvdiag.schema import CHECKPOINT_INTERVAL, GRANULARITIES  # noqa: F401  (the parsers' choices)
 
 
 def listed(values: str | Iterable[str] | None) -> list[str]:
@@ -94,3 +95,92 @@ def parse_checkpoints(spec: str, flag: str = "--checkpoints") -> int | list[int]
 def parse_ints(values: list[str] | None, flag: str) -> list[int] | None:
     """A repeatable comma-separated option of indices >= 0, each once (None when not given)."""
     return parse_list(values, flag, int, low=0, example="0,5,11") or None
+
+
+def parse_shard(spec: str | None) -> tuple[int, int] | None:
+    """``--shard i/n`` -> (i, n) with 0 <= i < n; None -> None."""
+    if spec is None:
+        return None
+    m = re.fullmatch(r"(\d+)/(\d+)", spec)
+    if not m or not 0 <= int(m.group(1)) < int(m.group(2)):
+        raise UserError(f"--shard {spec}: use i/n with 0 <= i < n (e.g. $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT)")
+    return int(m.group(1)), int(m.group(2))
+
+
+SELECTIONS = ("per-head", "per-token", "stochastic")
+STOCHASTIC_TAU = 0.1  # default temperature of stochastic selection, over percentile ranks in [0, 1] (ours)
+
+
+def parse_selection(spec: str, flag: str = "--selection") -> tuple[str, float | None]:
+    """``per-head`` | ``per-token`` | ``stochastic`` | ``stochastic:TAU`` (TAU > 0) -> (mode, tau)."""
+    mode, _, raw = str(spec).partition(":")
+    check_choice(mode, SELECTIONS, flag)
+    if mode != "stochastic":
+        if raw:
+            raise UserError(f"{flag} {spec}: only stochastic takes a temperature (stochastic:TAU)")
+        return mode, None
+    try:
+        tau = float(raw) if raw else STOCHASTIC_TAU
+    except ValueError:
+        tau = float("nan")
+    if not tau > 0 or tau == float("inf"):
+        raise UserError(f"{flag} {spec}: the temperature TAU of stochastic:TAU must be a positive number, e.g. "
+                        f"stochastic:{STOCHASTIC_TAU}")
+    return mode, tau
+
+
+STORE_WORDS = ("all", "kv", "none")
+
+
+def parse_store(value: str) -> tuple[str, list[int] | None]:
+    """``--store`` -> (mode, layers): ``all``/``kv``/``none`` with None, or ``("layers", sorted indices)``
+    for ``0,15,29``. Only the syntax is checked here (before a model loads); ``kvdiag.trace.writer.store_spec``
+    checks the indices against the model's layer count."""
+    text = str(value).strip()
+    if text in STORE_WORDS:
+        return text, None
+    if not text or not all(re.fullmatch(r"\d+", p.strip()) for p in text.split(",")):
+        raise UserError(f"--store {value}: use all, kv, none, or layer indices comma-separated (e.g. 0,15,29)")
+    return "layers", sorted(parse_list(text, "--store", int, low=0, example="0,15,29"))
+
+
+DTYPE_NAMES = ("float32", "fp32", "float16", "fp16", "bfloat16", "bf16")  # kvdiag.models.DTYPES maps them
+STORAGE_DTYPE_NAMES = ("float16", "bfloat16", "float32")  # kvdiag.trace.writer.STORAGE_DTYPES maps them
+
+
+BACKENDS = ("auto", "torch", "triton")  # attention kernels (kvdiag.kernels)
+
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise UserError(f"--backend {backend}: use one of {', '.join(BACKENDS)}")
+    return backend
+
+
+def check_dtype(name: str, flag: str = "--dtype") -> str:
+    if name not in DTYPE_NAMES:
+        raise UserError(f"{flag} {name!r} is not supported: use one of float32, float16, bfloat16")
+    return name
+
+
+def check_device_name(device: str) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N`` (whether CUDA is there is ``kvdiag.models.check_device``'s, after torch)."""
+    if device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", device):
+        raise UserError(f"--device {device!r} is not supported: use cpu, cuda or cuda:N")
+    return device
+
+
+def parse_params(items: list[str] | None) -> dict[str, dict[str, str]]:
+    """``["rkv.mix_lambda=0.2", ...]`` -> ``{"rkv": {"mix_lambda": "0.2"}}`` (values converted by get_scorer).
+    A parameter given twice is refused (the second would silently win)."""
+    out: dict[str, dict[str, str]] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        scorer, dot, param = key.partition(".")
+        if not sep or not dot or not scorer or not param:
+            raise UserError(f"--param {item!r}: write it as scorer.key=value, e.g. rkv.mix_lambda=0.1")
+        params = out.setdefault(scorer.strip(), {})
+        if param.strip() in params:
+            raise UserError(f"--param {scorer.strip()}.{param.strip()} is given twice: pass it once")
+        params[param.strip()] = value.strip()
+    return out

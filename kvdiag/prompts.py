@@ -105,6 +105,10 @@ def _jsonl(path: Path) -> list[Prompt]:
             raise UserError(f"--prompts {path}: line {lineno} is not a JSON object; each line must be an object")
         text = next((rec[f] for f in TEXT_FIELDS if isinstance(rec.get(f), str)), None)
         if text is None:
+            given = next((f for f in TEXT_FIELDS if f in rec), None)
+            if given is not None:
+                raise UserError(f"--prompts {path}: line {lineno}: field {given!r} is a {type(rec[given]).__name__}, "
+                                "not a string; write the prompt's text as a JSON string")
             raise UserError(f"--prompts {path}: line {lineno} has none of the fields {', '.join(TEXT_FIELDS)}")
         raw_id = next((str(rec[f]) for f in ID_FIELDS if rec.get(f) is not None), f"p{len(prompts):04d}")
         answer = rec.get("answer")

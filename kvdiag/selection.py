@@ -18,10 +18,8 @@ from dataclasses import dataclass
 import torch
 from scipy.stats import rankdata
 
-from kvdiag.errors import UserError, check_choice
-
-SELECTIONS = ("per-head", "per-token", "stochastic")
-STOCHASTIC_TAU = 0.1  # default temperature of stochastic selection, over percentile ranks in [0, 1] (ours)
+from kvdiag.errors import UserError
+from kvdiag.parsing import SELECTIONS, STOCHASTIC_TAU, parse_selection  # noqa: F401  (selection's API)
 
 
 @dataclass(frozen=True)
@@ -42,19 +40,7 @@ class Selection:
         """``per-head`` | ``per-token`` | ``stochastic`` | ``stochastic:TAU`` (TAU > 0); a Selection passes as is."""
         if isinstance(spec, Selection):
             return spec
-        mode, _, raw = str(spec).partition(":")
-        check_choice(mode, SELECTIONS, flag)
-        if mode != "stochastic":
-            if raw:
-                raise UserError(f"{flag} {spec}: only stochastic takes a temperature (stochastic:TAU)")
-            return cls(mode, None, str(spec))
-        try:
-            tau = float(raw) if raw else STOCHASTIC_TAU
-        except ValueError:
-            tau = float("nan")
-        if not tau > 0 or tau == float("inf"):
-            raise UserError(f"{flag} {spec}: the temperature TAU of stochastic:TAU must be a positive number, e.g. "
-                            f"stochastic:{STOCHASTIC_TAU}")
+        mode, tau = parse_selection(spec, flag)  # the one parser (kvdiag.parsing: light, before torch)
         return cls(mode, tau, str(spec))
 
     def __str__(self) -> str:

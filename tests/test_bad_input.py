@@ -8,13 +8,18 @@ broken copies of its files. Each case's --out lies in a fresh directory, which m
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import polars as pl
 import pytest
 
 from kvdiag.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # placeholders in the cases, filled by the fixture: {trace} {labels} {scores} {run} {out} {file} ...
 FITS = ["--checkpoints", "every:16", "--w-obs", "8", "--horizon", "4"]  # label settings that fit the tiny Trace
@@ -166,7 +171,7 @@ CASES: list[tuple[str, list[str], str]] = [
     (
         "label-samples-0",
         ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--method", "fast", "--samples", "0"],
-        "--samples 0",
+        "--fisher-samples 0",
     ),
     (
         "label-samples-exact", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--samples", "4"],
@@ -552,7 +557,130 @@ CASES: list[tuple[str, list[str], str]] = [
     # ---- #40: an option that would do nothing
     ("replay-outcomes-other-prompts", ["replay", "--teacher-forced", "{trace}", "--scorer", "knorm", "--budget", "16",
                                        "--outcomes", "{other_replay}", "--out", "{out}"], "holds no generation"),
+    ("bench-label-prefix-0", ["bench", "label", "--prefix", "0"], "--prefix 0"),
+    # ---- decisions
+    ("decisions-trace-missing", ["decisions", "--trace", "/no/trace", "--scores", "{scores}", "--keep", "0.5", "--out",
+                                 "{out}"], "/no/trace"),
+    ("decisions-scores-garbage", ["decisions", "--trace", "{trace}", "--scores", "{garbage_parquet}", "--keep", "0.5",
+                                  "--out", "{out}"], "garbage.parquet"),
+    ("decisions-labels-garbage", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--labels",
+                                  "{garbage_parquet}", "--keep", "0.5", "--out", "{out}"], "garbage.parquet"),
+    ("decisions-seed", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5", "--seed", "-1",
+                        "--out", "{out}"], "--seed"),
+    ("decisions-keep", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "1.5", "--out", "{out}"],
+     "--keep"),
+    ("decisions-no-budget", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--out", "{out}"], "--keep"),
+    ("decisions-draws-per-head", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5", "--draws",
+                                  "2", "--out", "{out}"], "--draws"),
+    ("decisions-draws-0", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5", "--selection",
+                           "stochastic", "--draws", "0", "--out", "{out}"], "--draws 0"),
+    # the deprecated name is still accepted (and refused the same way); both names at once are refused
+    ("decisions-samples-deprecated", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5",
+                                      "--samples", "2", "--out", "{out}"], "--draws"),
+    ("decisions-draws-and-samples", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5",
+                                     "--selection", "stochastic", "--draws", "2", "--samples", "2", "--out", "{out}"],
+     "--samples"),
+    ("decisions-references", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5",
+                              "--references", "nope", "--out", "{out}"], "nope"),
+    ("decisions-reference-typo", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5",
+                                  "--reference", "nope", "--out", "{out}"], "--reference nope"),
+    ("decisions-backend", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5", "--backend",
+                           "cuda", "--out", "{out}"], "--backend cuda"),
+    ("decisions-infeasible", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5",
+                              "--infeasible", "maybe", "--out", "{out}"], "--infeasible"),
+    ("decisions-out-below-file", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5", "--out",
+                                  "{file}/d"], "--out"),
+    # ---- seeds are refused up front (not after the work is written)
+    ("label-seed-hybrid", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--method", "hybrid",
+                           "--exact-frac", "0.5", "--seed", "-1"], "--seed"),
+    ("rank-eval-seed", ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--seed", "-1", "--out", "{out}"],
+     "--seed"),
+    # ---- options that would do nothing
+    ("label-audit-no-miss-rate", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--method",
+                                  "hybrid", "--exact-frac", "0.5", "--audit", "4", "--no-miss-rate"], "--audit 4"),
+    ("label-fisher-samples-0", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--method", "fast",
+                                "--fisher-samples", "0"], "--fisher-samples 0"),
+    ("grade-rule-with-name", ["grade", "knorm", "--rule", "tova", "--out", "{out}"], "--rule tova"),
+    ("grade-fitted-missing", ["grade", "fitted:/no/model.json", "--out", "{out}"], "/no/model.json"),
+    # ---- messages: user text is printed as given (no rich markup, no emoji codes); fields named
+    ("trace-prompts-markup", ["trace", "--prompts", "[red]x[/red].jsonl", "--out", "{out}"], "[red]x[/red].jsonl"),
+    ("trace-tiny-emoji", ["trace", "--model", "tiny:LLAMA", "--out", "{out}"], "tiny:LLAMA"),
+    ("trace-prompt-not-string", ["trace", "--prompts", "{number_jsonl}", "--out", "{out}"], "'problem' is a int, not"),
+    ("replay-auroc-swapped", ["replay", "--scorer", "rkv", "--model", "tiny:llama", "--teacher-forced", "{trace}",
+                              "--auroc", "{scores}", "{labels}", "--out", "{out}"], "--auroc LABELS"),
+    # ---- plugins: the author's mistake is bad input naming the file (and line) and the fix
+    *[(f"{cmd}-plugin-{kind}", [*base, f"{{plugin_{kind.replace('-', '_')}}}", "--out", out], needle)
+      for cmd, base, out in (("score", ["score", "--trace", "{trace}", "--labels", "{labels}", "--plugin"],
+                              "{out}/s.parquet"), ("grade", ["grade"], "{out}"))
+      for kind, needle in (("old-api", "old_api.py:5) overrides scores()"), ("no-score", "no_score.py:5) defines no"),
+                           ("collides", "is taken by"), ("syntax", "syntax.py line 3"),
+                           ("import", "import_error.py:2"), ("exits", "exits.py:2"))],
+    ("score-plugin-raises", ["score", "--trace", "{trace}", "--labels", "{labels}", "--plugin", "{plugin_raises}",
+                             "--scorers", "boom", "--out", "{out}/s.parquet"], "raises.py:9"),
+    ("score-plugin-returns-list", ["score", "--trace", "{trace}", "--labels", "{labels}", "--plugin",
+                                   "{plugin_returns_list}", "--scorers", "listy", "--out", "{out}/s.parquet"],
+     "returned a list, not a torch.Tensor"),
 ]
+
+PLUGINS = {  # file name -> source; line numbers matter (the messages name them)
+    "old_api": "from dataclasses import dataclass\nfrom kvdiag.scorers import Scorer, register_scorer\n\n\n"
+               "@register_scorer('old_api')\n@dataclass\nclass Old(Scorer):\n    def scores(self, ctx):\n"
+               "        return ctx.keys.norm(dim=-1)\n",
+    "no_score": "from dataclasses import dataclass\nfrom kvdiag.scorers import Scorer, register_scorer\n\n\n"
+                "@register_scorer('no_score')\n@dataclass\nclass Nothing(Scorer):\n    window: int = 4\n",
+    "collides": "from dataclasses import dataclass\nfrom kvdiag.scorers import Scorer, register_scorer\n\n\n"
+                "@register_scorer('knorm')\n@dataclass\nclass Mine(Scorer):\n    def score(self, ctx):\n"
+                "        return ctx.keys.norm(dim=-1)\n",
+    "syntax": "from kvdiag.scorers import Scorer\n\ndef score(self ctx):\n    pass\n",
+    "import": "import os\nimport no_such_module_kvdiag\n",
+    "exits": "import sys\nsys.exit(0)\n",
+    "raises": "from dataclasses import dataclass\nfrom kvdiag.scorers import Scorer, register_scorer\n\n\n"
+              "@register_scorer('boom')\n@dataclass\nclass Boom(Scorer):\n    def score(self, ctx):\n"
+              "        raise ValueError('the plugin broke')\n",
+    "returns_list": "from dataclasses import dataclass\nfrom kvdiag.scorers import Scorer, register_scorer\n\n\n"
+                    "@register_scorer('listy')\n@dataclass\nclass Listy(Scorer):\n    def score(self, ctx):\n"
+                    "        return [1.0] * ctx.t\n",
+}
+PLUGIN_FILES = {"import": "import_error"}  # a plugin file named import.py would shadow nothing, but reads oddly
+
+# Rows whose refusal needs what only torch, transformers or a stage gives, each with why; every other row is refused
+# before torch is imported (test_refused_before_torch).
+NEEDS_MODEL = "the model's config (layer count, context length) is the input checked: loading it imports transformers"
+NEEDS_PLUGIN = ("a plugin is imported by the scorer registry, kvdiag.scorers (torch), which the plugin imports to "
+                "register itself: the fault shows only when it is imported")
+NEEDS_SCORES = "the fault shows only when the plugin's score() runs on a Trace's tensors"
+STAGE = ("checked by the stage against the Trace's shapes or the inputs' rows, after its torch import (a light "
+         "pre-check would duplicate the stage's own)")
+# NOT DONE (issue #39 stays open for these): the command still imports its stage (torch) before this check
+NOT_YET = "not yet: the command imports its stage before this check (issue #39, open)"
+HEAVY: dict[str, str] = {
+    "trace-store-beyond": NEEDS_MODEL, "trace-beyond-context": NEEDS_MODEL, "bench-scale-too-short": NEEDS_MODEL,
+    "bench-scale-beyond-context": NEEDS_MODEL, "replay-suite-length": NEEDS_MODEL,
+    "replay-budget-protected": NEEDS_MODEL,
+    **{name: NEEDS_PLUGIN for name, _, _ in CASES if "-plugin-" in name and name != "score-plugin-missing"},
+    "score-plugin-raises": NEEDS_SCORES, "score-plugin-returns-list": NEEDS_SCORES,
+    "label-horizon-long": STAGE, "label-checkpoint-outside": STAGE, "label-layers-range": STAGE,
+    "label-other-model": "the Trace's model is told from another by its weights hash: " + NEEDS_MODEL,
+    "score-fitted-missing": "fitted:PATH is made by its resolver in kvdiag.scorers (torch): " + STAGE,
+    "score-fitted-no-model": "fitted's model path is a field of its scorer class (torch): " + STAGE,
+    "rank-eval-eligible-unknown": "--eligible names a scorer whose protected() is read (torch): " + STAGE,
+    "grade-fitted-missing": "fitted:PATH is made by its resolver in kvdiag.scorers (torch): " + STAGE,
+    "replay-scorer-needs-history": "needs_history is a scorer class attribute (torch): " + STAGE,
+    **{name: NOT_YET for name in (
+        "replay-interval", "replay-samples-greedy", "replay-top-p-greedy", "replay-temperature-0",
+        "replay-oracle-free", "replay-oracle-per-head", "replay-batch-0", "bench-scale-lengths", "bench-scale-store",
+        "bench-scale-store-twice", "figures-payload", "figures-rank-eval-dir", "report-empty-run",
+        "bench-replay-samples-greedy",
+        "bench-replay-param-stray", "score-labels-no-keys", "score-labels-other-trace", "score-checkpoint-0",
+        "score-plugin-missing", "replay-outcomes-missing",
+    )},
+    "fit-labels-other-trace": "the Trace's fingerprint is read through kvdiag.trace.Trace (torch): " + STAGE,
+    "score-param-unknown": "a scorer's parameters are its class's fields (torch): " + STAGE,
+    "score-param-type": "a scorer's parameter types are its class's field types (torch): " + STAGE,
+    "score-model-unused": "whether a scorer reads wo_l2 is its instance's setting (torch): " + STAGE,
+    "score-safetensors-truncated": "the fault is in the tensors, read by safetensors/torch when scoring",
+    "decisions-reference-typo": "the rule names are the scores file's rule columns, which the stage picks: " + STAGE,
+}
 
 
 def _run(argv: list[str], capsys) -> tuple[int, str]:
@@ -637,6 +765,13 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
             f.write_bytes(f.read_bytes()[:200])
 
     p["trace_bad_layer"] = broken_trace("t-layer", truncate_layer)
+    (root / "number.jsonl").write_text('{"problem": 42}\n')
+    p["number_jsonl"] = str(root / "number.jsonl")
+    (root / "plugins").mkdir()
+    for kind, source in PLUGINS.items():
+        path = root / "plugins" / f"{PLUGIN_FILES.get(kind, kind)}.py"
+        path.write_text(source)
+        p[f"plugin_{kind}"] = str(path)
     return p
 
 
@@ -659,6 +794,116 @@ def test_bad_input(argv, needle, inputs, tmp_path, capsys):
     assert not out.exists(), f"{out} was written before the input was refused"
     # the inputs are untouched (no stamp, part or table written into the run)
     assert {f: f.stat().st_mtime_ns for f in Path(inputs["run"]).rglob("*")} == before
+
+
+# Runs rows in one fresh interpreter, in order, through the console script's main; stops after the first row that
+# imported torch or transformers (that module cannot be unloaded), so the next interpreter starts from the row after.
+WORKER = """
+import json, sys
+from kvdiag.cli.main import main
+rows = []
+for name, argv in json.loads(sys.stdin.read()):
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    rows.append([name, code, [m for m in ("torch", "transformers") if m in sys.modules]])
+    if rows[-1][2]:
+        break
+print("ROWS " + json.dumps(rows))
+"""
+
+
+def refusals_in_fresh_processes(rows: list[tuple[str, list[str]]], cwd: Path) -> dict[str, tuple[int, list[str]]]:
+    """name -> (exit code, the heavy modules imported by the time it exited), each row run as ``kvdiag ARGV``."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "KVDIAG_CACHE": str(cwd / "cache")}
+    results: dict[str, tuple[int, list[str]]] = {}
+    while rows:
+        proc = subprocess.run([sys.executable, "-c", WORKER], input=json.dumps(rows), capture_output=True, text=True,
+                              env=env, cwd=cwd, timeout=900)
+        done = [json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("ROWS ")]
+        assert done and done[0], f"the worker failed: {proc.stderr[-3000:]}"
+        for name, code, heavy in done[0]:
+            results[name] = (code, heavy)
+        rows = rows[len(done[0]):]
+    return results
+
+
+def test_heavy_rows_are_named_cases():
+    assert set(HEAVY) <= {name for name, _, _ in CASES}, set(HEAVY) - {name for name, _, _ in CASES}
+
+
+def test_refused_before_torch(inputs, tmp_path):
+    """Every bad input but the rows of HEAVY is refused (exit 2) before torch or transformers is imported: in a fresh
+    interpreter, neither is in sys.modules when the one line is printed."""
+    rows = [(name, [a.format(out=tmp_path / name / "out", **inputs) for a in argv])
+            for name, argv, _ in CASES if name not in HEAVY]
+    results = refusals_in_fresh_processes(rows, tmp_path)
+    late = {name: r for name, r in results.items() if r[1]}
+    wrong = {name: r for name, r in results.items() if r[0] != 2}
+    assert not late, f"refused only after importing torch/transformers: {sorted(late)}"
+    assert not wrong, f"not exit 2: {wrong}"
+    assert len(results) == len(rows)
+
+
+def test_light_name_lists_are_the_registries():
+    """The names the CLI checks before torch loads are the names the registries (which need torch) hold."""
+    from kvdiag import parsing, scorer_names
+    from kvdiag.label.config import APPROXIMATE_PARAMS
+    from kvdiag.label.fast import APPROXIMATE
+    from kvdiag.models import DTYPES
+    from kvdiag.scorers import AGGREGATIONS, SCORERS
+
+    assert scorer_names.BUILTIN_SCORERS == tuple(n for n, c in SCORERS.items() if c.__module__.startswith("kvdiag."))
+    assert set(scorer_names.PREFIXES) == set(SCORERS._resolvers)
+    assert scorer_names.AGGREGATIONS == tuple(AGGREGATIONS)
+    from kvdiag.scorers.entry_features import FEATURES
+
+    assert scorer_names.ENTRY_FEATURES == tuple(FEATURES)
+    assert parsing.DTYPE_NAMES == tuple(DTYPES)
+    assert {k: v[1] for k, v in APPROXIMATE.items()} == APPROXIMATE_PARAMS
+
+
+def test_grade_tells_names_from_plugins():
+    """``grade fitted:dir/model.json`` grades a registered (prefixed) name, as ``score --scorers fitted:PATH`` does;
+    a path without a prefix is a plugin."""
+    from kvdiag.grade import is_plugin_spec
+
+    assert not is_plugin_spec("fitted:runs/fit/model.json") and not is_plugin_spec("kvpress:SnapKVPress")
+    assert not is_plugin_spec("knorm") and not is_plugin_spec("my_package.rules")
+    assert is_plugin_spec("rules/mine.py") and is_plugin_spec("mine.py") and is_plugin_spec("plugins/mine")
+
+
+def test_help_imports_no_torch(tmp_path):
+    """``kvdiag --help`` and every command's --help build without torch or transformers."""
+    import typer
+
+    from kvdiag.cli.main import app, resolve_command
+
+    root = typer.main.get_command(app)
+    rows = [("help", ["--help"])] + [(f"{name}-help", [name, "--help"]) for name in root.commands if name != "bench"]
+    rows += [(f"bench-{name}-help", ["bench", name, "--help"]) for name in resolve_command(["bench"])[0].commands]
+    results = refusals_in_fresh_processes(rows, tmp_path)
+    assert {name: r for name, r in results.items() if r != (0, [])} == {}
+
+
+def test_warnings_are_one_line_each(monkeypatch, capsys):
+    """A Python warning raised during a command is one ``warning:`` line through the CLI's printer (no source path,
+    no code line), printed before the error's one line."""
+    import warnings
+
+    import kvdiag.prompts
+
+    def warn_then_refuse(*args, **kwargs):
+        warnings.warn("first line\nsecond [bold]line[/bold]", UserWarning, stacklevel=1)
+        raise kvdiag.prompts.UserError("--prompts x: refused")
+
+    monkeypatch.setattr(kvdiag.prompts, "load_prompts", warn_then_refuse)
+    code, err = _run(["trace", "--model", "tiny:llama", "--out", "/nonexistent/t"], capsys)
+    assert code == 2
+    assert err.strip().splitlines() == ["warning: first line second [bold]line[/bold] (UserWarning)",
+                                        "error: --prompts x: refused"]
 
 
 def test_unexpected_error_is_one_line_with_a_log(monkeypatch, tmp_path, capsys):

@@ -168,7 +168,7 @@ def test_bad_input_is_refused_before_work(run, capsys, tmp_path):
     base = ["decisions", "--trace", run["trace"].path, "--scores", run["scores_path"], "--out", tmp_path / "o",
             "--horizon", HORIZON]
     assert "--keep 1.5" in exits_2(capsys, *base, "--keep", "1.5")
-    assert "--samples applies to --selection stochastic" in exits_2(capsys, *base, "--keep", "0.5", "--samples", "3")
+    assert "--draws applies to --selection stochastic" in exits_2(capsys, *base, "--keep", "0.5", "--samples", "3")
     assert "--budget 0" in exits_2(capsys, *base, "--budget", "0")
     assert "not both" in exits_2(capsys, *base, "--keep", "0.5", "--budget", "4")
     assert "oracle_single needs exact labels" in exits_2(capsys, *base, "--keep", "0.5", "--references",

@@ -132,7 +132,7 @@ def test_register_scorer_both_forms_and_conflicts():
         assert SCORERS["test_doubled_dec"] is Other
         with pytest.raises(UserError, match="taken"):
             register_scorer(Other, "test_doubled")
-        with pytest.raises(TypeError, match="dataclass subclass"):
+        with pytest.raises(UserError, match="dataclass subclass"):
             register_scorer(int, "test_int")
 
         @dataclass
@@ -140,7 +140,7 @@ def test_register_scorer_both_forms_and_conflicts():
             def scores(self, ctx):
                 return ctx.k.norm(dim=-1)
 
-        with pytest.raises(TypeError, match=r"define score\(ctx\)"):
+        with pytest.raises(UserError, match=r"overrides scores\(\), the old scorer API: rename it to score\(ctx\)"):
             register_scorer(Unprotected, "test_unprotected")
     finally:
         SCORERS.pop("test_doubled", None)

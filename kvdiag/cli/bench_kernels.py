@@ -26,22 +26,23 @@ def bench_kernels(
     seed: int = typer.Option(0, help="seed of the random inputs"),
 ) -> None:
     """Time and peak memory of each eviction kernel: Triton (CUDA), torch reference, obvious composition."""
-    import torch
+    from kvdiag.parsing import check_device_name, check_dtype
 
-    from kvdiag.kernels import triton_available
-    from kvdiag.kernels.bench import run_kernel_bench
-    from kvdiag.models import parse_dtype
-    from kvdiag.peak import matmul_peak
-
-    torch_dtype = parse_dtype(dtype)
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {device}: CUDA is not available here; use --device cpu")
-    if not (device == "cpu" or device.startswith("cuda")):
-        raise UserError(f"--device {device!r} is not supported: use cpu, cuda or cuda:N")
+    check_dtype(dtype)
+    check_device_name(device)
     if heads % kv_heads:
         raise UserError(f"--heads {heads} must be a multiple of --kv-heads {kv_heads}")
     if not 0 < keep_fraction <= 1:
         raise UserError(f"--keep-fraction {keep_fraction} must be in (0, 1]")
+    import torch  # once the arguments are checked
+
+    from kvdiag.kernels import triton_available
+    from kvdiag.kernels.bench import run_kernel_bench
+    from kvdiag.models import check_device, parse_dtype
+    from kvdiag.peak import matmul_peak
+
+    torch_dtype = parse_dtype(dtype)
+    check_device(device)
     peak = matmul_peak(device, torch_dtype)
     rows = run_kernel_bench(
         device, n, prefix, window, heads, kv_heads, head_dim, exclude, trace_len,

@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvdiag import parsing
 from kvdiag.cli import common
 from kvdiag.errors import UserError, check_number
 from kvdiag.guard import check_outputs
@@ -30,12 +31,14 @@ def bench_label(
                                                                    "layer start vs full depth"),
     method: str = typer.Option("exact", "--method", help="exact, or fast | fisher | hybrid: its cost per labeled "
                                                          "entry vs exact"),
-    samples: int = typer.Option(8, "--samples", help="fisher, hybrid: sampled continuations per horizon step"),
+    samples: int = typer.Option(8, "--fisher-samples", "--samples", help="fisher, hybrid: sampled continuations per "
+                                "horizon step (--samples is the deprecated name)"),
     exact_top: int = typer.Option(None, "--exact-top", help="hybrid: M entries labeled exactly"),
     exact_frac: float = typer.Option(None, "--exact-frac", help="hybrid: M as a share of the P entries"),
     audit: int = typer.Option(32, "--audit", help="hybrid: audit sample labeled exactly"),
     sets: bool = typer.Option(False, "--sets", help="set rows (decisions) vs single rows vs physical deletion"),
-    keep: float = typer.Option(0.5, "--keep", help="--sets: the share of the P entries a set keeps"),
+    keep: float = typer.Option(0.5, "--keep", help="--sets: the share of the P entries a set keeps "
+                                                     + common.BUDGET_TERMS),
     out: str = typer.Option(None, "--out", help="also write the result as JSON here (--method, --sets)"),
     repeats: int = typer.Option(3, "--repeats", help="timed runs per method, round-robin (best reported)"),
     dtype: str = common.Dtype,
@@ -44,16 +47,15 @@ def bench_label(
 ) -> None:
     """Oracle engine throughput: vs the naive loop and the plain forward, layer start, or an approximate method."""
     check_outputs({"--out": out})
+    for flag, value, example in (("--prefix", prefix, 512), ("--n", n, 64), ("--horizon", horizon, 16),
+                                 ("--repeats", repeats, 3)):
+        if value < 1:
+            raise UserError(f"{flag} {value}: must be a positive integer, e.g. {flag} {example}")
     check_number("--repeats", repeats, 1, MAX_REPEATS)
     if n > prefix:
         raise UserError(f"--n {n} candidates exceed the --prefix {prefix} cached entries: use --n {prefix} or less")
-    from kvdiag.label.bench import run_fast_bench, run_label_bench, run_layer_start_bench
-    from kvdiag.label.engine import GRANULARITIES
-    from kvdiag.label.fast import resolve_method
-    from kvdiag.label.hybrid import HybridParams
-    from kvdiag.models import load_model
-    from kvdiag.peak import model_peak
-    from kvdiag.trace.cost import ModelShape
+    from kvdiag.label.config import HybridParams, resolve_method
+    from kvdiag.schema import GRANULARITIES
 
     if granularity not in GRANULARITIES:
         raise UserError(f"--granularity {granularity}: use one of {', '.join(GRANULARITIES)}")
@@ -74,6 +76,14 @@ def bench_label(
         raise UserError(f"--keep {keep}: a share of the P entries in (0, 1), e.g. 0.5")
     if out is not None and method == "exact" and not sets:
         raise UserError("--out: written for --method and --sets only; drop it")
+    parsing.check_dtype(dtype)
+    parsing.check_device_name(device)
+    parsing.check_backend(backend)
+    from kvdiag.label.bench import run_fast_bench, run_label_bench, run_layer_start_bench
+    from kvdiag.models import load_model
+    from kvdiag.peak import model_peak
+    from kvdiag.trace.cost import ModelShape
+
     common.quiet_transformers()
     lm = load_model(model, dtype=dtype, device=device)
     limit = getattr(lm.model.config, "max_position_embeddings", None)

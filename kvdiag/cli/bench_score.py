@@ -24,8 +24,10 @@ def bench_score(
     """Time `kvdiag score` over every checkpoint (token granularity, all cached entries) and report s/checkpoint."""
     check_outputs({"--out": out}, {"--trace": trace, "--plugin": plugin})
     from kvdiag.io import write_json
-    from kvdiag.parsing import joined, parse_checkpoints, parse_list
-    from kvdiag.scorers import parse_params
+    from kvdiag.parsing import joined, parse_checkpoints, parse_list, parse_params
+    from kvdiag.trace.manifest import read_trace_files
+
+    read_trace_files(trace)  # before torch
     from kvdiag.scorers.bench import run_score_bench
     from kvdiag.trace import Trace
 

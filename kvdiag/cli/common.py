@@ -18,7 +18,7 @@ Prompts = typer.Option("builtin:arith", "--prompts", help="file.jsonl (problem/q
                                                           "unique_id/id), file.txt, or builtin:<suite>[:N[:LENGTH]] "
                                                           "(arith, recall)")
 Limit = typer.Option(None, "--limit", help="use only the first K prompts")
-Seed = typer.Option(0, "--seed")
+Seed = typer.Option(0, "--seed", min=0, help="random seed (>= 0)")
 Quiet = typer.Option(False, "--quiet", help="no progress bars")
 # which labels are analysed and which are harmful (kvdiag.harm.HarmSpec)
 Harm = typer.Option(HARM, "--harm", help="harmful: kl_mean above quantile:Q of the analysed labels, or above abs:TAU "
@@ -27,6 +27,8 @@ NoiseMult = typer.Option(NOISE_MULT, "--noise-mult", help="unresolved: kl_mean <
 IncludeUnresolved = typer.Option(False, "--include-unresolved", help="analyse labels at or below their noise floor too")
 Bootstrap = typer.Option(N_BOOT, "--bootstrap", "--n-boot", help="cluster-bootstrap resamples over prompts (0: no CIs; "
                                                                  "--n-boot is the deprecated name)")
+# --rho (fraction evicted), --keep (fraction kept) and --budget (entries kept): one definition, in docs/decisions.md
+BUDGET_TERMS = "(--rho: fraction evicted, --keep: fraction kept, --budget: entries kept; docs/decisions.md#budgets)"
 # which candidates are evaluated (kvdiag.rankeval.candidates)
 MinAge = typer.Option(None, "--min-age", help="only candidates of age (checkpoint - position) >= A")
 MaxAge = typer.Option(None, "--max-age", help="only candidates of age <= A")

@@ -20,13 +20,14 @@ def decisions(
     labels: Path | None = typer.Option(None, "--labels", help="exact single labels of every entry at the same "
                                        "checkpoints (kvdiag label --candidates all): oracle_single, additivity, pairs"),
     keep: list[str] | None = typer.Option(None, "--keep", help="keep fractions in (0, 1), comma-separated, repeatable, "
-                                          "e.g. 0.5,0.25,0.125"),
-    budget: list[str] | None = typer.Option(None, "--budget", help="or budgets: entries kept per layer and KV head"),
+                                          "e.g. 0.5,0.25,0.125 " + common.BUDGET_TERMS),
+    budget: list[str] | None = typer.Option(None, "--budget", help="or budgets: entries kept per layer and KV head "
+                                            + common.BUDGET_TERMS),
     selection: str = typer.Option("per-head", "--selection", help="per-head (each layer and KV head keeps its own top "
                                   "B, as replay), per-token (one keep set) or stochastic[:TAU] (each layer and KV "
                                   "head draws its evictions from softmax(-rank / TAU), beside the per-head set)"),
-    samples: int | None = typer.Option(None, "--samples", help="stochastic selection: draws per (rule, budget, "
-                                       "checkpoint) (default 4)"),
+    draws: int | None = typer.Option(None, "--draws", "--samples", help="stochastic selection: draws per (rule, "
+                                     "budget, checkpoint) (default 4; --samples is the deprecated name)"),
     horizon: int | None = typer.Option(None, "--horizon", help="teacher-forced steps per joint label (default: the "
                                        "labels' horizon, else 16)"),
     scorers: list[str] | None = typer.Option(None, "--scorers", help="score columns to grade, comma-separated, "
@@ -56,30 +57,41 @@ def decisions(
 ) -> None:
     """Label the set each rule evicts under each budget exactly and compare the decisions with oracle references."""
     check_outputs({"--out": (out, "dir")}, {"--trace": trace, "--scores": scores, "--labels": labels})
-    from kvdiag.decisions import REFERENCES, DecisionsConfig, budgets_from, decisions_files
+    from kvdiag.decisions import REFERENCES, DecisionsConfig, budgets_from  # light: the config, not the stage
     from kvdiag.errors import UserError
     from kvdiag.harm import HarmSpec
-    from kvdiag.io import read_meta
+    from kvdiag.io import check_table, check_writable
     from kvdiag.schema import HORIZON
+    from kvdiag.trace.manifest import read_trace_files
 
-    common.quiet_transformers()
-    if samples is not None and not selection.startswith("stochastic"):
-        raise UserError(f"--samples applies to --selection stochastic[:TAU] only (got --selection {selection}); "
+    if draws is not None and not selection.startswith("stochastic"):
+        raise UserError(f"--draws applies to --selection stochastic[:TAU] only (got --selection {selection}); "
                         "drop it")
     budgets = budgets_from(parsing.parse_list(keep, "--keep", float, low=0, high=1, strict=True, example="0.5,0.25"),
                            parsing.parse_list(budget, "--budget", int, low=1, example="64,128"))
     refs = parsing.parse_list(references, "--references", str, choices=REFERENCES) or list(REFERENCES)
     if labels is None and references is None:
         refs = [r for r in refs if r != "oracle_single"]  # by default it joins only when labels can define it
-    if horizon is None and labels is not None:
-        horizon = (read_meta(labels, "--labels").get("config") or {}).get("horizon")
+    label_meta = check_table(labels, "--labels") if labels is not None else {}
+    if horizon is None:
+        horizon = (label_meta.get("config") or {}).get("horizon")
     cfg = DecisionsConfig(
-        budgets=budgets, selection=selection, samples=4 if samples is None else samples, horizon=horizon or HORIZON,
+        budgets=budgets, selection=selection, samples=4 if draws is None else draws, horizon=horizon or HORIZON,
         rules=tuple(parsing.parse_list(scorers, "--scorers", str)) or None, references=tuple(refs),
         greedy_chunk=greedy_chunk, pairs=pairs, pair_candidates=pair_candidates, infeasible=infeasible, seed=seed,
         n_boot=bootstrap, reference=reference, batch_size=batch_size, backend=backend,
         harm=HarmSpec(harm, noise_mult, include_unresolved),
     )
+    parsing.check_backend(backend)
+    parsing.check_device_name(device)
+    if dtype is not None:
+        parsing.check_dtype(dtype)
+    check_writable(out, "--out", "dir")
+    read_trace_files(trace)
+    check_table(scores, "--scores")
+    from kvdiag.decisions import decisions_files  # the stage: torch and the model, once the arguments are checked
+
+    common.quiet_transformers()
     path = decisions_files(trace, scores, out, cfg, labels=labels, model=model, dtype=dtype, device=device,
                            show_progress=not quiet)
     Console(stderr=True).print(f"decisions written to {path} (decisions.parquet, summary.md, decisions.png)")

@@ -75,9 +75,12 @@ def demo(
 ) -> None:
     """Run trace -> label -> score -> rank-eval -> figures -> report and print the report's path."""
     from kvdiag.io import check_writable
-    from kvdiag.report import record_command
+    from kvdiag.model_specs import check_model_spec
 
     check_writable(out, "--out", "dir")
+    check_model_spec(model)
+    from kvdiag.report import record_command  # matplotlib and torch, once the arguments are checked
+
     console = Console()
     out.mkdir(parents=True, exist_ok=True)
     stages = demo_commands(out, model, prompts, limit, max_new_tokens, candidates, horizon, interval, bootstrap)

@@ -53,6 +53,13 @@ def figures(
     """Draw the attention-only blind spot, the delayed-read effect and the AvoKV-E component figure."""
     check_outputs({"--out": (out, "dir")},
                   {"--trace": trace, "--labels": labels, "--scores": scores, "--rank-eval": rank_eval})
+    from kvdiag.io import check_table
+    from kvdiag.trace.manifest import read_trace_files
+
+    # the inputs' files, before torch and matplotlib are imported (their contents: figures_files)
+    read_trace_files(trace)
+    check_table(labels, "labels")
+    check_table(scores, "scores")
     from kvdiag.figures.run import figures_files
 
     params = FigureParams(

@@ -26,7 +26,7 @@ def fit(
     bootstrap: int = common.Bootstrap,
     include_unresolved: bool = common.IncludeUnresolved,
     noise_mult: float = common.NoiseMult,
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = common.Seed,
 ) -> None:
     """Fit logistic regression and gradient-boosted trees to the harmful label from per-entry features, rank their
     out-of-fold predictions beside the rules, save the logistic regression as a scorer (fitted)."""

@@ -28,17 +28,19 @@ def grade(
     """Grade a rule on a shipped benchmark: how it ranks single-entry damage, and the exact joint damage of its
     decisions at the benchmark's budgets, against the oracle and the built-in rules; prints its leaderboard row."""
     from kvdiag.errors import UserError
-    from kvdiag.grade import RANK_METRICS, grade_files
-    from kvdiag.scorers import parse_params
+    from kvdiag.grade import RANK_METRICS, check_rule_source, grade_files
+    from kvdiag.parsing import parse_params
     from kvdiag.stats import format_test
 
-    common.quiet_transformers()
     if all_ == (rule_spec is not None):
         raise UserError("pass a rule to grade (a .py file, a module or a registered name) or --all, not both")
     if leaderboard is not None and not all_:
         raise UserError("--leaderboard applies with --all only; drop it")
+    check_rule_source(rule_spec, rule, all_)
+    params = parse_params(param)
+    common.quiet_transformers()
     name = "all" if all_ else Path(rule_spec).stem
-    res = grade_files(rule_spec, bench, out or Path("runs/grade") / name, rule=rule, params=parse_params(param),
+    res = grade_files(rule_spec, bench, out or Path("runs/grade") / name, rule=rule, params=params,
                       everything=all_, leaderboard=leaderboard, show_progress=not quiet)
     budgets = [k.split("@", 1)[1] for k in res["rows"][0] if k.startswith("joint@") and not k.endswith("_ci")]
     table = Table(title=f"kvdiag grade on {res['rows'][0]['bench']}")

@@ -9,6 +9,7 @@ from rich.console import Console
 
 from kvdiag import parsing
 from kvdiag.cli import common
+from kvdiag.errors import UserError
 from kvdiag.guard import check_outputs
 from kvdiag.schema import CHECKPOINTS, HORIZON, W_OBS
 
@@ -29,8 +30,8 @@ def label(
     method: str = typer.Option("exact", "--method", help="exact (the oracle) | fast (the recommended approximate "
         "method, labels every entry in one pass) | fisher | hybrid (fast for every entry, exact for the top M and an "
         "audit sample; docs/labels.md)"),
-    samples: int = typer.Option(None, "--samples", help="fisher, hybrid: sampled continuations per horizon step "
-                                "(default 8)"),
+    fisher_samples: int = typer.Option(None, "--fisher-samples", "--samples", help="fisher, hybrid: sampled "
+                                       "continuations per horizon step (default 8; --samples is the deprecated name)"),
     exact_top: int = typer.Option(None, "--exact-top", help="hybrid: the M entries per checkpoint with the largest "
                                   "fast labels get exact labels"),
     exact_frac: float = typer.Option(None, "--exact-frac", help="hybrid: M as a share of the checkpoint's candidates"),
@@ -50,23 +51,40 @@ def label(
 ) -> None:
     """Evict single cache entries at checkpoints and measure the KL damage to the next H predictions."""
     check_outputs({"--out": out, "--out (its parts)": (out.with_name(out.name + ".parts"), "dir")}, {"--trace": trace})
-    from kvdiag.label.run import run_label
-
-    common.quiet_transformers()
-    from kvdiag.label import LabelConfig
+    from kvdiag.io import check_writable
+    from kvdiag.label import LabelConfig  # light: the config, not the engine
+    from kvdiag.model_specs import check_model_spec
+    from kvdiag.trace.manifest import read_trace_files
 
     if model is None:
         common.refuse_given(ctx, ["force"], "without --model (the Trace's own model is used)")
     if method != "hybrid":
         common.refuse_given(ctx, ["exact_top", "exact_frac", "audit", "miss_rate"], "without --method hybrid")
-    given = {"samples": samples, "exact_top": exact_top, "exact_frac": exact_frac, "audit": audit}
+    given = {"samples": fisher_samples, "exact_top": exact_top, "exact_frac": exact_frac, "audit": audit}
     params = {k: v for k, v in given.items() if v is not None}
+    if method == "hybrid" and not miss_rate:  # the audit only estimates the miss rate: none without it
+        if audit:
+            raise UserError(f"--audit {audit} with --no-miss-rate: the audit sample only estimates the miss rate; "
+                            "drop --audit or --no-miss-rate")
+        params["audit"] = 0
 
     cfg = LabelConfig(
         checkpoints=parsing.joined(checkpoints), horizon=horizon, candidates=candidates, granularity=granularity,
         layers=parsing.parse_ints(layers, "--layers"), w_obs=w_obs, batch_size=batch_size, seed=seed, backend=backend,
         method=method, params=params, miss_rate=miss_rate,
     )
+    parsing.parse_shard(shard)
+    parsing.check_device_name(device)
+    if dtype is not None:
+        parsing.check_dtype(dtype)
+    if model is not None:
+        check_model_spec(model)
+    read_trace_files(trace)
+    check_writable(out, "--out")
+    check_writable(out.with_name(out.name + ".parts"), "--out", "dir")
+    from kvdiag.label.run import run_label  # the engine: torch and the model, once the arguments are checked
+
+    common.quiet_transformers()
     path = run_label(trace, out, cfg, model=model, force=force, dtype=dtype, device=device, shard=shard, quiet=quiet)
     if path is not None:
         Console().print(f"labels written to [bold]{path}[/]")

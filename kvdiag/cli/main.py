@@ -6,6 +6,9 @@ Each command lives in its own module of ``cli/`` and is registered here. How a r
 - a bug (any other exception): one line naming the log file that holds the traceback, exit 1
   (``--debug`` anywhere on the command line prints the traceback instead);
 - Ctrl-C: one line, exit 130.
+
+Every line is printed as plain text (no rich markup or emoji codes in user-supplied strings: ``[red]x[/red].jsonl``
+and ``tiny:LLAMA`` are printed as given); Python warnings raised during a command are one ``warning:`` line each.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from kvdiag.allocator import reuse_freed_memory
 from kvdiag.cli import common
@@ -38,6 +43,7 @@ bench_app = typer.Typer(help="Benchmarks: ratios measured in one run.", no_args_
 app.add_typer(bench_app, name="bench")
 
 # the commands, after the apps they join
+from kvdiag.cli.bench_cli import bench_cli
 from kvdiag.cli.bench_kernels import bench_kernels
 from kvdiag.cli.bench_label import bench_label
 from kvdiag.cli.bench_peak import bench_peak
@@ -65,7 +71,7 @@ for _name, _fn in [("trace", trace), ("label", label), ("score", score), ("rank-
     app.command(_name)(_fn)
 for _name, _fn in [
     ("trace", bench_trace), ("label", bench_label), ("score", bench_score), ("kernels", bench_kernels),
-    ("scale", bench_scale), ("peak", bench_peak), ("replay", bench_replay),
+    ("scale", bench_scale), ("peak", bench_peak), ("replay", bench_replay), ("cli", bench_cli),
 ]:
     bench_app.command(_name)(_fn)
 
@@ -96,38 +102,59 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
+def plain_console(stderr: bool = True) -> Console:
+    """A console that prints strings as given: no markup, emoji codes or highlighting."""
+    return Console(stderr=stderr, soft_wrap=True, markup=False, emoji=False, highlight=False)
+
+
+def say(console: Console, tag: str, style: str, text: str) -> None:
+    """One line: ``tag`` styled, then ``text`` verbatim (user input is never read as markup)."""
+    console.print(Text.assemble((tag, style), " ", _one_line(text)))
+
+
+def _warnings_to(console: Console):
+    """``warnings.showwarning`` replacement: each warning is one ``warning:`` line (no source path or code line)."""
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        say(console, "warning:", "bold yellow", f"{message} ({category.__name__})")
+
+    return show
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = DEBUG_FLAG in argv
     argv = [a for a in argv if a != DEBUG_FLAG]
-    err_console = Console(stderr=True, soft_wrap=True)
+    err_console = plain_console()
     reuse_freed_memory()
+    shown = warnings.showwarning
+    warnings.showwarning = _warnings_to(err_console)
     try:
         code = common.invoke(typer.main.get_command(app), argv)
     except UserError as err:
-        err_console.print(f"[bold red]error:[/] {_one_line(err)}", highlight=False)
+        say(err_console, "error:", "bold red", str(err))
         sys.exit(2)
     except typer.TyperException as err:  # usage errors: unknown or missing options, wrong value types
         if type(err).__name__ == "NoArgsIsHelpError":  # `kvdiag` or `kvdiag bench` alone: the help
             Console().print(err.ctx.get_help() if getattr(err, "ctx", None) else "", highlight=False)
             sys.exit(0)
         message = err.format_message() if hasattr(err, "format_message") else str(err)
-        err_console.print(f"[bold red]error:[/] {_one_line(message)} (see "
-                          f"{' '.join(['kvdiag', *resolve_command(argv)[1]])} --help)",
-                          highlight=False)
+        say(err_console, "error:", "bold red",
+            f"{message} (see {' '.join(['kvdiag', *resolve_command(argv)[1]])} --help)")
         sys.exit(2)
     except (KeyboardInterrupt, typer.Abort):
-        err_console.print("[bold red]interrupted[/]: finished parts are kept; rerun the same command to continue",
-                          highlight=False)
+        say(err_console, "interrupted:", "bold red", "finished parts are kept; rerun the same command to continue")
         sys.exit(130)
     except Exception as err:  # a bug, not bad input
         if debug:
             raise
         log = report_bug(err, argv)
         where = f"the traceback is in {log}" if log else "no log file could be written"
-        err_console.print(f"[bold red]internal error[/] (a bug in kvdiag, not your input): {type(err).__name__}: "
-                          f"{_one_line(err)[:300]}; {where}; rerun with {DEBUG_FLAG} to print it", highlight=False)
+        say(err_console, "internal error", "bold red", f"(a bug in kvdiag, not your input): {type(err).__name__}: "
+            f"{_one_line(err)[:300]}; {where}; rerun with {DEBUG_FLAG} to print it")
         sys.exit(1)
+    finally:
+        warnings.showwarning = shown
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -61,11 +61,11 @@ def rank_eval(
     out: Path = typer.Option(..., "--out", help="output directory"),
     harm: str = common.Harm,
     rho: float = typer.Option(RHO, help="eviction fraction: the lowest-scored floor(rho*C) candidates of a checkpoint "
-                                        "are evicted"),
+                                        "are evicted " + common.BUDGET_TERMS),
     reference: str = typer.Option("auto", help="scorer for the paired comparisons: a score column, 'none' (no paired "
                                                "table) or 'auto' (avokv_e when the scores have it, else none)"),
     bootstrap: int = common.Bootstrap,
-    seed: int = typer.Option(0, help="seed of the bootstrap"),
+    seed: int = typer.Option(0, min=0, help="seed of the bootstrap (>= 0)"),
     include_unresolved: bool = common.IncludeUnresolved,
     noise_mult: float = common.NoiseMult,
     granularity: str | None = typer.Option(None, help="granularity to evaluate (token, layer, head) when the inputs "

@@ -18,7 +18,7 @@ def replay(
     scorers: list[str] = typer.Option(..., "--scorers", "--scorer", help="Scorer name(s), comma-separated and "
                                       "repeatable, e.g. rkv,attention,avokv_e (--scorer is the deprecated name)."),
     budget: list[str] = typer.Option(["256"], "--budget", help="KV budget(s): entries kept per layer and KV head, "
-        "comma-separated and repeatable for a sweep, e.g. 128,256."),
+        "comma-separated and repeatable for a sweep, e.g. 128,256 " + common.BUDGET_TERMS + "."),
     interval: int = typer.Option(CHECKPOINT_INTERVAL, "--interval", help="Generated tokens between compressions "
                                                                          "(R-KV: 128)."),
     w_obs: int | None = typer.Option(None, "--w-obs", help="Observation window for every scorer's window/w_obs "
@@ -79,12 +79,13 @@ def replay(
     generations.parquet, a Table-2-shaped summary and an accuracy/KL-vs-budget figure."""
     check_outputs({"--out": (out, "dir")}, {"--teacher-forced": teacher_forced, "--outcomes": outcomes,
                                            "--auroc": auroc, "--prompts": prompts, "--plugin": plugin})
-    from kvdiag.prompts import DEFAULT_INSTRUCTION
-    from kvdiag.replay import ReplaySettings
-    from kvdiag.replay.run import replay_sweep
-    from kvdiag.scorers import load_plugins, parse_params
+    from kvdiag.io import check_table, check_writable
+    from kvdiag.model_specs import check_model_spec
+    from kvdiag.prompts import DEFAULT_INSTRUCTION, load_prompts
+    from kvdiag.rankeval.evaluate import check_inputs
+    from kvdiag.scorer_names import REPLAY_ONLY, check_scorer_names
+    from kvdiag.trace.manifest import read_trace_files
 
-    common.quiet_transformers()
     if teacher_forced is not None:  # the Trace fixes the tokens: generation settings cannot apply
         common.refuse_given(
             ctx, ["prompts", "max_new_tokens", "full_kv", "kl", "chat", "instruction", "no_instruction", "samples",
@@ -96,10 +97,34 @@ def replay(
                             "without --teacher-forced (they need a Trace)")
     if no_instruction:
         common.refuse_given(ctx, ["instruction"], "with --no-instruction")
+    # the checks that need no scorer class, model or tensor, before torch is imported (the rest: check_settings)
+    budgets = parsing.parse_list(budget, "--budget", int, low=1, example="128,256")
+    parsing.parse_selection(selection)
+    if not plugin:
+        check_scorer_names(parsing.parse_list(scorers, "--scorers", str), also=REPLAY_ONLY)
+    if model is not None:
+        check_model_spec(model)
+    if dtype is not None:
+        parsing.check_dtype(dtype)
+    parsing.check_device_name(device)
+    parsing.check_backend(backend)
+    if teacher_forced is not None:
+        read_trace_files(teacher_forced)
+        if auroc is not None:
+            check_inputs(check_table(auroc[0], "--auroc LABELS"), check_table(auroc[1], "--auroc SCORES"),
+                         ("--auroc LABELS", "--auroc SCORES"))
+    else:
+        load_prompts(prompts or "builtin:arith", limit=limit, seed=seed)
+    check_writable(out, "--out", "dir")
+    from kvdiag.replay import ReplaySettings  # the stage: torch, once the arguments are checked
+    from kvdiag.replay.run import replay_sweep
+    from kvdiag.scorers import load_plugins, parse_params
+
+    common.quiet_transformers()
     load_plugins(plugin or ())
     settings = ReplaySettings(
         scorers=parsing.parse_list(scorers, "--scorers", str), interval=interval,
-        budgets=parsing.parse_list(budget, "--budget", int, low=1, example="128,256"),
+        budgets=budgets,
         w_obs=w_obs, selection=selection, max_new_tokens=max_new_tokens, full_kv=full_kv, kl=kl, chat=chat,
         instruction=None if no_instruction else (instruction or DEFAULT_INSTRUCTION), params=parse_params(param),
         backend=backend, seed=seed, samples=samples, temperature=temperature, top_p=top_p, batch_size=batch_size,

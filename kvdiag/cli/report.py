@@ -15,6 +15,13 @@ def report(
                                                         "directory)"),
 ) -> None:
     """Write report.md, report.html (images embedded) and viewer.html (the token viewer) describing a run."""
+    from kvdiag.errors import UserError
+    from kvdiag.io import check_writable
+
+    if not run.is_dir():  # before matplotlib and torch (build_report checks the run's pieces)
+        raise UserError(f"--run {run} is not a directory: pass the run directory (trace/, labels.parquet, ...)")
+    if out is not None:
+        check_writable(out, "--out", "dir")
     from kvdiag.report import build_report
 
     md, html = build_report(run, out)

@@ -36,17 +36,38 @@ def score(
     quiet: bool = common.Quiet,
 ) -> None:
     """Score candidates of a Trace with the scorer zoo (higher = keep) and write scores.parquet."""
-    from kvdiag.parsing import joined, parse_list
-    from kvdiag.scorers import parse_params
-    from kvdiag.scorers.run import score_files
+    from kvdiag import parsing
+    from kvdiag.io import check_table, check_writable
+    from kvdiag.parsing import GRANULARITIES, joined, parse_checkpoints, parse_list
+    from kvdiag.scorer_names import AGGREGATIONS, check_scorer_names
+    from kvdiag.trace.manifest import read_trace_files
 
     if list_:
         list_scorers(plugin or ())
         return
     if trace is None or out is None:
         raise UserError("pass --trace DIR and --out scores.parquet (or --list to see the scorers)")
+    # the checks that need no scorer, model or tensor, before torch is imported
+    if (labels is None) == (checkpoints is None):
+        raise UserError("pass exactly one of --labels labels.parquet or --checkpoints every:K|default|t1,t2,...")
+    if labels is not None and granularity is not None:
+        raise UserError("--granularity does not apply with --labels (its rows are scored at their own granularity); "
+                        "drop it")
+    if checkpoints is not None:
+        parse_checkpoints(joined(checkpoints))
+        parse_list(joined(granularity) or "token", "--granularity", str, choices=GRANULARITIES)
+    if aggregation not in AGGREGATIONS:
+        raise UserError(f"--aggregation {aggregation}: use one of {', '.join(AGGREGATIONS)}")
+    if not plugin:
+        check_scorer_names(parse_list(scorers, "--scorers", str))
+    check_writable(out, "--out")
+    read_trace_files(trace)
+    if labels is not None:
+        check_table(labels, f"--labels {labels}")
+    params = parsing.parse_params(param)
+    from kvdiag.scorers.run import score_files  # the scorers: torch, once the arguments are checked
     df, meta = score_files(trace, out, labels, joined(checkpoints), joined(granularity),
-                           parse_list(scorers, "--scorers", str), parse_params(param), plugin or (), aggregation, model,
+                           parse_list(scorers, "--scorers", str), params, plugin or (), aggregation, model,
                            progress=not quiet)
     Console(stderr=True).print(f"wrote {df.height} rows × {len(meta['scorers'])} scorers to {out}")
 

@@ -43,11 +43,12 @@ def trace(
 ) -> None:
     """Generate each prompt's trace and write the Trace directory (manifest, tokens, per-layer q/k/v)."""
     check_outputs({"--out": (out, "dir")}, {"--prompts": prompts}, writes_trace=True)
+    from kvdiag import parsing
+    from kvdiag.io import check_writable
+    from kvdiag.model_specs import check_model_spec
     from kvdiag.prompts import DEFAULT_INSTRUCTION, load_prompts
-    from kvdiag.trace import GenerationSettings
-    from kvdiag.trace.writer import run_trace
+    from kvdiag.trace import GenerationSettings  # light: the settings, not the writer
 
-    common.quiet_transformers()
     if no_instruction:
         common.refuse_given(ctx, ["instruction"], "with --no-instruction")
     if not sample:
@@ -58,6 +59,14 @@ def trace(
         instruction=None if no_instruction else (instruction or DEFAULT_INSTRUCTION),
     )
     items = load_prompts(prompts, limit=limit, seed=seed)
+    check_model_spec(model)
+    parsing.check_dtype(dtype)
+    parsing.check_device_name(device)
+    parsing.parse_shard(shard)
+    check_writable(out, "--out", "dir")
+    from kvdiag.trace.writer import run_trace  # the stage: torch and the model, once the arguments are checked
+
+    common.quiet_transformers()
     root = run_trace(items, out, settings, model=model, dtype=dtype, device=device, revision=revision,
                      trust_remote_code=trust_remote_code, prompts_source=prompts, shard=shard, quiet=quiet)
     if root is not None:

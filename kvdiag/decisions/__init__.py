@@ -11,9 +11,21 @@ Modules: ``config`` (settings, budgets), ``sets`` (every decision's evicted set)
 parts), ``interactions`` (superadditive pairs), ``summary`` (means, CIs, paired tests, Spearman, figure).
 """
 
-from kvdiag.decisions.config import REFERENCES, Budget, DecisionsConfig, budgets_from
-from kvdiag.decisions.run import DECISION_SCHEMA, decide, decisions_files
-from kvdiag.decisions.summary import load_summary, summarize, summarize_files
+from __future__ import annotations
 
-__all__ = ["DECISION_SCHEMA", "REFERENCES", "Budget", "DecisionsConfig", "budgets_from", "decide", "decisions_files",
-           "load_summary", "summarize", "summarize_files"]
+import importlib
+
+from kvdiag.decisions.config import REFERENCES, Budget, DecisionsConfig, budgets_from
+
+# the submodule that defines each exported name
+_HOME = {"DECISION_SCHEMA": "run", "decide": "run", "decisions_files": "run",
+         "load_summary": "summary", "summarize": "summary", "summarize_files": "summary"}
+__all__ = ["REFERENCES", "Budget", "DecisionsConfig", "budgets_from", *_HOME]
+
+
+def __getattr__(name: str):
+    """The config loads at once, the rest on first use: torch takes seconds to import, and the CLI checks its
+    arguments (DecisionsConfig) before."""
+    if name in _HOME:
+        return getattr(importlib.import_module(f"kvdiag.decisions.{_HOME[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -96,8 +96,10 @@ class DecisionsConfig:
     def __post_init__(self):
         object.__setattr__(self, "selection", Selection.parse(self.selection))
         if self.samples < 1:
-            raise UserError(f"--samples {self.samples}: must be a positive number of stochastic draws, e.g. 4")
+            raise UserError(f"--draws {self.samples}: must be a positive number of stochastic draws, e.g. 4")
         check_choice(self.infeasible, INFEASIBLE, "--infeasible")
+        if self.seed < 0:
+            raise UserError(f"--seed {self.seed}: must be >= 0")
         for ref in self.references:
             check_choice(ref, REFERENCES, "--references")
         if not self.budgets:

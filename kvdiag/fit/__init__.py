@@ -52,7 +52,7 @@ class FitConfig:
 
 
 def _check(cfg: FitConfig) -> tuple[str, ...]:
-    from kvdiag.scorers.entry_features import FEATURES
+    from kvdiag.scorer_names import ENTRY_FEATURES as FEATURES  # the names, without torch
 
     cfg.harm_spec  # noqa: B018  (checks the harm settings)
     names = cfg.features or tuple(FEATURES)
@@ -209,16 +209,19 @@ def fit_files(trace: str | Path, labels: str | Path, scores: str | Path | None, 
     from kvdiag.contracts import read_labels, read_scores
     from kvdiag.io import check_writable
     from kvdiag.rankeval import check_inputs
-    from kvdiag.trace import Trace
+    from kvdiag.trace.manifest import read_trace_files
 
     _check(cfg)
     check_writable(out, "--out", "dir")
-    tr = Trace(trace)
+    read_trace_files(trace)
     label_df, label_meta = read_labels(labels)
-    tr.check_belongs(label_meta, f"--labels {labels}")
     score_df, score_meta = read_scores(scores) if scores is not None else (None, None)
     if scores is not None:
         check_inputs(label_meta, score_meta)
+    from kvdiag.trace import Trace  # torch, once the arguments and files are checked
+
+    tr = Trace(trace)
+    tr.check_belongs(label_meta, f"--labels {labels}")
     return fit_ceiling(
         tr, label_df, score_df, out, cfg, labels_meta=label_meta, scores_meta=score_meta, progress=progress
     )

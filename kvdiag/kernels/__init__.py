@@ -16,9 +16,9 @@ import torch
 from kvdiag.attention import group_size
 from kvdiag.errors import UserError
 from kvdiag.kernels import torch_ref
+from kvdiag.parsing import BACKENDS
 
 Backend = Literal["auto", "torch", "triton"]
-BACKENDS = ("auto", "torch", "triton")
 
 __all__ = [
     "BACKENDS", "compact_kv", "normalize_exclude", "resolve_backend", "shared_prefix_attention", "triton_available",

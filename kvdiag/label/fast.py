@@ -24,7 +24,7 @@ batched-path rounding to measure; an estimate of exactly 0 means the entry is in
 from __future__ import annotations
 
 from contextvars import ContextVar
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
@@ -33,24 +33,17 @@ from transformers.masking_utils import AttentionMaskInterface
 from kvdiag.adapters import LayerAttention, check_kwargs
 from kvdiag.attention import attention_context
 from kvdiag.errors import UserError
+from kvdiag.label.config import (  # noqa: F401  (the methods' API)
+    FAST,
+    METHODS,
+    FisherParams,
+    method_params,
+    resolve_method,
+)
 from kvdiag.label.engine import OracleEngine, Row
 from kvdiag.models import LoadedModel
 
 FISHER_ATTN = "kvdiag_fisher"
-
-
-@dataclass(frozen=True)
-class FisherParams:
-    """Settings of ``fisher``; recorded in the labels metadata."""
-
-    # K: sampled continuations y ~ P_full per horizon step (one batched backward pass each). 8 is the recommended
-    # cost/agreement point on SmolLM2 MATH-500 (docs/labels.md): 24.6x cheaper per entry than exact, Spearman 0.906;
-    # 16: 15.4x, Spearman 0.938
-    samples: int = 8
-
-    def validate(self) -> None:
-        if self.samples < 1:
-            raise UserError(f"--samples {self.samples}: must be a positive number of Fisher samples, e.g. 8")
 
 
 @dataclass
@@ -175,21 +168,3 @@ class FisherLabeler:
 
 # name -> (labeler class, params class); ``exact`` is the oracle engine itself
 APPROXIMATE = {"fisher": (FisherLabeler, FisherParams)}
-FAST = "fisher"  # what --method fast picks (docs/labels.md: validated against exact on MATH-500)
-METHODS = ("exact", "fast", *APPROXIMATE)
-
-
-def resolve_method(name: str) -> str:
-    """``fast`` -> the recommended approximate method; an unknown name -> ``UserError``."""
-    if name not in METHODS:
-        raise UserError(f"--method {name}: use one of {', '.join(METHODS)}")
-    return FAST if name == "fast" else name
-
-
-def method_params(name: str, **given) -> dict:
-    """The settings of method ``name`` (defaults filled in), validated; exact has none."""
-    if name == "exact":
-        return {}
-    params = APPROXIMATE[name][1](**given)
-    params.validate()
-    return asdict(params)

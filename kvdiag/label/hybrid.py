@@ -16,8 +16,7 @@ unresolved, as it would the exact label.
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import numpy as np
 import polars as pl
@@ -25,56 +24,13 @@ import torch
 
 from kvdiag.errors import UserError
 from kvdiag.harm import HarmSpec
+from kvdiag.label.config import HybridParams  # noqa: F401  (hybrid's API)
 from kvdiag.label.engine import OracleEngine, Row
 from kvdiag.label.fast import FisherLabeler, FisherParams
 from kvdiag.models import LoadedModel
 from kvdiag.stats import percentile_ci, prompt_multiplicities
 
 METHODS = ("exact-top", "exact-audit", "fast")
-
-
-@dataclass(frozen=True)
-class HybridParams:
-    """Settings of ``hybrid``; recorded in the labels metadata.
-
-    exact_top : M, the candidates per checkpoint with the largest Fisher labels that are labeled exactly; or
-    exact_frac : that number as a share of the checkpoint's candidates (``ceil(f * C)``); one of the two.
-    audit : N, the seeded uniform sample of the other candidates labeled exactly (0: no miss-rate estimate).
-    samples : K of the Fisher label.
-    """
-
-    exact_top: int | None = None
-    exact_frac: float | None = None
-    audit: int = 32
-    samples: int = 8
-
-    def validate(self) -> None:
-        if (self.exact_top is None) == (self.exact_frac is None):
-            raise UserError("--method hybrid needs one of --exact-top M (entries per checkpoint) or --exact-frac F "
-                            "(a share of them), e.g. --exact-frac 0.1")
-        if self.exact_top is not None and self.exact_top < 0:
-            raise UserError(f"--exact-top {self.exact_top}: must be >= 0 entries per checkpoint")
-        if self.exact_frac is not None and not 0 <= self.exact_frac <= 1:
-            raise UserError(f"--exact-frac {self.exact_frac}: a share of the candidates in [0, 1], e.g. 0.1")
-        if self.audit < 0:
-            raise UserError(f"--audit {self.audit}: must be >= 0 entries per checkpoint (0: no miss-rate estimate)")
-        FisherParams(self.samples).validate()
-
-    def top_count(self, candidates: int) -> int:
-        """M at a checkpoint of ``candidates`` rows (refusing more than there are)."""
-        m = self.exact_top if self.exact_top is not None else math.ceil(self.exact_frac * candidates)
-        if m > candidates:
-            raise UserError(f"--exact-top {m} exceeds the {candidates} candidates of a checkpoint: use at most that, "
-                            "or --exact-frac")
-        return m
-
-
-    def check_fits(self, candidates: int, where: str = "at the smallest checkpoint") -> None:
-        """Refuse settings whose exact top set and audit do not fit ``candidates`` rows."""
-        top = self.top_count(candidates)
-        if self.audit > candidates - top:
-            raise UserError(f"--audit {self.audit} exceeds the {candidates - top} candidates left outside the exact "
-                            f"top {top} {where}: use --audit <= {candidates - top}")
 
 
 class HybridLabeler:

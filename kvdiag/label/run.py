@@ -8,91 +8,30 @@ output table. Items can be split over processes (``shard=(i, n)``, or torchrun r
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import polars as pl
 import torch
 
-from kvdiag.contracts import LABEL_SCHEMA
+from kvdiag.contracts import (
+    LABEL_SCHEMA,
+    read_labels,  # noqa: F401  (run's API)
+)
 from kvdiag.distributed import Group, parse_shard
 from kvdiag.errors import UserError
 from kvdiag.io import check_writable, write_table
-from kvdiag.kernels import BACKENDS
-from kvdiag.label.engine import GRANULARITIES, OracleEngine, candidate_rows
-from kvdiag.label.fast import APPROXIMATE, method_params, resolve_method
+from kvdiag.label.config import HYBRID, LabelConfig  # noqa: F401  (run's API)
+from kvdiag.label.engine import OracleEngine, candidate_rows
+from kvdiag.label.fast import APPROXIMATE
 from kvdiag.label.hybrid import HybridLabeler, HybridParams, miss_rate
 from kvdiag.models import LoadedModel, check_device, load_model, parse_dtype
 from kvdiag.parsing import parse_checkpoints
 from kvdiag.parts import PartStore, part_name
 from kvdiag.progress import progress_bar
 from kvdiag.provenance import provenance
-from kvdiag.schema import CHECKPOINTS, HORIZON, W_OBS, default_checkpoints
+from kvdiag.schema import default_checkpoints
 from kvdiag.trace import Trace
-
-HYBRID = "hybrid"
-
-
-@dataclass
-class LabelConfig:
-    """How labels are made; written into every labels file."""
-
-    checkpoints: str = CHECKPOINTS  # "every:K" (generated tokens, R-KV's schedule) or "t1,t2,..." absolute positions
-    horizon: int = HORIZON
-    candidates: str = "64"  # "N" (seeded sample) or "all"
-    granularity: str = "token"
-    layers: list[int] | None = None  # layer/head granularity: which layers (None = all)
-    w_obs: int = W_OBS  # checkpoints start once W_obs tokens have been generated (docs/oracle.md)
-    batch_size: int = 64
-    seed: int = 0
-    backend: str = "auto"
-    # exact (the oracle engine), an approximate method (kvdiag.label.fast; fast = the recommended one) or hybrid
-    # (kvdiag.label.hybrid: fast for every candidate, exact for the top M and an audit sample)
-    method: str = "exact"
-    params: dict = field(default_factory=dict)  # the method's settings (defaults filled in)
-    miss_rate: bool = True  # hybrid: estimate the miss rate from the audit (written into the metadata)
-    sampling: str = field(default="", init=False)
-
-    def __post_init__(self):
-        self.validate()
-        if self.method == HYBRID:
-            hybrid = HybridParams(**self.params)
-            hybrid.validate()
-            if hybrid.audit == 0 and self.miss_rate:
-                raise UserError("--audit 0 leaves no sample to estimate the miss rate from: pass --audit N > 0, or "
-                                "--no-miss-rate")
-            self.params = asdict(hybrid)
-        else:
-            self.method = resolve_method(self.method)
-            self.params = method_params(self.method, **self.params)
-        self.sampling = ("every cached entry [0, t)" if self.candidates == "all"
-                         else f"uniform without replacement over [0, t), seed {self.seed} + checkpoint")
-
-    def validate(self) -> None:
-        """Every setting on its own (bad input: ``UserError``), before a model or a file is touched; how the
-        settings fit a Trace is checked by ``work_items``."""
-        parse_checkpoints(self.checkpoints)
-        if self.horizon < 1:
-            raise UserError(f"--horizon {self.horizon}: must be a positive number of teacher-forced steps, e.g. 16")
-        if self.candidates != "all" and not (self.candidates.isdigit() and int(self.candidates) > 0):
-            raise UserError(f"--candidates {self.candidates}: use a positive number (a seeded sample per checkpoint) "
-                            "or all")
-        if self.granularity not in GRANULARITIES:
-            raise UserError(f"--granularity {self.granularity}: use one of {', '.join(GRANULARITIES)}")
-        if self.layers is not None:
-            if self.granularity == "token":
-                raise UserError("--layers applies to --granularity layer or head only; drop it or choose one of those")
-            if not self.layers or min(self.layers) < 0:
-                raise UserError(f"--layers {self.layers}: give layer indices >= 0, e.g. 0,5,11")
-        if self.w_obs < 0:
-            raise UserError(f"--w-obs {self.w_obs}: must be >= 0 generated tokens")
-        if self.batch_size < 1:
-            raise UserError(f"--batch-size {self.batch_size}: must be a positive number of candidate rows, e.g. 64")
-        if self.backend not in BACKENDS:
-            raise UserError(f"--backend {self.backend}: use one of {', '.join(BACKENDS)}")
-        if self.method != HYBRID and resolve_method(self.method) == "exact" and self.params:
-            raise UserError(f"--method exact has no settings ({', '.join(self.params)}); drop them or choose an "
-                            "approximate --method")
 
 
 def sample_candidates(t: int, spec: str, seed: int) -> list[int]:

@@ -105,13 +105,15 @@ class _Estimate:
     note: str = ""
 
 
-def check_inputs(labels_meta: dict, scores_meta: dict) -> None:
+def check_inputs(labels_meta: dict, scores_meta: dict, flags: tuple[str, str] = ("--labels", "--scores")) -> None:
     """The provenance of a labels and a scores file (``kvdiag.io.read_meta``) must fit together: each file
-    of its own kind, and both from the same trace when both record its fingerprint."""
-    for meta, want, command in ((labels_meta, "labels", "label"), (scores_meta, "scores", "score")):
+    of its own kind, and both from the same trace when both record its fingerprint. ``flags``: how the command
+    names the two inputs (``--auroc``'s LABELS and SCORES for replay)."""
+    for meta, want, command, flag in ((labels_meta, "labels", "label", flags[0]),
+                                      (scores_meta, "scores", "score", flags[1])):
         kind = meta.get("kind")
         if kind is not None and kind != want:
-            raise UserError(f"--{want} is a {kind} table, not {want}: pass the {want}.parquet written by kvdiag "
+            raise UserError(f"{flag} is a {kind} table, not {want}: pass the {want}.parquet written by kvdiag "
                             f"{command}")
     fp_l = (labels_meta.get("trace") or {}).get("fingerprint")
     fp_s = (scores_meta.get("trace") or {}).get("fingerprint")

@@ -161,7 +161,7 @@ def single_label_auroc(labels: str | os.PathLike, scores: str | os.PathLike, rul
 
     label_df, label_meta = read_labels(labels, "--auroc LABELS", full=False)
     score_df, score_meta = read_scores(scores, "--auroc SCORES")
-    check_inputs(label_meta, score_meta)
+    check_inputs(label_meta, score_meta, ("--auroc LABELS", "--auroc SCORES"))
     missing = [r for r in rules if r not in score_df.columns]
     if missing:
         raise UserError(f"--auroc {scores}: no score column for {', '.join(missing)}; score the Trace with every "

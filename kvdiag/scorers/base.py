@@ -13,6 +13,9 @@ rank-eval's ``--eligible``, replay and decisions read the same declaration.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import os
+import traceback
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -57,8 +60,19 @@ class Scorer:
 
     def scores(self, ctx: ScoreContext) -> torch.Tensor:
         """[Hkv, t]: :meth:`score`, checked, with the :meth:`protected` entries given the kept score."""
-        raw = self.score(ctx)
-        check_scores(self.name, raw, ctx)
+        try:
+            raw = self.score(ctx)
+            if not isinstance(raw, torch.Tensor):
+                raise UserError(f"scorer {self.name} ({where(type(self))}) returned a {type(raw).__name__}, not a "
+                                "torch.Tensor [Hkv, t]; fix its score()")
+            check_scores(self.name, raw, ctx)
+        except UserError:
+            raise
+        except Exception as err:  # a plugin's own exception is its author's fault; a built-in's is a kvdiag bug
+            if type(self).__module__.startswith("kvdiag."):
+                raise
+            raise UserError(f"scorer {self.name} ({where(type(self))}) raised {type(err).__name__}: "
+                            f"{' '.join(str(err).split())} at {blame(err)}; fix its score()") from err
         return protect(raw.float(), self.protected(ctx.age, ctx.positions))
 
     def __call__(self, ctx: ScoreContext) -> torch.Tensor:
@@ -95,6 +109,22 @@ def check_scores(name: str, scores: torch.Tensor, ctx: ScoreContext) -> None:
     if not bool(torch.isfinite(scores).all()):
         raise UserError(f"scorer {name} returned non-finite scores at layer {ctx.layer}, checkpoint {ctx.checkpoint}; "
                         "fix its score()")
+
+
+def where(obj) -> str:
+    """``file:line`` of a (plugin's) class or function, for the one line that blames it."""
+    try:
+        return f"{inspect.getsourcefile(obj)}:{inspect.getsourcelines(obj)[1]}"
+    except (OSError, TypeError):
+        return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', '?')}"
+
+
+def blame(err: BaseException, default: str = "?") -> str:
+    """``file:line`` of the innermost frame of ``err``'s traceback outside kvdiag, torch and the import machinery:
+    the plugin's own line."""
+    skip = (f"{os.sep}kvdiag{os.sep}", f"{os.sep}torch{os.sep}", "importlib")
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not any(s in f.filename for s in skip)]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else default
 
 
 def needs_o_proj(scorer: Scorer) -> bool:

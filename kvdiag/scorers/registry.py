@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from kvdiag.errors import UserError
+from kvdiag.parsing import parse_params  # noqa: F401  (the registry's API)
 from kvdiag.registry import Registry
-from kvdiag.scorers.base import Scorer
+from kvdiag.scorers.base import Scorer, blame, where
 
 ENTRY_POINT_GROUP = "kvdiag.scorers"
 SCORERS: Registry[type[Scorer]] = Registry("scorer", ENTRY_POINT_GROUP, "load yours with --plugin")
@@ -37,10 +38,14 @@ def register_scorer(name_or_cls: str | type[Scorer], name: str | None = None):
 
     def add(cls: type[Scorer], key: str) -> type[Scorer]:
         if not (isinstance(cls, type) and issubclass(cls, Scorer) and dataclasses.is_dataclass(cls)):
-            raise TypeError(f"scorer {key!r}: {cls!r} must be a @dataclass subclass of kvdiag.scorers.Scorer")
-        if cls.scores is not Scorer.scores:
-            raise TypeError(f"scorer {key!r}: define score(ctx) (the raw score) and protected(age, position); "
+            raise UserError(f"scorer {key!r}: {cls!r} must be a @dataclass subclass of kvdiag.scorers.Scorer")
+        if cls.scores is not Scorer.scores:  # the old API: scores() returned the protected score
+            raise UserError(f"scorer {key!r} ({where(cls)}) overrides scores(), the old scorer API: rename it to "
+                            "score(ctx) (the raw score [Hkv, t]) and declare protected(age, position); "
                             "Scorer.scores() applies the protection")
+        if cls.score is Scorer.score:
+            raise UserError(f"scorer {key!r} ({where(cls)}) defines no score(ctx): add one returning the raw score "
+                            "[Hkv, t], higher = keep")
         SCORERS.add(key, cls)
         cls.name = key
         return cls
@@ -93,22 +98,6 @@ def coerce(value: Any, hint: Any, what: str) -> Any:
     raise UserError(f"--param {what}: parameters of type {hint} cannot be set from the command line")
 
 
-def parse_params(items: list[str] | None) -> dict[str, dict[str, str]]:
-    """``["rkv.mix_lambda=0.2", ...]`` -> ``{"rkv": {"mix_lambda": "0.2"}}`` (values converted by get_scorer).
-    A parameter given twice is refused (the second would silently win)."""
-    out: dict[str, dict[str, str]] = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        scorer, dot, param = key.partition(".")
-        if not sep or not dot or not scorer or not param:
-            raise UserError(f"--param {item!r}: write it as scorer.key=value, e.g. rkv.mix_lambda=0.1")
-        params = out.setdefault(scorer.strip(), {})
-        if param.strip() in params:
-            raise UserError(f"--param {scorer.strip()}.{param.strip()} is given twice: pass it once")
-        params[param.strip()] = value.strip()
-    return out
-
-
 # --------------------------------------------------------------------------- plugins
 
 
@@ -136,22 +125,40 @@ def load_plugin_rules(module: str) -> list[str]:
 
 
 def _import_plugin(module: str) -> None:
+    """Import a plugin; every fault of the plugin (missing, syntax, import, an exception or exit at import, a broken
+    scorer contract, a taken name) is one ``UserError`` line naming the file (and line) and the fix."""
     path = Path(module)
+    label = f"--plugin {module}"
     try:
         if module.endswith(".py"):
             if not path.is_file():
-                raise UserError(f"--plugin {module}: file not found; pass a .py file or an importable module name")
+                raise UserError(f"{label}: file not found; pass a .py file or an importable module name")
             spec = importlib.util.spec_from_file_location(f"kvdiag_plugin_{path.stem}", path)
             mod = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = mod
-            spec.loader.exec_module(mod)
+            try:
+                spec.loader.exec_module(mod)
+            except BaseException:
+                del sys.modules[spec.name]  # a half-imported plugin must not be found by a retry
+                raise
         else:
             if os.getcwd() not in sys.path:  # console scripts do not put the working directory on sys.path
                 sys.path.append(os.getcwd())
             importlib.import_module(module)
+    except SyntaxError as err:
+        raise UserError(f"{label}: syntax error in {err.filename} line {err.lineno}: {err.msg}; fix the file"
+                        ) from None
     except ImportError as err:
-        raise UserError(f"--plugin {module}: cannot import it ({err}); pass a module on PYTHONPATH or a .py file"
-                        ) from err
+        raise UserError(f"{label}: cannot import it ({err}) at {blame(err, module)}; pass a module on PYTHONPATH "
+                        "or a .py file whose imports are installed") from None
+    except UserError as err:  # the scorer contract or a taken name, raised by register_scorer
+        raise UserError(f"{label}: {err}") from None
+    except SystemExit as err:
+        raise UserError(f"{label}: it exits at import (SystemExit({err.code!r}) at {blame(err, module)}); a plugin "
+                        "must only define and register scorers") from None
+    except Exception as err:
+        raise UserError(f"{label}: importing it raised {type(err).__name__}: {err} at {blame(err, module)}; fix "
+                        "the plugin") from None
 
 
 def resolve_scorers(names: str | Iterable[str] = "all", params: dict[str, dict] | None = None,

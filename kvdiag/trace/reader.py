@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -15,6 +14,7 @@ from safetensors import safe_open
 from kvdiag.adapters import LayerAttention, ModelAttention
 from kvdiag.attention import attention_rows
 from kvdiag.errors import UserError
+from kvdiag.trace.manifest import MANIFEST_KEYS, read_trace_files  # noqa: F401  (the reader's API)
 from kvdiag.trace.writer import STORAGE_DTYPES, layer_file, stored_names
 
 REBUILD_CHUNK = 8192  # prefill positions per forward when rebuilding: bounds activations ([chunk, T] scores)
@@ -29,9 +29,6 @@ class LayerQKV:
     v: torch.Tensor
 
 
-MANIFEST_KEYS = ("prompts", "model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "scale")
-
-
 class Trace:
     """Opens a Trace directory; tensors are read per (prompt, layer) on demand. What a ``--store`` mode did not
     write is rebuilt by one teacher-forced prefill per prompt through ``model`` (a LoadedModel), or through the
@@ -39,32 +36,8 @@ class Trace:
 
     def __init__(self, path: str | Path, model=None):
         self.path = Path(path)
-        manifest = self.path / "manifest.json"
-        if not manifest.is_file():
-            raise UserError(f"--trace {self.path}: not a Trace directory (no manifest.json); run `kvdiag trace` first")
-        try:
-            self.manifest: dict = json.loads(manifest.read_text())
-        except json.JSONDecodeError as err:
-            raise UserError(
-                f"--trace {self.path}: manifest.json is corrupt ({err.msg}); re-run `kvdiag trace`"
-            ) from err
-        tokens = self.path / "tokens.parquet"
-        if not tokens.is_file():
-            raise UserError(f"--trace {self.path}: tokens.parquet is missing (truncated Trace); re-run `kvdiag trace` "
-                            "with the same --out to repair it")
+        self.manifest, self.tokens = read_trace_files(self.path)
         m = self.manifest
-        missing = [k for k in MANIFEST_KEYS if not isinstance(m, dict) or k not in m]
-        if missing or not isinstance(m["prompts"], dict) or not isinstance(m["model"], dict):
-            raise UserError(f"--trace {self.path}: manifest.json is not a kvdiag Trace manifest (missing or malformed: "
-                            f"{', '.join(missing) or 'prompts/model'}); re-run `kvdiag trace` into a new directory")
-        try:
-            self.tokens: pl.DataFrame = pl.read_parquet(tokens)
-        except Exception as err:  # polars raises many types for corrupt files
-            raise UserError(f"--trace {self.path}: tokens.parquet is unreadable ({type(err).__name__}); re-run "
-                            "`kvdiag trace` with the same --out to rebuild it") from err
-        if missing := {"prompt_id", "position", "token_id"} - set(self.tokens.columns):
-            raise UserError(f"--trace {self.path}: tokens.parquet lacks the column(s) {', '.join(sorted(missing))}; "
-                            "the Trace is corrupt")
         self.prompt_ids: list[str] = list(m["prompts"])
         self.num_layers, self.num_heads = m["num_layers"], m["num_heads"]
         self.num_kv_heads, self.head_dim, self.scale = m["num_kv_heads"], m["head_dim"], m["scale"]

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
@@ -30,61 +29,17 @@ from kvdiag.distributed import Group, parse_shard
 from kvdiag.errors import UserError
 from kvdiag.io import check_writable, write_json
 from kvdiag.models import LoadedModel, check_device, load_model, parse_dtype
-from kvdiag.parsing import parse_list
+from kvdiag.parsing import STORAGE_DTYPE_NAMES, STORE_WORDS, parse_store  # noqa: F401  (the writer's API)
 from kvdiag.parts import PartStore
 from kvdiag.progress import progress_bar
-from kvdiag.prompts import DEFAULT_INSTRUCTION, Prompt, encode_prompt
+from kvdiag.prompts import Prompt, encode_prompt
 from kvdiag.provenance import provenance
 from kvdiag.trace.hooks import TRACE_ATTN, Recorder, attention_scale, recording
 from kvdiag.trace.kv_cache import preallocated_cache
+from kvdiag.trace.settings import GenerationSettings  # noqa: F401  (the writer's API)
 
 FORMAT_VERSION = 1
-STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-@dataclass
-class GenerationSettings:
-    """How the traces are generated. logprob/entropy in tokens.parquet are always of the raw (T=1) distribution."""
-
-    max_new_tokens: int = 512
-    sample: bool = False
-    temperature: float = 0.6  # R1-distill recommended sampling settings, used only with sample=True
-    top_p: float = 0.95
-    seed: int = 0
-    chat: bool = True
-    instruction: str | None = DEFAULT_INSTRUCTION
-    storage_dtype: str = "float16"
-    min_new_tokens: int = 0  # end-of-sequence is not sampled before this many tokens (a long trace from a small model)
-    store: str = "all"  # which tensors are written (all | kv | none | LAYERS); the rest are rebuilt on demand
-
-    def __post_init__(self):  # bad input is refused before a model loads
-        if self.max_new_tokens <= 0:
-            raise UserError(f"--max-new-tokens {self.max_new_tokens}: must be a positive number of tokens")
-        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise UserError(f"--min-new-tokens {self.min_new_tokens}: must lie in [0, --max-new-tokens "
-                            f"{self.max_new_tokens}]")
-        if not 0 < self.temperature < float("inf"):
-            raise UserError(f"--temperature {self.temperature}: must be > 0 and finite (greedy decoding is --greedy)")
-        if not 0 < self.top_p <= 1:
-            raise UserError(f"--top-p {self.top_p}: must lie in (0, 1]")
-        if self.storage_dtype not in STORAGE_DTYPES:
-            raise UserError(f"--storage-dtype {self.storage_dtype}: use one of {', '.join(STORAGE_DTYPES)}")
-        parse_store(self.store)
-
-
-STORE_WORDS = ("all", "kv", "none")
-
-
-def parse_store(value: str) -> tuple[str, list[int] | None]:
-    """``--store`` -> (mode, layers): ``all``/``kv``/``none`` with None, or ``("layers", sorted indices)``
-    for ``0,15,29``. Only the syntax is checked here (before a model loads); :func:`store_spec` checks the
-    indices against the model's layer count."""
-    text = str(value).strip()
-    if text in STORE_WORDS:
-        return text, None
-    if not text or not all(re.fullmatch(r"\d+", p.strip()) for p in text.split(",")):
-        raise UserError(f"--store {value}: use all, kv, none, or layer indices comma-separated (e.g. 0,15,29)")
-    return "layers", sorted(parse_list(text, "--store", int, low=0, example="0,15,29"))
+STORAGE_DTYPES = {name: getattr(torch, name) for name in STORAGE_DTYPE_NAMES}
 
 
 def store_spec(value: str, num_layers: int) -> dict:

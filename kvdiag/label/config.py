@@ -1,0 +1,154 @@
+"""How labels are made (:class:`LabelConfig`, the methods' settings), checked without torch: the CLI builds the
+config, refusing bad input in one line, before it imports the labeling engine."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from kvdiag.errors import UserError
+from kvdiag.parsing import check_backend, parse_checkpoints
+from kvdiag.schema import CHECKPOINTS, GRANULARITIES, HORIZON, W_OBS
+
+HYBRID = "hybrid"
+
+
+@dataclass(frozen=True)
+class FisherParams:
+    """Settings of ``fisher``; recorded in the labels metadata."""
+
+    # K: sampled continuations y ~ P_full per horizon step (one batched backward pass each). 8 is the recommended
+    # cost/agreement point on SmolLM2 MATH-500 (docs/labels.md): 24.6x cheaper per entry than exact, Spearman 0.906;
+    # 16: 15.4x, Spearman 0.938
+    samples: int = 8
+
+    def validate(self) -> None:
+        if self.samples < 1:
+            raise UserError(f"--fisher-samples {self.samples}: must be a positive number of Fisher samples, e.g. 8")
+
+
+# the approximate methods' settings (``kvdiag.label.fast.APPROXIMATE`` pairs each with its labeler)
+APPROXIMATE_PARAMS = {"fisher": FisherParams}
+FAST = "fisher"  # what --method fast picks (docs/labels.md: validated against exact on MATH-500)
+METHODS = ("exact", "fast", *APPROXIMATE_PARAMS)
+
+
+def resolve_method(name: str) -> str:
+    """``fast`` -> the recommended approximate method; an unknown name -> ``UserError``."""
+    if name not in METHODS:
+        raise UserError(f"--method {name}: use one of {', '.join(METHODS)}")
+    return FAST if name == "fast" else name
+
+
+def method_params(name: str, **given) -> dict:
+    """The settings of method ``name`` (defaults filled in), validated; exact has none."""
+    if name == "exact":
+        return {}
+    params = APPROXIMATE_PARAMS[name](**given)
+    params.validate()
+    return asdict(params)
+
+
+@dataclass(frozen=True)
+class HybridParams:
+    """Settings of ``hybrid``; recorded in the labels metadata.
+
+    exact_top : M, the candidates per checkpoint with the largest Fisher labels that are labeled exactly; or
+    exact_frac : that number as a share of the checkpoint's candidates (``ceil(f * C)``); one of the two.
+    audit : N, the seeded uniform sample of the other candidates labeled exactly (0: no miss-rate estimate).
+    samples : K of the Fisher label.
+    """
+
+    exact_top: int | None = None
+    exact_frac: float | None = None
+    audit: int = 32
+    samples: int = 8
+
+    def validate(self) -> None:
+        if (self.exact_top is None) == (self.exact_frac is None):
+            raise UserError("--method hybrid needs one of --exact-top M (entries per checkpoint) or --exact-frac F "
+                            "(a share of them), e.g. --exact-frac 0.1")
+        if self.exact_top is not None and self.exact_top < 0:
+            raise UserError(f"--exact-top {self.exact_top}: must be >= 0 entries per checkpoint")
+        if self.exact_frac is not None and not 0 <= self.exact_frac <= 1:
+            raise UserError(f"--exact-frac {self.exact_frac}: a share of the candidates in [0, 1], e.g. 0.1")
+        if self.audit < 0:
+            raise UserError(f"--audit {self.audit}: must be >= 0 entries per checkpoint (0: no miss-rate estimate)")
+        FisherParams(self.samples).validate()
+
+    def top_count(self, candidates: int) -> int:
+        """M at a checkpoint of ``candidates`` rows (refusing more than there are)."""
+        m = self.exact_top if self.exact_top is not None else math.ceil(self.exact_frac * candidates)
+        if m > candidates:
+            raise UserError(f"--exact-top {m} exceeds the {candidates} candidates of a checkpoint: use at most that, "
+                            "or --exact-frac")
+        return m
+
+
+    def check_fits(self, candidates: int, where: str = "at the smallest checkpoint") -> None:
+        """Refuse settings whose exact top set and audit do not fit ``candidates`` rows."""
+        top = self.top_count(candidates)
+        if self.audit > candidates - top:
+            raise UserError(f"--audit {self.audit} exceeds the {candidates - top} candidates left outside the exact "
+                            f"top {top} {where}: use --audit <= {candidates - top}")
+
+
+@dataclass
+class LabelConfig:
+    """How labels are made; written into every labels file."""
+
+    checkpoints: str = CHECKPOINTS  # "every:K" (generated tokens, R-KV's schedule) or "t1,t2,..." absolute positions
+    horizon: int = HORIZON
+    candidates: str = "64"  # "N" (seeded sample) or "all"
+    granularity: str = "token"
+    layers: list[int] | None = None  # layer/head granularity: which layers (None = all)
+    w_obs: int = W_OBS  # checkpoints start once W_obs tokens have been generated (docs/oracle.md)
+    batch_size: int = 64
+    seed: int = 0
+    backend: str = "auto"
+    # exact (the oracle engine), an approximate method (kvdiag.label.fast; fast = the recommended one) or hybrid
+    # (kvdiag.label.hybrid: fast for every candidate, exact for the top M and an audit sample)
+    method: str = "exact"
+    params: dict = field(default_factory=dict)  # the method's settings (defaults filled in)
+    miss_rate: bool = True  # hybrid: estimate the miss rate from the audit (written into the metadata)
+    sampling: str = field(default="", init=False)
+
+    def __post_init__(self):
+        self.validate()
+        if self.method == HYBRID:
+            hybrid = HybridParams(**self.params)
+            hybrid.validate()
+            if hybrid.audit == 0 and self.miss_rate:
+                raise UserError("--audit 0 leaves no sample to estimate the miss rate from: pass --audit N > 0, or "
+                                "--no-miss-rate")
+            self.params = asdict(hybrid)
+        else:
+            self.method = resolve_method(self.method)
+            self.params = method_params(self.method, **self.params)
+        self.sampling = ("every cached entry [0, t)" if self.candidates == "all"
+                         else f"uniform without replacement over [0, t), seed {self.seed} + checkpoint")
+
+    def validate(self) -> None:
+        """Every setting on its own (bad input: ``UserError``), before a model or a file is touched; how the
+        settings fit a Trace is checked by ``work_items``."""
+        parse_checkpoints(self.checkpoints)
+        if self.horizon < 1:
+            raise UserError(f"--horizon {self.horizon}: must be a positive number of teacher-forced steps, e.g. 16")
+        if self.candidates != "all" and not (self.candidates.isdigit() and int(self.candidates) > 0):
+            raise UserError(f"--candidates {self.candidates}: use a positive number (a seeded sample per checkpoint) "
+                            "or all")
+        if self.granularity not in GRANULARITIES:
+            raise UserError(f"--granularity {self.granularity}: use one of {', '.join(GRANULARITIES)}")
+        if self.layers is not None:
+            if self.granularity == "token":
+                raise UserError("--layers applies to --granularity layer or head only; drop it or choose one of those")
+            if not self.layers or min(self.layers) < 0:
+                raise UserError(f"--layers {self.layers}: give layer indices >= 0, e.g. 0,5,11")
+        if self.w_obs < 0:
+            raise UserError(f"--w-obs {self.w_obs}: must be >= 0 generated tokens")
+        if self.batch_size < 1:
+            raise UserError(f"--batch-size {self.batch_size}: must be a positive number of candidate rows, e.g. 64")
+        check_backend(self.backend)
+        if self.method != HYBRID and resolve_method(self.method) == "exact" and self.params:
+            raise UserError(f"--method exact has no settings ({', '.join(self.params)}); drop them or choose an "
+                            "approximate --method")
