@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from kvdiag.errors import UserError, check_choice
 from kvdiag.schema import CHECKPOINT_INTERVAL, GRANULARITIES  # noqa: F401  (the parsers' choices)
@@ -127,6 +128,57 @@ def parse_selection(spec: str, flag: str = "--selection") -> tuple[str, float | 
         raise UserError(f"{flag} {spec}: the temperature TAU of stochastic:TAU must be a positive number, e.g. "
                         f"stochastic:{STOCHASTIC_TAU}")
     return mode, tau
+
+
+# a selection parsed once and passed around as this object (the rules in kvdiag.selection, which needs torch)
+@dataclass(frozen=True)
+class Selection:
+    """A selection, parsed once from its spec (:meth:`parse`) and passed around as this object.
+
+    mode : ``per-head``, ``per-token`` or ``stochastic``; tau : the stochastic temperature (None otherwise);
+    spec : the string it was parsed from, its name in configs and part fingerprints (``stochastic`` and
+    ``stochastic:0.1`` select alike but stay distinct settings, as they always were).
+    """
+
+    mode: str
+    tau: float | None = None
+    spec: str = ""
+
+    @classmethod
+    def parse(cls, spec: Selection | str, flag: str = "--selection") -> Selection:
+        """``per-head`` | ``per-token`` | ``stochastic`` | ``stochastic:TAU`` (TAU > 0); a Selection passes as is."""
+        if isinstance(spec, Selection):
+            return spec
+        mode, tau = parse_selection(spec, flag)
+        return cls(mode, tau, str(spec))
+
+    def __str__(self) -> str:
+        return self.spec
+
+    @property
+    def stochastic(self) -> bool:
+        return self.mode == "stochastic"
+
+    @property
+    def per_token(self) -> bool:
+        """One keep set for every layer and KV head (scored by one context per layer in replay)."""
+        return self.mode == "per-token"
+
+    @property
+    def deterministic(self) -> Selection:
+        """The deterministic selection beside this one: ``per-head`` for a stochastic one (decisions' references and
+        comparison set), else itself."""
+        return PER_HEAD if self.stochastic else self
+
+    def check_rule(self, rule) -> None:
+        """Stochastic selection draws from a rule's score: refuse a rule whose score is no graded preference (it
+        declares ``continuous = False``, e.g. StreamingLLM's recency order)."""
+        if self.stochastic and not getattr(rule, "continuous", True):
+            raise UserError(f"--selection stochastic: {rule.name} has no continuous score to draw from (a fixed "
+                            "order); use per-head or per-token for it")
+
+
+PER_HEAD = Selection("per-head", None, "per-head")
 
 
 STORE_WORDS = ("all", "kv", "none")

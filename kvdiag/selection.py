@@ -13,63 +13,10 @@ A selection is parsed once from its spec string into a :class:`Selection` and pa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from scipy.stats import rankdata
 
-from kvdiag.errors import UserError
-from kvdiag.parsing import SELECTIONS, STOCHASTIC_TAU, parse_selection  # noqa: F401  (selection's API)
-
-
-@dataclass(frozen=True)
-class Selection:
-    """A selection, parsed once from its spec (:meth:`parse`) and passed around as this object.
-
-    mode : ``per-head``, ``per-token`` or ``stochastic``; tau : the stochastic temperature (None otherwise);
-    spec : the string it was parsed from, its name in configs and part fingerprints (``stochastic`` and
-    ``stochastic:0.1`` select alike but stay distinct settings, as they always were).
-    """
-
-    mode: str
-    tau: float | None = None
-    spec: str = ""
-
-    @classmethod
-    def parse(cls, spec: Selection | str, flag: str = "--selection") -> Selection:
-        """``per-head`` | ``per-token`` | ``stochastic`` | ``stochastic:TAU`` (TAU > 0); a Selection passes as is."""
-        if isinstance(spec, Selection):
-            return spec
-        mode, tau = parse_selection(spec, flag)  # the one parser (kvdiag.parsing: light, before torch)
-        return cls(mode, tau, str(spec))
-
-    def __str__(self) -> str:
-        return self.spec
-
-    @property
-    def stochastic(self) -> bool:
-        return self.mode == "stochastic"
-
-    @property
-    def per_token(self) -> bool:
-        """One keep set for every layer and KV head (scored by one context per layer in replay)."""
-        return self.mode == "per-token"
-
-    @property
-    def deterministic(self) -> Selection:
-        """The deterministic selection beside this one: ``per-head`` for a stochastic one (decisions' references and
-        comparison set), else itself."""
-        return PER_HEAD if self.stochastic else self
-
-    def check_rule(self, rule) -> None:
-        """Stochastic selection draws from a rule's score: refuse a rule whose score is no graded preference (it
-        declares ``continuous = False``, e.g. StreamingLLM's recency order)."""
-        if self.stochastic and not getattr(rule, "continuous", True):
-            raise UserError(f"--selection stochastic: {rule.name} has no continuous score to draw from (a fixed "
-                            "order); use per-head or per-token for it")
-
-
-PER_HEAD = Selection("per-head", None, "per-head")
+from kvdiag.parsing import PER_HEAD, SELECTIONS, STOCHASTIC_TAU, Selection, parse_selection  # noqa: F401  (its API)
 
 
 def top_slots(scores: torch.Tensor, budget: int) -> torch.Tensor:

@@ -40,6 +40,7 @@ def bench_replay(
     from kvdiag.errors import UserError
     from kvdiag.io import write_json
     from kvdiag.models import load_model
+    from kvdiag.parsing import Selection
     from kvdiag.prompts import encode_prompt, load_prompts
     from kvdiag.replay.bench import run_replay_bench
     from kvdiag.replay.cache import Policy
@@ -48,7 +49,6 @@ def bench_replay(
     from kvdiag.replay.sampling import Sampling
     from kvdiag.replay.settings import check_params, check_samples
     from kvdiag.scorers import parse_params
-    from kvdiag.selection import Selection
 
     common.quiet_transformers()
     names = parsing.parse_list(scorers, "--scorers", str)

@@ -57,10 +57,11 @@ def decisions(
 ) -> None:
     """Label the set each rule evicts under each budget exactly and compare the decisions with oracle references."""
     check_outputs({"--out": (out, "dir")}, {"--trace": trace, "--scores": scores, "--labels": labels})
+    from kvdiag.contracts import read_scores
     from kvdiag.decisions import REFERENCES, DecisionsConfig, budgets_from  # light: the config, not the stage
     from kvdiag.errors import UserError
     from kvdiag.harm import HarmSpec
-    from kvdiag.io import check_table, check_writable
+    from kvdiag.io import check_table
     from kvdiag.schema import HORIZON
     from kvdiag.trace.manifest import read_trace_files
 
@@ -86,9 +87,9 @@ def decisions(
     parsing.check_device_name(device)
     if dtype is not None:
         parsing.check_dtype(dtype)
-    check_writable(out, "--out", "dir")
     read_trace_files(trace)
     check_table(scores, "--scores")
+    read_scores(scores)  # the scores contract (finite, unique keys, its Trace named), before torch
     from kvdiag.decisions import decisions_files  # the stage: torch and the model, once the arguments are checked
 
     common.quiet_transformers()

@@ -51,7 +51,6 @@ def label(
 ) -> None:
     """Evict single cache entries at checkpoints and measure the KL damage to the next H predictions."""
     check_outputs({"--out": out, "--out (its parts)": (out.with_name(out.name + ".parts"), "dir")}, {"--trace": trace})
-    from kvdiag.io import check_writable
     from kvdiag.label import LabelConfig  # light: the config, not the engine
     from kvdiag.model_specs import check_model_spec
     from kvdiag.trace.manifest import read_trace_files
@@ -80,8 +79,6 @@ def label(
     if model is not None:
         check_model_spec(model)
     read_trace_files(trace)
-    check_writable(out, "--out")
-    check_writable(out.with_name(out.name + ".parts"), "--out", "dir")
     from kvdiag.label.run import run_label  # the engine: torch and the model, once the arguments are checked
 
     common.quiet_transformers()

@@ -79,7 +79,7 @@ def replay(
     generations.parquet, a Table-2-shaped summary and an accuracy/KL-vs-budget figure."""
     check_outputs({"--out": (out, "dir")}, {"--teacher-forced": teacher_forced, "--outcomes": outcomes,
                                            "--auroc": auroc, "--prompts": prompts, "--plugin": plugin})
-    from kvdiag.io import check_table, check_writable
+    from kvdiag.io import check_table
     from kvdiag.model_specs import check_model_spec
     from kvdiag.prompts import DEFAULT_INSTRUCTION, load_prompts
     from kvdiag.rankeval.evaluate import check_inputs
@@ -115,7 +115,6 @@ def replay(
                          ("--auroc LABELS", "--auroc SCORES"))
     else:
         load_prompts(prompts or "builtin:arith", limit=limit, seed=seed)
-    check_writable(out, "--out", "dir")
     from kvdiag.replay import ReplaySettings  # the stage: torch, once the arguments are checked
     from kvdiag.replay.run import replay_sweep
     from kvdiag.scorers import load_plugins, parse_params

@@ -37,7 +37,8 @@ def score(
 ) -> None:
     """Score candidates of a Trace with the scorer zoo (higher = keep) and write scores.parquet."""
     from kvdiag import parsing
-    from kvdiag.io import check_table, check_writable
+    from kvdiag.guard import check_outputs
+    from kvdiag.io import check_table
     from kvdiag.parsing import GRANULARITIES, joined, parse_checkpoints, parse_list
     from kvdiag.scorer_names import AGGREGATIONS, check_scorer_names
     from kvdiag.trace.manifest import read_trace_files
@@ -60,7 +61,7 @@ def score(
         raise UserError(f"--aggregation {aggregation}: use one of {', '.join(AGGREGATIONS)}")
     if not plugin:
         check_scorer_names(parse_list(scorers, "--scorers", str))
-    check_writable(out, "--out")
+    check_outputs({"--out": out}, {"--trace": trace, "--labels": labels, "--plugin": plugin})
     read_trace_files(trace)
     if labels is not None:
         check_table(labels, f"--labels {labels}")

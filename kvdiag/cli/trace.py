@@ -44,7 +44,6 @@ def trace(
     """Generate each prompt's trace and write the Trace directory (manifest, tokens, per-layer q/k/v)."""
     check_outputs({"--out": (out, "dir")}, {"--prompts": prompts}, writes_trace=True)
     from kvdiag import parsing
-    from kvdiag.io import check_writable
     from kvdiag.model_specs import check_model_spec
     from kvdiag.prompts import DEFAULT_INSTRUCTION, load_prompts
     from kvdiag.trace import GenerationSettings  # light: the settings, not the writer
@@ -63,7 +62,6 @@ def trace(
     parsing.check_dtype(dtype)
     parsing.check_device_name(device)
     parsing.parse_shard(shard)
-    check_writable(out, "--out", "dir")
     from kvdiag.trace.writer import run_trace  # the stage: torch and the model, once the arguments are checked
 
     common.quiet_transformers()

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from kvdiag.errors import UserError, check_choice
 from kvdiag.harm import HarmSpec
+from kvdiag.parsing import Selection
 from kvdiag.schema import HORIZON, N_BOOT
-from kvdiag.selection import Selection
 
 # the reference decisions every rule is compared with (docs/decisions.md)
 REFERENCES = ("oracle_single", "oracle_greedy", "fast", "random")

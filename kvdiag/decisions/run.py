@@ -352,13 +352,13 @@ def decisions_files(trace: str | os.PathLike, scores: str | os.PathLike, out: st
     belongs(tr, score_meta, f"--scores {scores}")
     if label_meta is not None:
         belongs(tr, label_meta, f"--labels {labels}")
-    items, _ = checkpoints_of(score_df, tr, cfg.horizon)
-    check_oracle_single(None if label_df is None else label_df.filter(pl.col("granularity") == "token"), items, cfg)
     names = score_columns(score_df, cfg.rules)
     known = ("best", "none", *cfg.references, *(f"{r}_reference" for r in cfg.references), *names)
     if cfg.reference not in known:  # a typo would leave paired.csv empty
         raise UserError(f"--reference {cfg.reference}: use best, none, a graded rule ({', '.join(names)}) or a "
                         f"reference ({', '.join(cfg.references) or 'none computed'})")
+    items, _ = checkpoints_of(score_df, tr, cfg.horizon)
+    check_oracle_single(None if label_df is None else label_df.filter(pl.col("granularity") == "token"), items, cfg)
     rules = rule_instances(names, score_meta)
     check_stochastic(rules, cfg)
     check_protection(rules, items, cfg)

@@ -10,6 +10,7 @@ checks), ``units`` (its work items and their part fingerprints), ``free_running`
 modes: items, fingerprints, runner), ``run`` (the sweep).
 """
 
+from kvdiag.parsing import Selection
 from kvdiag.replay.cache import Policy, ReplayCache
 from kvdiag.replay.decoding import Decoded, decode, full_logprobs, kl_steps, prompt_chunks, teacher_force
 from kvdiag.replay.free_running import FreeRunning, check_answer
@@ -25,7 +26,6 @@ from kvdiag.replay.live import (
 from kvdiag.replay.run import FULL_KV, replay
 from kvdiag.replay.settings import ReplaySettings, check_settings
 from kvdiag.replay.teacher_forced import TeacherForced
-from kvdiag.selection import Selection
 
 __all__ = [
     "FULL_KV", "Decoded", "FreeRunning", "Policy", "QueryWindow", "ReplayCache", "ReplaySettings", "Selection",

@@ -16,9 +16,9 @@ from transformers import DynamicCache
 from kvdiag.adapters import ModelAttention
 from kvdiag.errors import UserError
 from kvdiag.kernels import compact_kv
+from kvdiag.parsing import Selection
 from kvdiag.schema import CHECKPOINT_INTERVAL
 from kvdiag.scorers import Scorer
-from kvdiag.selection import Selection
 
 
 @dataclass

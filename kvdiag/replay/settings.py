@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from kvdiag.errors import UserError
+from kvdiag.parsing import Selection
 from kvdiag.prompts import DEFAULT_INSTRUCTION
 from kvdiag.replay.live import check_live_scorer, make_scorer
 from kvdiag.replay.oracle import ORACLE
 from kvdiag.replay.sampling import Sampling
 from kvdiag.schema import CHECKPOINT_INTERVAL, HORIZON
-from kvdiag.selection import Selection
 
 
 @dataclass
