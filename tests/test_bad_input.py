@@ -675,7 +675,7 @@ HEAVY: dict[str, str] = {
         "score-plugin-missing", "replay-outcomes-missing", "replay-outcomes-other-prompts", "replay-temperature-inf",
         "bench-replay-temperature-inf", "bench-peak-seconds-inf", "bench-peak-seconds-nan",
     )},
-    "decisions-scores-nometa": "a table's Trace is told by the fingerprint kvdiag.trace.Trace computes (torch): " + STAGE,
+    "decisions-scores-nometa": "a table's Trace is told by its fingerprint (kvdiag.trace.Trace, torch): " + STAGE,
     "bench-label-prefix-context": "the model's context is read from its loaded config: " + NEEDS_MODEL,
     "fit-labels-other-trace": "the Trace's fingerprint is read through kvdiag.trace.Trace (torch): " + STAGE,
     "score-param-unknown": "a scorer's parameters are its class's fields (torch): " + STAGE,
