@@ -784,8 +784,25 @@ def test_there_are_enough_cases():
     assert {"trace", "label", "score", "rank-eval", "figures", "report", "replay", "demo"} <= commands
 
 
+@pytest.fixture
+def restore_scorers():
+    """The plugin rows register scorers (boom, listy, ...) in this process: the registry as it was, afterwards (a
+    later test in the same worker iterates every registered scorer)."""
+    import sys
+
+    registry = sys.modules.get("kvdiag.scorers.registry")
+    before = dict(registry.SCORERS) if registry else None
+    yield
+    registry = sys.modules.get("kvdiag.scorers.registry")
+    if registry is not None:
+        keep = before if before is not None else {
+            n: c for n, c in registry.SCORERS.items() if c.__module__.startswith("kvdiag.")}
+        registry.SCORERS.clear()
+        registry.SCORERS.update(keep)
+
+
 @pytest.mark.parametrize("argv, needle", [(argv, needle) for _, argv, needle in CASES], ids=[c[0] for c in CASES])
-def test_bad_input(argv, needle, inputs, tmp_path, capsys):
+def test_bad_input(argv, needle, inputs, tmp_path, capsys, restore_scorers):
     out = tmp_path / "out"
     filled = [a.format(out=out, **inputs) for a in argv]
     before = {f: f.stat().st_mtime_ns for f in Path(inputs["run"]).rglob("*")}
