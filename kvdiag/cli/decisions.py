@@ -88,8 +88,7 @@ def decisions(
     if dtype is not None:
         parsing.check_dtype(dtype)
     read_trace_files(trace)
-    check_table(scores, "--scores")
-    read_scores(scores)  # the scores contract (finite, unique keys, its Trace named), before torch
+    read_scores(scores)  # the scores contract (readable, keyed, finite, unique keys), before torch
     from kvdiag.decisions import decisions_files  # the stage: torch and the model, once the arguments are checked
 
     common.quiet_transformers()
