@@ -8,8 +8,10 @@ name the Trace it was made from, or names another. No torch: these run before it
 
 from __future__ import annotations
 
+import hashlib
 import os
 
+import numpy as np
 import polars as pl
 
 from kvdiag.errors import UserError
@@ -110,14 +112,106 @@ def read_decisions(path: str | os.PathLike, what: str = "decisions") -> tuple[pl
     return df, meta
 
 
-def belongs(trace, meta: dict, what: str) -> None:
-    """Refuse a table whose metadata does not name the Trace it was made from (its fingerprint), or names another
-    than ``trace``: a table without provenance could come from any Trace."""
-    if not (meta.get("trace") or {}).get("fingerprint"):
+# generations.parquet (kvdiag replay): one row per (prompt, scorer, budget, sample); older replays lack ``sample``
+GENERATION_KEYS = ["prompt_id", "scorer", "budget", "sample"]
+GENERATION_SCHEMA = {"prompt_id": pl.String, "scorer": pl.String, "budget": pl.Int64, "mode": pl.String,
+                     "generated": pl.Int64, "compressions": pl.Int64, "peak_kv": pl.Int64, "mean_kv": pl.Float64,
+                     "kl_mean": pl.Float64, "seconds": pl.Float64}
+NEVER_NULL = ["prompt_id", "scorer", "mode", "generated", "compressions", "peak_kv", "mean_kv", "seconds"]
+REPLAY_MODES = ("free", "teacher_forced")
+FULL_KV = "full_kv"  # the uncompressed reference rows: the only ones without a budget
+
+
+def read_generations(path: str | os.PathLike, what: str = "generations") -> tuple[pl.DataFrame, dict]:
+    """A ``generations.parquet`` written by ``kvdiag replay`` and its metadata: the columns of
+    :data:`GENERATION_SCHEMA` with their types, non-empty, no null where a value is always written (a budget only for
+    the FullKV rows), one row per (prompt, scorer, budget, sample), every number finite (null KL: not measured), and
+    the run it came from: a replay's metadata (mode, settings, the prompt ids it replayed, and, teacher-forced, its
+    Trace's fingerprint) that names every row's prompt and mode."""
+    fix = "pass the generations.parquet of a finished `kvdiag replay` run (or rerun it)"
+    what = f"{what} {path}"
+    df, meta = read_table(path, what)
+    missing = sorted(set(GENERATION_SCHEMA) - set(df.columns))
+    if missing:
+        raise UserError(f"{what} lacks columns {missing}: it is not a kvdiag replay's generations; {fix}")
+    keys = [k for k in GENERATION_KEYS if k in df.columns]
+    typed = {**GENERATION_SCHEMA, **({"sample": pl.Int64} if "sample" in df.columns else {})}
+    for c, dtype in typed.items():
+        if df.schema[c] != dtype and not (dtype.is_numeric() and df.schema[c].is_numeric()):
+            raise UserError(f"{what} column {c!r} is {df.schema[c]}, not {dtype}; {fix}")
+    if df.height == 0:
+        raise UserError(f"{what} has no rows; {fix}")
+    for c in NEVER_NULL + (["sample"] if "sample" in df.columns else []):
+        if n := df[c].null_count():
+            raise UserError(f"{what} column {c!r} is missing in {n} of {df.height} rows; {fix}")
+    if n := df.filter(pl.col("budget").is_null() & (pl.col("scorer") != FULL_KV)).height:
+        raise UserError(f"{what} has {n} compressed rows without a budget; {fix}")
+    if n := df.select(keys).is_duplicated().sum():
+        raise UserError(f"{what} holds {n} rows that repeat a ({', '.join(keys)}): each generation must occur once; "
+                        f"{fix}")
+    for c in [c for c in df.columns if df.schema[c].is_numeric()]:
+        col = df[c].cast(pl.Float64).drop_nulls()
+        if bad := int((~col.is_finite()).sum()):
+            raise UserError(f"{what} column {c!r} is NaN or infinite in {bad} of {df.height} rows; {fix}")
+    mode, prompt_ids = meta.get("mode"), meta.get("prompt_ids")
+    if meta.get("kind") != "replay" or mode not in REPLAY_MODES or not isinstance(prompt_ids, list) \
+            or not isinstance(meta.get("settings"), dict):
+        raise UserError(f"{what} does not record the replay it came from (kind, mode, settings, prompt ids in its "
+                        f"metadata); {fix}")
+    if mode == "teacher_forced":
+        trace_of(meta, what)
+    if (other := set(df["mode"].unique().to_list()) - {mode}):
+        raise UserError(f"{what} holds {sorted(other)[0]} rows in a {mode} replay; {fix}")
+    if stray := sorted(set(df["prompt_id"].unique().to_list()) - set(prompt_ids)):
+        raise UserError(f"{what} holds generations of prompt {stray[0]!r}, which its replay did not replay "
+                        f"({len(stray)} such prompts); {fix}")
+    return df, meta
+
+
+def fingerprint(manifest: dict, tokens: pl.DataFrame) -> str:
+    """The Trace contract's identity: sha256 of the model's weights hash and every prompt's token ids (int64, in
+    position order, prompts in name order) of a Trace's ``manifest`` and ``tokens`` table, 16 hex digits. Every table
+    made from a Trace records it (``trace.fingerprint`` in its metadata)."""
+    h = hashlib.sha256(manifest["model"]["weights_hash"].encode())
+    ids = {key[0]: df["token_id"] for key, df in tokens.sort("prompt_id", "position").partition_by(
+        "prompt_id", as_dict=True, maintain_order=True).items()}
+    for pid in sorted(manifest["prompts"]):
+        h.update(pid.encode())
+        h.update(np.asarray(ids[pid].to_list() if pid in ids else [], dtype=np.int64).tobytes())
+    return h.hexdigest()[:16]
+
+
+def trace_of(meta: dict, what: str) -> str:
+    """The fingerprint of the Trace a table's metadata ``meta`` records; refused when it records none (a table
+    without provenance could come from any Trace)."""
+    fp = (meta.get("trace") or {}).get("fingerprint")
+    if not fp:
         raise UserError(f"{what} does not record the Trace it was made from (no trace fingerprint in its metadata): "
-                        "pass a file written by kvdiag for this --trace")
-    trace.check_belongs(meta, what)
+                        "pass a file written by kvdiag (label, score) for this Trace")
+    return fp
 
 
-__all__ = ["DECISION_KEYS", "LABEL_SCHEMA", "belongs", "check_finite", "check_rows", "read_decisions", "read_labels",
-           "read_scores", "score_columns"]
+def belongs(trace, meta: dict, what: str) -> None:
+    """Refuse a table whose metadata does not name the Trace it was made from, or names another than ``trace`` (a
+    ``kvdiag.trace.Trace`` or, read without torch, a ``kvdiag.trace.manifest.TraceFiles``)."""
+    theirs = trace_of(meta, what)
+    if theirs != trace.fingerprint:
+        raise UserError(f"{what} was made from another Trace (fingerprint {theirs}; --trace {trace.path} has "
+                        f"{trace.fingerprint}): pass the matching --trace")
+
+
+def same_trace(metas: dict[str, dict]) -> str:
+    """The one Trace fingerprint that the tables ``metas`` (what -> metadata) all record; refused when one records
+    none or two differ (tables compared row by row must be about the same tokens)."""
+    fps = {what: trace_of(meta, what) for what, meta in metas.items()}
+    (a, fa), *rest = fps.items()
+    for b, fb in rest:
+        if fb != fa:
+            raise UserError(f"{b} was made from another Trace than {a} (fingerprints {fb} and {fa}): pass tables of "
+                            "the same Trace")
+    return fa
+
+
+__all__ = ["DECISION_KEYS", "GENERATION_SCHEMA", "LABEL_SCHEMA", "belongs", "check_finite", "check_rows",
+           "fingerprint", "read_decisions", "read_generations", "read_labels", "read_scores", "same_trace",
+           "score_columns", "trace_of"]

@@ -151,11 +151,21 @@ def _entry(name: str) -> Embedded:
     return EMBEDDED[name]
 
 
+def _converted_path(entry: Embedded) -> Path:
+    stamp = entry.stamp()  # raises the one-line UserError when the packages are missing
+    return cache_dir() / f"{entry.slug}-{hashlib.sha256(stamp.encode()).hexdigest()[:10]}"
+
+
+def converted_dir(name: str) -> Path | None:
+    """The converted directory of embedded model ``name`` when a load has made it, else None (converts nothing)."""
+    out = _converted_path(_entry(name))
+    return out if (out / "model.safetensors").is_file() else None
+
+
 def embedded_dir(name: str) -> Path:
     """The converted safetensors directory of embedded model ``name``, converting it on first use."""
     entry = _entry(name)
-    stamp = entry.stamp()  # raises the one-line UserError when the packages are missing
-    out = cache_dir() / f"{entry.slug}-{hashlib.sha256(stamp.encode()).hexdigest()[:10]}"
+    out = _converted_path(entry)
     if (out / "model.safetensors").is_file():
         return out
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")

@@ -1,8 +1,11 @@
 """What ``--model`` may name, checked without torch or transformers (the CLI refuses a bad spec before any heavy
-import; ``kvdiag.models`` loads it): the tiny random families' configs (``tiny:<family>``) and the spec's syntax."""
+import; ``kvdiag.models`` loads it): the tiny random families' configs (``tiny:<family>``), the spec's syntax, and a
+model's config read as JSON (a directory's, a cached hub id's, an embedded model's): whether it can be a Trace's model
+and how long its context is."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from kvdiag.errors import UserError
@@ -102,3 +105,112 @@ def check_model_spec(spec: str) -> str:
     if spec.endswith(".gguf") and not Path(spec).is_file():
         raise UserError(f"--model {spec}: GGUF file not found; check the path")
     return spec
+
+
+# --------------------------------------------------------------------------- a model's config, read as JSON
+
+# The decoder config fields kvdiag reads before a load, of each embedded model (kvdiag.embedded), as its converted
+# config.json has them (tests/test_contracts.py compares them with that file where it has been converted).
+EMBEDDED_CONFIG: dict[str, dict] = {
+    "smollm2": dict(model_type="llama", num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    max_position_embeddings=8192),
+    "gemma3-270m": dict(model_type="gemma3_text", num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
+                        max_position_embeddings=32768),
+}
+# config.json field -> the Trace manifest's model entry field (kvdiag.models.LoadedModel.info) it must equal
+RECORDED = {"model_type": ("attention", "family"), "num_hidden_layers": ("num_layers",),
+            "num_attention_heads": ("num_heads",), "num_key_value_heads": ("num_kv_heads",)}
+
+
+def is_path_spec(spec: str) -> bool:
+    """Whether ``--model spec`` names a file or directory (else a built-in name or a hub id)."""
+    return spec.startswith((".", "/", "~")) or Path(spec).expanduser().exists()
+
+
+def is_builtin(spec: str) -> bool:
+    """An embedded, ``tiny:`` or ``random:`` model: its weights are known from its name."""
+    return spec in EMBEDDED_CONFIG or spec.startswith(("tiny:", "random:"))
+
+
+def spec_config(spec: str) -> dict | None:
+    """The decoder config of the model ``--model spec`` names, read without torch, transformers or the network: a
+    tiny family's, an embedded model's, a directory's ``config.json`` (a multimodal one's ``text_config``), a hub id's
+    ``config.json`` from the local Hugging Face cache. None where only a load can tell: a ``.gguf``, a ``random:``
+    spec, a hub id whose config is not cached. A directory without a readable config.json is refused."""
+    if spec.startswith("tiny:"):
+        config = {**TINY_COMMON, **TINY[check_model_spec(spec).split(":", 1)[1]][1]}
+        return {k: v for k, v in config.items() if v is not None}  # gpt_neox: no num_key_value_heads
+    if spec in EMBEDDED_CONFIG:
+        return dict(EMBEDDED_CONFIG[spec])
+    if spec.startswith("random:") or spec.endswith(".gguf"):
+        return None
+    if is_path_spec(spec):
+        path = Path(spec).expanduser()
+        if not path.is_dir():
+            raise UserError(f"--model {spec}: no such directory; pass a local HF model directory, a .gguf file, a "
+                            "hub id, smollm2, gemma3-270m or tiny:llama")
+        file = path / "config.json"
+    else:
+        file = cached_hub_file(spec, "config.json")
+        if file is None:
+            return None
+    try:
+        config = json.loads(Path(file).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UserError(f"--model {spec}: its config.json is missing or unreadable ({type(err).__name__}); pass a "
+                        "Hugging Face model directory") from err
+    if not isinstance(config, dict):
+        raise UserError(f"--model {spec}: its config.json is not a JSON object; pass a Hugging Face model directory")
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
+
+
+def cached_hub_file(repo_id: str, filename: str) -> Path | None:
+    """``filename`` of the hub repository ``repo_id`` (its main revision) from the local Hugging Face cache, or None
+    when it is not there or ``repo_id`` is not a valid id: nothing is downloaded."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(repo_id, filename)
+    except ValueError:  # HFValidationError: not a repo id
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
+def check_trace_model(spec: str, recorded: dict, fix: str = "drop --model") -> None:
+    """Refuse ``--model spec`` before anything loads when it is not the model a Trace was made with (``recorded``:
+    its manifest's ``model`` entry): another built-in name, random weights for trained ones (or the reverse), a config
+    whose family, layer or head counts differ from the recorded ones, or a hub id other than the recorded one whose
+    config is not in the local cache (kvdiag asks no network to tell). A model that passes is still checked against
+    the recorded weights hash once it has loaded."""
+    had = str(recorded["spec"])
+    if spec == had or (is_path_spec(spec) and is_path_spec(had)
+                       and Path(spec).expanduser().resolve() == Path(had).expanduser().resolve()):
+        return
+    if is_builtin(spec) and is_builtin(had):
+        raise UserError(f"--model {spec} is not the Trace's model ({had}); {fix}")
+    if spec.startswith("random:") != (had.startswith("random:") or bool(recorded.get("random"))):
+        raise UserError(f"--model {spec} is not the Trace's model ({had}): one has random weights, the other not; "
+                        f"{fix}")
+    config = spec_config(spec)
+    if config is None:
+        if not (is_path_spec(spec) or spec.endswith(".gguf") or is_builtin(spec)):
+            raise UserError(f"--model {spec} is not the Trace's model by name ({had}) and its config.json is not in "
+                            "the local Hugging Face cache (kvdiag does not ask the network); " + fix)
+        return  # a .gguf or random: model: told by the weights hash once it loads
+    for field, where in RECORDED.items():
+        theirs = recorded
+        for key in where:
+            theirs = theirs.get(key) if isinstance(theirs, dict) else None
+        ours = config.get(field)
+        if ours is not None and theirs is not None and ours != theirs:
+            raise UserError(f"--model {spec} is not the Trace's model ({had}): its config has {field} {ours}, the "
+                            f"Trace's model {theirs}; {fix}")
+
+
+def context_of(spec: str) -> int | None:
+    """``max_position_embeddings`` of the model ``spec`` names, from its config alone (:func:`spec_config`), or None
+    when that cannot be told before it loads."""
+    config = spec_config(spec)
+    value = (config or {}).get("max_position_embeddings")
+    return value if isinstance(value, int) and value > 0 else None

@@ -96,12 +96,6 @@ class LoadedModel:
                             f"({recorded['spec']}, weights {recorded['weights_hash']}); {fix}")
 
 
-def builtin_models_differ(a: str, b: str) -> bool:
-    """Whether ``a`` and ``b`` name two different built-in models (embedded, ``tiny:``, ``random:``): their weights
-    differ, known before either loads (a hub id or a directory may hold any weights: only a load can tell)."""
-    return a != b and all(spec in EMBEDDED or spec.startswith(("tiny:", "random:")) for spec in (a, b))
-
-
 def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[check_dtype(name)]
 

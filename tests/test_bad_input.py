@@ -620,6 +620,44 @@ CASES: list[tuple[str, list[str], str]] = [
     ("score-plugin-returns-list", ["score", "--trace", "{trace}", "--labels", "{labels}", "--plugin",
                                    "{plugin_returns_list}", "--scorers", "listy", "--out", "{out}/s.parquet"],
      "returned a list, not a torch.Tensor"),
+    # ---- #40: another --model than the Trace's is refused from names and configs, before anything loads
+    ("decisions-model-dir-other", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5",
+                                   "--model", "{model_other}", "--out", "{out}"], "num_hidden_layers 30"),
+    ("decisions-model-dir-no-config", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5",
+                                       "--model", "{empty_dir}", "--out", "{out}"], "config.json"),
+    ("decisions-model-hub-uncached", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5",
+                                      "--model", "kvdiag-test/no-such-model", "--out", "{out}"],
+     "not in the local Hugging Face cache"),
+    ("decisions-model-random", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5", "--model",
+                                "random:llama-3.1-8b", "--out", "{out}"], "--model random:llama-3.1-8b"),
+    # ---- #40: --prefix beyond the model's context, from its config alone
+    ("bench-label-prefix-context-dir", ["bench", "label", "--model", "{model_other}", "--prefix", "8190", "--n", "8"],
+     "context of 8192"),
+    # ---- #40: a table whose Trace cannot be established is refused (every command that has a --trace, and
+    # validate-labels, whose tables must share one)
+    ("score-labels-nometa", ["score", "--trace", "{trace}", "--labels", "{labels_nometa}", "--out", "{out}/s.parquet"],
+     "does not record the Trace"),
+    ("fit-labels-nometa", ["fit", "--trace", "{trace}", "--labels", "{labels_nometa}", "--out", "{out}"],
+     "does not record the Trace"),
+    ("fit-scores-nometa", ["fit", "--trace", "{trace}", "--labels", "{labels}", "--scores", "{scores_nometa}", "--out",
+                           "{out}"], "does not record the Trace"),
+    ("figures-labels-nometa", ["figures", "--trace", "{trace}", "--labels", "{labels_nometa}", "--scores", "{scores}",
+                               "--out", "{out}"], "does not record the Trace"),
+    ("figures-scores-nometa", ["figures", "--trace", "{trace}", "--labels", "{labels}", "--scores", "{scores_nometa}",
+                               "--out", "{out}"], "does not record the Trace"),
+    ("figures-labels-other-trace", ["figures", "--trace", "{trace}", "--labels", "{foreign_labels}", "--scores",
+                                    "{scores}", "--out", "{out}"], "another Trace"),
+    ("validate-labels-nometa", ["validate-labels", "--exact", "{labels}", "--approx", "{labels_nometa}", "--out",
+                                "{out}"], "does not record the Trace"),
+    ("validate-labels-other-trace", ["validate-labels", "--exact", "{labels}", "--approx", "{foreign_labels}", "--out",
+                                     "{out}"], "another Trace"),
+    ("decisions-labels-nometa", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--labels",
+                                 "{labels_nometa}", "--keep", "0.5", "--out", "{out}"], "does not record the Trace"),
+    # ---- #40: the generations contract (replay --outcomes)
+    *[(f"replay-outcomes-{kind}", ["replay", "--teacher-forced", "{trace}", "--scorer", "knorm", "--budget", "16",
+                                   "--outcomes", f"{{replay_{kind}}}", "--out", "{out}"], needle)
+      for kind, needle in (("nan", "NaN or infinite"), ("dup", "repeat"), ("nometa", "does not record the replay"),
+                           ("tf", "is a teacher_forced replay"))],
 ]
 
 PLUGINS = {  # file name -> source; line numbers matter (the messages name them)
@@ -675,9 +713,8 @@ HEAVY: dict[str, str] = {
         "score-plugin-missing", "replay-outcomes-missing", "replay-outcomes-other-prompts", "replay-temperature-inf",
         "bench-replay-temperature-inf", "bench-peak-seconds-inf", "bench-peak-seconds-nan",
     )},
-    "decisions-scores-nometa": "a table's Trace is told by its fingerprint (kvdiag.trace.Trace, torch): " + STAGE,
-    "bench-label-prefix-context": "the model's context is read from its loaded config: " + NEEDS_MODEL,
-    "fit-labels-other-trace": "the Trace's fingerprint is read through kvdiag.trace.Trace (torch): " + STAGE,
+    **{f"replay-outcomes-{kind}": "the replay command imports its stage before --outcomes is read (issue #39)"
+       for kind in ("nan", "dup", "nometa", "tf")},
     "score-param-unknown": "a scorer's parameters are its class's fields (torch): " + STAGE,
     "score-param-type": "a scorer's parameter types are its class's field types (torch): " + STAGE,
     "score-model-unused": "whether a scorer reads wo_l2 is its instance's setting (torch): " + STAGE,
@@ -747,10 +784,34 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
     ]:
         write_table(broken, root / f"scores-{name}.parquet", broken_meta)
         p[f"scores_{name}"] = str(root / f"scores-{name}.parquet")
-    # a free-running replay of other prompts than the Trace's
-    write_table(pl.DataFrame({"prompt_id": ["elsewhere000"], "policy": ["full_kv"]}),
-                root / "other-replay" / "generations.parquet", {"kind": "replay"})
-    p["other_replay"] = str(root / "other-replay")
+    # a free-running replay of other prompts than the Trace's, and broken copies of it (the generations contract)
+    gen = pl.DataFrame({"prompt_id": ["elsewhere000"] * 2, "scorer": ["full_kv", "knorm"], "budget": [None, 16],
+                        "sample": [0, 0], "mode": ["free"] * 2, "generated": [4, 4], "compressions": [0, 1],
+                        "peak_kv": [12, 16], "mean_kv": [10.0, 14.0], "kl_mean": [None, 0.5], "seconds": [0.1, 0.1]},
+                       schema_overrides={"budget": pl.Int64, "kl_mean": pl.Float64})
+    gen_meta = {"kind": "replay", "mode": "free", "settings": {"scorers": ["knorm"]}, "prompt_ids": ["elsewhere000"]}
+    prompt_ids = list(json.loads((trace.path / "manifest.json").read_text())["prompts"])
+    ours = gen.with_columns(prompt_id=pl.lit(prompt_ids[0]))
+    for name, df, gmeta in [
+        ("other-replay", gen, gen_meta),
+        ("replay-nan", ours.with_columns(kl_mean=pl.lit(float("nan"))), {**gen_meta, "prompt_ids": prompt_ids}),
+        ("replay-dup", pl.concat([ours, ours.tail(1)]), {**gen_meta, "prompt_ids": prompt_ids}),
+        ("replay-nometa", ours, {"kind": "replay"}),
+        ("replay-tf", ours.with_columns(mode=pl.lit("teacher_forced")),
+         {**gen_meta, "mode": "teacher_forced", "prompt_ids": prompt_ids, "trace": {"fingerprint": trace.fingerprint}}),
+    ]:
+        write_table(df, root / name / "generations.parquet", gmeta)
+        p[name.replace("-", "_")] = str(root / name)
+    # tables that do not record their Trace, and a model directory of another config than the Trace's model
+    for name, path in (("labels", labels), ("scores", scores)):
+        df_, meta_ = read_table(path)
+        write_table(df_, root / f"{name}-nometa.parquet", {k: v for k, v in meta_.items() if k != "trace"})
+        p[f"{name}_nometa"] = str(root / f"{name}-nometa.parquet")
+    (root / "model-other").mkdir()
+    (root / "model-other" / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "max_position_embeddings": 8192}))
+    p["model_other"] = str(root / "model-other")
 
     def broken_trace(name: str, breaker) -> str:
         copy = root / name

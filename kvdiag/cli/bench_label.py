@@ -79,6 +79,9 @@ def bench_label(
     parsing.check_dtype(dtype)
     parsing.check_device_name(device)
     parsing.check_backend(backend)
+    from kvdiag.model_specs import check_model_spec, context_of
+
+    _check_context(prefix, horizon, model, context_of(check_model_spec(model)))  # from its config, before the load
     from kvdiag.label.bench import run_fast_bench, run_label_bench, run_layer_start_bench
     from kvdiag.models import load_model
     from kvdiag.peak import model_peak
@@ -86,10 +89,8 @@ def bench_label(
 
     common.quiet_transformers()
     lm = load_model(model, dtype=dtype, device=device)
-    limit = getattr(lm.model.config, "max_position_embeddings", None)
-    if limit and prefix + horizon > limit:
-        raise UserError(f"--prefix {prefix} + --horizon {horizon} exceeds {model}'s context of {limit} positions: use "
-                        f"--prefix {max(1, limit - horizon)} or less")
+    # a model whose config only its load reads (random:, .gguf, a hub id not in the local cache)
+    _check_context(prefix, horizon, model, getattr(lm.model.config, "max_position_embeddings", None))
     weights = " (random weights)" if lm.random else ""
     title = f"bench label: {model}{weights} {dtype} on {device}, P={prefix}, N={n}, H={horizon}"
     console = Console(width=max(120, Console().width))  # piped output defaults to 80 columns
@@ -143,6 +144,13 @@ def bench_label(
 
 
 THROUGHPUT = ("GFLOP/s", "MFU")
+
+
+def _check_context(prefix: int, horizon: int, model: str, limit: int | None) -> None:
+    """Refuse a --prefix whose horizon runs past the model's context of ``limit`` positions (None: not known)."""
+    if limit and prefix + horizon > limit:
+        raise UserError(f"--prefix {prefix} + --horizon {horizon} exceeds {model}'s context of {limit} positions: use "
+                        f"--prefix {max(1, limit - horizon)} or less")
 
 
 def _bench_sets(console, title, lm, prefix, n, horizon, keep, repeats, backend, out) -> None:

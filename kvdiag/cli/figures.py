@@ -53,13 +53,15 @@ def figures(
     """Draw the attention-only blind spot, the delayed-read effect and the AvoKV-E component figure."""
     check_outputs({"--out": (out, "dir")},
                   {"--trace": trace, "--labels": labels, "--scores": scores, "--rank-eval": rank_eval})
+    from kvdiag.contracts import belongs
     from kvdiag.io import check_table
-    from kvdiag.trace.manifest import read_trace_files
+    from kvdiag.trace.manifest import TraceFiles
 
-    # the inputs' files, before torch and matplotlib are imported (their contents: figures_files)
-    read_trace_files(trace)
-    check_table(labels, "labels")
-    check_table(scores, "scores")
+    # the inputs' files and the Trace they were made from, before torch and matplotlib are imported (their contents:
+    # figures_files)
+    tf = TraceFiles(trace)
+    belongs(tf, check_table(labels, "--labels"), f"--labels {labels}")
+    belongs(tf, check_table(scores, "--scores"), f"--scores {scores}")
     from kvdiag.figures.run import figures_files
 
     params = FigureParams(

@@ -38,10 +38,9 @@ def score(
     """Score candidates of a Trace with the scorer zoo (higher = keep) and write scores.parquet."""
     from kvdiag import parsing
     from kvdiag.guard import check_outputs
-    from kvdiag.io import check_table
     from kvdiag.parsing import GRANULARITIES, joined, parse_checkpoints, parse_list
     from kvdiag.scorer_names import AGGREGATIONS, check_scorer_names
-    from kvdiag.trace.manifest import read_trace_files
+    from kvdiag.trace.manifest import TraceFiles
 
     if list_:
         list_scorers(plugin or ())
@@ -62,9 +61,11 @@ def score(
     if not plugin:
         check_scorer_names(parse_list(scorers, "--scorers", str))
     check_outputs({"--out": out}, {"--trace": trace, "--labels": labels, "--plugin": plugin})
-    read_trace_files(trace)
-    if labels is not None:
-        check_table(labels, f"--labels {labels}")
+    tf = TraceFiles(trace)
+    if labels is not None:  # the labels contract and their Trace, before torch (score_files checks them again)
+        from kvdiag.contracts import belongs, read_labels
+
+        belongs(tf, read_labels(labels)[1], f"--labels {labels}")
     params = parsing.parse_params(param)
     from kvdiag.scorers.run import score_files  # the scorers: torch, once the arguments are checked
     df, meta = score_files(trace, out, labels, joined(checkpoints), joined(granularity),

@@ -335,7 +335,8 @@ def decisions_files(trace: str | os.PathLike, scores: str | os.PathLike, out: st
     """What ``kvdiag decisions`` runs: read and check the inputs (before the model loads), grade, summarize."""
     from kvdiag.contracts import belongs, read_labels, read_scores
     from kvdiag.decisions.summary import summarize_files
-    from kvdiag.models import builtin_models_differ, load_model
+    from kvdiag.model_specs import check_trace_model
+    from kvdiag.models import load_model
     from kvdiag.trace import Trace
 
     check_writable(out, "--out", "dir")
@@ -363,8 +364,8 @@ def decisions_files(trace: str | os.PathLike, scores: str | os.PathLike, out: st
     check_stochastic(rules, cfg)
     check_protection(rules, items, cfg)
     had = tr.manifest["model"]
-    if model is not None and builtin_models_differ(model, had["spec"]):
-        raise UserError(f"--model {model} is not the Trace's model ({had['spec']}); drop --model")
+    if model is not None:
+        check_trace_model(model, had)
     lm = load_model(model or had["spec"], dtype=dtype or had.get("dtype", "float32"), device=device)
     lm.check_model_of(had, "--model", "drop --model")
     decide(tr, lm, score_df, score_meta, out, cfg, label_df, label_meta, show_progress)

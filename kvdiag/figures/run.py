@@ -156,7 +156,7 @@ def figures_files(
 ) -> dict:
     """What ``kvdiag figures`` runs: read the Trace, labels, scores and (``rank_eval``, a rank-eval directory) its
     metrics.csv, refusing bad input before the slow part, then :func:`make_figures`."""
-    from kvdiag.contracts import read_labels, read_scores
+    from kvdiag.contracts import belongs, read_labels, read_scores
     from kvdiag.trace import Trace
 
     check_writable(out, "--out", "dir")  # fail before the slow part, creating nothing
@@ -167,6 +167,8 @@ def figures_files(
     tr = Trace(trace)
     label_df, label_meta = read_labels(labels)
     score_df, score_meta = read_scores(scores)
+    belongs(tr, label_meta, f"--labels {labels}")
+    belongs(tr, score_meta, f"--scores {scores}")
     features = read_token_features(scores)
     metrics = None
     if rank_eval is not None:

@@ -168,7 +168,7 @@ def validate_labels(
 
 def run_validation(exact: Path, approx: Path, out: Path, cfg: ValidateConfig, scores: Path | None = None) -> list[Path]:
     """Read the inputs (refusing bad ones before anything is written), validate, write ``out``."""
-    from kvdiag.contracts import read_labels, read_scores
+    from kvdiag.contracts import read_labels, read_scores, same_trace
     from kvdiag.io import check_writable
 
     cfg.validate()
@@ -179,7 +179,10 @@ def run_validation(exact: Path, approx: Path, out: Path, cfg: ValidateConfig, sc
     if exact_method != "exact":
         raise UserError(f"--exact {exact} holds {exact_method} labels, not exact ones; pass labels made without "
                         "--method")
-    score_df = read_scores(scores)[0] if scores is not None else None
+    score_df, score_meta = read_scores(scores) if scores is not None else (None, None)
+    # rows are joined on their keys: every table must be about the same Trace's tokens
+    same_trace({f"--exact {exact}": exact_meta, f"--approx {approx}": approx_meta,
+                **({f"--scores {scores}": score_meta} if scores is not None else {})})
     res = validate_labels(exact_df, approx_df, cfg, score_df)
     inputs = {"exact": str(exact), "approx": str(approx), "scores": None if scores is None else str(scores),
               "approx_method": approx_meta.get("config", {}).get("method", "exact"),

@@ -28,6 +28,7 @@ import re
 import numpy as np
 import polars as pl
 
+from kvdiag.contracts import FULL_KV
 from kvdiag.errors import UserError
 from kvdiag.io import write_csv, write_text
 from kvdiag.stats import TEST_NAMES, PromptBootstrap, cluster_means, format_p, mcnemar, paired_test, wilson
@@ -35,7 +36,6 @@ from kvdiag.tables import markdown_table
 
 LOOP_NGRAM = 12  # tokens of the repeated span (ours; long enough that counting lines never repeat)
 LOOP_REPEATS = 3  # occurrences that make a loop
-FULL_KV = "full_kv"
 _NUMBER = re.compile(r"-?\d+(?:[.,]\d+)*")
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import polars as pl
 
+from kvdiag.contracts import FULL_KV
 from kvdiag.errors import UserError
 from kvdiag.features import o_proj_weights
 from kvdiag.io import check_writable, write_json
@@ -31,8 +32,6 @@ from kvdiag.replay.units import Unit
 from kvdiag.schema import HORIZON
 from kvdiag.scorers.base import needs_o_proj
 from kvdiag.trace import Trace
-
-FULL_KV = "full_kv"  # the scorer name of the uncompressed reference rows (the paper's FullKV)
 
 
 def build_policies(lm: LoadedModel, settings: ReplaySettings,
@@ -100,14 +99,21 @@ def replay_sweep(
     return replay(lm, out, settings, prompts=items, source=source, show_progress=show_progress)
 
 
+def read_outcomes(outcomes: str | os.PathLike) -> pl.DataFrame:
+    """The generations of the free-running replay directory ``outcomes`` (``--outcomes``), through their contract
+    (``kvdiag.contracts.read_generations``); a teacher-forced replay is refused (it has no outcomes of its own)."""
+    from kvdiag.contracts import read_generations
+
+    free, meta = read_generations(Path(outcomes) / "generations.parquet", "--outcomes")
+    if meta["mode"] != "free":
+        raise UserError(f"--outcomes {outcomes} is a {meta['mode']} replay: pass a free-running replay directory "
+                        "(kvdiag replay without --teacher-forced) of the same prompts")
+    return free
+
+
 def check_outcome_prompts(outcomes: str | os.PathLike, prompt_ids: list[str]) -> None:
     """``--outcomes``: a free-running replay of the prompts replayed (else its fidelity rows would be empty)."""
-    from kvdiag.io import read_table
-
-    free, _ = read_table(Path(outcomes) / "generations.parquet", f"--outcomes {outcomes} generations.parquet")
-    if "prompt_id" not in free.columns:
-        raise UserError(f"--outcomes {outcomes}: generations.parquet has no prompt_id column; pass a kvdiag replay "
-                        "directory")
+    free = read_outcomes(outcomes)
     missing = sorted(set(prompt_ids) - set(free["prompt_id"].unique().to_list()))
     if missing:
         raise UserError(f"--outcomes {outcomes} holds no generation of prompt {missing[0]!r} ({len(missing)} of the "
@@ -185,14 +191,14 @@ def summarize_files(out: str | os.PathLike, outcomes: str | os.PathLike | None =
     alone, no model: its metadata holds the settings. ``outcomes``: a free-running replay directory of the same
     prompts (teacher-forced: the decisions-to-outcomes join); ``auroc``: as :func:`replayed_auroc` gives it.
     Returns the Table-2-shaped summary."""
-    from kvdiag.io import read_table
+    from kvdiag.contracts import read_generations
     from kvdiag.replay.figure import write_summary
 
     out = Path(out)
-    df, meta = read_table(out / "generations.parquet", "generations.parquet")
+    df, meta = read_generations(out / "generations.parquet", "replay")
     s = meta["settings"]
     scorers = ([FULL_KV] if s["full_kv"] else []) + list(s["scorers"])  # the policies' order (build_policies)
-    free = None if outcomes is None else pl.read_parquet(Path(outcomes) / "generations.parquet")
+    free = None if outcomes is None else read_outcomes(outcomes)
     return write_summary(df, out, scorers, s["budgets"], s.get("horizon", HORIZON), free, auroc,
                          exact=set(_graded_whole(meta)))
 

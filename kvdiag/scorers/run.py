@@ -19,10 +19,11 @@ import numpy as np
 import polars as pl
 import torch
 
+from kvdiag.contracts import belongs, read_labels
 from kvdiag.errors import UserError
 from kvdiag.features import AttentionHistory, o_proj_weights
 from kvdiag.guard import check_outputs
-from kvdiag.io import read_table, write_table
+from kvdiag.io import write_table
 from kvdiag.parsing import parse_checkpoints, parse_list
 from kvdiag.progress import progress_bar
 from kvdiag.provenance import provenance
@@ -175,8 +176,8 @@ def score_files(trace: str | os.PathLike, out: str | os.PathLike, labels: str | 
                         "it")
     tr = Trace(trace)
     if labels is not None:
-        keys, labels_meta = read_table(labels, what=f"--labels {labels}")
-        tr.check_belongs(labels_meta, f"--labels {labels}")
+        keys, labels_meta = read_labels(labels)
+        belongs(tr, labels_meta, f"--labels {labels}")
         keys = check_keys(tr, keys, f"--labels {labels}")
     else:
         grans = parse_list(granularity or "token", "--granularity", str, choices=GRANULARITIES)

@@ -4,10 +4,12 @@ them through this, and the CLI checks ``--trace`` with it before any heavy impor
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from pathlib import Path
 
 import polars as pl
 
+from kvdiag.contracts import fingerprint
 from kvdiag.errors import UserError
 
 MANIFEST_KEYS = ("prompts", "model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "scale")
@@ -44,3 +46,16 @@ def read_trace_files(path: str | Path) -> tuple[dict, pl.DataFrame]:
         raise UserError(f"--trace {path}: tokens.parquet lacks the column(s) {', '.join(sorted(missing))}; "
                         "the Trace is corrupt")
     return manifest, tokens_df
+
+
+class TraceFiles:
+    """A Trace directory's manifest and token table, read without torch: enough to tell which Trace a table was made
+    from (``kvdiag.contracts.belongs`` takes this or a ``kvdiag.trace.Trace``)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.manifest, self.tokens = read_trace_files(self.path)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        return fingerprint(self.manifest, self.tokens)

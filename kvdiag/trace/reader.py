@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -13,6 +12,7 @@ from safetensors import safe_open
 
 from kvdiag.adapters import LayerAttention, ModelAttention
 from kvdiag.attention import attention_rows
+from kvdiag.contracts import fingerprint
 from kvdiag.errors import UserError
 from kvdiag.trace.manifest import MANIFEST_KEYS, read_trace_files  # noqa: F401  (the reader's API)
 from kvdiag.trace.writer import STORAGE_DTYPES, layer_file, stored_names
@@ -160,12 +160,9 @@ class Trace:
 
     @cached_property
     def fingerprint(self) -> str:
-        """Identifies the traced content: model weights and every prompt's token ids."""
-        h = hashlib.sha256(self.manifest["model"]["weights_hash"].encode())
-        for pid in sorted(self.prompt_ids):
-            h.update(pid.encode())
-            h.update(self.token_ids(pid).numpy().tobytes())
-        return h.hexdigest()[:16]
+        """Identifies the traced content: model weights and every prompt's token ids
+        (:func:`kvdiag.contracts.fingerprint`)."""
+        return fingerprint(self.manifest, self.tokens)
 
     @property
     def provenance(self) -> dict:
