@@ -394,18 +394,23 @@ def test_cli_writes_the_figures_and_exits_2_on_bad_input(run, tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("")
     assert "not a writable directory" in exits_2(*base, "--out", str(blocker / "x"))
-    shifted = write_table(
-        run["labels"].head(60).with_columns(token_id=pl.col("token_id") + 1), tmp_path / "other.parquet",
-        {"kind": "labels"},
+    # labels that claim this Trace but hold other tokens; the same without a Trace in their metadata (#40: refused)
+    shifted = run["labels"].head(60).with_columns(token_id=pl.col("token_id") + 1)
+    write_table(shifted, tmp_path / "other.parquet", {"kind": "labels", "trace": tr.provenance})
+    assert "token_id" in exits_2(
+        "figures", "--trace", str(tr.path), "--labels", str(tmp_path / "other.parquet"), "--scores", str(sp), "--out",
+        str(out)
     )
-    assert "another Trace" in exits_2(
-        "figures", "--trace", str(tr.path), "--labels", str(shifted), "--scores", str(sp), "--out", str(out)
+    write_table(shifted, tmp_path / "traceless.parquet", {"kind": "labels"})
+    assert "does not record the Trace" in exits_2(
+        "figures", "--trace", str(tr.path), "--labels", str(tmp_path / "traceless.parquet"), "--scores", str(sp),
+        "--out", str(out)
     )
     foreign = write_table(
         run["labels"].head(60), tmp_path / "foreign.parquet",
         {"kind": "labels", "trace": {"fingerprint": "0123456789abcdef"}},
     )
-    assert "come from different traces" in exits_2(
+    assert "was made from another Trace" in exits_2(
         "figures", "--trace", str(tr.path), "--labels", str(foreign), "--scores", str(sp), "--out", str(out)
     )
     assert "low_attention_quantile" in exits_2(*base, "--out", str(out), "--low-attention-quantile", "1.5")

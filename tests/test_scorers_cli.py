@@ -41,7 +41,8 @@ def labels(trace, tmp_path_factory):
     """A labels-shaped table: a seeded sample of candidates at every granularity, with the Trace's provenance."""
     keys = checkpoint_keys(trace, "default", ["token", "layer", "head"])
     keys = keys.sample(n=min(400, keys.height), seed=0, shuffle=True)
-    df = keys.with_columns(kl_mean=pl.lit(0.01), age=pl.col("checkpoint") - pl.col("position"))
+    df = keys.with_columns(kl_mean=pl.lit(0.01), noise_floor=pl.lit(0.001),
+                           age=pl.col("checkpoint") - pl.col("position"))
     path = tmp_path_factory.mktemp("labels") / "labels.parquet"
     write_table(df, path, {"kind": "labels", "trace": trace.provenance})
     return path
@@ -161,13 +162,13 @@ def test_labels_from_another_trace_or_out_of_range(trace, labels, tmp_path, caps
     write_table(keys, other, {**meta, "trace": {**meta["trace"], "fingerprint": "0123456789abcdef"}})
     assert "another Trace" in exits_2(capsys, *base, other)
     late = tmp_path / "late.parquet"
-    write_table(keys.with_columns(position=pl.col("checkpoint")), late, meta)
+    write_table(keys.head(1).with_columns(position=pl.col("checkpoint")), late, meta)  # one row: keys unique
     assert "is not cached at checkpoint" in exits_2(capsys, *base, late)
     stranger = tmp_path / "stranger.parquet"
-    write_table(keys.with_columns(prompt_id=pl.lit("ghost")), stranger, meta)
+    write_table(keys.head(1).with_columns(prompt_id=pl.lit("ghost")), stranger, meta)
     assert "'ghost'" in exits_2(capsys, *base, stranger)
     deep = tmp_path / "deep.parquet"
-    write_table(keys.filter(pl.col("granularity") == "head").with_columns(layer=pl.lit(99)), deep, meta)
+    write_table(keys.filter(pl.col("granularity") == "head").head(1).with_columns(layer=pl.lit(99)), deep, meta)
     assert "does not fit" in exits_2(capsys, *base, deep)
 
 

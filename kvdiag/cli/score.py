@@ -65,7 +65,7 @@ def score(
     if labels is not None:  # the labels contract and their Trace, before torch (score_files checks them again)
         from kvdiag.contracts import belongs, read_labels
 
-        belongs(tf, read_labels(labels)[1], f"--labels {labels}")
+        belongs(tf, read_labels(labels, full=False)[1], f"--labels {labels}")
     params = parsing.parse_params(param)
     from kvdiag.scorers.run import score_files  # the scorers: torch, once the arguments are checked
     df, meta = score_files(trace, out, labels, joined(checkpoints), joined(granularity),

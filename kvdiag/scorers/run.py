@@ -176,7 +176,7 @@ def score_files(trace: str | os.PathLike, out: str | os.PathLike, labels: str | 
                         "it")
     tr = Trace(trace)
     if labels is not None:
-        keys, labels_meta = read_labels(labels)
+        keys, labels_meta = read_labels(labels, full=False)  # its candidates: the keys, kl_mean and noise_floor
         belongs(tr, labels_meta, f"--labels {labels}")
         keys = check_keys(tr, keys, f"--labels {labels}")
     else:
