@@ -653,6 +653,10 @@ CASES: list[tuple[str, list[str], str]] = [
                                      "{out}"], "another Trace"),
     ("decisions-labels-nometa", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--labels",
                                  "{labels_nometa}", "--keep", "0.5", "--out", "{out}"], "does not record the Trace"),
+    ("rank-eval-labels-nometa", ["rank-eval", "--labels", "{labels_nometa}", "--scores", "{scores}", "--out", "{out}"],
+     "does not record the Trace"),
+    ("rank-eval-scores-nometa", ["rank-eval", "--labels", "{labels}", "--scores", "{scores_nometa}", "--out", "{out}"],
+     "does not record the Trace"),
     # ---- #40: the generations contract (replay --outcomes)
     *[(f"replay-outcomes-{kind}", ["replay", "--teacher-forced", "{trace}", "--scorer", "knorm", "--budget", "16",
                                    "--outcomes", f"{{replay_{kind}}}", "--out", "{out}"], needle)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import polars as pl
 
-from kvdiag.contracts import read_labels, read_scores
+from kvdiag.contracts import read_labels, read_scores, same_trace
 from kvdiag.errors import UserError
 from kvdiag.io import check_writable, read_json, write_csv, write_json, write_text
 from kvdiag.provenance import provenance
@@ -33,6 +33,7 @@ def rank_eval_files(labels: str | os.PathLike, scores: str | os.PathLike, out: s
     label_df, label_meta = read_labels(labels, full=False)
     score_df, score_meta = read_scores(scores)
     check_inputs(label_meta, score_meta)
+    same_trace({f"--labels {labels}": label_meta, f"--scores {scores}": score_meta})  # each names its Trace
     result = rank_eval(label_df, score_df, scores_meta=score_meta, **options)
     write_csv(result.metrics, out / "metrics.csv")  # atomic: `kvdiag figures --rank-eval` reuses it
     write_csv(result.paired, out / "paired.csv")

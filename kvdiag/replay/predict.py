@@ -155,13 +155,14 @@ def single_label_auroc(labels: str | os.PathLike, scores: str | os.PathLike, rul
     replay's ``PromptBootstrap`` when both have the same prompts and seed, otherwise an independent draw.
     ``params``: rule -> the parameters the replay ran it with; a rule scored with others is named in ``notes``.
     Bad input (unreadable files, files of two Traces, a rule without a score column): ``UserError``."""
-    from kvdiag.contracts import read_labels, read_scores
+    from kvdiag.contracts import read_labels, read_scores, same_trace
     from kvdiag.errors import UserError
     from kvdiag.rankeval.evaluate import check_inputs, rank_eval
 
     label_df, label_meta = read_labels(labels, "--auroc LABELS", full=False)
     score_df, score_meta = read_scores(scores, "--auroc SCORES")
     check_inputs(label_meta, score_meta, ("--auroc LABELS", "--auroc SCORES"))
+    same_trace({f"--auroc LABELS {labels}": label_meta, f"--auroc SCORES {scores}": score_meta})
     missing = [r for r in rules if r not in score_df.columns]
     if missing:
         raise UserError(f"--auroc {scores}: no score column for {', '.join(missing)}; score the Trace with every "
