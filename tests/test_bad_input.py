@@ -702,7 +702,6 @@ HEAVY: dict[str, str] = {
     **{name: NEEDS_PLUGIN for name, _, _ in CASES if "-plugin-" in name and name != "score-plugin-missing"},
     "score-plugin-raises": NEEDS_SCORES, "score-plugin-returns-list": NEEDS_SCORES,
     "label-horizon-long": STAGE, "label-checkpoint-outside": STAGE, "label-layers-range": STAGE,
-    "label-other-model": "the Trace's model is told from another by its weights hash: " + NEEDS_MODEL,
     "score-fitted-missing": "fitted:PATH is made by its resolver in kvdiag.scorers (torch): " + STAGE,
     "score-fitted-no-model": "fitted's model path is a field of its scorer class (torch): " + STAGE,
     "rank-eval-eligible-unknown": "--eligible names a scorer whose protected() is read (torch): " + STAGE,

@@ -52,7 +52,7 @@ def label(
     """Evict single cache entries at checkpoints and measure the KL damage to the next H predictions."""
     check_outputs({"--out": out, "--out (its parts)": (out.with_name(out.name + ".parts"), "dir")}, {"--trace": trace})
     from kvdiag.label import LabelConfig  # light: the config, not the engine
-    from kvdiag.model_specs import check_model_spec
+    from kvdiag.model_specs import check_model_spec, check_trace_model
     from kvdiag.trace.manifest import read_trace_files
 
     if model is None:
@@ -76,9 +76,11 @@ def label(
     parsing.check_device_name(device)
     if dtype is not None:
         parsing.check_dtype(dtype)
-    if model is not None:
+    manifest, _ = read_trace_files(trace)
+    if model is not None:  # another model than the Trace's, told from names and configs before anything loads
         check_model_spec(model)
-    read_trace_files(trace)
+        if not force:
+            check_trace_model(model, manifest["model"], "drop --model or pass --force")
     from kvdiag.label.run import run_label  # the engine: torch and the model, once the arguments are checked
 
     common.quiet_transformers()
