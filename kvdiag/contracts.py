@@ -177,7 +177,7 @@ def fingerprint(manifest: dict, tokens: pl.DataFrame) -> str:
         "prompt_id", as_dict=True, maintain_order=True).items()}
     for pid in sorted(manifest["prompts"]):
         h.update(pid.encode())
-        h.update(np.asarray(ids[pid].to_list() if pid in ids else [], dtype=np.int64).tobytes())
+        h.update(ids[pid].to_numpy().astype(np.int64).tobytes() if pid in ids else b"")
     return h.hexdigest()[:16]
 
 
