@@ -628,6 +628,8 @@ CASES: list[tuple[str, list[str], str]] = [
     ("decisions-model-hub-uncached", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5",
                                       "--model", "kvdiag-test/no-such-model", "--out", "{out}"],
      "not in the local Hugging Face cache"),
+    ("score-model-other", ["score", "--trace", "{trace}", "--labels", "{labels}", "--scorers", "knorm", "--model",
+                           "tiny:qwen3", "--out", "{out}/s.parquet"], "--model tiny:qwen3 is not the Trace's model"),
     ("decisions-model-random", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5", "--model",
                                 "random:llama-3.1-8b", "--out", "{out}"], "--model random:llama-3.1-8b"),
     # ---- #40: --prefix beyond the model's context, from its config alone

@@ -66,6 +66,10 @@ def score(
         from kvdiag.contracts import belongs, read_labels
 
         belongs(tf, read_labels(labels, full=False)[1], f"--labels {labels}")
+    if model is not None:  # another model than the Trace's, told from names and configs before anything loads
+        from kvdiag.model_specs import check_model_spec, check_trace_model
+
+        check_trace_model(check_model_spec(model), tf.manifest["model"], f"pass {tf.manifest['model']['spec']}")
     params = parsing.parse_params(param)
     from kvdiag.scorers.run import score_files  # the scorers: torch, once the arguments are checked
     df, meta = score_files(trace, out, labels, joined(checkpoints), joined(granularity),
