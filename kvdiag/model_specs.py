@@ -136,7 +136,8 @@ def spec_config(spec: str) -> dict | None:
     """The decoder config of the model ``--model spec`` names, read without torch, transformers or the network: a
     tiny family's, an embedded model's, a directory's ``config.json`` (a multimodal one's ``text_config``), a hub id's
     ``config.json`` from the local Hugging Face cache. None where only a load can tell: a ``.gguf``, a ``random:``
-    spec, a hub id whose config is not cached. A directory without a readable config.json is refused."""
+    spec, a hub id whose config is not cached, a composite config that nests its decoder under another key than
+    ``text_config``. A directory without a readable config.json is refused."""
     if spec.startswith("tiny:"):
         config = {**TINY_COMMON, **TINY[check_model_spec(spec).split(":", 1)[1]][1]}
         return {k: v for k, v in config.items() if v is not None}  # gpt_neox: no num_key_value_heads
@@ -162,7 +163,11 @@ def spec_config(spec: str) -> dict | None:
     if not isinstance(config, dict):
         raise UserError(f"--model {spec}: its config.json is not a JSON object; pass a Hugging Face model directory")
     text = config.get("text_config")
-    return text if isinstance(text, dict) else config
+    if isinstance(text, dict):
+        return text
+    if any(isinstance(v, dict) and k.endswith("_config") and k != "quantization_config" for k, v in config.items()):
+        return None  # a composite config whose decoder is nested under another name: the load finds it
+    return config
 
 
 def cached_hub_file(repo_id: str, filename: str) -> Path | None:

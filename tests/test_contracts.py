@@ -75,6 +75,11 @@ def test_another_model_than_the_traces_is_refused_before_it_loads(tmp_path, monk
     check_trace_model(same, recorded)
     nested = _config_dir(tmp_path, "nested", model_type="gemma3", text_config=TINY_LLAMA)  # a multimodal config
     check_trace_model(nested, recorded)
+    # a composite config whose decoder is nested under another key: not compared (the load tells), never refused
+    check_trace_model(_config_dir(tmp_path, "composite", model_type="llava", llm_config=TINY_LLAMA,
+                                  vision_config={"hidden_size": 8}), recorded)
+    assert spec_config(_config_dir(tmp_path, "quantized", **TINY_LLAMA, quantization_config={"bits": 4})) == {
+        **TINY_LLAMA, "quantization_config": {"bits": 4}}
     refused = [
         ("tiny:qwen3", r"is not the Trace's model \(tiny:llama\)"),
         ("smollm2", r"is not the Trace's model \(tiny:llama\)"),
