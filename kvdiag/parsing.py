@@ -196,6 +196,22 @@ def parse_store(value: str) -> tuple[str, list[int] | None]:
     return "layers", sorted(parse_list(text, "--store", int, low=0, example="0,15,29"))
 
 
+def parse_lengths(values: list[str]) -> list[int]:
+    """``bench scale --lengths``: positive token counts, each once, ascending."""
+    return sorted(parse_list(values, "--lengths", int, low=1, example="1024,2048,4096,8192"))
+
+
+def parse_stores(values: list[str]) -> list[str]:
+    """``bench scale --store`` modes, each once; ``all`` first (labels and figures read the first, fastest Trace)."""
+    for v in values:  # whole values: a mode may itself be a comma-separated layer list (0,15,29)
+        parse_store(v)
+    if len(set(values)) < len(values):
+        raise UserError(f"--store {','.join(values)}: a mode is given twice; give each once")
+    if values and values[0] != "all" and "all" in values:
+        values = ["all"] + [v for v in values if v != "all"]
+    return values
+
+
 DTYPE_NAMES = ("float32", "fp32", "float16", "fp16", "bfloat16", "bf16")  # kvdiag.models.DTYPES maps them
 STORAGE_DTYPE_NAMES = ("float16", "bfloat16", "float32")  # kvdiag.trace.writer.STORAGE_DTYPES maps them
 

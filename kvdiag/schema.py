@@ -114,3 +114,14 @@ def check_keys(trace, keys: pl.DataFrame, what: str = "labels") -> pl.DataFrame:
                         f"{row['kv_head']} does not fit "
                         f"a Trace of {L} layers and {Hkv} KV heads (token rows use -1, -1; layer rows kv_head -1)")
     return keys
+
+
+def read_keys(trace, path, what: str) -> pl.DataFrame:
+    """The distinct key rows of the table at ``path`` (a labels file), checked by :func:`check_keys` against
+    ``trace`` (a ``kvdiag.trace.Trace`` or, before torch, its ``TraceFiles``), which it must have been made from."""
+    from kvdiag.io import read_table
+
+    keys, meta = read_table(path, what=what)
+    trace.check_belongs(meta, what)
+    return check_keys(trace, keys, what)
+

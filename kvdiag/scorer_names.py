@@ -15,7 +15,8 @@ PREFIXES = ("fitted:", "kvpress:")  # names made on first use by a resolver (kvd
 ENTRY_FEATURES = ("window_attention", "newest_attention", "cumulative_attention", "recurrence", "key_norm",
                   "value_norm", "redundancy", "log_age", "is_prompt")
 AGGREGATIONS = ("mean_rank", "mean_raw")  # the keys of kvdiag.scorers.AGGREGATIONS
-REPLAY_ONLY = ("oracle",)  # replay's teacher-forced oracle policy, not a scorer
+ORACLE = "oracle"  # the policy name of replay's exact-label policy (teacher-forced only), not a scorer
+REPLAY_ONLY = (ORACLE,)
 
 
 def check_scorer_names(names: list[str], flag: str = "--scorers", also: tuple[str, ...] = ()) -> None:
@@ -25,3 +26,13 @@ def check_scorer_names(names: list[str], flag: str = "--scorers", also: tuple[st
         if name != "all" and name not in BUILTIN_SCORERS + also and not name.startswith(PREFIXES):
             raise UserError(f"{flag}: unknown scorer {name!r}: use one of {', '.join(BUILTIN_SCORERS)} (or a name "
                             f"starting with {', '.join(PREFIXES)}; or load yours with --plugin)")
+
+
+def check_plugin_files(plugins) -> None:
+    """Refuse a ``--plugin`` ``.py`` file that does not exist (module names are found only by importing them)."""
+    from pathlib import Path
+
+    for module in plugins or ():
+        if str(module).endswith(".py") and not Path(module).is_file():
+            raise UserError(f"--plugin {module}: file not found; pass a .py file or an importable module name")
+

@@ -651,8 +651,6 @@ NEEDS_PLUGIN = ("a plugin is imported by the scorer registry, kvdiag.scorers (to
 NEEDS_SCORES = "the fault shows only when the plugin's score() runs on a Trace's tensors"
 STAGE = ("checked by the stage against the Trace's shapes or the inputs' rows, after its torch import (a light "
          "pre-check would duplicate the stage's own)")
-# NOT DONE (issue #39 stays open for these): the command still imports its stage (torch) before this check
-NOT_YET = "not yet: the command imports its stage before this check (issue #39, open)"
 HEAVY: dict[str, str] = {
     "trace-store-beyond": NEEDS_MODEL, "trace-beyond-context": NEEDS_MODEL, "bench-scale-too-short": NEEDS_MODEL,
     "bench-scale-beyond-context": NEEDS_MODEL, "replay-suite-length": NEEDS_MODEL,
@@ -666,15 +664,6 @@ HEAVY: dict[str, str] = {
     "rank-eval-eligible-unknown": "--eligible names a scorer whose protected() is read (torch): " + STAGE,
     "grade-fitted-missing": "fitted:PATH is made by its resolver in kvdiag.scorers (torch): " + STAGE,
     "replay-scorer-needs-history": "needs_history is a scorer class attribute (torch): " + STAGE,
-    **{name: NOT_YET for name in (
-        "replay-interval", "replay-samples-greedy", "replay-top-p-greedy", "replay-temperature-0",
-        "replay-oracle-free", "replay-oracle-per-head", "replay-batch-0", "bench-scale-lengths", "bench-scale-store",
-        "bench-scale-store-twice", "figures-payload", "figures-rank-eval-dir", "report-empty-run",
-        "bench-replay-samples-greedy",
-        "bench-replay-param-stray", "score-labels-no-keys", "score-labels-other-trace", "score-checkpoint-0",
-        "score-plugin-missing", "replay-outcomes-missing", "replay-outcomes-other-prompts", "replay-temperature-inf",
-        "bench-replay-temperature-inf", "bench-peak-seconds-inf", "bench-peak-seconds-nan",
-    )},
     "decisions-scores-nometa": "a table's Trace is told by its fingerprint (kvdiag.trace.Trace, torch): " + STAGE,
     "bench-label-prefix-context": "the model's context is read from its loaded config: " + NEEDS_MODEL,
     "fit-labels-other-trace": "the Trace's fingerprint is read through kvdiag.trace.Trace (torch): " + STAGE,

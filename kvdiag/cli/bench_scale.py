@@ -25,12 +25,11 @@ def bench_scale(
 ) -> None:
     """Trace (per store mode), label, score and figures at each length T, each in a process of its own."""
     check_outputs({"--out": (out, "dir")}, {"--prompts": prompts})
-    from kvdiag import scale
+    lengths, stores = parsing.parse_lengths(parsing.listed(lengths)), parsing.parse_stores(store)
+    from kvdiag import scale  # the stage (torch, transformers), once the arguments are checked
 
     common.quiet_transformers()
-    plan = scale.ScalePlan(
-        model, prompts, scale.parse_lengths(parsing.listed(lengths)), scale.parse_stores(store), out, dtype
-    )
+    plan = scale.ScalePlan(model, prompts, lengths, stores, out, dtype)
     console = Console()
     text = scale.bench_scale(plan, lambda s: console.print(
         f"{s.name}: {s.seconds:.1f} s, peak {s.peak_rss_mb:.0f} MB"
