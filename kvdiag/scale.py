@@ -30,6 +30,7 @@ import polars as pl
 from kvdiag.errors import UserError
 from kvdiag.io import check_writable, writable_dir, write_csv, write_json, write_text
 from kvdiag.models import PEAK_AFTER_LOAD_ENV
+from kvdiag.parsing import check_context
 from kvdiag.tables import frame_table
 from kvdiag.trace.cost import ModelShape
 from kvdiag.trace.writer import STORAGE_DTYPES
@@ -68,8 +69,7 @@ class ScalePlan:
             if T < prompt_len + LABEL_BACK + 1:
                 raise UserError(f"--lengths {T}: the prompt has {prompt_len} tokens; give lengths >= "
                                 f"{prompt_len + LABEL_BACK + 1}")
-            if context and T > context:
-                raise UserError(f"--lengths {T}: beyond the model's context of {context}; give lengths <= {context}")
+            check_context(T, context, "--lengths", f"give lengths <= {context}")
 
 
 def _disk_mb(path: Path) -> float:

@@ -646,27 +646,25 @@ PLUGIN_FILES = {"import": "import_error"}  # a plugin file named import.py would
 # Rows whose refusal needs what only torch, transformers or a stage gives, each with why; every other row is refused
 # before torch is imported (test_refused_before_torch).
 NEEDS_MODEL = "the model's config (layer count, context length) is the input checked: loading it imports transformers"
+NEEDS_TOKENIZER = "the prompts are tokenized by the model's tokenizer (transformers)"
 NEEDS_PLUGIN = ("a plugin is imported by the scorer registry, kvdiag.scorers (torch), which the plugin imports to "
                 "register itself: the fault shows only when it is imported")
 NEEDS_SCORES = "the fault shows only when the plugin's score() runs on a Trace's tensors"
 STAGE = ("checked by the stage against the Trace's shapes or the inputs' rows, after its torch import (a light "
          "pre-check would duplicate the stage's own)")
 HEAVY: dict[str, str] = {
-    "trace-store-beyond": NEEDS_MODEL, "trace-beyond-context": NEEDS_MODEL, "bench-scale-too-short": NEEDS_MODEL,
-    "bench-scale-beyond-context": NEEDS_MODEL, "replay-suite-length": NEEDS_MODEL,
+    "bench-scale-too-short": "the prompt's token count is the input checked: " + NEEDS_TOKENIZER,
+    "replay-suite-length": "each prompt's token count is the input checked: " + NEEDS_TOKENIZER,
     "replay-budget-protected": NEEDS_MODEL,
     **{name: NEEDS_PLUGIN for name, _, _ in CASES if "-plugin-" in name and name != "score-plugin-missing"},
     "score-plugin-raises": NEEDS_SCORES, "score-plugin-returns-list": NEEDS_SCORES,
-    "label-horizon-long": STAGE, "label-checkpoint-outside": STAGE, "label-layers-range": STAGE,
     "label-other-model": "the Trace's model is told from another by its weights hash: " + NEEDS_MODEL,
     "score-fitted-missing": "fitted:PATH is made by its resolver in kvdiag.scorers (torch): " + STAGE,
     "score-fitted-no-model": "fitted's model path is a field of its scorer class (torch): " + STAGE,
     "rank-eval-eligible-unknown": "--eligible names a scorer whose protected() is read (torch): " + STAGE,
     "grade-fitted-missing": "fitted:PATH is made by its resolver in kvdiag.scorers (torch): " + STAGE,
     "replay-scorer-needs-history": "needs_history is a scorer class attribute (torch): " + STAGE,
-    "decisions-scores-nometa": "a table's Trace is told by its fingerprint (kvdiag.trace.Trace, torch): " + STAGE,
     "bench-label-prefix-context": "the model's context is read from its loaded config: " + NEEDS_MODEL,
-    "fit-labels-other-trace": "the Trace's fingerprint is read through kvdiag.trace.Trace (torch): " + STAGE,
     "score-param-unknown": "a scorer's parameters are its class's fields (torch): " + STAGE,
     "score-param-type": "a scorer's parameter types are its class's field types (torch): " + STAGE,
     "score-model-unused": "whether a scorer reads wo_l2 is its instance's setting (torch): " + STAGE,

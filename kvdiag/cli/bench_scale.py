@@ -10,6 +10,7 @@ from rich.console import Console
 from kvdiag import parsing
 from kvdiag.cli import common
 from kvdiag.guard import check_outputs
+from kvdiag.model_specs import check_model_spec, known_shape
 
 
 def bench_scale(
@@ -26,6 +27,11 @@ def bench_scale(
     """Trace (per store mode), label, score and figures at each length T, each in a process of its own."""
     check_outputs({"--out": (out, "dir")}, {"--prompts": prompts})
     lengths, stores = parsing.parse_lengths(parsing.listed(lengths)), parsing.parse_stores(store)
+    check_model_spec(model)
+    if shape := known_shape(model):  # a tiny family or a local config.json: its context, before torch
+        for T in lengths:
+            context = shape["max_position_embeddings"]
+            parsing.check_context(T, context, "--lengths", f"give lengths <= {context}")
     from kvdiag import scale  # the stage (torch, transformers), once the arguments are checked
 
     common.quiet_transformers()

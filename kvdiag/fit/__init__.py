@@ -209,19 +209,19 @@ def fit_files(trace: str | Path, labels: str | Path, scores: str | Path | None, 
     from kvdiag.contracts import read_labels, read_scores
     from kvdiag.io import check_writable
     from kvdiag.rankeval import check_inputs
-    from kvdiag.trace.manifest import read_trace_files
+    from kvdiag.trace.manifest import TraceFiles
 
     _check(cfg)
     check_writable(out, "--out", "dir")
-    read_trace_files(trace)
+    trace_files = TraceFiles(trace)
     label_df, label_meta = read_labels(labels)
     score_df, score_meta = read_scores(scores) if scores is not None else (None, None)
     if scores is not None:
         check_inputs(label_meta, score_meta)
+    trace_files.check_belongs(label_meta, f"--labels {labels}")
     from kvdiag.trace import Trace  # torch, once the arguments and files are checked
 
     tr = Trace(trace)
-    tr.check_belongs(label_meta, f"--labels {labels}")
     return fit_ceiling(
         tr, label_df, score_df, out, cfg, labels_meta=label_meta, scores_meta=score_meta, progress=progress
     )

@@ -9,7 +9,7 @@ from kvdiag.label.config import LabelConfig
 
 # the submodule that defines each exported name
 _HOME = {"GRANULARITIES": "engine", "OracleEngine": "engine", "Row": "engine", "candidate_rows": "engine",
-         "divergences": "engine", "label_trace": "run", "work_items": "run"}
+         "divergences": "engine", "label_trace": "run", "work_items": "config"}
 __all__ = ["LABEL_SCHEMA", "LabelConfig", "read_labels", *_HOME]
 
 
