@@ -489,6 +489,7 @@ CASES: list[tuple[str, list[str], str]] = [
     # ---- demo and benches
     ("demo-out-below-file", ["demo", "--model", "tiny:llama", "--out", "{file}/d"], "--out"),
     ("bench-kernels-dtype", ["bench", "kernels", "--dtype", "float8"], "--dtype"),
+    ("bench-trace-max-new-0", ["bench", "trace", "--max-new-tokens", "0"], "--max-new-tokens 0"),
     ("bench-score-trace-missing", ["bench", "score", "--trace", "/no/trace"], "/no/trace"),
     ("bench-replay-samples-greedy", ["bench", "replay", "--samples", "2"], "needs --temperature"),
     ("bench-replay-param-stray", ["bench", "replay", "--param", "cake.window=8"], "--param cake"),

@@ -26,3 +26,41 @@ def test_cli_imports_no_heavy_library():
     assert {"typer", "rich", "kvdiag"} <= loaded  # the check sees the interpreter's modules
     heavy = sorted(loaded & set(HEAVY))
     assert not heavy, f"kvdiag.cli.main imports {heavy} at start-up: import them inside the command that needs them"
+
+
+def test_trace_files_fingerprint_is_the_traces():
+    """TraceFiles (no torch) tells a Trace by the fingerprint kvdiag.trace.Trace records: the one the shipped
+    benchmark recorded, and the sha256 of the weights hash, each prompt id and its torch token ids (the old formula)."""
+    import hashlib
+
+    from kvdiag.trace import Trace
+    from kvdiag.trace.manifest import TraceFiles
+
+    bench = ROOT / "data" / "kvdiag-bench" / "math500-smollm2@1"
+    light, tr = TraceFiles(bench / "trace"), Trace(bench / "trace")
+    h = hashlib.sha256(tr.manifest["model"]["weights_hash"].encode())
+    for pid in sorted(tr.prompt_ids):
+        h.update(pid.encode())
+        h.update(tr.token_ids(pid).numpy().tobytes())
+    assert len(tr.prompt_ids) > 1
+    assert light.fingerprint == tr.fingerprint == h.hexdigest()[:16]
+    assert light.fingerprint == json.loads((bench / "MANIFEST.json").read_text())["trace"]["fingerprint"]
+
+
+def test_known_shape_is_the_loaded_config(tmp_path):
+    """model_specs.known_shape (read before torch) gives the layer count and context of the config the model loads
+    with: every tiny family's, and a local directory's config.json (its text_config when nested)."""
+    from kvdiag.model_specs import TINY, known_shape
+    from kvdiag.models import _tiny_config, byte_tokenizer
+
+    tok = byte_tokenizer()
+    for family in TINY:
+        config = _tiny_config(family, tok)
+        config = getattr(config, "text_config", None) or config
+        assert known_shape(f"tiny:{family}") == {"num_hidden_layers": config.num_hidden_layers,
+                                                 "max_position_embeddings": config.max_position_embeddings}, family
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 3,
+                                                                            "max_position_embeddings": 512}}))
+    assert known_shape(str(tmp_path / "m")) == {"num_hidden_layers": 3, "max_position_embeddings": 512}
+    assert known_shape("HuggingFaceTB/SmolLM2-135M") is None and known_shape("tiny:nope") is None
