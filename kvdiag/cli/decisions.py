@@ -57,7 +57,6 @@ def decisions(
 ) -> None:
     """Label the set each rule evicts under each budget exactly and compare the decisions with oracle references."""
     check_outputs({"--out": (out, "dir")}, {"--trace": trace, "--scores": scores, "--labels": labels})
-    from kvdiag.contracts import belongs, read_scores
     from kvdiag.decisions import REFERENCES, DecisionsConfig, budgets_from  # light: the config, not the stage
     from kvdiag.errors import UserError
     from kvdiag.harm import HarmSpec
@@ -88,6 +87,7 @@ def decisions(
     if dtype is not None:
         parsing.check_dtype(dtype)
     trace_files = TraceFiles(trace)
+    from kvdiag.contracts import belongs, read_scores  # polars and pyarrow: only now
     # the scores contract (readable, keyed, finite, unique keys) and their Trace, before torch
     belongs(trace_files, read_scores(scores)[1], f"--scores {scores}")
     from kvdiag.decisions import decisions_files  # the stage: torch and the model, once the arguments are checked

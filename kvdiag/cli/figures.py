@@ -54,7 +54,6 @@ def figures(
     check_outputs({"--out": (out, "dir")},
                   {"--trace": trace, "--labels": labels, "--scores": scores, "--rank-eval": rank_eval})
     from kvdiag.io import check_table
-    from kvdiag.rankeval.run import load_metrics
     from kvdiag.trace.manifest import read_trace_files
 
     # the settings and the inputs' files, before torch and matplotlib are imported (their contents: figures_files)
@@ -69,6 +68,8 @@ def figures(
     check_table(labels, "labels")
     check_table(scores, "scores")
     if rank_eval is not None:
+        from kvdiag.rankeval.run import load_metrics  # polars: only now
+
         load_metrics(rank_eval)
     from kvdiag.figures.run import figures_files
     result = figures_files(trace, labels, scores, out, params, rank_eval, command=invocation(ctx))

@@ -82,7 +82,6 @@ def replay(
     from kvdiag.io import check_table
     from kvdiag.model_specs import check_model_spec
     from kvdiag.prompts import DEFAULT_INSTRUCTION, load_prompts
-    from kvdiag.rankeval.evaluate import check_inputs
     from kvdiag.replay.settings import ReplaySettings, check_options, check_outcomes
     from kvdiag.scorer_names import REPLAY_ONLY, check_plugin_files, check_scorer_names
     from kvdiag.trace.manifest import TraceFiles
@@ -122,6 +121,8 @@ def replay(
         if outcomes is not None:
             check_outcomes(outcomes, trace_files.prompt_ids[:limit] if limit else trace_files.prompt_ids)
         if auroc is not None:
+            from kvdiag.rankeval.evaluate import check_inputs  # polars and numpy: only now
+
             check_inputs(check_table(auroc[0], "--auroc LABELS"), check_table(auroc[1], "--auroc SCORES"),
                          ("--auroc LABELS", "--auroc SCORES"))
     else:

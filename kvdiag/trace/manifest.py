@@ -8,10 +8,12 @@ import hashlib
 import json
 from functools import cached_property
 from pathlib import Path
-
-import polars as pl
+from typing import TYPE_CHECKING
 
 from kvdiag.errors import UserError
+
+if TYPE_CHECKING:  # polars loads once the manifest is read: a missing or corrupt one is refused without it
+    import polars as pl
 
 MANIFEST_KEYS = ("prompts", "model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "scale")
 
@@ -38,6 +40,8 @@ def read_trace_files(path: str | Path) -> tuple[dict, pl.DataFrame]:
     if missing or not isinstance(m["prompts"], dict) or not isinstance(m["model"], dict):
         raise UserError(f"--trace {path}: manifest.json is not a kvdiag Trace manifest (missing or malformed: "
                         f"{', '.join(missing) or 'prompts/model'}); re-run `kvdiag trace` into a new directory")
+    import polars as pl
+
     try:
         tokens_df: pl.DataFrame = pl.read_parquet(tokens)
     except Exception as err:  # polars raises many types for corrupt files
@@ -78,6 +82,8 @@ class TraceFiles:
     def fingerprint(self) -> str:
         """Identifies the traced content: the model's weights hash, then each prompt id (sorted) and its token ids in
         position order as little-endian int64 bytes."""
+        import polars as pl
+
         h = hashlib.sha256(self.manifest["model"]["weights_hash"].encode())
         for pid in sorted(self.prompt_ids):
             self._prompt(pid)
