@@ -26,6 +26,7 @@ from kvdiag import benchmark as bench_mod
 from kvdiag.errors import UserError
 from kvdiag.io import read_table, write_csv, write_json, write_table, write_text
 from kvdiag.schema import KEYS
+from kvdiag.scorer_names import check_rule_source, is_plugin_spec
 from kvdiag.tables import md_table, number_text
 
 RANK_METRICS = ("auroc", "ap", "topk_recall", "fsr", "spearman")
@@ -62,21 +63,6 @@ def resolve_rules(spec: str | None, rule: str | None, params: dict[str, dict], e
     if stray:
         raise UserError(f"--param {stray[0]}.…: {stray[0]} is not the rule graded ({', '.join(names)})")
     return {n: get_scorer(n, **params.get(n, {})) for n in names}
-
-
-def check_rule_source(spec: str | None, rule: str | None, everything: bool = False) -> None:
-    """``--rule`` picks among a plugin's rules: with a registered name there would be two sources of the rule, and
-    one would be graded silently."""
-    if not everything and spec is not None and rule is not None and not is_plugin_spec(spec):
-        raise UserError(f"--rule {rule} applies to a plugin that registers several rules; {spec} is a registered "
-                        f"name: grade {rule} or {spec}, and drop --rule")
-
-
-def is_plugin_spec(spec: str) -> bool:
-    """A rule given as a plugin (a ``.py`` file or a path), not a registered name; a prefixed name
-    (``fitted:dir/model.json``, ``kvpress:<Press>``) is a name, its path notwithstanding."""
-    prefixed = ":" in spec.split(os.sep, 1)[0] and not os.path.exists(spec)
-    return not prefixed and (spec.endswith(".py") or os.sep in spec)
 
 
 def _token_scores(head: pl.DataFrame, rules: list[str]) -> pl.DataFrame:

@@ -3,6 +3,8 @@ unknown ``--scorers`` name before any heavy import. tests/test_bad_input.py chec
 
 from __future__ import annotations
 
+import os
+
 from kvdiag.errors import UserError
 
 BUILTIN_SCORERS = (
@@ -36,3 +38,17 @@ def check_plugin_files(plugins) -> None:
         if str(module).endswith(".py") and not Path(module).is_file():
             raise UserError(f"--plugin {module}: file not found; pass a .py file or an importable module name")
 
+
+def check_rule_source(spec: str | None, rule: str | None, everything: bool = False) -> None:
+    """``--rule`` picks among a plugin's rules: with a registered name there would be two sources of the rule, and
+    one would be graded silently."""
+    if not everything and spec is not None and rule is not None and not is_plugin_spec(spec):
+        raise UserError(f"--rule {rule} applies to a plugin that registers several rules; {spec} is a registered "
+                        f"name: grade {rule} or {spec}, and drop --rule")
+
+
+def is_plugin_spec(spec: str) -> bool:
+    """A rule given as a plugin (a ``.py`` file or a path), not a registered name; a prefixed name
+    (``fitted:dir/model.json``, ``kvpress:<Press>``) is a name, its path notwithstanding."""
+    prefixed = ":" in spec.split(os.sep, 1)[0] and not os.path.exists(spec)
+    return not prefixed and (spec.endswith(".py") or os.sep in spec)

@@ -64,3 +64,22 @@ def test_known_shape_is_the_loaded_config(tmp_path):
                                                                             "max_position_embeddings": 512}}))
     assert known_shape(str(tmp_path / "m")) == {"num_hidden_layers": 3, "max_position_embeddings": 512}
     assert known_shape("HuggingFaceTB/SmolLM2-135M") is None and known_shape("tiny:nope") is None
+
+
+def test_each_commands_refusal_imports_no_heavy_library(tmp_path):
+    """The bad input ``kvdiag bench cli`` times for every command is refused (exit 2) in a fresh interpreter that
+    has imported none of HEAVY by then: each refusal costs the CLI's start-up, not a library's import."""
+    from kvdiag.cli.bench_cli import REFUSALS
+
+    code = ("import json, sys\nfrom kvdiag.cli.main import main\ntry:\n    main(json.loads(sys.argv[1]))\n"
+            "except SystemExit as exc:\n    print(json.dumps([exc.code, sorted({m.split('.')[0] for m in sys.modules})"
+            "]))")
+    results = {}
+    for name, argv in REFUSALS.items():
+        proc = subprocess.run([sys.executable, "-c", code, json.dumps([a.format(tmp=tmp_path) for a in argv])],
+                              capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                              env={**os.environ, "PYTHONPATH": str(ROOT), "KVDIAG_CACHE": str(tmp_path / "cache")})
+        exit_code, loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+        results[name] = (exit_code, sorted(set(loaded) & set(HEAVY)))
+    assert len(results) >= 20 and {"trace", "label", "score", "decisions", "bench cli"} <= set(results)
+    assert {name: r for name, r in results.items() if r != (2, [])} == {}

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 from kvdiag.errors import UserError
 from kvdiag.parsing import check_backend, parse_checkpoints
-from kvdiag.schema import CHECKPOINTS, GRANULARITIES, HORIZON, W_OBS, default_checkpoints
+from kvdiag.schema import CHECKPOINTS, GRANULARITIES, HORIZON, N_BOOT, W_OBS, default_checkpoints
 
 HYBRID = "hybrid"
 
@@ -178,3 +178,30 @@ def work_items(trace, cfg: LabelConfig, prompt_ids: list[str] | None = None) -> 
                         f"W_obs={cfg.w_obs} "
                         "and t + horizon <= length); use a smaller interval, --w-obs, --horizon, or explicit positions")
     return items
+
+
+@dataclass
+class ValidateConfig:
+    """Settings of ``validate-labels``; written into its outputs."""
+
+    harmful_quantile: float = 0.9  # exact-harmful: exact kl_mean >= this quantile of its checkpoint's entries
+    top_k: int = 8
+    bins: int = 4  # quantile bins per disagreement feature
+    n_boot: int = N_BOOT
+    level: float = 0.95
+    seed: int = 0
+    attention: str = "attention"  # scores column binned as attention
+    payload: str = "value_norm"  # scores column binned as payload
+
+    def validate(self) -> None:
+        if not 0 < self.harmful_quantile < 1:
+            raise UserError(f"--harmful-quantile {self.harmful_quantile}: must lie in (0, 1), e.g. 0.9 (the top "
+                            "decile is harmful)")
+        if self.top_k < 1:
+            raise UserError(f"--top-k {self.top_k}: must be a positive number of entries, e.g. 8")
+        if self.bins < 1:
+            raise UserError(f"--bins {self.bins}: must be a positive number of quantile bins, e.g. 4")
+        if self.n_boot < 1:
+            raise UserError(f"--bootstrap {self.n_boot}: must be a positive number of resamples, e.g. {N_BOOT}")
+        if not 0 < self.level < 1:
+            raise UserError(f"--level {self.level}: must lie in (0, 1), e.g. 0.95")
