@@ -82,7 +82,7 @@ def replay(
     from kvdiag.io import check_table
     from kvdiag.model_specs import check_model_spec
     from kvdiag.prompts import DEFAULT_INSTRUCTION, load_prompts
-    from kvdiag.replay.settings import ReplaySettings, check_options, check_outcomes
+    from kvdiag.replay.settings import ReplaySettings, check_options, check_outcomes, replayed_prompts
     from kvdiag.scorer_names import REPLAY_ONLY, check_plugin_files, check_scorer_names
     from kvdiag.trace.manifest import TraceFiles
 
@@ -119,7 +119,7 @@ def replay(
     if teacher_forced is not None:
         trace_files = TraceFiles(teacher_forced)
         if outcomes is not None:
-            check_outcomes(outcomes, trace_files.prompt_ids[:limit] if limit else trace_files.prompt_ids)
+            check_outcomes(outcomes, replayed_prompts(trace_files, limit))
         if auroc is not None:
             from kvdiag.rankeval.evaluate import check_inputs  # polars and numpy: only now
 

@@ -25,7 +25,7 @@ from kvdiag.replay.free_running import FreeRunning
 from kvdiag.replay.live import check_live_scorer, make_scorer
 from kvdiag.replay.oracle import ORACLE, OracleRule
 from kvdiag.replay.predict import SingleLabelAUROC, single_label_auroc
-from kvdiag.replay.settings import ReplaySettings, check_outcomes, check_settings
+from kvdiag.replay.settings import ReplaySettings, check_outcomes, check_settings, replayed_prompts
 from kvdiag.replay.teacher_forced import TeacherForced
 from kvdiag.replay.units import Unit
 from kvdiag.schema import HORIZON
@@ -97,11 +97,6 @@ def replay_sweep(
     lm = load_model(model or "smollm2", dtype=dtype or "float32", device=device, revision=revision,
                     trust_remote_code=trust_remote_code, seed=seed)
     return replay(lm, out, settings, prompts=items, source=source, show_progress=show_progress)
-
-
-def replayed_prompts(trace, limit: int | None) -> list[str]:
-    """The prompt ids a teacher-forced replay of ``trace`` (a Trace or its TraceFiles) replays: the first ``limit``."""
-    return trace.prompt_ids[:limit] if limit else trace.prompt_ids
 
 
 def replay(

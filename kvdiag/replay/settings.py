@@ -146,6 +146,11 @@ def check_settings(settings: ReplaySettings, mode) -> None:
         settings.selection.check_rule(scorer)
 
 
+def replayed_prompts(trace, limit: int | None) -> list[str]:
+    """The prompt ids a teacher-forced replay of ``trace`` (a Trace or its TraceFiles) replays: the first ``limit``."""
+    return trace.prompt_ids[:limit] if limit else trace.prompt_ids
+
+
 def check_outcomes(outcomes: str | os.PathLike, prompt_ids: list[str] | None) -> None:
     """``--outcomes``: with --teacher-forced (``prompt_ids``: the prompts it replays; None without it), a free-running
     replay directory holding a generation of every replayed prompt (else its fidelity rows would be empty)."""
