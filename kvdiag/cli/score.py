@@ -40,7 +40,7 @@ def score(
     from kvdiag.guard import check_outputs
     from kvdiag.parsing import GRANULARITIES, joined, parse_checkpoints, parse_list
     from kvdiag.schema import check_checkpoint, read_keys
-    from kvdiag.scorer_names import AGGREGATIONS, check_plugin_files, check_scorer_names
+    from kvdiag.scorer_names import AGGREGATIONS, check_fitted, check_plugin_files, check_scorer_names
     from kvdiag.trace.manifest import TraceFiles
 
     if list_:
@@ -71,6 +71,7 @@ def score(
             for t in cps:
                 check_checkpoint(trace_files, pid, t)
     params = parsing.parse_params(param)
+    check_fitted(parse_list(scorers, "--scorers", str), params)
     from kvdiag.scorers.run import score_files  # the scorers: torch, once the arguments are checked
     df, meta = score_files(trace, out, labels, joined(checkpoints), joined(granularity),
                            parse_list(scorers, "--scorers", str), params, plugin or (), aggregation, model,
