@@ -338,10 +338,22 @@ def test_report(report, tmp_path):
 # --------------------------------------------------------------------------- math500-long: short against long
 
 
+README_TAU = {"auroc": "AUROC for the harmful decile", "ap": "AP", "spearman": "Spearman with `kl_mean`"}
+
+
 def test_math500_long_comparison(tmp_path):
+    """compare.py's comparison.md regenerates, and the README's Kendall's taus and exact p-values are its numbers."""
     module = _script("reports/math500-long/compare.py")
     module.main(module.SHORT, module.LONG, tmp_path / "comparison.md")
     assert_same_tables(tmp_path, REPORTS / "math500-long", ["comparison.md"])
+    taus = re.findall(r"^## (\w+)\n\nKendall's tau between the two orderings: (\S+) \(exact p = ([^,]+),",
+                      (tmp_path / "comparison.md").read_text(), re.M)
+    made = {metric: (tau, p) for metric, tau, p in taus}
+    readme = (REPORTS / "math500-long/README.md").read_text()
+    assert set(made) == set(README_TAU)
+    for metric, row in README_TAU.items():
+        tau, p = made[metric]
+        assert f"| {row} | {tau} (p = {p}) |" in readme, f"math500-long/README.md: {row} is not tau {tau}, p {p}"
 
 
 COMPARED.add("math500-long/comparison.md")
