@@ -38,17 +38,9 @@ TABLE_SUFFIXES = (".csv", ".md", ".tex")
 # committed tables no test regenerates: path under reports/ -> why not
 _DECISIONS_SPEARMAN = ("needs the exact labels and head scores of every entry (runs/decisions-math500/*-labels-all, "
                        "*-scores-head.parquet), not committed: remaking them runs the model")
-_FIGURES_TRACE = ("the delayed reads come from the Trace's queries and keys (runs/*/trace, not committed; remaking "
-                  "it runs the model)")
 NOT_REGENERATED = {
     "decisions-math500/smollm2/spearman.csv": _DECISIONS_SPEARMAN,
     "decisions-math500/gemma3/spearman.csv": _DECISIONS_SPEARMAN,
-    **{f"math500-smollm2/figures/{f}": _FIGURES_TRACE
-       for f in ("delayed_reads_entries.csv", "delayed_reads_hist.csv", "delayed_reads_stats.csv")},
-    **{f"math500-long/figures/{f}": _FIGURES_TRACE + " (this run committed no scores.features.parquet: the blind "
-       "spot's read pressure and payload come from the Trace too)"
-       for f in ("blind_spot_points.csv", "blind_spot_stats.csv", "components.csv", "delayed_reads_entries.csv",
-                 "delayed_reads_hist.csv", "delayed_reads_stats.csv")},
     "math500-smollm2/fit/importances.csv": "refitting the models on the committed features.parquet (fit_features: "
                                            "5 grouped folds of GBT and logistic regression, permutation importance) "
                                            "takes 4 min on 2 shared cores, over this file's budget; measured "
@@ -247,32 +239,50 @@ def test_kvpress_merged_scores():
     assert meta == committed_meta
 
 
-FIGURES = compared("math500-smollm2/figures", ("blind_spot_points.csv", "blind_spot_stats.csv", "components.csv"))
+FIGURE_TABLES = ("blind_spot_points.csv", "blind_spot_stats.csv", "components.csv", "delayed_reads_entries.csv",
+                 "delayed_reads_hist.csv", "delayed_reads_stats.csv")
+FIGURES = {  # report -> where its read pressure and payload are (its Trace's first reads: figures/first_reads.parquet)
+    "math500-smollm2": "scores.features.parquet",  # written by kvdiag score
+    "math500-long": "figures/read_pressure_payload.parquet",  # taken from blind_spot_points.csv (trace_parts.py)
+}
+for _d in FIGURES:
+    compared(f"{_d}/figures", FIGURE_TABLES)
 
 
-def test_figures_without_trace(tmp_path):
-    """The blind-spot and component tables (``make_figures(only=...)``, no Trace) from the committed labels, scores,
-    their token features (scores.features.parquet) and rank-eval's metrics.csv, as ``kvdiag figures --rank-eval``."""
+@pytest.mark.parametrize("report", list(FIGURES))
+def test_figures_without_trace(report, tmp_path):
+    """Every figure table (``make_figures``, no Trace) from the committed labels, scores, rank-eval's metrics.csv (as
+    ``kvdiag figures --rank-eval``), the read pressure and payload of the analysed labels and the entries' first
+    reads: the Trace's part, which reports/trace_parts.py took column for column from the run's CSVs (checked here:
+    those columns are compared as copies; every other column, and each statistic, is computed again)."""
     from kvdiag.figures.params import FigureParams
     from kvdiag.figures.run import make_figures
     from kvdiag.rankeval.run import load_metrics
-    from kvdiag.token_features import read_token_features
 
-    run, tables = FIGURES
-    src = REPORTS / "math500-smollm2"
-    info = read_json(REPORTS / run / "figures.json")
+    src, run = REPORTS / report, REPORTS / report / "figures"
+    info = read_json(run / "figures.json")
     labels, labels_meta = read_table(src / "labels.parquet")
     scores, scores_meta = read_table(src / "scores.parquet")
     assert info["inputs"]["labels"] == labels_meta and info["inputs"]["scores"] == scores_meta
-    assert info["inputs"]["metrics"].startswith("given")  # --rank-eval runs/math500/rank-eval: committed as rank-eval/
-    assert info["argv"][-2:] == ["--rank-eval", "runs/math500/rank-eval"]
+    assert info["inputs"]["metrics"].startswith("given")  # --rank-eval runs/<run>/rank-eval: committed as rank-eval/
+    assert info["argv"][-2] == "--rank-eval" and info["argv"][-1].endswith("/rank-eval")
+    parts = _script("reports/trace_parts.py")
+    reads = read_table(run / "first_reads.parquet")
+    features, features_meta = read_table(src / FIGURES[report])
+    made = [(reads, parts.first_reads(run))]
+    if FIGURES[report].startswith("figures/"):  # else kvdiag score's own file: every scored row
+        made.append(((features, features_meta), parts.pressure_payload(run)))
+    for (df, meta), (want, want_meta) in made:
+        assert df.equals(want) and meta == want_meta, f"{report}: its {meta['kind']} are not trace_parts.py's"
     make_figures(None, labels, scores, tmp_path, FigureParams(**info["params"]), labels_meta=labels_meta,
                  scores_meta=scores_meta, metrics=load_metrics(src / "rank-eval"),
-                 features=read_token_features(src / "scores.parquet"), only=("blind_spot", "components"))
-    assert_same_tables(tmp_path, REPORTS / run, tables)
+                 features=(features, {**features_meta, "file": Path(FIGURES[report]).name}), reads=reads)
+    assert_same_tables(tmp_path, run, FIGURE_TABLES)
     got = read_json(tmp_path / "figures.json")
-    assert got["inputs"]["read_pressure_payload"] == info["inputs"]["read_pressure_payload"]
-    assert_same_json(got["summary"]["blind_spot"], info["summary"]["blind_spot"], f"{run}/figures.json blind_spot")
+    if "read_pressure_payload" in info["inputs"]:
+        assert got["inputs"]["read_pressure_payload"] == info["inputs"]["read_pressure_payload"]
+    for figure in ("blind_spot", "delayed_reads"):
+        assert_same_json(got["summary"][figure], info["summary"][figure], f"{report}/figures.json {figure}")
 
 
 FIT = compared("math500-smollm2/fit", ("metrics.csv", "table.md"))
