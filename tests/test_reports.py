@@ -41,10 +41,6 @@ _DECISIONS_SPEARMAN = ("needs the exact labels and head scores of every entry (r
 NOT_REGENERATED = {
     "decisions-math500/smollm2/spearman.csv": _DECISIONS_SPEARMAN,
     "decisions-math500/gemma3/spearman.csv": _DECISIONS_SPEARMAN,
-    "math500-smollm2/fit/importances.csv": "refitting the models on the committed features.parquet (fit_features: "
-                                           "5 grouped folds of GBT and logistic regression, permutation importance) "
-                                           "takes 4 min on 2 shared cores, over this file's budget; measured "
-                                           "2026-12-03: equal within this file's tolerance (largest rel 1.1e-13)",
     **{f"bench/{f}": "a measurement: seconds and memory of runs of the model on this machine"
        for f in ("cpu-mfu.md", "kernels.txt", "label-fast.txt", "label-layer.txt", "label.txt", "scale.csv",
                  "score.txt", "trace.txt")},
@@ -306,6 +302,40 @@ def test_fit_ranking(tmp_path):
     assert_same_tables(tmp_path, REPORTS / run, tables)
     assert_same_json(result.summary, {k: v for k, v in config["summary"]["rank_eval"].items() if k != "seconds"}
                      | {"seconds": result.summary["seconds"]}, f"{run}/config.json summary.rank_eval")
+
+
+compared("math500-smollm2/fit", ("importances.csv",))
+
+
+def test_fit_importances(tmp_path):
+    """importances.csv, the out-of-fold scores and model.json's logistic regression from the committed features.parquet
+    (``cross_validate``, ``importance_table``: the grouped folds and permutation importances ``fit_features`` runs;
+    about 20 s on 2 cores; the 4 min of a whole ``kvdiag fit`` are rank-eval's bootstrap, test_fit_ranking's)."""
+    from kvdiag.fit import MODELS, FitConfig, _labels_y, _models, _token_labels, cross_validate, importance_table
+    from kvdiag.io import write_csv
+    from kvdiag.rankeval import KEYS
+
+    run = REPORTS / "math500-smollm2/fit"
+    config = read_json(run / "config.json")
+    cfg = FitConfig(**{**config["config"], "features": tuple(config["config"]["features"])})
+    labels, y, _ = _labels_y(_token_labels(read_table(REPORTS / "math500-smollm2/labels.parquet")[0]), cfg)
+    feats, meta = read_table(run / "features.parquet")
+    names = tuple(meta["features"])
+    assert names == tuple(config["summary"]["features"]) and feats.select(KEYS).equals(labels.select(KEYS))
+    assert (feats["harmful"].to_numpy() == y).all()
+    X = feats.select(names).to_numpy().astype(float)
+    oof, importance = cross_validate(X, y, labels["prompt_id"].to_numpy(), cfg)
+    final = _models(cfg)["fitted_logreg"].fit(X, y)
+    write_csv(importance_table(names, final, importance), tmp_path / "importances.csv")
+    assert_same_tables(tmp_path, run, ["importances.csv"])
+    committed = read_table(run / "oof_scores.parquet")[0]
+    assert committed.select(KEYS).equals(labels.select(KEYS))
+    for m in MODELS:
+        assert all(same_value(a, b) for a, b in zip(oof[m].tolist(), committed[m].to_list(), strict=True)), m
+    model = read_json(run / "model.json")
+    got = {"mean": final[0].mean_.tolist(), "scale": final[0].scale_.tolist(), "coef": final[-1].coef_[0].tolist(),
+           "intercept": float(final[-1].intercept_[0])}
+    assert_same_json(got, {k: model[k] for k in got}, "math500-smollm2/fit/model.json")
 
 
 # --------------------------------------------------------------------------- kvdiag report
