@@ -225,6 +225,19 @@ def test_rank_eval(run, tmp_path):
     assert_same_json(got, want, f"{run}/config.json summary")
 
 
+README_TABLES = {"kvpress-math500/README.md": "kvpress-math500/rank-eval/table.md"}  # README -> the table it quotes
+
+
+@pytest.mark.parametrize("readme", list(README_TABLES))
+def test_readme_tables_quote_the_compared_tables(readme):
+    """A README's table rows with CIs are rows of a table test_rank_eval regenerates (quoted, not retyped)."""
+    lines = (REPORTS / readme).read_text().splitlines()
+    rows = [line.strip() for line in lines if line.startswith("| ") and "[" in line]
+    table = {line.strip() for line in (REPORTS / README_TABLES[readme]).read_text().splitlines()}
+    assert README_TABLES[readme] in COMPARED and rows, readme
+    assert not [r for r in rows if r not in table], f"{readme}: rows not in {README_TABLES[readme]}"
+
+
 def test_kvpress_merged_scores():
     """scores_all.parquet is merge_scores.py's join of the committed rule and press scores (values copied: exact)."""
     module = _script("reports/kvpress-math500/merge_scores.py")
