@@ -56,10 +56,6 @@ PARTLY_REGENERATED = {
     "bench/scale.md": "its memory-growth table: bench_scale computes it from the steps' JSON (runs/, not committed) "
                       "and the model's shape; its steps table is compared with the measured scale.csv",
     "math500-smollm2/report.md": _REPORT_TRACE, "math500-long/report.md": _REPORT_TRACE,
-    "hybrid-labels-math500/report.md": "all but its cost lines: analyze.py reads exact, fast and hybrid labels of "
-                                       "every entry and the hybrid oracle's decisions from runs/decisions-math500, "
-                                       "not committed (remaking them runs the model); the cost lines (from the "
-                                       "committed bench JSON) are compared and the script runs on synthetic inputs",
 }
 COMPARED: set[str] = set()  # filled at import by the tables below: every path under reports/ some test compares
 
@@ -555,51 +551,25 @@ def test_leaderboard(tmp_path):
 HYBRID = compared("hybrid-labels-math500", ("report.md",))
 
 
-def _hybrid_inputs(runs: Path) -> None:
-    """reproduce.sh's outputs in miniature (3 prompts x 2 checkpoints x 40 entries, seeded): what analyze.py reads."""
-    import numpy as np
-
-    from kvdiag.io import write_table
-
-    rng = np.random.default_rng(0)
-    keys = pl.DataFrame([{"prompt_id": f"p{i}", "checkpoint": t, "position": j}
-                         for i in range(3) for t in (64, 128) for j in range(40)])
-    kl = rng.lognormal(-8, 2, keys.height)
-    exact = keys.with_columns(granularity=pl.lit("token"), kl_mean=kl, noise_floor=pl.lit(1e-9),
-                              age=pl.col("checkpoint") - pl.col("position"))
-    write_table(exact, runs / "smollm2-labels-all.parquet", {})
-    write_table(keys.with_columns(kl_mean=kl * rng.lognormal(0, 0.5, keys.height)), runs / "smollm2-fast-all.parquet",
-                {})
-    for frac in (0.1, 0.2):
-        top = kl >= np.quantile(kl, 1 - 2 * frac)
-        write_table(keys.with_columns(method=pl.Series(np.where(top, "exact-top", "fast"))),
-                    runs / f"smollm2-hybrid-{frac}.parquet", {"miss_rate": {"miss_rate": 0.1, "ci_low": 0.0,
-                                                                            "ci_high": 0.3}})
-    cps = keys.select("prompt_id", "checkpoint").unique(maintain_order=True)
-    for sub in ("smollm2", "smollm2-oracle-hybrid-0.1", "smollm2-oracle-hybrid-0.2"):
-        dec = pl.concat([cps.with_columns(decision=pl.lit("oracle_single"), budget=pl.lit(b),
-                                          kl_mean=rng.lognormal(-6, 1, cps.height)) for b in ("keep:0.5", "keep:0.25")])
-        write_table(dec, runs / sub / "decisions.parquet", {})
+HYBRID_INPUTS = REPORTS / "hybrid-labels-math500/inputs"  # inputs.py's copies of what analyze.py reads
 
 
 def test_hybrid_analysis(tmp_path):
-    """analyze.py runs end to end (on synthetic inputs: its own are not committed) and its cost lines, made from the
-    committed bench JSON alone, equal the committed report's."""
+    """analyze.py's report.md from its committed inputs (the columns and rows of reproduce.sh's outputs it reads,
+    written by inputs.py) and the committed bench JSON; the exact labels among them are the shipped benchmark's."""
     report, (name,) = HYBRID
-    runs, out = tmp_path / "runs", tmp_path / "out"
-    (runs / "smollm2").mkdir(parents=True)
+    out = tmp_path / "out"
     out.mkdir()
-    _hybrid_inputs(runs)
     for f in (REPORTS / report).glob("bench-*.json"):
         shutil.copy(f, out)
-    _script(f"reports/{report}/analyze.py").main(runs, out)
-    got = (out / name).read_text()
-    for heading in ("# Hybrid labels", "## Where the fast label misses", "## oracle_single from hybrid labels"):
-        assert heading in got
-    cost = [[line for line in text.splitlines() if line.startswith("- Cost, ")]
-            for text in (got, (REPORTS / report / name).read_text())]
-    assert len(cost[1]) == 2
-    assert_same_text("\n".join(cost[0]), "\n".join(cost[1]), f"reports/{report}/{name} cost lines")
+    module = _script(f"reports/{report}/inputs.py")
+    for file, (columns, _) in module.FILES.items():
+        assert read_table(HYBRID_INPUTS / file)[0].columns == columns, file
+    exact = read_table(HYBRID_INPUTS / "smollm2-labels-all.parquet")[0]
+    bench = read_table(ROOT / "data/kvdiag-bench" / BENCH / "labels.parquet")[0]
+    assert exact.equals(bench.filter(pl.col("granularity") == "token").select(exact.columns))
+    _script(f"reports/{report}/analyze.py").main(HYBRID_INPUTS, out)
+    assert_same_tables(out, REPORTS / report, [name])
 
 
 # --------------------------------------------------------------------------- bench
