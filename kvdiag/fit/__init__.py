@@ -17,7 +17,8 @@ from kvdiag.fit.config import FitConfig, check_config
 
 # the submodule that defines each exported name
 _HOME = {"MODELS": "run", "feature_table": "run", "fit_ceiling": "run", "fit_features": "run", "fit_files": "run",
-         "rank_fitted": "run", "load_summary": "run"}
+         "rank_fitted": "run", "load_summary": "run",
+         "cross_validate": "run", "importance_table": "run"}
 __all__ = ["FitConfig", "check_config", *_HOME]
 
 

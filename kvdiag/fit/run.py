@@ -85,9 +85,6 @@ def fit_features(feats: pl.DataFrame, labels: pl.DataFrame, scores: pl.DataFrame
     """:func:`fit_ceiling` from the features already computed: ``feats`` holds the keys of the analysed token labels,
     in their order, and one column per feature (``feature_table``; a run's ``features.parquet``). No Trace, no model:
     the report's tables regenerate from the committed features (tests/test_reports.py)."""
-    from sklearn.inspection import permutation_importance
-    from sklearn.model_selection import GroupKFold
-
     from kvdiag.rankeval import KEYS, to_markdown
 
     names = check_config(cfg)
@@ -102,15 +99,7 @@ def fit_features(feats: pl.DataFrame, labels: pl.DataFrame, scores: pl.DataFrame
     n_prompts = len(np.unique(groups))
     if n_prompts < 2:
         raise UserError(f"the labels cover {n_prompts} prompt: grouped cross-validation needs at least 2 prompts")
-    folds = GroupKFold(n_splits=min(cfg.n_splits, n_prompts))
-    oof = {m: np.zeros(len(y)) for m in MODELS}
-    importance = {m: np.zeros(len(names)) for m in MODELS}
-    for train, test in folds.split(X, y, groups):
-        for name, model in _models(cfg).items():
-            model.fit(X[train], y[train])
-            oof[name][test] = model.predict_proba(X[test])[:, 1]
-            imp = permutation_importance(model, X[test], y[test], scoring="roc_auc", n_repeats=5, random_state=cfg.seed)
-            importance[name] += imp.importances_mean * len(test) / len(y)
+    oof, importance = cross_validate(X, y, groups, cfg)
 
     ranked = labels.select(KEYS).with_columns(pl.Series(m, oof[m]) for m in MODELS)  # keep what is likely harmful
     if scores is not None:
@@ -120,6 +109,7 @@ def fit_features(feats: pl.DataFrame, labels: pl.DataFrame, scores: pl.DataFrame
 
     final = _models(cfg)["fitted_logreg"].fit(X, y)
     scaler, logreg = final[0], final[-1]
+    imp = importance_table(names, final, importance)
     model = {
         "kind": "kvdiag_fitted_logreg", **provenance(), "features": list(names),
         "mean": scaler.mean_.tolist(), "scale": scaler.scale_.tolist(), "coef": logreg.coef_[0].tolist(),
@@ -127,12 +117,6 @@ def fit_features(feats: pl.DataFrame, labels: pl.DataFrame, scores: pl.DataFrame
         "aggregation": cfg.aggregation, "trained_on": {"n": len(y), "n_harmful": int(y.sum()), "prompts": n_prompts},
         "labels": labels_meta, "trace": trace_provenance,
     }
-    std_coef = dict(zip(names, logreg.coef_[0].tolist(), strict=True))
-    imp = pl.DataFrame({
-        "feature": list(names), "logreg_std_coef": [std_coef[n] for n in names],
-        "logreg_permutation_auroc_drop": importance["fitted_logreg"].tolist(),
-        "gbt_permutation_auroc_drop": importance["fitted_gbt"].tolist(),
-    }).sort("gbt_permutation_auroc_drop", descending=True)
 
     out.mkdir(parents=True, exist_ok=True)
     write_table(
@@ -154,6 +138,37 @@ def fit_features(feats: pl.DataFrame, labels: pl.DataFrame, scores: pl.DataFrame
     write_json(out / "config.json", {"command": "fit", **provenance(), "config": asdict(cfg),
                                      "summary": summary, "inputs": {"labels": labels_meta, "scores": scores_meta}})
     return {"summary": summary, "metrics": result.metrics, "importances": imp, "result": result}
+
+
+def cross_validate(X: np.ndarray, y: np.ndarray, groups: np.ndarray, cfg: FitConfig) -> tuple[dict, dict]:
+    """Each model over ``min(n_splits, prompts)`` folds grouped by prompt: features ``X [N, F]``, harm labels
+    ``y [N]``, prompts ``groups [N]``. Returns ``({model: out-of-fold P(harmful) [N]}, {model: permutation AUROC
+    drop [F]})``, the drops averaged over folds weighted by their held-out rows (5 seeded repeats per fold)."""
+    from sklearn.inspection import permutation_importance
+    from sklearn.model_selection import GroupKFold
+
+    folds = GroupKFold(n_splits=min(cfg.n_splits, len(np.unique(groups))))
+    oof = {m: np.zeros(len(y)) for m in MODELS}
+    importance = {m: np.zeros(X.shape[1]) for m in MODELS}
+    for train, test in folds.split(X, y, groups):
+        for name, model in _models(cfg).items():
+            model.fit(X[train], y[train])
+            oof[name][test] = model.predict_proba(X[test])[:, 1]
+            imp = permutation_importance(model, X[test], y[test], scoring="roc_auc", n_repeats=5, random_state=cfg.seed)
+            importance[name] += imp.importances_mean * len(test) / len(y)
+    return oof, importance
+
+
+def importance_table(names: tuple[str, ...], final, importance: dict[str, np.ndarray]) -> pl.DataFrame:
+    """importances.csv: per feature the standardized coefficient of the logistic regression fitted on every entry
+    (``final``, a scaler + logistic regression pipeline) and each model's out-of-fold permutation AUROC drop
+    (:func:`cross_validate`), by the trees' drop."""
+    std_coef = dict(zip(names, final[-1].coef_[0].tolist(), strict=True))
+    return pl.DataFrame({
+        "feature": list(names), "logreg_std_coef": [std_coef[n] for n in names],
+        "logreg_permutation_auroc_drop": importance["fitted_logreg"].tolist(),
+        "gbt_permutation_auroc_drop": importance["fitted_gbt"].tolist(),
+    }).sort("gbt_permutation_auroc_drop", descending=True)
 
 
 def fit_files(trace: str | Path, labels: str | Path, scores: str | Path | None, out: str | Path, cfg: FitConfig,
