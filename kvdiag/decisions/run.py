@@ -31,6 +31,7 @@ from kvdiag.decisions.sets import (
     greedy_sets,
     head_label_set,
     label_set,
+    pack_set,
     protected_count,
     random_set,
     rule_set,
@@ -49,6 +50,7 @@ DECISION_SCHEMA = {
     "js_mean": pl.Float64, "nll_delta": pl.Float64, "top1_flips": pl.Int64, "noise_floor": pl.Float64,
     "sum_single": pl.Float64, "evicted_positions": pl.List(pl.Int64), "evicted_heads": pl.List(pl.Int64),
     "cost_rows": pl.Int64, "cost_seconds": pl.Float64, "sample": pl.Int64, "draw_seed": pl.Int64,
+    "evicted_mask": pl.Binary,
 }
 STATUS = {"ok": "labeled", "nothing_evicted": "the budget keeps every entry: nothing is evicted (label 0)",
           "over_budget": "the rule protects more entries than the budget keeps: no decision (--infeasible skip)"}
@@ -246,6 +248,7 @@ def _decide_checkpoint(engine, fisher, lm, pid: str, t: int, scores: dict[str, t
             "evicted_positions": evict.tolist() if token else None, "evicted_heads": heads.tolist(),
             "cost_rows": greedy_cost["rows"] if greedy else None,
             "cost_seconds": greedy_cost["seconds"] if greedy else None,
+            "evicted_mask": pack_set(evict, L, Hkv, t) if evict is not None else None,
         })
     table = pl.DataFrame(rows, schema=DECISION_SCHEMA)
     pairs = pl.DataFrame(schema=PAIR_SCHEMA)

@@ -12,6 +12,7 @@ import math
 import time
 import zlib
 
+import numpy as np
 import torch
 
 from kvdiag.selection import Selection, evicted_slots, select_keep, top_slots
@@ -85,3 +86,40 @@ def greedy_sets(engine, t: int, kept: list[int], chunk: float, progress=None) ->
             survivors = [i for i in survivors if i not in chosen]
         out[target] = torch.tensor(sorted(evicted), dtype=torch.long)
     return out, {"rows": rows, "seconds": round(time.perf_counter() - start, 3), "chunk": step}
+
+
+# --------------------------------------------------------------------------- stored sets
+
+
+def set_mask(evict: torch.Tensor, num_layers: int, num_kv_heads: int, t: int) -> torch.Tensor:
+    """bool [L, Hkv, t]: True where a set evicts; ``evict`` is [E] (a token set) or [L, Hkv, E] (``-1`` = none)."""
+    evict = torch.as_tensor(evict, dtype=torch.long)
+    if evict.dim() == 1:
+        evict = evict.expand(num_layers, num_kv_heads, -1)
+    mask = torch.zeros(num_layers, num_kv_heads, t + 1, dtype=torch.bool)  # slot t takes the -1 padding
+    mask.scatter_(-1, torch.where(evict < 0, t, evict), True)
+    return mask[..., :t]
+
+
+def mask_set(mask: torch.Tensor) -> torch.Tensor:
+    """The per-head set of ``mask [L, Hkv, t]``: [L, Hkv, E] ascending positions, padded with ``-1`` where a cell
+    evicts fewer than the largest cell (E)."""
+    counts = mask.sum(-1)
+    width = int(counts.max()) if mask.numel() else 0
+    t = mask.shape[-1]
+    # evicted positions first, in order: sort the key (not evicted, position)
+    order = torch.sort((~mask).long() * t + torch.arange(t), dim=-1).values[..., :width]
+    return torch.where(torch.arange(width) < counts[..., None], order, -1)
+
+
+def pack_set(evict: torch.Tensor, num_layers: int, num_kv_heads: int, t: int) -> bytes:
+    """A set as the bits of its [L, Hkv, t] mask (C order, ``numpy.packbits``): t/8 bytes per cell, whatever the
+    budget (a per-head set of SmolLM2 at t = 650: 7 KiB)."""
+    return np.packbits(set_mask(evict, num_layers, num_kv_heads, t).numpy().reshape(-1)).tobytes()
+
+
+def unpack_set(blob: bytes, num_layers: int, num_kv_heads: int, t: int) -> torch.Tensor:
+    """bool [L, Hkv, t] from :func:`pack_set`'s bytes (a decision row's ``evicted_mask``)."""
+    n = num_layers * num_kv_heads * t
+    bits = np.unpackbits(np.frombuffer(blob, dtype=np.uint8), count=n)
+    return torch.from_numpy(bits.astype(bool)).view(num_layers, num_kv_heads, t)

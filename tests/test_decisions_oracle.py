@@ -1,0 +1,79 @@
+"""Stored sets and the references that search the rules' own action space (``future_attention``, ``oracle_search``)
+on tiny random models, Gemma 3's sliding layers included: every stored set equals physically deleting it."""
+
+from __future__ import annotations
+
+import polars as pl
+import pytest
+import torch
+
+from kvdiag.decisions import Budget, DecisionsConfig, decide
+from kvdiag.decisions.sets import mask_set, set_mask, unpack_set
+from kvdiag.io import read_table
+from kvdiag.label import OracleEngine, divergences
+from kvdiag.label.reference import reference_set_logprobs
+from kvdiag.models import load_model
+from kvdiag.scorers import checkpoint_keys, score_trace
+from tests.conftest import make_trace
+
+HORIZON = 4
+RULES = ["attention", "h2o", "streamingllm", "random"]
+MODELS = ["tiny:llama", "tiny:qwen3", "tiny:gemma3"]  # gemma3: sliding layers (window 8) between full ones
+
+
+def config(**kw) -> DecisionsConfig:
+    base = dict(budgets=(Budget("keep", 0.5), Budget("keep", 0.25)), horizon=HORIZON, n_boot=20, pairs=0,
+                batch_size=8, references=("fast", "random"), selection="per-head")
+    return DecisionsConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def decided(request, tmp_path_factory):
+    """A 1-prompt Trace, head scores at two checkpoints, and the per-head decisions there."""
+    lm = load_model(request.param)
+    root = tmp_path_factory.mktemp(request.param.replace(":", "_"))
+    trace = make_trace(lm, root / "trace", n_prompts=1, max_new_tokens=36)
+    pid = trace.prompt_ids[0]
+    T = trace.length(pid)
+    keys = checkpoint_keys(trace, {pid: [T - HORIZON - 17, T - HORIZON - 1]}, ["head"])
+    scores, meta = score_trace(trace, keys=keys, scorers=RULES)
+    out = decide(trace, lm, scores, meta, root / "out", config(), show_progress=False)
+    return {"lm": lm, "trace": trace, "scores": scores, "meta": meta, "root": root,
+            "df": read_table(out / "decisions.parquet")[0]}
+
+
+def test_sets_round_trip_through_their_mask():
+    gen = torch.Generator().manual_seed(0)
+    t, L, Hkv = 37, 3, 2
+    heads = torch.stack([torch.randperm(t, generator=gen)[:11].sort().values for _ in range(L * Hkv)]).view(L, Hkv, 11)
+    assert torch.equal(mask_set(set_mask(heads, L, Hkv, t)), heads)
+    ragged = heads.clone()
+    ragged[1, 0, 5:] = -1  # a cell that evicts fewer (a sliding layer's): padded with -1
+    back = mask_set(set_mask(ragged, L, Hkv, t))
+    assert torch.equal(back, ragged[..., : back.shape[-1]]) and back.shape[-1] == 11
+    token = torch.tensor([0, 4, 36])
+    assert torch.equal(mask_set(set_mask(token, L, Hkv, t)), token.expand(L, Hkv, 3))
+
+
+def test_every_stored_set_equals_physical_deletion(decided):
+    """Each row's stored [L, Hkv, t] mask, deleted per (layer, KV head) by the slow reference (a copied cache, the
+    H tokens one at a time, the stock eager attention), gives the row's kl_steps: rtol 1e-4, atol 1e-6 nats (fp32,
+    two different attention paths)."""
+    trace, lm, df = decided["trace"], decided["lm"], decided["df"]
+    pid = trace.prompt_ids[0]
+    L, Hkv = trace.num_layers, trace.num_kv_heads
+    rows = df.filter(pl.col("status") == "ok")
+    assert rows["evicted_mask"].is_not_null().all()
+    eng = OracleEngine(lm, trace.token_ids(pid), HORIZON)
+    checked = 0
+    for row in rows.sort("checkpoint", "decision", "budget").iter_rows(named=True):
+        t = row["checkpoint"]
+        mask = unpack_set(row["evicted_mask"], L, Hkv, t)
+        per_cell = mask.sum(-1)
+        assert (per_cell <= t - row["kept"]).all() and per_cell.max() == t - row["kept"], row["decision"]
+        prefix, logp_full = eng.golden(t)
+        ref = reference_set_logprobs(lm.model, eng.ids, t, HORIZON, prefix, mask_set(mask))
+        want = divergences(logp_full, ref[None], eng.ids[t + 1 : t + HORIZON + 1])["kl"][0].double()
+        torch.testing.assert_close(torch.tensor(row["kl_steps"], dtype=torch.float64), want, rtol=1e-4, atol=1e-6)
+        checked += 1
+    assert checked == rows.height >= 2 * 2 * (len(RULES) + 2)
