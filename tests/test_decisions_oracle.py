@@ -23,7 +23,7 @@ MODELS = ["tiny:llama", "tiny:qwen3", "tiny:gemma3"]  # gemma3: sliding layers (
 
 def config(**kw) -> DecisionsConfig:
     base = dict(budgets=(Budget("keep", 0.5), Budget("keep", 0.25)), horizon=HORIZON, n_boot=20, pairs=0,
-                batch_size=8, references=("fast", "random"), selection="per-head")
+                batch_size=8, references=("fast", "random", "future_attention"), selection="per-head")
     return DecisionsConfig(**{**base, **kw})
 
 
@@ -77,3 +77,37 @@ def test_every_stored_set_equals_physical_deletion(decided):
         torch.testing.assert_close(torch.tensor(row["kl_steps"], dtype=torch.float64), want, rtol=1e-4, atol=1e-6)
         checked += 1
     assert checked == rows.height >= 2 * 2 * (len(RULES) + 2)
+
+
+def dense_future(trace, pid: str, t: int, window: int) -> torch.Tensor:
+    """[L, Hkv, t]: the attention of the queries t .. t+W-1 on [0, t), written out (repeat_kv, masks by hand)."""
+    out = []
+    for l in range(trace.num_layers):
+        spec, qkv = trace.layer_attention(l), trace.layer(pid, l)
+        H, Hkv = qkv.q.shape[0], qkv.k.shape[0]
+        k = qkv.k.double().repeat_interleave(H // Hkv, 0)  # query head h reads KV head h // g
+        q = qkv.q[:, t : t + window].double()
+        logits = q @ k[:, : t + window].transpose(1, 2) * spec.scale  # [H, W, t + W]
+        qpos, kpos = torch.arange(t, t + window)[:, None], torch.arange(t + window)[None]
+        hide = (kpos > qpos) | ((kpos <= qpos - spec.window) if spec.window is not None else False)
+        p = torch.softmax(logits.masked_fill(hide, float("-inf")), -1)[..., :t]
+        out.append(p.view(Hkv, H // Hkv, window, t).sum((1, 2)))
+    return torch.stack(out)
+
+
+def test_future_attention_keeps_what_the_future_reads_most(decided):
+    """Per (layer, KV head), every kept entry draws at least as much future attention (written out independently
+    here, fp64 against the stage's fp32 sums: 1e-5 abs) as every evicted one."""
+    trace, df = decided["trace"], decided["df"]
+    pid = trace.prompt_ids[0]
+    L, Hkv = trace.num_layers, trace.num_kv_heads
+    rows = df.filter((pl.col("decision") == "future_attention") & (pl.col("status") == "ok"))
+    assert rows.height == 4 and (rows["kind"] == "reference").all()
+    for row in rows.iter_rows(named=True):
+        t = row["checkpoint"]
+        att = dense_future(trace, pid, t, HORIZON)
+        mask = unpack_set(row["evicted_mask"], L, Hkv, t)
+        for l in range(L):
+            for h in range(Hkv):
+                kept, gone = att[l, h][~mask[l, h]], att[l, h][mask[l, h]]
+                assert kept.min() >= gone.max() - 1e-5, (row["decision"], row["budget"], l, h)

@@ -28,6 +28,7 @@ import torch
 from kvdiag.decisions.config import RANDOM_REFERENCE, DecisionsConfig
 from kvdiag.decisions.interactions import PAIR_SCHEMA, superadditive_pairs
 from kvdiag.decisions.sets import (
+    future_attention,
     greedy_sets,
     head_label_set,
     label_set,
@@ -175,7 +176,7 @@ def check_protection(rules: dict, items: dict[str, list[int]], cfg: DecisionsCon
 
 def _decide_checkpoint(engine, fisher, lm, pid: str, t: int, scores: dict[str, torch.Tensor], rules: dict,
                        singles: torch.Tensor | None, cfg: DecisionsConfig, harm_threshold: float,
-                       progress) -> tuple[pl.DataFrame, pl.DataFrame]:
+                       progress, future: torch.Tensor | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
     L, Hkv = engine.num_layers, engine.num_kv_heads
     kept = {b.name: b.entries(t) for b in cfg.budgets}
     stochastic = cfg.selection.stochastic
@@ -211,6 +212,11 @@ def _decide_checkpoint(engine, fisher, lm, pid: str, t: int, scores: dict[str, t
             else:
                 evict = head_label_set(a.double().pow(2).mean(0), k)  # [L, Hkv, t]: each cell's own estimate
             decisions.append(dict(decision="fast", kind="reference", budget=b, kept=k, protected=0,
+                                  status="ok" if k < t else "nothing_evicted", set=evict, sample=None, draw_seed=None))
+    if future is not None:  # [L, Hkv, t]: keep what the future queries read most
+        for b, k in kept.items():
+            evict = label_set(future.sum((0, 1)), k) if deterministic.per_token else head_label_set(future, k)
+            decisions.append(dict(decision="future_attention", kind="reference", budget=b, kept=k, protected=0,
                                   status="ok" if k < t else "nothing_evicted", set=evict, sample=None, draw_seed=None))
     if "random" in refs:
         for b, k in kept.items():
@@ -279,6 +285,7 @@ def decide(trace, lm, scores: pl.DataFrame, scores_meta: dict, out: str | os.Pat
                       f"tokens before the end of their prompt (e.g. {short[0][1]} of {short[0][0]!r}): left out",
                       stacklevel=2)
     check_oracle_single(labels, items, cfg)
+    cfg.check_future(trace.manifest, items)
     rules = rule_instances(names, scores_meta)
     check_stochastic(rules, cfg)
     over = check_protection(rules, items, cfg)
@@ -317,9 +324,11 @@ def decide(trace, lm, scores: pl.DataFrame, scores_meta: dict, out: str | os.Pat
                         fisher.golden(t)
                     continue
                 bar.reset(rows_task, total=None, description=f"  {pid} @ {t}")
+                future = (future_attention(trace, pid, t, cfg.window(t, trace.length(pid)))
+                          if "future_attention" in cfg.references else None)
                 table, pairs = _decide_checkpoint(
                     engine, fisher, lm, pid, t, head_scores(scores, names, pid, t, L, Hkv), rules,
-                    single_labels(labels, pid, t), cfg, threshold, lambda k: bar.advance(rows_task, k))
+                    single_labels(labels, pid, t), cfg, threshold, lambda k: bar.advance(rows_task, k), future)
                 parts.write(part_name(pid, "pairs", f"{t:07d}"), pairs, meta)  # the pairs first: the table marks done
                 parts.write(part_name(pid, f"{t:07d}"), table, meta)
                 bar.advance(task)
@@ -362,6 +371,7 @@ def decisions_files(trace: str | os.PathLike, scores: str | os.PathLike, out: st
                         f"reference ({', '.join(cfg.references) or 'none computed'})")
     items, _ = checkpoints_of(score_df, tr, cfg.horizon)
     check_oracle_single(None if label_df is None else label_df.filter(pl.col("granularity") == "token"), items, cfg)
+    cfg.check_future(tr.manifest, items)
     rules = rule_instances(names, score_meta)
     check_stochastic(rules, cfg)
     check_protection(rules, items, cfg)
