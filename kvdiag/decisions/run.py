@@ -27,11 +27,13 @@ import torch
 
 from kvdiag.decisions.config import RANDOM_REFERENCE, DecisionsConfig
 from kvdiag.decisions.interactions import PAIR_SCHEMA, superadditive_pairs
+from kvdiag.decisions.search import candidate, search
 from kvdiag.decisions.sets import (
     future_attention,
     greedy_sets,
     head_label_set,
     label_set,
+    mask_set,
     pack_set,
     protected_count,
     random_set,
@@ -51,7 +53,7 @@ DECISION_SCHEMA = {
     "js_mean": pl.Float64, "nll_delta": pl.Float64, "top1_flips": pl.Int64, "noise_floor": pl.Float64,
     "sum_single": pl.Float64, "evicted_positions": pl.List(pl.Int64), "evicted_heads": pl.List(pl.Int64),
     "cost_rows": pl.Int64, "cost_seconds": pl.Float64, "sample": pl.Int64, "draw_seed": pl.Int64,
-    "evicted_mask": pl.Binary,
+    "evicted_mask": pl.Binary, "search_start": pl.String, "search_improvement": pl.Float64,
 }
 STATUS = {"ok": "labeled", "nothing_evicted": "the budget keeps every entry: nothing is evicted (label 0)",
           "over_budget": "the rule protects more entries than the budget keeps: no decision (--infeasible skip)"}
@@ -232,28 +234,41 @@ def _decide_checkpoint(engine, fisher, lm, pid: str, t: int, scores: dict[str, t
                                   draw_seed=None))
     todo = [d for d in decisions if d["set"] is not None]
     res, noise = engine.label_sets(t, [d["set"] for d in todo], progress)
-    kl = res["kl"].double()
     for j, d in enumerate(todo):
-        d.update(kl_mean=float(kl[j].mean()), kl_max=float(kl[j].max()), kl_steps=kl[j].tolist(),
-                 js_mean=float(res["js"][j].double().mean()), nll_delta=float(res["nll_delta"][j].double().mean()),
-                 top1_flips=int(res["flips"][j]))
+        d["label"] = {key: val[j] for key, val in res.items()}
+    if "oracle_search" in refs:  # from the best labeled set of each budget, in the deterministic action space
+        for b, k in kept.items():
+            cands = [candidate(d["decision"], d["set"], d["label"], L, Hkv, t) for d in todo
+                     if d["budget"] == b and d["sample"] is None]
+            found = search(engine, t, cands, deterministic.per_token, cfg.search_rows, cfg.search_seconds)
+            evict = found.mask[0, 0].nonzero()[:, 0] if deterministic.per_token else mask_set(found.mask)
+            decisions.append(dict(decision="oracle_search", kind="reference", budget=b, kept=k, protected=0,
+                                  status="ok" if k < t else "nothing_evicted", set=evict, sample=None,
+                                  draw_seed=None, label=found.label, cost_rows=found.rows,
+                                  cost_seconds=found.seconds, search_start=found.start,
+                                  search_improvement=found.improvement))
     rows = []
     for d in decisions:
-        evict = d.pop("set")
+        evict, label = d.pop("set"), d.pop("label", None)
+        if label is not None:
+            kl = label["kl"].double()
+            d.update(kl_mean=float(kl.mean()), kl_max=float(kl.max()), kl_steps=kl.tolist(),
+                     js_mean=float(label["js"].double().mean()), nll_delta=float(label["nll_delta"].double().mean()),
+                     top1_flips=int(label["flips"]))
         token = evict is not None and evict.dim() == 1
         heads = torch.zeros(t, dtype=torch.long)
         if evict is not None:
             full = evict.expand(L, Hkv, -1) if token else evict
+            full = full[full >= 0]  # a per-head set's padding
             heads.index_add_(0, full.reshape(-1), torch.ones(full.numel(), dtype=torch.long))
-        greedy = d["decision"] == "oracle_greedy" and greedy_cost is not None
+        if d["decision"] == "oracle_greedy" and greedy_cost is not None:
+            d.update(cost_rows=greedy_cost["rows"], cost_seconds=greedy_cost["seconds"])
         rows.append({
             "prompt_id": pid, "checkpoint": t, **d, "evicted": t - d["kept"],
             "selection": str(cfg.selection if d["sample"] is not None else deterministic),
             "horizon": cfg.horizon, "noise_floor": noise,
             "sum_single": float(singles[evict].sum()) if token and singles is not None else None,
             "evicted_positions": evict.tolist() if token else None, "evicted_heads": heads.tolist(),
-            "cost_rows": greedy_cost["rows"] if greedy else None,
-            "cost_seconds": greedy_cost["seconds"] if greedy else None,
             "evicted_mask": pack_set(evict, L, Hkv, t) if evict is not None else None,
         })
     table = pl.DataFrame(rows, schema=DECISION_SCHEMA)
