@@ -23,9 +23,10 @@ MODELS = ["tiny:llama", "tiny:qwen3", "tiny:gemma3"]  # gemma3: sliding layers (
 
 
 def config(**kw) -> DecisionsConfig:
-    base = dict(budgets=(Budget("keep", 0.5), Budget("keep", 0.25)), horizon=HORIZON, n_boot=20, pairs=0,
-                batch_size=8, references=("fast", "random", "future_attention", "oracle_search"), selection="per-head",
-                search_rows=64, search_seconds=0)
+    # budget:5 is below a tiny gemma3 sliding layer's 7 visible entries: its window budget binds
+    base = dict(budgets=(Budget("keep", 0.5), Budget("keep", 0.25), Budget("budget", 5)), horizon=HORIZON,
+                n_boot=20, pairs=0, batch_size=8, selection="per-head", search_rows=64, search_seconds=0,
+                references=("fast", "random", "future_attention", "oracle_search"))
     return DecisionsConfig(**{**base, **kw})
 
 
@@ -98,21 +99,26 @@ def dense_future(trace, pid: str, t: int, window: int) -> torch.Tensor:
 
 
 def test_future_attention_keeps_what_the_future_reads_most(decided):
-    """Per (layer, KV head), every kept entry draws at least as much future attention (written out independently
-    here, fp64 against the stage's fp32 sums: 1e-5 abs) as every evicted one."""
+    """Per (layer, KV head), every kept entry it still sees (a sliding layer: inside its window) draws at least as
+    much future attention (written out independently here, fp64 against the stage's fp32 sums: 1e-5 abs) as every
+    evicted one."""
     trace, df = decided["trace"], decided["df"]
     pid = trace.prompt_ids[0]
     L, Hkv = trace.num_layers, trace.num_kv_heads
     rows = df.filter((pl.col("decision") == "future_attention") & (pl.col("status") == "ok"))
-    assert rows.height == 4 and (rows["kind"] == "reference").all()
+    assert rows.height == 6 and (rows["kind"] == "reference").all()
     for row in rows.iter_rows(named=True):
         t = row["checkpoint"]
         att = dense_future(trace, pid, t, HORIZON)
         mask = unpack_set(row["evicted_mask"], L, Hkv, t)
         for l in range(L):
+            w = trace.layer_attention(l).window
+            seen = torch.arange(t) > t - w if w is not None else torch.ones(t, dtype=torch.bool)
             for h in range(Hkv):
-                kept, gone = att[l, h][~mask[l, h]], att[l, h][mask[l, h]]
-                assert kept.min() >= gone.max() - 1e-5, (row["decision"], row["budget"], l, h)
+                kept, gone = att[l, h][~mask[l, h] & seen], att[l, h][mask[l, h]]
+                assert kept.numel() == min(row["kept"], int(seen.sum()))
+                if gone.numel():
+                    assert kept.min() >= gone.max() - 1e-5, (row["decision"], row["budget"], l, h)
 
 
 def invariant(df: pl.DataFrame) -> int:
@@ -169,3 +175,27 @@ def test_the_soft_mask_forward_is_exact_at_a_binary_mask(decided):
         if window is not None:
             assert (g[l, :, : t - window + 1] == 0).all()
             assert (g[l, :, t - window + 1 :] != 0).any()
+
+
+def test_a_sliding_layers_budget_counts_only_what_it_still_sees(decided):
+    """Gemma 3's sliding layers (window 8): every per-head set evicts only entries the layer's queries still see and
+    keeps min(B, visible) of them (oracle_search: at most B); full layers keep B of [0, t)."""
+    trace, df = decided["trace"], decided["df"]
+    L, Hkv = trace.num_layers, trace.num_kv_heads
+    windows = [trace.layer_attention(l).window for l in range(L)]
+    if all(w is None for w in windows):
+        pytest.skip("no sliding layer")
+    binds = 0
+    for row in df.filter(pl.col("status") == "ok").iter_rows(named=True):
+        t, B = row["checkpoint"], row["kept"]
+        mask = unpack_set(row["evicted_mask"], L, Hkv, t)
+        for l, w in enumerate(windows):
+            seen = torch.arange(t) > t - w if w is not None else torch.ones(t, dtype=torch.bool)
+            assert not (mask[l][:, ~seen]).any(), (row["decision"], l)
+            kept = (~mask[l] & seen).sum(-1)
+            if row["decision"] == "oracle_search":
+                assert (kept <= B).all(), (row["decision"], l)
+            else:
+                assert (kept == min(B, int(seen.sum()))).all(), (row["decision"], row["budget"], l, kept)
+                binds += w is not None and B < int(seen.sum()) and bool(mask[l].any())
+    assert binds > 0  # some sliding layer evicted inside its window

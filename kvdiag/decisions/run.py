@@ -27,7 +27,7 @@ import torch
 
 from kvdiag.decisions.config import RANDOM_REFERENCE, DecisionsConfig
 from kvdiag.decisions.interactions import PAIR_SCHEMA, superadditive_pairs
-from kvdiag.decisions.search import candidate, search
+from kvdiag.decisions.search import candidate, search, visible_entries
 from kvdiag.decisions.sets import (
     future_attention,
     greedy_sets,
@@ -183,6 +183,8 @@ def _decide_checkpoint(engine, fisher, lm, pid: str, t: int, scores: dict[str, t
     kept = {b.name: b.entries(t) for b in cfg.budgets}
     stochastic = cfg.selection.stochastic
     deterministic = cfg.selection.deterministic  # what the references and the comparison use
+    visible = visible_entries(engine, t)  # [L, t]: a sliding layer's budget counts only what it still sees
+    window = None if bool(visible.all()) or deterministic.per_token else visible
     decisions: list[dict] = []  # one per set row: its fields, its set
     for name, values in scores.items():
         rule = rules.get(name)
@@ -190,7 +192,7 @@ def _decide_checkpoint(engine, fisher, lm, pid: str, t: int, scores: dict[str, t
         protected = rule.protected(t - torch.arange(t), torch.arange(t)) if rule is not None else None
         for b, k in kept.items():
             status = "over_budget" if n_prot > k else ("nothing_evicted" if k >= t else "ok")
-            evict = rule_set(values, k, deterministic) if status != "over_budget" else None
+            evict = rule_set(values, k, deterministic, visible=window) if status != "over_budget" else None
             decisions.append(dict(decision=name, kind="rule", budget=b, kept=k, protected=n_prot, status=status,
                                   set=evict, sample=None, draw_seed=None))
             for draw in range(cfg.samples if stochastic else 0):  # seeded draws: the same whatever else runs
@@ -212,17 +214,18 @@ def _decide_checkpoint(engine, fisher, lm, pid: str, t: int, scores: dict[str, t
                 est = a.double().sum((1, 2)).pow(2).mean(0)  # [t]: a token row sums its cells' effects
                 evict = label_set(est, k)
             else:
-                evict = head_label_set(a.double().pow(2).mean(0), k)  # [L, Hkv, t]: each cell's own estimate
+                evict = head_label_set(a.double().pow(2).mean(0), k, window)  # [L, Hkv, t]: each cell's own
             decisions.append(dict(decision="fast", kind="reference", budget=b, kept=k, protected=0,
                                   status="ok" if k < t else "nothing_evicted", set=evict, sample=None, draw_seed=None))
     if future is not None:  # [L, Hkv, t]: keep what the future queries read most
         for b, k in kept.items():
-            evict = label_set(future.sum((0, 1)), k) if deterministic.per_token else head_label_set(future, k)
+            evict = (label_set(future.sum((0, 1)), k) if deterministic.per_token
+                     else head_label_set(future, k, window))
             decisions.append(dict(decision="future_attention", kind="reference", budget=b, kept=k, protected=0,
                                   status="ok" if k < t else "nothing_evicted", set=evict, sample=None, draw_seed=None))
     if "random" in refs:
         for b, k in kept.items():
-            evict = random_set(t, k, deterministic, L, Hkv, cfg.seed, pid)
+            evict = random_set(t, k, deterministic, L, Hkv, cfg.seed, pid, window)
             decisions.append(dict(decision=RANDOM_REFERENCE, kind="reference", budget=b, kept=k, protected=0,
                                   status="ok" if k < t else "nothing_evicted", set=evict, sample=None, draw_seed=None))
     greedy_cost = None
@@ -240,7 +243,7 @@ def _decide_checkpoint(engine, fisher, lm, pid: str, t: int, scores: dict[str, t
         for b, k in kept.items():
             cands = [candidate(d["decision"], d["set"], d["label"], L, Hkv, t) for d in todo
                      if d["budget"] == b and d["sample"] is None]
-            found = search(engine, t, cands, deterministic.per_token, cfg.search_rows, cfg.search_seconds)
+            found = search(engine, t, cands, deterministic.per_token, cfg.search_rows, cfg.search_seconds, visible)
             evict = found.mask[0, 0].nonzero()[:, 0] if deterministic.per_token else mask_set(found.mask)
             decisions.append(dict(decision="oracle_search", kind="reference", budget=b, kept=k, protected=0,
                                   status="ok" if k < t else "nothing_evicted", set=evict, sample=None,

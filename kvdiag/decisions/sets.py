@@ -19,15 +19,28 @@ from kvdiag.selection import Selection, evicted_slots, select_keep, top_slots
 
 
 def rule_set(scores: torch.Tensor, kept: int, selection: Selection | str, protected: torch.Tensor | None = None,
-             generator: torch.Generator | None = None) -> torch.Tensor:
+             generator: torch.Generator | None = None, visible: torch.Tensor | None = None) -> torch.Tensor:
     """The entries a rule evicts keeping ``kept`` of each (layer, KV head): scores [L, Hkv, t] (higher = keep) ->
     [E] for ``per-token`` selection, [L, Hkv, E] for ``per-head`` and ``stochastic`` (E = t - kept; ``protected [t]``
-    and ``generator``: the stochastic draw's); ties keep the newer entry."""
+    and ``generator``: the stochastic draw's); ties keep the newer entry. ``visible [L, t]`` (per-head only): a
+    sliding layer's budget counts only the entries its queries can still see (:func:`window_set`)."""
     L, _, t = scores.shape
     selection = Selection.parse(selection)
+    if visible is not None and not selection.per_token and not selection.stochastic:
+        return window_set(scores, kept, visible)
     keep = select_keep(list(scores), kept, selection, protected, generator)
     evicted = evicted_slots(keep, t)
     return evicted[0, 0] if selection.per_token else evicted
+
+
+def window_set(values: torch.Tensor, kept: int, visible: torch.Tensor) -> torch.Tensor:
+    """[L, Hkv, E] (``-1`` padded): per (layer, KV head), the entries it can see (``visible [L, t]``) beyond the
+    ``kept`` largest of them in ``values [L, Hkv, t]``; ties keep the newer entry. An entry outside a sliding
+    layer's window is neither kept nor evicted: a real cache of that layer no longer holds it (its label is the
+    same either way), so it does not spend the budget."""
+    masked = values.double().masked_fill(~visible[:, None, :], float("-inf"))
+    keep = torch.zeros(values.shape, dtype=torch.bool).scatter_(-1, top_slots(masked, kept), True)
+    return mask_set(~keep & visible[:, None, :])
 
 
 def label_set(values: torch.Tensor, kept: int) -> torch.Tensor:
@@ -37,18 +50,24 @@ def label_set(values: torch.Tensor, kept: int) -> torch.Tensor:
     return evicted_slots(top_slots(values, kept)[None, None], t)[0, 0]
 
 
-def head_label_set(values: torch.Tensor, kept: int) -> torch.Tensor:
-    """[L, Hkv, E]: per (layer, KV head), the entries evicted keeping its ``kept`` largest ``values [L, Hkv, t]``."""
+def head_label_set(values: torch.Tensor, kept: int, visible: torch.Tensor | None = None) -> torch.Tensor:
+    """[L, Hkv, E]: per (layer, KV head), the entries evicted keeping its ``kept`` largest ``values [L, Hkv, t]``
+    (``visible [L, t]``: within a sliding layer's window, :func:`window_set`)."""
+    if visible is not None:
+        return window_set(values, kept, visible)
     return evicted_slots(top_slots(values, kept), values.shape[-1])
 
 
 def random_set(t: int, kept: int, selection: Selection, num_layers: int, num_kv_heads: int, seed: int,
-               key: str) -> torch.Tensor:
-    """A seeded uniform random set (per head: one draw per layer and KV head), the same for every run of the same
-    ``(seed, key, t)``, whatever else is computed."""
+               key: str, visible: torch.Tensor | None = None) -> torch.Tensor:
+    """A seeded uniform random set (per head: one draw per layer and KV head; ``visible [L, t]``: uniform among the
+    entries a sliding layer still sees, :func:`window_set`), the same for every run of the same ``(seed, key, t)``,
+    whatever else is computed."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{key}:{t}".encode()))
     if selection.per_token:
         return torch.randperm(t, generator=gen)[: t - kept].sort().values
+    if visible is not None:
+        return window_set(torch.rand(num_layers, num_kv_heads, t, generator=gen, dtype=torch.float64), kept, visible)
     draws = torch.stack([torch.randperm(t, generator=gen)[: t - kept] for _ in range(num_layers * num_kv_heads)])
     return draws.sort(-1).values.view(num_layers, num_kv_heads, t - kept)
 
