@@ -199,3 +199,27 @@ def test_a_sliding_layers_budget_counts_only_what_it_still_sees(decided):
                 assert (kept == min(B, int(seen.sum()))).all(), (row["decision"], row["budget"], l, kept)
                 binds += w is not None and B < int(seen.sum()) and bool(mask[l].any())
     assert binds > 0  # some sliding layer evicted inside its window
+
+
+def test_summary_states_the_headroom_against_oracle_search(decided):
+    """Per budget: best rule / oracle_search per prompt (geometric mean with its CI, median, wins: none, by
+    construction), the exact sign test, every rule's own ratio, the search's effort; references labeled by space."""
+    from kvdiag.decisions.summary import summarize_files
+
+    if decided["lm"].spec != "tiny:llama":
+        pytest.skip("one model is enough for the summary")
+    out = decided["root"] / "out"
+    res = summarize_files(out)
+    head = pl.read_csv(out / "headroom.csv")
+    assert set(head["rule"]) == set(RULES) and head["best"].sum() == 3  # one best rule per budget
+    assert (head["ratio_below_one"] == 0).all() and (head["ratio_geomean"] >= 1 - 1e-12).all()
+    assert (head["test"] == "sign").all() and (head["n"] == 2).all()
+    for budget, h in res["headline"]["budgets"].items():
+        c = h["search_headroom"]
+        assert c["a"] == h["best_rule"] and c["b"] == "oracle_search" and c["ratios"]["below"] == 0, budget
+        assert h["space"] == "per-head"
+    cost = pl.read_csv(out / "search.csv")
+    assert cost.height == 3 and (cost["rows_median"] <= 64).all()
+    text = (out / "summary.md").read_text()
+    assert "## Headroom against oracle_search" in text and "chosen (least mean damage) on these same" in text
+    assert "oracle_search (ref) [per-head]" in text and "future_attention (ref) [per-head]" in text
