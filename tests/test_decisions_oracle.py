@@ -223,3 +223,23 @@ def test_summary_states_the_headroom_against_oracle_search(decided):
     text = (out / "summary.md").read_text()
     assert "## Headroom against oracle_search" in text and "chosen (least mean damage) on these same" in text
     assert "oracle_search (ref) [per-head]" in text and "future_attention (ref) [per-head]" in text
+
+
+def test_bench_decisions_reports_rows_seconds_and_improvement(tmp_path):
+    """``kvdiag bench decisions`` on tiny:llama: per budget and effort, at most the rows allowed, never worse than the
+    best candidate (the same exact rows on both sides: 1e-12 nats), the candidates it started from."""
+    from kvdiag.cli.main import main
+
+    out = tmp_path / "bench.json"
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "decisions", "--model", "tiny:llama", "--prefix", "40", "--horizon", "4", "--keep", "0.5,0.25",
+              "--search-rows", "24", "--scale", "2", "--out", str(out)])
+    assert exc.value.code in (0, None)
+    import json
+
+    res = json.loads(out.read_text())
+    assert [(r["keep"], r["effort"]) for r in res["rows"]] == [(0.5, 1), (0.5, 2), (0.25, 1), (0.25, 2)]
+    for r in res["rows"]:
+        assert 0 < r["rows"] <= r["rows_limit"] == 24 * r["effort"]
+        assert r["kl"] <= min(r["candidates"].values()) + 1e-12 and r["start_kl"] == min(r["candidates"].values())
+        assert {"fast", "future_attention", "snapkv"} <= set(r["candidates"])

@@ -215,18 +215,17 @@ def _recombine(judge: _Judge, others: list[Candidate]) -> None:
 
 
 def _swaps(judge: _Judge, visible: torch.Tensor) -> None:
-    """Move 2: gradient-proposed swaps, a batch per round, until no batch improves twice in a row or the effort is
-    spent."""
+    """Move 2: gradient-proposed swaps, a batch per round, until the effort is spent or every proposal was tried
+    (a tried swap is not proposed again)."""
     batch = judge.engine.batch_size
     tried: set[tuple] = set()
-    failures = 0
-    while failures < 2 and judge.left() > 0:
+    while judge.left() > 0:
         cur = judge.best.mask
         g, _ = mask_gradient(judge.engine, judge.t, cur)
-        proposals = _proposals(g, cur, visible, judge.per_token, tried)
+        n = min(batch, judge.left())
+        proposals = _proposals(g, cur, visible, judge.per_token, tried, n)
         if not proposals:
             return
-        n = min(batch, judge.left())
         singles = proposals[: max(1, n - n // 3)]
         masks = [_apply(cur, [p], judge.per_token) for p in singles]
         k = 2
@@ -234,39 +233,34 @@ def _swaps(judge: _Judge, visible: torch.Tensor) -> None:
             masks.append(_apply(cur, _distinct(proposals, k), judge.per_token))
             k *= 2
         tried.update(p[1:] for p in singles)
-        before = judge.kl
         judge.label(masks)
-        failures = 0 if judge.kl < before else failures + 1
 
 
-def _proposals(g: torch.Tensor, cur: torch.Tensor, visible: torch.Tensor, per_token: bool,
-               tried: set[tuple]) -> list[tuple]:
-    """Swaps (predicted change, cell, drop, restore), most promising first: per cell the kept visible entry with the
-    largest ``g`` (dropping it lowers the KL by about ``g``) and the evicted visible entry with the smallest ``g``
-    (restoring it changes the KL by about ``g``), and their runners-up. Per-token: ``g`` summed over cells."""
-    L, Hkv, t = cur.shape
+def _proposals(g: torch.Tensor, cur: torch.Tensor, visible: torch.Tensor, per_token: bool, tried: set[tuple],
+               want: int) -> list[tuple]:
+    """Swaps (predicted change, cell, drop, restore), most promising first: per cell the kept visible entries with the
+    largest ``g`` (dropping one lowers the KL by about its ``g``) against the evicted visible ones with the smallest
+    (restoring one changes it by about its ``g``), the top ``d`` of each, ``d`` doubling until ``want`` untried swaps
+    are found or the cell has no more. Per-token: ``g`` summed over cells."""
+    t = cur.shape[-1]
     if per_token:
         g, cur, visible = g.sum((0, 1))[None, None], cur[:1, :1], visible.any(0)[None]
-    kept = ~cur & visible[:, None]
-    gone = cur & visible[:, None]
-    drop_g = torch.where(kept, g, float("-inf"))
-    back_g = torch.where(gone, g, float("inf"))
-    depth = 2
-    drops = drop_g.topk(min(depth, t), -1)
-    backs = back_g.topk(min(depth, t), -1, largest=False)
-    out = []
-    for l in range(cur.shape[0]):
-        for h in range(cur.shape[1]):
-            for a in range(drops.values.shape[-1]):
-                for b in range(backs.values.shape[-1]):
-                    dv, bv = float(drops.values[l, h, a]), float(backs.values[l, h, b])
-                    if dv == float("-inf") or bv == float("inf"):
-                        continue
-                    p = (bv - dv, (l, h), int(drops.indices[l, h, a]), int(backs.indices[l, h, b]))
-                    if p[1:] not in tried:
-                        out.append(p)
+    drop_g = torch.where(~cur & visible[:, None], g, float("-inf"))
+    back_g = torch.where(cur & visible[:, None], g, float("inf"))
+    depth, out = 2, []
+    while True:
+        d = min(depth, t)
+        drops, backs = drop_g.topk(d, -1), back_g.topk(d, -1, largest=False)
+        change = backs.values[..., None, :] - drops.values[..., :, None]  # [L, Hkv, d, d]: restore b, drop a
+        ok = torch.isfinite(change)
+        out = [(float(change[l, h, a, b]), (l, h), int(drops.indices[l, h, a]), int(backs.indices[l, h, b]))
+               for l, h, a, b in ok.nonzero().tolist()]
+        out = [p for p in out if p[1:] not in tried]
+        if len(out) >= want or d == t:
+            break
+        depth *= 2
     out.sort(key=lambda p: p[0])
-    return [p for p in out if p[0] < 0] or out[:1]
+    return out
 
 
 def _distinct(proposals: list[tuple], k: int) -> list[tuple]:
