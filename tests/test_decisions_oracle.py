@@ -243,3 +243,42 @@ def test_bench_decisions_reports_rows_seconds_and_improvement(tmp_path):
         assert 0 < r["rows"] <= r["rows_limit"] == 24 * r["effort"]
         assert r["kl"] <= min(r["candidates"].values()) + 1e-12 and r["start_kl"] == min(r["candidates"].values())
         assert {"fast", "future_attention", "snapkv"} <= set(r["candidates"])
+
+
+def test_cli_runs_both_references_with_a_window_to_the_end(decided):
+    """``kvdiag decisions --references future_attention,oracle_search --future-window rest``: both rows at every
+    (checkpoint, budget), the settings recorded, future_attention reading every later query of the prompt."""
+    from kvdiag.cli.main import main
+    from kvdiag.decisions.sets import head_label_set
+    from kvdiag.io import read_json, write_table
+
+    if decided["lm"].spec != "tiny:llama":
+        pytest.skip("one model is enough for the CLI")
+    root, trace = decided["root"], decided["trace"]
+    scores = write_table(decided["scores"], root / "scores.parquet", decided["meta"])
+    out = root / "cli"
+    with pytest.raises(SystemExit) as exc:
+        main(["decisions", "--trace", str(trace.path), "--scores", str(scores), "--keep", "0.25", "--horizon",
+              str(HORIZON), "--references", "future_attention,oracle_search", "--future-window", "rest",
+              "--search-rows", "16", "--search-seconds", "30", "--pairs", "0", "--bootstrap", "20", "--quiet",
+              "--out", str(out)])
+    assert exc.value.code in (0, None)
+    df = read_table(out / "decisions.parquet")[0]
+    refs = df.filter(pl.col("kind") == "reference")
+    assert sorted(set(refs["decision"])) == ["future_attention", "oracle_search"] and refs.height == 4
+    cfg = read_json(out / "config.json")["config"]
+    assert cfg["future_window"] == "rest" and cfg["search_rows"] == 16 and cfg["search_seconds"] == 30
+    assert (refs.filter(pl.col("decision") == "oracle_search")["cost_rows"] <= 16).all()
+    pid = trace.prompt_ids[0]
+    L, Hkv = trace.num_layers, trace.num_kv_heads
+    for row in refs.filter(pl.col("decision") == "future_attention").iter_rows(named=True):
+        t = row["checkpoint"]
+        rest = trace.length(pid) - t
+        assert rest > HORIZON
+        att = dense_future(trace, pid, t, rest)  # every later query, written out (fp64 against fp32: 1e-5)
+        mask = unpack_set(row["evicted_mask"], L, Hkv, t)
+        for l in range(L):
+            for h in range(Hkv):
+                assert att[l, h][~mask[l, h]].min() >= att[l, h][mask[l, h]].max() - 1e-5, (t, l, h)
+        horizon_only = dense_future(trace, pid, t, HORIZON)
+        assert not torch.equal(mask_set(mask), head_label_set(horizon_only, row["kept"]))  # the window mattered
