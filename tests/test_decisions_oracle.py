@@ -243,6 +243,9 @@ def test_bench_decisions_reports_rows_seconds_and_improvement(tmp_path):
         assert 0 < r["rows"] <= r["rows_limit"] == 24 * r["effort"]
         assert r["kl"] <= min(r["candidates"].values()) + 1e-12 and r["start_kl"] == min(r["candidates"].values())
         assert {"fast", "future_attention", "snapkv"} <= set(r["candidates"])
+        moves = r["moves"].values()
+        assert sum(m["rows"] for m in moves) == r["rows"]  # every row is one move's
+        assert sum(m["gain"] for m in moves) == pytest.approx(r["improvement"], abs=1e-12)
 
 
 def test_cli_runs_both_references_with_a_window_to_the_end(decided):

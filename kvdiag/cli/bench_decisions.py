@@ -51,11 +51,13 @@ def bench_decisions(
                            str(cfg.selection))
     table = Table(title=f"oracle_search on {lm.spec} at t = {prefix} (H = {horizon}, {cfg.selection}; candidates "
                         f"built in {res['setup_seconds']:.1f} s)")
-    for col in ("keep", "effort", "rows", "seconds", "start", "start kl", "search kl", "improvement", "relative"):
+    for col in ("keep", "effort", "rows", "seconds", "start", "start kl", "search kl", "improvement", "relative",
+                "recombine: rows, gain", "swaps: rows, gain"):
         table.add_column(col, justify="left" if col == "start" else "right")
     for r in res["rows"]:
         table.add_row(f"{r['keep']:g}", f"{r['effort']}x", str(r["rows"]), f"{r['seconds']:.1f}", r["start"],
-                      f"{r['start_kl']:.4g}", f"{r['kl']:.4g}", f"{r['improvement']:.3g}", f"{r['relative']:.1%}")
+                      f"{r['start_kl']:.4g}", f"{r['kl']:.4g}", f"{r['improvement']:.3g}", f"{r['relative']:.1%}",
+                      *(f"{r['moves'][m]['rows']}, {r['moves'][m]['gain']:.3g}" for m in ("recombine", "swaps")))
     Console().print(table)
     if out is not None:
         from pathlib import Path

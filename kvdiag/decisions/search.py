@@ -126,6 +126,7 @@ class Searched:
     start_kl: float
     rows: int
     seconds: float
+    moves: dict  # move -> {"rows": set rows it labeled, "gain": nats of kl_mean it took off}
 
     @property
     def improvement(self) -> float:
@@ -140,6 +141,7 @@ class _Judge:
         self.best = start
         self.kl = float(start.label["kl"].double().mean())
         self.rows, self.max_rows, self.began, self.max_seconds = 0, rows, time.perf_counter(), seconds
+        self.moves = {"recombine": {"rows": 0, "gain": 0.0}, "swaps": {"rows": 0, "gain": 0.0}}
 
     def left(self) -> int:
         """Rows still allowed (0 once the time is up)."""
@@ -147,15 +149,17 @@ class _Judge:
             return 0
         return self.max_rows - self.rows
 
-    def label(self, masks: list[torch.Tensor]) -> torch.Tensor:
-        """[N] exact joint kl_mean of ``masks``; the best of them replaces the current set if it is lower."""
+    def label(self, masks: list[torch.Tensor], move: str) -> torch.Tensor:
+        """[N] exact joint kl_mean of ``masks`` (rows of ``move``); the best replaces the current set if lower."""
         sets = [mask[0, 0].nonzero()[:, 0] if self.per_token else mask_set(mask) for mask in masks]
         res, _ = self.engine.label_sets(self.t, sets)
         self.rows += len(masks)
+        self.moves[move]["rows"] += len(masks)
         kl = res["kl"].double().mean(1)
         j = int(kl.argmin())
         if float(kl[j]) < self.kl - max(ACCEPT_ABS, ACCEPT_REL * self.kl):
             self.best = Candidate("oracle_search", masks[j], {key: val[j] for key, val in res.items()})
+            self.moves[move]["gain"] += self.kl - float(kl[j])
             self.kl = float(kl[j])
         return kl
 
@@ -174,7 +178,7 @@ def search(engine, t: int, candidates: list[Candidate], per_token: bool, rows: i
         _recombine(judge, ranked[1:])
     _swaps(judge, visible)
     return Searched(judge.best.mask, judge.best.label, start.name, float(start.label["kl"].double().mean()),
-                    judge.rows, round(time.perf_counter() - began, 3))
+                    judge.rows, round(time.perf_counter() - began, 3), judge.moves)
 
 
 def _recombine(judge: _Judge, others: list[Candidate]) -> None:
@@ -195,7 +199,7 @@ def _recombine(judge: _Judge, others: list[Candidate]) -> None:
             m[l, h] = cand.mask[l, h]
             masks.append(m)
         before = judge.kl
-        kl = judge.label(masks)
+        kl = judge.label(masks, "recombine")
         if judge.kl < before:  # a single cell already improved: the rows below compare with the new set
             return _recombine(judge, others) if judge.rows < share else None
         for (l, h), value in zip(todo, (before - kl).tolist(), strict=True):
@@ -211,7 +215,7 @@ def _recombine(judge: _Judge, others: list[Candidate]) -> None:
             m[l, h] = source[(l, h)]
         masks.append(m)
         n //= 2
-    judge.label(masks)
+    judge.label(masks, "recombine")
 
 
 def _swaps(judge: _Judge, visible: torch.Tensor) -> None:
@@ -233,7 +237,7 @@ def _swaps(judge: _Judge, visible: torch.Tensor) -> None:
             masks.append(_apply(cur, _distinct(proposals, k), judge.per_token))
             k *= 2
         tried.update(p[1:] for p in singles)
-        judge.label(masks)
+        judge.label(masks, "swaps")
 
 
 def _proposals(g: torch.Tensor, cur: torch.Tensor, visible: torch.Tensor, per_token: bool, tried: set[tuple],
