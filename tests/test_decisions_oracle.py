@@ -285,3 +285,18 @@ def test_cli_runs_both_references_with_a_window_to_the_end(decided):
                 assert att[l, h][~mask[l, h]].min() >= att[l, h][mask[l, h]].max() - 1e-5, (t, l, h)
         horizon_only = dense_future(trace, pid, t, HORIZON)
         assert not torch.equal(mask_set(mask), head_label_set(horizon_only, row["kept"]))  # the window mattered
+
+
+def test_oracle_search_without_any_labeled_candidate_says_so(decided):
+    """Every rule over the budget (--infeasible skip) and no other reference: oracle_search has nothing to start from
+    and records ``no_candidate`` with no label, not a made-up set."""
+    if decided["lm"].spec != "tiny:llama":
+        pytest.skip("one model is enough")
+    cfg = config(budgets=(Budget("budget", 1),), references=("oracle_search",), infeasible="skip",
+                 rules=("streamingllm",))
+    out = decide(decided["trace"], decided["lm"], decided["scores"], decided["meta"], decided["root"] / "none", cfg,
+                 show_progress=False)
+    df = read_table(out / "decisions.parquet")[0]
+    assert set(df.filter(pl.col("decision") == "streamingllm")["status"]) == {"over_budget"}
+    found = df.filter(pl.col("decision") == "oracle_search")
+    assert found.height == 2 and set(found["status"]) == {"no_candidate"} and found["kl_mean"].is_null().all()

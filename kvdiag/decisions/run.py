@@ -56,7 +56,8 @@ DECISION_SCHEMA = {
     "evicted_mask": pl.Binary, "search_start": pl.String, "search_improvement": pl.Float64,
 }
 STATUS = {"ok": "labeled", "nothing_evicted": "the budget keeps every entry: nothing is evicted (label 0)",
-          "over_budget": "the rule protects more entries than the budget keeps: no decision (--infeasible skip)"}
+          "over_budget": "the rule protects more entries than the budget keeps: no decision (--infeasible skip)",
+          "no_candidate": "oracle_search had no labeled set of that budget to start from (every rule over budget)"}
 
 
 # --------------------------------------------------------------------------- inputs
@@ -243,6 +244,10 @@ def _decide_checkpoint(engine, fisher, lm, pid: str, t: int, scores: dict[str, t
         for b, k in kept.items():
             cands = [candidate(d["decision"], d["set"], d["label"], L, Hkv, t) for d in todo
                      if d["budget"] == b and d["sample"] is None]
+            if not cands:
+                decisions.append(dict(decision="oracle_search", kind="reference", budget=b, kept=k, protected=0,
+                                      status="no_candidate", set=None, sample=None, draw_seed=None))
+                continue
             found = search(engine, t, cands, deterministic.per_token, cfg.search_rows, cfg.search_seconds, visible)
             evict = found.mask[0, 0].nonzero()[:, 0] if deterministic.per_token else mask_set(found.mask)
             decisions.append(dict(decision="oracle_search", kind="reference", budget=b, kept=k, protected=0,
