@@ -621,6 +621,25 @@ CASES: list[tuple[str, list[str], str]] = [
     ("score-plugin-returns-list", ["score", "--trace", "{trace}", "--labels", "{labels}", "--plugin",
                                    "{plugin_returns_list}", "--scorers", "listy", "--out", "{out}/s.parquet"],
      "returned a list, not a torch.Tensor"),
+    # ---- decisions' searched references (issue #41)
+    ("decisions-search-rows-0", ["decisions", "--trace", "{trace}", "--scores", "{head_scores}", "--keep", "0.5",
+                                 "--references", "oracle_search", "--search-rows", "0", "--out", "{out}"],
+     "--search-rows 0"),
+    ("decisions-search-seconds-negative", ["decisions", "--trace", "{trace}", "--scores", "{head_scores}", "--keep",
+                                           "0.5", "--references", "oracle_search", "--search-seconds", "-1", "--out",
+                                           "{out}"], "--search-seconds -1"),
+    ("decisions-future-window-0", ["decisions", "--trace", "{trace}", "--scores", "{head_scores}", "--keep", "0.5",
+                                   "--references", "future_attention", "--future-window", "0", "--out", "{out}"],
+     "--future-window 0"),
+    ("decisions-future-window-past", ["decisions", "--trace", "{trace}", "--scores", "{head_scores}", "--keep", "0.5",
+                                      "--references", "future_attention", "--future-window", "100000", "--out",
+                                      "{out}"], "later tokens"),
+    ("decisions-search-no-head-scores", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5",
+                                         "--references", "oracle_search", "--out", "{out}"],
+     "oracle_search starts from every rule's set"),
+    ("decisions-future-no-queries", ["decisions", "--trace", "{trace_kv}", "--scores", "{head_scores}", "--keep",
+                                     "0.5", "--references", "future_attention", "--out", "{out}"],
+     "future_attention reads the Trace's stored queries"),
 ]
 
 PLUGINS = {  # file name -> source; line numbers matter (the messages name them)
@@ -695,11 +714,14 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
             "score", "--trace", str(trace.path), "--labels", str(labels), "--scorers", "attention,knorm", "--out",
             str(scores),
         ],
+        ["score", "--trace", str(trace.path), "--checkpoints", "every:16", "--granularity", "head", "--scorers",
+         "knorm", "--out", str(root / "run" / "head-scores.parquet")],
     ):
         with pytest.raises(SystemExit) as exc:
             main(argv)
         assert exc.value.code == 0
-    p = {"trace": str(trace.path), "labels": str(labels), "scores": str(scores), "run": str(root / "run")}
+    p = {"trace": str(trace.path), "labels": str(labels), "scores": str(scores), "run": str(root / "run"),
+         "head_scores": str(root / "run" / "head-scores.parquet")}
     (root / "file").write_text("a regular file\n")
     p["file"] = str(root / "file")
     (root / "empty").mkdir()
@@ -753,6 +775,13 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
             f.write_bytes(f.read_bytes()[:200])
 
     p["trace_bad_layer"] = broken_trace("t-layer", truncate_layer)
+
+    def keys_only(d: Path) -> None:  # the manifest of a --store kv Trace: no queries on disk
+        manifest = json.loads((d / "manifest.json").read_text())
+        manifest["store"] = {"mode": "kv", "layers": list(range(manifest["num_layers"]))}
+        (d / "manifest.json").write_text(json.dumps(manifest))
+
+    p["trace_kv"] = broken_trace("t-kv", keys_only)
     (root / "number.jsonl").write_text('{"problem": 42}\n')
     p["number_jsonl"] = str(root / "number.jsonl")
     (root / "plugins").mkdir()
