@@ -1,12 +1,17 @@
-"""The builtin task suites: seeded and deterministic, graded by code, refused in one line when misnamed; the
-recall suite is solved by the embedded SmolLM2 at FullKV (the README states the measured accuracy)."""
+"""The builtin task suites: seeded and deterministic, graded by code, component by component, refused in one line
+when misnamed or too long for the generation; the recall suite is solved by the embedded SmolLM2 at FullKV (the
+README states the measured accuracy)."""
 
 from __future__ import annotations
 
+import numpy as np
+import polars as pl
 import pytest
+from scipy.stats import binomtest
 
 from kvdiag.errors import UserError
 from kvdiag.prompts import Prompt, encode_prompt, load_prompts, recall_prompts
+from kvdiag.suites import SUITES, answer_tokens, check_generation_room, grade, keys_prompts, min_tokens
 from tests.conftest import needs_smollm2
 
 
@@ -33,7 +38,9 @@ def test_recall_is_seeded_and_follows_its_length():
         ("builtin:recall:0", "positive integers"),
         ("builtin:recall:2:3:4", "positive integers"),
         ("builtin:arith:2:10", "no length knob"),
-        ("builtin:recall:2:5000", "outside builtin:recall"),
+        ("builtin:recall:2:20000", "outside builtin:recall"),
+        ("builtin:recall:2:5000", "more than the 4096 a builtin suite generates; use LENGTH <= "),
+        ("builtin:keys:2:3000", "more than the 4096 a builtin suite generates; use LENGTH <= "),
     ],
 )
 def test_bad_suite_names_the_source(source, fragment):
@@ -78,3 +85,98 @@ def test_smollm2_solves_recall_at_full_kv():
         run = decode(lm, encode_prompt(lm.tokenizer, p), None, max_new_tokens=80, prompt_id=p.prompt_id)
         text = lm.tokenizer.decode(run.token_ids[run.prompt_len:], skip_special_tokens=True).strip()
         assert run.stop == "eos" and text == p.answer
+
+
+# --------------------------------------------------------------------------- components
+
+
+def test_recall_components_grade_each_part():
+    p = recall_prompts(1, seed=1, length=5)[0]
+    code = p.answer.splitlines()[0].removeprefix("Code: ")
+    wrong = "1000" if code != "1000" else "1001"
+    suite = SUITES["recall"]
+    assert suite.task.name == "recalled" and suite.component("format").role == "format"
+    cases = {  # generation -> (copied, counted, recalled, format)
+        p.answer: (True, True, True, True),
+        f"The code is {code}.": (False, False, True, False),  # recalled, counting skipped (CAKE / SnapKV at 128)
+        p.answer.replace(f"The code is {code}.", f"The code is {wrong}."): (True, True, False, True),
+        p.answer.replace("3. 3\n", ""): (True, False, True, True),  # a line missing: not counted, shape kept
+        p.answer.replace("3. 3", "3. 4"): (True, False, True, True),
+        p.answer + "\n6. 6": (True, False, False, False),  # counting past LENGTH, the code not written last
+        "```python\nprint(1)\n```": (False, False, False, False),
+        "": (False, False, False, False),
+    }
+    for text, want in cases.items():
+        assert tuple(grade(suite, text, p.answer).values()) == want, text
+
+
+def test_keys_is_seeded_and_records_what_its_answer_needs():
+    a = load_prompts("builtin:keys:4:30", seed=2)
+    assert a == load_prompts("builtin:keys:4:30", seed=2) and a != load_prompts("builtin:keys:4:30", seed=3)
+    for p in a:
+        lines = p.answer.splitlines()
+        (start, end), (a_start, a_end) = p.needs[0], p.answer_needs[0]
+        key, code = p.text[start:end].split()
+        assert p.answer[a_start:a_end] == f"{key} {code}" and a_start < len(lines[0])  # copied on the first line
+        assert lines[-1] == f"The code of {key} is {code}." and f"write the code of {key}." in p.text
+        assert lines[1:-1] == [f"{i}. {i}" for i in range(1, 31)] and len(p.shots) == 2
+        assert all(grade(SUITES["keys"], p.answer, p.answer).values())
+    assert len({p.text[slice(*p.needs[0])].split()[0] for p in keys_prompts(40, seed=0)}) > 3  # the asked key varies
+    other = a[0].answer.replace(a[0].answer.splitlines()[-1], "The code of nobody is 1234.")
+    assert grade(SUITES["keys"], other, a[0].answer) == {"copied": True, "counted": True, "recalled": False,
+                                                          "format": True}
+
+
+def test_unknown_component_is_refused():
+    with pytest.raises(UserError, match="builtin:recall has no such component; use one of copied, counted"):
+        SUITES["recall"].component("nope")
+
+
+def test_token_lower_bound_and_generation_room():
+    assert min_tokens("Code: 1663\n1. 1\nThe code is 1663.") == 10  # Code, 166, 3, 1, 1, The, code, is, 166, 3
+    p = recall_prompts(1, length=20)[0]
+    need, distance = answer_tokens(p)
+    assert (need, distance) == (48, 40)  # SmolLM2 writes it in 140 tokens: a lower bound
+    check_generation_room([p], need, "builtin:recall:1:20")
+    with pytest.raises(UserError, match=r"^--max-new-tokens 47: prompt recall000 of builtin:recall:1:20 needs at "
+                                        r"least 48 generated tokens"):
+        check_generation_room([p], need - 1, "builtin:recall:1:20")
+    with pytest.raises(UserError, match="reads its needed value at least 40 tokens after writing it, beyond "
+                                        "--max-new-tokens 40"):
+        check_generation_room([p], distance, "builtin:recall:1:20")
+    check_generation_room(load_prompts("builtin:arith:3"), 1, "builtin:arith:3")  # math answers: no length known
+
+
+def _outcomes() -> pl.DataFrame:
+    """Outcome rows of 12 prompts: FullKV passes all; rule r1 fails prompts 0-5 (compressed everywhere), r2 fails
+    prompts 0-1 and is uncompressed on prompt 11 (left out)."""
+    rows = []
+    for i in range(12):
+        for scorer, budget, ok, comp in [("full_kv", None, True, None), ("r1", 8, i >= 6, True),
+                                         ("r2", 8, i >= 2, i != 11)]:
+            rows.append({"prompt_id": f"p{i:02d}", "sample": 0, "scorer": scorer, "budget": budget,
+                         "compressed": comp, "recalled": ok, "copied": True, "counted": ok, "format": True})
+    return pl.DataFrame(rows)
+
+
+def test_component_summary_and_paired_tests():
+    from kvdiag.replay.outcomes import component_summary, component_tests
+    from kvdiag.stats import wilson
+
+    suite = SUITES["recall"]
+    s = component_summary(_outcomes(), suite, n_boot=200)
+    cell = s.filter((pl.col("scorer") == "r2") & (pl.col("component") == "recalled")).row(0, named=True)
+    assert (cell["passed"], cell["n"], cell["uncompressed"]) == (9, 11, 1)  # prompt 11 left out
+    assert (cell["rate_lo"], cell["rate_hi"]) == pytest.approx(wilson(9, 11), abs=1e-12)
+    t = component_tests(_outcomes(), suite, n_boot=200)
+    rec = t.filter(pl.col("component") == "recalled")
+    r1 = rec.filter((pl.col("a") == "full_kv") & (pl.col("b") == "r1")).row(0, named=True)
+    assert (r1["units"], r1["a_only"], r1["b_only"]) == (12, 6, 0)
+    assert r1["p_value"] == pytest.approx(binomtest(6, 6).pvalue, rel=1e-12)  # McNemar exact: 6 discordant pairs
+    pair = rec.filter((pl.col("a") == "r1") & (pl.col("b") == "r2")).row(0, named=True)
+    assert (pair["units"], pair["a_only"], pair["b_only"]) == (12, 0, 4)  # either compressed: all 12 units
+    assert pair["diff"] == pytest.approx(-4 / 12)
+    p = np.sort(rec["p_value"].to_numpy())
+    assert np.sort(rec["p_holm"].to_numpy()) == pytest.approx(np.minimum(1, np.maximum.accumulate(p * [3, 2, 1])))
+    same = t.filter(pl.col("component") == "copied")
+    assert (same["p_value"] == 1.0).all() and (same["a_only"] + same["b_only"] == 0).all()

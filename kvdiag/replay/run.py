@@ -30,6 +30,7 @@ from kvdiag.replay.teacher_forced import TeacherForced
 from kvdiag.replay.units import Unit
 from kvdiag.schema import HORIZON
 from kvdiag.scorers.base import needs_o_proj
+from kvdiag.suites import suite_of
 from kvdiag.trace import Trace
 
 FULL_KV = "full_kv"  # the scorer name of the uncompressed reference rows (the paper's FullKV)
@@ -194,7 +195,7 @@ def summarize_files(out: str | os.PathLike, outcomes: str | os.PathLike | None =
     scorers = ([FULL_KV] if s["full_kv"] else []) + list(s["scorers"])  # the policies' order (build_policies)
     free = None if outcomes is None else pl.read_parquet(Path(outcomes) / "generations.parquet")
     return write_summary(df, out, scorers, s["budgets"], s.get("horizon", HORIZON), free, auroc,
-                         exact=set(_graded_whole(meta)))
+                         exact=set(_graded_whole(meta)), suite=suite_of(meta.get("prompts_source")))
 
 
 def _graded_whole(meta: dict) -> list[str]:
