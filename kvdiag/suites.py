@@ -246,6 +246,22 @@ def suite_of(source: str | None) -> Suite | None:
     return SUITES.get(source.removeprefix("builtin:").split(":")[0])
 
 
+def select_components(source: str, names: list[str]) -> list[str]:
+    """``--components``: ``names`` checked against the components of ``source``'s builtin suite, the task component
+    added first when missing (the headline is always reported); bad input: UserError."""
+    suite = suite_of(source)
+    if suite is None or not suite.components:
+        with_ = [n for n, s in SUITES.items() if s.components]
+        raise UserError(f"--components applies to the builtin suites with components ({', '.join(with_)}), not "
+                        f"--prompts {source}; drop --components")
+    for name in names:
+        try:
+            suite.component(name)
+        except UserError as err:
+            raise UserError(f"--components {','.join(names)}: {err}") from None
+    return list(dict.fromkeys([suite.task.name, *names]))
+
+
 def grade(suite: Suite, text: str, answer: str) -> dict[str, bool]:
     """One verdict per component of ``suite`` for the generation ``text`` against the expected ``answer``."""
     return {c.name: c.grade(text, answer) for c in suite.components}
@@ -294,6 +310,9 @@ def min_tokens(text: str) -> int:
     return len(_PIECE.findall(text))
 
 
+LOWER_BOUND = "at least: one per word and per 3 digits"
+
+
 def answer_tokens(prompt: Prompt) -> tuple[int, int | None]:
     """(at least how many tokens the expected answer has, at least how many of them lie between the end of the
     first span its final line needs and that final line; None without ``answer_needs``): :func:`min_tokens`."""
@@ -314,10 +333,11 @@ def longest(suite: Suite) -> int:
 
 
 def check_generation_room(prompts: list[Prompt], max_new_tokens: int, source: str,
-                          count: Callable[[str], int] = min_tokens, counted: str = "at least") -> None:
-    """Refuse (UserError) a ``max_new_tokens`` that cannot hold a prompt's expected answer, or that ends the generation
-    before the final line reads the value its ``answer_needs`` wrote. ``count``: tokens of a text (default the
-    tokenizer-free lower bound; with the model's tokenizer the exact count, ``counted`` then "exactly")."""
+                          count: Callable[[str], int] = min_tokens, how: str = LOWER_BOUND) -> None:
+    """Refuse (UserError) a ``max_new_tokens`` that ends the generation before a prompt's final line reads the value
+    its ``answer_needs`` wrote, or that cannot hold its whole expected answer. ``count``: the tokens of a text (default
+    the tokenizer-free lower bound :func:`min_tokens`; FreeRunning counts with the model's tokenizer), ``how``: what
+    that count is, for the message."""
     for p in prompts:
         if p.check != "exact" or p.answer is None:
             continue
@@ -326,9 +346,9 @@ def check_generation_room(prompts: list[Prompt], max_new_tokens: int, source: st
             last = p.answer.rstrip().rfind("\n") + 1
             distance = count(p.answer[p.answer_needs[0][1] : last])
             if distance >= max_new_tokens:
-                raise UserError(f"--prompts {source}: prompt {p.prompt_id} reads its needed value {counted} {distance} "
-                                f"tokens after writing it, beyond --max-new-tokens {max_new_tokens}; use a shorter "
-                                f"LENGTH or --max-new-tokens {need} or more")
+                raise UserError(f"--max-new-tokens {max_new_tokens}: prompt {p.prompt_id} of {source} reads its needed "
+                                f"value {distance} tokens ({how}) after writing it, beyond the generation limit; use "
+                                f"--max-new-tokens {need} or more, or a shorter LENGTH")
         if need > max_new_tokens:
-            raise UserError(f"--max-new-tokens {max_new_tokens}: prompt {p.prompt_id} of {source} needs {counted} "
-                            f"{need} generated tokens for its answer; use --max-new-tokens {need} or more")
+            raise UserError(f"--max-new-tokens {max_new_tokens}: prompt {p.prompt_id} of {source} needs {need} "
+                            f"generated tokens ({how}) for its answer; use --max-new-tokens {need} or more")

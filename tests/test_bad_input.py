@@ -465,7 +465,7 @@ CASES: list[tuple[str, list[str], str]] = [
      "unknown builtin suite 'nope'"),
     # 2 recall prompts counting to 1000 (~21k tokens) exceed tiny:llama's 4096-token context
     ("replay-suite-length", ["replay", "--scorer", "rkv", "--model", "tiny:llama", "--prompts", "builtin:recall:2:1000",
-                             "--out", "{out}"], "--prompts builtin:recall:2:1000"),
+                             "--max-new-tokens", "3000", "--out", "{out}"], "--prompts builtin:recall:2:1000"),
     ("replay-samples-greedy", ["replay", "--scorer", "rkv", "--samples", "4", "--out", "{out}"], "needs --temperature"),
     ("replay-top-p-greedy", ["replay", "--scorer", "rkv", "--top-p", "0.9", "--out", "{out}"], "needs --temperature"),
     ("replay-temperature-0", ["replay", "--scorer", "rkv", "--temperature", "0", "--out", "{out}"], "--temperature"),
@@ -620,6 +620,22 @@ CASES: list[tuple[str, list[str], str]] = [
     ("score-plugin-returns-list", ["score", "--trace", "{trace}", "--labels", "{labels}", "--plugin",
                                    "{plugin_returns_list}", "--scorers", "listy", "--out", "{out}/s.parquet"],
      "returned a list, not a torch.Tensor"),
+    # ---- builtin suites with components (#43)
+    ("replay-suite-unknown-keys", ["replay", "--scorer", "rkv", "--prompts", "builtin:key", "--out", "{out}"],
+     "unknown builtin suite 'key'"),
+    ("replay-component-unknown", ["replay", "--scorer", "rkv", "--prompts", "builtin:recall:2", "--components",
+                                  "recalled,countd", "--out", "{out}"], "'countd': builtin:recall has no such"),
+    ("replay-components-math", ["replay", "--scorer", "rkv", "--prompts", "builtin:arith:2", "--components",
+                                "recalled", "--out", "{out}"], "--components applies to the builtin suites"),
+    ("replay-suite-length-tokens", ["replay", "--scorer", "rkv", "--prompts", "builtin:keys:2:3000", "--out", "{out}"],
+     "LENGTH 3000 puts builtin:keys's needed value"),
+    ("replay-suite-distance", ["replay", "--scorer", "rkv", "--prompts", "builtin:keys:2:100", "--max-new-tokens",
+                               "200", "--out", "{out}"], "reads its needed value"),
+    ("replay-suite-max-new", ["replay", "--scorer", "rkv", "--prompts", "builtin:recall:2", "--max-new-tokens", "45",
+                              "--out", "{out}"], "needs 48 generated tokens"),
+    ("replay-suite-max-new-tokenized", ["replay", "--scorer", "rkv", "--model", "tiny:llama", "--prompts",
+                                        "builtin:recall:2", "--max-new-tokens", "60", "--out", "{out}"],
+     "reads its needed value 123 tokens (its expected text, tokenized)"),
 ]
 
 PLUGINS = {  # file name -> source; line numbers matter (the messages name them)
@@ -656,6 +672,7 @@ NOT_YET = "not yet: the command imports its stage before this check (issue #39, 
 HEAVY: dict[str, str] = {
     "trace-store-beyond": NEEDS_MODEL, "trace-beyond-context": NEEDS_MODEL, "bench-scale-too-short": NEEDS_MODEL,
     "bench-scale-beyond-context": NEEDS_MODEL, "replay-suite-length": NEEDS_MODEL,
+    "replay-suite-max-new-tokenized": "the exact count of the answer's tokens needs the model's tokenizer",
     "replay-budget-protected": NEEDS_MODEL,
     **{name: NEEDS_PLUGIN for name, _, _ in CASES if "-plugin-" in name and name != "score-plugin-missing"},
     "score-plugin-raises": NEEDS_SCORES, "score-plugin-returns-list": NEEDS_SCORES,
