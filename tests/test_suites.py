@@ -87,6 +87,20 @@ def test_smollm2_solves_recall_at_full_kv():
         assert run.stop == "eos" and text == p.answer
 
 
+@pytest.mark.slow
+@needs_smollm2
+def test_smollm2_solves_keys_at_full_kv():
+    """Two keys prompts at length 12 (about 110 generated tokens): every component passed."""
+    from kvdiag.models import load_model
+    from kvdiag.replay.decoding import decode
+
+    lm = load_model("smollm2")
+    for p in keys_prompts(2, seed=7, length=12):
+        run = decode(lm, encode_prompt(lm.tokenizer, p), None, max_new_tokens=160, prompt_id=p.prompt_id)
+        text = lm.tokenizer.decode(run.token_ids[run.prompt_len:], skip_special_tokens=True)
+        assert run.stop == "eos" and all(grade(SUITES["keys"], text, p.answer).values()), text
+
+
 # --------------------------------------------------------------------------- components
 
 
@@ -115,16 +129,20 @@ def test_keys_is_seeded_and_records_what_its_answer_needs():
     assert a == load_prompts("builtin:keys:4:30", seed=2) and a != load_prompts("builtin:keys:4:30", seed=3)
     for p in a:
         lines = p.answer.splitlines()
-        (start, end), (a_start, a_end) = p.needs[0], p.answer_needs[0]
-        key, code = p.text[start:end].split()
-        assert p.answer[a_start:a_end] == f"{key} {code}" and a_start < len(lines[0])  # copied on the first line
-        assert lines[-1] == f"The code of {key} is {code}." and f"write the code of {key}." in p.text
+        pairs = p.text[slice(*p.needs[0])]
+        assert p.answer[slice(*p.answer_needs[0])] == pairs and p.answer_needs[0][1] == len(lines[0])  # line 1
+        assert len(pairs.split(", ")) == 3 and all(len(kv.split()) == 2 for kv in pairs.split(", "))
+        assert lines[0] == f"Codes: {pairs}" and lines[-1] == f"The codes are {pairs}."
         assert lines[1:-1] == [f"{i}. {i}" for i in range(1, 31)] and len(p.shots) == 2
         assert all(grade(SUITES["keys"], p.answer, p.answer).values())
-    assert len({p.text[slice(*p.needs[0])].split()[0] for p in keys_prompts(40, seed=0)}) > 3  # the asked key varies
-    other = a[0].answer.replace(a[0].answer.splitlines()[-1], "The code of nobody is 1234.")
-    assert grade(SUITES["keys"], other, a[0].answer) == {"copied": True, "counted": True, "recalled": False,
-                                                          "format": True}
+    p = a[0]
+    key, code = p.text[slice(*p.needs[0])].split(", ")[1].split()
+    swapped = p.answer.replace(f"{key} {code}.", f"{key} {int(code) % 9000 + 1000}.").replace(
+        f"{key} {code},", f"{key} {int(code) % 9000 + 1000},")
+    last_changed = "\n".join([*p.answer.splitlines()[:-1], swapped.splitlines()[-1]])
+    assert grade(SUITES["keys"], last_changed, p.answer) == {"copied": True, "counted": True, "recalled": False,
+                                                             "format": True}
+    assert answer_tokens(load_prompts("builtin:keys:1")[0])[1] >= 80  # the default: each code read 80+ tokens on
 
 
 def test_unknown_component_is_refused():
@@ -182,3 +200,15 @@ def test_component_summary_and_paired_tests():
     assert np.sort(rec["p_holm"].to_numpy()) == pytest.approx(np.minimum(1, np.maximum.accumulate(p * [3, 2, 1])))
     same = t.filter(pl.col("component") == "copied")
     assert (same["p_value"] == 1.0).all() and (same["a_only"] + same["b_only"] == 0).all()
+
+
+def test_components_selection_reaches_the_summary():
+    from kvdiag.replay.run import _suite
+    from kvdiag.suites import select_components
+
+    assert select_components("builtin:recall:5", ["format"]) == ["recalled", "format"]  # the task always reported
+    picked = _suite({"mode": "free", "prompts_source": "builtin:recall:50", "components": ["format", "recalled"]})
+    assert [c.name for c in picked.components] == ["recalled", "format"] and picked.task.name == "recalled"
+    assert _suite({"mode": "free", "prompts_source": "builtin:keys:20"}) is SUITES["keys"]
+    assert _suite({"mode": "free", "prompts_source": "data/math500-first20.jsonl"}) is None
+    assert _suite({"mode": "teacher_forced", "prompts_source": "builtin:recall"}) is None
