@@ -16,9 +16,14 @@ as earlier chat turns, that fix the answer's shape):
   (default 40: 310 generated tokens on SmolLM2, each code read 290 tokens after it was copied), write every code
   again. Components as ``recall``. (Asking for one named code instead, SmolLM2 at FullKV picked the right one in 4
   of 10; a shuffled lookup chain and a running sum it could not start.)
+- ``countdown`` -- a step-by-step computation: from a start (LENGTH + 10 .. LENGTH + 59) count down by one for
+  ``LENGTH`` (default 40) numbered steps, each reading the number the step before wrote, then write the start again.
+  Components: ``copied``, ``counted`` (every step right), ``recalled`` (task: the start, read LENGTH steps later),
+  ``format``.
 
-Every prompt of ``recall`` and ``keys`` records the character spans of what its final answer needs (``needs``: in its
-question; ``answer_needs``: in its expected generation), so a rule's kept entries can be checked against them.
+Every prompt of ``recall``, ``keys`` and ``countdown`` records the character spans of what its final answer needs
+(``needs``: in its question; ``answer_needs``: in its expected generation), so a rule's kept entries can be checked
+against them.
 """
 
 from __future__ import annotations
@@ -71,7 +76,7 @@ COUNT_LINE = re.compile(r"\d+\. \d+")
 
 
 def _counted(text: str, answer: str) -> bool:
-    """The generation's counting lines (``i. i``) are exactly the answer's, in order: none missing, none extra."""
+    """The generation's counting lines (``i. j``) are exactly the answer's, in order: none missing, none extra."""
     return [ln for ln in _lines(text) if COUNT_LINE.fullmatch(ln)] == _lines(answer)[1:-1]
 
 
@@ -199,6 +204,32 @@ def keys_prompts(n: int, seed: int = 0, length: int = KEYS_LENGTH) -> list[Promp
     return out
 
 
+# --------------------------------------------------------------------------- builtin:countdown
+
+COUNTDOWN_LENGTH = 40  # steps when builtin:countdown is given no LENGTH
+
+
+def countdown_prompts(n: int, seed: int = 0, length: int = COUNTDOWN_LENGTH) -> list[Prompt]:
+    """``n`` seeded countdown prompts: from a start in ``[length + 10, length + 59]`` write ``length`` numbered steps,
+    each the previous step's number minus one, then the start again (exact check). Each step reads the result the one
+    before wrote; the last line reads the start, written ``length`` steps earlier."""
+    rng = random.Random(seed)
+
+    def example() -> tuple[str, str, int]:
+        start = rng.randint(length + 10, length + 59)
+        steps = "\n".join(f"{i}. {start - i + 1}" for i in range(1, length + 1))
+        return (f"Count down by one from {start}, {length} numbers, then write the start again.",
+                f"Start: {start}\n{steps}\nThe start was {start}.", start)
+
+    out = []
+    for i in range(n):
+        shots = tuple(example()[:2] for _ in range(SHOTS))
+        question, answer, start = example()
+        out.append(Prompt(f"countdown{i:03d}", question, answer, f"countdown{i:03d}", shots=shots, check="exact",
+                          needs=(_span(question, str(start)),), answer_needs=(_span(answer, str(start)),)))
+    return out
+
+
 # --------------------------------------------------------------------------- the registry
 
 
@@ -235,6 +266,14 @@ SUITES = {
                   _count_components("codes", "The codes are KEY CODE, ... (every key, its code, in order)",
                                     r"Codes: (\w+ \d+, )*\w+ \d+", r"The codes are (\w+ \d+, )*\w+ \d+\."),
                   KEYS_LENGTH),
+    "countdown": Suite("countdown", countdown_prompts, range(1, 10_001), (
+        Component("copied", "step", "the first line is Start: and the prompt's start, copied exactly", _first_line),
+        Component("counted", "step", "the step lines are exactly 1. start .. LENGTH. start - LENGTH + 1: each the "
+                  "previous one minus one, none missing or extra", _counted),
+        Component("recalled", "task", "the last line is The start was START. with the right start", _last_line),
+        Component("format", "format", "the shape kept, values aside: Start: N, only step lines (i. j), The start "
+                  "was N.", _shape(re.compile(r"Start: \d+"), re.compile(r"The start was \d+\."))),
+    ), COUNTDOWN_LENGTH),
 }
 
 

@@ -145,6 +145,23 @@ def test_keys_is_seeded_and_records_what_its_answer_needs():
     assert answer_tokens(load_prompts("builtin:keys:1")[0])[1] >= 80  # the default: each code read 80+ tokens on
 
 
+def test_countdown_steps_read_the_previous_result():
+    a = load_prompts("builtin:countdown:3:25", seed=5)
+    assert a == load_prompts("builtin:countdown:3:25", seed=5) and a != load_prompts("builtin:countdown:3:25", seed=6)
+    for p in a:
+        lines = p.answer.splitlines()
+        start = int(p.text[slice(*p.needs[0])])
+        assert 35 <= start <= 84 and p.answer[slice(*p.answer_needs[0])] == str(start) and lines[0] == f"Start: {start}"
+        assert [int(ln.split(". ")[1]) for ln in lines[1:-1]] == list(range(start, start - 25, -1))
+        assert lines[-1] == f"The start was {start}." and all(grade(SUITES["countdown"], p.answer, p.answer).values())
+    p = a[0]
+    start = int(p.text[slice(*p.needs[0])])
+    skipped = p.answer.replace(f"\n3. {start - 2}\n", f"\n3. {start - 3}\n")  # one step wrong: not counted
+    assert grade(SUITES["countdown"], skipped, p.answer) == {"copied": True, "counted": False, "recalled": True,
+                                                              "format": True}
+    assert SUITES["countdown"].task.name == "recalled"
+
+
 def test_unknown_component_is_refused():
     with pytest.raises(UserError, match="builtin:recall has no such component; use one of copied, counted"):
         SUITES["recall"].component("nope")
