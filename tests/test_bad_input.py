@@ -621,8 +621,6 @@ CASES: list[tuple[str, list[str], str]] = [
                                    "{plugin_returns_list}", "--scorers", "listy", "--out", "{out}/s.parquet"],
      "returned a list, not a torch.Tensor"),
     # ---- builtin suites with components (#43)
-    ("replay-suite-unknown-keys", ["replay", "--scorer", "rkv", "--prompts", "builtin:key", "--out", "{out}"],
-     "unknown builtin suite 'key'"),
     ("replay-component-unknown", ["replay", "--scorer", "rkv", "--prompts", "builtin:recall:2", "--components",
                                   "recalled,countd", "--out", "{out}"], "'countd': builtin:recall has no such"),
     ("replay-components-math", ["replay", "--scorer", "rkv", "--prompts", "builtin:arith:2", "--components",
