@@ -53,6 +53,8 @@ NOT_REGENERATED = {
                                            "5 grouped folds of GBT and logistic regression, permutation importance) "
                                            "takes 4 min on 2 shared cores, over this file's budget; measured "
                                            "2026-12-03: equal within this file's tolerance (largest rel 1.1e-13)",
+    **{f"suites-fullkv/{f}.txt": "a measurement: SmolLM2's FullKV generations of the suite, graded (measure.py runs "
+       "the model, 20-35 min)" for f in ("keys", "countdown")},
     **{f"bench/{f}": "a measurement: seconds and memory of runs of the model on this machine"
        for f in ("cpu-mfu.md", "kernels.txt", "label-fast.txt", "label-layer.txt", "label.txt", "scale.csv",
                  "score.txt", "trace.txt")},
