@@ -465,7 +465,7 @@ CASES: list[tuple[str, list[str], str]] = [
      "unknown builtin suite 'nope'"),
     # 2 recall prompts counting to 1000 (~21k tokens) exceed tiny:llama's 4096-token context
     ("replay-suite-length", ["replay", "--scorer", "rkv", "--model", "tiny:llama", "--prompts", "builtin:recall:2:1000",
-                             "--out", "{out}"], "--prompts builtin:recall:2:1000"),
+                             "--max-new-tokens", "3000", "--out", "{out}"], "--prompts builtin:recall:2:1000"),
     ("replay-samples-greedy", ["replay", "--scorer", "rkv", "--samples", "4", "--out", "{out}"], "needs --temperature"),
     ("replay-top-p-greedy", ["replay", "--scorer", "rkv", "--top-p", "0.9", "--out", "{out}"], "needs --temperature"),
     ("replay-temperature-0", ["replay", "--scorer", "rkv", "--temperature", "0", "--out", "{out}"], "--temperature"),
@@ -640,6 +640,20 @@ CASES: list[tuple[str, list[str], str]] = [
     ("decisions-future-no-queries", ["decisions", "--trace", "{trace_kv}", "--scores", "{head_scores}", "--keep",
                                      "0.5", "--references", "future_attention", "--out", "{out}"],
      "future_attention reads the Trace's stored queries"),
+    # ---- builtin suites with components (#43)
+    ("replay-component-unknown", ["replay", "--scorer", "rkv", "--prompts", "builtin:recall:2", "--components",
+                                  "recalled,countd", "--out", "{out}"], "'countd': builtin:recall has no such"),
+    ("replay-components-math", ["replay", "--scorer", "rkv", "--prompts", "builtin:arith:2", "--components",
+                                "recalled", "--out", "{out}"], "--components applies to the builtin suites"),
+    ("replay-suite-length-tokens", ["replay", "--scorer", "rkv", "--prompts", "builtin:keys:2:3000", "--out", "{out}"],
+     "LENGTH 3000 puts builtin:keys's needed value"),
+    ("replay-suite-distance", ["replay", "--scorer", "rkv", "--prompts", "builtin:keys:2:100", "--max-new-tokens",
+                               "200", "--out", "{out}"], "reads its needed value"),
+    ("replay-suite-max-new", ["replay", "--scorer", "rkv", "--prompts", "builtin:recall:2", "--max-new-tokens", "45",
+                              "--out", "{out}"], "needs 48 generated tokens"),
+    ("replay-suite-max-new-tokenized", ["replay", "--scorer", "rkv", "--model", "tiny:llama", "--prompts",
+                                        "builtin:recall:2", "--max-new-tokens", "60", "--out", "{out}"],
+     "reads its needed value 123 tokens (its expected text, tokenized)"),
 ]
 
 PLUGINS = {  # file name -> source; line numbers matter (the messages name them)
@@ -675,6 +689,7 @@ STAGE = ("checked by the stage against the Trace's shapes or the inputs' rows, a
 HEAVY: dict[str, str] = {
     "bench-scale-too-short": "the prompt's token count is the input checked: " + NEEDS_TOKENIZER,
     "replay-suite-length": "each prompt's token count is the input checked: " + NEEDS_TOKENIZER,
+    "replay-suite-max-new-tokenized": "the exact count of the answer's tokens is the input checked: " + NEEDS_TOKENIZER,
     "replay-budget-protected": NEEDS_MODEL,
     **{name: NEEDS_PLUGIN for name, _, _ in CASES if "-plugin-" in name and name != "score-plugin-missing"},
     "score-plugin-raises": NEEDS_SCORES, "score-plugin-returns-list": NEEDS_SCORES,
