@@ -8,15 +8,13 @@ name the Trace it was made from, or names another. No torch: these run before it
 
 from __future__ import annotations
 
-import hashlib
 import os
 
-import numpy as np
 import polars as pl
 
 from kvdiag.errors import UserError
 from kvdiag.io import read_table
-from kvdiag.schema import KEY_SCHEMA, KEYS, keyed
+from kvdiag.schema import KEY_SCHEMA, KEYS, check_keys, keyed
 
 LABEL_SCHEMA = {
     **KEY_SCHEMA, "horizon": pl.Int64, "kl_mean": pl.Float64, "kl_max": pl.Float64,
@@ -88,6 +86,16 @@ def read_labels(path: str | os.PathLike, what: str = "--labels", full: bool = Tr
         raise UserError(f"{what} column 'noise_floor' is infinite in {int((~floor.is_finite()).sum())} rows; {fix}")
     return df, meta
 
+
+
+def read_keys(trace, path: str | os.PathLike, what: str = "--labels") -> pl.DataFrame:
+    """The distinct key rows of the labels table at ``path``, read through its contract (:func:`read_labels`: the
+    keys, ``kl_mean`` and ``noise_floor``, unique keys), which must record ``trace`` (a ``kvdiag.trace.Trace`` or,
+    before torch, its ``TraceFiles``) as the Trace it was made from (:func:`belongs`), checked by
+    ``kvdiag.schema.check_keys`` against it."""
+    keys, meta = read_labels(path, what, full=False)
+    belongs(trace, meta, f"{what} {path}")
+    return check_keys(trace, keys, f"{what} {path}")
 
 # one decision row: a rule and a reference may share a name (random), a stochastic selection has samples
 DECISION_KEYS = ["prompt_id", "checkpoint", "kind", "decision", "budget", "sample"]
@@ -168,19 +176,6 @@ def read_generations(path: str | os.PathLike, what: str = "generations") -> tupl
     return df, meta
 
 
-def fingerprint(manifest: dict, tokens: pl.DataFrame) -> str:
-    """The Trace contract's identity: sha256 of the model's weights hash and every prompt's token ids (int64, in
-    position order, prompts in name order) of a Trace's ``manifest`` and ``tokens`` table, 16 hex digits. Every table
-    made from a Trace records it (``trace.fingerprint`` in its metadata)."""
-    h = hashlib.sha256(manifest["model"]["weights_hash"].encode())
-    ids = {key[0]: df["token_id"] for key, df in tokens.sort("prompt_id", "position").partition_by(
-        "prompt_id", as_dict=True, maintain_order=True).items()}
-    for pid in sorted(manifest["prompts"]):
-        h.update(pid.encode())
-        h.update(ids[pid].to_numpy().astype(np.int64).tobytes() if pid in ids else b"")
-    return h.hexdigest()[:16]
-
-
 def trace_of(meta: dict, what: str) -> str:
     """The fingerprint of the Trace a table's metadata ``meta`` records; refused when it records none (a table
     without provenance could come from any Trace)."""
@@ -213,5 +208,5 @@ def same_trace(metas: dict[str, dict]) -> str:
 
 
 __all__ = ["DECISION_KEYS", "GENERATION_SCHEMA", "LABEL_SCHEMA", "belongs", "check_finite", "check_rows",
-           "fingerprint", "read_decisions", "read_generations", "read_labels", "read_scores", "same_trace",
+           "read_decisions", "read_generations", "read_keys", "read_labels", "read_scores", "same_trace",
            "score_columns", "trace_of"]

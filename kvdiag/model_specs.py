@@ -219,3 +219,18 @@ def context_of(spec: str) -> int | None:
     config = spec_config(spec)
     value = (config or {}).get("max_position_embeddings")
     return value if isinstance(value, int) and value > 0 else None
+
+
+def known_shape(spec: str) -> dict | None:
+    """``{"num_hidden_layers", "max_position_embeddings"}`` of ``--model spec`` where they are known without loading
+    it (:func:`spec_config`: a ``tiny:`` family, an embedded model, a local directory's config.json or a cached hub
+    id's, their ``text_config`` when nested); None otherwise (an uncached hub id, a GGUF file, ``random:``, a spec or
+    config that is wrong: the stage checks them once the model loads, and the loader says what is wrong). A key the
+    config lacks is None."""
+    try:
+        config = spec_config(spec)
+    except UserError:
+        return None  # an unknown tiny family, a missing directory, an unreadable config.json: told where it loads
+    if config is None:
+        return None
+    return {k: config.get(k) for k in ("num_hidden_layers", "max_position_embeddings")}

@@ -465,7 +465,7 @@ CASES: list[tuple[str, list[str], str]] = [
      "unknown builtin suite 'nope'"),
     # 2 recall prompts counting to 1000 (~21k tokens) exceed tiny:llama's 4096-token context
     ("replay-suite-length", ["replay", "--scorer", "rkv", "--model", "tiny:llama", "--prompts", "builtin:recall:2:1000",
-                             "--out", "{out}"], "--prompts builtin:recall:2:1000"),
+                             "--max-new-tokens", "3000", "--out", "{out}"], "--prompts builtin:recall:2:1000"),
     ("replay-samples-greedy", ["replay", "--scorer", "rkv", "--samples", "4", "--out", "{out}"], "needs --temperature"),
     ("replay-top-p-greedy", ["replay", "--scorer", "rkv", "--top-p", "0.9", "--out", "{out}"], "needs --temperature"),
     ("replay-temperature-0", ["replay", "--scorer", "rkv", "--temperature", "0", "--out", "{out}"], "--temperature"),
@@ -489,6 +489,7 @@ CASES: list[tuple[str, list[str], str]] = [
     # ---- demo and benches
     ("demo-out-below-file", ["demo", "--model", "tiny:llama", "--out", "{file}/d"], "--out"),
     ("bench-kernels-dtype", ["bench", "kernels", "--dtype", "float8"], "--dtype"),
+    ("bench-trace-max-new-0", ["bench", "trace", "--max-new-tokens", "0"], "--max-new-tokens 0"),
     ("bench-score-trace-missing", ["bench", "score", "--trace", "/no/trace"], "/no/trace"),
     ("bench-replay-samples-greedy", ["bench", "replay", "--samples", "2"], "needs --temperature"),
     ("bench-replay-param-stray", ["bench", "replay", "--param", "cake.window=8"], "--param cake"),
@@ -664,6 +665,39 @@ CASES: list[tuple[str, list[str], str]] = [
                                    "--outcomes", f"{{replay_{kind}}}", "--out", "{out}"], needle)
       for kind, needle in (("nan", "NaN or infinite"), ("dup", "repeat"), ("nometa", "does not record the replay"),
                            ("tf", "is a teacher_forced replay"))],
+    # ---- decisions' searched references (issue #41)
+    ("decisions-search-rows-0", ["decisions", "--trace", "{trace}", "--scores", "{head_scores}", "--keep", "0.5",
+                                 "--references", "oracle_search", "--search-rows", "0", "--out", "{out}"],
+     "--search-rows 0"),
+    ("decisions-search-seconds-negative", ["decisions", "--trace", "{trace}", "--scores", "{head_scores}", "--keep",
+                                           "0.5", "--references", "oracle_search", "--search-seconds", "-1", "--out",
+                                           "{out}"], "--search-seconds -1"),
+    ("decisions-future-window-0", ["decisions", "--trace", "{trace}", "--scores", "{head_scores}", "--keep", "0.5",
+                                   "--references", "future_attention", "--future-window", "0", "--out", "{out}"],
+     "--future-window 0"),
+    ("decisions-future-window-past", ["decisions", "--trace", "{trace}", "--scores", "{head_scores}", "--keep", "0.5",
+                                      "--references", "future_attention", "--future-window", "100000", "--out",
+                                      "{out}"], "later tokens"),
+    ("decisions-search-no-head-scores", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5",
+                                         "--references", "oracle_search", "--out", "{out}"],
+     "oracle_search starts from every rule's set"),
+    ("decisions-future-no-queries", ["decisions", "--trace", "{trace_kv}", "--scores", "{head_scores}", "--keep",
+                                     "0.5", "--references", "future_attention", "--out", "{out}"],
+     "future_attention reads the Trace's stored queries"),
+    # ---- builtin suites with components (#43)
+    ("replay-component-unknown", ["replay", "--scorer", "rkv", "--prompts", "builtin:recall:2", "--components",
+                                  "recalled,countd", "--out", "{out}"], "'countd': builtin:recall has no such"),
+    ("replay-components-math", ["replay", "--scorer", "rkv", "--prompts", "builtin:arith:2", "--components",
+                                "recalled", "--out", "{out}"], "--components applies to the builtin suites"),
+    ("replay-suite-length-tokens", ["replay", "--scorer", "rkv", "--prompts", "builtin:keys:2:3000", "--out", "{out}"],
+     "LENGTH 3000 puts builtin:keys's needed value"),
+    ("replay-suite-distance", ["replay", "--scorer", "rkv", "--prompts", "builtin:keys:2:100", "--max-new-tokens",
+                               "200", "--out", "{out}"], "reads its needed value"),
+    ("replay-suite-max-new", ["replay", "--scorer", "rkv", "--prompts", "builtin:recall:2", "--max-new-tokens", "45",
+                              "--out", "{out}"], "needs 48 generated tokens"),
+    ("replay-suite-max-new-tokenized", ["replay", "--scorer", "rkv", "--model", "tiny:llama", "--prompts",
+                                        "builtin:recall:2", "--max-new-tokens", "60", "--out", "{out}"],
+     "reads its needed value 123 tokens (its expected text, tokenized)"),
 ]
 
 PLUGINS = {  # file name -> source; line numbers matter (the messages name them)
@@ -690,36 +724,21 @@ PLUGIN_FILES = {"import": "import_error"}  # a plugin file named import.py would
 # Rows whose refusal needs what only torch, transformers or a stage gives, each with why; every other row is refused
 # before torch is imported (test_refused_before_torch).
 NEEDS_MODEL = "the model's config (layer count, context length) is the input checked: loading it imports transformers"
+NEEDS_TOKENIZER = "the prompts are tokenized by the model's tokenizer (transformers)"
 NEEDS_PLUGIN = ("a plugin is imported by the scorer registry, kvdiag.scorers (torch), which the plugin imports to "
                 "register itself: the fault shows only when it is imported")
 NEEDS_SCORES = "the fault shows only when the plugin's score() runs on a Trace's tensors"
 STAGE = ("checked by the stage against the Trace's shapes or the inputs' rows, after its torch import (a light "
          "pre-check would duplicate the stage's own)")
-# NOT DONE (issue #39 stays open for these): the command still imports its stage (torch) before this check
-NOT_YET = "not yet: the command imports its stage before this check (issue #39, open)"
 HEAVY: dict[str, str] = {
-    "trace-store-beyond": NEEDS_MODEL, "trace-beyond-context": NEEDS_MODEL, "bench-scale-too-short": NEEDS_MODEL,
-    "bench-scale-beyond-context": NEEDS_MODEL, "replay-suite-length": NEEDS_MODEL,
+    "bench-scale-too-short": "the prompt's token count is the input checked: " + NEEDS_TOKENIZER,
+    "replay-suite-length": "each prompt's token count is the input checked: " + NEEDS_TOKENIZER,
+    "replay-suite-max-new-tokenized": "the exact count of the answer's tokens is the input checked: " + NEEDS_TOKENIZER,
     "replay-budget-protected": NEEDS_MODEL,
     **{name: NEEDS_PLUGIN for name, _, _ in CASES if "-plugin-" in name and name != "score-plugin-missing"},
     "score-plugin-raises": NEEDS_SCORES, "score-plugin-returns-list": NEEDS_SCORES,
-    "label-horizon-long": STAGE, "label-checkpoint-outside": STAGE, "label-layers-range": STAGE,
-    "score-fitted-missing": "fitted:PATH is made by its resolver in kvdiag.scorers (torch): " + STAGE,
-    "score-fitted-no-model": "fitted's model path is a field of its scorer class (torch): " + STAGE,
     "rank-eval-eligible-unknown": "--eligible names a scorer whose protected() is read (torch): " + STAGE,
-    "grade-fitted-missing": "fitted:PATH is made by its resolver in kvdiag.scorers (torch): " + STAGE,
     "replay-scorer-needs-history": "needs_history is a scorer class attribute (torch): " + STAGE,
-    **{name: NOT_YET for name in (
-        "replay-interval", "replay-samples-greedy", "replay-top-p-greedy", "replay-temperature-0",
-        "replay-oracle-free", "replay-oracle-per-head", "replay-batch-0", "bench-scale-lengths", "bench-scale-store",
-        "bench-scale-store-twice", "figures-payload", "figures-rank-eval-dir", "report-empty-run",
-        "bench-replay-samples-greedy",
-        "bench-replay-param-stray", "score-labels-no-keys", "score-labels-other-trace", "score-checkpoint-0",
-        "score-plugin-missing", "replay-outcomes-missing", "replay-outcomes-other-prompts", "replay-temperature-inf",
-        "bench-replay-temperature-inf", "bench-peak-seconds-inf", "bench-peak-seconds-nan",
-    )},
-    **{f"replay-outcomes-{kind}": "the replay command imports its stage before --outcomes is read (issue #39)"
-       for kind in ("nan", "dup", "nometa", "tf")},
     "score-param-unknown": "a scorer's parameters are its class's fields (torch): " + STAGE,
     "score-param-type": "a scorer's parameter types are its class's field types (torch): " + STAGE,
     "score-model-unused": "whether a scorer reads wo_l2 is its instance's setting (torch): " + STAGE,
@@ -752,11 +771,14 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
             "score", "--trace", str(trace.path), "--labels", str(labels), "--scorers", "attention,knorm", "--out",
             str(scores),
         ],
+        ["score", "--trace", str(trace.path), "--checkpoints", "every:16", "--granularity", "head", "--scorers",
+         "knorm", "--out", str(root / "run" / "head-scores.parquet")],
     ):
         with pytest.raises(SystemExit) as exc:
             main(argv)
         assert exc.value.code == 0
-    p = {"trace": str(trace.path), "labels": str(labels), "scores": str(scores), "run": str(root / "run")}
+    p = {"trace": str(trace.path), "labels": str(labels), "scores": str(scores), "run": str(root / "run"),
+         "head_scores": str(root / "run" / "head-scores.parquet")}
     (root / "file").write_text("a regular file\n")
     p["file"] = str(root / "file")
     (root / "empty").mkdir()
@@ -834,6 +856,13 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
             f.write_bytes(f.read_bytes()[:200])
 
     p["trace_bad_layer"] = broken_trace("t-layer", truncate_layer)
+
+    def keys_only(d: Path) -> None:  # the manifest of a --store kv Trace: no queries on disk
+        manifest = json.loads((d / "manifest.json").read_text())
+        manifest["store"] = {"mode": "kv", "layers": list(range(manifest["num_layers"]))}
+        (d / "manifest.json").write_text(json.dumps(manifest))
+
+    p["trace_kv"] = broken_trace("t-kv", keys_only)
     (root / "number.jsonl").write_text('{"problem": 42}\n')
     p["number_jsonl"] = str(root / "number.jsonl")
     (root / "plugins").mkdir()

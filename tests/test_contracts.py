@@ -21,7 +21,7 @@ REPORTS = Path(__file__).resolve().parents[1] / "reports"
 def test_the_light_fingerprint_is_the_traces(tiny_trace):
     """TraceFiles (manifest + tokens, no torch) gives the fingerprint Trace gives and every table records: sha256 of
     the weights hash, then each prompt's name and int64 token ids, prompts in name order (the definition as written
-    before it moved to kvdiag.contracts)."""
+    before it moved to kvdiag.trace.manifest.TraceFiles)."""
     from kvdiag.trace.manifest import TraceFiles
 
     h = hashlib.sha256(tiny_trace.manifest["model"]["weights_hash"].encode())

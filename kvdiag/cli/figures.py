@@ -53,17 +53,11 @@ def figures(
     """Draw the attention-only blind spot, the delayed-read effect and the AvoKV-E component figure."""
     check_outputs({"--out": (out, "dir")},
                   {"--trace": trace, "--labels": labels, "--scores": scores, "--rank-eval": rank_eval})
-    from kvdiag.contracts import belongs
     from kvdiag.io import check_table
     from kvdiag.trace.manifest import TraceFiles
 
-    # the inputs' files and the Trace they were made from, before torch and matplotlib are imported (their contents:
-    # figures_files)
-    tf = TraceFiles(trace)
-    belongs(tf, check_table(labels, "--labels"), f"--labels {labels}")
-    belongs(tf, check_table(scores, "--scores"), f"--scores {scores}")
-    from kvdiag.figures.run import figures_files
-
+    # the settings, the inputs' files and the Trace they were made from, before torch and matplotlib are imported
+    # (their contents: figures_files)
     params = FigureParams(
         w_obs=w_obs, w_delay=w_delay, payload=payload, harm=harm, include_unresolved=include_unresolved,
         noise_mult=noise_mult, low_attention_quantile=low_attention_quantile,
@@ -71,6 +65,16 @@ def figures(
         interval=interval, min_group=min_group, n_boot=bootstrap, seed=seed, rho=rho, scope=scope, min_age=min_age,
         max_age=max_age, eligible=eligible,
     )
+    trace_files = TraceFiles(trace)
+    from kvdiag.contracts import belongs  # polars: only now
+
+    belongs(trace_files, check_table(labels, "--labels"), f"--labels {labels}")
+    belongs(trace_files, check_table(scores, "--scores"), f"--scores {scores}")
+    if rank_eval is not None:
+        from kvdiag.rankeval.run import load_metrics  # polars: only now
+
+        load_metrics(rank_eval)
+    from kvdiag.figures.run import figures_files
     result = figures_files(trace, labels, scores, out, params, rank_eval, command=invocation(ctx))
     console = Console()
     a, b = result["blind_spot"], result["delayed_reads"]

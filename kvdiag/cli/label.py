@@ -51,9 +51,9 @@ def label(
 ) -> None:
     """Evict single cache entries at checkpoints and measure the KL damage to the next H predictions."""
     check_outputs({"--out": out, "--out (its parts)": (out.with_name(out.name + ".parts"), "dir")}, {"--trace": trace})
-    from kvdiag.label import LabelConfig  # light: the config, not the engine
+    from kvdiag.label.config import LabelConfig, work_items  # light: the config, not the engine
     from kvdiag.model_specs import check_model_spec, check_trace_model
-    from kvdiag.trace.manifest import read_trace_files
+    from kvdiag.trace.manifest import TraceFiles
 
     if model is None:
         common.refuse_given(ctx, ["force"], "without --model (the Trace's own model is used)")
@@ -76,11 +76,12 @@ def label(
     parsing.check_device_name(device)
     if dtype is not None:
         parsing.check_dtype(dtype)
-    manifest, _ = read_trace_files(trace)
-    if model is not None:  # another model than the Trace's, told from names and configs before anything loads
+    if model is not None:
         check_model_spec(model)
-        if not force:
-            check_trace_model(model, manifest["model"], "drop --model or pass --force")
+    trace_files = TraceFiles(trace)
+    work_items(trace_files, cfg)  # the settings against the Trace's prompts and model shape
+    if model is not None and not force:  # another model than the Trace's, told from names and configs before it loads
+        check_trace_model(model, trace_files.manifest["model"], "drop --model or pass --force")
     from kvdiag.label.run import run_label  # the engine: torch and the model, once the arguments are checked
 
     common.quiet_transformers()

@@ -39,7 +39,8 @@ def score(
     from kvdiag import parsing
     from kvdiag.guard import check_outputs
     from kvdiag.parsing import GRANULARITIES, joined, parse_checkpoints, parse_list
-    from kvdiag.scorer_names import AGGREGATIONS, check_scorer_names
+    from kvdiag.schema import check_checkpoint
+    from kvdiag.scorer_names import AGGREGATIONS, check_fitted, check_plugin_files, check_scorer_names
     from kvdiag.trace.manifest import TraceFiles
 
     if list_:
@@ -54,23 +55,30 @@ def score(
         raise UserError("--granularity does not apply with --labels (its rows are scored at their own granularity); "
                         "drop it")
     if checkpoints is not None:
-        parse_checkpoints(joined(checkpoints))
+        cps = parse_checkpoints(joined(checkpoints))
         parse_list(joined(granularity) or "token", "--granularity", str, choices=GRANULARITIES)
     if aggregation not in AGGREGATIONS:
         raise UserError(f"--aggregation {aggregation}: use one of {', '.join(AGGREGATIONS)}")
     if not plugin:
         check_scorer_names(parse_list(scorers, "--scorers", str))
     check_outputs({"--out": out}, {"--trace": trace, "--labels": labels, "--plugin": plugin})
-    tf = TraceFiles(trace)
-    if labels is not None:  # the labels contract and their Trace, before torch (score_files checks them again)
-        from kvdiag.contracts import belongs, read_labels
+    check_plugin_files(plugin)
+    trace_files = TraceFiles(trace)
+    if labels is not None:  # their contract, their Trace and their keys against its manifest, before torch (the
+        from kvdiag.contracts import read_keys  # stage reads them again, with the tensors)
 
-        belongs(tf, read_labels(labels, full=False)[1], f"--labels {labels}")
+        read_keys(trace_files, labels)
+    elif not isinstance(cps, int):  # positions: each a checkpoint of every prompt (every:K fits itself to each)
+        for pid in trace_files.prompt_ids:
+            for t in cps:
+                check_checkpoint(trace_files, pid, t)
     if model is not None:  # another model than the Trace's, told from names and configs before anything loads
         from kvdiag.model_specs import check_model_spec, check_trace_model
 
-        check_trace_model(check_model_spec(model), tf.manifest["model"], f"pass {tf.manifest['model']['spec']}")
+        check_trace_model(check_model_spec(model), trace_files.manifest["model"],
+                          f"pass {trace_files.manifest['model']['spec']}")
     params = parsing.parse_params(param)
+    check_fitted(parse_list(scorers, "--scorers", str), params)
     from kvdiag.scorers.run import score_files  # the scorers: torch, once the arguments are checked
     df, meta = score_files(trace, out, labels, joined(checkpoints), joined(granularity),
                            parse_list(scorers, "--scorers", str), params, plugin or (), aggregation, model,

@@ -19,7 +19,7 @@ import numpy as np
 import polars as pl
 import torch
 
-from kvdiag.contracts import belongs, read_labels
+from kvdiag.contracts import read_keys
 from kvdiag.errors import UserError
 from kvdiag.features import AttentionHistory, o_proj_weights
 from kvdiag.guard import check_outputs
@@ -27,7 +27,14 @@ from kvdiag.io import write_table
 from kvdiag.parsing import parse_checkpoints, parse_list
 from kvdiag.progress import progress_bar
 from kvdiag.provenance import provenance
-from kvdiag.schema import GRANULARITIES, KEY_SCHEMA, KEYS, check_checkpoint, check_keys, default_checkpoints
+from kvdiag.schema import (
+    GRANULARITIES,
+    KEY_SCHEMA,
+    KEYS,
+    check_checkpoint,
+    check_keys,
+    default_checkpoints,
+)
 from kvdiag.scorers.base import needs_o_proj
 from kvdiag.scorers.context import ScoreContext
 from kvdiag.scorers.normalization import AGGREGATIONS, aggregation_values
@@ -176,9 +183,7 @@ def score_files(trace: str | os.PathLike, out: str | os.PathLike, labels: str | 
                         "it")
     tr = Trace(trace)
     if labels is not None:
-        keys, labels_meta = read_labels(labels, full=False)  # its candidates: the keys, kl_mean and noise_floor
-        belongs(tr, labels_meta, f"--labels {labels}")
-        keys = check_keys(tr, keys, f"--labels {labels}")
+        keys = read_keys(tr, labels)  # its contract, its Trace, its keys
     else:
         grans = parse_list(granularity or "token", "--granularity", str, choices=GRANULARITIES)
         keys = checkpoint_keys(tr, parse_checkpoints(checkpoints), grans)
