@@ -7,8 +7,8 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from kvdiag.errors import UserError
-from kvdiag.parsing import check_backend, parse_checkpoints
-from kvdiag.schema import CHECKPOINTS, GRANULARITIES, HORIZON, W_OBS
+from kvdiag.parsing import REST, check_backend, parse_checkpoints, parse_horizon
+from kvdiag.schema import CHECKPOINTS, CHUNK, GRANULARITIES, HORIZON, W_OBS
 
 HYBRID = "hybrid"
 
@@ -98,7 +98,7 @@ class LabelConfig:
     """How labels are made; written into every labels file."""
 
     checkpoints: str = CHECKPOINTS  # "every:K" (generated tokens, R-KV's schedule) or "t1,t2,..." absolute positions
-    horizon: int = HORIZON
+    horizon: int | str = HORIZON  # N teacher-forced steps, or "rest": to the end of each prompt (rows record theirs)
     candidates: str = "64"  # "N" (seeded sample) or "all"
     granularity: str = "token"
     layers: list[int] | None = None  # layer/head granularity: which layers (None = all)
@@ -106,6 +106,7 @@ class LabelConfig:
     batch_size: int = 64
     seed: int = 0
     backend: str = "auto"
+    chunk: int = CHUNK  # horizon steps per forward (kvdiag.label.engine): bounds memory at long horizons
     # exact (the oracle engine), an approximate method (kvdiag.label.fast; fast = the recommended one) or hybrid
     # (kvdiag.label.hybrid: fast for every candidate, exact for the top M and an audit sample)
     method: str = "exact"
@@ -114,6 +115,7 @@ class LabelConfig:
     sampling: str = field(default="", init=False)
 
     def __post_init__(self):
+        self.horizon = parse_horizon(self.horizon)
         self.validate()
         if self.method == HYBRID:
             hybrid = HybridParams(**self.params)
@@ -128,12 +130,18 @@ class LabelConfig:
         self.sampling = ("every cached entry [0, t)" if self.candidates == "all"
                          else f"uniform without replacement over [0, t), seed {self.seed} + checkpoint")
 
+    @property
+    def rest(self) -> bool:
+        """Whether each label runs to the end of its prompt (``--horizon rest``)."""
+        return self.horizon == REST
+
     def validate(self) -> None:
         """Every setting on its own (bad input: ``UserError``), before a model or a file is touched; how the
         settings fit a Trace is checked by ``work_items``."""
         parse_checkpoints(self.checkpoints)
-        if self.horizon < 1:
-            raise UserError(f"--horizon {self.horizon}: must be a positive number of teacher-forced steps, e.g. 16")
+        parse_horizon(self.horizon)
+        if self.chunk < 1:
+            raise UserError(f"--chunk {self.chunk}: must be a positive number of horizon steps per forward, e.g. 16")
         if self.candidates != "all" and not (self.candidates.isdigit() and int(self.candidates) > 0):
             raise UserError(f"--candidates {self.candidates}: use a positive number (a seeded sample per checkpoint) "
                             "or all")

@@ -60,14 +60,15 @@ def work_items(trace: Trace, cfg: LabelConfig, prompt_ids: list[str] | None = No
     if cfg.layers is not None and max(cfg.layers) >= trace.num_layers:
         raise UserError(f"--layers {max(cfg.layers)}: the Trace's model has layers 0..{trace.num_layers - 1}")
     items, spec = [], parse_checkpoints(cfg.checkpoints)  # every:K, or positions taken as given (checked here)
+    least = 1 if cfg.rest else cfg.horizon  # rest: each checkpoint's label runs to the end, at least one step
     for pid in prompt_ids or trace.prompt_ids:
         P, T = trace.prompt_len(pid), trace.length(pid)
-        if cfg.horizon >= T:
+        if least >= T:
             raise UserError(f"--horizon {cfg.horizon} reaches beyond the end of prompt {pid} (length {T}); use a "
-                            "shorter horizon")
-        for t in spec if isinstance(spec, list) else default_checkpoints(P, T, spec, cfg.horizon, cfg.w_obs):
-            if not 1 <= t <= T - cfg.horizon:
-                raise UserError(f"--checkpoints: {t} is outside [1, {T - cfg.horizon}] for prompt {pid} (length {T}, "
+                            "shorter horizon, or --horizon rest (each label to the end of its prompt)")
+        for t in spec if isinstance(spec, list) else default_checkpoints(P, T, spec, least, cfg.w_obs):
+            if not 1 <= t <= T - least:
+                raise UserError(f"--checkpoints: {t} is outside [1, {T - least}] for prompt {pid} (length {T}, "
                                 f"horizon {cfg.horizon})")
             items.append((pid, t))
     if cfg.method == HYBRID and items:  # the exact set and the audit must fit every checkpoint's candidates
@@ -76,17 +77,18 @@ def work_items(trace: Trace, cfg: LabelConfig, prompt_ids: list[str] | None = No
     if not items:
         raise UserError(f"--checkpoints {cfg.checkpoints}: no checkpoint fits the Trace (needs t - prompt_len >= "
                         f"W_obs={cfg.w_obs} "
-                        "and t + horizon <= length); use a smaller interval, --w-obs, --horizon, or explicit positions")
+                        "and t + horizon <= length); use a smaller interval, --w-obs, --horizon (or rest), or explicit "
+                        "positions")
     return items
 
 
 def make_engine(lm: LoadedModel, token_ids, cfg: LabelConfig):
     """The labeler of one prompt: the oracle engine (exact), the hybrid labeler, or the approximate method's."""
     if cfg.method == "exact":
-        return OracleEngine(lm, token_ids, cfg.horizon, cfg.batch_size, cfg.backend)
+        return OracleEngine(lm, token_ids, cfg.horizon, cfg.batch_size, cfg.backend, chunk=cfg.chunk)
     if cfg.method == HYBRID:
         return HybridLabeler(lm, token_ids, cfg.horizon, HybridParams(**cfg.params), cfg.seed, cfg.batch_size,
-                             cfg.backend)
+                             cfg.backend, cfg.chunk)
     labeler, params = APPROXIMATE[cfg.method]
     return labeler(lm, token_ids, cfg.horizon, params(**cfg.params), cfg.seed)
 
@@ -104,7 +106,7 @@ def label_item(engine, trace: Trace, pid: str, t: int, cfg: LabelConfig, token_i
     return pl.DataFrame({
         "prompt_id": [pid] * len(rows), "checkpoint": [t] * len(rows), "position": [r.position for r in rows],
         "granularity": [cfg.granularity] * len(rows), "layer": [r.layer for r in rows],
-        "kv_head": [r.kv_head for r in rows], "horizon": [cfg.horizon] * len(rows), "kl_mean": kl.mean(1).tolist(),
+        "kv_head": [r.kv_head for r in rows], "horizon": [engine.steps(t)] * len(rows), "kl_mean": kl.mean(1).tolist(),
         "kl_max": kl.amax(1).tolist(), "kl_steps": kl.tolist(), "js_mean": res["js"].double().mean(1).tolist(),
         "nll_delta": res["nll_delta"].double().mean(1).tolist(), "top1_flips": res["flips"].tolist(),
         "noise_floor": [noise] * len(rows), "age": [t - r.position for r in rows],
@@ -122,8 +124,8 @@ def _approximate_item(labeler, pid: str, t: int, cfg: LabelConfig, rows, token_i
     return pl.DataFrame({
         "prompt_id": [pid] * n, "checkpoint": [t] * n, "position": [r.position for r in rows],
         "granularity": [cfg.granularity] * n, "layer": [r.layer for r in rows], "kv_head": [r.kv_head for r in rows],
-        "horizon": [cfg.horizon] * n, "kl_mean": res["kl"].tolist(), "kl_max": None, "kl_steps": None, "js_mean": None,
-        "nll_delta": res["nll_delta"].tolist(), "top1_flips": None, "noise_floor": [0.0] * n,
+        "horizon": [labeler.steps(t)] * n, "kl_mean": res["kl"].tolist(), "kl_max": None, "kl_steps": None,
+        "js_mean": None, "nll_delta": res["nll_delta"].tolist(), "top1_flips": None, "noise_floor": [0.0] * n,
         "age": [t - r.position for r in rows], "token_id": [int(token_ids[r.position]) for r in rows],
     }, schema=LABEL_SCHEMA)
 
@@ -136,7 +138,7 @@ def _hybrid_item(labeler, pid: str, t: int, cfg: LabelConfig, rows, token_ids, p
     return pl.DataFrame({
         "prompt_id": [pid] * n, "checkpoint": [t] * n, "position": [r.position for r in rows],
         "granularity": [cfg.granularity] * n, "layer": [r.layer for r in rows], "kv_head": [r.kv_head for r in rows],
-        "horizon": [cfg.horizon] * n, "kl_mean": res["kl"], "kl_max": res["kl_max"], "kl_steps": res["kl_steps"],
+        "horizon": [labeler.steps(t)] * n, "kl_mean": res["kl"], "kl_max": res["kl_max"], "kl_steps": res["kl_steps"],
         "js_mean": res["js_mean"], "nll_delta": res["nll_delta"], "top1_flips": res["top1_flips"],
         "noise_floor": [res["noise"]] * n, "age": [t - r.position for r in rows],
         "token_id": [int(token_ids[r.position]) for r in rows], "method": res["method"],
@@ -144,7 +146,8 @@ def _hybrid_item(labeler, pid: str, t: int, cfg: LabelConfig, rows, token_ids, p
 
 
 def labels_meta(trace: Trace, lm: LoadedModel, cfg: LabelConfig) -> dict:
-    label = "KL(P_full || P_evict) per step, fp32, full vocabulary; kl_mean = mean over the horizon"
+    label = ("KL(P_full || P_evict) per step (kl_steps), fp32, full vocabulary; kl_mean = mean over the row's horizon "
+             "(the column horizon: N, or to the end of the prompt with --horizon rest)")
     if cfg.method == HYBRID:
         label = (f"hybrid ({cfg.params}, seed {cfg.seed}): the column method says which rows are exact (exact-top: "
                  "the M largest Fisher labels; exact-audit: a seeded uniform sample of the rest) and which are the "
