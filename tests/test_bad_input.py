@@ -620,6 +620,15 @@ CASES: list[tuple[str, list[str], str]] = [
     ("score-plugin-returns-list", ["score", "--trace", "{trace}", "--labels", "{labels}", "--plugin",
                                    "{plugin_returns_list}", "--scorers", "listy", "--out", "{out}/s.parquet"],
      "returned a list, not a torch.Tensor"),
+    # ---- #42 long horizons (--horizon 0 and a fixed N past the trace: label-horizon-0, label-horizon-long above)
+    ("label-horizon-abc", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", "--horizon", "abc"],
+     "--horizon abc"),
+    ("label-horizon-negative", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", "--horizon", "-3"],
+     "--horizon -3"),
+    ("label-horizon-past-shortest", ["label", "--trace", "{trace}", *FITS[:4], "--out", "{out}/l.parquet",
+                                     "--horizon", "{shortest}"], "reaches beyond the end of prompt"),
+    ("label-chunk-0", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--chunk", "0"],
+     "--chunk 0"),
 ]
 
 PLUGINS = {  # file name -> source; line numbers matter (the messages name them)
@@ -659,7 +668,7 @@ HEAVY: dict[str, str] = {
     "replay-budget-protected": NEEDS_MODEL,
     **{name: NEEDS_PLUGIN for name, _, _ in CASES if "-plugin-" in name and name != "score-plugin-missing"},
     "score-plugin-raises": NEEDS_SCORES, "score-plugin-returns-list": NEEDS_SCORES,
-    "label-horizon-long": STAGE, "label-checkpoint-outside": STAGE, "label-layers-range": STAGE,
+    "label-checkpoint-outside": STAGE, "label-layers-range": STAGE,
     "label-other-model": "the Trace's model is told from another by its weights hash: " + NEEDS_MODEL,
     "score-fitted-missing": "fitted:PATH is made by its resolver in kvdiag.scorers (torch): " + STAGE,
     "score-fitted-no-model": "fitted's model path is a field of its scorer class (torch): " + STAGE,
@@ -715,6 +724,7 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
             main(argv)
         assert exc.value.code == 0
     p = {"trace": str(trace.path), "labels": str(labels), "scores": str(scores), "run": str(root / "run")}
+    p["shortest"] = str(min(trace.length(pid) for pid in trace.prompt_ids))  # a horizon past one prompt's end
     (root / "file").write_text("a regular file\n")
     p["file"] = str(root / "file")
     (root / "empty").mkdir()

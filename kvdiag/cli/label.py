@@ -54,6 +54,7 @@ def label(
     """Evict single cache entries at checkpoints and measure the KL damage to the next H predictions."""
     check_outputs({"--out": out, "--out (its parts)": (out.with_name(out.name + ".parts"), "dir")}, {"--trace": trace})
     from kvdiag.label import LabelConfig  # light: the config, not the engine
+    from kvdiag.label.config import check_horizon_fits
     from kvdiag.model_specs import check_model_spec
     from kvdiag.trace.manifest import read_trace_files
 
@@ -80,7 +81,8 @@ def label(
         parsing.check_dtype(dtype)
     if model is not None:
         check_model_spec(model)
-    read_trace_files(trace)
+    manifest, _ = read_trace_files(trace)
+    check_horizon_fits(cfg.horizon, {pid: p["length"] for pid, p in manifest["prompts"].items()})
     from kvdiag.label.run import run_label  # the engine: torch and the model, once the arguments are checked
 
     common.quiet_transformers()

@@ -93,6 +93,15 @@ class HybridParams:
                             f"top {top} {where}: use --audit <= {candidates - top}")
 
 
+def check_horizon_fits(horizon: int | str, lengths: dict[str, int]) -> None:
+    """Refuse a fixed horizon that reaches past the end of a prompt (``lengths``: prompt id -> T; a label needs a
+    checkpoint t >= 1 with t + N <= T); ``rest`` runs each label to its prompt's end and always fits."""
+    for pid, T in lengths.items():
+        if horizon != REST and horizon >= T:
+            raise UserError(f"--horizon {horizon} reaches beyond the end of prompt {pid} (length {T}); use a shorter "
+                            "horizon, or --horizon rest (each label to the end of its prompt)")
+
+
 @dataclass
 class LabelConfig:
     """How labels are made; written into every labels file."""

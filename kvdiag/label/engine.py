@@ -287,7 +287,7 @@ class OracleEngine:
             ids = self.ids[None, t + c0 : t + c1].expand(n, -1)
             pos = torch.arange(t + c0, t + c1, device=self.ids.device)[None].expand(n, -1)
             below = None if hidden is None else hidden[:, c0:c1].expand(n, -1, -1)
-            with evicting(self.model, batch), starting_at_layer(self.model, start, below):
+            with torch.no_grad(), evicting(self.model, batch), starting_at_layer(self.model, start, below):
                 logits = self.model(ids, position_ids=pos, use_cache=False).logits
             yield (c0, c1), logits  # outside the contexts: the model is its own again while the caller works
 

@@ -21,7 +21,7 @@ from kvdiag.contracts import (
 from kvdiag.distributed import Group, parse_shard
 from kvdiag.errors import UserError
 from kvdiag.io import check_writable, write_table
-from kvdiag.label.config import HYBRID, LabelConfig  # noqa: F401  (run's API)
+from kvdiag.label.config import HYBRID, LabelConfig, check_horizon_fits  # noqa: F401  (run's API)
 from kvdiag.label.engine import OracleEngine, candidate_rows
 from kvdiag.label.fast import APPROXIMATE
 from kvdiag.label.hybrid import HybridLabeler, HybridParams, miss_rate
@@ -63,9 +63,7 @@ def work_items(trace: Trace, cfg: LabelConfig, prompt_ids: list[str] | None = No
     least = 1 if cfg.rest else cfg.horizon  # rest: each checkpoint's label runs to the end, at least one step
     for pid in prompt_ids or trace.prompt_ids:
         P, T = trace.prompt_len(pid), trace.length(pid)
-        if least >= T:
-            raise UserError(f"--horizon {cfg.horizon} reaches beyond the end of prompt {pid} (length {T}); use a "
-                            "shorter horizon, or --horizon rest (each label to the end of its prompt)")
+        check_horizon_fits(cfg.horizon, {pid: T})
         for t in spec if isinstance(spec, list) else default_checkpoints(P, T, spec, least, cfg.w_obs):
             if not 1 <= t <= T - least:
                 raise UserError(f"--checkpoints: {t} is outside [1, {T - least}] for prompt {pid} (length {T}, "
