@@ -160,3 +160,32 @@ def test_bench_label_long_horizon_reports_cost_and_peak_against_h16(tmp_path):
     if short["peak_mb"] is not None and short["peak_mb"] > 0:
         assert got["peak_ratio"] == pytest.approx(long["peak_mb"] / short["peak_mb"])
     assert 0 <= got["max_abs_diff_first_steps"] <= 1e-6
+
+
+def test_decisions_rest_label_each_set_to_the_end_of_its_prompt(tiny_llama, tiny_trace, tmp_path):
+    """``decisions --horizon rest``: each set row records T - t steps, and its per-step KL equals deleting the set
+    from a copied cache over all of them (chunks of 16; 1e-4 relative + 1e-6 nats, the physical-deletion tolerance)."""
+    from kvdiag.decisions import Budget, DecisionsConfig, decide
+    from kvdiag.io import read_table
+    from kvdiag.label.reference import reference_set_logprobs
+    from kvdiag.scorers import checkpoint_keys, score_trace
+
+    cps = {pid: [16, 32] for pid in tiny_trace.prompt_ids}
+    scores, meta = score_trace(tiny_trace, keys=checkpoint_keys(tiny_trace, cps, ["head"]), scorers=["h2o", "random"])
+    cfg = DecisionsConfig(budgets=(Budget("keep", 0.5),), selection="per-token", horizon="rest", references=("random",),
+                          pairs=0, n_boot=0, batch_size=4)
+    decide(tiny_trace, tiny_llama, scores, meta, tmp_path / "d", cfg, None, None, show_progress=False)
+    df = read_table(tmp_path / "d" / "decisions.parquet")[0].filter(pl.col("status") == "ok")
+    T = {pid: tiny_trace.length(pid) for pid in tiny_trace.prompt_ids}
+    assert (df["horizon"] == pl.Series([T[p] - t for p, t in df.select("prompt_id", "checkpoint").iter_rows()])).all()
+    assert df["horizon"].max() > 16  # chunked
+    row = df.filter(pl.col("decision") == "h2o").sort("horizon", descending=True).row(0, named=True)
+    pid, t = row["prompt_id"], row["checkpoint"]
+    eng = OracleEngine(tiny_llama, tiny_trace.token_ids(pid), "rest")
+    prefix, logp_full = eng.golden(t)
+    assert len(logp_full) == row["horizon"] == len(row["kl_steps"])
+    ref = reference_set_logprobs(tiny_llama.model, eng.ids, t, row["horizon"], prefix,
+                                 torch.tensor(row["evicted_positions"]))
+    want = divergences(logp_full, ref[None], eng.ids[t + 1 : t + row["horizon"] + 1])["kl"][0]
+    torch.testing.assert_close(torch.tensor(row["kl_steps"], dtype=want.dtype), want, rtol=1e-4, atol=1e-6)
+    assert want.sum() > 1e-4  # the set's eviction does something

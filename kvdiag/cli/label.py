@@ -28,7 +28,8 @@ def label(
     layers: list[str] | None = typer.Option(None, "--layers", help="layer/head granularity: comma-separated layers, "
                                                                    "repeatable (default all)"),
     w_obs: int = typer.Option(W_OBS, "--w-obs", help="every:K starts once W_obs tokens are generated"),
-    batch_size: int = typer.Option(64, "--batch-size", help="candidate rows per forward"),
+    batch_size: int = typer.Option(64, "--batch-size", help="candidate rows per forward (at H <= --chunk; fewer at "
+                                   "longer horizons, holding the memory of a batch)"),
     method: str = typer.Option("exact", "--method", help="exact (the oracle) | fast (the recommended approximate "
         "method, labels every entry in one pass) | fisher | hybrid (fast for every entry, exact for the top M and an "
         "audit sample; docs/labels.md)"),

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from kvdiag.errors import UserError, check_choice
 from kvdiag.harm import HarmSpec
-from kvdiag.parsing import Selection
+from kvdiag.parsing import Selection, parse_horizon
 from kvdiag.schema import HORIZON, N_BOOT
 
 # the reference decisions every rule is compared with (docs/decisions.md)
@@ -59,7 +59,8 @@ class DecisionsConfig:
         then also gets its deterministic per-head set, to compare); ``kvdiag.selection.select_keep`` decides for
         replay and here.
     samples : stochastic selection: draws per (rule, budget, checkpoint).
-    horizon : teacher-forced steps of each joint label (the labels file's, when one is given).
+    horizon : teacher-forced steps of each joint label, N or ``rest`` (to the end of each prompt; the labels file's,
+        when one is given).
     rules : score columns graded (None: every column of the scores file).
     references : reference decisions computed (:data:`REFERENCES`; oracle_single needs labels of every entry).
     greedy_chunk : ``oracle_greedy`` evicts ``ceil(greedy_chunk * t)`` entries per step (the survivors with the
@@ -78,7 +79,7 @@ class DecisionsConfig:
     budgets: tuple[Budget, ...]
     selection: Selection | str = "per-head"  # a spec string is parsed once, here
     samples: int = 4
-    horizon: int = HORIZON
+    horizon: int | str = HORIZON
     rules: tuple[str, ...] | None = None
     references: tuple[str, ...] = REFERENCES
     greedy_chunk: float = 0.125
@@ -104,8 +105,7 @@ class DecisionsConfig:
             check_choice(ref, REFERENCES, "--references")
         if not self.budgets:
             raise UserError("no budget to grade: pass --keep or --budget")
-        if self.horizon < 1:
-            raise UserError(f"--horizon {self.horizon}: must be a positive number of teacher-forced steps, e.g. 16")
+        object.__setattr__(self, "horizon", parse_horizon(self.horizon))
         if not 0 < self.greedy_chunk <= 1:
             raise UserError(f"--greedy-chunk {self.greedy_chunk}: a fraction of the checkpoint in (0, 1], e.g. 0.125")
         if self.pairs < 0 or self.pair_candidates < 2:

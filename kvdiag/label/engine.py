@@ -282,8 +282,9 @@ class OracleEngine:
         shared prefix with the rows' exclusions and the rows' own keys and values of the earlier chunks."""
         spans = self.spans(t)
         batch = EvictionBatch(prefix=prefix, exclude=exclude, attention=self.attention.layers, backend=self.backend,
-                              suffix=[None] * self.num_layers if len(spans) > 1 else None)
+                              suffix=[None] * self.num_layers if len(spans) > 1 else None, steps=spans[-1][1])
         for c0, c1 in spans:
+            batch.offset = c0
             ids = self.ids[None, t + c0 : t + c1].expand(n, -1)
             pos = torch.arange(t + c0, t + c1, device=self.ids.device)[None].expand(n, -1)
             below = None if hidden is None else hidden[:, c0:c1].expand(n, -1, -1)
@@ -342,15 +343,27 @@ class OracleEngine:
             return full, noise
         return self._label(t, rows, progress)
 
-    def batches(self, rows: list[Row]) -> list[tuple[int, list[int]]]:
+    def batches(self, rows: list[Row], size: int | None = None) -> list[tuple[int, list[int]]]:
         """The engine's batches of ``rows``: (start layer, row indices), grouped by start layer (stable: within a
-        group in the given order) and at most ``batch_size`` rows each."""
+        group in the given order) and at most ``size`` rows each (default ``batch_size``; ``rows_per_batch``)."""
+        size = size or self.batch_size
         order = sorted(range(len(rows)), key=lambda j: self.start_layer(rows[j]))
         out = []
         for start, group in itertools.groupby(order, key=lambda j: self.start_layer(rows[j])):
             group = list(group)
-            out += [(start, group[s : s + self.batch_size]) for s in range(0, len(group), self.batch_size)]
+            out += [(start, group[s : s + size]) for s in range(0, len(group), size)]
         return out
+
+    def rows_per_batch(self, ckpt: Checkpoint) -> int:
+        """``batch_size`` at H <= chunk; at longer horizons fewer rows per forward, so that a batch's memory, one
+        chunk's logits [rows, C, V] and the rows' continuation caches (keys and values of all H steps in every
+        layer, 2 Hkv d per layer and step), stays that of ``batch_size`` rows over one chunk (at least one row)."""
+        H = len(ckpt.logp_full)
+        if H <= self.chunk:
+            return self.batch_size
+        per_step = ckpt.logp_full.shape[-1]  # V logits
+        kv = sum(2 * k.shape[0] * k.shape[-1] for k, _ in ckpt.prefix)  # cache elements per step and row
+        return max(1, self.batch_size * self.chunk * (per_step + kv) // (self.chunk * per_step + H * kv))
 
     @torch.no_grad()
     def checkpoint(self, t: int, layer_inputs: bool = True) -> Checkpoint:
@@ -380,7 +393,7 @@ class OracleEngine:
         noise = float(div_null["kl"].mean())
         parts = {key: [val[:0].cpu()] for key, val in div_null.items()}
         order = []
-        for start, batch in self.batches(rows):
+        for start, batch in self.batches(rows, self.rows_per_batch(ckpt)):
             for key, val in self.label_batch(ckpt, [rows[j] for j in batch], start).items():
                 parts[key].append(val)
             order += batch
@@ -395,14 +408,15 @@ class OracleEngine:
         """Joint labels of set rows at checkpoint ``t``: row r evicts every entry of ``sets[r]`` at once (positions
         [E] from every layer and KV head, or [L, Hkv, E] per layer and KV head, ``-1`` = none; see
         :func:`set_exclusions`). Returns the per-row tensors of :meth:`label` (kl [N, H], js [N, H], nll_delta
-        [N, H'], flips [N]) and the checkpoint's noise floor. Rows are batched ``batch_size`` at a time; a set is
+        [N, H'], flips [N]) and the checkpoint's noise floor. Rows are batched ``rows_per_batch`` at a time; a set is
         exact as a physical deletion of its entries (``kvdiag.label.reference.reference_set_logprobs``)."""
         self.check_checkpoint(t)
         ckpt = self.checkpoint(t, layer_inputs=False)
         div_null = ckpt.null
         parts = {key: [val[:0].cpu()] for key, val in div_null.items()}
-        for s in range(0, len(sets), self.batch_size):
-            batch = sets[s : s + self.batch_size]
+        size = self.rows_per_batch(ckpt)
+        for s in range(0, len(sets), size):
+            batch = sets[s : s + size]
             exclude = set_exclusions(batch, self.num_layers, self.num_kv_heads, t, self.ids.device)
             for key, val in self._rows(ckpt, exclude, len(batch)).items():
                 parts[key].append(val)
