@@ -180,11 +180,11 @@ def _bench_horizon(console, title, lm, prefix, n, horizon, repeats, backend, chu
     linear = horizon / HORIZON
     peak = "n/a" if res.peak_ratio is None else f"{res.peak_ratio:.2f}x"
     console.print(f"cost per labeled entry, H={horizon} / H={HORIZON}: {res.cost_ratio:.2f}x (linear in H: "
-                  f"{linear:g}x; {res.cost_ratio / linear:.2f} of linear); peak extra memory: {peak} (chunks of "
-                  f"{chunk}); the first {HORIZON} steps at H={horizon} differ from H={HORIZON} by at most "
-                  f"{res.max_abs_diff:.1e} nats")
+                  f"{linear:g}x; {res.cost_ratio / linear:.2f} of linear); peak extra memory: {peak} (memory budget: "
+                  f"{n} rows x {chunk} steps); the first {HORIZON} steps at H={horizon} differ from H={HORIZON} by at "
+                  f"most {res.max_abs_diff:.1e} nats")
     _write(out, {"model": lm.spec, "dtype": lm.dtype, "device": str(lm.device), "prefix": prefix, "n": n,
-                 "horizons": res.horizons, "chunk": chunk, "cost_ratio_per_entry": res.cost_ratio,
+                 "horizons": res.horizons, "chunk": chunk, "plans": res.plans, "cost_ratio_per_entry": res.cost_ratio,
                  "linear_ratio": linear, "peak_ratio": res.peak_ratio, "max_abs_diff_first_steps": res.max_abs_diff,
                  "rows": [asdict(r) for r in res.rows]})
 

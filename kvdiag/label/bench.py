@@ -123,6 +123,7 @@ class HorizonBench:
     horizons: list[int]  # [base, long]
     rows: list[LabelBenchRow]  # per horizon: best seconds of labeling the N rows, peak extra MB
     chunk: int
+    plans: list[tuple[int, int]]  # per horizon: (rows per forward, steps per chunk): ``OracleEngine.plan``
     max_abs_diff: float  # largest |kl_steps(long)[:base] - kl_steps(base)|: the long run's first steps are the base's
 
     @property
@@ -148,8 +149,8 @@ def run_horizon_bench(lm: LoadedModel, prefix_len: int = 512, n: int = 64, horiz
     engines = {h: OracleEngine(lm, ids, h, batch_size or n, backend, chunk=chunk) for h in (base, horizon)}
     for eng in engines.values():
         eng.golden(t)
-    names = {h: f"engine, H={h}" + (f" ({len(eng.spans(t))} chunks of {chunk})" if len(eng.spans(t)) > 1 else "")
-             for h, eng in engines.items()}
+    plans = {h: eng.plan(eng.checkpoint(t, layer_inputs=False)) for h, eng in engines.items()}
+    names = {h: f"engine, H={h} ({rows} rows x {steps} steps per forward)" for h, (rows, steps) in plans.items()}
     fns = {names[h]: functools.partial(eng.label, t, rows) for h, eng in engines.items()}
     device = torch.device(lm.device)
     best = best_seconds(fns, device, repeats)
@@ -161,7 +162,7 @@ def run_horizon_bench(lm: LoadedModel, prefix_len: int = 512, n: int = 64, horiz
         out.append(LabelBenchRow(names[h], best[names[h]], n * h / best[names[h]], peak,
                                  (n + 1) * shape.row_flops(t, h)))
     diff = float((labels[horizon][:, :base] - labels[base]).abs().max())
-    return HorizonBench([base, horizon], out, chunk, diff)
+    return HorizonBench([base, horizon], out, chunk, [plans[base], plans[horizon]], diff)
 
 
 @dataclass

@@ -201,10 +201,11 @@ class OracleEngine:
             raise UserError(f"checkpoint {t} is outside [1, {last}] (trace length {self.T}, horizon "
                             f"{self.horizon}); choose earlier checkpoints or a shorter --horizon")
 
-    def spans(self, t: int) -> list[tuple[int, int]]:
-        """The chunks of checkpoint ``t``'s horizon: [(c0, c1)] step ranges of at most ``chunk`` steps."""
-        H = self.steps(t)
-        return [(c0, min(H, c0 + self.chunk)) for c0 in range(0, H, self.chunk)]
+    def spans(self, t: int, chunk: int | None = None) -> list[tuple[int, int]]:
+        """The chunks of checkpoint ``t``'s horizon: [(c0, c1)] step ranges of at most ``chunk`` steps (default
+        ``self.chunk``)."""
+        H, chunk = self.steps(t), chunk or self.chunk
+        return [(c0, min(H, c0 + chunk)) for c0 in range(0, H, chunk)]
 
     @torch.no_grad()
     def golden(self, t: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
@@ -277,10 +278,10 @@ class OracleEngine:
         return torch.cat([logits for _, logits in self._chunks(t, prefix, exclude, len(sets))], 1)
 
     def _chunks(self, t: int, prefix, exclude: list[torch.Tensor | None], n: int, start: int = 0,
-                hidden: torch.Tensor | None = None):
+                hidden: torch.Tensor | None = None, chunk: int | None = None):
         """Yield ((c0, c1), logits [N, c1 - c0, V]) chunk by chunk over the horizon (``spans``): each chunk reads the
         shared prefix with the rows' exclusions and the rows' own keys and values of the earlier chunks."""
-        spans = self.spans(t)
+        spans = self.spans(t, chunk)
         batch = EvictionBatch(prefix=prefix, exclude=exclude, attention=self.attention.layers, backend=self.backend,
                               suffix=[None] * self.num_layers if len(spans) > 1 else None, steps=spans[-1][1])
         for c0, c1 in spans:
@@ -345,7 +346,7 @@ class OracleEngine:
 
     def batches(self, rows: list[Row], size: int | None = None) -> list[tuple[int, list[int]]]:
         """The engine's batches of ``rows``: (start layer, row indices), grouped by start layer (stable: within a
-        group in the given order) and at most ``size`` rows each (default ``batch_size``; ``rows_per_batch``)."""
+        group in the given order) and at most ``size`` rows each (default ``batch_size``; ``plan``)."""
         size = size or self.batch_size
         order = sorted(range(len(rows)), key=lambda j: self.start_layer(rows[j]))
         out = []
@@ -354,16 +355,24 @@ class OracleEngine:
             out += [(start, group[s : s + size]) for s in range(0, len(group), size)]
         return out
 
-    def rows_per_batch(self, ckpt: Checkpoint) -> int:
-        """``batch_size`` at H <= chunk; at longer horizons fewer rows per forward, so that a batch's memory, one
-        chunk's logits [rows, C, V] and the rows' continuation caches (keys and values of all H steps in every
-        layer, 2 Hkv d per layer and step), stays that of ``batch_size`` rows over one chunk (at least one row)."""
+    def plan(self, ckpt: Checkpoint) -> tuple[int, int]:
+        """(rows per forward, horizon steps per chunk) at ``ckpt``: (``batch_size``, ``chunk``) at H <= chunk. At
+        longer horizons a batch holds one chunk's logits [rows, C, V] and the rows' continuation caches (2 Hkv d
+        values per layer, step and row, for all H steps); the plan keeps that within what ``batch_size`` rows hold
+        over ``chunk`` steps and, within it, runs the most tokens per forward (rows x C: fewer rows, longer chunks;
+        ties: more rows). Where one row's cache alone exceeds it: one row in chunks of ``chunk``."""
         H = len(ckpt.logp_full)
         if H <= self.chunk:
-            return self.batch_size
-        per_step = ckpt.logp_full.shape[-1]  # V logits
+            return self.batch_size, self.chunk
+        V = ckpt.logp_full.shape[-1]
         kv = sum(2 * k.shape[0] * k.shape[-1] for k, _ in ckpt.prefix)  # cache elements per step and row
-        return max(1, self.batch_size * self.chunk * (per_step + kv) // (self.chunk * per_step + H * kv))
+        budget = self.batch_size * self.chunk * (V + kv)
+        best = (1, self.chunk)
+        for rows in range(self.batch_size, 0, -1):
+            steps = min(H, (budget // rows - H * kv) // V)
+            if steps >= 1 and rows * steps > best[0] * min(best[1], H):
+                best = (rows, steps)
+        return best
 
     @torch.no_grad()
     def checkpoint(self, t: int, layer_inputs: bool = True) -> Checkpoint:
@@ -379,13 +388,14 @@ class OracleEngine:
         layer inputs."""
         return self._rows(ckpt, self._exclusions(rows), len(rows), start)
 
-    def _rows(self, ckpt: Checkpoint, exclude: list[torch.Tensor | None], n: int,
-              start: int = 0) -> dict[str, torch.Tensor]:
+    def _rows(self, ckpt: Checkpoint, exclude: list[torch.Tensor | None], n: int, start: int = 0,
+              chunk: int | None = None) -> dict[str, torch.Tensor]:
         """The divergences (on the CPU) of ``n`` rows with ``exclude``, chunk by chunk: one chunk's logits alive."""
         hidden = ckpt.hidden[start] if start else None
+        chunks = self._chunks(ckpt.t, ckpt.prefix, exclude, n, start, hidden, chunk)
         return _joined([{key: val.cpu() for key, val in
                          self._chunk_divergences(ckpt.t, ckpt.logp_full, ckpt.targets, c0, c1, logits).items()}
-                        for (c0, c1), logits in self._chunks(ckpt.t, ckpt.prefix, exclude, n, start, hidden)])
+                        for (c0, c1), logits in chunks])
 
     def _label(self, t: int, rows: list[Row], progress=None) -> tuple[dict[str, torch.Tensor], float]:
         ckpt = self.checkpoint(t, layer_inputs=any(self.start_layer(r) for r in rows))
@@ -393,8 +403,10 @@ class OracleEngine:
         noise = float(div_null["kl"].mean())
         parts = {key: [val[:0].cpu()] for key, val in div_null.items()}
         order = []
-        for start, batch in self.batches(rows, self.rows_per_batch(ckpt)):
-            for key, val in self.label_batch(ckpt, [rows[j] for j in batch], start).items():
+        size, chunk = self.plan(ckpt)
+        for start, batch in self.batches(rows, size):
+            for key, val in self._rows(ckpt, self._exclusions([rows[j] for j in batch]), len(batch), start,
+                                       chunk).items():
                 parts[key].append(val)
             order += batch
             if progress is not None:
@@ -408,17 +420,17 @@ class OracleEngine:
         """Joint labels of set rows at checkpoint ``t``: row r evicts every entry of ``sets[r]`` at once (positions
         [E] from every layer and KV head, or [L, Hkv, E] per layer and KV head, ``-1`` = none; see
         :func:`set_exclusions`). Returns the per-row tensors of :meth:`label` (kl [N, H], js [N, H], nll_delta
-        [N, H'], flips [N]) and the checkpoint's noise floor. Rows are batched ``rows_per_batch`` at a time; a set is
+        [N, H'], flips [N]) and the checkpoint's noise floor. Rows are batched as ``plan`` says; a set is
         exact as a physical deletion of its entries (``kvdiag.label.reference.reference_set_logprobs``)."""
         self.check_checkpoint(t)
         ckpt = self.checkpoint(t, layer_inputs=False)
         div_null = ckpt.null
         parts = {key: [val[:0].cpu()] for key, val in div_null.items()}
-        size = self.rows_per_batch(ckpt)
+        size, chunk = self.plan(ckpt)
         for s in range(0, len(sets), size):
             batch = sets[s : s + size]
             exclude = set_exclusions(batch, self.num_layers, self.num_kv_heads, t, self.ids.device)
-            for key, val in self._rows(ckpt, exclude, len(batch)).items():
+            for key, val in self._rows(ckpt, exclude, len(batch), chunk=chunk).items():
                 parts[key].append(val)
             if progress is not None:
                 progress(len(batch))
