@@ -441,8 +441,12 @@ class OracleEngine:
         return self._chunk_divergences(ckpt.t, ckpt.logp_full, ckpt.targets, 0, len(ckpt.logp_full), logits)
 
     def _chunk_divergences(self, t: int, logp_full, targets, c0: int, c1: int, logits) -> dict[str, torch.Tensor]:
-        """``divergences`` of horizon steps [c0, c1): logits [N, c1 - c0, V] against logp_full[c0:c1]."""
-        div = divergences(logp_full[c0:c1], logits, targets[c0:c1])
+        """``divergences`` of horizon steps [c0, c1): logits [N, c1 - c0, V] against logp_full[c0:c1], a few steps at
+        a time (``DIVERGENCE_CHUNK_BYTES`` of fp32 log-probs per row): its temporaries, several [rows, steps, V]
+        tensors, must not grow with a long chunk."""
+        step = max(1, DIVERGENCE_CHUNK_BYTES // (4 * logp_full.shape[-1]))
+        div = _joined([divergences(logp_full[a : min(c1, a + step)], logits[:, a - c0 : min(c1, a + step) - c0],
+                                   targets[a : min(c1, a + step)]) for a in range(c0, c1, step)])
         self._check_finite(div["kl"], t)  # a non-finite logit makes its row's KL inf or nan
         return div
 
