@@ -629,6 +629,11 @@ CASES: list[tuple[str, list[str], str]] = [
                                      "--horizon", "{shortest}"], "reaches beyond the end of prompt"),
     ("label-chunk-0", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--chunk", "0"],
      "--chunk 0"),
+    ("decisions-horizon-abc", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5", "--horizon",
+                               "abc", "--out", "{out}"], "--horizon abc"),
+    ("decisions-horizon-0", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5", "--horizon",
+                             "0", "--out", "{out}"], "--horizon 0"),
+    ("bench-label-chunk-0", ["bench", "label", "--horizon", "64", "--chunk", "0"], "--chunk 0"),
 ]
 
 PLUGINS = {  # file name -> source; line numbers matter (the messages name them)
