@@ -10,26 +10,30 @@ checks), ``units`` (its work items and their part fingerprints), ``free_running`
 modes: items, fingerprints, runner), ``run`` (the sweep).
 """
 
-from kvdiag.parsing import Selection
-from kvdiag.replay.cache import Policy, ReplayCache
-from kvdiag.replay.decoding import Decoded, decode, full_logprobs, kl_steps, prompt_chunks, teacher_force
-from kvdiag.replay.free_running import FreeRunning, check_answer
-from kvdiag.replay.live import (
-    QueryWindow,
-    check_live_scorer,
-    live_scorer_names,
-    make_scorer,
-    observing,
-    score_layer,
-    select_keep,
-)
-from kvdiag.replay.run import FULL_KV, replay
-from kvdiag.replay.settings import ReplaySettings, check_settings
-from kvdiag.replay.teacher_forced import TeacherForced
+from __future__ import annotations
 
-__all__ = [
-    "FULL_KV", "Decoded", "FreeRunning", "Policy", "QueryWindow", "ReplayCache", "ReplaySettings", "Selection",
-    "TeacherForced", "check_answer", "check_live_scorer", "check_settings", "decode", "full_logprobs", "kl_steps",
-    "live_scorer_names", "make_scorer", "observing", "prompt_chunks", "replay", "score_layer", "select_keep",
-    "teacher_force",
-]
+import importlib
+
+from kvdiag.parsing import Selection
+
+# the submodule that defines each exported name
+_HOME = {
+    "Policy": "cache", "ReplayCache": "cache",
+    "Decoded": "decoding", "decode": "decoding", "full_logprobs": "decoding", "kl_steps": "decoding",
+    "prompt_chunks": "decoding", "teacher_force": "decoding",
+    "FreeRunning": "free_running", "check_answer": "free_running",
+    "QueryWindow": "live", "check_live_scorer": "live", "live_scorer_names": "live", "make_scorer": "live",
+    "observing": "live", "score_layer": "live", "select_keep": "live",
+    "FULL_KV": "run", "replay": "run",
+    "ReplaySettings": "settings", "check_settings": "settings",
+    "TeacherForced": "teacher_forced",
+}
+__all__ = ["Selection", *_HOME]
+
+
+def __getattr__(name: str):
+    """Each name loads its submodule on first use: the CLI checks a replay's settings (``settings``, ``sampling``:
+    no torch) before the stage's torch and transformers are imported."""
+    if name in _HOME:
+        return getattr(importlib.import_module(f"kvdiag.replay.{_HOME[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
