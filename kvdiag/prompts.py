@@ -1,44 +1,26 @@
-"""Prompt sources: JSONL (MATH-500 / AIME fields), plain text, and the builtin suites ``builtin:<suite>[:N[:LENGTH]]``.
+"""Prompt sources: JSONL (MATH-500 / AIME fields), plain text, and the builtin suites ``builtin:<suite>[:N[:LENGTH]]``
+(``kvdiag.suites``: their generators and the components each generation is graded on).
 
 ``load_prompts(source)`` returns ``Prompt`` records; ``encode_prompt`` turns one into token ids,
 applying the tokenizer's chat template when the model has one (``chat=True``).
-
-Builtin suites (seeded, checked by code; ``N`` prompts, ``LENGTH`` the suite's length knob):
-
-- ``arith`` -- 3-5 step word problems with an integer answer (math-verify); no length knob.
-- ``recall`` -- the model copies a 4-digit code, counts from 1 to ``LENGTH`` (default 20) and writes the code again
-  at the end, after two worked examples of the same length given as earlier chat turns. Graded exactly: the whole
-  generation must equal the expected text. The stop depends on the model's own count (the examples fix its
-  length) and the final line on recalling a value ``LENGTH`` lines back, so an eviction that drops the code or
-  loses the count shows up as a wrong answer. FullKV accuracy: README, "Eviction in the loop".
 """
 
 from __future__ import annotations
 
 import json
-import random
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 from kvdiag.errors import UserError
+from kvdiag.suites import SUITES, Prompt, arith_prompts, load_builtin, recall_prompts
+
+__all__ = ["DEFAULT_INSTRUCTION", "Prompt", "arith_prompts", "encode_prompt", "load_prompts", "recall_prompts",
+           "safe_id"]
 
 # Appended to math prompts, as in the R1 / R-KV MATH-500 setups. A named default, overridable.
 DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 TEXT_FIELDS = ("problem", "question", "prompt")
 ID_FIELDS = ("unique_id", "id")
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One prompt: ``prompt_id`` is filesystem-safe; ``source_id`` is the id as the source wrote it."""
-
-    prompt_id: str
-    text: str
-    answer: str | None = None
-    source_id: str | None = None
-    shots: tuple[tuple[str, str], ...] = ()  # worked (user, assistant) turns before ``text``; they fix the format
-    check: str = "math"  # how ``answer`` is graded: ``math`` (math-verify) or ``exact`` (the whole generation)
 
 
 def safe_id(raw: str) -> str:
@@ -50,7 +32,7 @@ def load_prompts(source: str, limit: int | None = None, seed: int = 0) -> list[P
     if limit is not None and limit <= 0:
         raise UserError(f"--limit {limit}: must be a positive number of prompts")
     if source.startswith("builtin:"):
-        prompts = _builtin(source, limit, seed)
+        prompts = load_builtin(source, limit, seed)
     else:
         path = Path(source)
         if not path.is_file():
@@ -64,30 +46,6 @@ def load_prompts(source: str, limit: int | None = None, seed: int = 0) -> list[P
         dup = next(i for i in ids if ids.count(i) > 1)
         raise UserError(f"--prompts {source}: prompt id {dup!r} occurs twice; make the ids unique")
     return prompts[:limit] if limit else prompts
-
-
-def _builtin(source: str, limit: int | None, seed: int) -> list[Prompt]:
-    """``builtin:<suite>[:N[:LENGTH]]``: N prompts of the suite (default: ``limit`` or 20) at its length knob."""
-    name, *rest = source.removeprefix("builtin:").split(":")
-    usage = "builtin:<suite>[:N[:LENGTH]], e.g. builtin:recall:50:20"
-    if name not in SUITES:
-        raise UserError(f"--prompts {source}: unknown builtin suite {name!r}; use one of {', '.join(SUITES)} ({usage})")
-    if len(rest) > 2 or not all(r.isdigit() and int(r) > 0 for r in rest):
-        raise UserError(f"--prompts {source}: N and LENGTH must be positive integers ({usage})")
-    count = int(rest[0]) if rest else (limit or 20)
-    if count > MAX_BUILTIN:
-        raise UserError(f"--prompts {source}: N {count} is more than the {MAX_BUILTIN:,} prompts a builtin suite "
-                        f"makes; use N <= {MAX_BUILTIN}")
-    make, lengths = SUITES[name]
-    if len(rest) < 2:
-        return make(count, seed)
-    if lengths is None:
-        raise UserError(f"--prompts {source}: builtin:{name} has no length knob; drop :{rest[1]}")
-    length = int(rest[1])
-    if length not in lengths:
-        raise UserError(f"--prompts {source}: LENGTH {length} is outside builtin:{name}'s {lengths.start}.."
-                        f"{lengths.stop - 1}; pick a length in that range")
-    return make(count, seed, length)
 
 
 def _jsonl(path: Path) -> list[Prompt]:
@@ -119,71 +77,6 @@ def _jsonl(path: Path) -> list[Prompt]:
 def _text(path: Path) -> list[Prompt]:
     lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
     return [Prompt(f"p{i:04d}", ln, None, None) for i, ln in enumerate(l for l in lines if l)]
-
-
-# --------------------------------------------------------------------------- builtin:arith
-
-NAMES = ["Ava", "Ben", "Chloe", "Dev", "Elena", "Farid", "Grace", "Hugo", "Ines", "Jonas", "Kira", "Liam"]
-ITEMS = ["apples", "marbles", "stickers", "pencils", "coins", "books", "cards", "shells"]
-
-
-def arith_prompts(n: int, seed: int = 0) -> list[Prompt]:
-    """``n`` seeded multi-step arithmetic word problems (3–5 steps) with their integer answers."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        name, item = rng.choice(NAMES), rng.choice(ITEMS)
-        total = rng.randint(5, 40)
-        sentences = [f"{name} has {total} {item}."]
-        for _ in range(rng.randint(2, 4)):
-            op = rng.choice(["buy", "give", "double", "boxes"])
-            if op == "buy":
-                k = rng.randint(2, 25)
-                total += k
-                sentences.append(f"Then {name} buys {k} more {item}.")
-            elif op == "give" and total > 2:
-                k = rng.randint(1, total - 1)
-                total -= k
-                sentences.append(f"Then {name} gives {k} {item} to a friend.")
-            elif op == "double" and total < 200:
-                total *= 2
-                sentences.append(f"Then the number of {item} {name} has doubles.")
-            else:
-                boxes, per = rng.randint(2, 6), rng.randint(2, 9)
-                total += boxes * per
-                sentences.append(f"Then {name} receives {boxes} boxes with {per} {item} in each box.")
-        sentences.append(f"How many {item} does {name} have now?")
-        out.append(Prompt(f"arith{i:03d}", " ".join(sentences), str(total), f"arith{i:03d}"))
-    return out
-
-
-# --------------------------------------------------------------------------- builtin:recall
-
-MAX_BUILTIN = 10_000  # prompts of a builtin suite: more would only hang the command that makes them
-RECALL_LENGTH = 20  # count length when builtin:recall is given no LENGTH
-RECALL_SHOTS = 2  # worked examples before the question (same length: the model copies their shape)
-
-
-def recall_prompts(n: int, seed: int = 0, length: int = RECALL_LENGTH) -> list[Prompt]:
-    """``n`` seeded recall prompts: copy a 4-digit code, count 1..``length``, write the code again (exact check)."""
-    rng = random.Random(seed)
-
-    def example() -> tuple[str, str]:
-        code = rng.randint(1000, 9999)
-        counting = "\n".join(f"{i}. {i}" for i in range(1, length + 1))
-        return (f"Remember the code {code}. Count from 1 to {length}, then write the code.",
-                f"Code: {code}\n{counting}\nThe code is {code}.")
-
-    out = []
-    for i in range(n):
-        shots = tuple(example() for _ in range(RECALL_SHOTS))
-        question, answer = example()
-        out.append(Prompt(f"recall{i:03d}", question, answer, f"recall{i:03d}", shots=shots, check="exact"))
-    return out
-
-
-# name -> (make(n, seed[, length]), the lengths it accepts or None: no length knob)
-SUITES = {"arith": (arith_prompts, None), "recall": (recall_prompts, range(1, 1001))}
 
 
 def encode_prompt(

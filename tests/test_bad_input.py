@@ -465,7 +465,7 @@ CASES: list[tuple[str, list[str], str]] = [
      "unknown builtin suite 'nope'"),
     # 2 recall prompts counting to 1000 (~21k tokens) exceed tiny:llama's 4096-token context
     ("replay-suite-length", ["replay", "--scorer", "rkv", "--model", "tiny:llama", "--prompts", "builtin:recall:2:1000",
-                             "--out", "{out}"], "--prompts builtin:recall:2:1000"),
+                             "--max-new-tokens", "3000", "--out", "{out}"], "--prompts builtin:recall:2:1000"),
     ("replay-samples-greedy", ["replay", "--scorer", "rkv", "--samples", "4", "--out", "{out}"], "needs --temperature"),
     ("replay-top-p-greedy", ["replay", "--scorer", "rkv", "--top-p", "0.9", "--out", "{out}"], "needs --temperature"),
     ("replay-temperature-0", ["replay", "--scorer", "rkv", "--temperature", "0", "--out", "{out}"], "--temperature"),
@@ -635,6 +635,39 @@ CASES: list[tuple[str, list[str], str]] = [
     ("decisions-horizon-0", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5", "--horizon",
                              "0", "--out", "{out}"], "--horizon 0"),
     ("bench-label-chunk-0", ["bench", "label", "--horizon", "64", "--chunk", "0"], "--chunk 0"),
+    # ---- decisions' searched references (issue #41)
+    ("decisions-search-rows-0", ["decisions", "--trace", "{trace}", "--scores", "{head_scores}", "--keep", "0.5",
+                                 "--references", "oracle_search", "--search-rows", "0", "--out", "{out}"],
+     "--search-rows 0"),
+    ("decisions-search-seconds-negative", ["decisions", "--trace", "{trace}", "--scores", "{head_scores}", "--keep",
+                                           "0.5", "--references", "oracle_search", "--search-seconds", "-1", "--out",
+                                           "{out}"], "--search-seconds -1"),
+    ("decisions-future-window-0", ["decisions", "--trace", "{trace}", "--scores", "{head_scores}", "--keep", "0.5",
+                                   "--references", "future_attention", "--future-window", "0", "--out", "{out}"],
+     "--future-window 0"),
+    ("decisions-future-window-past", ["decisions", "--trace", "{trace}", "--scores", "{head_scores}", "--keep", "0.5",
+                                      "--references", "future_attention", "--future-window", "100000", "--out",
+                                      "{out}"], "later tokens"),
+    ("decisions-search-no-head-scores", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5",
+                                         "--references", "oracle_search", "--out", "{out}"],
+     "oracle_search starts from every rule's set"),
+    ("decisions-future-no-queries", ["decisions", "--trace", "{trace_kv}", "--scores", "{head_scores}", "--keep",
+                                     "0.5", "--references", "future_attention", "--out", "{out}"],
+     "future_attention reads the Trace's stored queries"),
+    # ---- builtin suites with components (#43)
+    ("replay-component-unknown", ["replay", "--scorer", "rkv", "--prompts", "builtin:recall:2", "--components",
+                                  "recalled,countd", "--out", "{out}"], "'countd': builtin:recall has no such"),
+    ("replay-components-math", ["replay", "--scorer", "rkv", "--prompts", "builtin:arith:2", "--components",
+                                "recalled", "--out", "{out}"], "--components applies to the builtin suites"),
+    ("replay-suite-length-tokens", ["replay", "--scorer", "rkv", "--prompts", "builtin:keys:2:3000", "--out", "{out}"],
+     "LENGTH 3000 puts builtin:keys's needed value"),
+    ("replay-suite-distance", ["replay", "--scorer", "rkv", "--prompts", "builtin:keys:2:100", "--max-new-tokens",
+                               "200", "--out", "{out}"], "reads its needed value"),
+    ("replay-suite-max-new", ["replay", "--scorer", "rkv", "--prompts", "builtin:recall:2", "--max-new-tokens", "45",
+                              "--out", "{out}"], "needs 48 generated tokens"),
+    ("replay-suite-max-new-tokenized", ["replay", "--scorer", "rkv", "--model", "tiny:llama", "--prompts",
+                                        "builtin:recall:2", "--max-new-tokens", "60", "--out", "{out}"],
+     "reads its needed value 123 tokens (its expected text, tokenized)"),
 ]
 
 PLUGINS = {  # file name -> source; line numbers matter (the messages name them)
@@ -670,6 +703,7 @@ STAGE = ("checked by the stage against the Trace's shapes or the inputs' rows, a
 HEAVY: dict[str, str] = {
     "bench-scale-too-short": "the prompt's token count is the input checked: " + NEEDS_TOKENIZER,
     "replay-suite-length": "each prompt's token count is the input checked: " + NEEDS_TOKENIZER,
+    "replay-suite-max-new-tokenized": "the exact count of the answer's tokens is the input checked: " + NEEDS_TOKENIZER,
     "replay-budget-protected": NEEDS_MODEL,
     **{name: NEEDS_PLUGIN for name, _, _ in CASES if "-plugin-" in name and name != "score-plugin-missing"},
     "score-plugin-raises": NEEDS_SCORES, "score-plugin-returns-list": NEEDS_SCORES,
@@ -709,11 +743,14 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
             "score", "--trace", str(trace.path), "--labels", str(labels), "--scorers", "attention,knorm", "--out",
             str(scores),
         ],
+        ["score", "--trace", str(trace.path), "--checkpoints", "every:16", "--granularity", "head", "--scorers",
+         "knorm", "--out", str(root / "run" / "head-scores.parquet")],
     ):
         with pytest.raises(SystemExit) as exc:
             main(argv)
         assert exc.value.code == 0
-    p = {"trace": str(trace.path), "labels": str(labels), "scores": str(scores), "run": str(root / "run")}
+    p = {"trace": str(trace.path), "labels": str(labels), "scores": str(scores), "run": str(root / "run"),
+         "head_scores": str(root / "run" / "head-scores.parquet")}
     p["shortest"] = str(min(trace.length(pid) for pid in trace.prompt_ids))  # a horizon past one prompt's end
     (root / "file").write_text("a regular file\n")
     p["file"] = str(root / "file")
@@ -768,6 +805,13 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
             f.write_bytes(f.read_bytes()[:200])
 
     p["trace_bad_layer"] = broken_trace("t-layer", truncate_layer)
+
+    def keys_only(d: Path) -> None:  # the manifest of a --store kv Trace: no queries on disk
+        manifest = json.loads((d / "manifest.json").read_text())
+        manifest["store"] = {"mode": "kv", "layers": list(range(manifest["num_layers"]))}
+        (d / "manifest.json").write_text(json.dumps(manifest))
+
+    p["trace_kv"] = broken_trace("t-kv", keys_only)
     (root / "number.jsonl").write_text('{"problem": 42}\n')
     p["number_jsonl"] = str(root / "number.jsonl")
     (root / "plugins").mkdir()

@@ -46,6 +46,8 @@ _DECISIONS_SPEARMAN = ("needs the run's own token scores of every entry (runs/de
 NOT_REGENERATED = {
     "decisions-math500/smollm2/spearman.csv": _DECISIONS_SPEARMAN,
     "decisions-math500/gemma3/spearman.csv": _DECISIONS_SPEARMAN,
+    **{f"suites-fullkv/{f}.txt": "a measurement: SmolLM2's FullKV generations of the suite, graded (measure.py runs "
+       "the model, 20-35 min)" for f in ("keys", "countdown")},
     **{f"bench/{f}": "a measurement: seconds and memory of runs of the model on this machine"
        for f in ("cpu-mfu.md", "kernels.txt", "label-fast.txt", "label-layer.txt", "label.txt", "scale.csv",
                  "score.txt", "trace.txt")},
@@ -484,7 +486,8 @@ REPLAY = {  # run -> the tables its summary writes (committed)
     "replay-math500": ("summary.md", "summary.csv", "budget.csv", "outcomes.md", "outcomes.csv",
                        "outcomes_summary.csv", "paired.csv"),
     "replay-recall": ("summary.md", "summary.csv", "budget.csv", "outcomes.md", "outcomes.csv",
-                      "outcomes_summary.csv", "paired.csv"),
+                      "outcomes_summary.csv", "paired.csv", "components.md", "components.csv",
+                      "components_paired.csv"),
     "replay-smollm2": ("summary.md", "summary.csv", "budget.csv", "outcomes.md", "outcomes.csv",
                        "outcomes_summary.csv", "paired.csv"),
     "replay-smollm2-smoke": ("summary.md", "summary.csv", "budget.csv", "outcomes.md", "outcomes.csv",

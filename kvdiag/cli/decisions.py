@@ -32,8 +32,15 @@ def decisions(
                                        "the end of each prompt; default: the labels' horizon, else 16)"),
     scorers: list[str] | None = typer.Option(None, "--scorers", help="score columns to grade, comma-separated, "
                                              "repeatable (default: all)"),
-    references: list[str] | None = typer.Option(None, "--references", help="oracle_single, oracle_greedy, fast, random "
-                                                "(default: all; oracle_single only with --labels)"),
+    references: list[str] | None = typer.Option(None, "--references", help="oracle_single, oracle_greedy, fast, "
+                                                "random, future_attention, oracle_search (default: the first four; "
+                                                "oracle_single only with --labels)"),
+    future_window: str | None = typer.Option(None, "--future-window", help="future_attention: the future queries "
+                                             "read, N or rest (to the end of the prompt); default: the horizon"),
+    search_rows: int = typer.Option(512, "--search-rows", help="oracle_search: set rows per (checkpoint, budget) "
+                                    "beyond its candidates'"),
+    search_seconds: float = typer.Option(120.0, "--search-seconds", help="oracle_search: no new round after this "
+                                         "many seconds per (checkpoint, budget) (0: no time bound)"),
     greedy_chunk: float = typer.Option(0.125, "--greedy-chunk", help="oracle_greedy evicts ceil(F * t) entries per "
                                        "step, relabelling the survivors each step"),
     pairs: int = typer.Option(1, "--pairs", help="per checkpoint, the most damaging sets searched for superadditive "
@@ -58,6 +65,7 @@ def decisions(
     """Label the set each rule evicts under each budget exactly and compare the decisions with oracle references."""
     check_outputs({"--out": (out, "dir")}, {"--trace": trace, "--scores": scores, "--labels": labels})
     from kvdiag.decisions import REFERENCES, DecisionsConfig, budgets_from  # light: the config, not the stage
+    from kvdiag.decisions.config import DEFAULT_REFERENCES
     from kvdiag.errors import UserError
     from kvdiag.harm import HarmSpec
     from kvdiag.io import check_table
@@ -69,7 +77,7 @@ def decisions(
                         "drop it")
     budgets = budgets_from(parsing.parse_list(keep, "--keep", float, low=0, high=1, strict=True, example="0.5,0.25"),
                            parsing.parse_list(budget, "--budget", int, low=1, example="64,128"))
-    refs = parsing.parse_list(references, "--references", str, choices=REFERENCES) or list(REFERENCES)
+    refs = parsing.parse_list(references, "--references", str, choices=REFERENCES) or list(DEFAULT_REFERENCES)
     if labels is None and references is None:
         refs = [r for r in refs if r != "oracle_single"]  # by default it joins only when labels can define it
     label_meta = check_table(labels, "--labels") if labels is not None else {}
@@ -80,7 +88,8 @@ def decisions(
         rules=tuple(parsing.parse_list(scorers, "--scorers", str)) or None, references=tuple(refs),
         greedy_chunk=greedy_chunk, pairs=pairs, pair_candidates=pair_candidates, infeasible=infeasible, seed=seed,
         n_boot=bootstrap, reference=reference, batch_size=batch_size, backend=backend,
-        harm=HarmSpec(harm, noise_mult, include_unresolved),
+        harm=HarmSpec(harm, noise_mult, include_unresolved), future_window=_window(future_window),
+        search_rows=search_rows, search_seconds=search_seconds,
     )
     parsing.check_backend(backend)
     parsing.check_device_name(device)
@@ -89,7 +98,9 @@ def decisions(
     trace_files = TraceFiles(trace)
     from kvdiag.contracts import belongs, read_scores  # polars and pyarrow: only now
     # the scores contract (readable, keyed, finite, unique keys) and their Trace, before torch
-    belongs(trace_files, read_scores(scores)[1], f"--scores {scores}")
+    score_df, score_meta = read_scores(scores)
+    belongs(trace_files, score_meta, f"--scores {scores}")
+    cfg.check_future(trace_files.manifest, _checkpoints(score_df, trace_files.manifest, cfg))
     from kvdiag.decisions import decisions_files  # the stage: torch and the model, once the arguments are checked
 
     common.quiet_transformers()
@@ -98,3 +109,36 @@ def decisions(
     Console(stderr=True).print(f"decisions written to {path} (decisions.parquet, summary.md, decisions.png)")
     if not quiet:
         Console().print((path / "summary.md").read_text(), markup=False, highlight=False)
+
+
+def _window(text: str | None) -> int | str | None:
+    """``--future-window N|rest``."""
+    from kvdiag.errors import UserError
+
+    if text is None or text.strip() == "rest":
+        return None if text is None else "rest"
+    try:
+        return int(text)
+    except ValueError:
+        raise UserError(f"--future-window {text}: a number of future queries (e.g. 16) or rest") from None
+
+
+def _checkpoints(scores, manifest: dict, cfg) -> dict[str, list[int]]:
+    """prompt -> the checkpoints of the scores' head rows that leave room for the horizon (decisions grades those);
+    a scores file without head rows is refused here when oracle_search is asked (the stage refuses it in any case,
+    after the other checks of the inputs)."""
+    import polars as pl
+
+    from kvdiag.errors import UserError
+
+    head = scores.filter(pl.col("granularity") == "head").select("prompt_id", "checkpoint").unique()
+    if head.height == 0 and "oracle_search" in cfg.references:
+        raise UserError("the scores file has no head rows: oracle_search starts from every rule's set, so it needs "
+                        "every rule's score of every cached entry at each (layer, KV head); run kvdiag score "
+                        "--checkpoints every:128 --granularity head")
+    out: dict[str, list[int]] = {}
+    for pid, t in head.sort("prompt_id", "checkpoint").iter_rows():
+        least = 1 if cfg.horizon == parsing.REST else cfg.horizon  # rest: at least one step
+        if pid in manifest["prompts"] and t + least <= manifest["prompts"][pid]["length"]:
+            out.setdefault(pid, []).append(int(t))
+    return out

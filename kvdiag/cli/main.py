@@ -44,6 +44,7 @@ app.add_typer(bench_app, name="bench")
 
 # the commands, after the apps they join
 from kvdiag.cli.bench_cli import bench_cli
+from kvdiag.cli.bench_decisions import bench_decisions
 from kvdiag.cli.bench_kernels import bench_kernels
 from kvdiag.cli.bench_label import bench_label
 from kvdiag.cli.bench_peak import bench_peak
@@ -72,6 +73,7 @@ for _name, _fn in [("trace", trace), ("label", label), ("score", score), ("rank-
 for _name, _fn in [
     ("trace", bench_trace), ("label", bench_label), ("score", bench_score), ("kernels", bench_kernels),
     ("scale", bench_scale), ("peak", bench_peak), ("replay", bench_replay), ("cli", bench_cli),
+    ("decisions", bench_decisions),
 ]:
     bench_app.command(_name)(_fn)
 

@@ -54,6 +54,8 @@ def replay(
     prompts: str | None = typer.Option(None, "--prompts", help="file.jsonl, file.txt or builtin:<suite>[:N[:LENGTH]] "
                                        "(arith, the default; recall); not with --teacher-forced."),
     limit: int | None = common.Limit,
+    components: str | None = typer.Option(None, "--components", help="Free-running, builtin suites: the components "
+                                          "the components table reports beside the task component (default: all)."),
     param: list[str] | None = typer.Option(None, "--param", help="scorer.key=value, repeatable (e.g. "
                                                                  "rkv.mix_lambda=0.07)."),
     plugin: list[str] | None = typer.Option(None, "--plugin", help="Module (or .py file) whose import registers "
@@ -84,12 +86,13 @@ def replay(
     from kvdiag.prompts import DEFAULT_INSTRUCTION, load_prompts
     from kvdiag.replay.settings import ReplaySettings, check_options, check_outcomes, replayed_prompts
     from kvdiag.scorer_names import REPLAY_ONLY, check_plugin_files, check_scorer_names
+    from kvdiag.suites import check_generation_room, select_components
     from kvdiag.trace.manifest import TraceFiles
 
     if teacher_forced is not None:  # the Trace fixes the tokens: generation settings cannot apply
         common.refuse_given(
             ctx, ["prompts", "max_new_tokens", "full_kv", "kl", "chat", "instruction", "no_instruction", "samples",
-                  "temperature", "top_p", "batch_size"],
+                  "temperature", "top_p", "batch_size", "components"],
             "with --teacher-forced (the Trace's tokens are replayed)",
         )
     else:  # exact labels need the Trace's future tokens
@@ -126,7 +129,10 @@ def replay(
             check_inputs(check_table(auroc[0], "--auroc LABELS"), check_table(auroc[1], "--auroc SCORES"),
                          ("--auroc LABELS", "--auroc SCORES"))
     else:
-        load_prompts(prompts or "builtin:arith", limit=limit, seed=seed)
+        source = prompts or "builtin:arith"
+        check_generation_room(load_prompts(source, limit=limit, seed=seed), max_new_tokens, source)
+        if components is not None:
+            components = select_components(source, parsing.parse_list(components, "--components", str))
     from kvdiag.replay.run import replay_sweep  # the stage: torch, once the arguments are checked
     from kvdiag.scorers import load_plugins
 
@@ -135,7 +141,7 @@ def replay(
     path = replay_sweep(
         settings, out, teacher_forced=teacher_forced, prompts=prompts, limit=limit, model=model, seed=seed, dtype=dtype,
         device=device, revision=revision, trust_remote_code=trust_remote_code, show_progress=not quiet,
-        outcomes=outcomes, auroc=auroc,
+        outcomes=outcomes, auroc=auroc, components=components,
     )
     Console(stderr=True).print(f"replay written to {path} (generations.parquet, summary.md, budget.png)")
     if not quiet:

@@ -1,4 +1,7 @@
-"""``kvdiag bench label --sets``: what a set row costs. One P-token prefix of the model; batches of N rows:
+"""``kvdiag bench label --sets``: what a set row costs; ``kvdiag bench decisions``: what ``oracle_search`` costs and
+gains (:func:`run_search_bench`).
+
+``bench label --sets``: one P-token prefix of the model; batches of N rows:
 
 - single: N rows evicting one entry each (the oracle's single labels);
 - sets at keep F: N rows evicting ``t - floor(F t)`` entries each (decisions' set rows), token sets and per-head sets;
@@ -11,6 +14,8 @@ their labels checked against the physical reference on the sets it ran.
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -77,3 +82,85 @@ def run_set_bench(lm: LoadedModel, prefix_len: int = 512, n: int = 16, horizon: 
     return {"rows": rows, "prefix": t, "n": n, "horizon": horizon, "keep": keep, "evicted": E,
             "physical_seconds_per_set": phys_time, "batched_seconds_per_set": per_set,
             "physical_over_batched": phys_time / per_set}
+
+
+# --------------------------------------------------------------------------- oracle_search
+
+
+@torch.no_grad()
+def search_candidates(lm: LoadedModel, ids: torch.Tensor, t: int, horizon: int, keep: list[float],
+                      rules: list[str], selection: str = "per-head", seed: int = 0) -> dict:
+    """What ``kvdiag decisions`` gives ``oracle_search`` at checkpoint ``t`` of ``ids``, built without a Trace: the
+    rules' sets from their scores of the teacher-forced prefix's q/k/v (``ScoreContext``, prompt = the first t/8
+    tokens), ``fast`` (Fisher labels) and ``future_attention`` (the next ``horizon`` queries), per budget; every set
+    labeled exactly. Returns {"engine", "visible", "per_token", "candidates": {keep: [Candidate]}, "seconds"}."""
+    from kvdiag.decisions.search import candidate, visible_entries
+    from kvdiag.decisions.sets import head_label_set, label_set, rule_set
+    from kvdiag.label.fast import FisherLabeler, FisherParams
+    from kvdiag.scorers import ScoreContext, get_scorer
+    from kvdiag.selection import Selection
+    from kvdiag.trace.reader import rebuild_layers
+
+    began = time.perf_counter()
+    sel = Selection.parse(selection)
+    eng = OracleEngine(lm, ids, horizon, batch_size=16)
+    L, Hkv = eng.num_layers, eng.num_kv_heads
+    visible = visible_entries(eng, t)
+    window = None if bool(visible.all()) or sel.per_token else visible
+    layers = rebuild_layers(lm, ids[: t + horizon], torch.float32)
+    values = {}
+    for name in rules:
+        rule = get_scorer(name)
+        values[name] = torch.stack([rule.scores(ScoreContext(
+            layer["q"][:, :t], layer["k"][:, :t], layer["v"][:, :t], lm.attention.layers[l], max(1, t // 8), l,
+            "bench", ids[:t])).double() for l, layer in enumerate(layers)])
+    a, _ = FisherLabeler(lm, ids, horizon, FisherParams(), seed).effects(t)
+    values["fast"] = a.double().sum((1, 2)).pow(2).mean(0) if sel.per_token else a.double().pow(2).mean(0)
+    from kvdiag.attention import attention_rows
+
+    pos = torch.arange(t, t + horizon)
+    values["future_attention"] = torch.stack([
+        attention_rows(layer["q"][:, pos], layer["k"], pos, lm.attention.layers[l], key_limit=t).double()
+        .view(Hkv, -1, t).sum(1) for l, layer in enumerate(layers)])
+    if sel.per_token:
+        values["future_attention"] = values["future_attention"].sum((0, 1))
+    out = {}
+    for f in keep:
+        kept = max(1, math.floor(f * t))
+        sets = {}
+        for name, v in values.items():
+            if name in rules:
+                sets[name] = rule_set(v, kept, sel, visible=window)
+            else:
+                sets[name] = label_set(v, kept) if sel.per_token else head_label_set(v, kept, window)
+        res, _ = eng.label_sets(t, list(sets.values()))
+        out[f] = [candidate(name, evict, {key: val[j] for key, val in res.items()}, L, Hkv, t)
+                  for j, (name, evict) in enumerate(sets.items())]
+    return {"engine": eng, "visible": visible, "per_token": sel.per_token, "candidates": out,
+            "seconds": time.perf_counter() - began}
+
+
+def run_search_bench(lm: LoadedModel, prefix_len: int = 640, horizon: int = 16, keep: tuple[float, ...] = (0.5,),
+                     rules: tuple[str, ...] = ("snapkv", "tova", "h2o", "streamingllm", "knorm"), rows: int = 512,
+                     seconds: float = 120.0, scale: int = 4, selection: str = "per-head") -> dict:
+    """``oracle_search`` at one checkpoint ``prefix_len`` of real text per budget, at the effort (``rows``,
+    ``seconds``) and at ``scale`` times it: rows, seconds, its joint label and its improvement over the best
+    candidate (is the search converged?)."""
+    ids = bench_tokens(lm, prefix_len + horizon + 1)
+    built = search_candidates(lm, ids, prefix_len, horizon, list(keep), list(rules), selection)
+    from kvdiag.decisions.search import search
+
+    out = []
+    for f, cands in built["candidates"].items():
+        labels = {c.name: float(c.label["kl"].double().mean()) for c in cands}
+        best = min(labels, key=labels.get)
+        for effort in (1, scale):
+            found = search(built["engine"], prefix_len, cands, built["per_token"], rows * effort, seconds * effort,
+                           built["visible"])
+            kl = float(found.label["kl"].double().mean())
+            out.append({"keep": f, "effort": effort, "rows_limit": rows * effort, "rows": found.rows,
+                        "seconds": found.seconds, "start": found.start, "start_kl": labels[best], "kl": kl,
+                        "improvement": labels[best] - kl, "relative": (labels[best] - kl) / labels[best]
+                        if labels[best] > 0 else float("nan"), "moves": found.moves, "candidates": labels})
+    return {"model": lm.spec, "prefix": prefix_len, "horizon": horizon, "selection": selection, "rules": list(rules),
+            "setup_seconds": round(built["seconds"], 3), "rows": out}

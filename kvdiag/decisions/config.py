@@ -7,11 +7,13 @@ from dataclasses import dataclass, field
 
 from kvdiag.errors import UserError, check_choice
 from kvdiag.harm import HarmSpec
-from kvdiag.parsing import Selection, parse_horizon
+from kvdiag.parsing import Selection, horizon_steps, parse_horizon
 from kvdiag.schema import HORIZON, N_BOOT
 
-# the reference decisions every rule is compared with (docs/decisions.md)
-REFERENCES = ("oracle_single", "oracle_greedy", "fast", "random")
+# the reference decisions every rule is compared with (docs/decisions.md); the default set, and the ones asked for by
+# name (future_attention reads the Trace's stored queries; oracle_search costs up to --search-rows set rows)
+DEFAULT_REFERENCES = ("oracle_single", "oracle_greedy", "fast", "random")
+REFERENCES = (*DEFAULT_REFERENCES, "future_attention", "oracle_search")
 RANDOM_REFERENCE = "random_reference"  # the random reference's decision name: the zoo has a rule named random
 INFEASIBLE = ("refuse", "skip")
 
@@ -74,6 +76,10 @@ class DecisionsConfig:
         rule or reference name, or ``none``.
     batch_size : set rows per forward.
     harm : which single labels are harmless (a superadditive pair's members) and harmful (``kvdiag.harm``).
+    future_window : ``future_attention`` sums the attention of the queries ``t .. t + W - 1``: W (None: the horizon's
+        steps) or ``"rest"`` (to the end of the prompt).
+    search_rows, search_seconds : ``oracle_search``'s effort per (checkpoint, budget): at most this many set rows
+        beyond its candidates', and it starts no new round after this many seconds (0: no time bound).
     """
 
     budgets: tuple[Budget, ...]
@@ -81,7 +87,7 @@ class DecisionsConfig:
     samples: int = 4
     horizon: int | str = HORIZON
     rules: tuple[str, ...] | None = None
-    references: tuple[str, ...] = REFERENCES
+    references: tuple[str, ...] = DEFAULT_REFERENCES
     greedy_chunk: float = 0.125
     pairs: int = 1
     pair_candidates: int = 16
@@ -93,6 +99,9 @@ class DecisionsConfig:
     batch_size: int = 16
     backend: str = "auto"
     harm: HarmSpec = field(default_factory=HarmSpec)
+    future_window: int | str | None = None
+    search_rows: int = 512
+    search_seconds: float = 120.0
 
     def __post_init__(self):
         object.__setattr__(self, "selection", Selection.parse(self.selection))
@@ -114,11 +123,44 @@ class DecisionsConfig:
             raise UserError(f"--bootstrap {self.n_boot}: must be >= 0 (0: no CIs)")
         if self.batch_size < 1:
             raise UserError(f"--batch-size {self.batch_size}: must be a positive number of rows, e.g. 16")
+        if isinstance(self.future_window, str) and self.future_window != "rest":
+            raise UserError(f"--future-window {self.future_window}: a number of future queries (e.g. 16) or rest")
+        if isinstance(self.future_window, int) and self.future_window < 1:
+            raise UserError(f"--future-window {self.future_window}: at least 1 future query (e.g. 16), or rest")
+        if self.search_rows < 1:
+            raise UserError(f"--search-rows {self.search_rows}: oracle_search needs at least 1 set row per "
+                            "(checkpoint, budget), e.g. 512")
+        if not self.search_seconds >= 0:
+            raise UserError(f"--search-seconds {self.search_seconds:g}: must be >= 0 (0: no time bound), e.g. 120")
 
+    def window(self, t: int, length: int) -> int:
+        """``future_attention``'s number of future queries at checkpoint ``t`` of a prompt of ``length`` tokens."""
+        if self.future_window == "rest":
+            return length - t
+        return horizon_steps(self.horizon, t, length) if self.future_window is None else int(self.future_window)
+
+    def check_future(self, manifest: dict, checkpoints: dict[str, list[int]]) -> None:
+        """``future_attention`` needs the Trace's stored queries of every layer (``manifest``: the Trace's) and a
+        window inside every prompt at each of its ``checkpoints``."""
+        if "future_attention" not in self.references:
+            return
+        store = manifest.get("store") or {"mode": "all", "layers": list(range(manifest["num_layers"]))}
+        missing = [l for l in range(manifest["num_layers"]) if store["mode"] == "kv" or l not in store["layers"]]
+        if missing:
+            raise UserError(f"future_attention reads the Trace's stored queries; this Trace (--store {store['mode']}) "
+                            f"stored none of layer {missing[0]}'s: retrace with --store all, or drop future_attention "
+                            "from --references")
+        for pid, ts in checkpoints.items():
+            length = manifest["prompts"][pid]["length"]
+            for t in ts:
+                if t + self.window(t, length) > length:
+                    raise UserError(f"--future-window {self.future_window}: checkpoint {t} of {pid!r} has only "
+                                    f"{length - t} later tokens; use a smaller window or rest")
     def settings(self) -> dict:
         """What changes a part's content (the parts' stamp)."""
         return {"budgets": [b.name for b in self.budgets], "selection": str(self.selection), "samples": self.samples,
                 "horizon": self.horizon,
                 "references": list(self.references), "greedy_chunk": self.greedy_chunk, "pairs": self.pairs,
                 "pair_candidates": self.pair_candidates, "infeasible": self.infeasible, "seed": self.seed,
-                "harm": self.harm.to_config()}
+                "harm": self.harm.to_config(), "future_window": self.future_window, "search_rows": self.search_rows,
+                "search_seconds": self.search_seconds}

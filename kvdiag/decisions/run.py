@@ -27,10 +27,14 @@ import torch
 
 from kvdiag.decisions.config import RANDOM_REFERENCE, DecisionsConfig
 from kvdiag.decisions.interactions import PAIR_SCHEMA, superadditive_pairs
+from kvdiag.decisions.search import candidate, search, visible_entries
 from kvdiag.decisions.sets import (
+    future_attention,
     greedy_sets,
     head_label_set,
     label_set,
+    mask_set,
+    pack_set,
     protected_count,
     random_set,
     rule_set,
@@ -50,9 +54,11 @@ DECISION_SCHEMA = {
     "js_mean": pl.Float64, "nll_delta": pl.Float64, "top1_flips": pl.Int64, "noise_floor": pl.Float64,
     "sum_single": pl.Float64, "evicted_positions": pl.List(pl.Int64), "evicted_heads": pl.List(pl.Int64),
     "cost_rows": pl.Int64, "cost_seconds": pl.Float64, "sample": pl.Int64, "draw_seed": pl.Int64,
+    "evicted_mask": pl.Binary, "search_start": pl.String, "search_improvement": pl.Float64,
 }
 STATUS = {"ok": "labeled", "nothing_evicted": "the budget keeps every entry: nothing is evicted (label 0)",
-          "over_budget": "the rule protects more entries than the budget keeps: no decision (--infeasible skip)"}
+          "over_budget": "the rule protects more entries than the budget keeps: no decision (--infeasible skip)",
+          "no_candidate": "oracle_search had no labeled set of that budget to start from (every rule over budget)"}
 
 
 # --------------------------------------------------------------------------- inputs
@@ -175,11 +181,13 @@ def check_protection(rules: dict, items: dict[str, list[int]], cfg: DecisionsCon
 
 def _decide_checkpoint(engine, fisher, lm, pid: str, t: int, scores: dict[str, torch.Tensor], rules: dict,
                        singles: torch.Tensor | None, cfg: DecisionsConfig, harm_threshold: float,
-                       progress) -> tuple[pl.DataFrame, pl.DataFrame]:
+                       progress, future: torch.Tensor | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
     L, Hkv = engine.num_layers, engine.num_kv_heads
     kept = {b.name: b.entries(t) for b in cfg.budgets}
     stochastic = cfg.selection.stochastic
     deterministic = cfg.selection.deterministic  # what the references and the comparison use
+    visible = visible_entries(engine, t)  # [L, t]: a sliding layer's budget counts only what it still sees
+    window = None if bool(visible.all()) or deterministic.per_token else visible
     decisions: list[dict] = []  # one per set row: its fields, its set
     for name, values in scores.items():
         rule = rules.get(name)
@@ -187,7 +195,7 @@ def _decide_checkpoint(engine, fisher, lm, pid: str, t: int, scores: dict[str, t
         protected = rule.protected(t - torch.arange(t), torch.arange(t)) if rule is not None else None
         for b, k in kept.items():
             status = "over_budget" if n_prot > k else ("nothing_evicted" if k >= t else "ok")
-            evict = rule_set(values, k, deterministic) if status != "over_budget" else None
+            evict = rule_set(values, k, deterministic, visible=window) if status != "over_budget" else None
             decisions.append(dict(decision=name, kind="rule", budget=b, kept=k, protected=n_prot, status=status,
                                   set=evict, sample=None, draw_seed=None))
             for draw in range(cfg.samples if stochastic else 0):  # seeded draws: the same whatever else runs
@@ -209,12 +217,18 @@ def _decide_checkpoint(engine, fisher, lm, pid: str, t: int, scores: dict[str, t
                 est = a.double().sum((1, 2)).pow(2).mean(0)  # [t]: a token row sums its cells' effects
                 evict = label_set(est, k)
             else:
-                evict = head_label_set(a.double().pow(2).mean(0), k)  # [L, Hkv, t]: each cell's own estimate
+                evict = head_label_set(a.double().pow(2).mean(0), k, window)  # [L, Hkv, t]: each cell's own
             decisions.append(dict(decision="fast", kind="reference", budget=b, kept=k, protected=0,
+                                  status="ok" if k < t else "nothing_evicted", set=evict, sample=None, draw_seed=None))
+    if future is not None:  # [L, Hkv, t]: keep what the future queries read most
+        for b, k in kept.items():
+            evict = (label_set(future.sum((0, 1)), k) if deterministic.per_token
+                     else head_label_set(future, k, window))
+            decisions.append(dict(decision="future_attention", kind="reference", budget=b, kept=k, protected=0,
                                   status="ok" if k < t else "nothing_evicted", set=evict, sample=None, draw_seed=None))
     if "random" in refs:
         for b, k in kept.items():
-            evict = random_set(t, k, deterministic, L, Hkv, cfg.seed, pid)
+            evict = random_set(t, k, deterministic, L, Hkv, cfg.seed, pid, window)
             decisions.append(dict(decision=RANDOM_REFERENCE, kind="reference", budget=b, kept=k, protected=0,
                                   status="ok" if k < t else "nothing_evicted", set=evict, sample=None, draw_seed=None))
     greedy_cost = None
@@ -226,28 +240,46 @@ def _decide_checkpoint(engine, fisher, lm, pid: str, t: int, scores: dict[str, t
                                   draw_seed=None))
     todo = [d for d in decisions if d["set"] is not None]
     res, noise = engine.label_sets(t, [d["set"] for d in todo], progress)
-    kl = res["kl"].double()
     for j, d in enumerate(todo):
-        d.update(kl_mean=float(kl[j].mean()), kl_max=float(kl[j].max()), kl_steps=kl[j].tolist(),
-                 js_mean=float(res["js"][j].double().mean()), nll_delta=float(res["nll_delta"][j].double().mean()),
-                 top1_flips=int(res["flips"][j]))
+        d["label"] = {key: val[j] for key, val in res.items()}
+    if "oracle_search" in refs:  # from the best labeled set of each budget, in the deterministic action space
+        for b, k in kept.items():
+            cands = [candidate(d["decision"], d["set"], d["label"], L, Hkv, t) for d in todo
+                     if d["budget"] == b and d["sample"] is None]
+            if not cands:
+                decisions.append(dict(decision="oracle_search", kind="reference", budget=b, kept=k, protected=0,
+                                      status="no_candidate", set=None, sample=None, draw_seed=None))
+                continue
+            found = search(engine, t, cands, deterministic.per_token, cfg.search_rows, cfg.search_seconds, visible)
+            evict = found.mask[0, 0].nonzero()[:, 0] if deterministic.per_token else mask_set(found.mask)
+            decisions.append(dict(decision="oracle_search", kind="reference", budget=b, kept=k, protected=0,
+                                  status="ok" if k < t else "nothing_evicted", set=evict, sample=None,
+                                  draw_seed=None, label=found.label, cost_rows=found.rows,
+                                  cost_seconds=found.seconds, search_start=found.start,
+                                  search_improvement=found.improvement))
     rows = []
     for d in decisions:
-        evict = d.pop("set")
+        evict, label = d.pop("set"), d.pop("label", None)
+        if label is not None:
+            kl = label["kl"].double()
+            d.update(kl_mean=float(kl.mean()), kl_max=float(kl.max()), kl_steps=kl.tolist(),
+                     js_mean=float(label["js"].double().mean()), nll_delta=float(label["nll_delta"].double().mean()),
+                     top1_flips=int(label["flips"]))
         token = evict is not None and evict.dim() == 1
         heads = torch.zeros(t, dtype=torch.long)
         if evict is not None:
             full = evict.expand(L, Hkv, -1) if token else evict
+            full = full[full >= 0]  # a per-head set's padding
             heads.index_add_(0, full.reshape(-1), torch.ones(full.numel(), dtype=torch.long))
-        greedy = d["decision"] == "oracle_greedy" and greedy_cost is not None
+        if d["decision"] == "oracle_greedy" and greedy_cost is not None:
+            d.update(cost_rows=greedy_cost["rows"], cost_seconds=greedy_cost["seconds"])
         rows.append({
             "prompt_id": pid, "checkpoint": t, **d, "evicted": t - d["kept"],
             "selection": str(cfg.selection if d["sample"] is not None else deterministic),
             "horizon": engine.steps(t), "noise_floor": noise,
             "sum_single": float(singles[evict].sum()) if token and singles is not None else None,
             "evicted_positions": evict.tolist() if token else None, "evicted_heads": heads.tolist(),
-            "cost_rows": greedy_cost["rows"] if greedy else None,
-            "cost_seconds": greedy_cost["seconds"] if greedy else None,
+            "evicted_mask": pack_set(evict, L, Hkv, t) if evict is not None else None,
         })
     table = pl.DataFrame(rows, schema=DECISION_SCHEMA)
     pairs = pl.DataFrame(schema=PAIR_SCHEMA)
@@ -278,6 +310,7 @@ def decide(trace, lm, scores: pl.DataFrame, scores_meta: dict, out: str | os.Pat
                       f"tokens before the end of their prompt (e.g. {short[0][1]} of {short[0][0]!r}): left out",
                       stacklevel=2)
     check_oracle_single(labels, items, cfg)
+    cfg.check_future(trace.manifest, items)
     rules = rule_instances(names, scores_meta)
     check_stochastic(rules, cfg)
     over = check_protection(rules, items, cfg)
@@ -316,9 +349,11 @@ def decide(trace, lm, scores: pl.DataFrame, scores_meta: dict, out: str | os.Pat
                         fisher.golden(t)
                     continue
                 bar.reset(rows_task, total=None, description=f"  {pid} @ {t}")
+                future = (future_attention(trace, pid, t, cfg.window(t, trace.length(pid)))
+                          if "future_attention" in cfg.references else None)
                 table, pairs = _decide_checkpoint(
                     engine, fisher, lm, pid, t, head_scores(scores, names, pid, t, L, Hkv), rules,
-                    single_labels(labels, pid, t), cfg, threshold, lambda k: bar.advance(rows_task, k))
+                    single_labels(labels, pid, t), cfg, threshold, lambda k: bar.advance(rows_task, k), future)
                 parts.write(part_name(pid, "pairs", f"{t:07d}"), pairs, meta)  # the pairs first: the table marks done
                 parts.write(part_name(pid, f"{t:07d}"), table, meta)
                 bar.advance(task)
@@ -361,6 +396,7 @@ def decisions_files(trace: str | os.PathLike, scores: str | os.PathLike, out: st
                         f"reference ({', '.join(cfg.references) or 'none computed'})")
     items, _ = checkpoints_of(score_df, tr, cfg.horizon)
     check_oracle_single(None if label_df is None else label_df.filter(pl.col("granularity") == "token"), items, cfg)
+    cfg.check_future(tr.manifest, items)
     rules = rule_instances(names, score_meta)
     check_stochastic(rules, cfg)
     check_protection(rules, items, cfg)

@@ -12,21 +12,35 @@ import math
 import time
 import zlib
 
+import numpy as np
 import torch
 
 from kvdiag.selection import Selection, evicted_slots, select_keep, top_slots
 
 
 def rule_set(scores: torch.Tensor, kept: int, selection: Selection | str, protected: torch.Tensor | None = None,
-             generator: torch.Generator | None = None) -> torch.Tensor:
+             generator: torch.Generator | None = None, visible: torch.Tensor | None = None) -> torch.Tensor:
     """The entries a rule evicts keeping ``kept`` of each (layer, KV head): scores [L, Hkv, t] (higher = keep) ->
     [E] for ``per-token`` selection, [L, Hkv, E] for ``per-head`` and ``stochastic`` (E = t - kept; ``protected [t]``
-    and ``generator``: the stochastic draw's); ties keep the newer entry."""
+    and ``generator``: the stochastic draw's); ties keep the newer entry. ``visible [L, t]`` (per-head only): a
+    sliding layer's budget counts only the entries its queries can still see (:func:`window_set`)."""
     L, _, t = scores.shape
     selection = Selection.parse(selection)
+    if visible is not None and not selection.per_token and not selection.stochastic:
+        return window_set(scores, kept, visible)
     keep = select_keep(list(scores), kept, selection, protected, generator)
     evicted = evicted_slots(keep, t)
     return evicted[0, 0] if selection.per_token else evicted
+
+
+def window_set(values: torch.Tensor, kept: int, visible: torch.Tensor) -> torch.Tensor:
+    """[L, Hkv, E] (``-1`` padded): per (layer, KV head), the entries it can see (``visible [L, t]``) beyond the
+    ``kept`` largest of them in ``values [L, Hkv, t]``; ties keep the newer entry. An entry outside a sliding
+    layer's window is neither kept nor evicted: a real cache of that layer no longer holds it (its label is the
+    same either way), so it does not spend the budget."""
+    masked = values.double().masked_fill(~visible[:, None, :], float("-inf"))
+    keep = torch.zeros(values.shape, dtype=torch.bool).scatter_(-1, top_slots(masked, kept), True)
+    return mask_set(~keep & visible[:, None, :])
 
 
 def label_set(values: torch.Tensor, kept: int) -> torch.Tensor:
@@ -36,20 +50,38 @@ def label_set(values: torch.Tensor, kept: int) -> torch.Tensor:
     return evicted_slots(top_slots(values, kept)[None, None], t)[0, 0]
 
 
-def head_label_set(values: torch.Tensor, kept: int) -> torch.Tensor:
-    """[L, Hkv, E]: per (layer, KV head), the entries evicted keeping its ``kept`` largest ``values [L, Hkv, t]``."""
+def head_label_set(values: torch.Tensor, kept: int, visible: torch.Tensor | None = None) -> torch.Tensor:
+    """[L, Hkv, E]: per (layer, KV head), the entries evicted keeping its ``kept`` largest ``values [L, Hkv, t]``
+    (``visible [L, t]``: within a sliding layer's window, :func:`window_set`)."""
+    if visible is not None:
+        return window_set(values, kept, visible)
     return evicted_slots(top_slots(values, kept), values.shape[-1])
 
 
 def random_set(t: int, kept: int, selection: Selection, num_layers: int, num_kv_heads: int, seed: int,
-               key: str) -> torch.Tensor:
-    """A seeded uniform random set (per head: one draw per layer and KV head), the same for every run of the same
-    ``(seed, key, t)``, whatever else is computed."""
+               key: str, visible: torch.Tensor | None = None) -> torch.Tensor:
+    """A seeded uniform random set (per head: one draw per layer and KV head; ``visible [L, t]``: uniform among the
+    entries a sliding layer still sees, :func:`window_set`), the same for every run of the same ``(seed, key, t)``,
+    whatever else is computed."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{key}:{t}".encode()))
     if selection.per_token:
         return torch.randperm(t, generator=gen)[: t - kept].sort().values
+    if visible is not None:
+        return window_set(torch.rand(num_layers, num_kv_heads, t, generator=gen, dtype=torch.float64), kept, visible)
     draws = torch.stack([torch.randperm(t, generator=gen)[: t - kept] for _ in range(num_layers * num_kv_heads)])
     return draws.sort(-1).values.view(num_layers, num_kv_heads, t - kept)
+
+
+@torch.no_grad()
+def future_attention(trace, pid: str, t: int, window: int) -> torch.Tensor:
+    """[L, Hkv, t] fp64: per (layer, KV head), the attention that the full-cache run's queries at ``t .. t + window
+    - 1`` pay each entry [0, t), summed over those queries and the KV head's query heads (its GQA group); exact fp32
+    probabilities recomputed from the Trace's stored q and k with each layer's scale, window, softcap and sinks
+    (``Trace.attention``). Belady-style: the entries the future reads most."""
+    pos = torch.arange(t, t + window)
+    Hkv = trace.num_kv_heads
+    return torch.stack([trace.attention(pid, l, pos, key_limit=t).double().view(Hkv, -1, t).sum(1)
+                        for l in range(trace.num_layers)])
 
 
 def protected_count(rule, t: int) -> int:
@@ -85,3 +117,40 @@ def greedy_sets(engine, t: int, kept: list[int], chunk: float, progress=None) ->
             survivors = [i for i in survivors if i not in chosen]
         out[target] = torch.tensor(sorted(evicted), dtype=torch.long)
     return out, {"rows": rows, "seconds": round(time.perf_counter() - start, 3), "chunk": step}
+
+
+# --------------------------------------------------------------------------- stored sets
+
+
+def set_mask(evict: torch.Tensor, num_layers: int, num_kv_heads: int, t: int) -> torch.Tensor:
+    """bool [L, Hkv, t]: True where a set evicts; ``evict`` is [E] (a token set) or [L, Hkv, E] (``-1`` = none)."""
+    evict = torch.as_tensor(evict, dtype=torch.long)
+    if evict.dim() == 1:
+        evict = evict.expand(num_layers, num_kv_heads, -1)
+    mask = torch.zeros(num_layers, num_kv_heads, t + 1, dtype=torch.bool)  # slot t takes the -1 padding
+    mask.scatter_(-1, torch.where(evict < 0, t, evict), True)
+    return mask[..., :t]
+
+
+def mask_set(mask: torch.Tensor) -> torch.Tensor:
+    """The per-head set of ``mask [L, Hkv, t]``: [L, Hkv, E] ascending positions, padded with ``-1`` where a cell
+    evicts fewer than the largest cell (E)."""
+    counts = mask.sum(-1)
+    width = int(counts.max()) if mask.numel() else 0
+    t = mask.shape[-1]
+    # evicted positions first, in order: sort the key (not evicted, position)
+    order = torch.sort((~mask).long() * t + torch.arange(t), dim=-1).values[..., :width]
+    return torch.where(torch.arange(width) < counts[..., None], order, -1)
+
+
+def pack_set(evict: torch.Tensor, num_layers: int, num_kv_heads: int, t: int) -> bytes:
+    """A set as the bits of its [L, Hkv, t] mask (C order, ``numpy.packbits``): t/8 bytes per cell, whatever the
+    budget (a per-head set of SmolLM2 at t = 650: 7 KiB)."""
+    return np.packbits(set_mask(evict, num_layers, num_kv_heads, t).numpy().reshape(-1)).tobytes()
+
+
+def unpack_set(blob: bytes, num_layers: int, num_kv_heads: int, t: int) -> torch.Tensor:
+    """bool [L, Hkv, t] from :func:`pack_set`'s bytes (a decision row's ``evicted_mask``)."""
+    n = num_layers * num_kv_heads * t
+    bits = np.unpackbits(np.frombuffer(blob, dtype=np.uint8), count=n)
+    return torch.from_numpy(bits.astype(bool)).view(num_layers, num_kv_heads, t)

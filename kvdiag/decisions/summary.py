@@ -29,7 +29,8 @@ from kvdiag.schema import KEYS
 from kvdiag.stats import TEST_NAMES, PromptBootstrap, compare, format_p, format_test, spearman
 from kvdiag.tables import md_table, number_text
 
-ORACLES = ("oracle_single", "oracle_greedy", "fast")
+ORACLES = ("oracle_single", "oracle_greedy", "fast", "future_attention", "oracle_search")
+SEARCH = "oracle_search"
 
 
 def _paired(df: pl.DataFrame, a: str, b: str, budget: str) -> pl.DataFrame:
@@ -66,9 +67,12 @@ def _headline(table: pl.DataFrame, labeled: pl.DataFrame, boot: PromptBootstrap,
     best rule (paired differences)."""
     sub = table.filter((pl.col("budget") == budget) & pl.col("decision").is_in(list(ORACLES))
                        & (pl.col("n") == pl.col("n_total")) & (pl.col("n") > 0))
+    space = table.filter((pl.col("budget") == budget) & (pl.col("decision") == best_rule))["space"]
+    if space.len():  # like with like: an oracle in the best rule's action space
+        sub = sub.filter(pl.col("space") == space[0])
     best_oracle = sub.sort("mean_kl").row(0, named=True)["decision"] if sub.height else None
-    out = {"best_rule": best_rule, "best_oracle": best_oracle, "headroom": None, "greedy_vs_single": None,
-           "greedy_vs_best_rule": None}
+    out = {"best_rule": best_rule, "best_oracle": best_oracle, "space": space[0] if space.len() else None,
+           "headroom": None, "greedy_vs_single": None, "greedy_vs_best_rule": None}
     if best_rule is not None and best_oracle is not None:
         out["headroom"] = _compare(labeled, boot, best_rule, best_oracle, budget)
     out["greedy_vs_single"] = _compare(labeled, boot, "oracle_greedy", "oracle_single", budget)
@@ -92,6 +96,8 @@ def summarize(decisions: pl.DataFrame, meta: dict, pairs: pl.DataFrame | None = 
     rules += [f"{d} (stochastic)" for d in rules if f"{d} (stochastic)" in set(decisions["decision"])]
     present = set(decisions["decision"])
     names = rules + [d for d in (*ORACLES, "random", RANDOM_REFERENCE) if d in present and d not in rules]
+    if "evicted_positions" not in decisions.columns:  # files from before stored sets: the space is unknown
+        decisions = decisions.with_columns(evicted_positions=pl.lit(None, pl.List(pl.Int64)))
     reps: dict[tuple[str, str], np.ndarray] = {}
     rows = []
     for budget in budgets:
@@ -104,6 +110,7 @@ def summarize(decisions: pl.DataFrame, meta: dict, pairs: pl.DataFrame | None = 
             ratio = sel.filter(pl.col("sum_single") > 0).select(pl.col("kl_mean") / pl.col("sum_single"))
             ratio = ratio.to_series().to_numpy() if ratio.height else np.empty(0)
             rows.append({"decision": name, "kind": "rule" if name in rules else "reference", "budget": budget,
+                         "space": _space(decisions.filter(pl.col("decision") == name)),
                          "mean_kl": value, "ci_low": low, "ci_high": high, "n": sel.height, "n_total": total,
                          "mean_evicted": float(sel["evicted"].mean()) if sel.height else None,
                          "additivity_median": float(np.median(ratio)) if len(ratio) else None,
@@ -135,6 +142,10 @@ def summarize(decisions: pl.DataFrame, meta: dict, pairs: pl.DataFrame | None = 
     paired = pl.DataFrame(paired_rows) if paired_rows else pl.DataFrame()
     headline = {"best_rule": best, "reference": reference,
                 "budgets": {b: _headline(table, labeled, boot, b, best[b]) for b in budgets}}
+    headroom = _search_headroom(labeled, boot, budgets, best, [r for r in rules if not r.endswith(" (stochastic)")])
+    for b in budgets:
+        headline["budgets"][b]["search_headroom"] = (
+            _compare(labeled, boot, best[b], SEARCH, b) if best[b] is not None and SEARCH in present else None)
     sto_rows = []
     for budget in budgets:
         for name in [r for r in rules if r.endswith(" (stochastic)")]:
@@ -150,8 +161,53 @@ def summarize(decisions: pl.DataFrame, meta: dict, pairs: pl.DataFrame | None = 
                              "mean_spread": float(spread.mean()) if spread.len() else None, "n": c["n"]})
     spearman = _auroc_spearman(labeled, rules, budgets, reps, boot, labels, scores, meta)
     return {"summary": table, "paired": paired, "spearman": spearman, "headline": headline,
-            "stochastic": pl.DataFrame(sto_rows),
+            "stochastic": pl.DataFrame(sto_rows), "headroom": headroom, "search": _search_cost(decisions),
             "pairs": pair_summary(pairs) if pairs is not None and pairs.height else pl.DataFrame()}
+
+
+def _space(rows: pl.DataFrame) -> str:
+    """A decision's action space: ``token`` (its sets evict the same entries from every cell) or ``per-head``."""
+    return "token" if rows.height and rows["evicted_positions"].is_not_null().all() else "per-head"
+
+
+def _search_headroom(labeled: pl.DataFrame, boot: PromptBootstrap, budgets: list[str], best: dict,
+                     rules: list[str]) -> pl.DataFrame:
+    """Per budget and rule: the rule / oracle_search per checkpoint (each prompt's geometric mean of its checkpoints'
+    ratios; over prompts their geometric mean with its CI, median, and the prompts where the rule does less damage
+    than the search: its wins), the ratio of means, and the exact paired test of the differences (sign test below 30
+    prompts). ``best``: the budget's best rule, chosen on these same checkpoints."""
+    if SEARCH not in set(labeled["decision"]):
+        return pl.DataFrame()
+    rows = []
+    for budget in budgets:
+        for rule in rules:
+            c = _compare(labeled, boot, rule, SEARCH, budget)
+            if c is None:
+                continue
+            rows.append({"budget": budget, "rule": rule, "best": rule == best.get(budget),
+                         **_ratio_columns(c["ratios"]),
+                         "ratio_of_means": c["ratio"], "diff": c["diff"], "test": c["test"]["test"],
+                         "p_value": c["p_value"], "n": c["n"]})
+    return pl.DataFrame(rows).sort("budget", "ratio_geomean") if rows else pl.DataFrame()
+
+
+def _search_cost(decisions: pl.DataFrame) -> pl.DataFrame:
+    """Per budget: oracle_search's effort (median rows and seconds), its improvement over its starting candidate
+    (median nats; checkpoints where it improved) and where it started (candidate: count)."""
+    found = decisions.filter((pl.col("decision") == SEARCH) & pl.col("kl_mean").is_not_null())
+    if not found.height or "search_start" not in found.columns:
+        return pl.DataFrame()
+    rows = []
+    for (budget,), g in found.group_by("budget", maintain_order=True):
+        starts = g["search_start"].value_counts(sort=True)
+        rows.append({"budget": budget, "n": g.height, "rows_median": float(g["cost_rows"].median()),
+                     "seconds_median": float(g["cost_seconds"].median()),
+                     "improvement_median": float(g["search_improvement"].median()),
+                     "improved": int((g["search_improvement"] > 0).sum()),
+                     "relative_improvement_median": float((g["search_improvement"]
+                                                           / (g["kl_mean"] + g["search_improvement"])).median()),
+                     "starts": ", ".join(f"{s} {n}" for s, n in starts.iter_rows())})
+    return pl.DataFrame(rows)
 
 
 def _ratio_columns(r: dict) -> dict:
@@ -276,6 +332,7 @@ def to_markdown(res: dict, meta: dict) -> str:
         text += md_table(["budget", "best rule", "best oracle", "headroom: ratio of means",
                           "headroom per prompt: geometric mean [CI], median, below 1, p",
                           "oracle_greedy − oracle_single", "oracle_greedy − best rule"], rows, "lllrrrr") + "\n"
+    text += _search_markdown(res, heads)
     for budget in table["budget"].unique(maintain_order=True).to_list():
         rows = []
         sub = table.filter(pl.col("budget") == budget).sort("mean_kl", nulls_last=True)
@@ -283,7 +340,7 @@ def to_markdown(res: dict, meta: dict) -> str:
                   .iter_rows(named=True)} if paired.height else {}
         for r in sub.iter_rows(named=True):
             g = regret.get(r["decision"])
-            rows.append([r["decision"] + (" (ref)" if r["kind"] == "reference" else ""),
+            rows.append([r["decision"] + (" (ref)" if r["kind"] == "reference" else "") + f" [{r['space']}]",
                          _fmt_ci(r["mean_kl"], r["ci_low"], r["ci_high"]),
                          f"{r['n']}/{r['n_total']}",
                          _greedy_ratio(g),
@@ -318,6 +375,52 @@ def to_markdown(res: dict, meta: dict) -> str:
                  f"KV heads).\n\n")
         p = res["pairs"]
         text += md_table(list(p.columns), [list(r) for r in p.rows()], "l" + "r" * (len(p.columns) - 1)) + "\n"
+    return text
+
+
+def _search_markdown(res: dict, heads: dict) -> str:
+    """The headroom against oracle_search (per budget: the best rule's ratio per prompt, its wins, the exact test;
+    every rule's own ratio in headroom.csv) and the search's effort."""
+    found = [(b, h["search_headroom"]) for b, h in heads.items() if h.get("search_headroom")]
+    if not found:
+        return ""
+    text = ("## Headroom against oracle_search\n\n`oracle_search` searches the rules' own action space (per (layer, "
+            "KV head) sets under per-head selection, token sets under per-token) from the best of every candidate "
+            "(each rule's set and each reference's), accepting only moves with a lower exact joint label: it is at "
+            "most every rule's and reference's damage at every checkpoint. Headroom: best rule / oracle_search per "
+            "checkpoint (each prompt's geometric mean of its checkpoints' ratios; over prompts the geometric mean "
+            "[cluster-bootstrap CI], the median, and the prompts where the rule did less damage, its wins: 0 by "
+            "construction); the exact paired test of the differences (sign test below 30 prompts). The best rule is "
+            "chosen (least mean damage) on these same checkpoints, which favours it; every rule's own ratio is in "
+            "`headroom.csv`.\n\n")
+    rows = []
+    for budget, c in found:
+        r = c["ratios"]
+        rows.append([budget, heads[budget]["best_rule"], heads[budget].get("space") or "n/a",
+                     _fmt_ci(r["geomean"], *r["geomean_ci"], 3), number_text(r["median"], 3),
+                     f"{r['below']}/{r['n']}", number_text(c["ratio"], 3) if c["ratio"] == c["ratio"] else "n/a",
+                     format_test(c["test"])])
+    text += md_table(["budget", "best rule", "space", "headroom: geometric mean [CI]", "median", "rule wins",
+                      "ratio of means", "best rule − oracle_search"], rows, "lllrrrrr") + "\n"
+    hr = res.get("headroom")
+    if hr is not None and hr.height:
+        text += "Each rule's own ratio to oracle_search (geometric mean over prompts, median; the five lowest):\n\n"
+        rows = []
+        for (budget,), g in hr.group_by("budget", maintain_order=True):
+            rows += [[budget, r["rule"] + (" (best)" if r["best"] else ""), number_text(r["ratio_geomean"], 3),
+                      number_text(r["ratio_median"], 3), f"{r['ratio_below_one']}/{r['ratio_prompts']}"]
+                     for r in g.head(5).iter_rows(named=True)]
+        text += md_table(["budget", "rule", "geometric mean", "median", "rule wins"], rows, "llrrr") + "\n"
+    cost = res.get("search")
+    if cost is not None and cost.height:
+        text += ("oracle_search's effort per (checkpoint, budget): set rows and seconds (medians), its improvement "
+                 "over its starting candidate (median, nats and relative; checkpoints improved) and where it "
+                 "started:\n\n")
+        rows = [[r["budget"], number_text(r["rows_median"], 4), number_text(r["seconds_median"], 3),
+                 number_text(r["improvement_median"], 3), number_text(r["relative_improvement_median"], 3),
+                 f"{r['improved']}/{r['n']}", r["starts"]] for r in cost.iter_rows(named=True)]
+        text += md_table(["budget", "rows", "seconds", "improvement", "relative", "improved", "starts"], rows,
+                         "lrrrrrl") + "\n"
     return text
 
 
@@ -365,7 +468,8 @@ def figure(table: pl.DataFrame, out: Path) -> list[Path]:
         return save_figure(fig, out, "decisions")
 
 
-OUTPUTS = ("summary.csv", "paired.csv", "spearman.csv", "pairs_summary.csv", "stochastic.csv", "summary.md",
+OUTPUTS = ("summary.csv", "paired.csv", "spearman.csv", "pairs_summary.csv", "stochastic.csv", "headroom.csv",
+           "search.csv", "summary.md",
            "summary.json",
            "decisions.png", "decisions.pdf")
 
@@ -389,6 +493,8 @@ def summarize_files(out: str | os.PathLike, labels: str | os.PathLike | None = N
     write_csv(res["spearman"], out / "spearman.csv")
     write_csv(res["pairs"], out / "pairs_summary.csv")
     write_csv(res["stochastic"], out / "stochastic.csv")
+    write_csv(res["headroom"], out / "headroom.csv")
+    write_csv(res["search"], out / "search.csv")
     write_text(out / "summary.md", to_markdown(res, meta))
     write_json(out / "summary.json", {"headline": res["headline"], "over_budget": meta.get("over_budget")})
     figure(res["summary"], out)

@@ -127,13 +127,14 @@ def budget_figure(summary: pl.DataFrame, scorers: list[str], out_dir: Path) -> l
 
 
 def write_summary(df: pl.DataFrame, out_dir: Path, scorers: list[str], budgets: list[int], horizon: int = 16,
-                  free: pl.DataFrame | None = None, auroc=None, exact: set[str] = frozenset()) -> pl.DataFrame:
+                  free: pl.DataFrame | None = None, auroc=None, exact: set[str] = frozenset(),
+                  suite=None) -> pl.DataFrame:
     """``summary.md``, ``summary.csv`` (Table-2 shape), ``budget.csv`` (every number of the figure, long form)
     and the figure, from the rows of ``generations.parquet``; free-running with FullKV: the outcomes
     (``kvdiag.replay.outcomes``); teacher-forced with joint labels: decisions to outcomes and the regret
     (``kvdiag.replay.predict``, ``free``: a free-running replay's generations of the same prompts, ``auroc``: the
     rules' ``SingleLabelAUROC``); ``exact``: prompts graded on their whole generation (their answer is the
-    generation)."""
+    generation); ``suite``: the prompts' builtin suite (``kvdiag.suites.Suite``), graded by its components."""
     summary = summarize(df)
     teacher_forced = bool((df["mode"] == "teacher_forced").all())
     table = table2(summary, scorers, sorted(budgets))
@@ -146,7 +147,7 @@ def write_summary(df: pl.DataFrame, out_dir: Path, scorers: list[str], budgets: 
     if not teacher_forced and (df["scorer"] == "full_kv").any():
         from kvdiag.replay.outcomes import write_outcomes
 
-        write_outcomes(df, out_dir, exact=exact)
+        write_outcomes(df, out_dir, exact=exact, suite=suite)
     if teacher_forced and df["joint_kl"].drop_nulls().len():
         from kvdiag.replay.predict import write_predictions
 

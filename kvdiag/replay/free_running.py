@@ -14,6 +14,7 @@ from kvdiag.prompts import Prompt, encode_prompt
 from kvdiag.replay.decoding import Decoded, full_logprobs, kl_steps
 from kvdiag.replay.settings import ReplaySettings
 from kvdiag.replay.units import Item, Unit, common_key, make_unit
+from kvdiag.suites import check_generation_room
 
 
 def check_answer(text: str, answer: str | None, check: str = "math") -> bool | None:
@@ -57,6 +58,9 @@ class FreeRunning:
                                 f"of {limit}; use a shorter suite length or --max-new-tokens "
                                 f"{max(1, limit - len(ids))} or less")
             items.append(Item(p.prompt_id, ids, len(ids), p.answer, p.check))
+        check_generation_room(self.prompts, settings.max_new_tokens, self.source,  # the exact count, tokenized
+                              lambda text: len(lm.tokenizer(text, add_special_tokens=False).input_ids),
+                              "its expected text, tokenized")
         return items
 
     def units(self, model_info: dict, settings: ReplaySettings, items: list[Item], policies: dict) -> list[Unit]:

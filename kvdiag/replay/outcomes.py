@@ -30,7 +30,8 @@ import polars as pl
 
 from kvdiag.errors import UserError
 from kvdiag.io import write_csv, write_text
-from kvdiag.stats import TEST_NAMES, PromptBootstrap, cluster_means, format_p, mcnemar, paired_test, wilson
+from kvdiag.stats import TEST_NAMES, PromptBootstrap, cluster_means, format_p, holm, mcnemar, paired_test, wilson
+from kvdiag.suites import Suite, grade
 from kvdiag.tables import markdown_table
 
 LOOP_NGRAM = 12  # tokens of the repeated span (ours; long enough that counting lines never repeat)
@@ -80,9 +81,10 @@ def answer_of(row: dict, exact: bool = False) -> str | None:
     return row["text"].strip() if exact else final_answer(row["text"], row["stop"] == "eos")
 
 
-def outcome_rows(df: pl.DataFrame, exact: set[str] = frozenset()) -> pl.DataFrame:
+def outcome_rows(df: pl.DataFrame, exact: set[str] = frozenset(), suite: Suite | None = None) -> pl.DataFrame:
     """One row per generation of ``generations.parquet`` (free-running) with its outcomes against FullKV;
-    ``exact``: prompt ids whose answer is the whole generation (the builtin suites' exact check)."""
+    ``exact``: prompt ids whose answer is the whole generation (the builtin suites' exact check); ``suite``: the
+    builtin suite of the prompts, whose components each add a column (the generation's verdict on it)."""
     if "compressions" not in df.columns:  # without it every rule's outcomes would be over no generation
         raise UserError("generations.parquet has no compressions column (written before kvdiag recorded it): rerun "
                         "kvdiag replay into a new --out")
@@ -99,6 +101,8 @@ def outcome_rows(df: pl.DataFrame, exact: set[str] = frozenset()) -> pl.DataFram
                "final_answer": ans, "kl_mean": r["kl_mean"], "generated": r["generated"],
                "compressed": None if r["scorer"] == FULL_KV else r["compressions"] > 0,
                "fidelity": None, "first_divergence": None, "diverged": None, "length_ratio": None}
+        if suite is not None:
+            out.update(grade(suite, r["text"], r["answer"]))
         if ref is not None and r["scorer"] != FULL_KV:
             ref_gen = ref["token_ids"][ref["prompt_len"] :]
             ref_ans = answer_of(ref, r["prompt_id"] in exact)
@@ -165,16 +169,136 @@ def paired_tests(out: pl.DataFrame, n_boot: int = 2000, seed: int = 0, level: fl
     return pl.DataFrame(rows, infer_schema_length=None)
 
 
+def component_summary(out: pl.DataFrame, suite: Suite, level: float = 0.95, n_boot: int = 2000,
+                      seed: int = 0) -> pl.DataFrame:
+    """One row per (scorer, budget, component of ``suite``): ``passed`` of ``n`` generations (a rule's compressed
+    ones; FullKV's all) and the rate's CI (Wilson with one sample per prompt, else the cluster bootstrap over
+    prompts); ``uncompressed``: the rule's generations left out."""
+    boot = PromptBootstrap(out["prompt_id"].unique().to_list(), n_boot, seed, level)
+    single = bool(out.group_by("prompt_id").agg(pl.col("sample").n_unique())["sample"].max() == 1)
+    rows = []
+    for (scorer, budget), g in out.group_by("scorer", "budget", maintain_order=True):
+        left = int((g["compressed"] == False).sum())  # noqa: E712 (null: FullKV)
+        g = g.filter(pl.col("compressed").is_null() | pl.col("compressed"))
+        for c in suite.components:
+            vals = g[c.name].cast(pl.Float64).to_numpy()
+            rate, reps = boot.mean(vals, g["prompt_id"].to_numpy())
+            lo, hi = wilson(int(vals.sum()), len(vals), level) if single else boot.ci(reps)
+            rows.append({"scorer": scorer, "budget": budget, "component": c.name, "role": c.role,
+                         "passed": int(vals.sum()), "n": len(vals), "rate": rate, "rate_lo": lo, "rate_hi": hi,
+                         "prompts": g["prompt_id"].n_unique(), "uncompressed": left})
+    return pl.DataFrame(rows, infer_schema_length=None)
+
+
+def component_tests(out: pl.DataFrame, suite: Suite, n_boot: int = 2000, seed: int = 0,
+                    level: float = 0.95) -> pl.DataFrame:
+    """Per (budget, component): each rule against FullKV (on the rule's compressed generations, FullKV's of the same
+    prompt and sample) and each pair of rules (on the units where either compressed): passes of each, the discordant
+    pairs (``a_only``, ``b_only``), the difference in rate with its cluster-bootstrap CI, and p: McNemar's exact test
+    with one sample per prompt, else ``kvdiag.stats.paired_test`` of the per-prompt mean differences;
+    ``p_holm``: Holm-adjusted within the (budget, component) family."""
+    boot = PromptBootstrap(out["prompt_id"].unique().to_list(), n_boot, seed, level)
+    single = bool(out.group_by("prompt_id").agg(pl.col("sample").n_unique())["sample"].max() == 1)
+    key = ["prompt_id", "sample"]
+    full = out.filter(pl.col("scorer") == FULL_KV)
+    rules = out.filter(pl.col("scorer") != FULL_KV)
+    names = list(dict.fromkeys(rules["scorer"].to_list()))
+    rows = []
+    for (budget,), g in rules.group_by("budget", maintain_order=True):
+        for c in suite.components:
+            family = []
+            pairs = [(FULL_KV, r) for r in names] if full.height else []
+            pairs += [(a, b) for i, a in enumerate(names) for b in names[i + 1 :]]
+            for a, b in pairs:
+                left = full if a == FULL_KV else g.filter(pl.col("scorer") == a)
+                right = g.filter(pl.col("scorer") == b)
+                pair = left.select(*key, pl.col(c.name).alias("a"), pl.col("compressed").alias("a_c")).join(
+                    right.select(*key, pl.col(c.name).alias("b"), pl.col("compressed").alias("b_c")), on=key)
+                either = pl.col("b_c") if a == FULL_KV else pl.col("a_c") | pl.col("b_c")
+                pair = pair.filter(either)
+                x, y = pair["a"].to_numpy().astype(bool), pair["b"].to_numpy().astype(bool)
+                prompts = pair["prompt_id"].to_numpy()
+                diff, reps = boot.mean(x.astype(float) - y, prompts)
+                lo, hi = boot.ci(reps)
+                if single:
+                    test, p = "mcnemar", mcnemar(x, y) if len(x) else float("nan")
+                else:
+                    t = paired_test(cluster_means(x.astype(float) - y, prompts)[1], reps)
+                    test, p = t.test, t.p
+                family.append({"budget": budget, "component": c.name, "a": a, "b": b, "units": len(x),
+                               "prompts": int(np.unique(prompts).size), "a_passed": int(x.sum()),
+                               "b_passed": int(y.sum()), "a_only": int((x & ~y).sum()), "b_only": int((~x & y).sum()),
+                               "diff": diff, "diff_lo": lo, "diff_hi": hi, "test": test, "p_value": p})
+            for row, adj in zip(family, holm(np.array([r["p_value"] for r in family])), strict=True):
+                rows.append({**row, "p_holm": float(adj)})
+    return pl.DataFrame(rows, infer_schema_length=None)
+
+
+def write_components(out: pl.DataFrame, suite: Suite, out_dir, n_boot: int = 2000, seed: int = 0,
+                     level: float = 0.95) -> pl.DataFrame:
+    """``components.csv`` (:func:`component_summary`), ``components_paired.csv`` (:func:`component_tests`) and
+    ``components.md``: per budget a row per rule, a column per component (passed/n, rate and CI), the task component
+    first; then the task component's paired tests."""
+    summary = component_summary(out, suite, level, n_boot, seed)
+    tests = component_tests(out, suite, n_boot, seed, level)
+    write_csv(summary, out_dir / "components.csv")
+    write_csv(tests, out_dir / "components_paired.csv")
+    order = [suite.task, *(c for c in suite.components if c.role == "step"),
+             *(c for c in suite.components if c.role == "format")]
+    cells = {(r["scorer"], r["budget"], r["component"]): r for r in summary.iter_rows(named=True)}
+    scorers = list(dict.fromkeys(summary["scorer"].to_list()))
+    budgets = sorted(summary["budget"].drop_nulls().unique().to_list())
+    rows = []
+    for budget in [None, *budgets]:
+        for scorer in scorers:
+            if (scorer == FULL_KV) != (budget is None) or (scorer, budget, order[0].name) not in cells:
+                continue
+            row = [scorer, "full" if budget is None else str(budget)]
+            for c in order:
+                r = cells[(scorer, budget, c.name)]
+                row.append("–" if not r["n"] else f"{r['passed']}/{r['n']} = {100 * r['rate']:.0f} % "
+                           f"[{100 * r['rate_lo']:.0f}, {100 * r['rate_hi']:.0f}]")
+            row.append(str(cells[(scorer, budget, order[0].name)]["uncompressed"]) if budget is not None else "–")
+            rows.append(row)
+    single = bool(out.group_by("prompt_id").agg(pl.col("sample").n_unique())["sample"].max() == 1)
+    ci = "Wilson (one sample per prompt)" if single else f"cluster bootstrap over prompts ({n_boot} replicates)"
+    head = ["scorer", "budget", *(f"{c.name} ({c.role})" for c in order), "uncompressed (left out)"]
+    text = (f"Components of builtin:{suite.name} (components.csv): the headline is the task component "
+            f"({suite.task.name}); format failures are reported beside it, not folded in. Each cell: passed/n = "
+            f"rate [{level:.0%} CI, {ci}], n = a rule's compressed generations (FullKV: all).\n\n"
+            + markdown_table(head, rows, "l" * len(head)) + "\n"
+            + "\n".join(f"- {c.name} ({c.role}): {c.what}." for c in order) + "\n")
+    task = tests.filter(pl.col("component") == suite.task.name)
+    if task.height:
+        name = "McNemar's exact test" if single else "the paired test of the per-prompt mean differences"
+        text += (f"\nPaired tests on {suite.task.name} (components_paired.csv has every component): at each budget "
+                 "each rule against FullKV (units: the rule's compressed generations) and each pair of rules (units "
+                 "where either compressed); a/b only: units only a/only b passed; difference a - b with its "
+                 f"{level:.0%} cluster-bootstrap CI; p: {name}; Holm: adjusted within the budget's family.\n\n")
+        text += markdown_table(
+            ["budget", "a", "b", "units", "a passed", "b passed", "a only", "b only", "a - b, points [CI]", "p",
+             "p (Holm)"],
+            [[str(r["budget"]), r["a"], r["b"], str(r["units"]), str(r["a_passed"]), str(r["b_passed"]),
+              str(r["a_only"]), str(r["b_only"]),
+              f"{100 * r['diff']:.3g} [{100 * r['diff_lo']:.3g}, {100 * r['diff_hi']:.3g}]",
+              format_p(r["p_value"]), format_p(r["p_holm"])] for r in task.iter_rows(named=True)],
+            "l" * 11) + "\n"
+    write_text(out_dir / "components.md", text)
+    return summary
+
+
 METRICS = [("correct", "acc %"), ("fidelity", "fidelity %"), ("diverged", "diverged %"), ("loop", "loops %"),
            ("max_length_hit", "max-len %"), ("length_ratio", "length ratio"), ("kl_mean", "KL")]
 
 
 def write_outcomes(df: pl.DataFrame, out_dir, n_boot: int = 2000, seed: int = 0, level: float = 0.95,
-                   exact: set[str] = frozenset()) -> pl.DataFrame:
+                   exact: set[str] = frozenset(), suite: Suite | None = None) -> pl.DataFrame:
     """``outcomes.csv`` (every generation's outcomes), ``outcomes_summary.csv``, ``paired.csv`` and
-    ``outcomes.md`` from free-running ``generations.parquet`` rows that include FullKV (``exact``: as
-    :func:`outcome_rows`)."""
-    out = outcome_rows(df, exact)
+    ``outcomes.md`` from free-running ``generations.parquet`` rows that include FullKV (``exact``, ``suite``: as
+    :func:`outcome_rows`); with a ``suite`` that has components, also :func:`write_components`."""
+    out = outcome_rows(df, exact, suite)
+    if suite is not None and suite.components:
+        write_components(out, suite, out_dir, n_boot, seed, level)
     summary = summarize_outcomes(out, n_boot, seed, level)
     paired = paired_tests(out, n_boot, seed, level)
     write_csv(out, out_dir / "outcomes.csv")

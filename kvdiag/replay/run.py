@@ -7,6 +7,7 @@ figure.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import polars as pl
@@ -30,6 +31,7 @@ from kvdiag.replay.teacher_forced import TeacherForced
 from kvdiag.replay.units import Unit
 from kvdiag.schema import HORIZON
 from kvdiag.scorers.base import needs_o_proj
+from kvdiag.suites import Suite, check_generation_room, select_components, suite_of
 from kvdiag.trace import Trace
 from kvdiag.trace.manifest import TraceFiles
 
@@ -61,13 +63,14 @@ def replay_sweep(
     prompts: str | None = None, limit: int | None = None, model: str | None = None, seed: int = 0,
     dtype: str | None = None, device: str = "cpu", revision: str | None = None, trust_remote_code: bool = False,
     show_progress: bool = True, outcomes: str | os.PathLike | None = None,
-    auroc: tuple[str | os.PathLike, str | os.PathLike] | None = None,
+    auroc: tuple[str | os.PathLike, str | os.PathLike] | None = None, components: list[str] | None = None,
 ) -> Path:
     """What ``kvdiag replay`` runs: load the model and :func:`replay` the first ``limit`` prompts of ``prompts``
     (free-running; default ``builtin:arith`` on ``smollm2``) or of the Trace directory ``teacher_forced`` (its model
     unless ``model``, which must be the Trace's). Settings and ``out`` are checked before the model loads.
     ``auroc``: (labels, scores) files of a Trace of the same task, whose rank-eval AUROC per rule is correlated with
-    the teacher-forced in-loop KL (``kvdiag.replay.predict.single_label_auroc``)."""
+    the teacher-forced in-loop KL (``kvdiag.replay.predict.single_label_auroc``). ``components``: the components of
+    the builtin suite the components table reports (None: all; ``kvdiag.suites.select_components``)."""
     check_settings(settings, FreeRunning if teacher_forced is None else TeacherForced)
     check_writable(out, "--out", "dir")
     if outcomes is not None:  # before the model loads
@@ -94,15 +97,20 @@ def replay_sweep(
         )
     source = prompts or "builtin:arith"
     items = load_prompts(source, limit=limit, seed=seed)
+    check_generation_room(items, settings.max_new_tokens, source)
+    if components is not None:
+        components = select_components(source, components)
     lm = load_model(model or "smollm2", dtype=dtype or "float32", device=device, revision=revision,
                     trust_remote_code=trust_remote_code, seed=seed)
-    return replay(lm, out, settings, prompts=items, source=source, show_progress=show_progress)
+    return replay(lm, out, settings, prompts=items, source=source, show_progress=show_progress,
+                  components=components)
 
 
 def replay(
     lm: LoadedModel, out: str | os.PathLike, settings: ReplaySettings, prompts: list[Prompt] | None = None, trace=None,
     prompt_ids: list[str] | None = None, source: str | None = None, command: str | None = None,
     show_progress: bool = True, outcomes: str | os.PathLike | None = None, auroc: SingleLabelAUROC | None = None,
+    components: list[str] | None = None,
 ) -> Path:
     """Replay ``prompts`` (free-running) or the Trace ``trace`` (teacher-forced) under every (scorer, budget).
 
@@ -110,7 +118,8 @@ def replay(
     reuses finished parts. Writes ``generations.parquet``, ``summary.md``/``summary.csv``, ``budget.png``/``.pdf``
     (+ ``budget.csv``) and ``config.json`` into ``out``; returns ``out``. ``outcomes``: a free-running replay
     directory of the same prompts whose outcomes the teacher-forced joint labels are correlated with; ``auroc``: the
-    rules' single-label AUROC, correlated with their in-loop KL.
+    rules' single-label AUROC, correlated with their in-loop KL; ``components``: those of the prompts' builtin suite
+    the components table reports (None: all).
     """
     if (trace is None) == (prompts is None):
         raise ValueError("pass exactly one of prompts (free-running) or trace (teacher-forced)")
@@ -133,6 +142,7 @@ def replay(
         "trace": mode.provenance,
         "prompt_ids": [it.prompt_id for it in items],
         "graded_whole": [it.prompt_id for it in items if it.check == "exact"],
+        "components": components,
         "definitions": DEFINITIONS,
     }
     write_json(out / "config.json", config)
@@ -179,7 +189,17 @@ def summarize_files(out: str | os.PathLike, outcomes: str | os.PathLike | None =
     scorers = ([FULL_KV] if s["full_kv"] else []) + list(s["scorers"])  # the policies' order (build_policies)
     free = None if outcomes is None else pl.read_parquet(Path(outcomes) / "generations.parquet")
     return write_summary(df, out, scorers, s["budgets"], s.get("horizon", HORIZON), free, auroc,
-                         exact=set(_graded_whole(meta)))
+                         exact=set(_graded_whole(meta)), suite=_suite(meta))
+
+
+def _suite(meta: dict) -> Suite | None:
+    """The builtin suite of a free-running replay's prompts, with the components it was asked to report."""
+    source = meta.get("prompts_source") if meta.get("mode") == "free" else None
+    suite = suite_of(source)
+    if suite is None or meta.get("components") is None:
+        return suite
+    keep = set(select_components(source, meta["components"]))
+    return replace(suite, components=tuple(c for c in suite.components if c.name in keep))
 
 
 def _graded_whole(meta: dict) -> list[str]:

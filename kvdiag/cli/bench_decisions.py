@@ -1,0 +1,67 @@
+"""``kvdiag bench decisions``: what ``oracle_search`` costs per (checkpoint, budget) and what it gains over the best
+candidate set, at the effort and at ``--scale`` times it (is the search converged?)."""
+
+from __future__ import annotations
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvdiag import parsing
+from kvdiag.cli import common
+from kvdiag.guard import check_outputs
+
+
+def bench_decisions(
+    model: str = common.Model,
+    prefix: int = typer.Option(640, "--prefix", help="the checkpoint t (a prefix of real text)"),
+    horizon: int = typer.Option(16, "--horizon", help="teacher-forced tokens per joint label"),
+    keep: list[str] = typer.Option(["0.5"], "--keep", help="keep fractions in (0, 1), comma-separated"),
+    scorers: list[str] = typer.Option(["snapkv,tova,h2o,streamingllm,knorm"], "--scorers", help="the rules whose sets "
+                                      "are candidates (with fast and future_attention)"),
+    selection: str = typer.Option("per-head", "--selection", help="per-head | per-token"),
+    search_rows: int = typer.Option(512, "--search-rows", help="oracle_search's set rows per budget"),
+    search_seconds: float = typer.Option(120.0, "--search-seconds", help="oracle_search's time per budget (0: none)"),
+    scale: int = typer.Option(4, "--scale", help="also search at this multiple of the effort"),
+    out: str = typer.Option(None, "--out", help="also write the result as JSON here"),
+    dtype: str = common.Dtype,
+    device: str = common.Device,
+) -> None:
+    """oracle_search's rows, seconds and improvement over the best candidate per budget, at 1x and --scale x."""
+    check_outputs({"--out": out})
+    from kvdiag.decisions.config import Budget, DecisionsConfig
+    from kvdiag.errors import UserError
+
+    fractions = parsing.parse_list(keep, "--keep", float, low=0, high=1, strict=True, example="0.5,0.25")
+    names = parsing.parse_list(scorers, "--scorers", str)
+    if prefix < 2 or horizon < 1 or scale < 1:
+        raise UserError("--prefix >= 2, --horizon >= 1 and --scale >= 1, e.g. --prefix 640 --horizon 16 --scale 4")
+    cfg = DecisionsConfig(budgets=tuple(Budget("keep", f) for f in fractions), selection=selection, horizon=horizon,
+                          search_rows=search_rows, search_seconds=search_seconds)
+    if cfg.selection.stochastic:
+        raise UserError("--selection stochastic: oracle_search searches a deterministic action space; use per-head or "
+                        "per-token")
+    parsing.check_device_name(device)
+    from kvdiag.decisions.bench import run_search_bench
+    from kvdiag.models import load_model
+
+    common.quiet_transformers()
+    lm = load_model(model, dtype=dtype, device=device)
+    res = run_search_bench(lm, prefix, horizon, tuple(fractions), tuple(names), search_rows, search_seconds, scale,
+                           str(cfg.selection))
+    table = Table(title=f"oracle_search on {lm.spec} at t = {prefix} (H = {horizon}, {cfg.selection}; candidates "
+                        f"built in {res['setup_seconds']:.1f} s)")
+    for col in ("keep", "effort", "rows", "seconds", "start", "start kl", "search kl", "improvement", "relative",
+                "recombine: rows, gain", "swaps: rows, gain"):
+        table.add_column(col, justify="left" if col == "start" else "right")
+    for r in res["rows"]:
+        table.add_row(f"{r['keep']:g}", f"{r['effort']}x", str(r["rows"]), f"{r['seconds']:.1f}", r["start"],
+                      f"{r['start_kl']:.4g}", f"{r['kl']:.4g}", f"{r['improvement']:.3g}", f"{r['relative']:.1%}",
+                      *(f"{r['moves'][m]['rows']}, {r['moves'][m]['gain']:.3g}" for m in ("recombine", "swaps")))
+    Console().print(table)
+    if out is not None:
+        from pathlib import Path
+
+        from kvdiag.io import write_json
+
+        write_json(Path(out), res)

@@ -1,0 +1,296 @@
+"""``oracle_search``: the best evicted set kvdiag can find in the rules' own action space, judged by exact set rows.
+
+At one (checkpoint ``t``, budget) it starts from the best (lowest exact joint ``kl_mean``) of every candidate set
+(every rule's, ``fast``, ``oracle_single``, ``future_attention``, ...) and improves it by moves, each labeled exactly
+(``OracleEngine.label_sets``) and accepted only if its joint label is lower:
+
+1. cell-wise recombination (per-head sets): for the next-best candidates, label the current set with one (layer, KV
+   head) cell replaced by that candidate's cell (a batch of rows); then the current set with every cell taken from
+   whichever candidate did best there, and with only the top 1/2, 1/4, ... of those cells, labeled jointly;
+2. swaps from the gradient of the joint KL with respect to a soft keep mask ``m`` (1 kept, 0 evicted; attention
+   weights ``m_i exp(s_i) / sum_j m_j exp(s_j)``, exact at a 0/1 mask): per cell the kept entry whose drop is
+   predicted to help most and the evicted one whose restoring is, ranked across cells by ``g_restore - g_drop``;
+   a batch of rows holds the best single swaps and the top 2, 4, 8, ... of them together.
+
+Every move keeps each cell's number of evicted entries, and only entries a cell's queries can see (``visible``:
+a sliding layer's window) are swapped. The result is never worse than any candidate: it starts at the best and
+accepts only rows with a lower exact label (by more than ``1e-6`` relative and ``1e-9`` nats, so batch rounding is
+never taken for progress). Effort: ``rows`` set rows and ``seconds`` (no new round after it).
+"""
+
+from __future__ import annotations
+
+import time
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from kvdiag.adapters import LayerAttention, check_kwargs
+from kvdiag.attention import attention_context
+from kvdiag.decisions.sets import mask_set, set_mask
+
+SOFT_MASK_ATTN = "kvdiag_soft_mask"
+ACCEPT_REL, ACCEPT_ABS = 1e-6, 1e-9  # a move must lower the exact label by more than this (batch rounding is not)
+
+
+@dataclass
+class _Masked:
+    """One soft-mask forward: prefix[l] = (k, v) [Hkv, t, d], keep[l] [Hkv, t] (float, differentiable)."""
+
+    prefix: list[tuple[torch.Tensor, torch.Tensor]]
+    keep: list[torch.Tensor]
+    attention: list[LayerAttention]
+    start: int
+
+
+_MASKED: ContextVar[_Masked | None] = ContextVar("kvdiag_soft_mask", default=None)
+
+
+def _soft_mask_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """query [1, Hq, W, d], key/value [1, Hkv, W, d] (the horizon tokens) over the shared prefix whose entries are
+    weighted by the keep mask, dense and differentiable, with the layer's window, softcap and sinks -> [1, W, Hq, d]."""
+    rec = _MASKED.get()
+    layer = module.layer_idx
+    spec = rec.attention[layer]
+    check_kwargs(module, spec, kwargs, "decisions oracle_search")
+    pk, pv = rec.prefix[layer]
+    hq, w = query.shape[1], query.shape[2]
+    g = hq // pk.shape[0]
+    k = torch.cat([pk[None], key], 2).repeat_interleave(g, 1).float()  # [1, Hq, t + W, d]
+    v = torch.cat([pv[None], value], 2).repeat_interleave(g, 1).float()
+    qpos = torch.arange(rec.start, rec.start + w, device=query.device)
+    kpos = torch.arange(rec.start + w, device=query.device)
+    logits = spec.logits(query.float() @ k.transpose(-1, -2)).masked_fill(spec.hidden(qpos, kpos), float("-inf"))
+    top = logits.amax(-1, keepdim=True).detach()
+    if spec.sinks is not None:
+        sink = spec.sinks.to(query.device, torch.float32).view(1, -1, 1, 1)
+        top = torch.maximum(top, sink)
+    weights = (logits - top).exp()
+    keep = torch.cat([rec.keep[layer].repeat_interleave(g, 0)[None, :, None, :].expand(1, hq, w, -1),
+                      torch.ones(1, hq, w, w, device=query.device)], -1)
+    weights = weights * keep
+    z = weights.sum(-1, keepdim=True)
+    if spec.sinks is not None:
+        z = z + (sink - top).exp()
+    out = (weights / z) @ v
+    return out.transpose(1, 2).to(query.dtype), None
+
+
+AttentionInterface.register(SOFT_MASK_ATTN, _soft_mask_attention)
+AttentionMaskInterface.register(SOFT_MASK_ATTN, lambda *args, **kwargs: None)
+
+
+def mask_gradient(engine, t: int, evicted: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """(g [L, Hkv, t] = d KL / d m at the keep mask ``m = ~evicted [L, Hkv, t]``, the KL there): KL(P_full ||
+    P_m) averaged over the horizon steps, summed over the vocabulary (fp32), one forward and one backward of the H
+    recorded tokens over the prefix."""
+    prefix, logp_full = engine.golden(t)
+    model, ids, H = engine.model, engine.ids, engine.steps(t)  # N, or T - t (--horizon rest)
+    keep = [(~evicted[l]).float().to(ids.device).requires_grad_(True) for l in range(engine.num_layers)]
+    rec = _Masked(prefix, keep, engine.attention.layers, t)
+    pos = torch.arange(t, t + H, device=ids.device)[None]
+    with torch.enable_grad(), attention_context(model, SOFT_MASK_ATTN, _MASKED, rec):
+        logq = torch.log_softmax(model(ids[None, t : t + H], position_ids=pos, use_cache=False).logits[0].float(), -1)
+        kl = (logp_full.exp() * (logp_full - logq)).sum(-1).mean()
+        grads = torch.autograd.grad(kl, keep)
+    return torch.stack([g.detach().cpu().double() for g in grads]), float(kl.detach())
+
+
+def visible_entries(engine, t: int) -> torch.Tensor:
+    """bool [L, t]: the entries of [0, t) that some horizon query of each layer sees (a sliding layer's window:
+    the query at ``t`` sees keys ``> t - window``, later queries fewer)."""
+    return torch.stack([torch.arange(t) >= layer.first_visible(t) for layer in engine.attention.layers])
+
+
+@dataclass
+class Candidate:
+    """A labeled set: its name, its eviction mask [L, Hkv, t] and its exact joint label (the engine's row fields:
+    kl [H], js [H], nll_delta [H'], flips [])."""
+
+    name: str
+    mask: torch.Tensor
+    label: dict
+
+
+@dataclass
+class Searched:
+    """What ``search`` returns: the best set found (``mask``; ``label`` its exact row), where it started, the
+    improvement over the start (nats of ``kl_mean``), the set rows labeled and the seconds."""
+
+    mask: torch.Tensor
+    label: dict
+    start: str
+    start_kl: float
+    rows: int
+    seconds: float
+    moves: dict  # move -> {"rows": set rows it labeled, "gain": nats of kl_mean it took off}
+
+    @property
+    def improvement(self) -> float:
+        return self.start_kl - float(self.label["kl"].double().mean())
+
+
+class _Judge:
+    """Labels batches of masks exactly and keeps the best; counts rows and time."""
+
+    def __init__(self, engine, t: int, start: Candidate, per_token: bool, rows: int, seconds: float):
+        self.engine, self.t, self.per_token = engine, t, per_token
+        self.best = start
+        self.kl = float(start.label["kl"].double().mean())
+        self.rows, self.max_rows, self.began, self.max_seconds = 0, rows, time.perf_counter(), seconds
+        self.moves = {"recombine": {"rows": 0, "gain": 0.0}, "swaps": {"rows": 0, "gain": 0.0}}
+
+    def left(self) -> int:
+        """Rows still allowed (0 once the time is up)."""
+        if self.max_seconds and time.perf_counter() - self.began >= self.max_seconds:
+            return 0
+        return self.max_rows - self.rows
+
+    def label(self, masks: list[torch.Tensor], move: str) -> torch.Tensor:
+        """[N] exact joint kl_mean of ``masks`` (rows of ``move``); the best replaces the current set if lower."""
+        sets = [mask[0, 0].nonzero()[:, 0] if self.per_token else mask_set(mask) for mask in masks]
+        res, _ = self.engine.label_sets(self.t, sets)
+        self.rows += len(masks)
+        self.moves[move]["rows"] += len(masks)
+        kl = res["kl"].double().mean(1)
+        j = int(kl.argmin())
+        if float(kl[j]) < self.kl - max(ACCEPT_ABS, ACCEPT_REL * self.kl):
+            self.best = Candidate("oracle_search", masks[j], {key: val[j] for key, val in res.items()})
+            self.moves[move]["gain"] += self.kl - float(kl[j])
+            self.kl = float(kl[j])
+        return kl
+
+
+def search(engine, t: int, candidates: list[Candidate], per_token: bool, rows: int, seconds: float,
+           visible: torch.Tensor | None = None) -> Searched:
+    """``oracle_search`` at checkpoint ``t`` and one budget (module docstring): ``candidates`` labeled sets of the
+    same budget (per-token: token sets, the same mask in every cell); ``rows``/``seconds`` its effort; ``visible``
+    [L, t] the entries each layer can see (default: :func:`visible_entries`)."""
+    began = time.perf_counter()
+    ranked = sorted(candidates, key=lambda c: (float(c.label["kl"].double().mean()), c.name))
+    start = ranked[0]
+    visible = visible_entries(engine, t) if visible is None else visible
+    judge = _Judge(engine, t, start, per_token, rows, seconds)
+    if not per_token:
+        _recombine(judge, ranked[1:])
+    _swaps(judge, visible)
+    return Searched(judge.best.mask, judge.best.label, start.name, float(start.label["kl"].double().mean()),
+                    judge.rows, round(time.perf_counter() - began, 3), judge.moves)
+
+
+def _recombine(judge: _Judge, others: list[Candidate]) -> None:
+    """Move 1: each cell from the candidate that does best there (half the row budget at most)."""
+    cur = judge.best.mask
+    L, Hkv, _ = cur.shape
+    share = judge.max_rows // 2
+    cells = [(l, h) for l in range(L) for h in range(Hkv)]
+    gain = torch.zeros(L, Hkv, dtype=torch.float64)
+    source: dict[tuple[int, int], torch.Tensor] = {}
+    for cand in others:
+        todo = [(l, h) for l, h in cells if not torch.equal(cand.mask[l, h], cur[l, h])]
+        if not todo or judge.rows + len(todo) > share or not judge.left():
+            continue
+        masks = []
+        for l, h in todo:
+            m = cur.clone()
+            m[l, h] = cand.mask[l, h]
+            masks.append(m)
+        before = judge.kl
+        kl = judge.label(masks, "recombine")
+        if judge.kl < before:  # a single cell already improved: the rows below compare with the new set
+            return _recombine(judge, others) if judge.rows < share else None
+        for (l, h), value in zip(todo, (before - kl).tolist(), strict=True):
+            if value > gain[l, h]:
+                gain[l, h], source[(l, h)] = value, cand.mask[l, h]
+    helped = sorted(source, key=lambda c: -float(gain[c]))
+    if len(helped) < 2 or not judge.left():
+        return
+    masks, n = [], len(helped)
+    while n >= 2:
+        m = cur.clone()
+        for l, h in helped[:n]:
+            m[l, h] = source[(l, h)]
+        masks.append(m)
+        n //= 2
+    judge.label(masks, "recombine")
+
+
+def _swaps(judge: _Judge, visible: torch.Tensor) -> None:
+    """Move 2: gradient-proposed swaps, a batch per round, until the effort is spent or every proposal was tried
+    (a tried swap is not proposed again)."""
+    batch = judge.engine.batch_size
+    tried: set[tuple] = set()
+    while judge.left() > 0:
+        cur = judge.best.mask
+        g, _ = mask_gradient(judge.engine, judge.t, cur)
+        n = min(batch, judge.left())
+        proposals = _proposals(g, cur, visible, judge.per_token, tried, n)
+        if not proposals:
+            return
+        singles = proposals[: max(1, n - n // 3)]
+        masks = [_apply(cur, [p], judge.per_token) for p in singles]
+        k = 2
+        while len(masks) < n and k <= len(proposals):
+            masks.append(_apply(cur, _distinct(proposals, k), judge.per_token))
+            k *= 2
+        tried.update(p[1:] for p in singles)
+        judge.label(masks, "swaps")
+
+
+def _proposals(g: torch.Tensor, cur: torch.Tensor, visible: torch.Tensor, per_token: bool, tried: set[tuple],
+               want: int) -> list[tuple]:
+    """Swaps (predicted change, cell, drop, restore), most promising first: per cell the kept visible entries with the
+    largest ``g`` (dropping one lowers the KL by about its ``g``) against the evicted visible ones with the smallest
+    (restoring one changes it by about its ``g``), the top ``d`` of each, ``d`` doubling until ``want`` untried swaps
+    are found or the cell has no more. Per-token: ``g`` summed over cells."""
+    t = cur.shape[-1]
+    if per_token:
+        g, cur, visible = g.sum((0, 1))[None, None], cur[:1, :1], visible.any(0)[None]
+    drop_g = torch.where(~cur & visible[:, None], g, float("-inf"))
+    back_g = torch.where(cur & visible[:, None], g, float("inf"))
+    depth, out = 2, []
+    while True:
+        d = min(depth, t)
+        drops, backs = drop_g.topk(d, -1), back_g.topk(d, -1, largest=False)
+        change = backs.values[..., None, :] - drops.values[..., :, None]  # [L, Hkv, d, d]: restore b, drop a
+        ok = torch.isfinite(change)
+        out = [(float(change[l, h, a, b]), (l, h), int(drops.indices[l, h, a]), int(backs.indices[l, h, b]))
+               for l, h, a, b in ok.nonzero().tolist()]
+        out = [p for p in out if p[1:] not in tried]
+        if len(out) >= want or d == t:
+            break
+        depth *= 2
+    out.sort(key=lambda p: p[0])
+    return out
+
+
+def _distinct(proposals: list[tuple], k: int) -> list[tuple]:
+    """The first ``k`` proposals that touch distinct entries (a cell's entry is dropped or restored once)."""
+    used, out = set(), []
+    for p in proposals:
+        cell = p[1]
+        if (cell, p[2]) in used or (cell, p[3]) in used:
+            continue
+        used.update({(cell, p[2]), (cell, p[3])})
+        out.append(p)
+        if len(out) == k:
+            break
+    return out
+
+
+def _apply(cur: torch.Tensor, swaps: list[tuple], per_token: bool) -> torch.Tensor:
+    """``cur`` [L, Hkv, t] with each swap's drop evicted and its restore kept: in its cell, or (``per_token``) in
+    every cell."""
+    m = cur.clone()
+    for _, (l, h), drop, back in swaps:
+        target = m if per_token else m[l, h]
+        target[..., drop], target[..., back] = True, False
+    return m
+
+
+def candidate(name: str, evict: torch.Tensor, label: dict, num_layers: int, num_kv_heads: int, t: int) -> Candidate:
+    """A :class:`Candidate` from a labeled set ``evict`` ([E] or [L, Hkv, E])."""
+    return Candidate(name, set_mask(evict, num_layers, num_kv_heads, t), label)

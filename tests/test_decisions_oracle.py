@@ -1,0 +1,330 @@
+"""Stored sets and the references that search the rules' own action space (``future_attention``, ``oracle_search``)
+on tiny random models, Gemma 3's sliding layers included: every stored set equals physically deleting it."""
+
+from __future__ import annotations
+
+import polars as pl
+import pytest
+import torch
+
+from kvdiag.decisions import Budget, DecisionsConfig, decide
+from kvdiag.decisions.search import mask_gradient
+from kvdiag.decisions.sets import mask_set, set_mask, unpack_set
+from kvdiag.io import read_table
+from kvdiag.label import OracleEngine, divergences
+from kvdiag.label.reference import reference_set_logprobs
+from kvdiag.models import load_model
+from kvdiag.scorers import checkpoint_keys, score_trace
+from tests.conftest import make_trace
+
+HORIZON = 4
+RULES = ["attention", "h2o", "streamingllm", "random"]
+MODELS = ["tiny:llama", "tiny:qwen3", "tiny:gemma3"]  # gemma3: sliding layers (window 8) between full ones
+
+
+def config(**kw) -> DecisionsConfig:
+    # budget:5 is below a tiny gemma3 sliding layer's 7 visible entries: its window budget binds
+    base = dict(budgets=(Budget("keep", 0.5), Budget("keep", 0.25), Budget("budget", 5)), horizon=HORIZON,
+                n_boot=20, pairs=0, batch_size=8, selection="per-head", search_rows=64, search_seconds=0,
+                references=("fast", "random", "future_attention", "oracle_search"))
+    return DecisionsConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def decided(request, tmp_path_factory):
+    """A 1-prompt Trace, head scores at two checkpoints, and the per-head decisions there."""
+    lm = load_model(request.param)
+    root = tmp_path_factory.mktemp(request.param.replace(":", "_"))
+    trace = make_trace(lm, root / "trace", n_prompts=1, max_new_tokens=36)
+    pid = trace.prompt_ids[0]
+    T = trace.length(pid)
+    keys = checkpoint_keys(trace, {pid: [T - HORIZON - 17, T - HORIZON - 1]}, ["head"])
+    scores, meta = score_trace(trace, keys=keys, scorers=RULES)
+    out = decide(trace, lm, scores, meta, root / "out", config(), show_progress=False)
+    return {"lm": lm, "trace": trace, "scores": scores, "meta": meta, "root": root,
+            "df": read_table(out / "decisions.parquet")[0]}
+
+
+def test_sets_round_trip_through_their_mask():
+    gen = torch.Generator().manual_seed(0)
+    t, L, Hkv = 37, 3, 2
+    heads = torch.stack([torch.randperm(t, generator=gen)[:11].sort().values for _ in range(L * Hkv)]).view(L, Hkv, 11)
+    assert torch.equal(mask_set(set_mask(heads, L, Hkv, t)), heads)
+    ragged = heads.clone()
+    ragged[1, 0, 5:] = -1  # a cell that evicts fewer (a sliding layer's): padded with -1
+    back = mask_set(set_mask(ragged, L, Hkv, t))
+    assert torch.equal(back, ragged[..., : back.shape[-1]]) and back.shape[-1] == 11
+    token = torch.tensor([0, 4, 36])
+    assert torch.equal(mask_set(set_mask(token, L, Hkv, t)), token.expand(L, Hkv, 3))
+
+
+def test_every_stored_set_equals_physical_deletion(decided):
+    """Each row's stored [L, Hkv, t] mask, deleted per (layer, KV head) by the slow reference (a copied cache, the
+    H tokens one at a time, the stock eager attention), gives the row's kl_steps: rtol 1e-4, atol 1e-6 nats (fp32,
+    two different attention paths)."""
+    trace, lm, df = decided["trace"], decided["lm"], decided["df"]
+    pid = trace.prompt_ids[0]
+    L, Hkv = trace.num_layers, trace.num_kv_heads
+    rows = df.filter(pl.col("status") == "ok")
+    assert rows["evicted_mask"].is_not_null().all()
+    eng = OracleEngine(lm, trace.token_ids(pid), HORIZON)
+    checked = 0
+    for row in rows.sort("checkpoint", "decision", "budget").iter_rows(named=True):
+        t = row["checkpoint"]
+        mask = unpack_set(row["evicted_mask"], L, Hkv, t)
+        per_cell = mask.sum(-1)
+        assert (per_cell <= t - row["kept"]).all() and per_cell.max() == t - row["kept"], row["decision"]
+        prefix, logp_full = eng.golden(t)
+        ref = reference_set_logprobs(lm.model, eng.ids, t, HORIZON, prefix, mask_set(mask))
+        want = divergences(logp_full, ref[None], eng.ids[t + 1 : t + HORIZON + 1])["kl"][0].double()
+        torch.testing.assert_close(torch.tensor(row["kl_steps"], dtype=torch.float64), want, rtol=1e-4, atol=1e-6)
+        checked += 1
+    assert checked == rows.height >= 2 * 2 * (len(RULES) + 2)
+
+
+def dense_future(trace, pid: str, t: int, window: int) -> torch.Tensor:
+    """[L, Hkv, t]: the attention of the queries t .. t+W-1 on [0, t), written out (repeat_kv, masks by hand)."""
+    out = []
+    for l in range(trace.num_layers):
+        spec, qkv = trace.layer_attention(l), trace.layer(pid, l)
+        H, Hkv = qkv.q.shape[0], qkv.k.shape[0]
+        k = qkv.k.double().repeat_interleave(H // Hkv, 0)  # query head h reads KV head h // g
+        q = qkv.q[:, t : t + window].double()
+        logits = q @ k[:, : t + window].transpose(1, 2) * spec.scale  # [H, W, t + W]
+        qpos, kpos = torch.arange(t, t + window)[:, None], torch.arange(t + window)[None]
+        hide = (kpos > qpos) | ((kpos <= qpos - spec.window) if spec.window is not None else False)
+        p = torch.softmax(logits.masked_fill(hide, float("-inf")), -1)[..., :t]
+        out.append(p.view(Hkv, H // Hkv, window, t).sum((1, 2)))
+    return torch.stack(out)
+
+
+def test_future_attention_keeps_what_the_future_reads_most(decided):
+    """Per (layer, KV head), every kept entry it still sees (a sliding layer: inside its window) draws at least as
+    much future attention (written out independently here, fp64 against the stage's fp32 sums: 1e-5 abs) as every
+    evicted one."""
+    trace, df = decided["trace"], decided["df"]
+    pid = trace.prompt_ids[0]
+    L, Hkv = trace.num_layers, trace.num_kv_heads
+    rows = df.filter((pl.col("decision") == "future_attention") & (pl.col("status") == "ok"))
+    assert rows.height == 6 and (rows["kind"] == "reference").all()
+    for row in rows.iter_rows(named=True):
+        t = row["checkpoint"]
+        att = dense_future(trace, pid, t, HORIZON)
+        mask = unpack_set(row["evicted_mask"], L, Hkv, t)
+        for l in range(L):
+            w = trace.layer_attention(l).window
+            seen = torch.arange(t) > t - w if w is not None else torch.ones(t, dtype=torch.bool)
+            for h in range(Hkv):
+                kept, gone = att[l, h][~mask[l, h] & seen], att[l, h][mask[l, h]]
+                assert kept.numel() == min(row["kept"], int(seen.sum()))
+                if gone.numel():
+                    assert kept.min() >= gone.max() - 1e-5, (row["decision"], row["budget"], l, h)
+
+
+def invariant(df: pl.DataFrame) -> int:
+    """oracle_search's joint damage <= every other decision's at each (checkpoint, budget): both sides are exact set
+    rows of the same engine, and the search only accepts rows lower than the best candidate's recorded label, so
+    1e-12 nats of slack is all the float formatting may take. Returns the comparisons made."""
+    n = 0
+    for (t, b), g in df.filter(pl.col("status") == "ok").group_by("checkpoint", "budget"):
+        best = g.filter(pl.col("decision") == "oracle_search")
+        assert best.height == 1, (t, b)
+        row = best.row(0, named=True)
+        others = g.filter(pl.col("decision") != "oracle_search")
+        assert (row["kl_mean"] <= others["kl_mean"] + 1e-12).all(), (t, b, row["kl_mean"], others["kl_mean"].min())
+        assert row["search_start"] in others["decision"].to_list()
+        start = others.filter(pl.col("decision") == row["search_start"])["kl_mean"][0]
+        assert start == others["kl_mean"].min()
+        assert row["search_improvement"] == pytest.approx(start - row["kl_mean"], abs=1e-12)
+        assert 0 < row["cost_rows"] <= 64 and row["cost_seconds"] > 0
+        n += others.height
+    return n
+
+
+def test_oracle_search_is_at_most_every_rule_and_reference(decided):
+    df = decided["df"]
+    assert invariant(df) >= 2 * 2 * (len(RULES) + 3)
+    # it searched: at some (checkpoint, budget) of these models it found a lower set than every candidate
+    assert (df.filter(pl.col("decision") == "oracle_search")["search_improvement"] > 0).any()
+
+
+def test_oracle_search_under_per_token_selection_stays_a_token_set(decided):
+    lm, trace = decided["lm"], decided["trace"]
+    if decided["lm"].spec != "tiny:llama":
+        pytest.skip("one model is enough for the token action space")
+    out = decide(trace, lm, decided["scores"], decided["meta"], decided["root"] / "token",
+                 config(selection="per-token"), show_progress=False)
+    df = read_table(out / "decisions.parquet")[0]
+    invariant(df)
+    rows = df.filter(pl.col("decision") == "oracle_search")
+    assert rows["evicted_positions"].list.len().to_list() == rows["evicted"].to_list()
+
+
+def test_the_soft_mask_forward_is_exact_at_a_binary_mask(decided):
+    """The gradient's forward at m = 0/1 is the exact set row: its KL equals the engine's label of the set (two
+    attention paths in fp32: rtol 1e-4, atol 1e-6), and entries hidden from every query get no gradient."""
+    trace, lm, df = decided["trace"], decided["lm"], decided["df"]
+    L, Hkv = trace.num_layers, trace.num_kv_heads
+    row = df.filter((pl.col("decision") == "attention") & (pl.col("status") == "ok")).row(0, named=True)
+    t = row["checkpoint"]
+    eng = OracleEngine(lm, trace.token_ids(trace.prompt_ids[0]), HORIZON)
+    g, kl = mask_gradient(eng, t, unpack_set(row["evicted_mask"], L, Hkv, t))
+    assert kl == pytest.approx(row["kl_mean"], rel=1e-4, abs=1e-6)
+    for l in range(L):
+        window = trace.layer_attention(l).window
+        if window is not None:
+            assert (g[l, :, : t - window + 1] == 0).all()
+            assert (g[l, :, t - window + 1 :] != 0).any()
+
+
+def test_a_sliding_layers_budget_counts_only_what_it_still_sees(decided):
+    """Gemma 3's sliding layers (window 8): every per-head set evicts only entries the layer's queries still see and
+    keeps min(B, visible) of them (oracle_search: at most B); full layers keep B of [0, t)."""
+    trace, df = decided["trace"], decided["df"]
+    L, Hkv = trace.num_layers, trace.num_kv_heads
+    windows = [trace.layer_attention(l).window for l in range(L)]
+    if all(w is None for w in windows):
+        pytest.skip("no sliding layer")
+    binds = 0
+    for row in df.filter(pl.col("status") == "ok").iter_rows(named=True):
+        t, B = row["checkpoint"], row["kept"]
+        mask = unpack_set(row["evicted_mask"], L, Hkv, t)
+        for l, w in enumerate(windows):
+            seen = torch.arange(t) > t - w if w is not None else torch.ones(t, dtype=torch.bool)
+            assert not (mask[l][:, ~seen]).any(), (row["decision"], l)
+            kept = (~mask[l] & seen).sum(-1)
+            if row["decision"] == "oracle_search":
+                assert (kept <= B).all(), (row["decision"], l)
+            else:
+                assert (kept == min(B, int(seen.sum()))).all(), (row["decision"], row["budget"], l, kept)
+                binds += w is not None and B < int(seen.sum()) and bool(mask[l].any())
+    assert binds > 0  # some sliding layer evicted inside its window
+
+
+def test_summary_states_the_headroom_against_oracle_search(decided):
+    """Per budget: best rule / oracle_search per prompt (geometric mean with its CI, median, wins: none, by
+    construction), the exact sign test, every rule's own ratio, the search's effort; references labeled by space."""
+    from kvdiag.decisions.summary import summarize_files
+
+    if decided["lm"].spec != "tiny:llama":
+        pytest.skip("one model is enough for the summary")
+    out = decided["root"] / "out"
+    res = summarize_files(out)
+    head = pl.read_csv(out / "headroom.csv")
+    assert set(head["rule"]) == set(RULES) and head["best"].sum() == 3  # one best rule per budget
+    assert (head["ratio_below_one"] == 0).all() and (head["ratio_geomean"] >= 1 - 1e-12).all()
+    assert (head["test"] == "sign").all() and (head["n"] == 2).all()
+    for budget, h in res["headline"]["budgets"].items():
+        c = h["search_headroom"]
+        assert c["a"] == h["best_rule"] and c["b"] == "oracle_search" and c["ratios"]["below"] == 0, budget
+        assert h["space"] == "per-head"
+    cost = pl.read_csv(out / "search.csv")
+    assert cost.height == 3 and (cost["rows_median"] <= 64).all()
+    text = (out / "summary.md").read_text()
+    assert "## Headroom against oracle_search" in text and "chosen (least mean damage) on these same" in text
+    assert "oracle_search (ref) [per-head]" in text and "future_attention (ref) [per-head]" in text
+
+
+def test_bench_decisions_reports_rows_seconds_and_improvement(tmp_path):
+    """``kvdiag bench decisions`` on tiny:llama: per budget and effort, at most the rows allowed, never worse than the
+    best candidate (the same exact rows on both sides: 1e-12 nats), the candidates it started from."""
+    from kvdiag.cli.main import main
+
+    out = tmp_path / "bench.json"
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "decisions", "--model", "tiny:llama", "--prefix", "40", "--horizon", "4", "--keep", "0.5,0.25",
+              "--search-rows", "24", "--scale", "2", "--out", str(out)])
+    assert exc.value.code in (0, None)
+    import json
+
+    res = json.loads(out.read_text())
+    assert [(r["keep"], r["effort"]) for r in res["rows"]] == [(0.5, 1), (0.5, 2), (0.25, 1), (0.25, 2)]
+    for r in res["rows"]:
+        assert 0 < r["rows"] <= r["rows_limit"] == 24 * r["effort"]
+        assert r["kl"] <= min(r["candidates"].values()) + 1e-12 and r["start_kl"] == min(r["candidates"].values())
+        assert {"fast", "future_attention", "snapkv"} <= set(r["candidates"])
+        moves = r["moves"].values()
+        assert sum(m["rows"] for m in moves) == r["rows"]  # every row is one move's
+        assert sum(m["gain"] for m in moves) == pytest.approx(r["improvement"], abs=1e-12)
+
+
+def test_cli_runs_both_references_with_a_window_to_the_end(decided):
+    """``kvdiag decisions --references future_attention,oracle_search --future-window rest``: both rows at every
+    (checkpoint, budget), the settings recorded, future_attention reading every later query of the prompt."""
+    from kvdiag.cli.main import main
+    from kvdiag.decisions.sets import head_label_set
+    from kvdiag.io import read_json, write_table
+
+    if decided["lm"].spec != "tiny:llama":
+        pytest.skip("one model is enough for the CLI")
+    root, trace = decided["root"], decided["trace"]
+    scores = write_table(decided["scores"], root / "scores.parquet", decided["meta"])
+    out = root / "cli"
+    with pytest.raises(SystemExit) as exc:
+        main(["decisions", "--trace", str(trace.path), "--scores", str(scores), "--keep", "0.25", "--horizon",
+              str(HORIZON), "--references", "future_attention,oracle_search", "--future-window", "rest",
+              "--search-rows", "16", "--search-seconds", "30", "--pairs", "0", "--bootstrap", "20", "--quiet",
+              "--out", str(out)])
+    assert exc.value.code in (0, None)
+    df = read_table(out / "decisions.parquet")[0]
+    refs = df.filter(pl.col("kind") == "reference")
+    assert sorted(set(refs["decision"])) == ["future_attention", "oracle_search"] and refs.height == 4
+    cfg = read_json(out / "config.json")["config"]
+    assert cfg["future_window"] == "rest" and cfg["search_rows"] == 16 and cfg["search_seconds"] == 30
+    assert (refs.filter(pl.col("decision") == "oracle_search")["cost_rows"] <= 16).all()
+    pid = trace.prompt_ids[0]
+    L, Hkv = trace.num_layers, trace.num_kv_heads
+    for row in refs.filter(pl.col("decision") == "future_attention").iter_rows(named=True):
+        t = row["checkpoint"]
+        rest = trace.length(pid) - t
+        assert rest > HORIZON
+        att = dense_future(trace, pid, t, rest)  # every later query, written out (fp64 against fp32: 1e-5)
+        mask = unpack_set(row["evicted_mask"], L, Hkv, t)
+        for l in range(L):
+            for h in range(Hkv):
+                assert att[l, h][~mask[l, h]].min() >= att[l, h][mask[l, h]].max() - 1e-5, (t, l, h)
+        horizon_only = dense_future(trace, pid, t, HORIZON)
+        assert not torch.equal(mask_set(mask), head_label_set(horizon_only, row["kept"]))  # the window mattered
+
+
+def test_oracle_search_without_any_labeled_candidate_says_so(decided):
+    """Every rule over the budget (--infeasible skip) and no other reference: oracle_search has nothing to start from
+    and records ``no_candidate`` with no label, not a made-up set."""
+    if decided["lm"].spec != "tiny:llama":
+        pytest.skip("one model is enough")
+    cfg = config(budgets=(Budget("budget", 1),), references=("oracle_search",), infeasible="skip",
+                 rules=("streamingllm",))
+    out = decide(decided["trace"], decided["lm"], decided["scores"], decided["meta"], decided["root"] / "none", cfg,
+                 show_progress=False)
+    df = read_table(out / "decisions.parquet")[0]
+    assert set(df.filter(pl.col("decision") == "streamingllm")["status"]) == {"over_budget"}
+    found = df.filter(pl.col("decision") == "oracle_search")
+    assert found.height == 2 and set(found["status"]) == {"no_candidate"} and found["kl_mean"].is_null().all()
+
+
+def test_cli_horizon_rest_with_both_references(decided):
+    """``--horizon rest`` (#42) with future_attention and oracle_search (#41): each row's horizon is T - t, the
+    search's gradient runs over those steps, and future_attention's default window (the horizon) reads every later
+    query of the prompt, as ``--future-window rest`` does."""
+    from kvdiag.cli.main import main
+    from kvdiag.io import write_table
+
+    if decided["lm"].spec != "tiny:llama":
+        pytest.skip("one model is enough for the CLI")
+    root, trace = decided["root"], decided["trace"]
+    scores = write_table(decided["scores"], root / "scores-rest.parquet", decided["meta"])
+    masks = {}
+    for name, extra in (("rest", []), ("window", ["--future-window", "rest"])):
+        with pytest.raises(SystemExit) as exc:
+            main(["decisions", "--trace", str(trace.path), "--scores", str(scores), "--keep", "0.25", "--horizon",
+                  "rest", *extra, "--references", "future_attention,oracle_search", "--search-rows", "8",
+                  "--search-seconds", "30", "--pairs", "0", "--bootstrap", "20", "--quiet", "--out",
+                  str(root / f"cli-{name}")])
+        assert exc.value.code in (0, None)
+        df = read_table(root / f"cli-{name}" / "decisions.parquet")[0]
+        pid = trace.prompt_ids[0]
+        assert (df["horizon"] == trace.length(pid) - df["checkpoint"]).all()
+        refs = df.filter(pl.col("kind") == "reference")
+        assert sorted(set(refs["decision"])) == ["future_attention", "oracle_search"]
+        masks[name] = refs.filter(pl.col("decision") == "future_attention").sort("checkpoint")["evicted_mask"]
+    assert masks["rest"].to_list() == masks["window"].to_list()
