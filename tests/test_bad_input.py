@@ -621,6 +621,20 @@ CASES: list[tuple[str, list[str], str]] = [
     ("score-plugin-returns-list", ["score", "--trace", "{trace}", "--labels", "{labels}", "--plugin",
                                    "{plugin_returns_list}", "--scorers", "listy", "--out", "{out}/s.parquet"],
      "returned a list, not a torch.Tensor"),
+    # ---- #42 long horizons (--horizon 0 and a fixed N past the trace: label-horizon-0, label-horizon-long above)
+    ("label-horizon-abc", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", "--horizon", "abc"],
+     "--horizon abc"),
+    ("label-horizon-negative", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", "--horizon", "-3"],
+     "--horizon -3"),
+    ("label-horizon-past-shortest", ["label", "--trace", "{trace}", *FITS[:4], "--out", "{out}/l.parquet",
+                                     "--horizon", "{shortest}"], "reaches beyond the end of prompt"),
+    ("label-chunk-0", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--chunk", "0"],
+     "--chunk 0"),
+    ("decisions-horizon-abc", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5", "--horizon",
+                               "abc", "--out", "{out}"], "--horizon abc"),
+    ("decisions-horizon-0", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5", "--horizon",
+                             "0", "--out", "{out}"], "--horizon 0"),
+    ("bench-label-chunk-0", ["bench", "label", "--horizon", "64", "--chunk", "0"], "--chunk 0"),
     # ---- decisions' searched references (issue #41)
     ("decisions-search-rows-0", ["decisions", "--trace", "{trace}", "--scores", "{head_scores}", "--keep", "0.5",
                                  "--references", "oracle_search", "--search-rows", "0", "--out", "{out}"],
@@ -737,6 +751,7 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
         assert exc.value.code == 0
     p = {"trace": str(trace.path), "labels": str(labels), "scores": str(scores), "run": str(root / "run"),
          "head_scores": str(root / "run" / "head-scores.parquet")}
+    p["shortest"] = str(min(trace.length(pid) for pid in trace.prompt_ids))  # a horizon past one prompt's end
     (root / "file").write_text("a regular file\n")
     p["file"] = str(root / "file")
     (root / "empty").mkdir()
