@@ -81,6 +81,7 @@ FLOORS = {
     "kvdiag.rankeval": 4,
     "kvdiag.fit": 5,
     "kvdiag.figures": 5,
+    "kvdiag.generate": 5,  # the positioned and evicting caches: replay decodes through them
     "kvdiag.decisions": 6,
     "kvdiag.replay": 6,
     "kvdiag.benchmark": 7,

@@ -38,13 +38,13 @@ def bench_replay(
     memory and how many rows wrote the same tokens."""
     check_outputs({"--out": out}, {"--prompts": prompts})
     from kvdiag.errors import UserError
+    from kvdiag.generate.live import check_live_scorer, make_scorer
+    from kvdiag.generate.policy import Policy
     from kvdiag.io import write_json
     from kvdiag.models import load_model
     from kvdiag.parsing import Selection
     from kvdiag.prompts import encode_prompt, load_prompts
     from kvdiag.replay.bench import run_replay_bench
-    from kvdiag.replay.cache import Policy
-    from kvdiag.replay.live import check_live_scorer, make_scorer
     from kvdiag.replay.run import FULL_KV
     from kvdiag.replay.sampling import Sampling
     from kvdiag.replay.settings import check_params, check_samples

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from kvdiag.errors import UserError
+from kvdiag.generate.live import check_live_scorer, make_scorer
 from kvdiag.parsing import Selection
 from kvdiag.prompts import DEFAULT_INSTRUCTION
-from kvdiag.replay.live import check_live_scorer, make_scorer
 from kvdiag.replay.oracle import ORACLE
 from kvdiag.replay.sampling import Sampling
 from kvdiag.schema import CHECKPOINT_INTERVAL, HORIZON
