@@ -30,8 +30,9 @@ from kvdiag.scorers.base import needs_o_proj
 class EvictingCache(PositionedCache):
     """A cache that keeps ``budget`` entries per (layer, KV head) under ``rule`` at every checkpoint.
 
-    model : the (adapted) causal LM the cache serves; switched to kvdiag's attention (same kernel: SDPA or the
-        model file's eager), which records the rule's query window and masks sliding layers by position.
+    model : the (adapted) causal LM the cache serves; its forwards over this cache run kvdiag's attention (the same
+        kernel: SDPA or the model file's eager), which records the rule's query window and masks sliding layers by
+        position (forward hooks switch it, and back).
     rule : a :class:`~kvdiag.scorers.Scorer` or a registered name (built-in, plugin, ``fitted:PATH``), with
         ``params`` for a name.
     budget, interval, selection, backend, seed : as :class:`~kvdiag.generate.Policy`.
@@ -63,7 +64,11 @@ class EvictingCache(PositionedCache):
             self.o_proj = o_proj_weights(model)
         self.prompt_len: int | None = None
         self.compressions: list[int] = []  # the checkpoints t at which a compaction ran
-        use_kvdiag_attention(model)
+        self.restore: str | None = None  # the model's attention, switched back after each forward
+        if not getattr(model, "_kvdiag_evicting_hooks", False):
+            model.register_forward_pre_hook(_before_forward, with_kwargs=True)
+            model.register_forward_hook(_after_forward, with_kwargs=True)
+            model._kvdiag_evicting_hooks = True
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor) -> None:
@@ -77,9 +82,15 @@ class EvictingCache(PositionedCache):
             self.model(input_ids[:, start:end], cache=self, use_cache=True, logits_to_keep=1)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        if layer_idx == 0:
-            self._before_forward(key_states.shape[2])
+        if layer_idx == 0 and self._due(self.layers[0].seen):
+            raise RuntimeError("a forward reached the EvictingCache without its model's pre-hook (it compacts before "
+                               "the masks are built): call the model the cache was made for, not a submodule")
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _due(self, t: int) -> bool:
+        """Whether a compaction at checkpoint ``t`` is due and has not run."""
+        return (self.prompt_len is not None and len(self) > self.policy.budget and t in self.checkpoints(t, t + 1)
+                and (not self.compressions or self.compressions[-1] != t))
 
     def checkpoints(self, start: int, end: int) -> list[int]:
         """The checkpoints ``t`` with ``start <= t < end`` (chunk ends of the prompt, then every ``interval``)."""
@@ -88,7 +99,7 @@ class EvictingCache(PositionedCache):
         after = range(P + K * max(1, -(-(start - P) // K)), end, K) if end > P else []
         return sorted({t for t in ends if start <= t < end} | set(after))
 
-    def _before_forward(self, c: int) -> None:
+    def before_forward(self, c: int) -> None:
         """Refuse a forward that skips a checkpoint; compact when it starts at one."""
         seen = self.layers[0].seen
         if self.prompt_len is None:  # generate's prefill: the whole prompt in one forward
@@ -98,7 +109,7 @@ class EvictingCache(PositionedCache):
             raise UserError(f"a forward of {c} tokens at position {seen} crosses a checkpoint of the EvictingCache "
                             f"(budget {self.policy.budget} + interval {self.policy.interval}): a prompt longer than "
                             f"{first} tokens goes through cache.prefill(input_ids) before generate")
-        if seen in self.checkpoints(seen, seen + 1) and len(self) > self.policy.budget:
+        if self._due(seen):
             self.checkpoint(seen)
 
     def checkpoint(self, t: int) -> None:
@@ -118,3 +129,26 @@ class EvictingCache(PositionedCache):
                      for layer in range(len(self.layers))]
         self.compact(per_layer, self.policy.backend)
         self.compressions.append(t)
+
+
+def _before_forward(model, args: tuple, kwargs: dict) -> None:
+    """The model's forward pre-hook: a forward over an :class:`EvictingCache` runs kvdiag's attention and first lets
+    the cache compact (before transformers sizes the masks from it)."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if isinstance(cache, EvictingCache):
+        tokens = kwargs.get("input_ids", args[0] if args else None)
+        if tokens is None:
+            tokens = kwargs["inputs_embeds"]
+        cache.check_positions(tokens.shape[0], tokens.shape[1], kwargs)
+        cache.before_forward(tokens.shape[1])
+        cache.restore = model.config._attn_implementation
+        use_kvdiag_attention(model)
+
+
+def _after_forward(model, args: tuple, kwargs: dict, output) -> None:
+    """The model's forward hook: its own attention again after a forward over an :class:`EvictingCache`."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if isinstance(cache, EvictingCache) and cache.restore is not None:
+        if model.config._attn_implementation != cache.restore:
+            model.set_attn_implementation(cache.restore)
+        cache.restore = None

@@ -126,10 +126,10 @@ class PositionedCache(Cache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if layer_idx == 0:
-            self._check_positions(key_states.shape[0], key_states.shape[2], kwargs.get("kwargs") or {})
+            self.check_positions(key_states.shape[0], key_states.shape[2], kwargs.get("kwargs") or {})
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def _check_positions(self, b: int, c: int, kwargs: dict) -> None:
+    def check_positions(self, b: int, c: int, kwargs: dict) -> None:
         """The forward's ``position_ids`` must be the next ``c`` positions of every row (no padding, no reuse)."""
         given = kwargs.get("position_ids")
         if given is None:
