@@ -620,6 +620,11 @@ CASES: list[tuple[str, list[str], str]] = [
     ("score-plugin-returns-list", ["score", "--trace", "{trace}", "--labels", "{labels}", "--plugin",
                                    "{plugin_returns_list}", "--scorers", "listy", "--out", "{out}/s.parquet"],
      "returned a list, not a torch.Tensor"),
+    # ---- #44 sliding windows under a bounded cache (replay and kvdiag.generate share Policy.check_model)
+    ("replay-sliding-budget-evicts-nothing", ["replay", "--scorer", "streamingllm", "--model", "tiny:mistral_sw",
+                                              "--budget", "7", "--out", "{out}"], "evicts nothing"),
+    ("replay-sliding-per-token", ["replay", "--scorer", "rkv", "--model", "tiny:gemma3", "--budget", "32",
+                                  "--selection", "per-token", "--out", "{out}"], "per-token keeps one set"),
 ]
 
 PLUGINS = {  # file name -> source; line numbers matter (the messages name them)
@@ -657,6 +662,7 @@ HEAVY: dict[str, str] = {
     "trace-store-beyond": NEEDS_MODEL, "trace-beyond-context": NEEDS_MODEL, "bench-scale-too-short": NEEDS_MODEL,
     "bench-scale-beyond-context": NEEDS_MODEL, "replay-suite-length": NEEDS_MODEL,
     "replay-budget-protected": NEEDS_MODEL,
+    "replay-sliding-budget-evicts-nothing": NEEDS_MODEL, "replay-sliding-per-token": NEEDS_MODEL,
     **{name: NEEDS_PLUGIN for name, _, _ in CASES if "-plugin-" in name and name != "score-plugin-missing"},
     "score-plugin-raises": NEEDS_SCORES, "score-plugin-returns-list": NEEDS_SCORES,
     "label-horizon-long": STAGE, "label-checkpoint-outside": STAGE, "label-layers-range": STAGE,

@@ -133,6 +133,8 @@ def test_sliding_model_with_a_noop_budget_is_its_own_generate(tiny_gemma3):
                                       do_sample=False)
     assert torch.equal(plain, same) and cache.compressions == []
     assert len(cache.layers[0]) == 7  # the sliding layer keeps what a later query can see, W - 1
+    replayed = decode(tiny_gemma3, PROMPT, Policy(make_scorer("rkv"), 4096, 8), max_new_tokens=40)
+    assert replayed.token_ids == plain[0].tolist()  # replay runs sliding models through the same cache
 
 
 def test_sliding_model_generate_equals_replay(tiny_gemma3):

@@ -49,6 +49,7 @@ def build_policies(lm: LoadedModel, settings: ReplaySettings,
                                                                          settings.w_obs)
         for budget in settings.budgets:
             policy = Policy(scorer, budget, settings.interval, settings.selection, settings.backend, settings.seed)
+            policy.check_model(lm.attention)  # sliding windows: per-token and budgets that evict nothing
             if not oracle:
                 check_live_scorer(scorer, budget, settings.interval, group, head_dim)
             policies[(name, budget)] = policy
