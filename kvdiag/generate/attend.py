@@ -86,14 +86,14 @@ def _take(module, query: torch.Tensor, attention_mask, kwargs: dict, eager: bool
     return mask
 
 
-def kvdiag_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def kvdiag_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """query [b, H, q, d] -> SDPA over the positioned cache's keys (outputs as the model's own SDPA)."""
     attention_mask = _take(module, query, attention_mask, kwargs, eager=False)
     kwargs.pop("output_attentions", None)
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
-def kvdiag_attention_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def kvdiag_attention_eager(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """As :func:`kvdiag_attention`, through the model file's eager attention (softcap, sinks)."""
     attention_mask = _take(module, query, attention_mask, kwargs, eager=True)
     return model_eager_attention(module)(
