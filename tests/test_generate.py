@@ -225,3 +225,15 @@ def test_generate_equals_replay_on_smollm2():
     want = decode(lm, prompt, policy, max_new_tokens=24, prompt_id="p0")
     out, cache = evicting_generate(lm, [prompt], "rkv", 16, 8, max_new_tokens=24, do_sample=False)
     assert out[0].tolist() == want.token_ids and len(cache.compressions) >= 2
+
+
+@pytest.mark.slow
+def test_the_docs_example_runs_as_printed(capsys):
+    """docs/generate.md's first example, executed as printed on the embedded SmolLM2: it compacts where it says."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "generate.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(code, "docs/generate.md", "exec"), {})
+    stated = code.split("# [", 1)[1].split("]", 1)[0]
+    assert capsys.readouterr().out.strip().splitlines()[-1] == f"compactions at [{stated}]"
