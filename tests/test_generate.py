@@ -237,3 +237,21 @@ def test_the_docs_example_runs_as_printed(capsys):
     exec(compile(code, "docs/generate.md", "exec"), {})
     stated = code.split("# [", 1)[1].split("]", 1)[0]
     assert capsys.readouterr().out.strip().splitlines()[-1] == f"compactions at [{stated}]"
+
+
+@pytest.mark.slow
+def test_gemma3_270m_runs_under_the_evicting_cache_and_replay():
+    """The embedded sliding-window model (window 512 on most layers): a budget no cache reaches is its own
+    generate; under eviction (its sliding layers hold more than the budget too) generate equals replay."""
+    lm = load_model("gemma3-270m")
+    prompt = lm.tokenizer("Alice has 3 apples. Bob gives her 4 more. How many apples does she have?")["input_ids"]
+    ids = torch.tensor([prompt])
+    plain = lm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                              cache=DynamicCache(config=lm.model.config))
+    noop = EvictingCache(lm.model, "rkv", budget=4096, interval=16)
+    assert torch.equal(plain, lm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
+                                                do_sample=False, cache=noop))
+    rule = make_scorer("rkv", w_obs=8)
+    want = decode(lm, prompt, Policy(rule, 16, 8), max_new_tokens=24, prompt_id="p0")
+    out, cache = evicting_generate(lm, [prompt], rule, 16, 8, prompt_ids=["p0"], max_new_tokens=24, do_sample=False)
+    assert out[0].tolist() == want.token_ids and len(cache.compressions) >= 3
