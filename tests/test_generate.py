@@ -149,7 +149,7 @@ REF_ATTN = "kvdiag_test_deletion"
 _MASKS: dict[int, torch.Tensor] = {}
 
 
-def _deletion_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def _deletion_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Attention over a full cache with the layer's deletion mask (``_MASKS``), ignoring transformers' mask."""
     kwargs.pop("sliding_window", None)
     return sdpa_attention_forward(module, query, key, value, _MASKS[module.layer_idx], scaling=scaling, **kwargs)

@@ -68,11 +68,11 @@ def position_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | 
 
 def _take(module, query: torch.Tensor, attention_mask, kwargs: dict, eager: bool):
     """Record ``query`` [b, H, c, d] into the handing layer's window; its mask for a sliding layer."""
-    check_kwargs(module, None, dict(kwargs), "kvdiag attention")  # unknown attention arguments are refused
     handoff = HANDOFF.get()
+    HANDOFF.set(None)  # taken before any refusal, so a refused forward leaves no stale hand-off
+    check_kwargs(module, None, dict(kwargs), "kvdiag attention")  # unknown attention arguments are refused
     if handoff is None:
         return attention_mask
-    HANDOFF.set(None)
     layer, query_pos, queries = handoff
     if queries is not None:
         queries.add(module.layer_idx, query)
