@@ -255,3 +255,31 @@ def test_gemma3_270m_runs_under_the_evicting_cache_and_replay():
     want = decode(lm, prompt, Policy(rule, 16, 8), max_new_tokens=24, prompt_id="p0")
     out, cache = evicting_generate(lm, [prompt], rule, 16, 8, prompt_ids=["p0"], max_new_tokens=24, do_sample=False)
     assert out[0].tolist() == want.token_ids and len(cache.compressions) >= 3
+
+
+def test_a_plugin_rule_by_name_equals_replay(tiny_llama):
+    """A rule registered by a plugin (a value-norm rule with four sinks) runs under EvictingCache by its name, with
+    the tokens replay writes under it."""
+    from dataclasses import dataclass
+
+    from kvdiag.scorers import Scorer, register_scorer
+    from kvdiag.scorers.registry import SCORERS
+
+    @dataclass
+    class ValueSinks(Scorer):
+        def score(self, ctx):
+            return ctx.v.norm(dim=-1)
+
+        def protected(self, age, position):
+            return position < 4
+
+    register_scorer(ValueSinks, "gen_test_value_sinks")
+    try:
+        want = decode(tiny_llama, PROMPT, Policy(make_scorer("gen_test_value_sinks"), 16, 8), max_new_tokens=30,
+                      prompt_id="p0")
+        out, cache = evicting_generate(tiny_llama, [PROMPT], "gen_test_value_sinks", 16, 8, max_new_tokens=30,
+                                       do_sample=False)
+        assert out[0].tolist() == want.token_ids and len(cache.compressions) >= 3
+        assert all(bool((layer.positions[..., :4] == torch.arange(4)).all()) for layer in cache.layers)  # sinks kept
+    finally:
+        del SCORERS["gen_test_value_sinks"]
