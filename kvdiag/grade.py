@@ -26,6 +26,7 @@ from kvdiag import benchmark as bench_mod
 from kvdiag.errors import UserError
 from kvdiag.io import read_table, write_csv, write_json, write_table, write_text
 from kvdiag.schema import KEYS
+from kvdiag.scorer_names import check_rule_source, is_plugin_spec
 from kvdiag.tables import md_table, number_text
 
 RANK_METRICS = ("auroc", "ap", "topk_recall", "fsr", "spearman")
@@ -64,21 +65,6 @@ def resolve_rules(spec: str | None, rule: str | None, params: dict[str, dict], e
     return {n: get_scorer(n, **params.get(n, {})) for n in names}
 
 
-def check_rule_source(spec: str | None, rule: str | None, everything: bool = False) -> None:
-    """``--rule`` picks among a plugin's rules: with a registered name there would be two sources of the rule, and
-    one would be graded silently."""
-    if not everything and spec is not None and rule is not None and not is_plugin_spec(spec):
-        raise UserError(f"--rule {rule} applies to a plugin that registers several rules; {spec} is a registered "
-                        f"name: grade {rule} or {spec}, and drop --rule")
-
-
-def is_plugin_spec(spec: str) -> bool:
-    """A rule given as a plugin (a ``.py`` file or a path), not a registered name; a prefixed name
-    (``fitted:dir/model.json``, ``kvpress:<Press>``) is a name, its path notwithstanding."""
-    prefixed = ":" in spec.split(os.sep, 1)[0] and not os.path.exists(spec)
-    return not prefixed and (spec.endswith(".py") or os.sep in spec)
-
-
 def _token_scores(head: pl.DataFrame, rules: list[str]) -> pl.DataFrame:
     """Token rows: the mean over layers and KV heads of the head rows (the ``mean_rank`` aggregation)."""
     token = head.group_by("prompt_id", "checkpoint", "position").agg(pl.col(r).mean() for r in rules)
@@ -92,7 +78,6 @@ def grade(bench: bench_mod.Benchmark, rules: dict, lm, out: Path, show_progress:
     from kvdiag.contracts import read_labels
     from kvdiag.decisions import DecisionsConfig, decide
     from kvdiag.harm import HarmSpec
-    from kvdiag.rankeval import rank_eval
     from kvdiag.scorers import checkpoint_keys, score_trace
     from kvdiag.stats import PromptBootstrap
     from kvdiag.trace import Trace
@@ -111,10 +96,8 @@ def grade(bench: bench_mod.Benchmark, rules: dict, lm, out: Path, show_progress:
     start = time.perf_counter()
     harm = s.get("harm") or {}
     token = _token_scores(head, names)
-    result = rank_eval(labels, token, n_boot=int(s.get("n_boot", 1000)), seed=int(s["seed"]),
-                       reference=None, scorers=tuple(names), harm=harm.get("harm", "quantile:0.9"),
-                       noise_mult=float(harm.get("noise_mult", 1.0)),
-                       include_unresolved=bool(harm.get("include_unresolved", False)))
+    write_table(token, out / "scores.parquet", meta)  # the ranking half's input (reports/leaderboard.scores.parquet)
+    result, ranks = rank_half(labels, token, names, s)
     timings["rank-eval"] = time.perf_counter() - start
     write_csv(result.metrics, out / "metrics.csv")
     budgets = tuple(_budget(b) for b in s["budgets"])
@@ -128,11 +111,23 @@ def grade(bench: bench_mod.Benchmark, rules: dict, lm, out: Path, show_progress:
         "prompt_id", "checkpoint", "decision", "budget", "status", "kl_mean")
     boot = PromptBootstrap(labels["prompt_id"].unique().to_list(), int(s.get("n_boot", 1000)), int(s["seed"]), 0.95)
     builtins = read_table(bench.file(bench_mod.BUILTINS))[0] if bench.has_builtins else None
-    ranks = ranking_rules(token, labels, names)
     rows = [{**_rank_part(name, rules[name].params, result, ranks[name]),
              **_decision_part(name, dec, refs, builtins, boot, [b.name for b in budgets]),
              "bench": bench.name} for name in names]  # a user-built benchmark's rows say so
     return {"rows": rows, "decisions": dec, "timings": timings}
+
+
+def rank_half(labels: pl.DataFrame, token: pl.DataFrame, names: list[str], settings: dict) -> tuple[object, dict]:
+    """rank-eval of the rules ``names`` (columns of the token scores ``token``) on the benchmark's ``labels`` with its
+    ``settings`` (harm, bootstrap), and :func:`ranking_rules`: what each row's ranking half is made of."""
+    from kvdiag.rankeval import rank_eval
+
+    harm = settings.get("harm") or {}
+    result = rank_eval(labels, token, n_boot=int(settings.get("n_boot", 1000)), seed=int(settings["seed"]),
+                       reference=None, scorers=tuple(names), harm=harm.get("harm", "quantile:0.9"),
+                       noise_mult=float(harm.get("noise_mult", 1.0)),
+                       include_unresolved=bool(harm.get("include_unresolved", False)))
+    return result, ranking_rules(token, labels, names)
 
 
 NO_RANKING = "all ties: every labeled entry of every checkpoint has the same score, so it ranks nothing"
@@ -308,10 +303,12 @@ def write_leaderboard(b: bench_mod.Benchmark, rows: list[dict], paths: list[Path
         write_csv(flat, path.with_suffix(".csv"))
 
 
-def rewrite_leaderboard(bench: str, path: str | os.PathLike) -> list[dict]:
+def rewrite_leaderboard(bench: str, path: str | os.PathLike, scores: str | os.PathLike | None = None) -> list[dict]:
     """Rewrite a committed leaderboard (``path``: leaderboard.md beside its leaderboard.csv) without a model: the
-    ranking half of each row from the csv, the decisions half recomputed from the benchmark's sealed
-    ``builtins.parquet`` and ``references.parquet`` (the joint damages ``kvdiag grade --all`` stored)."""
+    decisions half recomputed from the benchmark's sealed ``builtins.parquet`` and ``references.parquet`` (the joint
+    damages ``kvdiag grade --all`` stored); the ranking half recomputed from ``scores`` (the token scores
+    ``kvdiag grade --all`` wrote, its ``OUT/scores.parquet``: reports/leaderboard.scores.parquet) or, without it,
+    carried from the csv."""
     from kvdiag.stats import PromptBootstrap
 
     b = bench_mod.load(bench)
@@ -325,12 +322,26 @@ def rewrite_leaderboard(bench: str, path: str | os.PathLike) -> list[dict]:
     builtins = read_table(b.file(bench_mod.BUILTINS))[0]
     boot = PromptBootstrap(labels["prompt_id"].unique().to_list(), int(s.get("n_boot", 1000)), int(s["seed"]), 0.95)
     dec = builtins.rename({"rule": "decision"})
+    result = ranks = None
+    if scores is not None:
+        token, meta = read_table(scores, "the leaderboard's scores")
+        if (meta.get("trace") or {}).get("fingerprint") != b.manifest["trace"]["fingerprint"]:
+            raise UserError(f"{scores} scored another Trace than {b.name}'s: pass OUT/scores.parquet of kvdiag grade "
+                            f"--all --bench {bench}")
+        missing = [r for r in old["rule"] if r not in token.columns]
+        if missing:
+            raise UserError(f"{scores} lacks the leaderboard's rule(s) {', '.join(missing)}: pass OUT/scores.parquet "
+                            f"of the kvdiag grade --all that wrote {path}")
+        result, ranks = rank_half(labels, token, old["rule"].to_list(), s)
     rows = []
     for r in old.iter_rows(named=True):
-        rank = {"rule": r["rule"], "params": r["params"], "ranks": r["ranks"], "note": r["note"] or ""}
-        for metric in RANK_METRICS:
-            if r.get(metric) is not None:
-                rank[metric], rank[f"{metric}_ci"] = r[metric], [r[f"{metric}_ci_low"], r[f"{metric}_ci_high"]]
+        if result is not None:
+            rank = _rank_part(r["rule"], r["params"], result, ranks[r["rule"]])
+        else:
+            rank = {"rule": r["rule"], "params": r["params"], "ranks": r["ranks"], "note": r["note"] or ""}
+            for metric in RANK_METRICS:
+                if r.get(metric) is not None:
+                    rank[metric], rank[f"{metric}_ci"] = r[metric], [r[f"{metric}_ci_low"], r[f"{metric}_ci_high"]]
         rows.append({**rank, **_decision_part(r["rule"], dec, refs, builtins, boot, list(s["budgets"]))})
     write_leaderboard(b, rows, [path])
     return rows
@@ -379,4 +390,5 @@ def _flat(row: dict) -> dict:
     return out
 
 
-__all__ = ["RANK_METRICS", "grade", "grade_files", "leaderboard_table", "resolve_rules"]
+__all__ = ["RANK_METRICS", "grade", "grade_files", "leaderboard_table", "rank_half", "resolve_rules",
+           "rewrite_leaderboard"]

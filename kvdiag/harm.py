@@ -10,14 +10,17 @@ irrelevant. *Harmful* = ``kl_mean`` strictly above the threshold: the Q-quantile
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-
-import numpy as np
-import polars as pl
+from typing import TYPE_CHECKING
 
 from kvdiag.errors import UserError
 from kvdiag.schema import HARM, NOISE_MULT
+
+if TYPE_CHECKING:  # numpy and polars load where labels are read: the CLI checks --harm at start-up (HarmSpec)
+    import numpy as np
+    import polars as pl
 
 
 def parse_harm(spec: str) -> tuple[str, float]:
@@ -27,18 +30,22 @@ def parse_harm(spec: str) -> tuple[str, float]:
         value = float(raw)
     except ValueError:
         value = float("nan")
-    if (kind == "quantile" and 0 < value < 1) or (kind == "abs" and np.isfinite(value) and value >= 0):
+    if (kind == "quantile" and 0 < value < 1) or (kind == "abs" and math.isfinite(value) and value >= 0):
         return kind, value
     raise UserError(f"--harm {spec!r} is not quantile:Q with 0 < Q < 1 or abs:TAU with TAU >= 0 nats: e.g. {HARM}")
 
 
 def unresolved(noise_mult: float, kl: str = "kl_mean", floor: str = "noise_floor") -> pl.Expr:
     """A label at or below its checkpoint's noise floor: ``kl <= noise_mult * floor`` (null where either is)."""
+    import polars as pl
+
     return pl.col(kl) <= noise_mult * pl.col(floor)
 
 
 def harm_threshold(kl: np.ndarray, spec: str) -> float:
     """The KL above which a label is harmful: the Q-quantile (linear interpolation) of ``kl [N]``, or TAU."""
+    import numpy as np
+
     kind, value = parse_harm(spec)
     return float(np.quantile(kl, value)) if kind == "quantile" else value
 
@@ -89,6 +96,8 @@ class HarmSpec:
               what: str = "labels") -> None:
         """Refuse labels this spec cannot analyse: a missing or NaN ``kl``, or a missing noise floor (unless
         ``include_unresolved``)."""
+        import polars as pl
+
         bad = labels.select((pl.col(kl).is_null() | pl.col(kl).is_nan()).sum()).item()
         if bad:
             raise UserError(f"{what} kl_mean is missing or NaN in {bad} of {labels.height} rows: relabel them")
@@ -111,5 +120,7 @@ class HarmSpec:
 
     def threshold(self, kl: np.ndarray) -> float:
         """The harm threshold over the analysed labels' ``kl [N]`` (NaN when there are none)."""
+        import numpy as np
+
         kl = np.asarray(kl, dtype=float)
         return harm_threshold(kl, self.harm) if len(kl) else float("nan")

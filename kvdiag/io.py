@@ -10,12 +10,13 @@ import json
 import os
 import tempfile
 from pathlib import Path
-
-import polars as pl
-import pyarrow.parquet as pq
+from typing import TYPE_CHECKING
 
 from kvdiag.errors import UserError
 from kvdiag.guard import check_creatable as check_writable  # one definition; the old name stays
+
+if TYPE_CHECKING:  # polars and pyarrow load on the first read or write: a missing file is refused without them
+    import polars as pl
 
 META_KEY = "kvdiag"
 _UMASK = os.umask(0)  # read it once (os.umask can only be read by setting it) ...
@@ -82,6 +83,8 @@ def read_meta(path: str | os.PathLike, what: str = "table") -> dict:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{what} {path} does not exist: pass the path of a Parquet file written by kvdiag")
+    import pyarrow.parquet as pq
+
     try:
         kv = pq.read_metadata(path).metadata or {}  # polars writes file-level key-value metadata
         raw = kv.get(META_KEY.encode())
@@ -96,6 +99,8 @@ def read_table(path: str | os.PathLike, what: str = "table") -> tuple[pl.DataFra
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{what} {path} does not exist: pass the path of a Parquet file written by kvdiag")
+    import polars as pl
+
     try:
         df = pl.read_parquet(path)
     except Exception as err:  # pyarrow/polars raise many types for corrupt files

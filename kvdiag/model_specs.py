@@ -3,6 +3,7 @@ import; ``kvdiag.models`` loads it): the tiny random families' configs (``tiny:<
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from kvdiag.errors import UserError
@@ -102,3 +103,21 @@ def check_model_spec(spec: str) -> str:
     if spec.endswith(".gguf") and not Path(spec).is_file():
         raise UserError(f"--model {spec}: GGUF file not found; check the path")
     return spec
+
+
+def known_shape(spec: str) -> dict | None:
+    """``{"num_hidden_layers", "max_position_embeddings"}`` of ``--model spec`` where they are known without loading
+    it (a ``tiny:`` family; a local directory's config.json, its ``text_config`` when nested); None otherwise (a hub
+    id, a GGUF file, an embedded model: the stage checks them once the model loads). A key the config lacks is None."""
+    if spec.startswith("tiny:") and spec.split(":", 1)[1] in TINY:
+        config = {**TINY_COMMON, **TINY[spec.split(":", 1)[1]][1]}
+    elif (Path(spec) / "config.json").is_file():
+        try:
+            config = json.loads((Path(spec) / "config.json").read_text())
+        except (OSError, ValueError):
+            return None  # the loader says what is wrong with it
+        config = config.get("text_config") or config if isinstance(config, dict) else {}
+    else:
+        return None
+    return {k: config.get(k) for k in ("num_hidden_layers", "max_position_embeddings")}
+

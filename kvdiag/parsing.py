@@ -186,7 +186,7 @@ STORE_WORDS = ("all", "kv", "none")
 
 def parse_store(value: str) -> tuple[str, list[int] | None]:
     """``--store`` -> (mode, layers): ``all``/``kv``/``none`` with None, or ``("layers", sorted indices)``
-    for ``0,15,29``. Only the syntax is checked here (before a model loads); ``kvdiag.trace.writer.store_spec``
+    for ``0,15,29``. Only the syntax is checked here (before a model loads); :func:`store_spec`
     checks the indices against the model's layer count."""
     text = str(value).strip()
     if text in STORE_WORDS:
@@ -194,6 +194,39 @@ def parse_store(value: str) -> tuple[str, list[int] | None]:
     if not text or not all(re.fullmatch(r"\d+", p.strip()) for p in text.split(",")):
         raise UserError(f"--store {value}: use all, kv, none, or layer indices comma-separated (e.g. 0,15,29)")
     return "layers", sorted(parse_list(text, "--store", int, low=0, example="0,15,29"))
+
+
+def store_spec(value: str, num_layers: int) -> dict:
+    """The manifest's ``store``: ``{"mode", "layers"}``; ``layers`` lists the layers whose files exist
+    (all of them for ``all`` and ``kv``, none for ``none``)."""
+    mode, layers = parse_store(value)
+    if layers is not None and (bad := [l for l in layers if l >= num_layers]):
+        raise UserError(f"--store {value}: layer {bad[0]} does not exist; the model has layers 0..{num_layers - 1}")
+    if layers is None:
+        layers = [] if mode == "none" else list(range(num_layers))
+    return {"mode": mode, "layers": layers}
+
+
+def check_context(length: int, context: int | None, flag: str, fix: str) -> None:
+    """Refuse ``length`` tokens beyond the model's context (None: unknown, not checked)."""
+    if context and length > context:
+        raise UserError(f"{flag} {length}: beyond the model's context of {context}; {fix}")
+
+
+def parse_lengths(values: list[str]) -> list[int]:
+    """``bench scale --lengths``: positive token counts, each once, ascending."""
+    return sorted(parse_list(values, "--lengths", int, low=1, example="1024,2048,4096,8192"))
+
+
+def parse_stores(values: list[str]) -> list[str]:
+    """``bench scale --store`` modes, each once; ``all`` first (labels and figures read the first, fastest Trace)."""
+    for v in values:  # whole values: a mode may itself be a comma-separated layer list (0,15,29)
+        parse_store(v)
+    if len(set(values)) < len(values):
+        raise UserError(f"--store {','.join(values)}: a mode is given twice; give each once")
+    if values and values[0] != "all" and "all" in values:
+        values = ["all"] + [v for v in values if v != "all"]
+    return values
 
 
 DTYPE_NAMES = ("float32", "fp32", "float16", "fp16", "bfloat16", "bf16")  # kvdiag.models.DTYPES maps them

@@ -37,20 +37,10 @@ from kvdiag.harm import HarmSpec
 from kvdiag.io import write_json
 from kvdiag.provenance import timestamp
 from kvdiag.rankeval.run import load_summary as rank_eval_summary
+from kvdiag.run_layout import LAYOUT, REPORT_FILES, check_run_dir
 from kvdiag.tables import md_table
 
 # piece -> (path in the run, command that makes it)
-LAYOUT = {
-    "trace": ("trace", "kvdiag trace --model MODEL --prompts PROMPTS --out RUN/trace"),
-    "labels": ("labels.parquet", "kvdiag label --trace RUN/trace --out RUN/labels.parquet"),
-    "scores": ("scores.parquet", "kvdiag score --trace RUN/trace --labels RUN/labels.parquet --out RUN/scores.parquet"),
-    "rank-eval": ("rank-eval", "kvdiag rank-eval --labels RUN/labels.parquet --scores RUN/scores.parquet --out "
-                               "RUN/rank-eval"),
-    "figures": ("figures", "kvdiag figures --trace RUN/trace --labels RUN/labels.parquet --scores RUN/scores.parquet "
-                           "--out RUN/figures"),
-    "commands": ("commands.json", "kvdiag.report.record_command(RUN, argv) after each step"),
-}
-REPORT_FILES = ("report.md", "report.html", "viewer.html")  # what `kvdiag report` writes into --out
 KL_QUANTILES = (0.0, 0.1, 0.5, 0.9, 0.99, 1.0)
 HTML_STYLE = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0
 1em;line-height:1.45;color:#222}
@@ -508,9 +498,7 @@ def build_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
     from kvdiag.guard import check_creatable, check_outputs
     from kvdiag.io import writable_dir
 
-    run = Path(run_dir)
-    if not run.is_dir():
-        raise UserError(f"--run {run} is not a directory: pass the run directory (trace/, labels.parquet, ...)")
+    run = check_run_dir(run_dir)
     folder = check_creatable(out_dir or run, "--out", "dir")
     check_outputs({f"--out ({name})": folder / name for name in REPORT_FILES},  # the run directory holds the inputs
                   {f"--run {rel}": run / rel for rel, _ in LAYOUT.values() if rel != "commands.json"})
@@ -519,9 +507,6 @@ def build_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
         from kvdiag.models import check_not_random
 
         check_not_random(r.trace.manifest["model"], f"--run {run}")
-    if all(s == "missing" for s in r.status.values()):
-        expected = ", ".join(rel for rel, _ in LAYOUT.values())
-        raise UserError(f"--run {run} holds no kvdiag run piece (expected some of {expected}); pass the run directory")
     out = writable_dir(out_dir or run, "--out")
     rel = os.path.relpath(run.resolve(), out.resolve()).replace(os.sep, "/")
     title = f"kvdiag report: {run.resolve().name}"

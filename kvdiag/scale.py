@@ -30,10 +30,10 @@ import polars as pl
 from kvdiag.errors import UserError
 from kvdiag.io import check_writable, writable_dir, write_csv, write_json, write_text
 from kvdiag.models import PEAK_AFTER_LOAD_ENV
-from kvdiag.parsing import parse_list
+from kvdiag.parsing import check_context
 from kvdiag.tables import frame_table
 from kvdiag.trace.cost import ModelShape
-from kvdiag.trace.writer import STORAGE_DTYPES, parse_store
+from kvdiag.trace.writer import STORAGE_DTYPES
 
 STAGES = ("trace", "label", "score", "figures")
 LABEL_BACK = 64  # the checkpoint sits this many positions before the end
@@ -69,8 +69,7 @@ class ScalePlan:
             if T < prompt_len + LABEL_BACK + 1:
                 raise UserError(f"--lengths {T}: the prompt has {prompt_len} tokens; give lengths >= "
                                 f"{prompt_len + LABEL_BACK + 1}")
-            if context and T > context:
-                raise UserError(f"--lengths {T}: beyond the model's context of {context}; give lengths <= {context}")
+            check_context(T, context, "--lengths", f"give lengths <= {context}")
 
 
 def _disk_mb(path: Path) -> float:
@@ -190,22 +189,6 @@ def steps_table(steps: list[Step]) -> pl.DataFrame:
     return pl.DataFrame([asdict(s) for s in steps]).select(
         pl.col("length").alias("T"), "stage", "store", pl.col("seconds").round(1), pl.col("peak_rss_mb").round(0),
         pl.col("load_peak_mb").round(0), pl.col("work_peak_mb").round(0), pl.col("disk_mb").round(1))
-
-
-def parse_lengths(values: list[str]) -> list[int]:
-    """``--lengths``: positive token counts, each once, ascending."""
-    return sorted(parse_list(values, "--lengths", int, low=1, example="1024,2048,4096,8192"))
-
-
-def parse_stores(values: list[str]) -> list[str]:
-    """``--store`` modes, each once; ``all`` first (labels and figures read the first, fastest Trace)."""
-    for v in values:  # whole values: a mode may itself be a comma-separated layer list (0,15,29)
-        parse_store(v)
-    if len(set(values)) < len(values):
-        raise UserError(f"--store {','.join(values)}: a mode is given twice; give each once")
-    if values and values[0] != "all" and "all" in values:
-        values = ["all"] + [v for v in values if v != "all"]
-    return values
 
 
 def _growth_text(growth: pl.DataFrame) -> str:

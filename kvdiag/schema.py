@@ -8,13 +8,16 @@ from one layer (``layer``: kv_head = -1) or from one layer and KV head (``head``
 
 from __future__ import annotations
 
-import polars as pl
+import functools
+from typing import TYPE_CHECKING
 
 from kvdiag.errors import UserError
 
+if TYPE_CHECKING:
+    import polars as pl
+
+# polars is imported where a table is read, not here: the CLI imports these defaults at start-up (tests/test_layout.py)
 KEYS = ["prompt_id", "checkpoint", "position", "granularity", "layer", "kv_head"]
-KEY_SCHEMA = {"prompt_id": pl.String, "checkpoint": pl.Int64, "position": pl.Int64, "granularity": pl.String,
-              "layer": pl.Int64, "kv_head": pl.Int64}
 GRANULARITIES = ("token", "layer", "head")
 
 # shared defaults (docs/oracle.md)
@@ -29,6 +32,22 @@ N_BOOT = 1000  # cluster-bootstrap resamples over prompts
 RHO = 0.5  # eviction fraction of the ranking metrics: the floor(rho * C) lowest-scored candidates are evicted
 
 
+@functools.cache
+def key_schema() -> dict:
+    """The key columns' polars dtypes (polars loads on the first call, not at import)."""
+    import polars as pl
+
+    return {"prompt_id": pl.String, "checkpoint": pl.Int64, "position": pl.Int64, "granularity": pl.String,
+            "layer": pl.Int64, "kv_head": pl.Int64}
+
+
+def __getattr__(name: str):
+    """``KEY_SCHEMA`` = :func:`key_schema`, for the modules that import it by name."""
+    if name == "KEY_SCHEMA":
+        return key_schema()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def default_checkpoints(prompt_len: int, length: int, interval: int = CHECKPOINT_INTERVAL, horizon: int = 0,
                         w_obs: int = 0) -> list[int]:
     """The checkpoint schedule of one prompt: ``t = prompt_len + k·interval`` for ``k >= 1``, with
@@ -39,11 +58,13 @@ def default_checkpoints(prompt_len: int, length: int, interval: int = CHECKPOINT
 def keyed(df: pl.DataFrame, what: str, fix: str) -> pl.DataFrame:
     """``df`` with its key columns cast to :data:`KEY_SCHEMA`; a missing or mistyped key column is a ``UserError``
     naming ``what`` and ``fix``."""
+    import polars as pl
+
     missing = [k for k in KEYS if k not in df.columns]
     if missing:
         raise UserError(f"{what} lacks key column(s) {', '.join(missing)}: {fix}")
     try:
-        return df.with_columns(pl.col(k).cast(t) for k, t in KEY_SCHEMA.items())
+        return df.with_columns(pl.col(k).cast(t) for k, t in key_schema().items())
     except pl.exceptions.PolarsError as err:
         raise UserError(f"{what} has key columns of the wrong type ({err.__class__.__name__}): {fix}") from err
 
@@ -59,6 +80,8 @@ def check_checkpoint(trace, pid: str, t: int) -> None:
 def check_keys(trace, keys: pl.DataFrame, what: str = "labels") -> pl.DataFrame:
     """The distinct key rows of ``keys`` (first-seen order), validated against the Trace: known prompts,
     checkpoints in the Trace, ``0 <= position < checkpoint``, layer and KV head indices that fit its model."""
+    import polars as pl
+
     keys = keyed(keys, what, "pass a labels table written by `kvdiag label`").select(KEYS).unique(maintain_order=True)
     if keys.height == 0:
         raise UserError(f"{what} has no rows: nothing to score")
@@ -91,3 +114,14 @@ def check_keys(trace, keys: pl.DataFrame, what: str = "labels") -> pl.DataFrame:
                         f"{row['kv_head']} does not fit "
                         f"a Trace of {L} layers and {Hkv} KV heads (token rows use -1, -1; layer rows kv_head -1)")
     return keys
+
+
+def read_keys(trace, path, what: str) -> pl.DataFrame:
+    """The distinct key rows of the table at ``path`` (a labels file), checked by :func:`check_keys` against
+    ``trace`` (a ``kvdiag.trace.Trace`` or, before torch, its ``TraceFiles``), which it must have been made from."""
+    from kvdiag.io import read_table
+
+    keys, meta = read_table(path, what=what)
+    trace.check_belongs(meta, what)
+    return check_keys(trace, keys, what)
+

@@ -1,6 +1,7 @@
 """Every statistic a report prints: the cluster bootstrap over prompts, percentile intervals, paired tests (exact
 sign / permutation tests below ``EXACT_BELOW`` clusters, the bootstrap p-value above), per-cluster ratio summaries,
-Spearman with its CI, Wilson intervals, McNemar, Mann–Whitney, Holm, and the one p-value formatter.
+Spearman with its CI, Kendall's tau with its exact p, Wilson intervals, McNemar, Mann–Whitney, Holm, and the one
+p-value formatter.
 
 Candidates of one prompt share a cache and a model state, so they are not independent: the
 bootstrap resamples *prompts* with replacement and keeps all their checkpoints and candidates. A
@@ -230,6 +231,23 @@ def spearman_ci(boot: PromptBootstrap, x: np.ndarray, y: np.ndarray, prompts: np
         reps = np.array([spearman(np.repeat(x, m[idx]), np.repeat(y, m[idx])) for m in boot.mult])
     low, high = boot.ci(reps)
     return {"spearman": rho, "ci_low": low, "ci_high": high, "n": int((np.isfinite(x) & np.isfinite(y)).sum())}
+
+
+def kendall(x: np.ndarray, y: np.ndarray) -> dict:
+    """Kendall's tau-b of ``x [n]`` and ``y [n]`` over the pairs where both are finite, with the two-sided p of no
+    association: exact (the permutation distribution of tau) when neither side has ties, else the normal
+    approximation (``test`` says which); ``n``: the pairs that entered. tau and p are NaN below 3 pairs."""
+    from scipy.stats import kendalltau
+
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    ok = np.isfinite(x) & np.isfinite(y)
+    x, y = x[ok], y[ok]
+    exact = len(np.unique(x)) == len(x) and len(np.unique(y)) == len(y)
+    out = {"tau": float("nan"), "p_value": float("nan"), "n": int(ok.sum()), "test": "exact" if exact else "asymptotic"}
+    if len(x) >= 3:
+        res = kendalltau(x, y, method="exact" if exact else "asymptotic")
+        out.update(tau=float(res.statistic), p_value=float(res.pvalue))
+    return out
 
 
 def wilson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:

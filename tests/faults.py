@@ -62,10 +62,8 @@ def _guard_reads() -> None:
     pl.read_parquet = guarded(pl.read_parquet)
     pq.read_metadata = guarded(pq.read_metadata)
     safetensors.safe_open = guarded(safetensors.safe_open)
-    import kvdiag.io
-    import kvdiag.trace.reader
+    import kvdiag.trace.reader  # kvdiag.io reads through the patched modules (imported on use)
 
-    kvdiag.io.pq.read_metadata = pq.read_metadata
     kvdiag.trace.reader.safe_open = safetensors.safe_open
 
 

@@ -489,6 +489,7 @@ CASES: list[tuple[str, list[str], str]] = [
     # ---- demo and benches
     ("demo-out-below-file", ["demo", "--model", "tiny:llama", "--out", "{file}/d"], "--out"),
     ("bench-kernels-dtype", ["bench", "kernels", "--dtype", "float8"], "--dtype"),
+    ("bench-trace-max-new-0", ["bench", "trace", "--max-new-tokens", "0"], "--max-new-tokens 0"),
     ("bench-score-trace-missing", ["bench", "score", "--trace", "/no/trace"], "/no/trace"),
     ("bench-replay-samples-greedy", ["bench", "replay", "--samples", "2"], "needs --temperature"),
     ("bench-replay-param-stray", ["bench", "replay", "--param", "cake.window=8"], "--param cake"),
@@ -651,39 +652,23 @@ PLUGIN_FILES = {"import": "import_error"}  # a plugin file named import.py would
 # Rows whose refusal needs what only torch, transformers or a stage gives, each with why; every other row is refused
 # before torch is imported (test_refused_before_torch).
 NEEDS_MODEL = "the model's config (layer count, context length) is the input checked: loading it imports transformers"
+NEEDS_TOKENIZER = "the prompts are tokenized by the model's tokenizer (transformers)"
 NEEDS_PLUGIN = ("a plugin is imported by the scorer registry, kvdiag.scorers (torch), which the plugin imports to "
                 "register itself: the fault shows only when it is imported")
 NEEDS_SCORES = "the fault shows only when the plugin's score() runs on a Trace's tensors"
 STAGE = ("checked by the stage against the Trace's shapes or the inputs' rows, after its torch import (a light "
          "pre-check would duplicate the stage's own)")
-# NOT DONE (issue #39 stays open for these): the command still imports its stage (torch) before this check
-NOT_YET = "not yet: the command imports its stage before this check (issue #39, open)"
 HEAVY: dict[str, str] = {
-    "trace-store-beyond": NEEDS_MODEL, "trace-beyond-context": NEEDS_MODEL, "bench-scale-too-short": NEEDS_MODEL,
-    "bench-scale-beyond-context": NEEDS_MODEL, "replay-suite-length": NEEDS_MODEL,
+    "bench-scale-too-short": "the prompt's token count is the input checked: " + NEEDS_TOKENIZER,
+    "replay-suite-length": "each prompt's token count is the input checked: " + NEEDS_TOKENIZER,
     "replay-budget-protected": NEEDS_MODEL,
     "replay-sliding-budget-evicts-nothing": NEEDS_MODEL, "replay-sliding-per-token": NEEDS_MODEL,
     **{name: NEEDS_PLUGIN for name, _, _ in CASES if "-plugin-" in name and name != "score-plugin-missing"},
     "score-plugin-raises": NEEDS_SCORES, "score-plugin-returns-list": NEEDS_SCORES,
-    "label-horizon-long": STAGE, "label-checkpoint-outside": STAGE, "label-layers-range": STAGE,
     "label-other-model": "the Trace's model is told from another by its weights hash: " + NEEDS_MODEL,
-    "score-fitted-missing": "fitted:PATH is made by its resolver in kvdiag.scorers (torch): " + STAGE,
-    "score-fitted-no-model": "fitted's model path is a field of its scorer class (torch): " + STAGE,
     "rank-eval-eligible-unknown": "--eligible names a scorer whose protected() is read (torch): " + STAGE,
-    "grade-fitted-missing": "fitted:PATH is made by its resolver in kvdiag.scorers (torch): " + STAGE,
     "replay-scorer-needs-history": "needs_history is a scorer class attribute (torch): " + STAGE,
-    **{name: NOT_YET for name in (
-        "replay-interval", "replay-samples-greedy", "replay-top-p-greedy", "replay-temperature-0",
-        "replay-oracle-free", "replay-oracle-per-head", "replay-batch-0", "bench-scale-lengths", "bench-scale-store",
-        "bench-scale-store-twice", "figures-payload", "figures-rank-eval-dir", "report-empty-run",
-        "bench-replay-samples-greedy",
-        "bench-replay-param-stray", "score-labels-no-keys", "score-labels-other-trace", "score-checkpoint-0",
-        "score-plugin-missing", "replay-outcomes-missing", "replay-outcomes-other-prompts", "replay-temperature-inf",
-        "bench-replay-temperature-inf", "bench-peak-seconds-inf", "bench-peak-seconds-nan",
-    )},
-    "decisions-scores-nometa": "a table's Trace is told by its fingerprint (kvdiag.trace.Trace, torch): " + STAGE,
     "bench-label-prefix-context": "the model's context is read from its loaded config: " + NEEDS_MODEL,
-    "fit-labels-other-trace": "the Trace's fingerprint is read through kvdiag.trace.Trace (torch): " + STAGE,
     "score-param-unknown": "a scorer's parameters are its class's fields (torch): " + STAGE,
     "score-param-type": "a scorer's parameter types are its class's field types (torch): " + STAGE,
     "score-model-unused": "whether a scorer reads wo_l2 is its instance's setting (torch): " + STAGE,

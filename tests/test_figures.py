@@ -251,6 +251,28 @@ def test_delayed_reads_match_the_dense_reference(run):
         assert n == sum(lo <= x < hi for x in delays)
 
 
+def test_delayed_reads_regenerate_from_the_written_first_reads(run, tmp_path):
+    """first_reads.parquet holds the Trace's part of the delayed reads: given it, make_figures without a Trace writes
+    the same delayed-read tables as the run that computed the reads (the same rows, values equal: one path)."""
+    reads = read_table(run["out"] / "first_reads.parquet")
+    assert reads[1]["kind"] == "first_reads" and reads[1]["trace"] == run["trace"].provenance
+    assert reads[1]["params"] == {"w_obs": 8, "strong_read_mult": PARAMS.strong_read_mult, "read_reduce": "mean"}
+    make_figures(None, run["labels"], run["scores"], tmp_path / "again", PARAMS, reads=reads, only=("delayed_reads",))
+    for name in ("entries", "hist", "stats"):
+        got, want = (pl.read_csv(d / f"delayed_reads_{name}.csv") for d in (tmp_path / "again", run["out"]))
+        assert got.equals(want), name
+    record = json.loads((tmp_path / "again" / "figures.json").read_text())
+    assert record["inputs"]["first_reads"] == "given (first_reads.parquet)"
+    with pytest.raises(UserError, match="first reads were made with"):  # other read settings than the figures'
+        make_figures(None, run["labels"], run["scores"], tmp_path / "w4", FigureParams(w_obs=4), reads=reads,
+                     only=("delayed_reads",))
+    with pytest.raises(ValueError, match="without a Trace"):  # the blind spot needs the Trace or the features
+        make_figures(None, run["labels"], run["scores"], tmp_path / "all", PARAMS, reads=reads)
+    fewer = (reads[0].filter(pl.col("position") > reads[0]["position"].min()), reads[1])
+    with pytest.raises(UserError, match="lack"):  # reads that miss a labeled entry
+        make_figures(None, run["labels"], run["scores"], tmp_path / "few", PARAMS, reads=fewer, only=("delayed_reads",))
+
+
 def test_component_figure_matches_sklearn_and_hand_counts(run):
     table = pl.read_csv(run["out"] / "components.csv", schema_overrides={"note": pl.String})
     joined = analysed(run["labels"]).join(run["scores"], on=list(KEYS))

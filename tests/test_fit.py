@@ -9,7 +9,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-import kvdiag.fit as fit_mod
+import kvdiag.fit.run as fit_mod  # the stage's module: feature_table is patched where fit_ceiling reads it
 from kvdiag.fit import FitConfig, fit_ceiling
 from kvdiag.rankeval import KEYS
 

@@ -73,6 +73,31 @@ def test_all_writes_the_leaderboard(graded_all):
     assert lb.filter(pl.col("rule") == "attention")["ranks"].to_list() == [True]
 
 
+def test_the_leaderboard_rewrites_from_the_scores_grade_wrote(bench, graded_all, tmp_path):
+    """rewrite_leaderboard without a model: from the rules and params of the csv alone, the ranking half from the token
+    scores grade --all wrote (OUT/scores.parquet) and the decisions half from the benchmark, the same files (one path:
+    the same rank-eval on the same inputs, so equal as text); foreign scores are refused."""
+    from kvdiag.errors import UserError
+    from kvdiag.grade import rewrite_leaderboard
+
+    lb = tmp_path / "leaderboard.md"
+    pl.read_csv(graded_all / "leaderboard.csv", infer_schema_length=None).select("rule", "params").write_csv(
+        lb.with_suffix(".csv"))
+    rewrite_leaderboard(str(bench["dir"]), lb, graded_all / "scores.parquet")
+    assert lb.read_text() == (graded_all / "leaderboard.md").read_text()
+    # grade's rows also name their benchmark, and the first --all had no builtins.parquet to test against (no vs_best
+    # columns): every column it wrote is the rewrite's
+    graded = pl.read_csv(graded_all / "leaderboard.csv", infer_schema_length=None).drop("bench")
+    assert pl.read_csv(lb.with_suffix(".csv"), infer_schema_length=None).select(graded.columns).equals(graded)
+    token, meta = read_table(graded_all / "scores.parquet")
+    write_table(token, tmp_path / "foreign.parquet", {**meta, "trace": {"fingerprint": "0123456789abcdef"}})
+    with pytest.raises(UserError, match="scored another Trace"):
+        rewrite_leaderboard(str(bench["dir"]), lb, tmp_path / "foreign.parquet")
+    write_table(token.drop("knorm"), tmp_path / "fewer.parquet", meta)
+    with pytest.raises(UserError, match="lacks the leaderboard's rule"):
+        rewrite_leaderboard(str(bench["dir"]), lb, tmp_path / "fewer.parquet")
+
+
 def test_undefined_rows_are_apart_and_all_ties_rank_nothing():
     """A rule undefined at the tightest budget is no place there (not the worst); a rule whose scores all tie on
     the labeled entries of every checkpoint is marked as not ranking."""

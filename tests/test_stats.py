@@ -1,5 +1,5 @@
 """kvdiag.stats against closed forms and scipy: exact paired tests, the test each comparison picks, per-cluster ratio
-summaries, Spearman's n, Wilson, McNemar, Mann–Whitney and the one p-value formatter."""
+summaries, Spearman's n, Kendall's exact p, Wilson, McNemar, Mann–Whitney and the one p-value formatter."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from kvdiag.stats import (
     compare,
     format_p,
     format_test,
+    kendall,
     mann_whitney,
     mcnemar,
     paired_test,
@@ -110,6 +111,24 @@ def test_spearman_n_counts_the_pairs_that_entered():
     ok = np.isfinite(x) & np.isfinite(y)
     assert r["n"] == 28 and r["spearman"] == pytest.approx(spearmanr(x[ok], y[ok])[0], rel=1e-12)
     assert r["ci_low"] <= r["spearman"] <= r["ci_high"]
+
+
+def test_kendall_p_is_exact_over_every_permutation():
+    x = np.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0])
+    y = np.array([2.0, 1.0, 4.0, 3.0, 7.0, 5.0, 6.0])
+
+    def tau(a, b):  # no ties: (concordant - discordant) / all pairs
+        s = [np.sign(a[i] - a[j]) * np.sign(b[i] - b[j]) for i, j in itertools.combinations(range(len(a)), 2)]
+        return sum(s) / len(s)
+
+    taus = np.array([tau(x, y[list(perm)]) for perm in itertools.permutations(range(len(y)))])  # all 5,040
+    want = np.mean(np.abs(taus) >= abs(tau(x, y)) - 1e-12)  # two-sided, by hand
+    k = kendall(np.append(x, np.nan), np.append(y, 1.0))  # the NaN pair does not enter
+    assert (k["test"], k["n"]) == ("exact", 7) and k["tau"] == pytest.approx(tau(x, y), rel=1e-12)
+    assert k["p_value"] == pytest.approx(want, rel=1e-9)
+    tied = kendall(np.array([1.0, 1.0, 2.0, 3.0]), np.array([1.0, 2.0, 3.0, 4.0]))
+    assert tied["test"] == "asymptotic" and 0 < tied["p_value"] < 1
+    assert math.isnan(kendall(np.array([1.0, 2.0]), np.array([2.0, 1.0]))["p_value"])
 
 
 def test_wilson_and_mcnemar_closed_forms():

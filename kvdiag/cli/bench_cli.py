@@ -33,7 +33,14 @@ REFUSALS: dict[str, list[str]] = {
     "demo": ["demo", "--model", "tiny:nope", "--out", "{tmp}/demo"],
     "validate-labels": ["validate-labels", "--exact", "{tmp}/no.parquet", "--approx", "{tmp}/no.parquet", "--out",
                         "{tmp}/v"],
+    "bench trace": ["bench", "trace", "--max-new-tokens", "0"],
     "bench label": ["bench", "label", "--prefix", "0"],
+    "bench score": ["bench", "score", "--trace", "{tmp}/no-trace"],
+    "bench kernels": ["bench", "kernels", "--dtype", "float8"],
+    "bench scale": ["bench", "scale", "--lengths", "many", "--out", "{tmp}/scale"],
+    "bench peak": ["bench", "peak", "--seconds", "nan"],
+    "bench replay": ["bench", "replay", "--samples", "2"],
+    "bench cli": ["bench", "cli", "--repeats", "0"],
 }
 RUN = ("import json, sys\nfrom kvdiag.cli.main import main\ntry:\n    main(json.loads(sys.argv[1]))\n"
        "except SystemExit as exc:\n"

@@ -21,18 +21,21 @@ def bench_peak(
     seconds: float = typer.Option(1.0, "--seconds", help="time each dtype for about this long (best call kept)"),
 ) -> None:
     """Time a large square matmul (F.linear, the product of a linear layer) per dtype: GFLOP/s, one run."""
+    from kvdiag.errors import UserError, check_number
+
+    # the arguments, before torch is imported
+    parsing.check_device_name(device)
+    names = [parsing.check_dtype(d) for d in parsing.parse_list(dtypes, "--dtype", str, example="float32,bfloat16")]
+    if size < 0:
+        raise UserError(f"--size {size}: use a size >= 0 (0: the default)")
+    check_number("--seconds", seconds, 0, MAX_SECONDS, open_low=True)
     import torch
 
-    from kvdiag.errors import UserError, check_number
     from kvdiag.models import check_device, parse_dtype
     from kvdiag.peak import matmul_peak
 
     device = check_device(device)
-    names = parsing.parse_list(dtypes, "--dtype", str, example="float32,bfloat16")
     torch_dtypes = [parse_dtype(d) for d in names]
-    if size < 0:
-        raise UserError(f"--size {size}: use a size >= 0 (0: the default)")
-    check_number("--seconds", seconds, 0, MAX_SECONDS, open_low=True)
     peaks = [matmul_peak(device, dt, size or None, seconds, min_calls=2) for dt in torch_dtypes]
     table = Table(title=f"matmul peak on {device} (F.linear n x n x n, best call; threads={torch.get_num_threads()})")
     for col in ("dtype", "n", "calls", "GFLOP/s", "vs first dtype"):

@@ -38,19 +38,11 @@ def bench_replay(
     memory and how many rows wrote the same tokens."""
     check_outputs({"--out": out}, {"--prompts": prompts})
     from kvdiag.errors import UserError
-    from kvdiag.generate.live import check_live_scorer, make_scorer
-    from kvdiag.generate.policy import Policy
-    from kvdiag.io import write_json
-    from kvdiag.models import load_model
     from kvdiag.parsing import Selection
-    from kvdiag.prompts import encode_prompt, load_prompts
-    from kvdiag.replay.bench import run_replay_bench
-    from kvdiag.replay.run import FULL_KV
     from kvdiag.replay.sampling import Sampling
     from kvdiag.replay.settings import check_params, check_samples
-    from kvdiag.scorers import parse_params
 
-    common.quiet_transformers()
+    # the arguments, before torch is imported
     names = parsing.parse_list(scorers, "--scorers", str)
     if batch_size < 1 or repeats < 1 or max_new_tokens < 1 or samples < 1:
         raise UserError(f"--batch-size {batch_size} / --repeats {repeats} / --max-new-tokens {max_new_tokens} / "
@@ -58,11 +50,20 @@ def bench_replay(
     sampling = Sampling(temperature, top_p)  # checks temperature and top-p
     check_samples(samples, sampling)
     chosen = Selection.parse(selection)
+    params = parsing.parse_params(param)
+    check_params(params, names)
+    from kvdiag.generate.live import check_live_scorer, make_scorer
+    from kvdiag.generate.policy import Policy
+    from kvdiag.io import write_json
+    from kvdiag.models import load_model
+    from kvdiag.prompts import encode_prompt, load_prompts
+    from kvdiag.replay.bench import run_replay_bench
+    from kvdiag.replay.run import FULL_KV
+
+    common.quiet_transformers()
     full = [n for n in names if n == FULL_KV]
     if full and len(full) != len(names):
         raise UserError(f"--scorers {','.join(names)}: full_kv rows have no budget; bench them on their own")
-    params = parse_params(param)
-    check_params(params, names)
     policies = [None] * len(full) or [Policy(make_scorer(n, params.get(n)), budget, interval, chosen) for n in names]
     items = load_prompts(prompts, limit=limit)
     lm = load_model(model, dtype=dtype, device=device)

@@ -10,6 +10,7 @@ from rich.console import Console
 from kvdiag import parsing
 from kvdiag.cli import common
 from kvdiag.guard import check_outputs
+from kvdiag.model_specs import check_model_spec, known_shape
 
 
 def bench_scale(
@@ -25,12 +26,16 @@ def bench_scale(
 ) -> None:
     """Trace (per store mode), label, score and figures at each length T, each in a process of its own."""
     check_outputs({"--out": (out, "dir")}, {"--prompts": prompts})
-    from kvdiag import scale
+    lengths, stores = parsing.parse_lengths(parsing.listed(lengths)), parsing.parse_stores(store)
+    check_model_spec(model)
+    if shape := known_shape(model):  # a tiny family or a local config.json: its context, before torch
+        for T in lengths:
+            context = shape["max_position_embeddings"]
+            parsing.check_context(T, context, "--lengths", f"give lengths <= {context}")
+    from kvdiag import scale  # the stage (torch, transformers), once the arguments are checked
 
     common.quiet_transformers()
-    plan = scale.ScalePlan(
-        model, prompts, scale.parse_lengths(parsing.listed(lengths)), scale.parse_stores(store), out, dtype
-    )
+    plan = scale.ScalePlan(model, prompts, lengths, stores, out, dtype)
     console = Console()
     text = scale.bench_scale(plan, lambda s: console.print(
         f"{s.name}: {s.seconds:.1f} s, peak {s.peak_rss_mb:.0f} MB"

@@ -16,13 +16,24 @@ def bench_trace(
     dtype: str = common.Dtype, device: str = common.Device,
 ) -> None:
     """Time `kvdiag trace` (record + write) against plain `generate` on the same prompts."""
+    from kvdiag import parsing
+    from kvdiag.errors import UserError
+    from kvdiag.model_specs import check_model_spec
+    from kvdiag.prompts import load_prompts
+
+    # the arguments, before torch is imported
+    for flag, value in (("--max-new-tokens", max_new_tokens), ("--repeats", repeats)):
+        if value < 1:
+            raise UserError(f"{flag} {value}: use a positive number")
+    check_model_spec(model)
+    parsing.check_dtype(dtype)
+    parsing.check_device_name(device)
+    items = load_prompts(prompts, limit=limit)
     from kvdiag.models import load_model
     from kvdiag.peak import model_peak
-    from kvdiag.prompts import load_prompts
     from kvdiag.trace.bench import run_trace_bench
 
     common.quiet_transformers()
-    items = load_prompts(prompts, limit=limit)
     lm = load_model(model, dtype=dtype, device=device)
     peak = model_peak(lm)
     r = run_trace_bench(lm, items, max_new_tokens, repeats)

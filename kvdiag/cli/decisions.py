@@ -57,13 +57,12 @@ def decisions(
 ) -> None:
     """Label the set each rule evicts under each budget exactly and compare the decisions with oracle references."""
     check_outputs({"--out": (out, "dir")}, {"--trace": trace, "--scores": scores, "--labels": labels})
-    from kvdiag.contracts import read_scores
     from kvdiag.decisions import REFERENCES, DecisionsConfig, budgets_from  # light: the config, not the stage
     from kvdiag.errors import UserError
     from kvdiag.harm import HarmSpec
     from kvdiag.io import check_table
     from kvdiag.schema import HORIZON
-    from kvdiag.trace.manifest import read_trace_files
+    from kvdiag.trace.manifest import TraceFiles
 
     if draws is not None and not selection.startswith("stochastic"):
         raise UserError(f"--draws applies to --selection stochastic[:TAU] only (got --selection {selection}); "
@@ -87,8 +86,10 @@ def decisions(
     parsing.check_device_name(device)
     if dtype is not None:
         parsing.check_dtype(dtype)
-    read_trace_files(trace)
-    read_scores(scores)  # the scores contract (readable, keyed, finite, unique keys), before torch
+    trace_files = TraceFiles(trace)
+    from kvdiag.contracts import belongs, read_scores  # polars and pyarrow: only now
+    # the scores contract (readable, keyed, finite, unique keys) and their Trace, before torch
+    belongs(trace_files, read_scores(scores)[1], f"--scores {scores}")
     from kvdiag.decisions import decisions_files  # the stage: torch and the model, once the arguments are checked
 
     common.quiet_transformers()

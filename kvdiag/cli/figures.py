@@ -56,12 +56,7 @@ def figures(
     from kvdiag.io import check_table
     from kvdiag.trace.manifest import read_trace_files
 
-    # the inputs' files, before torch and matplotlib are imported (their contents: figures_files)
-    read_trace_files(trace)
-    check_table(labels, "labels")
-    check_table(scores, "scores")
-    from kvdiag.figures.run import figures_files
-
+    # the settings and the inputs' files, before torch and matplotlib are imported (their contents: figures_files)
     params = FigureParams(
         w_obs=w_obs, w_delay=w_delay, payload=payload, harm=harm, include_unresolved=include_unresolved,
         noise_mult=noise_mult, low_attention_quantile=low_attention_quantile,
@@ -69,6 +64,14 @@ def figures(
         interval=interval, min_group=min_group, n_boot=bootstrap, seed=seed, rho=rho, scope=scope, min_age=min_age,
         max_age=max_age, eligible=eligible,
     )
+    read_trace_files(trace)
+    check_table(labels, "labels")
+    check_table(scores, "scores")
+    if rank_eval is not None:
+        from kvdiag.rankeval.run import load_metrics  # polars: only now
+
+        load_metrics(rank_eval)
+    from kvdiag.figures.run import figures_files
     result = figures_files(trace, labels, scores, out, params, rank_eval, command=invocation(ctx))
     console = Console()
     a, b = result["blind_spot"], result["delayed_reads"]

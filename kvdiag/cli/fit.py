@@ -31,10 +31,12 @@ def fit(
     """Fit logistic regression and gradient-boosted trees to the harmful label from per-entry features, rank their
     out-of-fold predictions beside the rules, save the logistic regression as a scorer (fitted)."""
     check_outputs({"--out": (out, "dir")}, {"--trace": trace, "--labels": labels, "--scores": scores})
-    from kvdiag.fit import FitConfig, fit_files
+    from kvdiag.fit import FitConfig, check_config
 
     cfg = FitConfig(features=tuple(parsing.parse_list(features, "--features", str)), harm=harm, n_splits=folds,
                     n_boot=bootstrap, include_unresolved=include_unresolved, noise_mult=noise_mult, seed=seed)
+    check_config(cfg)  # before the stage's numpy, polars and torch
+    from kvdiag.fit import fit_files
     res = fit_files(trace, labels, scores, out, cfg)
     console = Console()
     s = res["summary"]

@@ -28,9 +28,8 @@ def grade(
     """Grade a rule on a shipped benchmark: how it ranks single-entry damage, and the exact joint damage of its
     decisions at the benchmark's budgets, against the oracle and the built-in rules; prints its leaderboard row."""
     from kvdiag.errors import UserError
-    from kvdiag.grade import RANK_METRICS, check_rule_source, grade_files
     from kvdiag.parsing import parse_params
-    from kvdiag.stats import format_test
+    from kvdiag.scorer_names import check_fitted, check_rule_source
 
     if all_ == (rule_spec is not None):
         raise UserError("pass a rule to grade (a .py file, a module or a registered name) or --all, not both")
@@ -38,6 +37,10 @@ def grade(
         raise UserError("--leaderboard applies with --all only; drop it")
     check_rule_source(rule_spec, rule, all_)
     params = parse_params(param)
+    check_fitted([rule_spec] if rule_spec else [], params)
+    from kvdiag.grade import RANK_METRICS, grade_files  # the stage, once the arguments are checked
+    from kvdiag.stats import format_test
+
     common.quiet_transformers()
     name = "all" if all_ else Path(rule_spec).stem
     res = grade_files(rule_spec, bench, out or Path("runs/grade") / name, rule=rule, params=params,

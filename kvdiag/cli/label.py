@@ -51,9 +51,9 @@ def label(
 ) -> None:
     """Evict single cache entries at checkpoints and measure the KL damage to the next H predictions."""
     check_outputs({"--out": out, "--out (its parts)": (out.with_name(out.name + ".parts"), "dir")}, {"--trace": trace})
-    from kvdiag.label import LabelConfig  # light: the config, not the engine
+    from kvdiag.label.config import LabelConfig, work_items  # light: the config, not the engine
     from kvdiag.model_specs import check_model_spec
-    from kvdiag.trace.manifest import read_trace_files
+    from kvdiag.trace.manifest import TraceFiles
 
     if model is None:
         common.refuse_given(ctx, ["force"], "without --model (the Trace's own model is used)")
@@ -78,7 +78,7 @@ def label(
         parsing.check_dtype(dtype)
     if model is not None:
         check_model_spec(model)
-    read_trace_files(trace)
+    work_items(TraceFiles(trace), cfg)  # the settings against the Trace's prompts and model shape
     from kvdiag.label.run import run_label  # the engine: torch and the model, once the arguments are checked
 
     common.quiet_transformers()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import polars as pl
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -13,13 +13,18 @@ from rich.table import Table
 from kvdiag import parsing
 from kvdiag.cli import common
 from kvdiag.guard import check_outputs
-from kvdiag.rankeval import RankEvalResult
-from kvdiag.rankeval.registry import metrics_where
-from kvdiag.rankeval.run import OUTPUTS, rank_eval_files
 from kvdiag.schema import RHO
+
+if TYPE_CHECKING:  # the stage (polars, pyarrow, numpy) loads when the command runs, not at the CLI's start-up
+    from kvdiag.rankeval import RankEvalResult
 
 
 def _print_summary(result: RankEvalResult, scope: str, out: Path, console: Console) -> None:
+    import polars as pl
+
+    from kvdiag.rankeval.registry import metrics_where
+    from kvdiag.rankeval.run import OUTPUTS
+
     s, c = result.summary, result.config
     console.print(
         f"[bold]rank-eval[/]: {s['n_evaluated']:,} candidates, {s['n_prompts']} prompts, {s['n_checkpoints']} "
@@ -81,6 +86,12 @@ def rank_eval(
 ) -> None:
     """Rank every scorer against the oracle labels: AUROC, AP, top-k recall, false-safe rate, Spearman."""
     check_outputs({"--out": (out, "dir")}, {"--labels": labels, "--scores": scores})
+    from kvdiag.io import check_table
+
+    check_table(labels, "--labels")  # a missing file, before the stage's polars and numpy
+    check_table(scores, "--scores")
+    from kvdiag.rankeval.run import rank_eval_files
+
     result = rank_eval_files(
         labels,
         scores,

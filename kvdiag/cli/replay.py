@@ -82,9 +82,9 @@ def replay(
     from kvdiag.io import check_table
     from kvdiag.model_specs import check_model_spec
     from kvdiag.prompts import DEFAULT_INSTRUCTION, load_prompts
-    from kvdiag.rankeval.evaluate import check_inputs
-    from kvdiag.scorer_names import REPLAY_ONLY, check_scorer_names
-    from kvdiag.trace.manifest import read_trace_files
+    from kvdiag.replay.settings import ReplaySettings, check_options, check_outcomes, replayed_prompts
+    from kvdiag.scorer_names import REPLAY_ONLY, check_plugin_files, check_scorer_names
+    from kvdiag.trace.manifest import TraceFiles
 
     if teacher_forced is not None:  # the Trace fixes the tokens: generation settings cannot apply
         common.refuse_given(
@@ -98,10 +98,18 @@ def replay(
     if no_instruction:
         common.refuse_given(ctx, ["instruction"], "with --no-instruction")
     # the checks that need no scorer class, model or tensor, before torch is imported (the rest: check_settings)
-    budgets = parsing.parse_list(budget, "--budget", int, low=1, example="128,256")
-    parsing.parse_selection(selection)
+    settings = ReplaySettings(
+        scorers=parsing.parse_list(scorers, "--scorers", str), interval=interval,
+        budgets=parsing.parse_list(budget, "--budget", int, low=1, example="128,256"),
+        w_obs=w_obs, selection=selection, max_new_tokens=max_new_tokens, full_kv=full_kv,
+        kl=kl, chat=chat, instruction=None if no_instruction else (instruction or DEFAULT_INSTRUCTION),
+        params=parsing.parse_params(param), backend=backend, seed=seed, samples=samples, temperature=temperature,
+        top_p=top_p, batch_size=batch_size, horizon=horizon, joint=joint,
+    )
+    check_options(settings, "free" if teacher_forced is None else "teacher_forced")
+    check_plugin_files(plugin)
     if not plugin:
-        check_scorer_names(parsing.parse_list(scorers, "--scorers", str), also=REPLAY_ONLY)
+        check_scorer_names(settings.scorers, also=REPLAY_ONLY)
     if model is not None:
         check_model_spec(model)
     if dtype is not None:
@@ -109,26 +117,21 @@ def replay(
     parsing.check_device_name(device)
     parsing.check_backend(backend)
     if teacher_forced is not None:
-        read_trace_files(teacher_forced)
+        trace_files = TraceFiles(teacher_forced)
+        if outcomes is not None:
+            check_outcomes(outcomes, replayed_prompts(trace_files, limit))
         if auroc is not None:
+            from kvdiag.rankeval.evaluate import check_inputs  # polars and numpy: only now
+
             check_inputs(check_table(auroc[0], "--auroc LABELS"), check_table(auroc[1], "--auroc SCORES"),
                          ("--auroc LABELS", "--auroc SCORES"))
     else:
         load_prompts(prompts or "builtin:arith", limit=limit, seed=seed)
-    from kvdiag.replay import ReplaySettings  # the stage: torch, once the arguments are checked
-    from kvdiag.replay.run import replay_sweep
-    from kvdiag.scorers import load_plugins, parse_params
+    from kvdiag.replay.run import replay_sweep  # the stage: torch, once the arguments are checked
+    from kvdiag.scorers import load_plugins
 
     common.quiet_transformers()
     load_plugins(plugin or ())
-    settings = ReplaySettings(
-        scorers=parsing.parse_list(scorers, "--scorers", str), interval=interval,
-        budgets=budgets,
-        w_obs=w_obs, selection=selection, max_new_tokens=max_new_tokens, full_kv=full_kv, kl=kl, chat=chat,
-        instruction=None if no_instruction else (instruction or DEFAULT_INSTRUCTION), params=parse_params(param),
-        backend=backend, seed=seed, samples=samples, temperature=temperature, top_p=top_p, batch_size=batch_size,
-        horizon=horizon, joint=joint,
-    )
     path = replay_sweep(
         settings, out, teacher_forced=teacher_forced, prompts=prompts, limit=limit, model=model, seed=seed, dtype=dtype,
         device=device, revision=revision, trust_remote_code=trust_remote_code, show_progress=not quiet,

@@ -15,11 +15,10 @@ def report(
                                                         "directory)"),
 ) -> None:
     """Write report.md, report.html (images embedded) and viewer.html (the token viewer) describing a run."""
-    from kvdiag.errors import UserError
     from kvdiag.io import check_writable
+    from kvdiag.run_layout import check_run_dir
 
-    if not run.is_dir():  # before matplotlib and torch (build_report checks the run's pieces)
-        raise UserError(f"--run {run} is not a directory: pass the run directory (trace/, labels.parquet, ...)")
+    check_run_dir(run)  # before matplotlib and torch (build_report reads the run's pieces)
     if out is not None:
         check_writable(out, "--out", "dir")
     from kvdiag.report import build_report

@@ -38,10 +38,10 @@ def score(
     """Score candidates of a Trace with the scorer zoo (higher = keep) and write scores.parquet."""
     from kvdiag import parsing
     from kvdiag.guard import check_outputs
-    from kvdiag.io import check_table
     from kvdiag.parsing import GRANULARITIES, joined, parse_checkpoints, parse_list
-    from kvdiag.scorer_names import AGGREGATIONS, check_scorer_names
-    from kvdiag.trace.manifest import read_trace_files
+    from kvdiag.schema import check_checkpoint, read_keys
+    from kvdiag.scorer_names import AGGREGATIONS, check_fitted, check_plugin_files, check_scorer_names
+    from kvdiag.trace.manifest import TraceFiles
 
     if list_:
         list_scorers(plugin or ())
@@ -55,17 +55,23 @@ def score(
         raise UserError("--granularity does not apply with --labels (its rows are scored at their own granularity); "
                         "drop it")
     if checkpoints is not None:
-        parse_checkpoints(joined(checkpoints))
+        cps = parse_checkpoints(joined(checkpoints))
         parse_list(joined(granularity) or "token", "--granularity", str, choices=GRANULARITIES)
     if aggregation not in AGGREGATIONS:
         raise UserError(f"--aggregation {aggregation}: use one of {', '.join(AGGREGATIONS)}")
     if not plugin:
         check_scorer_names(parse_list(scorers, "--scorers", str))
     check_outputs({"--out": out}, {"--trace": trace, "--labels": labels, "--plugin": plugin})
-    read_trace_files(trace)
-    if labels is not None:
-        check_table(labels, f"--labels {labels}")
+    check_plugin_files(plugin)
+    trace_files = TraceFiles(trace)
+    if labels is not None:  # its keys against the Trace's manifest (the stage reads them again, with the tensors)
+        read_keys(trace_files, labels, f"--labels {labels}")
+    elif not isinstance(cps, int):  # positions: each a checkpoint of every prompt (every:K fits itself to each)
+        for pid in trace_files.prompt_ids:
+            for t in cps:
+                check_checkpoint(trace_files, pid, t)
     params = parsing.parse_params(param)
+    check_fitted(parse_list(scorers, "--scorers", str), params)
     from kvdiag.scorers.run import score_files  # the scorers: torch, once the arguments are checked
     df, meta = score_files(trace, out, labels, joined(checkpoints), joined(granularity),
                            parse_list(scorers, "--scorers", str), params, plugin or (), aggregation, model,

@@ -44,7 +44,8 @@ def trace(
     """Generate each prompt's trace and write the Trace directory (manifest, tokens, per-layer q/k/v)."""
     check_outputs({"--out": (out, "dir")}, {"--prompts": prompts}, writes_trace=True)
     from kvdiag import parsing
-    from kvdiag.model_specs import check_model_spec
+    from kvdiag.errors import UserError
+    from kvdiag.model_specs import check_model_spec, known_shape
     from kvdiag.prompts import DEFAULT_INSTRUCTION, load_prompts
     from kvdiag.trace import GenerationSettings  # light: the settings, not the writer
 
@@ -59,6 +60,14 @@ def trace(
     )
     items = load_prompts(prompts, limit=limit, seed=seed)
     check_model_spec(model)
+    if shape := known_shape(model):  # a tiny family or a local config.json: its layers and context, before torch
+        if shape["num_hidden_layers"]:
+            parsing.store_spec(store, shape["num_hidden_layers"])
+        context = shape["max_position_embeddings"]
+        if context and max_new_tokens >= context:  # a prompt has a token at least (run_trace counts each prompt's)
+            raise UserError(f"--max-new-tokens {max_new_tokens}: a trace holds its prompt too, so it would exceed the "
+                            f"model's context of {context}; use --max-new-tokens {context - 1} or less (less for "
+                            "long prompts)")
     parsing.check_dtype(dtype)
     parsing.check_device_name(device)
     parsing.parse_shard(shard)

@@ -33,12 +33,18 @@ def validate_labels(
     """How far approximate labels can be trusted: per-checkpoint Spearman, AUROC for exact-harmful entries, top-k
     overlap."""
     check_outputs({"--out": (out, "dir")}, {"--exact": exact, "--approx": approx, "--scores": scores})
-    from kvdiag.label.validate import ValidateConfig, run_validation
+    from kvdiag.io import check_table
+    from kvdiag.label.config import ValidateConfig
 
     cfg = ValidateConfig(
         harmful_quantile=harmful_quantile, top_k=top_k, bins=bins, n_boot=bootstrap, level=level, seed=seed,
         attention=attention, payload=payload,
     )
+    cfg.validate()  # the settings and the files' footers, before polars and numpy (run_validation reads them)
+    for flag, path in (("--exact", exact), ("--approx", approx), ("--scores", scores)):
+        if path is not None:
+            check_table(path, flag)
+    from kvdiag.label.validate import run_validation
     paths = run_validation(exact, approx, out, cfg, scores)
     Console().print((out / "validation.md").read_text(), markup=False, highlight=False)
     Console().print(f"wrote {', '.join(p.name for p in paths)} to {out}", highlight=False)

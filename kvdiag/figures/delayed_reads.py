@@ -19,6 +19,9 @@ and later checkpoints see hold no strong read until the first one, so the rule e
 before its read exactly when ``c* <= first strong read`` (eviction at ``t`` removes ``i`` before query ``t``).
 
 Eviction KL of an entry: the mean ``kl_mean`` over its analysed label rows (each entry counts once).
+
+The first reads (the Trace's part: ``features.trace_first_reads`` columns) are also written as
+``first_reads.parquet``, so that the tables can be made again without the Trace (``make_figures(reads=...)``).
 """
 
 from __future__ import annotations
@@ -34,9 +37,16 @@ from matplotlib import MatplotlibDeprecationWarning
 from kvdiag import plotting as common
 from kvdiag.figures.params import FigureParams
 from kvdiag.figures.registry import Drawn, FigureContext, register_figure
+from kvdiag.io import write_table
 from kvdiag.stats import mann_whitney, stat
 
 CLASSES = ("early", "delayed", "never", "unobserved")
+READ_SETTINGS = ("w_obs", "strong_read_mult", "read_reduce")  # the FigureParams that define the first reads
+
+
+def read_settings(params: FigureParams) -> dict:
+    """The settings ``first_reads.parquet`` is made with (its metadata's ``params``)."""
+    return {name: getattr(params, name) for name in READ_SETTINGS}
 
 
 def classify_reads(reads: pl.DataFrame, w_obs: int, strong_read_mult: float, interval: int) -> pl.DataFrame:
@@ -191,5 +201,7 @@ def delayed_reads_figure(ctx: FigureContext) -> Drawn:
     entries.write_csv(files[0])
     hist.write_csv(files[1])
     common.write_stats(rows, files[2])
+    reads_file = write_table(ctx.reads, out_dir / "first_reads.parquet",
+                             {"kind": "first_reads", "params": read_settings(params), "trace": ctx.reads_trace})
     return Drawn(common.stats_dict(rows), [r["note"] for r in rows if r["note"]],
-                 [*plot_delayed_reads(entries, hist, rows, params, out_dir), *files])
+                 [*plot_delayed_reads(entries, hist, rows, params, out_dir), *files, reads_file])

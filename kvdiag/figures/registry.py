@@ -5,7 +5,8 @@ one context, and the report lists them from :data:`FIGURES`.
 The context holds the checked inputs and the features the figures share, each made once on first use:
 read pressure and value payload per analysed label (``points``: from the features ``kvdiag score`` wrote beside
 the scores, ``kvdiag.token_features``; from the Trace when that file cannot serve them), the read strengths of
-every future query per labeled entry (``reads``: from the Trace, since no scorer sees future queries);
+every future query per labeled entry (``reads``: from the Trace, since no scorer sees future queries, or from
+a previous run's ``first_reads.parquet``);
 rank-eval's metrics.csv when given (``given_metrics``, e.g. ``--rank-eval``).
 """
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import polars as pl
 
+from kvdiag.errors import UserError
 from kvdiag.figures.features import trace_first_reads, trace_pressure_payload
 from kvdiag.figures.params import FigureParams
 from kvdiag.registry import Registry
@@ -44,6 +46,11 @@ class Figure:
 
 
 FIGURES: Registry[Figure] = Registry("figure", "kvdiag.figures")
+READS_SCHEMA = {  # features.trace_first_reads' columns (first_reads.parquet)
+    "prompt_id": pl.String, "position": pl.Int64, "prompt_len": pl.Int64, "length": pl.Int64,
+    "window_complete": pl.Boolean, "first_window_peak": pl.Float64, "first_strong_read": pl.Int64,
+    "future_queries": pl.Int64,
+}
 
 
 def register_figure(name: str, title: str, csvs: tuple[str, ...]) -> Callable:
@@ -65,6 +72,8 @@ class FigureContext:
     ``given_metrics``: rank-eval's metrics table to reuse (None: a figure that needs metrics computes them).
     ``features``: the scores' token features (``kvdiag.token_features``, made with ``params.token_features``)
     or None; ``features_source`` says where ``points`` came from (figures.json).
+    ``given_reads``: the labeled entries' first reads made with ``params`` (``first_reads.parquet`` of an earlier
+    run of the same Trace) or None: ``reads`` computes them from the Trace.
     ``task(description, total)`` starts a progress task and returns its ``advance`` (a no-op without a bar).
     """
 
@@ -78,6 +87,8 @@ class FigureContext:
     task: Callable[[str, int], Callable[[], None]] = lambda description, total: lambda: None
     features: pl.DataFrame | None = None
     features_source: str = NO_FILE
+    given_reads: pl.DataFrame | None = None
+    reads_trace: dict | None = None  # the provenance of the Trace the first reads come from (first_reads.parquet)
     token: pl.DataFrame = field(init=False)
     below_floor: pl.Expr = field(init=False)
     analysed: pl.DataFrame = field(init=False)
@@ -117,6 +128,14 @@ class FigureContext:
         p, entries = self.params, self.token.select("prompt_id", "position").unique(maintain_order=True)
         if not entries.height:
             return _empty_reads()
+        if self.given_reads is not None:
+            on = ["prompt_id", "position"]
+            given = self.given_reads.select(list(READS_SCHEMA)).join(entries, on=on, how="semi")
+            missing = entries.join(given, on=on, how="anti").height
+            if not missing:
+                return given  # in the order trace_first_reads wrote them
+            if self.trace is None:
+                raise UserError(f"the given first reads lack {missing} labeled entr(y/ies): pass the Trace")
         advance = self.task(
             "figures: read strengths, prompt × layer", entries["prompt_id"].n_unique() * self.trace.num_layers
         )
@@ -125,10 +144,4 @@ class FigureContext:
 
 
 def _empty_reads() -> pl.DataFrame:
-    return pl.DataFrame(
-        schema={
-            "prompt_id": pl.String, "position": pl.Int64, "prompt_len": pl.Int64, "length": pl.Int64,
-            "window_complete": pl.Boolean, "first_window_peak": pl.Float64, "first_strong_read": pl.Int64,
-            "future_queries": pl.Int64,
-        }
-    )
+    return pl.DataFrame(schema=READS_SCHEMA)

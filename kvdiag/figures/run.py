@@ -23,6 +23,7 @@ from kvdiag.schema import KEYS, check_keys, keyed
 from kvdiag.token_features import read_token_features, usable_features
 
 TRACE_FREE = {"blind_spot", "components"}  # figures that need no Trace when the scores' token features are usable
+READS_FREE = TRACE_FREE | {"delayed_reads"}  # ... and when the entries' first reads are given too
 LABEL_COLUMNS = ("prompt_id", "checkpoint", "position", "granularity", "kl_mean", "noise_floor")
 
 
@@ -81,6 +82,7 @@ def make_figures(
     params: FigureParams | None = None, *, labels_meta: dict | None = None, scores_meta: dict | None = None,
     metrics: pl.DataFrame | None = None, features: tuple[pl.DataFrame, dict] | None = None,
     command: list[str] | None = None, progress: bool = False, only: tuple[str, ...] | None = None,
+    reads: tuple[pl.DataFrame, dict] | None = None,
 ) -> dict:
     """Draw the Appendix D figures and the component figure of one run into ``out_dir``.
 
@@ -97,7 +99,10 @@ def make_figures(
         other definitions: computed from the Trace (figures.json records which).
     command : the argv that produced this call, recorded in figures.json.
     only : the figures to draw (names of ``FIGURES``; None: all). Those that read no Trace (``blind_spot`` with
-        ``features``, ``components``) may be drawn with ``trace`` None: a report's tables from its committed files.
+        ``features``, ``components``, ``delayed_reads`` with ``reads``) may be drawn with ``trace`` None: a report's
+        tables from its committed files.
+    reads : the labeled entries' first reads and their metadata (``first_reads.parquet`` that an earlier call wrote,
+        ``kvdiag.io.read_table``), made with ``params``' read settings from the same Trace; None: from the Trace.
 
     Returns ``{"blind_spot": {statistic: value}, "delayed_reads": {...}, "components": [rows], "notes": [...],
     "files": [paths]}``. Writes blind_spot.*, delayed_reads.*, components.* and figures.json.
@@ -110,15 +115,19 @@ def make_figures(
     features, features_source = usable_features(
         features, params.token_features, trace
     )  # refused before anything is written
-    if trace is None and (features is None or not set(chosen) <= TRACE_FREE):
-        raise ValueError(f"without a Trace only {sorted(TRACE_FREE)} can be drawn, blind_spot from usable features")
+    given_reads, reads_trace = _usable_reads(reads, params, trace)
+    trace_free = READS_FREE if given_reads is not None else TRACE_FREE
+    if trace is None and ((features is None and "blind_spot" in chosen) or not set(chosen) <= trace_free):
+        raise ValueError(f"without a Trace only {sorted(READS_FREE)} can be drawn, blind_spot from usable features, "
+                         "delayed_reads from given first reads")
     out = writable_dir(out_dir)
     with progress_bar(progress) as bar:
         def task(description: str, total: int):
             tid = bar.add_task(description, total=total)
             return lambda: bar.advance(tid)
 
-        ctx = FigureContext(trace, labels, scores, params, out, scores_meta, metrics, task, features, features_source)
+        ctx = FigureContext(trace, labels, scores, params, out, scores_meta, metrics, task, features, features_source,
+                            given_reads, reads_trace)
         drawn = {name: figure.draw(ctx) for name, figure in chosen.items()}
 
     files = [f for d in drawn.values() for f in d.files] + [out / "figures.json"]
@@ -139,6 +148,7 @@ def make_figures(
             if metrics is not None
             else "computed with rank_eval from labels and scores",
             "read_pressure_payload": ctx.features_source,
+            "first_reads": "computed from the Trace" if given_reads is None else "given (first_reads.parquet)",
         },
         # statistics of each figure (a table's rows stay in its CSV) and the notes
         "summary": {name: d.result for name, d in drawn.items() if isinstance(d.result, dict)}
@@ -147,6 +157,23 @@ def make_figures(
     }
     write_json(out / "figures.json", _jsonable(record))
     return result
+
+
+def _usable_reads(reads: tuple[pl.DataFrame, dict] | None, params: FigureParams,
+                  trace) -> tuple[pl.DataFrame | None, dict | None]:
+    """The given first reads (table, metadata) when made with ``params``' read settings (``delayed_reads.
+    READ_SETTINGS``) from ``trace``, and the provenance of the Trace they come from; other settings or another Trace:
+    ``UserError``."""
+    read_settings = delayed_reads.read_settings
+    if reads is None:
+        return None, getattr(trace, "provenance", None)
+    df, meta = reads
+    if meta.get("kind") != "first_reads" or meta.get("params") != read_settings(params):
+        raise UserError(f"the first reads were made with {meta.get('params')} (kind {meta.get('kind')!r}), the figures "
+                        f"use {read_settings(params)}: pass first_reads.parquet of a kvdiag figures run with these")
+    if hasattr(trace, "check_belongs"):
+        trace.check_belongs(meta, "first_reads.parquet")
+    return df, meta.get("trace")
 
 
 def figures_files(

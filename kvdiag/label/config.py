@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 from kvdiag.errors import UserError
 from kvdiag.parsing import check_backend, parse_checkpoints
-from kvdiag.schema import CHECKPOINTS, GRANULARITIES, HORIZON, W_OBS
+from kvdiag.schema import CHECKPOINTS, GRANULARITIES, HORIZON, N_BOOT, W_OBS, default_checkpoints
 
 HYBRID = "hybrid"
 
@@ -152,3 +152,56 @@ class LabelConfig:
         if self.method != HYBRID and resolve_method(self.method) == "exact" and self.params:
             raise UserError(f"--method exact has no settings ({', '.join(self.params)}); drop them or choose an "
                             "approximate --method")
+
+
+def work_items(trace, cfg: LabelConfig, prompt_ids: list[str] | None = None) -> list[tuple[str, int]]:
+    """Every (prompt_id, checkpoint) to label, validated against ``trace`` (a ``kvdiag.trace.Trace``, or before torch
+    its ``TraceFiles``: the manifest is all this reads)."""
+    if cfg.layers is not None and max(cfg.layers) >= trace.num_layers:
+        raise UserError(f"--layers {max(cfg.layers)}: the Trace's model has layers 0..{trace.num_layers - 1}")
+    items, spec = [], parse_checkpoints(cfg.checkpoints)  # every:K, or positions taken as given (checked here)
+    for pid in prompt_ids or trace.prompt_ids:
+        P, T = trace.prompt_len(pid), trace.length(pid)
+        if cfg.horizon >= T:
+            raise UserError(f"--horizon {cfg.horizon} reaches beyond the end of prompt {pid} (length {T}); use a "
+                            "shorter horizon")
+        for t in spec if isinstance(spec, list) else default_checkpoints(P, T, spec, cfg.horizon, cfg.w_obs):
+            if not 1 <= t <= T - cfg.horizon:
+                raise UserError(f"--checkpoints: {t} is outside [1, {T - cfg.horizon}] for prompt {pid} (length {T}, "
+                                f"horizon {cfg.horizon})")
+            items.append((pid, t))
+    if cfg.method == HYBRID and items:  # the exact set and the audit must fit every checkpoint's candidates
+        HybridParams(**cfg.params).check_fits(min(t if cfg.candidates == "all" else min(t, int(cfg.candidates))
+                                                  for _, t in items))
+    if not items:
+        raise UserError(f"--checkpoints {cfg.checkpoints}: no checkpoint fits the Trace (needs t - prompt_len >= "
+                        f"W_obs={cfg.w_obs} "
+                        "and t + horizon <= length); use a smaller interval, --w-obs, --horizon, or explicit positions")
+    return items
+
+
+@dataclass
+class ValidateConfig:
+    """Settings of ``validate-labels``; written into its outputs."""
+
+    harmful_quantile: float = 0.9  # exact-harmful: exact kl_mean >= this quantile of its checkpoint's entries
+    top_k: int = 8
+    bins: int = 4  # quantile bins per disagreement feature
+    n_boot: int = N_BOOT
+    level: float = 0.95
+    seed: int = 0
+    attention: str = "attention"  # scores column binned as attention
+    payload: str = "value_norm"  # scores column binned as payload
+
+    def validate(self) -> None:
+        if not 0 < self.harmful_quantile < 1:
+            raise UserError(f"--harmful-quantile {self.harmful_quantile}: must lie in (0, 1), e.g. 0.9 (the top "
+                            "decile is harmful)")
+        if self.top_k < 1:
+            raise UserError(f"--top-k {self.top_k}: must be a positive number of entries, e.g. 8")
+        if self.bins < 1:
+            raise UserError(f"--bins {self.bins}: must be a positive number of quantile bins, e.g. 4")
+        if self.n_boot < 1:
+            raise UserError(f"--bootstrap {self.n_boot}: must be a positive number of resamples, e.g. {N_BOOT}")
+        if not 0 < self.level < 1:
+            raise UserError(f"--level {self.level}: must lie in (0, 1), e.g. 0.95")

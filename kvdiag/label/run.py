@@ -21,16 +21,14 @@ from kvdiag.contracts import (
 from kvdiag.distributed import Group, parse_shard
 from kvdiag.errors import UserError
 from kvdiag.io import check_writable, write_table
-from kvdiag.label.config import HYBRID, LabelConfig  # noqa: F401  (run's API)
+from kvdiag.label.config import HYBRID, LabelConfig, work_items  # noqa: F401  (run's API)
 from kvdiag.label.engine import OracleEngine, candidate_rows
 from kvdiag.label.fast import APPROXIMATE
 from kvdiag.label.hybrid import HybridLabeler, HybridParams, miss_rate
 from kvdiag.models import LoadedModel, check_device, load_model, parse_dtype
-from kvdiag.parsing import parse_checkpoints
 from kvdiag.parts import PartStore, part_name
 from kvdiag.progress import progress_bar
 from kvdiag.provenance import provenance
-from kvdiag.schema import default_checkpoints
 from kvdiag.trace import Trace
 
 
@@ -53,31 +51,6 @@ def checkpoint_part(pid: str, t: int) -> str:
 def part_path(parts: Path, pid: str, t: int) -> Path:
     """Where the part of the work item (``pid``, ``t``) lies in the parts directory ``parts``."""
     return parts / checkpoint_part(pid, t)
-
-
-def work_items(trace: Trace, cfg: LabelConfig, prompt_ids: list[str] | None = None) -> list[tuple[str, int]]:
-    """Every (prompt_id, checkpoint) to label, validated against the Trace."""
-    if cfg.layers is not None and max(cfg.layers) >= trace.num_layers:
-        raise UserError(f"--layers {max(cfg.layers)}: the Trace's model has layers 0..{trace.num_layers - 1}")
-    items, spec = [], parse_checkpoints(cfg.checkpoints)  # every:K, or positions taken as given (checked here)
-    for pid in prompt_ids or trace.prompt_ids:
-        P, T = trace.prompt_len(pid), trace.length(pid)
-        if cfg.horizon >= T:
-            raise UserError(f"--horizon {cfg.horizon} reaches beyond the end of prompt {pid} (length {T}); use a "
-                            "shorter horizon")
-        for t in spec if isinstance(spec, list) else default_checkpoints(P, T, spec, cfg.horizon, cfg.w_obs):
-            if not 1 <= t <= T - cfg.horizon:
-                raise UserError(f"--checkpoints: {t} is outside [1, {T - cfg.horizon}] for prompt {pid} (length {T}, "
-                                f"horizon {cfg.horizon})")
-            items.append((pid, t))
-    if cfg.method == HYBRID and items:  # the exact set and the audit must fit every checkpoint's candidates
-        HybridParams(**cfg.params).check_fits(min(t if cfg.candidates == "all" else min(t, int(cfg.candidates))
-                                                  for _, t in items))
-    if not items:
-        raise UserError(f"--checkpoints {cfg.checkpoints}: no checkpoint fits the Trace (needs t - prompt_len >= "
-                        f"W_obs={cfg.w_obs} "
-                        "and t + horizon <= length); use a smaller interval, --w-obs, --horizon, or explicit positions")
-    return items
 
 
 def make_engine(lm: LoadedModel, token_ids, cfg: LabelConfig):

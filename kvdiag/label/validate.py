@@ -27,39 +27,12 @@ import numpy as np
 import polars as pl
 
 from kvdiag.errors import UserError
-from kvdiag.schema import N_BOOT
+from kvdiag.label.config import ValidateConfig  # noqa: F401  (validate's API)
 from kvdiag.stats import percentile_ci, prompt_multiplicities
 
 KEYS = ["prompt_id", "checkpoint", "position", "granularity", "layer", "kv_head"]
 METRICS = ("spearman", "auroc", "topk_overlap")  # rank agreement (the figure's panel)
 SCALE = "median_ratio"  # calibration: the checkpoint's median approx / exact over entries with exact > 0
-
-
-@dataclass
-class ValidateConfig:
-    """Settings of ``validate-labels``; written into its outputs."""
-
-    harmful_quantile: float = 0.9  # exact-harmful: exact kl_mean >= this quantile of its checkpoint's entries
-    top_k: int = 8
-    bins: int = 4  # quantile bins per disagreement feature
-    n_boot: int = N_BOOT
-    level: float = 0.95
-    seed: int = 0
-    attention: str = "attention"  # scores column binned as attention
-    payload: str = "value_norm"  # scores column binned as payload
-
-    def validate(self) -> None:
-        if not 0 < self.harmful_quantile < 1:
-            raise UserError(f"--harmful-quantile {self.harmful_quantile}: must lie in (0, 1), e.g. 0.9 (the top "
-                            "decile is harmful)")
-        if self.top_k < 1:
-            raise UserError(f"--top-k {self.top_k}: must be a positive number of entries, e.g. 8")
-        if self.bins < 1:
-            raise UserError(f"--bins {self.bins}: must be a positive number of quantile bins, e.g. 4")
-        if self.n_boot < 1:
-            raise UserError(f"--bootstrap {self.n_boot}: must be a positive number of resamples, e.g. {N_BOOT}")
-        if not 0 < self.level < 1:
-            raise UserError(f"--level {self.level}: must lie in (0, 1), e.g. 0.95")
 
 
 @dataclass

@@ -11,27 +11,33 @@ checks), ``units`` (its work items and their part fingerprints), ``free_running`
 modes: items, fingerprints, runner), ``run`` (the sweep).
 """
 
-from kvdiag.generate import (
-    Policy,
-    QueryWindow,
-    check_live_scorer,
-    live_scorer_names,
-    make_scorer,
-    observing,
-    prompt_chunks,
-    score_layer,
-)
-from kvdiag.parsing import Selection
-from kvdiag.replay.decoding import Decoded, decode, full_logprobs, kl_steps, teacher_force
-from kvdiag.replay.free_running import FreeRunning, check_answer
-from kvdiag.replay.run import FULL_KV, replay
-from kvdiag.replay.settings import ReplaySettings, check_settings
-from kvdiag.replay.teacher_forced import TeacherForced
-from kvdiag.selection import select_keep
+from __future__ import annotations
 
-__all__ = [
-    "FULL_KV", "Decoded", "FreeRunning", "Policy", "QueryWindow", "ReplaySettings", "Selection",
-    "TeacherForced", "check_answer", "check_live_scorer", "check_settings", "decode", "full_logprobs", "kl_steps",
-    "live_scorer_names", "make_scorer", "observing", "prompt_chunks", "replay", "score_layer", "select_keep",
-    "teacher_force",
-]
+import importlib
+
+from kvdiag.parsing import Selection
+
+# the module that defines each exported name (a bare name: a submodule of kvdiag.replay)
+_HOME = {
+    "Policy": "kvdiag.generate.policy", "prompt_chunks": "kvdiag.generate.policy",
+    "QueryWindow": "kvdiag.generate.attend", "observing": "kvdiag.generate.attend",
+    "check_live_scorer": "kvdiag.generate.live", "live_scorer_names": "kvdiag.generate.live",
+    "make_scorer": "kvdiag.generate.live", "score_layer": "kvdiag.generate.live",
+    "select_keep": "kvdiag.selection",
+    "Decoded": "decoding", "decode": "decoding", "full_logprobs": "decoding", "kl_steps": "decoding",
+    "teacher_force": "decoding",
+    "FreeRunning": "free_running", "check_answer": "free_running",
+    "FULL_KV": "run", "replay": "run",
+    "ReplaySettings": "settings", "check_settings": "settings",
+    "TeacherForced": "teacher_forced",
+}
+__all__ = ["Selection", *_HOME]
+
+
+def __getattr__(name: str):
+    """Each name loads its module on first use: the CLI checks a replay's settings (``settings``, ``sampling``:
+    no torch) before the stage's torch and transformers are imported."""
+    if name in _HOME:
+        home = _HOME[name]
+        return getattr(importlib.import_module(home if "." in home else f"kvdiag.replay.{home}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

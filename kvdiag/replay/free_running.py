@@ -12,7 +12,6 @@ from kvdiag.errors import UserError
 from kvdiag.models import LoadedModel
 from kvdiag.prompts import Prompt, encode_prompt
 from kvdiag.replay.decoding import Decoded, full_logprobs, kl_steps
-from kvdiag.replay.oracle import ORACLE
 from kvdiag.replay.settings import ReplaySettings
 from kvdiag.replay.units import Item, Unit, common_key, make_unit
 
@@ -42,13 +41,6 @@ class FreeRunning:
     def provenance(self) -> None:
         """config.json's ``trace``: none (prompts are the input)."""
         return None
-
-    @staticmethod
-    def check(settings: ReplaySettings) -> None:
-        """The oracle labels entries on a Trace's future tokens: refused here."""
-        if ORACLE in settings.scorers:
-            raise UserError(f"--scorers {ORACLE} labels entries on the Trace's future tokens: it runs with "
-                            "--teacher-forced only")
 
     def adjust(self, settings: ReplaySettings) -> ReplaySettings:
         return settings

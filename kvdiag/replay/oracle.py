@@ -27,8 +27,7 @@ import torch
 from kvdiag.label.engine import OracleEngine
 from kvdiag.models import LoadedModel
 from kvdiag.schema import HORIZON
-
-ORACLE = "oracle"  # the policy name of the exact-label policy (teacher-forced replay only)
+from kvdiag.scorer_names import ORACLE  # noqa: F401  (the oracle's API)
 
 
 @dataclass

@@ -25,12 +25,13 @@ from kvdiag.replay.decoding import Decoded
 from kvdiag.replay.free_running import FreeRunning
 from kvdiag.replay.oracle import ORACLE, OracleRule
 from kvdiag.replay.predict import SingleLabelAUROC, single_label_auroc
-from kvdiag.replay.settings import ReplaySettings, check_settings
+from kvdiag.replay.settings import ReplaySettings, check_outcomes, check_settings, replayed_prompts
 from kvdiag.replay.teacher_forced import TeacherForced
 from kvdiag.replay.units import Unit
 from kvdiag.schema import HORIZON
 from kvdiag.scorers.base import needs_o_proj
 from kvdiag.trace import Trace
+from kvdiag.trace.manifest import TraceFiles
 
 FULL_KV = "full_kv"  # the scorer name of the uncompressed reference rows (the paper's FullKV)
 
@@ -70,9 +71,9 @@ def replay_sweep(
     the teacher-forced in-loop KL (``kvdiag.replay.predict.single_label_auroc``)."""
     check_settings(settings, FreeRunning if teacher_forced is None else TeacherForced)
     check_writable(out, "--out", "dir")
-    if outcomes is not None and (teacher_forced is None or not (Path(outcomes) / "generations.parquet").is_file()):
-        raise UserError(f"--outcomes {outcomes}: give, with --teacher-forced, a free-running replay directory (its "
-                        "generations.parquet) of the same prompts")
+    if outcomes is not None:  # before the model loads
+        replayed = None if teacher_forced is None else replayed_prompts(TraceFiles(teacher_forced), limit)
+        check_outcomes(outcomes, replayed)
     single = None
     if auroc is not None:
         if teacher_forced is None or not settings.joint:
@@ -81,15 +82,13 @@ def replay_sweep(
         single = replayed_auroc(settings, auroc, seed)
     if teacher_forced is not None:
         tr = Trace(teacher_forced)
-        if outcomes is not None:  # before the model loads
-            check_outcome_prompts(outcomes, tr.prompt_ids[:limit] if limit else tr.prompt_ids)
         had = tr.manifest["model"]
         lm = load_model(
             model or had["spec"], dtype=dtype or had.get("dtype", "float32"), device=device, revision=revision,
             trust_remote_code=trust_remote_code, seed=seed,
         )
         lm.check_model_of(had, "--model", "drop --model")
-        ids = tr.prompt_ids[:limit] if limit else tr.prompt_ids
+        ids = replayed_prompts(tr, limit)
         return replay(
             lm, out, settings, trace=tr, prompt_ids=ids, source=str(teacher_forced), show_progress=show_progress,
             outcomes=outcomes, auroc=single,
@@ -99,20 +98,6 @@ def replay_sweep(
     lm = load_model(model or "smollm2", dtype=dtype or "float32", device=device, revision=revision,
                     trust_remote_code=trust_remote_code, seed=seed)
     return replay(lm, out, settings, prompts=items, source=source, show_progress=show_progress)
-
-
-def check_outcome_prompts(outcomes: str | os.PathLike, prompt_ids: list[str]) -> None:
-    """``--outcomes``: a free-running replay of the prompts replayed (else its fidelity rows would be empty)."""
-    from kvdiag.io import read_table
-
-    free, _ = read_table(Path(outcomes) / "generations.parquet", f"--outcomes {outcomes} generations.parquet")
-    if "prompt_id" not in free.columns:
-        raise UserError(f"--outcomes {outcomes}: generations.parquet has no prompt_id column; pass a kvdiag replay "
-                        "directory")
-    missing = sorted(set(prompt_ids) - set(free["prompt_id"].unique().to_list()))
-    if missing:
-        raise UserError(f"--outcomes {outcomes} holds no generation of prompt {missing[0]!r} ({len(missing)} of the "
-                        f"{len(prompt_ids)} replayed prompts are missing): pass a replay of the Trace's prompts")
 
 
 def replay(

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvdiag.errors import UserError
+
+if TYPE_CHECKING:  # torch loads where tokens are drawn: the CLI checks the sampling settings before it
+    import torch
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,8 @@ class Sampling:
         """The draws of generation ``(prompt_id, sample)`` (None when greedy)."""
         if self.greedy:
             return None
+        import torch
+
         return torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{prompt_id}:{sample}".encode()))
 
     def pick(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -49,6 +53,8 @@ class Sampling:
         nucleus in token-id order."""
         if self.greedy:
             return int(logits.argmax())
+        import torch
+
         probs = torch.softmax(logits.double() / self.temperature, dim=-1)
         ids = nucleus(probs, self.top_p) if self.top_p < 1 else torch.arange(probs.numel())
         cdf = probs[ids].cumsum(0)  # the full vocabulary's CDF at these tokens: the others add exact zeros
@@ -61,6 +67,8 @@ def nucleus(probs: torch.Tensor, top_p: float, k: int = 256) -> torch.Tensor:
     """Token ids (ascending) of the nucleus of ``probs [V]``: ranked by probability, ties by token id, every token
     whose preceding mass is below ``top_p``. Ranks only the top ``k`` (doubled until the nucleus ends on a
     probability above the k-th largest, so no tie straddles the cut) instead of sorting the vocabulary."""
+    import torch
+
     V = probs.numel()
     while True:
         k = min(k, V)

@@ -1,16 +1,19 @@
-"""What decides a replay's results (:class:`ReplaySettings`) and the checks that need no model."""
+"""What decides a replay's results (:class:`ReplaySettings`) and the checks that need no model. Importable without
+torch: the CLI runs :func:`check_options` and :func:`check_outcomes` before the stage loads (:func:`check_settings`
+adds the scorer classes' checks, which need torch)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from kvdiag.errors import UserError
-from kvdiag.generate.live import check_live_scorer, make_scorer
 from kvdiag.parsing import Selection
 from kvdiag.prompts import DEFAULT_INSTRUCTION
-from kvdiag.replay.oracle import ORACLE
 from kvdiag.replay.sampling import Sampling
 from kvdiag.schema import CHECKPOINT_INTERVAL, HORIZON
+from kvdiag.scorer_names import ORACLE
 
 
 @dataclass
@@ -82,10 +85,29 @@ def check_params(params: dict[str, dict], scorers: list[str]) -> None:
         raise UserError(f"--param {stray[0]}.…: scorer {stray[0]} is not in --scorers; add it or drop the parameter")
 
 
-def check_settings(settings: ReplaySettings, mode) -> None:
-    """The checks that need no model (bad input: UserError): sizes, sampling, scorers that run on a live cache, and
-    the replay mode's own (``mode.check``: a :class:`~kvdiag.replay.free_running.FreeRunning` or
-    :class:`~kvdiag.replay.teacher_forced.TeacherForced`, the class or an instance)."""
+def check_free_running(settings: ReplaySettings) -> None:
+    """The oracle labels entries on a Trace's future tokens: refused without one."""
+    if ORACLE in settings.scorers:
+        raise UserError(f"--scorers {ORACLE} labels entries on the Trace's future tokens: it runs with "
+                        "--teacher-forced only")
+
+
+def check_teacher_forced(settings: ReplaySettings) -> None:
+    """The Trace fixes the tokens (no sampling); the oracle evicts token sets (``--selection per-token``)."""
+    if settings.samples > 1 or not settings.sampling.greedy:
+        raise UserError("--samples/--temperature/--top-p apply to free-running replay; drop them with "
+                        "--teacher-forced (the Trace's tokens are replayed)")
+    if ORACLE in settings.scorers and not settings.selection.per_token:
+        raise UserError(f"--scorers {ORACLE} evicts token sets (one label per position): add --selection per-token")
+
+
+# each replay mode's own checks, by the mode's name (FreeRunning.name, TeacherForced.name)
+MODE_CHECKS = {"free": check_free_running, "teacher_forced": check_teacher_forced}
+
+
+def check_options(settings: ReplaySettings, mode: str) -> None:
+    """The checks that need no model and no scorer class (bad input: UserError, before torch is imported): sizes,
+    sampling, parameters and the replay mode's own (``mode``: ``free`` or ``teacher_forced``)."""
     if not settings.scorers:
         raise UserError("--scorers is empty: name at least one scorer, e.g. rkv")
     if not settings.budgets or min(settings.budgets) < 1:
@@ -101,15 +123,47 @@ def check_settings(settings: ReplaySettings, mode) -> None:
     if settings.samples < 1:
         raise UserError(f"--samples {settings.samples}: must be a positive number of generations per prompt")
     check_samples(settings.samples, settings.sampling)  # the sampling checks its temperature and top-p
-    mode.check(settings)
+    MODE_CHECKS[mode](settings)
     if settings.horizon < 1:
         raise UserError(f"--horizon {settings.horizon}: must be a positive number of steps")
     check_params(settings.params, settings.scorers)
     if ORACLE in settings.scorers and ORACLE in settings.params:
         raise UserError(f"--param {ORACLE}.…: the oracle's only setting is its label horizon; use --horizon")
+
+
+def check_settings(settings: ReplaySettings, mode) -> None:
+    """Every check that needs no model (bad input: UserError): :func:`check_options`, then the scorers that run on a
+    live cache (their classes: torch). ``mode``: a :class:`~kvdiag.replay.free_running.FreeRunning` or
+    :class:`~kvdiag.replay.teacher_forced.TeacherForced`, the class or an instance."""
+    from kvdiag.generate.live import check_live_scorer, make_scorer
+
+    check_options(settings, mode.name)
     for name in settings.scorers:
         if name == ORACLE:
             continue
         scorer = make_scorer(name, settings.params.get(name), settings.w_obs)
         check_live_scorer(scorer)
         settings.selection.check_rule(scorer)
+
+
+def replayed_prompts(trace, limit: int | None) -> list[str]:
+    """The prompt ids a teacher-forced replay of ``trace`` (a Trace or its TraceFiles) replays: the first ``limit``."""
+    return trace.prompt_ids[:limit] if limit else trace.prompt_ids
+
+
+def check_outcomes(outcomes: str | os.PathLike, prompt_ids: list[str] | None) -> None:
+    """``--outcomes``: with --teacher-forced (``prompt_ids``: the prompts it replays; None without it), a free-running
+    replay directory holding a generation of every replayed prompt (else its fidelity rows would be empty)."""
+    from kvdiag.io import read_table
+
+    if prompt_ids is None or not (Path(outcomes) / "generations.parquet").is_file():
+        raise UserError(f"--outcomes {outcomes}: give, with --teacher-forced, a free-running replay directory (its "
+                        "generations.parquet) of the same prompts")
+    free, _ = read_table(Path(outcomes) / "generations.parquet", f"--outcomes {outcomes} generations.parquet")
+    if "prompt_id" not in free.columns:
+        raise UserError(f"--outcomes {outcomes}: generations.parquet has no prompt_id column; pass a kvdiag replay "
+                        "directory")
+    missing = sorted(set(prompt_ids) - set(free["prompt_id"].unique().to_list()))
+    if missing:
+        raise UserError(f"--outcomes {outcomes} holds no generation of prompt {missing[0]!r} ({len(missing)} of the "
+                        f"{len(prompt_ids)} replayed prompts are missing): pass a replay of the Trace's prompts")

@@ -28,15 +28,6 @@ class TeacherForced:
     source: str | None = None
     name: ClassVar[str] = "teacher_forced"  # the ``mode`` column and fingerprint field
 
-    @staticmethod
-    def check(settings: ReplaySettings) -> None:
-        """The Trace fixes the tokens (no sampling); the oracle evicts token sets (``--selection per-token``)."""
-        if settings.samples > 1 or not settings.sampling.greedy:
-            raise UserError("--samples/--temperature/--top-p apply to free-running replay; drop them with "
-                            "--teacher-forced (the Trace's tokens are replayed)")
-        if ORACLE in settings.scorers and not settings.selection.per_token:
-            raise UserError(f"--scorers {ORACLE} evicts token sets (one label per position): add --selection per-token")
-
     @property
     def provenance(self) -> dict:
         """config.json's ``trace``."""

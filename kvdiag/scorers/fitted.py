@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from functools import cached_property
-from pathlib import Path
 from typing import ClassVar
 
 import torch
 
-from kvdiag.errors import UserError
+from kvdiag.scorer_names import read_fitted_model
 from kvdiag.scorers.base import Scorer
 from kvdiag.scorers.context import ScoreContext
 from kvdiag.scorers.entry_features import FEATURES, entry_features
@@ -39,17 +37,7 @@ class Fitted(Scorer):
     _model: dict = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
-        if not self.path:
-            raise UserError("scorer fitted needs its model: name it fitted:DIR/model.json or pass --param "
-                            "fitted.path=DIR/model.json (written by kvdiag fit)")
-        try:
-            model = json.loads(Path(self.path).read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise UserError(f"fitted model {self.path}: not a readable model.json ({err}); run kvdiag fit") from err
-        unknown = [f for f in model.get("features", []) if f not in FEATURES]
-        if model.get("kind") != "kvdiag_fitted_logreg" or unknown:
-            raise UserError(f"fitted model {self.path}: not a model.json written by kvdiag fit")
-        self._model = model
+        self._model = read_fitted_model(self.path)
 
     @property
     def needs_history(self) -> bool:

@@ -22,6 +22,7 @@ from typing import Any
 from kvdiag.errors import UserError
 from kvdiag.parsing import parse_params  # noqa: F401  (the registry's API)
 from kvdiag.registry import Registry
+from kvdiag.scorer_names import check_plugin_files
 from kvdiag.scorers.base import Scorer, blame, where
 
 ENTRY_POINT_GROUP = "kvdiag.scorers"
@@ -131,8 +132,7 @@ def _import_plugin(module: str) -> None:
     label = f"--plugin {module}"
     try:
         if module.endswith(".py"):
-            if not path.is_file():
-                raise UserError(f"{label}: file not found; pass a .py file or an importable module name")
+            check_plugin_files([module])
             spec = importlib.util.spec_from_file_location(f"kvdiag_plugin_{path.stem}", path)
             mod = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = mod

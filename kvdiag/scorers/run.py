@@ -22,11 +22,19 @@ import torch
 from kvdiag.errors import UserError
 from kvdiag.features import AttentionHistory, o_proj_weights
 from kvdiag.guard import check_outputs
-from kvdiag.io import read_table, write_table
+from kvdiag.io import write_table
 from kvdiag.parsing import parse_checkpoints, parse_list
 from kvdiag.progress import progress_bar
 from kvdiag.provenance import provenance
-from kvdiag.schema import GRANULARITIES, KEY_SCHEMA, KEYS, check_checkpoint, check_keys, default_checkpoints
+from kvdiag.schema import (
+    GRANULARITIES,
+    KEY_SCHEMA,
+    KEYS,
+    check_checkpoint,
+    check_keys,
+    default_checkpoints,
+    read_keys,
+)
 from kvdiag.scorers.base import needs_o_proj
 from kvdiag.scorers.context import ScoreContext
 from kvdiag.scorers.normalization import AGGREGATIONS, aggregation_values
@@ -175,9 +183,7 @@ def score_files(trace: str | os.PathLike, out: str | os.PathLike, labels: str | 
                         "it")
     tr = Trace(trace)
     if labels is not None:
-        keys, labels_meta = read_table(labels, what=f"--labels {labels}")
-        tr.check_belongs(labels_meta, f"--labels {labels}")
-        keys = check_keys(tr, keys, f"--labels {labels}")
+        keys = read_keys(tr, labels, f"--labels {labels}")
     else:
         grans = parse_list(granularity or "token", "--granularity", str, choices=GRANULARITIES)
         keys = checkpoint_keys(tr, parse_checkpoints(checkpoints), grans)

@@ -1,14 +1,19 @@
-"""A Trace directory's manifest and token table, read and checked without torch (``kvdiag.trace.Trace`` opens
-them through this, and the CLI checks ``--trace`` with it before any heavy import)."""
+"""A Trace directory's manifest and token table, read and checked without torch: :class:`TraceFiles` (its shapes,
+lengths and fingerprint) is what the CLI checks ``--trace`` and the tables made from it with before any heavy import;
+``kvdiag.trace.Trace`` adds the tensors on top of it."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+from functools import cached_property
 from pathlib import Path
-
-import polars as pl
+from typing import TYPE_CHECKING
 
 from kvdiag.errors import UserError
+
+if TYPE_CHECKING:  # polars loads once the manifest is read: a missing or corrupt one is refused without it
+    import polars as pl
 
 MANIFEST_KEYS = ("prompts", "model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "scale")
 
@@ -35,6 +40,8 @@ def read_trace_files(path: str | Path) -> tuple[dict, pl.DataFrame]:
     if missing or not isinstance(m["prompts"], dict) or not isinstance(m["model"], dict):
         raise UserError(f"--trace {path}: manifest.json is not a kvdiag Trace manifest (missing or malformed: "
                         f"{', '.join(missing) or 'prompts/model'}); re-run `kvdiag trace` into a new directory")
+    import polars as pl
+
     try:
         tokens_df: pl.DataFrame = pl.read_parquet(tokens)
     except Exception as err:  # polars raises many types for corrupt files
@@ -44,3 +51,55 @@ def read_trace_files(path: str | Path) -> tuple[dict, pl.DataFrame]:
         raise UserError(f"--trace {path}: tokens.parquet lacks the column(s) {', '.join(sorted(missing))}; "
                         "the Trace is corrupt")
     return manifest, tokens_df
+
+
+class TraceFiles:
+    """A Trace directory's manifest and tokens (no tensors, no torch): its prompts, their lengths, the model's
+    shape and the fingerprint that tables made from it record."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.manifest, self.tokens = read_trace_files(self.path)
+        m = self.manifest
+        self.prompt_ids: list[str] = list(m["prompts"])
+        self.num_layers, self.num_heads = m["num_layers"], m["num_heads"]
+        self.num_kv_heads, self.head_dim, self.scale = m["num_kv_heads"], m["head_dim"], m["scale"]
+
+    def _prompt(self, pid: str) -> dict:
+        if pid not in self.manifest["prompts"]:
+            raise UserError(f"prompt {pid!r} is not in the Trace {self.path}; it has "
+                            f"{', '.join(self.prompt_ids[:5])}...")
+        return self.manifest["prompts"][pid]
+
+    def length(self, pid: str) -> int:
+        """T: prompt plus generated tokens."""
+        return self._prompt(pid)["length"]
+
+    def prompt_len(self, pid: str) -> int:
+        return self._prompt(pid)["prompt_len"]
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Identifies the traced content: the model's weights hash, then each prompt id (sorted) and its token ids in
+        position order as little-endian int64 bytes."""
+        import polars as pl
+
+        h = hashlib.sha256(self.manifest["model"]["weights_hash"].encode())
+        for pid in sorted(self.prompt_ids):
+            self._prompt(pid)
+            ids = self.tokens.filter(pl.col("prompt_id") == pid).sort("position")["token_id"]
+            h.update(pid.encode())
+            h.update(ids.cast(pl.Int64).to_numpy().astype("<i8").tobytes())
+        return h.hexdigest()[:16]
+
+    @property
+    def provenance(self) -> dict:
+        """What outputs derived from this Trace record about it."""
+        return {"path": str(self.path), "fingerprint": self.fingerprint, "model": self.manifest["model"]["spec"]}
+
+    def check_belongs(self, meta: dict, what: str) -> None:
+        """Refuse a table whose metadata names another Trace."""
+        other = (meta.get("trace") or {}).get("fingerprint")
+        if other is not None and other != self.fingerprint:
+            raise UserError(f"{what} was made from another Trace (fingerprint {other}, this one {self.fingerprint}); "
+                            "pass the matching --trace")

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 
 import polars as pl
@@ -14,7 +12,7 @@ from safetensors import safe_open
 from kvdiag.adapters import LayerAttention, ModelAttention
 from kvdiag.attention import attention_rows
 from kvdiag.errors import UserError
-from kvdiag.trace.manifest import MANIFEST_KEYS, read_trace_files  # noqa: F401  (the reader's API)
+from kvdiag.trace.manifest import MANIFEST_KEYS, TraceFiles, read_trace_files  # noqa: F401  (the reader's API)
 from kvdiag.trace.writer import STORAGE_DTYPES, layer_file, stored_names
 
 REBUILD_CHUNK = 8192  # prefill positions per forward when rebuilding: bounds activations ([chunk, T] scores)
@@ -29,18 +27,15 @@ class LayerQKV:
     v: torch.Tensor
 
 
-class Trace:
+class Trace(TraceFiles):
     """Opens a Trace directory; tensors are read per (prompt, layer) on demand. What a ``--store`` mode did not
     write is rebuilt by one teacher-forced prefill per prompt through ``model`` (a LoadedModel), or through the
-    manifest's model, loaded on first need and checked against its weights hash."""
+    manifest's model, loaded on first need and checked against its weights hash. The manifest, lengths and
+    fingerprint: :class:`~kvdiag.trace.manifest.TraceFiles`."""
 
     def __init__(self, path: str | Path, model=None):
-        self.path = Path(path)
-        self.manifest, self.tokens = read_trace_files(self.path)
+        super().__init__(path)
         m = self.manifest
-        self.prompt_ids: list[str] = list(m["prompts"])
-        self.num_layers, self.num_heads = m["num_layers"], m["num_heads"]
-        self.num_kv_heads, self.head_dim, self.scale = m["num_kv_heads"], m["head_dim"], m["scale"]
         # per-layer semantics (window, softcap, sinks) recorded from kvdiag.adapters; older Traces: plain causal
         self.attention_layers: list[LayerAttention] = ModelAttention.layers_from_info(
             m["model"].get("attention"), self.num_layers, self.scale)
@@ -56,19 +51,6 @@ class Trace:
     def layer_attention(self, layer: int) -> LayerAttention:
         """The attention semantics of ``layer`` (scale, sliding window, softcap, sinks), as recorded."""
         return self.attention_layers[layer]
-
-    def _prompt(self, pid: str) -> dict:
-        if pid not in self.manifest["prompts"]:
-            raise UserError(f"prompt {pid!r} is not in the Trace {self.path}; it has "
-                            f"{', '.join(self.prompt_ids[:5])}...")
-        return self.manifest["prompts"][pid]
-
-    def length(self, pid: str) -> int:
-        """T: prompt plus generated tokens."""
-        return self._prompt(pid)["length"]
-
-    def prompt_len(self, pid: str) -> int:
-        return self._prompt(pid)["prompt_len"]
 
     def token_ids(self, pid: str) -> torch.Tensor:
         """LongTensor [T]."""
@@ -157,27 +139,6 @@ class Trace:
         pos = torch.as_tensor(query_positions, dtype=torch.long)
         qkv = self.layer(pid, layer)
         return attention_rows(qkv.q[:, pos], qkv.k, pos, self.layer_attention(layer), key_limit=key_limit)
-
-    @cached_property
-    def fingerprint(self) -> str:
-        """Identifies the traced content: model weights and every prompt's token ids."""
-        h = hashlib.sha256(self.manifest["model"]["weights_hash"].encode())
-        for pid in sorted(self.prompt_ids):
-            h.update(pid.encode())
-            h.update(self.token_ids(pid).numpy().tobytes())
-        return h.hexdigest()[:16]
-
-    @property
-    def provenance(self) -> dict:
-        """What outputs derived from this Trace record about it."""
-        return {"path": str(self.path), "fingerprint": self.fingerprint, "model": self.manifest["model"]["spec"]}
-
-    def check_belongs(self, meta: dict, what: str) -> None:
-        """Refuse a table whose metadata names another Trace."""
-        other = (meta.get("trace") or {}).get("fingerprint")
-        if other is not None and other != self.fingerprint:
-            raise UserError(f"{what} was made from another Trace (fingerprint {other}, this one {self.fingerprint}); "
-                            "pass the matching --trace")
 
 
 @torch.no_grad()

@@ -29,7 +29,7 @@ from kvdiag.distributed import Group, parse_shard
 from kvdiag.errors import UserError
 from kvdiag.io import check_writable, write_json
 from kvdiag.models import LoadedModel, check_device, load_model, parse_dtype
-from kvdiag.parsing import STORAGE_DTYPE_NAMES, STORE_WORDS, parse_store  # noqa: F401  (the writer's API)
+from kvdiag.parsing import STORAGE_DTYPE_NAMES, STORE_WORDS, parse_store, store_spec  # noqa: F401  (the writer's API)
 from kvdiag.parts import PartStore
 from kvdiag.progress import progress_bar
 from kvdiag.prompts import Prompt, encode_prompt
@@ -40,17 +40,6 @@ from kvdiag.trace.settings import GenerationSettings  # noqa: F401  (the writer'
 
 FORMAT_VERSION = 1
 STORAGE_DTYPES = {name: getattr(torch, name) for name in STORAGE_DTYPE_NAMES}
-
-
-def store_spec(value: str, num_layers: int) -> dict:
-    """The manifest's ``store``: ``{"mode", "layers"}``; ``layers`` lists the layers whose files exist
-    (all of them for ``all`` and ``kv``, none for ``none``)."""
-    mode, layers = parse_store(value)
-    if layers is not None and (bad := [l for l in layers if l >= num_layers]):
-        raise UserError(f"--store {value}: layer {bad[0]} does not exist; the model has layers 0..{num_layers - 1}")
-    if layers is None:
-        layers = [] if mode == "none" else list(range(num_layers))
-    return {"mode": mode, "layers": layers}
 
 
 def stored_names(store: dict, layer: int) -> tuple[str, ...]:

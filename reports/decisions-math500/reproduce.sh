@@ -23,7 +23,7 @@ for m in smollm2 gemma3; do
 done
 # stochastic against deterministic selection: VaSE and two other rules, 4 draws per checkpoint
 $K decisions --trace $D/smollm2-trace --scores $D/smollm2-scores-head.parquet --keep 0.5,0.25,0.125 \
-    --infeasible skip --horizon 8 --selection stochastic:0.1 --samples 4 --scorers vase,rkv,attention \
+    --infeasible skip --horizon 8 --selection stochastic:0.1 --draws 4 --scorers vase,rkv,attention \
     --references random --pairs 0 --out $D/smollm2-stochastic
 # the committed report: the summaries, figures and tables (the parquet inputs are regenerated above)
 for m in smollm2 smollm2-stochastic gemma3; do

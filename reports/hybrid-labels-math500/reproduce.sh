@@ -18,3 +18,5 @@ for f in 0.1 0.2; do
         --out $R/bench-hybrid-$f.json
 done
 .venv/bin/python $R/analyze.py
+# the committed inputs of report.md (what analyze.py reads, tests/test_reports.py regenerates report.md from them)
+.venv/bin/python $R/inputs.py

@@ -2,7 +2,8 @@
 
 Reads the rank-eval metrics of the short-trace report (reports/math500-smollm2) and of this one and writes
 comparison.md: per rule and metric (macro over checkpoints, 95% cluster-bootstrap CIs as rank-eval gives
-them) the value and the rule's rank in each report, and Kendall's tau between the two orderings.
+them) the value and the rule's rank in each report, and Kendall's tau between the two orderings with its exact p
+(``kvdiag.stats.kendall``: the permutation distribution of tau over the rules; ranks have no ties).
 Run from the repository root: .venv/bin/python reports/math500-long/compare.py
 """
 
@@ -11,7 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import polars as pl
-from scipy.stats import kendalltau
+
+from kvdiag.stats import format_p, kendall
 
 SHORT = Path("reports/math500-smollm2/rank-eval/metrics.csv")
 LONG = Path("reports/math500-long/rank-eval/metrics.csv")
@@ -43,10 +45,11 @@ def main(short: Path = SHORT, long: Path = LONG, out: Path = OUT) -> None:
              f"Scope: {SCOPE} (mean over checkpoints); CIs: 95% cluster bootstrap from rank-eval. Rank 1 = best.", ""]
     for metric in METRICS:
         both = ranked(short, long, metric)
-        tau = kendalltau(both["rank"], both["rank_long"])
+        tau = kendall(both["rank"].to_numpy(), both["rank_long"].to_numpy())
         lines += [f"## {metric}", "",
-                  f"Kendall's tau between the two orderings: {tau.statistic:.2f} (p = {tau.pvalue:.2g}, "
-                  f"{both.height} rules; checkpoints with a value: {both['n'][0]} short, {both['n_long'][0]} long).",
+                  f"Kendall's tau between the two orderings: {tau['tau']:.2f} "
+                  f"({tau['test']} p = {format_p(tau['p_value'])}, "
+                  f"{tau['n']} rules; checkpoints with a value: {both['n'][0]} short, {both['n_long'][0]} long).",
                   "",
                   "| rule | short | rank | long | rank | change |", "|---|---:|---:|---:|---:|---:|"]
         for r in both.iter_rows(named=True):

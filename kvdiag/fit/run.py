@@ -1,0 +1,221 @@
+"""``kvdiag fit``'s stage: the features, the grouped cross-validation, the ranking and model.json (the package
+docstring says what the ceiling is)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from kvdiag.errors import UserError
+from kvdiag.fit.config import FitConfig, check_config
+from kvdiag.io import write_csv, write_json, write_table, write_text
+from kvdiag.provenance import provenance
+
+MODELS = ("fitted_logreg", "fitted_gbt")
+
+
+def feature_table(trace, keys: pl.DataFrame, names: tuple[str, ...], progress: bool = False) -> pl.DataFrame:
+    """The label keys with one column per feature (token rows: mean over layers and KV heads)."""
+    from kvdiag.scorers import score_trace
+    from kvdiag.scorers.entry_features import EntryFeature
+
+    df, _ = score_trace(trace, keys=keys, scorers={n: EntryFeature(feature=n) for n in names}, aggregation="mean_raw",
+                        progress=progress)
+    return df
+
+
+def _labels_y(labels: pl.DataFrame, cfg: FitConfig) -> tuple[pl.DataFrame, np.ndarray, float]:
+    """The evaluated labels (resolved unless include_unresolved) and their harm label, as rank-eval makes them."""
+    labels = cfg.harm_spec.analysed(labels)
+    kl = labels["kl_mean"].to_numpy()
+    threshold = cfg.harm_spec.threshold(kl)
+    y = (kl > threshold).astype(int)
+    if y.min() == y.max():
+        raise UserError(f"--harm {cfg.harm} leaves one class only among {len(y)} labels: choose another threshold")
+    return labels, y, threshold
+
+
+def _models(cfg: FitConfig):
+    from sklearn.ensemble import HistGradientBoostingClassifier
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    return {
+        "fitted_logreg": make_pipeline(StandardScaler(), LogisticRegression(C=cfg.logreg_c, max_iter=2000)),
+        "fitted_gbt": HistGradientBoostingClassifier(max_iter=cfg.gbt_max_iter, learning_rate=cfg.gbt_learning_rate,
+                                                     max_leaf_nodes=cfg.gbt_max_leaf_nodes, random_state=cfg.seed),
+    }
+
+
+def fit_ceiling(trace, labels: pl.DataFrame, scores: pl.DataFrame | None, out: str | Path, cfg: FitConfig,
+                labels_meta: dict | None = None, scores_meta: dict | None = None, progress: bool = False) -> dict:
+    """Fit, cross-validate and rank the ceiling models; write the outputs into ``out`` and return the summary.
+
+    Outputs: ``features.parquet`` (keys, features, label), ``oof_scores.parquet`` (keys, the models' out-of-fold
+    keep scores ``P(harmful)``: keep what would hurt to evict, and the hand-made rules' scores),
+    ``metrics.csv``/``table.md`` (rank-eval of all),
+    ``importances.csv``, ``model.json`` (the logistic regression on all entries), ``config.json``.
+    """
+    from kvdiag.rankeval import KEYS
+
+    names = check_config(cfg)
+    t0 = time.perf_counter()
+    labels = _token_labels(labels)
+    feats = feature_table(trace, _labels_y(labels, cfg)[0].select(KEYS), names, progress)
+    return fit_features(feats, labels, scores, out, cfg, labels_meta, scores_meta, getattr(trace, "provenance", None),
+                        t0)
+
+
+def _token_labels(labels: pl.DataFrame) -> pl.DataFrame:
+    labels = labels.filter(pl.col("granularity") == "token")
+    if labels.height == 0:
+        raise UserError("the labels hold no token-granularity rows: fit learns the token label; label with "
+                        "--granularity token")
+    return labels
+
+
+def fit_features(feats: pl.DataFrame, labels: pl.DataFrame, scores: pl.DataFrame | None, out: str | Path,
+                 cfg: FitConfig, labels_meta: dict | None = None, scores_meta: dict | None = None,
+                 trace_provenance: dict | None = None, t0: float | None = None) -> dict:
+    """:func:`fit_ceiling` from the features already computed: ``feats`` holds the keys of the analysed token labels,
+    in their order, and one column per feature (``feature_table``; a run's ``features.parquet``). No Trace, no model:
+    the report's tables regenerate from the committed features (tests/test_reports.py)."""
+    from kvdiag.rankeval import KEYS, to_markdown
+
+    names = check_config(cfg)
+    out = Path(out)
+    t0 = time.perf_counter() if t0 is None else t0
+    labels, y, threshold = _labels_y(_token_labels(labels), cfg)
+    if feats.select(KEYS).rows() != labels.select(KEYS).rows():
+        raise UserError("the features' keys are not the analysed token labels' (in their order): compute them from "
+                        "these labels")
+    X = feats.select(names).to_numpy().astype(float)
+    groups = labels["prompt_id"].to_numpy()
+    n_prompts = len(np.unique(groups))
+    if n_prompts < 2:
+        raise UserError(f"the labels cover {n_prompts} prompt: grouped cross-validation needs at least 2 prompts")
+    oof, importance = cross_validate(X, y, groups, cfg)
+
+    ranked = labels.select(KEYS).with_columns(pl.Series(m, oof[m]) for m in MODELS)  # keep what is likely harmful
+    if scores is not None:
+        rules = [c for c in scores.columns if c not in KEYS and c not in MODELS]
+        ranked = ranked.join(scores.select(*KEYS, *rules), on=list(KEYS), how="left")
+    result = rank_fitted(labels, ranked, cfg, scores_meta)
+
+    final = _models(cfg)["fitted_logreg"].fit(X, y)
+    scaler, logreg = final[0], final[-1]
+    imp = importance_table(names, final, importance)
+    model = {
+        "kind": "kvdiag_fitted_logreg", **provenance(), "features": list(names),
+        "mean": scaler.mean_.tolist(), "scale": scaler.scale_.tolist(), "coef": logreg.coef_[0].tolist(),
+        "intercept": float(logreg.intercept_[0]), "harm": cfg.harm, "harm_threshold": threshold,
+        "aggregation": cfg.aggregation, "trained_on": {"n": len(y), "n_harmful": int(y.sum()), "prompts": n_prompts},
+        "labels": labels_meta, "trace": trace_provenance,
+    }
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_table(
+        feats.select(*KEYS, *names).with_columns(harmful=pl.Series(y)), out / "features.parquet",
+        {"kind": "fit_features", "features": list(names)},
+    )
+    write_table(ranked, out / "oof_scores.parquet", {"kind": "scores", "trace": (labels_meta or {}).get("trace"),
+                                                     "scorers": {**((scores_meta or {}).get("scorers") or {}),
+                                                                 **{m: {"out_of_fold": True} for m in MODELS}}})
+    write_csv(result.metrics, out / "metrics.csv")
+    write_text(out / "table.md", to_markdown(result, "pooled"))
+    write_csv(imp, out / "importances.csv")
+    write_json(out / "model.json", model)
+    summary = {
+        "n": len(y), "n_harmful": int(y.sum()), "harm_threshold": threshold, "prompts": n_prompts,
+        "folds": min(cfg.n_splits, n_prompts), "features": list(names), "seconds": round(time.perf_counter() - t0, 1),
+        "rank_eval": result.summary,
+    }
+    write_json(out / "config.json", {"command": "fit", **provenance(), "config": asdict(cfg),
+                                     "summary": summary, "inputs": {"labels": labels_meta, "scores": scores_meta}})
+    return {"summary": summary, "metrics": result.metrics, "importances": imp, "result": result}
+
+
+def cross_validate(X: np.ndarray, y: np.ndarray, groups: np.ndarray, cfg: FitConfig) -> tuple[dict, dict]:
+    """Each model over ``min(n_splits, prompts)`` folds grouped by prompt: features ``X [N, F]``, harm labels
+    ``y [N]``, prompts ``groups [N]``. Returns ``({model: out-of-fold P(harmful) [N]}, {model: permutation AUROC
+    drop [F]})``, the drops averaged over folds weighted by their held-out rows (5 seeded repeats per fold)."""
+    from sklearn.inspection import permutation_importance
+    from sklearn.model_selection import GroupKFold
+
+    folds = GroupKFold(n_splits=min(cfg.n_splits, len(np.unique(groups))))
+    oof = {m: np.zeros(len(y)) for m in MODELS}
+    importance = {m: np.zeros(X.shape[1]) for m in MODELS}
+    for train, test in folds.split(X, y, groups):
+        for name, model in _models(cfg).items():
+            model.fit(X[train], y[train])
+            oof[name][test] = model.predict_proba(X[test])[:, 1]
+            imp = permutation_importance(model, X[test], y[test], scoring="roc_auc", n_repeats=5, random_state=cfg.seed)
+            importance[name] += imp.importances_mean * len(test) / len(y)
+    return oof, importance
+
+
+def importance_table(names: tuple[str, ...], final, importance: dict[str, np.ndarray]) -> pl.DataFrame:
+    """importances.csv: per feature the standardized coefficient of the logistic regression fitted on every entry
+    (``final``, a scaler + logistic regression pipeline) and each model's out-of-fold permutation AUROC drop
+    (:func:`cross_validate`), by the trees' drop."""
+    std_coef = dict(zip(names, final[-1].coef_[0].tolist(), strict=True))
+    return pl.DataFrame({
+        "feature": list(names), "logreg_std_coef": [std_coef[n] for n in names],
+        "logreg_permutation_auroc_drop": importance["fitted_logreg"].tolist(),
+        "gbt_permutation_auroc_drop": importance["fitted_gbt"].tolist(),
+    }).sort("gbt_permutation_auroc_drop", descending=True)
+
+
+def fit_files(trace: str | Path, labels: str | Path, scores: str | Path | None, out: str | Path, cfg: FitConfig,
+              progress: bool = True) -> dict:
+    """What ``kvdiag fit`` runs: read the Trace, labels and (optional) scores, refuse inputs that do not belong
+    together or an unwritable ``out`` before any work, then :func:`fit_ceiling`."""
+    from kvdiag.contracts import read_labels, read_scores
+    from kvdiag.io import check_writable
+    from kvdiag.rankeval import check_inputs
+    from kvdiag.trace.manifest import TraceFiles
+
+    check_config(cfg)
+    check_writable(out, "--out", "dir")
+    trace_files = TraceFiles(trace)
+    label_df, label_meta = read_labels(labels)
+    score_df, score_meta = read_scores(scores) if scores is not None else (None, None)
+    if scores is not None:
+        check_inputs(label_meta, score_meta)
+    trace_files.check_belongs(label_meta, f"--labels {labels}")
+    from kvdiag.trace import Trace  # torch, once the arguments and files are checked
+
+    tr = Trace(trace)
+    return fit_ceiling(
+        tr, label_df, score_df, out, cfg, labels_meta=label_meta, scores_meta=score_meta, progress=progress
+    )
+
+
+def rank_fitted(labels: pl.DataFrame, ranked: pl.DataFrame, cfg: FitConfig, scores_meta: dict | None = None):
+    """rank-eval of the out-of-fold scores ``ranked`` (a run's oof_scores.parquet) beside the rules, against the
+    analysed token rows of ``labels``, with ``fitted_logreg`` as the reference: what metrics.csv and table.md hold."""
+    from kvdiag.rankeval import rank_eval
+
+    return rank_eval(
+        cfg.harm_spec.analysed(_token_labels(labels)), ranked, harm=cfg.harm, include_unresolved=cfg.include_unresolved,
+        noise_mult=cfg.noise_mult, n_boot=cfg.n_boot, seed=cfg.seed, reference="fitted_logreg", granularity="token",
+        scores_meta=scores_meta,
+    )
+
+
+def load_summary(path: str | Path) -> dict:
+    """What ``kvdiag fit`` wrote into the directory ``path``: ``{"config": config.json, "table.md": text,
+    "importances": DataFrame}``; an unfinished directory is a ``UserError``."""
+    from kvdiag.io import read_json
+
+    path = Path(path)
+    missing = [f for f in ("config.json", "table.md", "importances.csv") if not (path / f).is_file()]
+    if missing:
+        raise UserError(f"{', '.join(missing)} missing (kvdiag fit did not finish)")
+    return {"config": read_json(path / "config.json", "config.json"), "table.md": (path / "table.md").read_text(),
+            "importances": pl.read_csv(path / "importances.csv")}
