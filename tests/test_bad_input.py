@@ -668,6 +668,11 @@ CASES: list[tuple[str, list[str], str]] = [
     ("replay-suite-max-new-tokenized", ["replay", "--scorer", "rkv", "--model", "tiny:llama", "--prompts",
                                         "builtin:recall:2", "--max-new-tokens", "60", "--out", "{out}"],
      "reads its needed value 123 tokens (its expected text, tokenized)"),
+    # ---- #44 sliding windows under a bounded cache (replay and kvdiag.generate share Policy.check_model)
+    ("replay-sliding-budget-evicts-nothing", ["replay", "--scorer", "streamingllm", "--model", "tiny:mistral_sw",
+                                              "--budget", "7", "--out", "{out}"], "evicts nothing"),
+    ("replay-sliding-per-token", ["replay", "--scorer", "rkv", "--model", "tiny:gemma3", "--budget", "32",
+                                  "--selection", "per-token", "--out", "{out}"], "per-token keeps one set"),
 ]
 
 PLUGINS = {  # file name -> source; line numbers matter (the messages name them)
@@ -705,6 +710,7 @@ HEAVY: dict[str, str] = {
     "replay-suite-length": "each prompt's token count is the input checked: " + NEEDS_TOKENIZER,
     "replay-suite-max-new-tokenized": "the exact count of the answer's tokens is the input checked: " + NEEDS_TOKENIZER,
     "replay-budget-protected": NEEDS_MODEL,
+    "replay-sliding-budget-evicts-nothing": NEEDS_MODEL, "replay-sliding-per-token": NEEDS_MODEL,
     **{name: NEEDS_PLUGIN for name, _, _ in CASES if "-plugin-" in name and name != "score-plugin-missing"},
     "score-plugin-raises": NEEDS_SCORES, "score-plugin-returns-list": NEEDS_SCORES,
     "label-other-model": "the Trace's model is told from another by its weights hash: " + NEEDS_MODEL,

@@ -49,7 +49,7 @@ class _Masked:
 _MASKED: ContextVar[_Masked | None] = ContextVar("kvdiag_soft_mask", default=None)
 
 
-def _soft_mask_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def _soft_mask_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """query [1, Hq, W, d], key/value [1, Hkv, W, d] (the horizon tokens) over the shared prefix whose entries are
     weighted by the keep mask, dense and differentiable, with the layer's window, softcap and sinks -> [1, W, Hq, d]."""
     rec = _MASKED.get()

@@ -61,7 +61,7 @@ class _Pass:
 _PASS: ContextVar[_Pass | None] = ContextVar("kvdiag_fisher_pass", default=None)
 
 
-def _fisher_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def _fisher_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """query [1, Hq, W, d], key/value [1, Hkv, W, d] (the horizon tokens) over the shared prefix, dense and
     differentiable, with the layer's semantics -> [1, W, Hq, d]."""
     rec = _PASS.get()

@@ -45,7 +45,7 @@ class EvictionBatch:
 _BATCH: ContextVar[EvictionBatch | None] = ContextVar("kvdiag_eviction_batch", default=None)
 
 
-def evict_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def evict_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """query [N, H, W, d], key/value [N, Hkv, W, d] (the rows' suffixes) -> [N, W, H, d]."""
     batch = _BATCH.get()
     if batch is None:
