@@ -101,7 +101,7 @@ def grade(bench: bench_mod.Benchmark, rules: dict, lm, out: Path, show_progress:
     timings["rank-eval"] = time.perf_counter() - start
     write_csv(result.metrics, out / "metrics.csv")
     budgets = tuple(_budget(b) for b in s["budgets"])
-    cfg = DecisionsConfig(budgets=budgets, selection=s["selection"], horizon=int(s["horizon"]), references=(),
+    cfg = DecisionsConfig(budgets=budgets, selection=s["selection"], horizon=s["horizon"], references=(),
                           pairs=0, infeasible="skip", seed=int(s["seed"]), n_boot=int(s.get("n_boot", 1000)),
                           harm=HarmSpec.from_config(harm))
     start = time.perf_counter()

@@ -93,6 +93,28 @@ def parse_checkpoints(spec: str, flag: str = "--checkpoints") -> int | list[int]
     return sorted(positions)
 
 
+REST = "rest"  # a horizon that runs to the end of each prompt's trace
+
+
+def parse_horizon(spec: str | int, flag: str = "--horizon") -> int | str:
+    """``N`` (teacher-forced steps, a positive integer) or ``rest`` (to the end of each prompt's trace: a label at
+    checkpoint t of a prompt of length T gets T - t steps). Returns the int or ``REST``."""
+    text = str(spec).strip().lower()
+    if text == REST:
+        return REST
+    if not re.fullmatch(r"[+-]?\d+", text):
+        raise UserError(f"{flag} {spec}: use a positive number of teacher-forced steps (e.g. 16) or rest (to the end "
+                        "of each prompt)")
+    if int(text) < 1:
+        raise UserError(f"{flag} {spec}: must be a positive number of teacher-forced steps (e.g. 16) or rest")
+    return int(text)
+
+
+def horizon_steps(horizon: int | str, t: int, length: int) -> int:
+    """The steps a label at checkpoint ``t`` of a prompt of ``length`` tokens gets: N, or ``length - t`` (rest)."""
+    return length - t if horizon == REST else int(horizon)
+
+
 def parse_ints(values: list[str] | None, flag: str) -> list[int] | None:
     """A repeatable comma-separated option of indices >= 0, each once (None when not given)."""
     return parse_list(values, flag, int, low=0, example="0,5,11") or None

@@ -26,6 +26,9 @@ CHECKPOINTS = f"every:{CHECKPOINT_INTERVAL}"
 W_OBS = 32  # observation window W_obs: the queries [t - W_obs, t) a compressor reads
 W_DELAY = 128  # AvoKV-E's delay buffer: one compression interval
 HORIZON = 16  # teacher-forced steps H of a label
+# a label's H steps run in chunks of this many (kvdiag.label.engine): the logits of one chunk are alive at a time, so
+# memory does not grow with H beyond the rows' continuation caches; at H <= CHUNK one forward, as before chunking
+CHUNK = 16
 HARM = "quantile:0.9"  # harmful: kl_mean above the 0.9-quantile of the analysed labels (kvdiag.harm)
 NOISE_MULT = 1.0  # unresolved: kl_mean <= NOISE_MULT x the checkpoint's noise floor
 N_BOOT = 1000  # cluster-bootstrap resamples over prompts

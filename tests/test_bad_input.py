@@ -665,6 +665,20 @@ CASES: list[tuple[str, list[str], str]] = [
                                    "--outcomes", f"{{replay_{kind}}}", "--out", "{out}"], needle)
       for kind, needle in (("nan", "NaN or infinite"), ("dup", "repeat"), ("nometa", "does not record the replay"),
                            ("tf", "is a teacher_forced replay"))],
+    # ---- #42 long horizons (--horizon 0 and a fixed N past the trace: label-horizon-0, label-horizon-long above)
+    ("label-horizon-abc", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", "--horizon", "abc"],
+     "--horizon abc"),
+    ("label-horizon-negative", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", "--horizon", "-3"],
+     "--horizon -3"),
+    ("label-horizon-past-shortest", ["label", "--trace", "{trace}", *FITS[:4], "--out", "{out}/l.parquet",
+                                     "--horizon", "{shortest}"], "reaches beyond the end of prompt"),
+    ("label-chunk-0", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--chunk", "0"],
+     "--chunk 0"),
+    ("decisions-horizon-abc", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5", "--horizon",
+                               "abc", "--out", "{out}"], "--horizon abc"),
+    ("decisions-horizon-0", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5", "--horizon",
+                             "0", "--out", "{out}"], "--horizon 0"),
+    ("bench-label-chunk-0", ["bench", "label", "--horizon", "64", "--chunk", "0"], "--chunk 0"),
     # ---- decisions' searched references (issue #41)
     ("decisions-search-rows-0", ["decisions", "--trace", "{trace}", "--scores", "{head_scores}", "--keep", "0.5",
                                  "--references", "oracle_search", "--search-rows", "0", "--out", "{out}"],
@@ -698,6 +712,11 @@ CASES: list[tuple[str, list[str], str]] = [
     ("replay-suite-max-new-tokenized", ["replay", "--scorer", "rkv", "--model", "tiny:llama", "--prompts",
                                         "builtin:recall:2", "--max-new-tokens", "60", "--out", "{out}"],
      "reads its needed value 123 tokens (its expected text, tokenized)"),
+    # ---- #44 sliding windows under a bounded cache (replay and kvdiag.generate share Policy.check_model)
+    ("replay-sliding-budget-evicts-nothing", ["replay", "--scorer", "streamingllm", "--model", "tiny:mistral_sw",
+                                              "--budget", "7", "--out", "{out}"], "evicts nothing"),
+    ("replay-sliding-per-token", ["replay", "--scorer", "rkv", "--model", "tiny:gemma3", "--budget", "32",
+                                  "--selection", "per-token", "--out", "{out}"], "per-token keeps one set"),
 ]
 
 PLUGINS = {  # file name -> source; line numbers matter (the messages name them)
@@ -735,6 +754,7 @@ HEAVY: dict[str, str] = {
     "replay-suite-length": "each prompt's token count is the input checked: " + NEEDS_TOKENIZER,
     "replay-suite-max-new-tokenized": "the exact count of the answer's tokens is the input checked: " + NEEDS_TOKENIZER,
     "replay-budget-protected": NEEDS_MODEL,
+    "replay-sliding-budget-evicts-nothing": NEEDS_MODEL, "replay-sliding-per-token": NEEDS_MODEL,
     **{name: NEEDS_PLUGIN for name, _, _ in CASES if "-plugin-" in name and name != "score-plugin-missing"},
     "score-plugin-raises": NEEDS_SCORES, "score-plugin-returns-list": NEEDS_SCORES,
     "rank-eval-eligible-unknown": "--eligible names a scorer whose protected() is read (torch): " + STAGE,
@@ -779,6 +799,7 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
         assert exc.value.code == 0
     p = {"trace": str(trace.path), "labels": str(labels), "scores": str(scores), "run": str(root / "run"),
          "head_scores": str(root / "run" / "head-scores.parquet")}
+    p["shortest"] = str(min(trace.length(pid) for pid in trace.prompt_ids))  # a horizon past one prompt's end
     (root / "file").write_text("a regular file\n")
     p["file"] = str(root / "file")
     (root / "empty").mkdir()

@@ -9,7 +9,7 @@ import torch
 from scipy.stats import binomtest
 
 import kvdiag.cli.main
-import kvdiag.replay.live
+import kvdiag.generate.live
 import kvdiag.selection
 from kvdiag.decisions import Budget, DecisionsConfig, decide, summarize_files
 from kvdiag.decisions.sets import rule_set
@@ -56,7 +56,7 @@ def decided(run):
 
 
 def test_replay_and_decisions_share_one_selection_function():
-    assert kvdiag.replay.live.select_keep is kvdiag.selection.select_keep
+    assert kvdiag.generate.live.select_keep is kvdiag.selection.select_keep
 
 
 def test_every_decision_is_labeled_and_equals_physical_deletion(run, decided):

@@ -300,3 +300,31 @@ def test_oracle_search_without_any_labeled_candidate_says_so(decided):
     assert set(df.filter(pl.col("decision") == "streamingllm")["status"]) == {"over_budget"}
     found = df.filter(pl.col("decision") == "oracle_search")
     assert found.height == 2 and set(found["status"]) == {"no_candidate"} and found["kl_mean"].is_null().all()
+
+
+def test_cli_horizon_rest_with_both_references(decided):
+    """``--horizon rest`` (#42) with future_attention and oracle_search (#41): each row's horizon is T - t, the
+    search's gradient runs over those steps, and future_attention's default window (the horizon) reads every later
+    query of the prompt, as ``--future-window rest`` does."""
+    from kvdiag.cli.main import main
+    from kvdiag.io import write_table
+
+    if decided["lm"].spec != "tiny:llama":
+        pytest.skip("one model is enough for the CLI")
+    root, trace = decided["root"], decided["trace"]
+    scores = write_table(decided["scores"], root / "scores-rest.parquet", decided["meta"])
+    masks = {}
+    for name, extra in (("rest", []), ("window", ["--future-window", "rest"])):
+        with pytest.raises(SystemExit) as exc:
+            main(["decisions", "--trace", str(trace.path), "--scores", str(scores), "--keep", "0.25", "--horizon",
+                  "rest", *extra, "--references", "future_attention,oracle_search", "--search-rows", "8",
+                  "--search-seconds", "30", "--pairs", "0", "--bootstrap", "20", "--quiet", "--out",
+                  str(root / f"cli-{name}")])
+        assert exc.value.code in (0, None)
+        df = read_table(root / f"cli-{name}" / "decisions.parquet")[0]
+        pid = trace.prompt_ids[0]
+        assert (df["horizon"] == trace.length(pid) - df["checkpoint"]).all()
+        refs = df.filter(pl.col("kind") == "reference")
+        assert sorted(set(refs["decision"])) == ["future_attention", "oracle_search"]
+        masks[name] = refs.filter(pl.col("decision") == "future_attention").sort("checkpoint")["evicted_mask"]
+    assert masks["rest"].to_list() == masks["window"].to_list()

@@ -66,7 +66,7 @@ REF_ATTN = "kvdiag_test_gemma3_positions"
 _REF: dict = {}
 
 
-def _positions_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def _positions_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """mode "prefix": the stock SDPA path (transformers' own masks) over positions 0..P-1; the post-RoPE K/V it
     reads are stored per layer (the model's own cache entries).
     mode "horizon": eager attention masked from absolute positions alone (no cache, no transformers mask):

@@ -112,10 +112,15 @@ def test_non_finite_logits_name_the_checkpoint(tiny_llama):
         OracleEngine(lm, _ids(), horizon=H).label(T_CKPT, [Row(1)])
     # the same when only the evicted rows overflow (the full-cache run is finite)
     eng = OracleEngine(tiny_llama, _ids(), horizon=H)
-    evicted = eng.evicted_logits
-    eng.evicted_logits = lambda *args: evicted(*args).index_fill_(2, torch.tensor([3]), float("nan"))
+    chunks = eng._chunks
+
+    def overflowing(t, prefix, exclude, n, *args):  # the candidate batch (2 rows) overflows, the null row does not
+        for span, logits in chunks(t, prefix, exclude, n, *args):
+            yield span, logits.index_fill_(2, torch.tensor([3]), float("nan")) if n == 2 else logits
+
+    eng._chunks = overflowing
     with pytest.raises(UserError, match="checkpoint 40.*float32"):
-        eng.label(T_CKPT, [Row(1)])
+        eng.label(T_CKPT, [Row(1), Row(2)])
 
 
 def test_runner_resumes_without_redoing_items(tiny_llama, tiny_trace, tmp_path):

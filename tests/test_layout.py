@@ -81,8 +81,10 @@ FLOORS = {
     "kvdiag.rankeval": 4,
     "kvdiag.fit": 5,
     "kvdiag.figures": 5,
+    "kvdiag.generate": 5,  # the positioned and evicting caches: replay decodes through them
     "kvdiag.decisions": 6,
     "kvdiag.replay": 6,
+    "kvdiag.kvpress_export": 6,  # kvdiag rules as kvpress presses (over kvdiag.generate)
     "kvdiag.benchmark": 7,
     "kvdiag.grade": 8,
     "kvdiag.viewer": 9,

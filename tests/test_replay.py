@@ -9,11 +9,12 @@ import polars as pl
 import pytest
 import torch
 from transformers import AttentionInterface, GenerationConfig
-from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvdiag.attention import attn_implementation
+from kvdiag.generate import PositionedLayer
+from kvdiag.generate.live import live_scorer_names, top_slots
 from kvdiag.replay import (
     Policy,
     ReplaySettings,
@@ -28,7 +29,6 @@ from kvdiag.replay import (
     select_keep,
     teacher_force,
 )
-from kvdiag.replay.live import live_scorer_names, top_slots
 from kvdiag.scorers import ScoreContext, get_scorer
 from kvdiag.scorers.context import live_attention
 from kvdiag.scorers.normalization import percentile_rank
@@ -58,14 +58,14 @@ def test_budget_covering_the_sequence_equals_greedy_generate(tiny_model, name):
 @pytest.mark.parametrize("selection", ["per-head", "per-token"])
 def test_cache_never_exceeds_budget_plus_interval(tiny_llama, monkeypatch, selection):
     seen = []
-    update = DynamicLayer.update
+    update = PositionedLayer.update
 
     def counting(self, *args, **kwargs):  # what the attention of every forward really reads
         out = update(self, *args, **kwargs)
         seen.append(out[0].shape[-2])
         return out
 
-    monkeypatch.setattr(DynamicLayer, "update", counting)
+    monkeypatch.setattr(PositionedLayer, "update", counting)
     prompt = list(range(40, 110))  # 70 tokens > budget + interval: chunked prefill
     pol = policy("attention", budget=16, interval=8, selection=selection)
     run = decode(tiny_llama, prompt, pol, max_new_tokens=50, keep_history=True)

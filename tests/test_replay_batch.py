@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kvdiag.errors import UserError
+from kvdiag.generate.live import make_scorer
 from kvdiag.replay import Policy, decoding
 from kvdiag.replay.decoding import decode, decode_batch
-from kvdiag.replay.live import make_scorer
 from kvdiag.replay.sampling import Sampling
 
 PROMPTS = [list(range(40 + 7 * r, 70 + 7 * r)) for r in range(4)]  # four prompts of 30 byte tokens

@@ -18,6 +18,7 @@ from kvdiag import parsing
 from kvdiag.cli import common
 from kvdiag.errors import UserError, check_number
 from kvdiag.guard import check_outputs
+from kvdiag.schema import CHUNK, HORIZON
 
 MAX_REPEATS = 1000  # timed runs; more would only hang
 
@@ -26,7 +27,9 @@ def bench_label(
     model: str = common.Model,
     prefix: int = typer.Option(512, "--prefix", help="prefix length P (the checkpoint)"),
     n: int = typer.Option(64, "--n", help="candidate positions N"),
-    horizon: int = typer.Option(16, "--horizon", help="teacher-forced tokens H"),
+    horizon: int = typer.Option(16, "--horizon", help="teacher-forced tokens H; exact token rows at H > 16: the engine "
+                                "at H (chunked) against H = 16, time and peak memory per labeled entry"),
+    chunk: int = typer.Option(CHUNK, "--chunk", help="horizon steps per forward (H > 16)"),
     granularity: str = typer.Option("token", "--granularity", help="token: engine vs naive vs plain; layer | head: "
                                                                    "layer start vs full depth"),
     method: str = typer.Option("exact", "--method", help="exact, or fast | fisher | hybrid: its cost per labeled "
@@ -48,7 +51,7 @@ def bench_label(
     """Oracle engine throughput: vs the naive loop and the plain forward, layer start, or an approximate method."""
     check_outputs({"--out": out})
     for flag, value, example in (("--prefix", prefix, 512), ("--n", n, 64), ("--horizon", horizon, 16),
-                                 ("--repeats", repeats, 3)):
+                                 ("--repeats", repeats, 3), ("--chunk", chunk, 16)):
         if value < 1:
             raise UserError(f"{flag} {value}: must be a positive integer, e.g. {flag} {example}")
     check_number("--repeats", repeats, 1, MAX_REPEATS)
@@ -74,8 +77,9 @@ def bench_label(
         raise UserError("--sets with --method: bench one of them at a time")
     if sets and not 0 < keep < 1:
         raise UserError(f"--keep {keep}: a share of the P entries in (0, 1), e.g. 0.5")
-    if out is not None and method == "exact" and not sets:
-        raise UserError("--out: written for --method and --sets only; drop it")
+    scaling = method == "exact" and not sets and granularity == "token" and horizon > HORIZON
+    if out is not None and method == "exact" and not sets and not scaling:
+        raise UserError(f"--out: written for --method, --sets and --horizon above {HORIZON} only; drop it")
     parsing.check_dtype(dtype)
     parsing.check_device_name(device)
     parsing.check_backend(backend)
@@ -96,6 +100,9 @@ def bench_label(
     console = Console(width=max(120, Console().width))  # piped output defaults to 80 columns
     if sets:
         _bench_sets(console, title, lm, prefix, n, horizon, keep, repeats, backend, out)
+        return
+    if scaling:
+        _bench_horizon(console, title, lm, prefix, n, horizon, repeats, backend, chunk, out)
         return
     if method != "exact":
         params = asdict(hybrid) if hybrid is not None else {"samples": samples}
@@ -166,6 +173,28 @@ def _bench_sets(console, title, lm, prefix, n, horizon, keep, repeats, backend, 
     console.print(f"physical deletion per set {res['physical_seconds_per_set']:.3f} s, batched set row "
                   f"{res['batched_seconds_per_set']:.3f} s: batched speed-up {res['physical_over_batched']:.2f}x")
     _write(out, {**res, "rows": [asdict(r) for r in res["rows"]]})
+
+
+def _bench_horizon(console, title, lm, prefix, n, horizon, repeats, backend, chunk, out) -> None:
+    from kvdiag.label.bench import run_horizon_bench
+
+    res = run_horizon_bench(lm, prefix, n, horizon, HORIZON, repeats, backend=backend, chunk=chunk)
+    table = _table(f"{title}: exact labels at H={horizon} against H={HORIZON}",
+                   ("method", "s", "ms / entry", "tok/s", "peak extra MB"))
+    for r in res.rows:
+        table.add_row(r.method, f"{r.seconds:.2f}", f"{1000 * r.seconds / n:.1f}", f"{r.tokens_per_s:.0f}",
+                      _mb(r.peak_mb))
+    console.print(table)
+    linear = horizon / HORIZON
+    peak = "n/a" if res.peak_ratio is None else f"{res.peak_ratio:.2f}x"
+    console.print(f"cost per labeled entry, H={horizon} / H={HORIZON}: {res.cost_ratio:.2f}x (linear in H: "
+                  f"{linear:g}x; {res.cost_ratio / linear:.2f} of linear); peak extra memory: {peak} (memory budget: "
+                  f"{n} rows x {chunk} steps); the first {HORIZON} steps at H={horizon} differ from H={HORIZON} by at "
+                  f"most {res.max_abs_diff:.1e} nats")
+    _write(out, {"model": lm.spec, "dtype": lm.dtype, "device": str(lm.device), "prefix": prefix, "n": n,
+                 "horizons": res.horizons, "chunk": chunk, "plans": res.plans, "cost_ratio_per_entry": res.cost_ratio,
+                 "linear_ratio": linear, "peak_ratio": res.peak_ratio, "max_abs_diff_first_steps": res.max_abs_diff,
+                 "rows": [asdict(r) for r in res.rows]})
 
 
 def _write(out: str | None, payload: dict) -> None:

@@ -52,12 +52,12 @@ def bench_replay(
     chosen = Selection.parse(selection)
     params = parsing.parse_params(param)
     check_params(params, names)
+    from kvdiag.generate.live import check_live_scorer, make_scorer
+    from kvdiag.generate.policy import Policy
     from kvdiag.io import write_json
     from kvdiag.models import load_model
     from kvdiag.prompts import encode_prompt, load_prompts
     from kvdiag.replay.bench import run_replay_bench
-    from kvdiag.replay.cache import Policy
-    from kvdiag.replay.live import check_live_scorer, make_scorer
     from kvdiag.replay.run import FULL_KV
 
     common.quiet_transformers()

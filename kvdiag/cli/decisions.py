@@ -28,8 +28,8 @@ def decisions(
                                   "head draws its evictions from softmax(-rank / TAU), beside the per-head set)"),
     draws: int | None = typer.Option(None, "--draws", "--samples", help="stochastic selection: draws per (rule, "
                                      "budget, checkpoint) (default 4; --samples is the deprecated name)"),
-    horizon: int | None = typer.Option(None, "--horizon", help="teacher-forced steps per joint label (default: the "
-                                       "labels' horizon, else 16)"),
+    horizon: str | None = typer.Option(None, "--horizon", help="teacher-forced steps per joint label, N or rest (to "
+                                       "the end of each prompt; default: the labels' horizon, else 16)"),
     scorers: list[str] | None = typer.Option(None, "--scorers", help="score columns to grade, comma-separated, "
                                              "repeatable (default: all)"),
     references: list[str] | None = typer.Option(None, "--references", help="oracle_single, oracle_greedy, fast, "
@@ -144,6 +144,7 @@ def _checkpoints(scores, manifest: dict, cfg) -> dict[str, list[int]]:
                         "--checkpoints every:128 --granularity head")
     out: dict[str, list[int]] = {}
     for pid, t in head.sort("prompt_id", "checkpoint").iter_rows():
-        if pid in manifest["prompts"] and t + cfg.horizon <= manifest["prompts"][pid]["length"]:
+        least = 1 if cfg.horizon == parsing.REST else cfg.horizon  # rest: at least one step
+        if pid in manifest["prompts"] and t + least <= manifest["prompts"][pid]["length"]:
             out.setdefault(pid, []).append(int(t))
     return out

@@ -11,7 +11,7 @@ from kvdiag import parsing
 from kvdiag.cli import common
 from kvdiag.errors import UserError
 from kvdiag.guard import check_outputs
-from kvdiag.schema import CHECKPOINTS, HORIZON, W_OBS
+from kvdiag.schema import CHECKPOINTS, CHUNK, HORIZON, W_OBS
 
 
 def label(
@@ -20,13 +20,16 @@ def label(
     out: Path = typer.Option(..., "--out", help="labels.parquet (parts are kept beside it in OUT.parts/)"),
     checkpoints: list[str] = typer.Option([CHECKPOINTS], "--checkpoints", help="every:K (generated tokens) or "
         "absolute positions t1,t2,... (repeatable)"),
-    horizon: int = typer.Option(HORIZON, "--horizon", help="teacher-forced steps H"),
+    horizon: str = typer.Option(str(HORIZON), "--horizon", help="teacher-forced steps H, or rest: each label to the "
+                                "end of its prompt (rows record their H; shorter horizons derive from kl_steps)"),
+    chunk: int = typer.Option(CHUNK, "--chunk", help="horizon steps per forward: memory is one chunk's logits"),
     candidates: str = typer.Option("64", "--candidates", help="N (seeded sample per checkpoint) or all"),
     granularity: str = typer.Option("token", "--granularity", help="token | layer | head"),
     layers: list[str] | None = typer.Option(None, "--layers", help="layer/head granularity: comma-separated layers, "
                                                                    "repeatable (default all)"),
     w_obs: int = typer.Option(W_OBS, "--w-obs", help="every:K starts once W_obs tokens are generated"),
-    batch_size: int = typer.Option(64, "--batch-size", help="candidate rows per forward"),
+    batch_size: int = typer.Option(64, "--batch-size", help="candidate rows per forward (at H <= --chunk; fewer at "
+                                   "longer horizons, holding the memory of a batch)"),
     method: str = typer.Option("exact", "--method", help="exact (the oracle) | fast (the recommended approximate "
         "method, labels every entry in one pass) | fisher | hybrid (fast for every entry, exact for the top M and an "
         "audit sample; docs/labels.md)"),
@@ -70,7 +73,7 @@ def label(
     cfg = LabelConfig(
         checkpoints=parsing.joined(checkpoints), horizon=horizon, candidates=candidates, granularity=granularity,
         layers=parsing.parse_ints(layers, "--layers"), w_obs=w_obs, batch_size=batch_size, seed=seed, backend=backend,
-        method=method, params=params, miss_rate=miss_rate,
+        chunk=chunk, method=method, params=params, miss_rate=miss_rate,
     )
     parsing.parse_shard(shard)
     parsing.check_device_name(device)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from kvdiag.errors import UserError, check_choice
 from kvdiag.harm import HarmSpec
-from kvdiag.parsing import Selection
+from kvdiag.parsing import Selection, horizon_steps, parse_horizon
 from kvdiag.schema import HORIZON, N_BOOT
 
 # the reference decisions every rule is compared with (docs/decisions.md); the default set, and the ones asked for by
@@ -61,7 +61,8 @@ class DecisionsConfig:
         then also gets its deterministic per-head set, to compare); ``kvdiag.selection.select_keep`` decides for
         replay and here.
     samples : stochastic selection: draws per (rule, budget, checkpoint).
-    horizon : teacher-forced steps of each joint label (the labels file's, when one is given).
+    horizon : teacher-forced steps of each joint label, N or ``rest`` (to the end of each prompt; the labels file's,
+        when one is given).
     rules : score columns graded (None: every column of the scores file).
     references : reference decisions computed (:data:`REFERENCES`; oracle_single needs labels of every entry).
     greedy_chunk : ``oracle_greedy`` evicts ``ceil(greedy_chunk * t)`` entries per step (the survivors with the
@@ -75,8 +76,8 @@ class DecisionsConfig:
         rule or reference name, or ``none``.
     batch_size : set rows per forward.
     harm : which single labels are harmless (a superadditive pair's members) and harmful (``kvdiag.harm``).
-    future_window : ``future_attention`` sums the attention of the queries ``t .. t + W - 1``: W (None: the horizon)
-        or ``"rest"`` (to the end of the prompt).
+    future_window : ``future_attention`` sums the attention of the queries ``t .. t + W - 1``: W (None: the horizon's
+        steps) or ``"rest"`` (to the end of the prompt).
     search_rows, search_seconds : ``oracle_search``'s effort per (checkpoint, budget): at most this many set rows
         beyond its candidates', and it starts no new round after this many seconds (0: no time bound).
     """
@@ -84,7 +85,7 @@ class DecisionsConfig:
     budgets: tuple[Budget, ...]
     selection: Selection | str = "per-head"  # a spec string is parsed once, here
     samples: int = 4
-    horizon: int = HORIZON
+    horizon: int | str = HORIZON
     rules: tuple[str, ...] | None = None
     references: tuple[str, ...] = DEFAULT_REFERENCES
     greedy_chunk: float = 0.125
@@ -113,8 +114,7 @@ class DecisionsConfig:
             check_choice(ref, REFERENCES, "--references")
         if not self.budgets:
             raise UserError("no budget to grade: pass --keep or --budget")
-        if self.horizon < 1:
-            raise UserError(f"--horizon {self.horizon}: must be a positive number of teacher-forced steps, e.g. 16")
+        object.__setattr__(self, "horizon", parse_horizon(self.horizon))
         if not 0 < self.greedy_chunk <= 1:
             raise UserError(f"--greedy-chunk {self.greedy_chunk}: a fraction of the checkpoint in (0, 1], e.g. 0.125")
         if self.pairs < 0 or self.pair_candidates < 2:
@@ -137,7 +137,7 @@ class DecisionsConfig:
         """``future_attention``'s number of future queries at checkpoint ``t`` of a prompt of ``length`` tokens."""
         if self.future_window == "rest":
             return length - t
-        return self.horizon if self.future_window is None else int(self.future_window)
+        return horizon_steps(self.horizon, t, length) if self.future_window is None else int(self.future_window)
 
     def check_future(self, manifest: dict, checkpoints: dict[str, list[int]]) -> None:
         """``future_attention`` needs the Trace's stored queries of every layer (``manifest``: the Trace's) and a

@@ -41,6 +41,7 @@ from kvdiag.decisions.sets import (
 )
 from kvdiag.errors import UserError
 from kvdiag.io import check_writable, write_json
+from kvdiag.parsing import REST
 from kvdiag.parts import PartStore, part_name
 from kvdiag.progress import progress_bar
 from kvdiag.provenance import provenance
@@ -102,7 +103,8 @@ def check_oracle_single(labels: pl.DataFrame | None, items: dict[str, list[int]]
                         "oracle_single from --references")
 
 
-def checkpoints_of(scores: pl.DataFrame, trace, horizon: int) -> tuple[dict[str, list[int]], list[tuple[str, int]]]:
+def checkpoints_of(scores: pl.DataFrame, trace,
+                   horizon: int | str) -> tuple[dict[str, list[int]], list[tuple[str, int]]]:
     """(prompt -> the checkpoints whose head rows cover every (layer, KV head, position < t), the checkpoints left
     out because the horizon does not fit before the end of the prompt); a checkpoint whose head rows do not cover
     the cache is a ``UserError``."""
@@ -119,7 +121,7 @@ def checkpoints_of(scores: pl.DataFrame, trace, horizon: int) -> tuple[dict[str,
             raise UserError(f"the scores file holds {n} head rows at checkpoint {t} of {pid!r}, not every entry of "
                             f"every layer and KV head ({L} x {Hkv} x {t}); score every entry: kvdiag score "
                             "--checkpoints ... --granularity head")
-        if t + horizon > trace.length(pid):
+        if t + (1 if horizon == REST else horizon) > trace.length(pid):  # rest: at least one step
             short.append((pid, int(t)))
             continue
         out.setdefault(pid, []).append(int(t))
@@ -274,7 +276,7 @@ def _decide_checkpoint(engine, fisher, lm, pid: str, t: int, scores: dict[str, t
         rows.append({
             "prompt_id": pid, "checkpoint": t, **d, "evicted": t - d["kept"],
             "selection": str(cfg.selection if d["sample"] is not None else deterministic),
-            "horizon": cfg.horizon, "noise_floor": noise,
+            "horizon": engine.steps(t), "noise_floor": noise,
             "sum_single": float(singles[evict].sum()) if token and singles is not None else None,
             "evicted_positions": evict.tolist() if token else None, "evicted_heads": heads.tolist(),
             "evicted_mask": pack_set(evict, L, Hkv, t) if evict is not None else None,

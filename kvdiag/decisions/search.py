@@ -49,7 +49,7 @@ class _Masked:
 _MASKED: ContextVar[_Masked | None] = ContextVar("kvdiag_soft_mask", default=None)
 
 
-def _soft_mask_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def _soft_mask_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """query [1, Hq, W, d], key/value [1, Hkv, W, d] (the horizon tokens) over the shared prefix whose entries are
     weighted by the keep mask, dense and differentiable, with the layer's window, softcap and sinks -> [1, W, Hq, d]."""
     rec = _MASKED.get()
@@ -88,7 +88,7 @@ def mask_gradient(engine, t: int, evicted: torch.Tensor) -> tuple[torch.Tensor, 
     P_m) averaged over the horizon steps, summed over the vocabulary (fp32), one forward and one backward of the H
     recorded tokens over the prefix."""
     prefix, logp_full = engine.golden(t)
-    model, ids, H = engine.model, engine.ids, engine.horizon
+    model, ids, H = engine.model, engine.ids, engine.steps(t)  # N, or T - t (--horizon rest)
     keep = [(~evicted[l]).float().to(ids.device).requires_grad_(True) for l in range(engine.num_layers)]
     rec = _Masked(prefix, keep, engine.attention.layers, t)
     pos = torch.arange(t, t + H, device=ids.device)[None]

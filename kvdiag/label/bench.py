@@ -34,6 +34,7 @@ from kvdiag.kernels.bench import best_seconds, cpu_peak_probe, peak_mb, seconds
 from kvdiag.label.engine import OracleEngine, Row, cache_from_prefix, candidate_rows, divergences
 from kvdiag.models import LoadedModel
 from kvdiag.prompts import arith_prompts
+from kvdiag.schema import CHUNK
 from kvdiag.trace.cost import ModelShape
 
 
@@ -113,6 +114,55 @@ def run_label_bench(lm: LoadedModel, prefix_len: int = 512, n: int = 64, horizon
     best = best_seconds({name: fn for name, (fn, _) in chosen.items()}, device, repeats)
     return [LabelBenchRow(name, best[name], n * horizon / best[name], peak_mb(fn, device, probe), flops)
             for name, (fn, flops) in chosen.items()]
+
+
+@dataclass
+class HorizonBench:
+    """The exact engine on the same N token rows at a base horizon and at a long one (chunked)."""
+
+    horizons: list[int]  # [base, long]
+    rows: list[LabelBenchRow]  # per horizon: best seconds of labeling the N rows, peak extra MB
+    chunk: int
+    plans: list[tuple[int, int]]  # per horizon: (rows per forward, steps per chunk): ``OracleEngine.plan``
+    max_abs_diff: float  # largest |kl_steps(long)[:base] - kl_steps(base)|: the long run's first steps are the base's
+
+    @property
+    def cost_ratio(self) -> float:
+        """Cost per labeled entry at the long horizon / at the base one (linear in H: long / base)."""
+        return self.rows[1].seconds / self.rows[0].seconds
+
+    @property
+    def peak_ratio(self) -> float | None:
+        base, long = (r.peak_mb for r in self.rows)
+        return None if base is None or long is None or base <= 0 else long / base
+
+
+def run_horizon_bench(lm: LoadedModel, prefix_len: int = 512, n: int = 64, horizon: int = 256, base: int = 16,
+                      repeats: int = 3, batch_size: int | None = None, backend: str = "auto",
+                      chunk: int = CHUNK) -> HorizonBench:
+    """Label the same ``n`` token rows of one P-token prefix at horizon ``base`` and at ``horizon`` (chunks of
+    ``chunk`` steps): best of ``repeats`` (round-robin) and the peak extra memory of each (the full-cache runs are
+    shared work and not timed). The first ``base`` steps of the long labels are compared to the base labels."""
+    ids = bench_tokens(lm, prefix_len + horizon + 1)
+    t = prefix_len
+    rows = [Row(p) for p in torch.linspace(0, t - 1, n).long().tolist()]
+    engines = {h: OracleEngine(lm, ids, h, batch_size or n, backend, chunk=chunk) for h in (base, horizon)}
+    for eng in engines.values():
+        eng.golden(t)
+    plans = {h: eng.plan(eng.checkpoint(t, layer_inputs=False)) for h, eng in engines.items()}
+    names = {h: f"engine, H={h} ({rows} rows x {steps} steps per forward)" for h, (rows, steps) in plans.items()}
+    fns = {names[h]: functools.partial(eng.label, t, rows) for h, eng in engines.items()}
+    device = torch.device(lm.device)
+    best = best_seconds(fns, device, repeats)
+    probe = cpu_peak_probe() if device.type == "cpu" else None
+    shape = ModelShape.from_config(lm.model.config)
+    out, labels = [], {}
+    for h, eng in engines.items():
+        peak = peak_mb(lambda h=h, eng=eng: labels.__setitem__(h, eng.label(t, rows)[0]["kl"]), device, probe)
+        out.append(LabelBenchRow(names[h], best[names[h]], n * h / best[names[h]], peak,
+                                 (n + 1) * shape.row_flops(t, h)))
+    diff = float((labels[horizon][:, :base] - labels[base]).abs().max())
+    return HorizonBench([base, horizon], out, chunk, [plans[base], plans[horizon]], diff)
 
 
 @dataclass

@@ -7,8 +7,8 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from kvdiag.errors import UserError
-from kvdiag.parsing import check_backend, parse_checkpoints
-from kvdiag.schema import CHECKPOINTS, GRANULARITIES, HORIZON, N_BOOT, W_OBS, default_checkpoints
+from kvdiag.parsing import REST, check_backend, parse_checkpoints, parse_horizon
+from kvdiag.schema import CHECKPOINTS, CHUNK, GRANULARITIES, HORIZON, N_BOOT, W_OBS, default_checkpoints
 
 HYBRID = "hybrid"
 
@@ -93,12 +93,21 @@ class HybridParams:
                             f"top {top} {where}: use --audit <= {candidates - top}")
 
 
+def check_horizon_fits(horizon: int | str, lengths: dict[str, int]) -> None:
+    """Refuse a fixed horizon that reaches past the end of a prompt (``lengths``: prompt id -> T; a label needs a
+    checkpoint t >= 1 with t + N <= T); ``rest`` runs each label to its prompt's end and always fits."""
+    for pid, T in lengths.items():
+        if horizon != REST and horizon >= T:
+            raise UserError(f"--horizon {horizon} reaches beyond the end of prompt {pid} (length {T}); use a shorter "
+                            "horizon, or --horizon rest (each label to the end of its prompt)")
+
+
 @dataclass
 class LabelConfig:
     """How labels are made; written into every labels file."""
 
     checkpoints: str = CHECKPOINTS  # "every:K" (generated tokens, R-KV's schedule) or "t1,t2,..." absolute positions
-    horizon: int = HORIZON
+    horizon: int | str = HORIZON  # N teacher-forced steps, or "rest": to the end of each prompt (rows record theirs)
     candidates: str = "64"  # "N" (seeded sample) or "all"
     granularity: str = "token"
     layers: list[int] | None = None  # layer/head granularity: which layers (None = all)
@@ -106,6 +115,7 @@ class LabelConfig:
     batch_size: int = 64
     seed: int = 0
     backend: str = "auto"
+    chunk: int = CHUNK  # horizon steps per forward (kvdiag.label.engine): bounds memory at long horizons
     # exact (the oracle engine), an approximate method (kvdiag.label.fast; fast = the recommended one) or hybrid
     # (kvdiag.label.hybrid: fast for every candidate, exact for the top M and an audit sample)
     method: str = "exact"
@@ -114,6 +124,7 @@ class LabelConfig:
     sampling: str = field(default="", init=False)
 
     def __post_init__(self):
+        self.horizon = parse_horizon(self.horizon)
         self.validate()
         if self.method == HYBRID:
             hybrid = HybridParams(**self.params)
@@ -128,12 +139,18 @@ class LabelConfig:
         self.sampling = ("every cached entry [0, t)" if self.candidates == "all"
                          else f"uniform without replacement over [0, t), seed {self.seed} + checkpoint")
 
+    @property
+    def rest(self) -> bool:
+        """Whether each label runs to the end of its prompt (``--horizon rest``)."""
+        return self.horizon == REST
+
     def validate(self) -> None:
         """Every setting on its own (bad input: ``UserError``), before a model or a file is touched; how the
         settings fit a Trace is checked by ``work_items``."""
         parse_checkpoints(self.checkpoints)
-        if self.horizon < 1:
-            raise UserError(f"--horizon {self.horizon}: must be a positive number of teacher-forced steps, e.g. 16")
+        parse_horizon(self.horizon)
+        if self.chunk < 1:
+            raise UserError(f"--chunk {self.chunk}: must be a positive number of horizon steps per forward, e.g. 16")
         if self.candidates != "all" and not (self.candidates.isdigit() and int(self.candidates) > 0):
             raise UserError(f"--candidates {self.candidates}: use a positive number (a seeded sample per checkpoint) "
                             "or all")
@@ -160,14 +177,13 @@ def work_items(trace, cfg: LabelConfig, prompt_ids: list[str] | None = None) -> 
     if cfg.layers is not None and max(cfg.layers) >= trace.num_layers:
         raise UserError(f"--layers {max(cfg.layers)}: the Trace's model has layers 0..{trace.num_layers - 1}")
     items, spec = [], parse_checkpoints(cfg.checkpoints)  # every:K, or positions taken as given (checked here)
+    least = 1 if cfg.rest else cfg.horizon  # rest: each checkpoint's label runs to the end, at least one step
     for pid in prompt_ids or trace.prompt_ids:
         P, T = trace.prompt_len(pid), trace.length(pid)
-        if cfg.horizon >= T:
-            raise UserError(f"--horizon {cfg.horizon} reaches beyond the end of prompt {pid} (length {T}); use a "
-                            "shorter horizon")
-        for t in spec if isinstance(spec, list) else default_checkpoints(P, T, spec, cfg.horizon, cfg.w_obs):
-            if not 1 <= t <= T - cfg.horizon:
-                raise UserError(f"--checkpoints: {t} is outside [1, {T - cfg.horizon}] for prompt {pid} (length {T}, "
+        check_horizon_fits(cfg.horizon, {pid: T})
+        for t in spec if isinstance(spec, list) else default_checkpoints(P, T, spec, least, cfg.w_obs):
+            if not 1 <= t <= T - least:
+                raise UserError(f"--checkpoints: {t} is outside [1, {T - least}] for prompt {pid} (length {T}, "
                                 f"horizon {cfg.horizon})")
             items.append((pid, t))
     if cfg.method == HYBRID and items:  # the exact set and the audit must fit every checkpoint's candidates
@@ -176,7 +192,8 @@ def work_items(trace, cfg: LabelConfig, prompt_ids: list[str] | None = None) -> 
     if not items:
         raise UserError(f"--checkpoints {cfg.checkpoints}: no checkpoint fits the Trace (needs t - prompt_len >= "
                         f"W_obs={cfg.w_obs} "
-                        "and t + horizon <= length); use a smaller interval, --w-obs, --horizon, or explicit positions")
+                        "and t + horizon <= length); use a smaller interval, --w-obs, --horizon (or rest), or explicit "
+                        "positions")
     return items
 
 

@@ -4,7 +4,12 @@ For checkpoint ``t`` (the cache holds positions ``[0, t)``) and a candidate entr
 the recorded continuation ``x_t .. x_{t+H-1}`` is teacher-forced at its original absolute positions
 with entry ``i`` evicted (from every layer and KV head, one layer, or one layer and KV head), and
 ``KL(P_full(.|tau) || P_evict(.|tau))`` is measured in fp32 on the full vocabulary at each of the
-H query positions ``tau = t .. t+H-1``.
+H query positions ``tau = t .. t+H-1``. H is fixed, or ``rest``: T - t, to the end of the prompt's trace.
+
+Long horizons run in chunks of C steps (``chunk``): each chunk's C tokens attend to the shared prefix and to the
+row's own keys and values of the earlier chunks (the continuation cache, which grows by C per chunk), and only one
+chunk's logits [N, C, V] are alive at a time; the divergences are taken per chunk and concatenated per step. At H <= C
+a row is one forward, as before chunking.
 
 The prefix cache is computed once per checkpoint (and extended, not recomputed, from one checkpoint
 to the next). A row that evicts from one layer ``l`` (layer/head granularity) is identical to the null row
@@ -36,7 +41,8 @@ from kvdiag.adapters import capturing_layer_inputs, starting_at_layer
 from kvdiag.errors import UserError
 from kvdiag.label.hooks import EvictionBatch, evicting
 from kvdiag.models import LoadedModel
-from kvdiag.schema import GRANULARITIES
+from kvdiag.parsing import REST, parse_horizon
+from kvdiag.schema import CHUNK, GRANULARITIES
 
 
 @dataclass(frozen=True)
@@ -151,29 +157,33 @@ def set_exclusions(sets: list[torch.Tensor], num_layers: int, num_kv_heads: int,
 @dataclass(frozen=True)
 class Checkpoint:
     """What the batches of one checkpoint share: prefix[l] (k, v) [Hkv, t, d], logp_full [H, V], targets [H'] (the
-    realized next tokens), the null row's logits null [1, H, V] and its layer inputs hidden[l] [1, H, D]."""
+    realized next tokens), the null row's divergences null (``divergences``' dict, one row) and its layer inputs
+    hidden[l] [1, H, D] (empty where no row starts above layer 0)."""
 
     t: int
     prefix: list[tuple[torch.Tensor, torch.Tensor]]
     logp_full: torch.Tensor
     targets: torch.Tensor
-    null: torch.Tensor
+    null: dict[str, torch.Tensor]
     hidden: list[torch.Tensor]
 
 
 class OracleEngine:
     """Labels candidates of one prompt's checkpoints; build it once per (model, token sequence).
 
+    ``horizon``: H steps, or ``rest`` (T - t at checkpoint t). ``chunk``: horizon steps per forward (C).
     ``layer_start``: rows that evict from one layer start at that layer (False: every row runs the full depth,
     the method before layer start, kept for ``kvdiag bench label`` and the exactness tests)."""
 
-    def __init__(self, lm: LoadedModel, token_ids: torch.Tensor, horizon: int, batch_size: int = 64,
-                 backend: str = "auto", layer_start: bool = True):
-        if horizon <= 0:
-            raise UserError(f"--horizon {horizon}: must be a positive number of steps")
+    def __init__(self, lm: LoadedModel, token_ids: torch.Tensor, horizon: int | str, batch_size: int = 64,
+                 backend: str = "auto", layer_start: bool = True, chunk: int = CHUNK):
+        horizon = parse_horizon(horizon)
+        if chunk < 1:
+            raise UserError(f"--chunk {chunk}: must be a positive number of horizon steps per forward")
         self.lm, self.model = lm, lm.model
         self.ids = token_ids.to(self.model.device)
         self.T, self.horizon, self.batch_size, self.backend = len(token_ids), horizon, batch_size, backend
+        self.chunk = chunk
         self.layer_start = layer_start
         self.attention = lm.attention
         self.num_layers, self.num_kv_heads = self.attention.num_layers, self.attention.num_kv_heads
@@ -181,10 +191,21 @@ class OracleEngine:
         self._cached = 0
         self._golden: tuple[int, list, torch.Tensor] | None = None  # the last checkpoint's (t, prefix, logp_full)
 
+    def steps(self, t: int) -> int:
+        """H at checkpoint ``t``: the fixed horizon, or T - t (``rest``)."""
+        return self.T - t if self.horizon == REST else self.horizon
+
     def check_checkpoint(self, t: int) -> None:
-        if not 1 <= t <= self.T - self.horizon:
-            raise UserError(f"checkpoint {t} is outside [1, {self.T - self.horizon}] (trace length {self.T}, horizon "
+        last = self.T - (1 if self.horizon == REST else self.horizon)
+        if not 1 <= t <= last:
+            raise UserError(f"checkpoint {t} is outside [1, {last}] (trace length {self.T}, horizon "
                             f"{self.horizon}); choose earlier checkpoints or a shorter --horizon")
+
+    def spans(self, t: int, chunk: int | None = None) -> list[tuple[int, int]]:
+        """The chunks of checkpoint ``t``'s horizon: [(c0, c1)] step ranges of at most ``chunk`` steps (default
+        ``self.chunk``)."""
+        H, chunk = self.steps(t), chunk or self.chunk
+        return [(c0, min(H, c0 + chunk)) for c0 in range(0, H, chunk)]
 
     @torch.no_grad()
     def golden(self, t: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
@@ -192,29 +213,34 @@ class OracleEngine:
         positions [0, t), each [Hkv, t, d] (views of one cache; never copied per row), and log P_full
         [H, V] (fp32) at positions t .. t+H-1 from the plain model path (SDPA over a standard cache).
 
-        Checkpoints are visited in order: when the cache ends at or before ``t``, one forward over
-        [end, t+H) extends it and its last H logits are P_full, so the horizon is not run twice; for a
+        Checkpoints are visited in order: when the cache ends at or before ``t``, forwards over
+        [end, t+H) extend it and their logits at t .. t+H-1 are P_full, so the horizon is not run twice; for a
         checkpoint inside the cache (closer than H to the last one, or earlier) the H tokens run over a
-        cache of the first ``t`` entries.
+        cache of the first ``t`` entries. Either way the horizon runs in chunks (``spans``): one chunk's logits at a
+        time (the first chunk also carries [end, t) when the cache is extended).
         """
         self.check_checkpoint(t)
         if self._golden is not None and self._golden[0] == t:
             return self._golden[1], self._golden[2]
-        end, logits = t + self.horizon, None
-        if self._cached <= t:  # extend the run through the horizon: its last H logits are P_full
-            pos = torch.arange(self._cached, end, device=self.ids.device)[None]
-            logits = self.model(self.ids[None, self._cached : end], cache=self._cache, position_ids=pos, use_cache=True,
-                                logits_to_keep=self.horizon).logits[0]
+        end = t + self.steps(t)
+        extend = self._cached <= t  # extend the run through the horizon
+        if extend:
+            cache, first = self._cache, self._cached
             self._cached = end
-        prefix = [(layer.keys[0, :, :t], layer.values[0, :, :t]) for layer in self._cache.layers]
-        if logits is None:  # a checkpoint inside the run's cache
-            pos = torch.arange(t, end, device=self.ids.device)[None]
-            logits = self.model(
-                self.ids[None, t:end], cache=cache_from_prefix(self.model.config, prefix), position_ids=pos,
-                use_cache=True,
-            ).logits[0]
-        self._check_finite(logits, t)
-        self._golden = (t, prefix, torch.log_softmax(logits.float(), dim=-1))
+        else:  # a checkpoint inside the run's cache: the horizon over a cache of its first t entries
+            prefix = [(layer.keys[0, :, :t], layer.values[0, :, :t]) for layer in self._cache.layers]
+            cache, first = cache_from_prefix(self.model.config, prefix), t
+        logp = []
+        for c0, c1 in self.spans(t):
+            pos = torch.arange(first, t + c1, device=self.ids.device)[None]
+            logits = self.model(self.ids[None, first : t + c1], cache=cache, position_ids=pos, use_cache=True,
+                                logits_to_keep=c1 - c0).logits[0]
+            self._check_finite(logits, t)
+            logp.append(torch.log_softmax(logits.float(), dim=-1))
+            first = t + c1
+        if extend:
+            prefix = [(layer.keys[0, :, :t], layer.values[0, :, :t]) for layer in self._cache.layers]
+        self._golden = (t, prefix, torch.cat(logp) if len(logp) > 1 else logp[0])
         return prefix, self._golden[2]
 
     def _check_finite(self, values: torch.Tensor, t: int) -> None:
@@ -238,35 +264,53 @@ class OracleEngine:
     @torch.no_grad()
     def evicted_logits(self, t: int, prefix, rows: list[Row], start: int = 0,
                        hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [N, H, V] for ``rows`` through the batched shared-prefix path; with ``start`` > 0 the rows
-        run decoder layers ``start..L-1`` only, from ``hidden [1, H, D]`` (the null row's input to layer ``start``)."""
-        return self._forward(t, prefix, self._exclusions(rows), len(rows), start, hidden)
+        """Logits [N, H, V] for ``rows`` through the batched shared-prefix path, chunk by chunk (the labels take the
+        divergences per chunk instead: ``label``); with ``start`` > 0 the rows run decoder layers ``start..L-1``
+        only, from ``hidden [1, H, D]`` (the null row's input to layer ``start``)."""
+        return torch.cat([logits for _, logits in self._chunks(t, prefix, self._exclusions(rows), len(rows), start,
+                                                               hidden)], 1)
 
     @torch.no_grad()
     def set_logits(self, t: int, prefix, sets: list[torch.Tensor]) -> torch.Tensor:
         """Logits [N, H, V] of set rows: row r evicts ``sets[r]`` (:func:`set_exclusions`) through the same batched
         shared-prefix path, from layer 0."""
-        return self._forward(t, prefix, set_exclusions(sets, self.num_layers, self.num_kv_heads, t, self.ids.device),
-                             len(sets))
+        exclude = set_exclusions(sets, self.num_layers, self.num_kv_heads, t, self.ids.device)
+        return torch.cat([logits for _, logits in self._chunks(t, prefix, exclude, len(sets))], 1)
 
-    def _forward(self, t: int, prefix, exclude: list[torch.Tensor | None], n: int, start: int = 0,
-                 hidden: torch.Tensor | None = None) -> torch.Tensor:
-        ids = self.ids[None, t : t + self.horizon].expand(n, -1)
-        pos = torch.arange(t, t + self.horizon, device=self.ids.device)[None].expand(n, -1)
-        batch = EvictionBatch(prefix=prefix, exclude=exclude, attention=self.attention.layers, backend=self.backend)
-        with (
-            evicting(self.model, batch),
-            starting_at_layer(self.model, start, None if hidden is None else hidden.expand(n, -1, -1)),
-        ):
-            return self.model(ids, position_ids=pos, use_cache=False).logits
+    def _chunks(self, t: int, prefix, exclude: list[torch.Tensor | None], n: int, start: int = 0,
+                hidden: torch.Tensor | None = None, chunk: int | None = None):
+        """Yield ((c0, c1), logits [N, c1 - c0, V]) chunk by chunk over the horizon (``spans``): each chunk reads the
+        shared prefix with the rows' exclusions and the rows' own keys and values of the earlier chunks."""
+        spans = self.spans(t, chunk)
+        batch = EvictionBatch(prefix=prefix, exclude=exclude, attention=self.attention.layers, backend=self.backend,
+                              suffix=[None] * self.num_layers if len(spans) > 1 else None, steps=spans[-1][1])
+        for c0, c1 in spans:
+            batch.offset = c0
+            ids = self.ids[None, t + c0 : t + c1].expand(n, -1)
+            pos = torch.arange(t + c0, t + c1, device=self.ids.device)[None].expand(n, -1)
+            below = None if hidden is None else hidden[:, c0:c1].expand(n, -1, -1)
+            with torch.no_grad(), evicting(self.model, batch), starting_at_layer(self.model, start, below):
+                logits = self.model(ids, position_ids=pos, use_cache=False).logits
+            yield (c0, c1), logits  # outside the contexts: the model is its own again while the caller works
 
     @torch.no_grad()
-    def null_run(self, t: int, prefix) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The null row (nothing evicted) through the batched path: logits [1, H, V] and the hidden states
-        entering each decoder layer, inputs[l] [1, H, D]."""
-        with capturing_layer_inputs(self.model) as inputs:
-            logits = self.evicted_logits(t, prefix, [Row(-1)])
-        return logits, list(inputs)
+    def null_run(self, t: int, prefix, logp_full: torch.Tensor, targets: torch.Tensor,
+                 layer_inputs: bool = True) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        """The null row (nothing evicted) through the batched path: its divergences from ``logp_full`` [H, V] and,
+        with ``layer_inputs``, the hidden states entering each decoder layer, inputs[l] [1, H, D]."""
+        parts, inputs = [], [[] for _ in range(self.num_layers)]
+        chunks = self._chunks(t, prefix, self._exclusions([Row(-1)]), 1)
+        while True:
+            with capturing_layer_inputs(self.model) as captured:
+                step = next(chunks, None)
+            if step is None:
+                break
+            (c0, c1), logits = step
+            parts.append(self._chunk_divergences(t, logp_full, targets, c0, c1, logits))
+            if layer_inputs:
+                for l, x in enumerate(captured):
+                    inputs[l].append(x)
+        return _joined(parts), [torch.cat(x, 1) for x in inputs] if layer_inputs else []
 
     def start_layer(self, row: Row) -> int:
         """The first decoder layer ``row`` must run: the one it evicts from (0 for every-layer rows)."""
@@ -300,39 +344,69 @@ class OracleEngine:
             return full, noise
         return self._label(t, rows, progress)
 
-    def batches(self, rows: list[Row]) -> list[tuple[int, list[int]]]:
+    def batches(self, rows: list[Row], size: int | None = None) -> list[tuple[int, list[int]]]:
         """The engine's batches of ``rows``: (start layer, row indices), grouped by start layer (stable: within a
-        group in the given order) and at most ``batch_size`` rows each."""
+        group in the given order) and at most ``size`` rows each (default ``batch_size``; ``plan``)."""
+        size = size or self.batch_size
         order = sorted(range(len(rows)), key=lambda j: self.start_layer(rows[j]))
         out = []
         for start, group in itertools.groupby(order, key=lambda j: self.start_layer(rows[j])):
             group = list(group)
-            out += [(start, group[s : s + self.batch_size]) for s in range(0, len(group), self.batch_size)]
+            out += [(start, group[s : s + size]) for s in range(0, len(group), size)]
         return out
 
+    def plan(self, ckpt: Checkpoint) -> tuple[int, int]:
+        """(rows per forward, horizon steps per chunk) at ``ckpt``: (``batch_size``, ``chunk``) at H <= chunk. At
+        longer horizons a batch holds one chunk's logits [rows, C, V] and the rows' continuation caches (2 Hkv d
+        values per layer, step and row, for all H steps); the plan keeps that within what ``batch_size`` rows hold
+        over ``chunk`` steps and, within it, runs the most tokens per forward (rows x C: fewer rows, longer chunks;
+        ties: more rows). Where one row's cache alone exceeds it: one row in chunks of ``chunk``."""
+        H = len(ckpt.logp_full)
+        if H <= self.chunk:
+            return self.batch_size, self.chunk
+        V = ckpt.logp_full.shape[-1]
+        kv = sum(2 * k.shape[0] * k.shape[-1] for k, _ in ckpt.prefix)  # cache elements per step and row
+        budget = self.batch_size * self.chunk * (V + kv)
+        best = (1, self.chunk)
+        for rows in range(self.batch_size, 0, -1):
+            steps = min(H, (budget // rows - H * kv) // V)
+            if steps >= 1 and rows * steps > best[0] * min(best[1], H):
+                best = (rows, steps)
+        return best
+
     @torch.no_grad()
-    def checkpoint(self, t: int) -> Checkpoint:
+    def checkpoint(self, t: int, layer_inputs: bool = True) -> Checkpoint:
         """What every batch at checkpoint ``t`` shares: the full-cache run (``golden``), the realized next tokens and
-        the null row (``null_run``)."""
+        the null row (``null_run``; its layer inputs where ``layer_inputs``: rows that start above layer 0)."""
         prefix, logp_full = self.golden(t)
-        null, hidden = self.null_run(t, prefix)
-        # the realized next tokens (the last step may have none)
-        return Checkpoint(t, prefix, logp_full, self.ids[t + 1 : t + self.horizon + 1], null, hidden)
+        targets = self.ids[t + 1 : t + self.steps(t) + 1]  # the realized next tokens (the last step may have none)
+        null, hidden = self.null_run(t, prefix, logp_full, targets, layer_inputs)
+        return Checkpoint(t, prefix, logp_full, targets, null, hidden)
 
     def label_batch(self, ckpt: Checkpoint, rows: list[Row], start: int) -> dict[str, torch.Tensor]:
         """One batch of ``batches``: its rows' divergences (on the CPU), run from layer ``start`` on the null row's
         layer inputs."""
-        logits = self.evicted_logits(ckpt.t, ckpt.prefix, rows, start, ckpt.hidden[start] if start else None)
-        return {key: val.cpu() for key, val in self._divergences(ckpt, logits).items()}
+        return self._rows(ckpt, self._exclusions(rows), len(rows), start)
+
+    def _rows(self, ckpt: Checkpoint, exclude: list[torch.Tensor | None], n: int, start: int = 0,
+              chunk: int | None = None) -> dict[str, torch.Tensor]:
+        """The divergences (on the CPU) of ``n`` rows with ``exclude``, chunk by chunk: one chunk's logits alive."""
+        hidden = ckpt.hidden[start] if start else None
+        chunks = self._chunks(ckpt.t, ckpt.prefix, exclude, n, start, hidden, chunk)
+        return _joined([{key: val.cpu() for key, val in
+                         self._chunk_divergences(ckpt.t, ckpt.logp_full, ckpt.targets, c0, c1, logits).items()}
+                        for (c0, c1), logits in chunks])
 
     def _label(self, t: int, rows: list[Row], progress=None) -> tuple[dict[str, torch.Tensor], float]:
-        ckpt = self.checkpoint(t)
-        div_null = self._divergences(ckpt, ckpt.null)
+        ckpt = self.checkpoint(t, layer_inputs=any(self.start_layer(r) for r in rows))
+        div_null = ckpt.null
         noise = float(div_null["kl"].mean())
         parts = {key: [val[:0].cpu()] for key, val in div_null.items()}
         order = []
-        for start, batch in self.batches(rows):
-            for key, val in self.label_batch(ckpt, [rows[j] for j in batch], start).items():
+        size, chunk = self.plan(ckpt)
+        for start, batch in self.batches(rows, size):
+            for key, val in self._rows(ckpt, self._exclusions([rows[j] for j in batch]), len(batch), start,
+                                       chunk).items():
                 parts[key].append(val)
             order += batch
             if progress is not None:
@@ -346,21 +420,40 @@ class OracleEngine:
         """Joint labels of set rows at checkpoint ``t``: row r evicts every entry of ``sets[r]`` at once (positions
         [E] from every layer and KV head, or [L, Hkv, E] per layer and KV head, ``-1`` = none; see
         :func:`set_exclusions`). Returns the per-row tensors of :meth:`label` (kl [N, H], js [N, H], nll_delta
-        [N, H'], flips [N]) and the checkpoint's noise floor. Rows are batched ``batch_size`` at a time; a set is
+        [N, H'], flips [N]) and the checkpoint's noise floor. Rows are batched as ``plan`` says; a set is
         exact as a physical deletion of its entries (``kvdiag.label.reference.reference_set_logprobs``)."""
         self.check_checkpoint(t)
-        ckpt = self.checkpoint(t)
-        div_null = self._divergences(ckpt, ckpt.null)
+        ckpt = self.checkpoint(t, layer_inputs=False)
+        div_null = ckpt.null
         parts = {key: [val[:0].cpu()] for key, val in div_null.items()}
-        for s in range(0, len(sets), self.batch_size):
-            batch = sets[s : s + self.batch_size]
-            for key, val in self._divergences(ckpt, self.set_logits(t, ckpt.prefix, batch)).items():
-                parts[key].append(val.cpu())
+        size, chunk = self.plan(ckpt)
+        for s in range(0, len(sets), size):
+            batch = sets[s : s + size]
+            exclude = set_exclusions(batch, self.num_layers, self.num_kv_heads, t, self.ids.device)
+            for key, val in self._rows(ckpt, exclude, len(batch), chunk=chunk).items():
+                parts[key].append(val)
             if progress is not None:
                 progress(len(batch))
         return {key: torch.cat(val) for key, val in parts.items()}, float(div_null["kl"].mean())
 
     def _divergences(self, ckpt: Checkpoint, logits) -> dict[str, torch.Tensor]:
-        div = divergences(ckpt.logp_full, logits, ckpt.targets)
-        self._check_finite(div["kl"], ckpt.t)  # a non-finite logit makes its row's KL inf or nan
+        """The divergences of logits [N, H, V] over the whole horizon (one tensor: ``set_logits``)."""
+        return self._chunk_divergences(ckpt.t, ckpt.logp_full, ckpt.targets, 0, len(ckpt.logp_full), logits)
+
+    def _chunk_divergences(self, t: int, logp_full, targets, c0: int, c1: int, logits) -> dict[str, torch.Tensor]:
+        """``divergences`` of horizon steps [c0, c1): logits [N, c1 - c0, V] against logp_full[c0:c1], a few steps at
+        a time (``DIVERGENCE_CHUNK_BYTES`` of fp32 log-probs per row): its temporaries, several [rows, steps, V]
+        tensors, must not grow with a long chunk."""
+        step = max(1, DIVERGENCE_CHUNK_BYTES // (4 * logp_full.shape[-1]))
+        div = _joined([divergences(logp_full[a : min(c1, a + step)], logits[:, a - c0 : min(c1, a + step) - c0],
+                                   targets[a : min(c1, a + step)]) for a in range(c0, c1, step)])
+        self._check_finite(div["kl"], t)  # a non-finite logit makes its row's KL inf or nan
         return div
+
+
+def _joined(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Per-chunk divergences joined over the horizon: kl, js, nll_delta concatenated per step, flips summed."""
+    if len(parts) == 1:
+        return parts[0]
+    return {key: sum(p[key] for p in parts) if key == "flips" else torch.cat([p[key] for p in parts], 1)
+            for key in parts[0]}

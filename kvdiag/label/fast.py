@@ -61,7 +61,7 @@ class _Pass:
 _PASS: ContextVar[_Pass | None] = ContextVar("kvdiag_fisher_pass", default=None)
 
 
-def _fisher_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def _fisher_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """query [1, Hq, W, d], key/value [1, Hkv, W, d] (the horizon tokens) over the shared prefix, dense and
     differentiable, with the layer's semantics -> [1, W, Hq, d]."""
     rec = _PASS.get()
@@ -91,11 +91,12 @@ AttentionMaskInterface.register(FISHER_ATTN, lambda *args, **kwargs: None)
 class FisherLabeler:
     """Labels every entry of one prompt's checkpoints with the ``fisher`` estimate; build once per prompt."""
 
-    def __init__(self, lm: LoadedModel, token_ids: torch.Tensor, horizon: int, params: FisherParams, seed: int = 0):
+    def __init__(self, lm: LoadedModel, token_ids: torch.Tensor, horizon: int | str, params: FisherParams,
+                 seed: int = 0):
         params.validate()
-        self.golden_engine = OracleEngine(
-            lm, token_ids, horizon
-        )  # the full-cache run, extended checkpoint by checkpoint
+        # the full-cache run, extended checkpoint by checkpoint; it also says H at each checkpoint (N, or rest).
+        # The estimate itself runs the H tokens in one differentiable forward: its memory grows with H
+        self.golden_engine = OracleEngine(lm, token_ids, horizon)
         self.model, self.ids, self.horizon, self.params, self.seed = (
             lm.model, self.golden_engine.ids, horizon, params, seed,
         )
@@ -105,11 +106,15 @@ class FisherLabeler:
     def golden(self, t: int):
         return self.golden_engine.golden(t)
 
+    def steps(self, t: int) -> int:
+        """H at checkpoint ``t`` (the fixed horizon, or T - t: rest)."""
+        return self.golden_engine.steps(t)
+
     def effects(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Linearized effects of evicting each entry [0, t) at each (layer, KV head): (a [K, L, Hkv, t] on the
         sampled log-likelihoods, n [L, Hkv, t] on the realized tokens' log-likelihood, summed over steps)."""
         prefix, logp_full = self.golden(t)
-        K, W = self.params.samples, self.horizon
+        K, W = self.params.samples, self.golden_engine.steps(t)
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + t)
         y = torch.multinomial(logp_full.exp().cpu(), K, replacement=True, generator=gen).T.to(self.ids.device)  # [K, W]
         targets = self.ids[t + 1 : t + W + 1]  # realized next tokens (the last step may have none)
@@ -160,8 +165,9 @@ class FisherLabeler:
             (head[:, None] == -1) | (head[:, None] == torch.arange(self.num_kv_heads)))[:, None, :]  # [N, L, Hkv]
         row_a = torch.einsum("rlh,klhr->kr", cells.float(), a[..., pos])
         row_n = torch.einsum("rlh,lhr->r", cells.float(), nll[..., pos])
-        n_targets = len(self.ids[t + 1 : t + self.horizon + 1])
-        return {"kl": row_a.double().pow(2).mean(0) / (2 * self.horizon), "nll_delta": -row_n.double() / n_targets}
+        H = self.golden_engine.steps(t)
+        n_targets = len(self.ids[t + 1 : t + H + 1])
+        return {"kl": row_a.double().pow(2).mean(0) / (2 * H), "nll_delta": -row_n.double() / n_targets}
 
 
 # --------------------------------------------------------------------------- registry

@@ -28,6 +28,7 @@ from kvdiag.label.config import HybridParams  # noqa: F401  (hybrid's API)
 from kvdiag.label.engine import OracleEngine, Row
 from kvdiag.label.fast import FisherLabeler, FisherParams
 from kvdiag.models import LoadedModel
+from kvdiag.schema import CHUNK
 from kvdiag.stats import percentile_ci, prompt_multiplicities
 
 METHODS = ("exact-top", "exact-audit", "fast")
@@ -37,14 +38,17 @@ class HybridLabeler:
     """Labels one prompt's checkpoints with ``hybrid``; build once per prompt (its two engines extend their caches
     checkpoint by checkpoint)."""
 
-    def __init__(self, lm: LoadedModel, token_ids: torch.Tensor, horizon: int, params: HybridParams, seed: int = 0,
-                 batch_size: int = 64, backend: str = "auto"):
+    def __init__(self, lm: LoadedModel, token_ids: torch.Tensor, horizon: int | str, params: HybridParams,
+                 seed: int = 0, batch_size: int = 64, backend: str = "auto", chunk: int = CHUNK):
         params.validate()
         self.params, self.seed = params, seed
         self.fisher = FisherLabeler(lm, token_ids, horizon, FisherParams(params.samples), seed)
-        self.exact = OracleEngine(lm, token_ids, horizon, batch_size, backend)
+        self.exact = OracleEngine(lm, token_ids, horizon, batch_size, backend, chunk=chunk)
         self.num_layers, self.num_kv_heads = self.exact.num_layers, self.exact.num_kv_heads
         self.horizon = horizon
+
+    def steps(self, t: int) -> int:
+        return self.exact.steps(t)
 
     def golden(self, t: int):
         self.fisher.golden(t)

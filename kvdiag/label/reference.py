@@ -38,7 +38,7 @@ class _State:
 _STATE: list[_State] = []
 
 
-def _reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def _reference_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """query [1, H, q, d], key/value [1, Hkv, kv, d]: the layer's cache plus the new tokens."""
     state = _STATE[-1]
     layer = module.layer_idx

@@ -21,7 +21,7 @@ from kvdiag.contracts import (
 from kvdiag.distributed import Group, parse_shard
 from kvdiag.errors import UserError
 from kvdiag.io import check_writable, write_table
-from kvdiag.label.config import HYBRID, LabelConfig, work_items  # noqa: F401  (run's API)
+from kvdiag.label.config import HYBRID, LabelConfig, check_horizon_fits, work_items  # noqa: F401  (run's API)
 from kvdiag.label.engine import OracleEngine, candidate_rows
 from kvdiag.label.fast import APPROXIMATE
 from kvdiag.label.hybrid import HybridLabeler, HybridParams, miss_rate
@@ -56,10 +56,10 @@ def part_path(parts: Path, pid: str, t: int) -> Path:
 def make_engine(lm: LoadedModel, token_ids, cfg: LabelConfig):
     """The labeler of one prompt: the oracle engine (exact), the hybrid labeler, or the approximate method's."""
     if cfg.method == "exact":
-        return OracleEngine(lm, token_ids, cfg.horizon, cfg.batch_size, cfg.backend)
+        return OracleEngine(lm, token_ids, cfg.horizon, cfg.batch_size, cfg.backend, chunk=cfg.chunk)
     if cfg.method == HYBRID:
         return HybridLabeler(lm, token_ids, cfg.horizon, HybridParams(**cfg.params), cfg.seed, cfg.batch_size,
-                             cfg.backend)
+                             cfg.backend, cfg.chunk)
     labeler, params = APPROXIMATE[cfg.method]
     return labeler(lm, token_ids, cfg.horizon, params(**cfg.params), cfg.seed)
 
@@ -77,7 +77,7 @@ def label_item(engine, trace: Trace, pid: str, t: int, cfg: LabelConfig, token_i
     return pl.DataFrame({
         "prompt_id": [pid] * len(rows), "checkpoint": [t] * len(rows), "position": [r.position for r in rows],
         "granularity": [cfg.granularity] * len(rows), "layer": [r.layer for r in rows],
-        "kv_head": [r.kv_head for r in rows], "horizon": [cfg.horizon] * len(rows), "kl_mean": kl.mean(1).tolist(),
+        "kv_head": [r.kv_head for r in rows], "horizon": [engine.steps(t)] * len(rows), "kl_mean": kl.mean(1).tolist(),
         "kl_max": kl.amax(1).tolist(), "kl_steps": kl.tolist(), "js_mean": res["js"].double().mean(1).tolist(),
         "nll_delta": res["nll_delta"].double().mean(1).tolist(), "top1_flips": res["flips"].tolist(),
         "noise_floor": [noise] * len(rows), "age": [t - r.position for r in rows],
@@ -95,8 +95,8 @@ def _approximate_item(labeler, pid: str, t: int, cfg: LabelConfig, rows, token_i
     return pl.DataFrame({
         "prompt_id": [pid] * n, "checkpoint": [t] * n, "position": [r.position for r in rows],
         "granularity": [cfg.granularity] * n, "layer": [r.layer for r in rows], "kv_head": [r.kv_head for r in rows],
-        "horizon": [cfg.horizon] * n, "kl_mean": res["kl"].tolist(), "kl_max": None, "kl_steps": None, "js_mean": None,
-        "nll_delta": res["nll_delta"].tolist(), "top1_flips": None, "noise_floor": [0.0] * n,
+        "horizon": [labeler.steps(t)] * n, "kl_mean": res["kl"].tolist(), "kl_max": None, "kl_steps": None,
+        "js_mean": None, "nll_delta": res["nll_delta"].tolist(), "top1_flips": None, "noise_floor": [0.0] * n,
         "age": [t - r.position for r in rows], "token_id": [int(token_ids[r.position]) for r in rows],
     }, schema=LABEL_SCHEMA)
 
@@ -109,7 +109,7 @@ def _hybrid_item(labeler, pid: str, t: int, cfg: LabelConfig, rows, token_ids, p
     return pl.DataFrame({
         "prompt_id": [pid] * n, "checkpoint": [t] * n, "position": [r.position for r in rows],
         "granularity": [cfg.granularity] * n, "layer": [r.layer for r in rows], "kv_head": [r.kv_head for r in rows],
-        "horizon": [cfg.horizon] * n, "kl_mean": res["kl"], "kl_max": res["kl_max"], "kl_steps": res["kl_steps"],
+        "horizon": [labeler.steps(t)] * n, "kl_mean": res["kl"], "kl_max": res["kl_max"], "kl_steps": res["kl_steps"],
         "js_mean": res["js_mean"], "nll_delta": res["nll_delta"], "top1_flips": res["top1_flips"],
         "noise_floor": [res["noise"]] * n, "age": [t - r.position for r in rows],
         "token_id": [int(token_ids[r.position]) for r in rows], "method": res["method"],
@@ -117,7 +117,8 @@ def _hybrid_item(labeler, pid: str, t: int, cfg: LabelConfig, rows, token_ids, p
 
 
 def labels_meta(trace: Trace, lm: LoadedModel, cfg: LabelConfig) -> dict:
-    label = "KL(P_full || P_evict) per step, fp32, full vocabulary; kl_mean = mean over the horizon"
+    label = ("KL(P_full || P_evict) per step (kl_steps), fp32, full vocabulary; kl_mean = mean over the row's horizon "
+             "(the column horizon: N, or to the end of the prompt with --horizon rest)")
     if cfg.method == HYBRID:
         label = (f"hybrid ({cfg.params}, seed {cfg.seed}): the column method says which rows are exact (exact-top: "
                  "the M largest Fisher labels; exact-audit: a seeded uniform sample of the rest) and which are the "

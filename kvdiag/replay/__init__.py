@@ -4,7 +4,8 @@ Flat API::
 
     from kvdiag.replay import Policy, decode, teacher_force, full_logprobs, kl_steps, replay, ReplaySettings
 
-Modules: ``cache`` (the bounded cache and its policy), ``live`` (scorers on a compacted cache), ``decoding``
+The bounded cache, its policy and the live scoring live in ``kvdiag.generate`` (one cache for replay and
+``model.generate``). Modules: ``decoding``
 (free-running and teacher-forced decoding, the full-cache reference, KL), ``settings`` (the sweep's settings and
 checks), ``units`` (its work items and their part fingerprints), ``free_running`` and ``teacher_forced`` (the two
 modes: items, fingerprints, runner), ``run`` (the sweep).
@@ -16,14 +17,16 @@ import importlib
 
 from kvdiag.parsing import Selection
 
-# the submodule that defines each exported name
+# the module that defines each exported name (a bare name: a submodule of kvdiag.replay)
 _HOME = {
-    "Policy": "cache", "ReplayCache": "cache",
+    "Policy": "kvdiag.generate.policy", "prompt_chunks": "kvdiag.generate.policy",
+    "QueryWindow": "kvdiag.generate.attend", "observing": "kvdiag.generate.attend",
+    "check_live_scorer": "kvdiag.generate.live", "live_scorer_names": "kvdiag.generate.live",
+    "make_scorer": "kvdiag.generate.live", "score_layer": "kvdiag.generate.live",
+    "select_keep": "kvdiag.selection",
     "Decoded": "decoding", "decode": "decoding", "full_logprobs": "decoding", "kl_steps": "decoding",
-    "prompt_chunks": "decoding", "teacher_force": "decoding",
+    "teacher_force": "decoding",
     "FreeRunning": "free_running", "check_answer": "free_running",
-    "QueryWindow": "live", "check_live_scorer": "live", "live_scorer_names": "live", "make_scorer": "live",
-    "observing": "live", "score_layer": "live", "select_keep": "live",
     "FULL_KV": "run", "replay": "run",
     "ReplaySettings": "settings", "check_settings": "settings",
     "TeacherForced": "teacher_forced",
@@ -32,8 +35,9 @@ __all__ = ["Selection", *_HOME]
 
 
 def __getattr__(name: str):
-    """Each name loads its submodule on first use: the CLI checks a replay's settings (``settings``, ``sampling``:
+    """Each name loads its module on first use: the CLI checks a replay's settings (``settings``, ``sampling``:
     no torch) before the stage's torch and transformers are imported."""
     if name in _HOME:
-        return getattr(importlib.import_module(f"kvdiag.replay.{_HOME[name]}"), name)
+        home = _HOME[name]
+        return getattr(importlib.import_module(home if "." in home else f"kvdiag.replay.{home}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvdiag.generate.policy import Policy
 from kvdiag.kernels.bench import cpu_peak_probe, peak_mb, seconds
 from kvdiag.models import LoadedModel
-from kvdiag.replay.cache import Policy
 from kvdiag.replay.decoding import batches, decode, decode_batch
 from kvdiag.replay.sampling import Sampling
 

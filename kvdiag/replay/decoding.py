@@ -15,7 +15,6 @@ so the cache never holds more than ``budget + interval`` entries. The end of the
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -25,13 +24,11 @@ from transformers import DynamicCache
 
 from kvdiag.errors import UserError
 from kvdiag.features import o_proj_weights
+from kvdiag.generate import Policy, PositionedCache, choose, live_scores, observing, prompt_chunks
 from kvdiag.models import LoadedModel
-from kvdiag.replay.cache import Policy, ReplayCache
-from kvdiag.replay.live import QueryWindow, observing, score_layer
 from kvdiag.replay.oracle import LiveLabels, OracleRule
 from kvdiag.replay.sampling import Sampling
 from kvdiag.scorers.base import needs_o_proj
-from kvdiag.selection import select_keep
 
 REFERENCE_CHUNK = 512  # tokens per forward of the full-cache reference (bounds its logits memory)
 Row = TypeVar("Row")
@@ -105,9 +102,12 @@ class Session:
         self.label_joint = labels is not None and joint
         self.attention = lm.attention  # per-layer semantics (softcap, sinks) for the scorers
         self.num_layers = self.attention.num_layers
-        self.cache = ReplayCache(self.model.config, self.attention, len(policies))
+        self.windows = [layer.window for layer in self.attention.layers]
+        for policy in policies:
+            if policy is not None:
+                policy.check_model(self.attention)
         size = 0 if self.policy is None else max(p.query_window for p in policies)
-        self.window = QueryWindow(self.num_layers, size) if size else None
+        self.cache = PositionedCache(self.windows, size)
         self.token_ids: list[list[int]] = [[] for _ in policies]
         self.active: list[int] = []  # shared: every row holds the same number of entries
         self.compressions: list[int] = []
@@ -121,18 +121,15 @@ class Session:
         # rows that start from an empty cache with the same tokens are the same computation: run each once (the
         # first prefill chunk of one prompt under several scorers or samples), then copy it to its rows
         unique = list(dict.fromkeys(map(tuple, ids))) if n0 == 0 else [tuple(r) for r in ids]
-        out = self.model(torch.tensor(unique, device=device), cache=self.cache.cache, use_cache=True,
+        out = self.model(torch.tensor(unique, device=device), cache=self.cache, use_cache=True,
                          position_ids=torch.arange(start, start + c, device=device).expand(len(unique), c),
                          logits_to_keep=0 if all_logits else 1)
         logits = out.logits.float()
         if len(unique) < len(ids):
             where = {row: u for u, row in enumerate(unique)}
             copy = torch.tensor([where[tuple(r)] for r in ids])
-            self.cache.select(copy, positions=False)
-            if self.window is not None:
-                self.window.select(copy)
+            self.cache.select(copy)
             logits = logits[copy.to(logits.device)]
-        self.cache.extend(start, c)
         for row, new in zip(self.token_ids, ids, strict=True):
             row.extend(new)
         self.active.extend(range(n0 + 1, n0 + c + 1))
@@ -156,60 +153,41 @@ class Session:
         if self.policy is None or len(self.cache) <= self.policy.budget:
             return
         keep = [self._keep(row, policy, t) for row, policy in enumerate(self.policies)]
-        self.cache.compact(keep, self.policy.backend)
+        self.cache.compact([None if keep[0][layer] is None else torch.stack([k[layer] for k in keep])
+                            for layer in range(self.num_layers)], self.policy.backend)
         self.compressions.append(t)
         if self.keep_history:
             for row, kept in enumerate(self.kept):
-                kept.append((t, self.cache.positions[row].clone()))
+                kept.append((t, self._positions(row)))
         if self.label_joint:
-            self.joint.append(self.labels.joint(self.cache.positions[0], t))
+            self.joint.append(self.labels.joint(self._positions(0), t))
 
-    def _keep(self, row: int, policy: Policy, t: int) -> torch.Tensor:
-        """[L, Hkv, B] the slots row ``row`` keeps at checkpoint ``t``."""
-        positions = self.cache.positions[row]
+    def _positions(self, row: int) -> torch.Tensor:
+        """[L, Hkv, n] positions of row ``row`` (a model whose layers hold as many entries each)."""
+        return torch.stack([p[row] for p in self.cache.positions])
+
+    def _keep(self, row: int, policy: Policy, t: int) -> list[torch.Tensor | None]:
+        """Per layer, the slots [Hkv, B] row ``row`` keeps at checkpoint ``t`` (None: the layer is kept whole)."""
+        positions = [p[row] for p in self.cache.positions]
         if isinstance(policy.scorer, OracleRule):
             if self.labels is None:
                 raise ValueError("the oracle policy needs exact labels (teacher-forced replay)")
-            label = self.labels.token_labels(positions, t)  # [n]
-            scores = [label.expand(positions.shape[1], -1)] * self.num_layers
+            label = self.labels.token_labels(self._positions(row), t)  # [n]
+            scores = [label.expand(positions[0].shape[0], -1)] * self.num_layers
         else:
-            ids = torch.tensor(self.token_ids[row])
-            scores = [
-                score_layer(
-                    policy.scorer, *self.cache.layer(layer, row), positions[layer],
-                    self.window.get(layer, row)[:, -policy.query_window :], t, self.attention.layers[layer],
-                    self.prompt_len, layer, self.prompt_ids[row], ids, policy.selection, self.o_proj.get(layer),
-                )
-                for layer in range(self.num_layers)
-            ]
-        generator = protected = None
-        if policy.selection.stochastic:  # a seeded draw per compaction; never a protected one
-            seed = f"{policy.seed}:{self.prompt_ids[row]}:{t}"
-            generator = torch.Generator().manual_seed(zlib.crc32(seed.encode()))
-            protected = policy.scorer.protected(t - positions, positions)
-        return select_keep(scores, policy.budget, policy.selection, protected, generator)
+            scores = live_scores(policy, self.cache, row, t, self.attention, self.prompt_len, self.prompt_ids[row],
+                                 torch.tensor(self.token_ids[row]), self.o_proj)
+        return choose(policy, scores, positions, t, self.prompt_ids[row], self.windows)
 
     def select(self, rows: list[int]) -> None:
         """Keep only the batch rows ``rows`` (in this order)."""
-        idx = torch.tensor(rows, dtype=torch.long)
-        self.cache.select(idx)
-        if self.window is not None:
-            self.window.select(idx)
+        self.cache.select(torch.tensor(rows, dtype=torch.long))
         for name in ("policies", "prompt_ids", "token_ids", "kept"):
             setattr(self, name, [getattr(self, name)[r] for r in rows])
 
     def result(self, row: int, token_ids: list[int], stop: str, logprobs: torch.Tensor | None) -> Decoded:
         return Decoded(list(token_ids), self.prompt_len, stop, list(self.active), list(self.compressions), logprobs,
                        self.kept[row], list(self.joint))
-
-
-def prompt_chunks(prompt_len: int, policy: Policy | None) -> list[tuple[int, int]]:
-    """``(start, end)`` of each prefill forward: the whole prompt when it fits ``budget + interval`` entries,
-    else ``budget + interval`` tokens and then ``interval`` at a time (a checkpoint follows each chunk)."""
-    if policy is None:
-        return [(0, prompt_len)]
-    first = min(prompt_len, policy.budget + policy.interval)
-    return [(0, first)] + [(s, min(s + policy.interval, prompt_len)) for s in range(first, prompt_len, policy.interval)]
 
 
 def eos_ids(lm: LoadedModel) -> set[int]:
@@ -255,7 +233,7 @@ def decode_batch(
     session = Session(lm, policies, prompt_ids, P, o_proj, keep_history)
     ids, rows, eos = [list(p) for p in prompts], [[] for _ in prompts], eos_ids(lm)
     live, results = list(range(b)), [None] * b  # live: the original row of each batch row
-    with observing(lm.model, session.window):
+    with observing(lm.model):
         logits = session.prefill(prompts)[:, -1]
         for g in range(1, max_new_tokens + 1):
             staying = []
@@ -304,7 +282,7 @@ def teacher_force(
         raise UserError(f"prompt {prompt_id!r}: needs at least one token after its {P} prompt tokens to teacher-force")
     session = Session(lm, [policy], [prompt_id], P, o_proj, keep_history, labels, joint)
     interval = policy.interval if policy else T
-    with observing(lm.model, session.window):
+    with observing(lm.model):
         rows = [torch.log_softmax(session.prefill([token_ids[:P]])[0], dim=-1).cpu()]
         for start in range(P, T - 1, interval):
             end = min(start + interval, T - 1)

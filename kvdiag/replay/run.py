@@ -15,16 +15,16 @@ import polars as pl
 from kvdiag.contracts import FULL_KV
 from kvdiag.errors import UserError
 from kvdiag.features import o_proj_weights
+from kvdiag.generate.live import check_live_scorer, make_scorer
+from kvdiag.generate.policy import Policy
 from kvdiag.io import check_writable, write_json
 from kvdiag.models import LoadedModel, load_model
 from kvdiag.parts import PartStore
 from kvdiag.progress import progress_bar
 from kvdiag.prompts import Prompt, load_prompts
 from kvdiag.provenance import command_line, provenance
-from kvdiag.replay.cache import Policy
 from kvdiag.replay.decoding import Decoded
 from kvdiag.replay.free_running import FreeRunning
-from kvdiag.replay.live import check_live_scorer, make_scorer
 from kvdiag.replay.oracle import ORACLE, OracleRule
 from kvdiag.replay.predict import SingleLabelAUROC, single_label_auroc
 from kvdiag.replay.settings import (
@@ -57,6 +57,7 @@ def build_policies(lm: LoadedModel, settings: ReplaySettings,
                                                                          settings.w_obs)
         for budget in settings.budgets:
             policy = Policy(scorer, budget, settings.interval, settings.selection, settings.backend, settings.seed)
+            policy.check_model(lm.attention)  # sliding windows: per-token and budgets that evict nothing
             if not oracle:
                 check_live_scorer(scorer, budget, settings.interval, group, head_dim)
             policies[(name, budget)] = policy

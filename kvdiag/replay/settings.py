@@ -139,7 +139,7 @@ def check_settings(settings: ReplaySettings, mode) -> None:
     """Every check that needs no model (bad input: UserError): :func:`check_options`, then the scorers that run on a
     live cache (their classes: torch). ``mode``: a :class:`~kvdiag.replay.free_running.FreeRunning` or
     :class:`~kvdiag.replay.teacher_forced.TeacherForced`, the class or an instance."""
-    from kvdiag.replay.live import check_live_scorer, make_scorer
+    from kvdiag.generate.live import check_live_scorer, make_scorer
 
     check_options(settings, mode.name)
     for name in settings.scorers:

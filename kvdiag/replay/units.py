@@ -12,8 +12,8 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from kvdiag.generate.policy import Policy
 from kvdiag.parts import part_name
-from kvdiag.replay.cache import Policy
 from kvdiag.replay.settings import ReplaySettings
 
 # settings that change no unit's tokens (the sweep's axes are in each unit's own key; the batch changes no token:

@@ -85,14 +85,14 @@ def _record(module, query, key, value, kwargs) -> None:
         recorder.add(module.layer_idx, query[0], key[0, :, -n:], value[0, :, -n:])
 
 
-def trace_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def trace_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """query [B, H, q, d], key/value [B, Hkv, kv, d] (whole cache) -> SDPA output [B, q, H, d]."""
     _record(module, query, key, value, kwargs)
     kwargs.pop("output_attentions", None)
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
-def trace_attention_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def trace_attention_eager(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """As :func:`trace_attention`, through the model file's eager attention (output [B, q, H, d], weights)."""
     _record(module, query, key, value, kwargs)
     return model_eager_attention(module)(

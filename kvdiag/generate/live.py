@@ -3,88 +3,24 @@
 At a checkpoint ``t`` the cache of layer ``ℓ`` holds ``n`` entries at absolute positions ``[Hkv, n]`` (with
 per-head selection the heads differ) and the compressor holds a *query window*: the last ``W_q`` post-RoPE
 queries, recorded as the model computes them by a registered attention function (R-KV keeps the same
-query cache). Scorers read a live :class:`~kvdiag.scorers.ScoreContext` (``positions`` + ``checkpoint``): window
-attention over the cached keys, causal by absolute position, ages ``t - position``, no future.
+query cache; ``kvdiag.generate.attend``). Scorers read a live :class:`~kvdiag.scorers.ScoreContext`
+(``positions`` + ``checkpoint``): window attention over the cached keys, causal by absolute position, ages
+``t - position``, no future.
 """
 
 from __future__ import annotations
 
-from contextvars import ContextVar
-
 import torch
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-from kvdiag.adapters import LayerAttention, as_layer_attention, check_kwargs, model_attention
-from kvdiag.attention import attention_context, group_size, model_eager_attention
+from kvdiag.adapters import LayerAttention, as_layer_attention
+from kvdiag.attention import group_size
 from kvdiag.errors import UserError
 from kvdiag.scorers import SCORERS, ScoreContext, Scorer, get_scorer
 from kvdiag.scorers.context import HistoryUnavailable
 from kvdiag.selection import SELECTIONS, Selection, select_keep, top_slots  # noqa: F401  (replay's API)
 
-REPLAY_ATTN = "kvdiag_replay"
 # entries of the seeded live cache on which check_live_scorer runs a rule once
 PROBE_ENTRIES = 64
-
-_WINDOW: ContextVar[QueryWindow | None] = ContextVar("kvdiag_query_window", default=None)
-
-
-class QueryWindow:
-    """The last ``size`` post-RoPE queries of every layer for each batch row, ``[b, H, w, d]`` with ``w <= size``."""
-
-    def __init__(self, num_layers: int, size: int):
-        self.size = size
-        self.rows: list[torch.Tensor | None] = [None] * num_layers
-
-    def add(self, layer: int, query: torch.Tensor) -> None:
-        """query [b, H, c, d]: the newest ``c`` queries of ``layer`` for every batch row."""
-        rows = self.rows[layer]
-        rows = query if rows is None else torch.cat([rows, query], dim=2)
-        self.rows[layer] = rows[:, :, -self.size :].detach()
-
-    def get(self, layer: int, row: int = 0) -> torch.Tensor:
-        """[H, w, d] the window of batch row ``row``."""
-        return self.rows[layer][row]
-
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep only the batch rows ``rows`` (finished generations leave the batch)."""
-        self.rows = [None if r is None else r[rows.to(r.device)] for r in self.rows]
-
-
-def _observe(module, query, kwargs) -> None:
-    check_kwargs(module, None, dict(kwargs), "replay")  # unknown attention arguments are refused
-    window = _WINDOW.get()
-    if window is not None:
-        window.add(module.layer_idx, query)
-
-
-def replay_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """query [b, H, q, d] -> records the queries, then the plain SDPA kernel (outputs unchanged)."""
-    _observe(module, query, kwargs)
-    kwargs.pop("output_attentions", None)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-
-
-def replay_attention_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """As :func:`replay_attention`, through the model file's eager attention (softcap, sinks)."""
-    _observe(module, query, kwargs)
-    return model_eager_attention(module)(
-        module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-    )
-
-
-AttentionInterface.register(REPLAY_ATTN, replay_attention)
-AttentionMaskInterface.register(REPLAY_ATTN, sdpa_mask)  # without it SDPA mis-slices q > 1 over a cache
-AttentionInterface.register(REPLAY_ATTN + "_eager", replay_attention_eager)
-AttentionMaskInterface.register(REPLAY_ATTN + "_eager", eager_mask)
-
-
-def observing(model, window: QueryWindow | None):
-    """Run ``model`` through the recording attention function (the implementation that reproduces the model,
-    from ``kvdiag.adapters``: SDPA or eager), filling ``window`` (None: record nothing)."""
-    eager = model_attention(model).implementation == "eager"
-    return attention_context(model, REPLAY_ATTN + "_eager" if eager else REPLAY_ATTN, _WINDOW, window)
 
 
 # --------------------------------------------------------------------------- scorers in a live cache
@@ -175,12 +111,13 @@ def _probe(scorer: Scorer, n: int, group: int, head_dim: int) -> torch.Tensor:
 def score_layer(
     scorer: Scorer, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, queries: torch.Tensor,
     checkpoint: int, scale: LayerAttention | float, prompt_len: int, layer: int, prompt_id: str,
-    token_ids: torch.Tensor, selection: Selection | str, o_proj: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None, selection: Selection | str, o_proj: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Live scores [Hkv, n] of one layer's cache (fp32, CPU; higher = keep).
 
     keys, values [Hkv, n, d] at absolute ``positions [Hkv, n]`` (ascending per head); queries [H, w, d] at
-    ``[checkpoint - w, checkpoint)``; token_ids [checkpoint]; ``scale``: the layer's ``LayerAttention`` (or a bare
+    ``[checkpoint - w, checkpoint)``; token_ids [checkpoint] (None under ``model.generate``: the cache never sees
+    the tokens); ``scale``: the layer's ``LayerAttention`` (or a bare
     scale). ``per-token``: every head holds the same positions and one context scores the layer. ``per-head``: one
     context per KV head (its group of query heads), so each head's ages and windows follow its own positions; such a
     context's ``prompt_id`` is ``"<id>/kv<h>"`` so that seeded scorers draw per head, and a rule that pools over all
@@ -191,8 +128,9 @@ def score_layer(
     attn = as_layer_attention(scale)
     if Selection.parse(selection).per_token:
         pos = positions[0]
-        ctx = ScoreContext(queries, keys, values, attn, prompt_len, layer, prompt_id, token_ids[pos],
-                           o_proj=o_proj, positions=pos, checkpoint=checkpoint)
+        ctx = ScoreContext(queries, keys, values, attn, prompt_len, layer, prompt_id,
+                           None if token_ids is None else token_ids[pos], o_proj=o_proj, positions=pos,
+                           checkpoint=checkpoint)
         return scorer.scores(ctx)  # checked and protected by the Scorer base
     g = group_size(queries.shape[0], Hkv)
     d = keys.shape[2]
@@ -201,7 +139,7 @@ def score_layer(
         pos = positions[h]
         ctx = ScoreContext(queries[h * g : (h + 1) * g], keys[h : h + 1], values[h : h + 1],
                            attn.query_heads(h * g, (h + 1) * g), prompt_len, layer,
-                           f"{prompt_id}/kv{h}", token_ids[pos],
+                           f"{prompt_id}/kv{h}", None if token_ids is None else token_ids[pos],
                            o_proj=None if o_proj is None else o_proj[:, h * g * d : (h + 1) * g * d],
                            positions=pos, checkpoint=checkpoint)
         rows.append(scorer.scores(ctx))

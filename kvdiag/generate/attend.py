@@ -1,0 +1,124 @@
+"""The attention function a positioned cache runs under: the model's own kernel (SDPA, or the model file's eager
+attention where SDPA cannot express it), fed a mask built from the cache's positions and recording the queries.
+
+Each :class:`~kvdiag.generate.positioned.PositionedLayer` hands itself to the attention call of its layer (a
+context variable set by ``update``, read once here): the attention function then records the layer's post-RoPE
+queries into the cache's :class:`QueryWindow` and, for a sliding layer, replaces transformers' slot-based mask by
+one from positions (query ``q`` sees key ``k`` iff ``q - W < k <= q``: a window is a position distance). Full layers
+keep transformers' own causal mask, which is exact on a compacted cache (kept entries precede the new ones and
+``PositionedCache.get_query_offset`` is the physical length), so their kernel path is the one plain decoding takes.
+A hand-off left unread means the model ran another attention function: the next ``update`` refuses to continue.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+from kvdiag.adapters import check_kwargs, model_attention
+from kvdiag.attention import attn_implementation, model_eager_attention
+
+KVDIAG_ATTN = "kvdiag_replay"  # the registered name (also what replay recorded in earlier releases' configs)
+
+# the layer whose keys the next attention call reads: (PositionedLayer, query positions [b, c], QueryWindow or
+# None) or None
+HANDOFF: ContextVar[tuple | None] = ContextVar("kvdiag_positioned_layer", default=None)
+
+
+class QueryWindow:
+    """The last ``size`` post-RoPE queries of every layer for each batch row, ``[b, H, w, d]`` with ``w <= size``."""
+
+    def __init__(self, num_layers: int, size: int):
+        self.size = size
+        self.rows: list[torch.Tensor | None] = [None] * num_layers
+
+    def add(self, layer: int, query: torch.Tensor) -> None:
+        """query [b, H, c, d]: the newest ``c`` queries of ``layer`` for every batch row."""
+        rows = self.rows[layer]
+        rows = query if rows is None else torch.cat([rows, query], dim=2)
+        self.rows[layer] = rows[:, :, -self.size :].detach()
+
+    def get(self, layer: int, row: int = 0) -> torch.Tensor:
+        """[H, w, d] the window of batch row ``row``."""
+        return self.rows[layer][row]
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows ``rows`` (finished generations leave the batch)."""
+        self.rows = [None if r is None else r[rows.to(r.device)] for r in self.rows]
+
+
+def position_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None, heads: int) -> torch.Tensor:
+    """bool [b, H or 1, c, n] (True: attend) from query positions [b, c] and key positions [b, Hkv, n].
+
+    Query ``q`` sees key ``k`` iff ``k <= q`` and, with a sliding ``window`` W, ``q - k < W`` (transformers'
+    ``sliding_window_overlay``). Keys shared by every KV head give one mask row for all heads; else KV head ``h``'s
+    row serves its ``H / Hkv`` query heads (transformers' ``repeat_kv`` order)."""
+    shared = bool((key_pos == key_pos[:, :1]).all())
+    keys = key_pos[:, :1] if shared else key_pos
+    q, k = query_pos[:, None, :, None], keys[:, :, None, :]
+    visible = k <= q
+    if window is not None:
+        visible &= q - k < window
+    return visible if shared else visible.repeat_interleave(heads // key_pos.shape[1], dim=1)
+
+
+def _take(module, query: torch.Tensor, attention_mask, kwargs: dict, eager: bool):
+    """Record ``query`` [b, H, c, d] into the handing layer's window; its mask for a sliding layer."""
+    handoff = HANDOFF.get()
+    HANDOFF.set(None)  # taken before any refusal, so a refused forward leaves no stale hand-off
+    check_kwargs(module, None, dict(kwargs), "kvdiag attention")  # unknown attention arguments are refused
+    if handoff is None:
+        return attention_mask
+    layer, query_pos, queries = handoff
+    if queries is not None:
+        queries.add(module.layer_idx, query)
+    if layer.sliding_window is None:
+        return attention_mask
+    mask = position_mask(query_pos.to(query.device), layer.visible_positions.to(query.device), layer.sliding_window,
+                         query.shape[1])
+    if eager:  # the model file's eager attention adds its mask
+        return torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
+            ~mask, torch.finfo(query.dtype).min)
+    return mask
+
+
+def kvdiag_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """query [b, H, q, d] -> SDPA over the positioned cache's keys (outputs as the model's own SDPA)."""
+    attention_mask = _take(module, query, attention_mask, kwargs, eager=False)
+    kwargs.pop("output_attentions", None)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+def kvdiag_attention_eager(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """As :func:`kvdiag_attention`, through the model file's eager attention (softcap, sinks)."""
+    attention_mask = _take(module, query, attention_mask, kwargs, eager=True)
+    return model_eager_attention(module)(
+        module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+    )
+
+
+AttentionInterface.register(KVDIAG_ATTN, kvdiag_attention)
+AttentionMaskInterface.register(KVDIAG_ATTN, sdpa_mask)  # without it SDPA mis-slices q > 1 over a cache
+AttentionInterface.register(KVDIAG_ATTN + "_eager", kvdiag_attention_eager)
+AttentionMaskInterface.register(KVDIAG_ATTN + "_eager", eager_mask)
+
+
+def implementation(model) -> str:
+    """The registered kvdiag attention that reproduces ``model`` (SDPA or eager, from ``kvdiag.adapters``)."""
+    return KVDIAG_ATTN + "_eager" if model_attention(model).implementation == "eager" else KVDIAG_ATTN
+
+
+def use_kvdiag_attention(model) -> None:
+    """Switch ``model`` to kvdiag's attention for good (an :class:`~kvdiag.generate.EvictingCache` needs it in
+    every forward that ``model.generate`` runs)."""
+    if model.config._attn_implementation != (name := implementation(model)):
+        model.set_attn_implementation(name)
+
+
+def observing(model):
+    """Run ``model`` through kvdiag's attention for the block, then restore its own."""
+    return attn_implementation(model, implementation(model))

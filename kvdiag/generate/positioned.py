@@ -1,0 +1,163 @@
+"""The positioned cache: a transformers ``Cache`` whose layers keep every entry's absolute position beside its key
+and value, full and sliding attention alike, compacted in place per (layer, KV head).
+
+Compaction is physical (``kvdiag.kernels.compact_kv``, a per-head gather, Triton on CUDA); kept entries keep the
+RoPE rotation of their original positions. The cache reports its *logical* length (tokens fed, ``get_seq_length``),
+so a forward without ``position_ids`` (and ``model.generate``) numbers new tokens by absolute position, and its
+*physical* length to the mask builder (``get_query_offset``, ``get_mask_sizes``), so transformers' causal mask over
+slots stays exact after a compaction. A sliding layer drops the entries no future query can see (as transformers'
+``DynamicSlidingWindowLayer`` does) and its mask comes from positions (``kvdiag.generate.attend``).
+
+Every row of a batch holds the same number of entries per layer: rows share their prompt length and schedule and
+are compacted at the same steps (each keeps its own entries). Positions live on the CPU (a few integers per entry).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from kvdiag.errors import UserError
+from kvdiag.generate.attend import HANDOFF, QueryWindow
+from kvdiag.kernels import compact_kv
+
+
+class PositionedLayer(DynamicLayer):
+    """One layer: keys, values [b, Hkv, n, d] and their absolute positions [b, Hkv, n] (ascending per row and head).
+
+    sliding_window : W of a sliding layer (query ``q`` sees ``q - W < k <= q``), None for full attention.
+    queries : the cache's query window, filled by the attention call this layer hands itself to.
+    """
+
+    is_croppable = False  # a compacted cache cannot be rolled back
+
+    def __init__(self, sliding_window: int | None = None, queries: QueryWindow | None = None):
+        super().__init__()
+        self.sliding_window, self.is_sliding, self.queries = sliding_window, sliding_window is not None, queries
+        self.positions = torch.empty(0, 0, 0, dtype=torch.long)
+        self.visible_positions = self.positions  # of the keys the current attention call reads
+        self.seen = 0  # tokens fed: the next token's position
+
+    def __len__(self) -> int:
+        """n: entries held per (row, KV head)."""
+        return self.positions.shape[-1]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key/value_states [b, Hkv, c, d] at positions ``[seen, seen + c)`` -> every entry the new queries may read,
+        [b, Hkv, n + c, d] (a sliding layer then forgets those no later query sees)."""
+        if HANDOFF.get() is not None:
+            HANDOFF.set(None)
+            raise RuntimeError("the model ran an attention function other than kvdiag's over a positioned cache; "
+                               "switch it with kvdiag.generate.use_kvdiag_attention(model)")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        b, Hkv, c, _ = key_states.shape
+        if self.positions.numel() == 0:
+            self.positions = torch.empty(b, Hkv, 0, dtype=torch.long)
+        query_pos = torch.arange(self.seen, self.seen + c).expand(b, c)
+        keys = torch.cat([self.keys, key_states], dim=-2)
+        values = torch.cat([self.values, value_states], dim=-2)
+        positions = torch.cat([self.positions, query_pos[:, None, :].expand(b, Hkv, c)], dim=-1)
+        self.seen += c
+        self.visible_positions = positions
+        HANDOFF.set((self, query_pos, self.queries))
+        drop = 0
+        if self.sliding_window is not None:  # entries at or before seen - W are out of every later query's window
+            drop = int((positions <= self.seen - self.sliding_window).sum(-1).min())
+        self.keys, self.values, self.positions = keys[:, :, drop:], values[:, :, drop:], positions[..., drop:]
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        """Tokens fed (the logical length: the next position)."""
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset) of the keys the next attention reads: the entries held plus the new ones."""
+        return len(self) + query_length, 0
+
+    def compact(self, keep: torch.Tensor, backend: str = "auto") -> None:
+        """Keep, in row ``r``, the slots ``keep[r] [Hkv, B]`` (ascending per head)."""
+        idx = keep.to(self.keys.device)
+        pairs = [compact_kv(self.keys[r], self.values[r], idx[r], backend=backend) for r in range(idx.shape[0])]
+        self.keys, self.values = torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])
+        self.positions = self.positions.gather(-1, keep.cpu())
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Make batch row ``i`` the current row ``indices[i]``."""
+        if self.is_initialized:
+            self.keys, self.values = self.keys[indices.to(self.keys.device)], self.values[indices.to(self.keys.device)]
+            self.positions = self.positions[indices.cpu()]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.batch_select_indices(torch.arange(self.positions.shape[0]).repeat_interleave(repeats))
+
+    def reset(self) -> None:
+        super().reset()
+        self.positions = self.visible_positions = torch.empty(0, 0, 0, dtype=torch.long)
+        self.seen = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a positioned cache cannot be cropped (its entries may have been compacted)")
+
+
+class PositionedCache(Cache):
+    """A cache of :class:`PositionedLayer` (one per model layer, ``windows[l]``: its sliding window or None) and
+    the query window of the last ``query_window`` post-RoPE queries per layer (0: none kept)."""
+
+    def __init__(self, windows: list[int | None], query_window: int = 0):
+        self.queries = QueryWindow(len(windows), query_window) if query_window else None
+        super().__init__(layers=[PositionedLayer(w, self.queries) for w in windows])
+
+    @classmethod
+    def for_model(cls, model, query_window: int = 0) -> PositionedCache:
+        """The cache of ``model``'s layers (their windows from ``kvdiag.adapters``)."""
+        from kvdiag.adapters import model_attention
+
+        return cls([layer.window for layer in model_attention(model).layers], query_window)
+
+    def __len__(self) -> int:
+        """n: the most entries any layer holds per (row, KV head) (every full-attention layer holds this many)."""
+        return max(len(layer) for layer in self.layers)
+
+    @property
+    def positions(self) -> list[torch.Tensor]:
+        """Per layer, [b, Hkv, n_l] absolute positions."""
+        return [layer.positions for layer in self.layers]
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if layer_idx == 0:
+            self.check_positions(key_states.shape[0], key_states.shape[2], kwargs.get("kwargs") or {})
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def check_positions(self, b: int, c: int, kwargs: dict) -> None:
+        """The forward's ``position_ids`` must be the next ``c`` positions of every row (no padding, no reuse)."""
+        given = kwargs.get("position_ids")
+        if given is None:
+            return
+        start = self.layers[0].seen
+        if given.dim() != 2 or not bool((given.cpu() == torch.arange(start, start + c)).all()):
+            raise UserError(f"positions {given.flatten()[:4].tolist()}… fed to a positioned cache that holds {start} "
+                            "tokens: every row must continue at the next position (batch prompts of one length, "
+                            "without padding)")
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        """Physical entries of ``layer_idx``: where the new queries' slots start (the causal mask is over slots)."""
+        return len(self.layers[layer_idx])
+
+    def layer(self, layer: int, row: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values [Hkv, n, d] of ``layer`` in batch row ``row`` (views)."""
+        entry = self.layers[layer]
+        return entry.keys[row], entry.values[row]
+
+    def compact(self, keep: list[torch.Tensor | None], backend: str = "auto") -> None:
+        """Keep, per layer, the slots ``keep[l] [b, Hkv, B]`` (None: the layer is kept whole)."""
+        for layer, kl in zip(self.layers, keep, strict=True):
+            if kl is not None:
+                layer.compact(kl, backend)
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Make batch row ``i`` the current row ``rows[i]`` (finished generations leave the batch; a shared prefill
+        is copied to its rows), with the query window's rows."""
+        self.batch_select_indices(rows)
+        if self.queries is not None:
+            self.queries.select(rows)
