@@ -166,22 +166,28 @@ def _span(text: str, part: str, start: int = 0) -> tuple[int, int]:
     return at, at + len(part)
 
 
+def _seeded(name: str, n: int, example) -> list[Prompt]:
+    """``n`` prompts ``{name}000``...: ``SHOTS`` worked examples, then the question, each drawn by ``example()`` ->
+    (question, answer, the text the answer needs); exact check, the needed text's spans recorded."""
+    out = []
+    for i in range(n):
+        shots = tuple(example()[:2] for _ in range(SHOTS))
+        question, answer, needed = example()
+        out.append(Prompt(f"{name}{i:03d}", question, answer, f"{name}{i:03d}", shots=shots, check="exact",
+                          needs=(_span(question, needed),), answer_needs=(_span(answer, needed),)))
+    return out
+
+
 def recall_prompts(n: int, seed: int = 0, length: int = RECALL_LENGTH) -> list[Prompt]:
     """``n`` seeded recall prompts: copy a 4-digit code, count 1..``length``, write the code again (exact check)."""
     rng = random.Random(seed)
 
-    def example() -> tuple[str, str, int]:
+    def example() -> tuple[str, str, str]:
         code = rng.randint(1000, 9999)
         return (f"Remember the code {code}. Count from 1 to {length}, then write the code.",
-                f"Code: {code}\n{_counting(length)}\nThe code is {code}.", code)
+                f"Code: {code}\n{_counting(length)}\nThe code is {code}.", str(code))
 
-    out = []
-    for i in range(n):
-        shots = tuple(example()[:2] for _ in range(SHOTS))
-        question, answer, code = example()
-        out.append(Prompt(f"recall{i:03d}", question, answer, f"recall{i:03d}", shots=shots, check="exact",
-                          needs=(_span(question, str(code)),), answer_needs=(_span(answer, str(code)),)))
-    return out
+    return _seeded("recall", n, example)
 
 
 def keys_prompts(n: int, seed: int = 0, length: int = KEYS_LENGTH) -> list[Prompt]:
@@ -195,13 +201,7 @@ def keys_prompts(n: int, seed: int = 0, length: int = KEYS_LENGTH) -> list[Promp
         return (f"Remember the codes {pairs}. Count from 1 to {length}, then write the codes again.",
                 f"Codes: {pairs}\n{_counting(length)}\nThe codes are {pairs}.", pairs)
 
-    out = []
-    for i in range(n):
-        shots = tuple(example()[:2] for _ in range(SHOTS))
-        question, answer, pairs = example()
-        out.append(Prompt(f"keys{i:03d}", question, answer, f"keys{i:03d}", shots=shots, check="exact",
-                          needs=(_span(question, pairs),), answer_needs=(_span(answer, pairs),)))
-    return out
+    return _seeded("keys", n, example)
 
 
 # --------------------------------------------------------------------------- builtin:countdown
@@ -215,19 +215,13 @@ def countdown_prompts(n: int, seed: int = 0, length: int = COUNTDOWN_LENGTH) -> 
     before wrote; the last line reads the start, written ``length`` steps earlier."""
     rng = random.Random(seed)
 
-    def example() -> tuple[str, str, int]:
+    def example() -> tuple[str, str, str]:
         start = rng.randint(length + 10, length + 59)
         steps = "\n".join(f"{i}. {start - i + 1}" for i in range(1, length + 1))
         return (f"Count down by one from {start}, {length} numbers, then write the start again.",
-                f"Start: {start}\n{steps}\nThe start was {start}.", start)
+                f"Start: {start}\n{steps}\nThe start was {start}.", str(start))
 
-    out = []
-    for i in range(n):
-        shots = tuple(example()[:2] for _ in range(SHOTS))
-        question, answer, start = example()
-        out.append(Prompt(f"countdown{i:03d}", question, answer, f"countdown{i:03d}", shots=shots, check="exact",
-                          needs=(_span(question, str(start)),), answer_needs=(_span(answer, str(start)),)))
-    return out
+    return _seeded("countdown", n, example)
 
 
 # --------------------------------------------------------------------------- the registry
