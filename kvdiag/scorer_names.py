@@ -30,15 +30,6 @@ def check_scorer_names(names: list[str], flag: str = "--scorers", also: tuple[st
                             f"starting with {', '.join(PREFIXES)}; or load yours with --plugin)")
 
 
-def check_plugin_files(plugins) -> None:
-    """Refuse a ``--plugin`` ``.py`` file that does not exist (module names are found only by importing them)."""
-    from pathlib import Path
-
-    for module in plugins or ():
-        if str(module).endswith(".py") and not Path(module).is_file():
-            raise UserError(f"--plugin {module}: file not found; pass a .py file or an importable module name")
-
-
 def check_rule_source(spec: str | None, rule: str | None, everything: bool = False) -> None:
     """``--rule`` picks among a plugin's rules: with a registered name there would be two sources of the rule, and
     one would be graded silently."""

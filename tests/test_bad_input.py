@@ -744,8 +744,9 @@ PLUGIN_FILES = {"import": "import_error"}  # a plugin file named import.py would
 # before torch is imported (test_refused_before_torch).
 NEEDS_MODEL = "the model's config (layer count, context length) is the input checked: loading it imports transformers"
 NEEDS_TOKENIZER = "the prompts are tokenized by the model's tokenizer (transformers)"
-NEEDS_PLUGIN = ("a plugin is imported by the scorer registry, kvdiag.scorers (torch), which the plugin imports to "
-                "register itself: the fault shows only when it is imported")
+NEEDS_PLUGIN = ("the fault shows only when the plugin runs (its import pulls in kvdiag.scorers, hence torch); what its "
+                "source shows (syntax, the scorer contract, a taken name, a missing import) is refused before "
+                "(kvdiag.plugin_check)")
 NEEDS_SCORES = "the fault shows only when the plugin's score() runs on a Trace's tensors"
 STAGE = ("checked by the stage against the Trace's shapes or the inputs' rows, after its torch import (a light "
          "pre-check would duplicate the stage's own)")
@@ -755,7 +756,7 @@ HEAVY: dict[str, str] = {
     "replay-suite-max-new-tokenized": "the exact count of the answer's tokens is the input checked: " + NEEDS_TOKENIZER,
     "replay-budget-protected": NEEDS_MODEL,
     "replay-sliding-budget-evicts-nothing": NEEDS_MODEL, "replay-sliding-per-token": NEEDS_MODEL,
-    **{name: NEEDS_PLUGIN for name, _, _ in CASES if "-plugin-" in name and name != "score-plugin-missing"},
+    "score-plugin-exits": NEEDS_PLUGIN, "grade-plugin-exits": NEEDS_PLUGIN,
     "score-plugin-raises": NEEDS_SCORES, "score-plugin-returns-list": NEEDS_SCORES,
     "rank-eval-eligible-unknown": "--eligible names a scorer whose protected() is read (torch): " + STAGE,
     "replay-scorer-needs-history": "needs_history is a scorer class attribute (torch): " + STAGE,

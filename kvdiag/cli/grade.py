@@ -29,13 +29,16 @@ def grade(
     decisions at the benchmark's budgets, against the oracle and the built-in rules; prints its leaderboard row."""
     from kvdiag.errors import UserError
     from kvdiag.parsing import parse_params
-    from kvdiag.scorer_names import check_fitted, check_rule_source
+    from kvdiag.plugin_check import check_plugin_files
+    from kvdiag.scorer_names import check_fitted, check_rule_source, is_plugin_spec
 
     if all_ == (rule_spec is not None):
         raise UserError("pass a rule to grade (a .py file, a module or a registered name) or --all, not both")
     if leaderboard is not None and not all_:
         raise UserError("--leaderboard applies with --all only; drop it")
     check_rule_source(rule_spec, rule, all_)
+    if rule_spec is not None and is_plugin_spec(rule_spec):
+        check_plugin_files([rule_spec])  # what its source shows, before its import pulls in torch
     params = parse_params(param)
     check_fitted([rule_spec] if rule_spec else [], params)
     from kvdiag.grade import RANK_METRICS, grade_files  # the stage, once the arguments are checked

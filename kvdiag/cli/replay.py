@@ -83,9 +83,10 @@ def replay(
                                            "--auroc": auroc, "--prompts": prompts, "--plugin": plugin})
     from kvdiag.io import check_table
     from kvdiag.model_specs import check_model_spec
+    from kvdiag.plugin_check import check_plugin_files
     from kvdiag.prompts import DEFAULT_INSTRUCTION, load_prompts
     from kvdiag.replay.settings import ReplaySettings, check_options, check_outcomes, replayed_prompts
-    from kvdiag.scorer_names import REPLAY_ONLY, check_plugin_files, check_scorer_names
+    from kvdiag.scorer_names import REPLAY_ONLY, check_scorer_names
     from kvdiag.suites import check_generation_room, select_components
     from kvdiag.trace.manifest import TraceFiles
 

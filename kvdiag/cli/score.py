@@ -39,8 +39,9 @@ def score(
     from kvdiag import parsing
     from kvdiag.guard import check_outputs
     from kvdiag.parsing import GRANULARITIES, joined, parse_checkpoints, parse_list
+    from kvdiag.plugin_check import check_plugin_files
     from kvdiag.schema import check_checkpoint
-    from kvdiag.scorer_names import AGGREGATIONS, check_fitted, check_plugin_files, check_scorer_names
+    from kvdiag.scorer_names import AGGREGATIONS, check_fitted, check_scorer_names
     from kvdiag.trace.manifest import TraceFiles
 
     if list_:

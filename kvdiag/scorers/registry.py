@@ -21,8 +21,8 @@ from typing import Any
 
 from kvdiag.errors import UserError
 from kvdiag.parsing import parse_params  # noqa: F401  (the registry's API)
+from kvdiag.plugin_check import check_plugin_files
 from kvdiag.registry import Registry
-from kvdiag.scorer_names import check_plugin_files
 from kvdiag.scorers.base import Scorer, blame, where
 
 ENTRY_POINT_GROUP = "kvdiag.scorers"
@@ -130,9 +130,9 @@ def _import_plugin(module: str) -> None:
     scorer contract, a taken name) is one ``UserError`` line naming the file (and line) and the fix."""
     path = Path(module)
     label = f"--plugin {module}"
+    check_plugin_files([module])  # missing, and the faults its source shows: their own lines, before it runs
     try:
         if module.endswith(".py"):
-            check_plugin_files([module])
             spec = importlib.util.spec_from_file_location(f"kvdiag_plugin_{path.stem}", path)
             mod = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = mod

@@ -1,0 +1,49 @@
+"""kvdiag.plugin_check refuses only what a plugin's source decides: the files that are fine, or whose fault needs
+them to run, pass (and the registry's import then decides)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvdiag.errors import UserError
+from kvdiag.plugin_check import check_plugin_files
+
+HEAD = "from dataclasses import dataclass\nfrom kvdiag.scorers import Scorer, register_scorer\n\n\n"
+PASSES = {
+    "fine": HEAD + "@register_scorer('mine')\n@dataclass\nclass Mine(Scorer):\n    def score(self, ctx):\n"
+                   "        return ctx.keys.norm(dim=-1)\n",
+    # sys.path may be changed before a later import: only the leading run of imports is checked
+    "path_first": "import sys\nsys.path.insert(0, '/somewhere')\nimport no_such_module_kvdiag\n",
+    "guarded": "try:\n    import no_such_module_kvdiag\nexcept ImportError:\n    pass\n",
+    # score() may come from a base class other than Scorer
+    "inherits": HEAD + "from kvdiag.scorers import KNorm\n\n@register_scorer('mine')\n@dataclass\n"
+                       "class Mine(KNorm):\n    pass\n",
+    "computed_name": HEAD + "NAME = 'knorm'\n@register_scorer(NAME)\n@dataclass\nclass Mine(Scorer):\n"
+                            "    def score(self, ctx):\n        return ctx.keys.norm(dim=-1)\n",
+}
+REFUSED = {
+    "bare_taken": (HEAD + "@register_scorer\n@dataclass\nclass KNorm(Scorer):\n    def score(self, ctx):\n"
+                          "        return ctx.keys\n", "'knorm' is taken by the built-in"),
+    "named_taken": (HEAD + "@register_scorer\n@dataclass\nclass Mine(Scorer):\n    name = 'tova'\n"
+                           "    def score(self, ctx):\n        return ctx.keys\n", "'tova' is taken by the built-in"),
+    "from_import": ("from no_such_module_kvdiag.x import y\n", "from_import.py:1"),
+    "aliased": ("from kvdiag.scorers import Scorer as S, register_scorer\n\n@register_scorer('a')\nclass A(S):\n"
+                "    pass\n", "aliased.py:3) defines no score"),
+}
+
+
+@pytest.mark.parametrize("name", PASSES)
+def test_passes(name, tmp_path):
+    path = tmp_path / f"{name}.py"
+    path.write_text(PASSES[name])
+    check_plugin_files([str(path)])
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_refused(name, tmp_path):
+    source, needle = REFUSED[name]
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    with pytest.raises(UserError) as exc:
+        check_plugin_files([str(path)])
+    assert needle in str(exc.value) and str(exc.value).startswith(f"--plugin {path}: ")
