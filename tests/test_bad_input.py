@@ -763,7 +763,6 @@ HEAVY: dict[str, str] = {
     "score-param-unknown": "a scorer's parameters are its class's fields (torch): " + STAGE,
     "score-param-type": "a scorer's parameter types are its class's field types (torch): " + STAGE,
     "score-model-unused": "whether a scorer reads wo_l2 is its instance's setting (torch): " + STAGE,
-    "score-safetensors-truncated": "the fault is in the tensors, read by safetensors/torch when scoring",
     "decisions-reference-typo": "the rule names are the scores file's rule columns, which the stage picks: " + STAGE,
 }
 

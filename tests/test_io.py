@@ -20,3 +20,32 @@ def test_writers_leave_whole_files_with_the_usual_mode(tmp_path):
     for path in (js, pq):
         assert os.stat(path).st_mode & 0o777 == os.stat(plain).st_mode & 0o777
     assert not [p for p in tmp_path.rglob("*.tmp")]  # no temporary file left behind
+
+
+def test_safetensors_fault_agrees_with_safetensors(tmp_path):
+    """kvdiag.io.safetensors_fault (the header read without torch) says a file is unreadable exactly when safetensors
+    refuses it: whole, cut at each of several points, and with a byte appended."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from kvdiag.io import safetensors_fault
+
+    path = tmp_path / "layer_000.safetensors"
+    save_file({"k": torch.randn(3, 4), "v": torch.randn(2)}, str(path), metadata={"layer": "0"})
+    whole = path.read_bytes()
+
+    def readable() -> bool:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                [f.get_tensor(name) for name in f.keys()]
+        except Exception:
+            return False
+        return True
+
+    variants = [whole, whole + b"x", *(whole[:cut] for cut in (0, 5, 8, 20, 100, len(whole) - 1))]
+    verdicts = []
+    for data in variants:
+        path.write_bytes(data)
+        verdicts.append((safetensors_fault(path) is None, readable()))
+    assert verdicts == [(True, True)] + [(False, False)] * (len(variants) - 1)

@@ -65,6 +65,7 @@ def score(
     check_outputs({"--out": out}, {"--trace": trace, "--labels": labels, "--plugin": plugin})
     check_plugin_files(plugin)
     trace_files = TraceFiles(trace)
+    trace_files.check_layer_files()
     if labels is not None:  # their contract, their Trace and their keys against its manifest, before torch (the
         from kvdiag.contracts import read_keys  # stage reads them again, with the tensors)
 

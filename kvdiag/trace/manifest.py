@@ -103,3 +103,15 @@ class TraceFiles:
         if other is not None and other != self.fingerprint:
             raise UserError(f"{what} was made from another Trace (fingerprint {other}, this one {self.fingerprint}); "
                             "pass the matching --trace")
+
+    def check_layer_files(self) -> None:
+        """Refuse a stored layer file (``tensors/<prompt>/layer_<LLL>.safetensors``) whose header is cut or does not
+        fit its size (``kvdiag.io.safetensors_fault``), without reading its tensors; ``kvdiag.trace.Trace`` reads
+        them and refuses any other fault."""
+        from kvdiag.io import safetensors_fault
+
+        for pid in self.prompt_ids:
+            for path in sorted((self.path / "tensors" / pid).glob("layer_*.safetensors")):
+                if fault := safetensors_fault(path):
+                    raise UserError(f"--trace {self.path}: {path.name} of {pid} is unreadable ({fault}); re-run "
+                                    "`kvdiag trace`")
