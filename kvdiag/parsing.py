@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import math
 import re
+import types
+import typing
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from kvdiag.errors import UserError, check_choice
 from kvdiag.schema import CHECKPOINT_INTERVAL, GRANULARITIES  # noqa: F401  (the parsers' choices)
@@ -291,3 +294,28 @@ def parse_params(items: list[str] | None) -> dict[str, dict[str, str]]:
             raise UserError(f"--param {scorer.strip()}.{param.strip()} is given twice: pass it once")
         params[param.strip()] = value.strip()
     return out
+
+
+def coerce(value: Any, hint: Any, what: str) -> Any:
+    """Convert a ``--param`` string to the type ``hint`` (int, float, bool, str, tuples, ``X | None``)."""
+    if not isinstance(value, str):
+        return value
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value.lower() in ("none", "null") and type(None) in args:
+            return None
+        return coerce(value, next(a for a in args if a is not type(None)), what)
+    try:
+        if origin is tuple:
+            return tuple(coerce(part.strip(), args[0], what) for part in value.split(","))
+        if hint is bool:
+            if value.lower() in ("true", "1", "yes", "on"):
+                return True
+            if value.lower() in ("false", "0", "no", "off"):
+                return False
+            raise ValueError(value)
+        if hint in (int, float, str):
+            return hint(value)
+    except ValueError:
+        raise UserError(f"--param {what}={value}: not a valid {getattr(hint, '__name__', hint)}") from None
+    raise UserError(f"--param {what}: parameters of type {hint} cannot be set from the command line")

@@ -12,6 +12,7 @@ BUILTIN_SCORERS = (
     "value_norm", "vatp", "random", "avokv_e", "avokv_e_no_payload", "avokv_e_no_delay", "avokv_e_raw",
     "avokv_e_no_redundancy", "vase", "cake", "obcache", "longflow", "fitted",
 )
+ENTRY_POINT_GROUP = "kvdiag.scorers"  # installed plugins (kvdiag.scorers.registry loads them)
 PREFIXES = ("fitted:", "kvpress:")  # names made on first use by a resolver (kvdiag.scorers.fitted, kvpress_press)
 # the per-entry features of the fitted rule (the keys of kvdiag.scorers.entry_features.FEATURES)
 ENTRY_FEATURES = ("window_attention", "newest_attention", "cumulative_attention", "recurrence", "key_norm",
@@ -28,6 +29,12 @@ def check_scorer_names(names: list[str], flag: str = "--scorers", also: tuple[st
         if name != "all" and name not in BUILTIN_SCORERS + also and not name.startswith(PREFIXES):
             raise UserError(f"{flag}: unknown scorer {name!r}: use one of {', '.join(BUILTIN_SCORERS)} (or a name "
                             f"starting with {', '.join(PREFIXES)}; or load yours with --plugin)")
+
+
+def check_eligible(name: str | None) -> None:
+    """``--eligible`` names a built-in scorer (rank-eval loads no plugin): its ``protected()`` picks the candidates."""
+    if name is not None and name not in BUILTIN_SCORERS:
+        raise UserError(f"--eligible {name}: not a registered scorer; use one of {', '.join(BUILTIN_SCORERS)}")
 
 
 def check_rule_source(spec: str | None, rule: str | None, everything: bool = False) -> None:

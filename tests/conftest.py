@@ -31,6 +31,24 @@ def tiny_model(request):
     return load_model(request.param)
 
 
+@pytest.fixture
+def restore_scorers():
+    """The scorer registry as it was, after a test that registers scorers in this process (plugins such as boom or
+    listy, prefixed names such as fitted:PATH): a later test in the same process compares or iterates the registry
+    (test_bad_input.py::test_light_name_lists_are_the_registries)."""
+    import sys
+
+    registry = sys.modules.get("kvdiag.scorers.registry")
+    before = dict(registry.SCORERS) if registry else None
+    yield
+    registry = sys.modules.get("kvdiag.scorers.registry")
+    if registry is not None:
+        keep = before if before is not None else {
+            n: c for n, c in registry.SCORERS.items() if c.__module__.startswith("kvdiag.") and ":" not in n}
+        registry.SCORERS.clear()
+        registry.SCORERS.update(keep)
+
+
 def make_trace(lm, path, n_prompts=2, max_new_tokens=40, storage_dtype="float32"):
     """A Trace of ``n_prompts`` short builtin prompts (no instruction, no chat) written to ``path``."""
     from kvdiag.prompts import load_prompts

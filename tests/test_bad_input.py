@@ -748,22 +748,15 @@ NEEDS_PLUGIN = ("the fault shows only when the plugin runs (its import pulls in 
                 "source shows (syntax, the scorer contract, a taken name, a missing import) is refused before "
                 "(kvdiag.plugin_check)")
 NEEDS_SCORES = "the fault shows only when the plugin's score() runs on a Trace's tensors"
-STAGE = ("checked by the stage against the Trace's shapes or the inputs' rows, after its torch import (a light "
-         "pre-check would duplicate the stage's own)")
 HEAVY: dict[str, str] = {
     "bench-scale-too-short": "the prompt's token count is the input checked: " + NEEDS_TOKENIZER,
     "replay-suite-length": "each prompt's token count is the input checked: " + NEEDS_TOKENIZER,
     "replay-suite-max-new-tokenized": "the exact count of the answer's tokens is the input checked: " + NEEDS_TOKENIZER,
-    "replay-budget-protected": NEEDS_MODEL,
+    "replay-budget-protected": ("the entries a rule protects are its protected() on a live cache of budget + interval "
+                                "entries (torch tensors; scorer_fields holds no protected rule)"),
     "replay-sliding-budget-evicts-nothing": NEEDS_MODEL, "replay-sliding-per-token": NEEDS_MODEL,
     "score-plugin-exits": NEEDS_PLUGIN, "grade-plugin-exits": NEEDS_PLUGIN,
     "score-plugin-raises": NEEDS_SCORES, "score-plugin-returns-list": NEEDS_SCORES,
-    "rank-eval-eligible-unknown": "--eligible names a scorer whose protected() is read (torch): " + STAGE,
-    "replay-scorer-needs-history": "needs_history is a scorer class attribute (torch): " + STAGE,
-    "score-param-unknown": "a scorer's parameters are its class's fields (torch): " + STAGE,
-    "score-param-type": "a scorer's parameter types are its class's field types (torch): " + STAGE,
-    "score-model-unused": "whether a scorer reads wo_l2 is its instance's setting (torch): " + STAGE,
-    "decisions-reference-typo": "the rule names are the scores file's rule columns, which the stage picks: " + STAGE,
 }
 
 
@@ -900,23 +893,6 @@ def test_there_are_enough_cases():
     assert {"trace", "label", "score", "rank-eval", "figures", "report", "replay", "demo"} <= commands
 
 
-@pytest.fixture
-def restore_scorers():
-    """The plugin rows register scorers (boom, listy, ...) in this process: the registry as it was, afterwards (a
-    later test in the same worker iterates every registered scorer)."""
-    import sys
-
-    registry = sys.modules.get("kvdiag.scorers.registry")
-    before = dict(registry.SCORERS) if registry else None
-    yield
-    registry = sys.modules.get("kvdiag.scorers.registry")
-    if registry is not None:
-        keep = before if before is not None else {
-            n: c for n, c in registry.SCORERS.items() if c.__module__.startswith("kvdiag.")}
-        registry.SCORERS.clear()
-        registry.SCORERS.update(keep)
-
-
 @pytest.mark.parametrize("argv, needle", [(argv, needle) for _, argv, needle in CASES], ids=[c[0] for c in CASES])
 def test_bad_input(argv, needle, inputs, tmp_path, capsys, restore_scorers):
     out = tmp_path / "out"
@@ -999,6 +975,78 @@ def test_light_name_lists_are_the_registries():
     assert scorer_names.ENTRY_FEATURES == tuple(FEATURES)
     assert parsing.DTYPE_NAMES == tuple(DTYPES)
     assert {k: v[1] for k, v in APPROXIMATE.items()} == APPROXIMATE_PARAMS
+
+
+def test_scorer_fields_are_the_registrys():
+    """kvdiag.scorer_fields (read before torch) is the registry's: every built-in's fields (annotation as written,
+    default, order) and their evaluated types, which rules need every past query's attention (in the class or by
+    instance), which default instances run on a live cache, and which join `--scorers all`."""
+    import dataclasses
+    import typing
+
+    from kvdiag import scorer_fields
+    from kvdiag.generate.live import live_scorer_names
+    from kvdiag.scorers import SCORERS
+
+    builtins = {n: c for n, c in SCORERS.items() if c.__module__.startswith("kvdiag.") and ":" not in n}
+    assert {n: {f.name: (f.type, f.default) for f in dataclasses.fields(c)} for n, c in builtins.items()} \
+        == scorer_fields.FIELDS
+    assert all(list(scorer_fields.FIELDS[n]) == [f.name for f in dataclasses.fields(c)] for n, c in builtins.items())
+    for name, cls in builtins.items():
+        hints = typing.get_type_hints(cls)
+        assert all(scorer_fields.annotation(name, f) == hints[f] for f in scorer_fields.FIELDS[name]), name
+    by_instance = {n for n, c in builtins.items() if isinstance(inspect_attr(c, "needs_history"), property)}
+    assert by_instance == set(scorer_fields.HISTORY_BY_INSTANCE)
+    assert {n for n, c in builtins.items() if n not in by_instance and c.needs_history} == set(scorer_fields.HISTORY)
+    assert tuple(n for n in live_scorer_names() if n in builtins) == scorer_fields.LIVE
+    assert tuple(n for n, c in builtins.items() if c.in_all) == scorer_fields.IN_ALL
+
+
+def inspect_attr(cls, name: str):
+    """``name`` as the class defines it (a property object, not its value)."""
+    import inspect
+
+    return inspect.getattr_static(cls, name)
+
+
+def test_light_params_are_the_registrys():
+    """The --param checks before torch refuse what get_scorer refuses, with its line, and convert what it converts
+    (every field of every built-in, a valid and an invalid value of each type)."""
+    from kvdiag.errors import UserError
+    from kvdiag.scorer_fields import FIELDS, builtin_params, wo_l2_unused
+    from kvdiag.scorers import get_scorer
+    from kvdiag.scorers.base import needs_o_proj
+
+    samples = {"int": ["3", "x"], "float": ["0.5", "lots"], "bool": ["false", "maybe"], "str": ["wo_l2"],
+               "int | None": ["none", "4", "y"], "tuple[float, ...]": ["0.2,0.4", "a,b"],
+               "tuple[float, ...] | None": ["null", "0.1,0.9", "z"], "dict": ["{}"]}
+    checked = 0
+    for name, fields in FIELDS.items():
+        for field, (kind, _) in [*fields.items(), ("nope", ("str", None))]:
+            for value in samples[kind]:
+                params = {field: value} if name != "fitted" or field == "_model" else None
+                if params is None:
+                    continue
+                try:
+                    light = builtin_params(name, params)
+                except UserError as err:
+                    with pytest.raises(UserError) as stage:
+                        get_scorer(name, **params)
+                    assert str(stage.value) == str(err)
+                    checked += 1
+                    continue
+                try:
+                    scorer = get_scorer(name, **params)
+                except UserError:  # a range check of __post_init__: the stage's, not a field's type
+                    continue
+                # the given parameter converted as the stage converts it (None may mean "follow another field" in
+                # __post_init__: avokv_e_no_delay's w_delay; then the stage's value is the default instance's)
+                given, made = light[field], scorer.params[field]
+                assert made == (list(given) if isinstance(given, tuple) else given) or (
+                    given is None and made == get_scorer(name).params[field]), (name, params)
+                assert wo_l2_unused([name], {name: params}, ()) is not needs_o_proj(scorer)
+                checked += 1
+    assert checked >= 140  # 146 when written: the loop ran over every field
 
 
 def test_grade_tells_names_from_plugins():

@@ -65,7 +65,7 @@ def decisions(
     """Label the set each rule evicts under each budget exactly and compare the decisions with oracle references."""
     check_outputs({"--out": (out, "dir")}, {"--trace": trace, "--scores": scores, "--labels": labels})
     from kvdiag.decisions import REFERENCES, DecisionsConfig, budgets_from  # light: the config, not the stage
-    from kvdiag.decisions.config import DEFAULT_REFERENCES
+    from kvdiag.decisions.config import DEFAULT_REFERENCES, check_reference, checkpoints_of, rule_columns
     from kvdiag.errors import UserError
     from kvdiag.harm import HarmSpec
     from kvdiag.io import check_table
@@ -102,11 +102,12 @@ def decisions(
     belongs(trace_files, score_meta, f"--scores {scores}")
     if labels is not None:
         belongs(trace_files, label_meta, f"--labels {labels}")
-    cfg.check_future(trace_files.manifest, _checkpoints(score_df, trace_files.manifest, cfg))
+    check_reference(cfg, rule_columns(score_df, cfg.rules))
     if model is not None:  # another model than the Trace's, told from names and configs before anything loads
         from kvdiag.model_specs import check_model_spec, check_trace_model
 
         check_trace_model(check_model_spec(model), trace_files.manifest["model"])
+    cfg.check_future(trace_files.manifest, checkpoints_of(score_df, trace_files, cfg)[0])
     from kvdiag.decisions import decisions_files  # the stage: torch and the model, once the arguments are checked
 
     common.quiet_transformers()
@@ -128,23 +129,3 @@ def _window(text: str | None) -> int | str | None:
     except ValueError:
         raise UserError(f"--future-window {text}: a number of future queries (e.g. 16) or rest") from None
 
-
-def _checkpoints(scores, manifest: dict, cfg) -> dict[str, list[int]]:
-    """prompt -> the checkpoints of the scores' head rows that leave room for the horizon (decisions grades those);
-    a scores file without head rows is refused here when oracle_search is asked (the stage refuses it in any case,
-    after the other checks of the inputs)."""
-    import polars as pl
-
-    from kvdiag.errors import UserError
-
-    head = scores.filter(pl.col("granularity") == "head").select("prompt_id", "checkpoint").unique()
-    if head.height == 0 and "oracle_search" in cfg.references:
-        raise UserError("the scores file has no head rows: oracle_search starts from every rule's set, so it needs "
-                        "every rule's score of every cached entry at each (layer, KV head); run kvdiag score "
-                        "--checkpoints every:128 --granularity head")
-    out: dict[str, list[int]] = {}
-    for pid, t in head.sort("prompt_id", "checkpoint").iter_rows():
-        least = 1 if cfg.horizon == parsing.REST else cfg.horizon  # rest: at least one step
-        if pid in manifest["prompts"] and t + least <= manifest["prompts"][pid]["length"]:
-            out.setdefault(pid, []).append(int(t))
-    return out

@@ -87,9 +87,11 @@ def rank_eval(
     """Rank every scorer against the oracle labels: AUROC, AP, top-k recall, false-safe rate, Spearman."""
     check_outputs({"--out": (out, "dir")}, {"--labels": labels, "--scores": scores})
     from kvdiag.io import check_table
+    from kvdiag.scorer_names import check_eligible
 
     check_table(labels, "--labels")  # a missing file, before the stage's polars and numpy
     check_table(scores, "--scores")
+    check_eligible(eligible)
     from kvdiag.rankeval.run import rank_eval_files
 
     result = rank_eval_files(

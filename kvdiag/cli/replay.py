@@ -86,7 +86,8 @@ def replay(
     from kvdiag.plugin_check import check_plugin_files
     from kvdiag.prompts import DEFAULT_INSTRUCTION, load_prompts
     from kvdiag.replay.settings import ReplaySettings, check_options, check_outcomes, replayed_prompts
-    from kvdiag.scorer_names import REPLAY_ONLY, check_scorer_names
+    from kvdiag.scorer_fields import check_live_names, check_params
+    from kvdiag.scorer_names import ORACLE, REPLAY_ONLY, check_scorer_names
     from kvdiag.suites import check_generation_room, select_components
     from kvdiag.trace.manifest import TraceFiles
 
@@ -114,6 +115,8 @@ def replay(
     check_plugin_files(plugin)
     if not plugin:
         check_scorer_names(settings.scorers, also=REPLAY_ONLY)
+    check_params({k: v for k, v in settings.params.items() if k != ORACLE})  # the built-ins' (scorer_fields)
+    check_live_names(settings.scorers)
     if model is not None:
         check_model_spec(model)
     if dtype is not None:

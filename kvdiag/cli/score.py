@@ -41,6 +41,7 @@ def score(
     from kvdiag.parsing import GRANULARITIES, joined, parse_checkpoints, parse_list
     from kvdiag.plugin_check import check_plugin_files
     from kvdiag.schema import check_checkpoint
+    from kvdiag.scorer_fields import MODEL_UNUSED, check_params, wo_l2_unused
     from kvdiag.scorer_names import AGGREGATIONS, check_fitted, check_scorer_names
     from kvdiag.trace.manifest import TraceFiles
 
@@ -80,7 +81,11 @@ def score(
         check_trace_model(check_model_spec(model), trace_files.manifest["model"],
                           f"pass {trace_files.manifest['model']['spec']}")
     params = parsing.parse_params(param)
-    check_fitted(parse_list(scorers, "--scorers", str), params)
+    names = parse_list(scorers, "--scorers", str)
+    check_params(params)  # the built-ins' parameter names and types, from kvdiag.scorer_fields
+    check_fitted(names, params)
+    if model is not None and wo_l2_unused(names, params, plugin):
+        raise UserError(MODEL_UNUSED.format(model=model))
     from kvdiag.scorers.run import score_files  # the scorers: torch, once the arguments are checked
     df, meta = score_files(trace, out, labels, joined(checkpoints), joined(granularity),
                            parse_list(scorers, "--scorers", str), params, plugin or (), aggregation, model,

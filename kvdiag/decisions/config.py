@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvdiag.errors import UserError, check_choice
 from kvdiag.harm import HarmSpec
-from kvdiag.parsing import Selection, horizon_steps, parse_horizon
+from kvdiag.parsing import REST, Selection, horizon_steps, parse_horizon
 from kvdiag.schema import HORIZON, N_BOOT
+
+if TYPE_CHECKING:  # the tables are read once the arguments are checked
+    import polars as pl
 
 # the reference decisions every rule is compared with (docs/decisions.md); the default set, and the ones asked for by
 # name (future_attention reads the Trace's stored queries; oracle_search costs up to --search-rows set rows)
@@ -164,3 +168,64 @@ class DecisionsConfig:
                 "pair_candidates": self.pair_candidates, "infeasible": self.infeasible, "seed": self.seed,
                 "harm": self.harm.to_config(), "future_window": self.future_window, "search_rows": self.search_rows,
                 "search_seconds": self.search_seconds}
+
+
+# --------------------------------------------------------------------------- the inputs, read without torch
+# (the CLI checks them before the stage's import; the stage checks them again with the same functions)
+
+
+def rule_columns(scores: pl.DataFrame, wanted: tuple[str, ...] | None) -> list[str]:
+    """The rules graded: the scores file's score columns (``kvdiag.contracts.score_columns``; all, or ``wanted``)."""
+    from kvdiag.contracts import score_columns
+
+    columns = score_columns(scores)
+    if wanted is not None:
+        unknown = [c for c in wanted if c not in columns]
+        if unknown:
+            raise UserError(f"--scorers {unknown[0]} is not a column of the scores file: choose from "
+                            f"{', '.join(columns)}")
+        columns = list(wanted)
+    if not columns:
+        raise UserError("the scores file has no score column: run kvdiag score first")
+    return columns
+
+
+def check_reference(cfg: DecisionsConfig, names: list[str]) -> None:
+    """``--reference`` names best, none, a graded rule (``names``) or a computed reference: a typo would leave
+    paired.csv empty."""
+    known = ("best", "none", *cfg.references, *(f"{r}_reference" for r in cfg.references), *names)
+    if cfg.reference not in known:
+        raise UserError(f"--reference {cfg.reference}: use best, none, a graded rule ({', '.join(names)}) or a "
+                        f"reference ({', '.join(cfg.references) or 'none computed'})")
+
+
+def checkpoints_of(scores: pl.DataFrame, trace, cfg: DecisionsConfig
+                   ) -> tuple[dict[str, list[int]], list[tuple[str, int]]]:
+    """(prompt -> the checkpoints whose head rows cover every (layer, KV head, position < t), the checkpoints left
+    out because the horizon does not fit before the end of the prompt). ``trace``: a ``kvdiag.trace.Trace`` or its
+    ``TraceFiles``. No head rows, or a checkpoint whose head rows do not cover the cache, is a ``UserError``."""
+    import polars as pl
+
+    head = scores.filter(pl.col("granularity") == "head")
+    if head.height == 0:
+        why = ("oracle_search starts from every rule's set, so it needs" if "oracle_search" in cfg.references
+               else "decisions need")
+        raise UserError(f"the scores file has no head rows: {why} every rule's score of every cached entry at each "
+                        "(layer, KV head); run kvdiag score --checkpoints every:128 --granularity head")
+    L, Hkv = trace.num_layers, trace.num_kv_heads
+    counts = head.group_by("prompt_id", "checkpoint").len()
+    out: dict[str, list[int]] = {}
+    short: list[tuple[str, int]] = []
+    for pid, t, n in counts.sort("prompt_id", "checkpoint").iter_rows():
+        if n != L * Hkv * t:
+            raise UserError(f"the scores file holds {n} head rows at checkpoint {t} of {pid!r}, not every entry of "
+                            f"every layer and KV head ({L} x {Hkv} x {t}); score every entry: kvdiag score "
+                            "--checkpoints ... --granularity head")
+        if t + (1 if cfg.horizon == REST else cfg.horizon) > trace.length(pid):  # rest: at least one step
+            short.append((pid, int(t)))
+            continue
+        out.setdefault(pid, []).append(int(t))
+    if not out:
+        raise UserError(f"no checkpoint of the scores file leaves room for --horizon {cfg.horizon} before the end of "
+                        "its prompt: use a shorter --horizon or earlier checkpoints")
+    return out, short

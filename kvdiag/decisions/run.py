@@ -25,7 +25,7 @@ import numpy as np
 import polars as pl
 import torch
 
-from kvdiag.decisions.config import RANDOM_REFERENCE, DecisionsConfig
+from kvdiag.decisions.config import RANDOM_REFERENCE, DecisionsConfig, check_reference, checkpoints_of, rule_columns
 from kvdiag.decisions.interactions import PAIR_SCHEMA, superadditive_pairs
 from kvdiag.decisions.search import candidate, search, visible_entries
 from kvdiag.decisions.sets import (
@@ -41,11 +41,9 @@ from kvdiag.decisions.sets import (
 )
 from kvdiag.errors import UserError
 from kvdiag.io import check_writable, write_json
-from kvdiag.parsing import REST
 from kvdiag.parts import PartStore, part_name
 from kvdiag.progress import progress_bar
 from kvdiag.provenance import provenance
-from kvdiag.schema import KEYS
 
 DECISION_SCHEMA = {
     "prompt_id": pl.String, "checkpoint": pl.Int64, "decision": pl.String, "kind": pl.String, "budget": pl.String,
@@ -62,20 +60,6 @@ STATUS = {"ok": "labeled", "nothing_evicted": "the budget keeps every entry: not
 
 
 # --------------------------------------------------------------------------- inputs
-
-
-def score_columns(scores: pl.DataFrame, wanted: tuple[str, ...] | None) -> list[str]:
-    """The rules graded: numeric score columns (all, or ``wanted``)."""
-    columns = [c for c in scores.columns if c not in KEYS and scores.schema[c].is_numeric()]
-    if wanted is not None:
-        unknown = [c for c in wanted if c not in columns]
-        if unknown:
-            raise UserError(f"--scorers {unknown[0]} is not a column of the scores file: choose from "
-                            f"{', '.join(columns)}")
-        columns = list(wanted)
-    if not columns:
-        raise UserError("the scores file has no score column: run kvdiag score first")
-    return columns
 
 
 def rule_instances(names: list[str], scores_meta: dict) -> dict:
@@ -101,34 +85,6 @@ def check_oracle_single(labels: pl.DataFrame | None, items: dict[str, list[int]]
                         f"{'is not given' if labels is None else f'lacks some at checkpoint {t} of {pid!r}'}: label "
                         "them with kvdiag label --candidates all --checkpoints (the scores' checkpoints), or drop "
                         "oracle_single from --references")
-
-
-def checkpoints_of(scores: pl.DataFrame, trace,
-                   horizon: int | str) -> tuple[dict[str, list[int]], list[tuple[str, int]]]:
-    """(prompt -> the checkpoints whose head rows cover every (layer, KV head, position < t), the checkpoints left
-    out because the horizon does not fit before the end of the prompt); a checkpoint whose head rows do not cover
-    the cache is a ``UserError``."""
-    head = scores.filter(pl.col("granularity") == "head")
-    if head.height == 0:
-        raise UserError("the scores file has no head rows: decisions need every rule's score of every cached entry "
-                        "at each (layer, KV head); run kvdiag score --checkpoints every:128 --granularity head")
-    L, Hkv = trace.num_layers, trace.num_kv_heads
-    counts = head.group_by("prompt_id", "checkpoint").len()
-    out: dict[str, list[int]] = {}
-    short: list[tuple[str, int]] = []
-    for pid, t, n in counts.sort("prompt_id", "checkpoint").iter_rows():
-        if n != L * Hkv * t:
-            raise UserError(f"the scores file holds {n} head rows at checkpoint {t} of {pid!r}, not every entry of "
-                            f"every layer and KV head ({L} x {Hkv} x {t}); score every entry: kvdiag score "
-                            "--checkpoints ... --granularity head")
-        if t + (1 if horizon == REST else horizon) > trace.length(pid):  # rest: at least one step
-            short.append((pid, int(t)))
-            continue
-        out.setdefault(pid, []).append(int(t))
-    if not out:
-        raise UserError(f"no checkpoint of the scores file leaves room for --horizon {horizon} before the end of its "
-                        "prompt: use a shorter --horizon or earlier checkpoints")
-    return out, short
 
 
 def single_labels(labels: pl.DataFrame | None, pid: str, t: int) -> torch.Tensor | None:
@@ -303,8 +259,8 @@ def decide(trace, lm, scores: pl.DataFrame, scores_meta: dict, out: str | os.Pat
     if labels is not None:
         trace.check_belongs(labels_meta or {}, "--labels")
         labels = labels.filter(pl.col("granularity") == "token")
-    names = score_columns(scores, cfg.rules)
-    items, short = checkpoints_of(scores, trace, cfg.horizon)
+    names = rule_columns(scores, cfg.rules)
+    items, short = checkpoints_of(scores, trace, cfg)
     if short:
         warnings.warn(f"{len(short)} checkpoint(s) of the scores file leave no room for the horizon of {cfg.horizon} "
                       f"tokens before the end of their prompt (e.g. {short[0][1]} of {short[0][0]!r}): left out",
@@ -390,12 +346,9 @@ def decisions_files(trace: str | os.PathLike, scores: str | os.PathLike, out: st
     belongs(tr, score_meta, f"--scores {scores}")
     if label_meta is not None:
         belongs(tr, label_meta, f"--labels {labels}")
-    names = score_columns(score_df, cfg.rules)
-    known = ("best", "none", *cfg.references, *(f"{r}_reference" for r in cfg.references), *names)
-    if cfg.reference not in known:  # a typo would leave paired.csv empty
-        raise UserError(f"--reference {cfg.reference}: use best, none, a graded rule ({', '.join(names)}) or a "
-                        f"reference ({', '.join(cfg.references) or 'none computed'})")
-    items, _ = checkpoints_of(score_df, tr, cfg.horizon)
+    names = rule_columns(score_df, cfg.rules)
+    check_reference(cfg, names)
+    items, _ = checkpoints_of(score_df, tr, cfg)
     check_oracle_single(None if label_df is None else label_df.filter(pl.col("granularity") == "token"), items, cfg)
     cfg.check_future(tr.manifest, items)
     rules = rule_instances(names, score_meta)

@@ -15,6 +15,7 @@ import torch
 from kvdiag.adapters import LayerAttention, as_layer_attention
 from kvdiag.attention import group_size
 from kvdiag.errors import UserError
+from kvdiag.scorer_fields import history_refusal
 from kvdiag.scorers import SCORERS, ScoreContext, Scorer, get_scorer
 from kvdiag.scorers.context import HistoryUnavailable
 from kvdiag.selection import SELECTIONS, Selection, select_keep, top_slots  # noqa: F401  (replay's API)
@@ -70,9 +71,7 @@ def check_live_scorer(scorer: Scorer, budget: int | None = None, interval: int =
     cache then checks that the rule keeps it (a plugin whose declaration is wrong gets one line before any work).
     """
     if scorer.needs_history:
-        raise UserError(
-            f"--scorers {scorer.name} needs the attention of every past query (it declares needs_history), which a "
-            f"live cache does not keep; replay supports {', '.join(live_scorer_names())}")
+        raise history_refusal(scorer.name, live_scorer_names())
     if scorer.needs_model:
         raise UserError(f"--scorers {scorer.name} reads the Trace's model (it declares needs_model), which a live "
                         "cache does not carry; grade it with `kvdiag score`")

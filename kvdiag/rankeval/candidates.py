@@ -16,10 +16,10 @@ from kvdiag.errors import UserError
 def eligible_scorer(name: str, scores_meta: dict | None):
     """The scorer ``name`` with the parameters it was scored with (from the scores file's metadata), or its
     defaults when the metadata does not record it."""
-    from kvdiag.scorers import SCORERS, get_scorer
+    from kvdiag.scorer_names import check_eligible
+    from kvdiag.scorers import get_scorer
 
-    if name not in SCORERS:
-        raise UserError(f"--eligible {name}: not a registered scorer; use one of {', '.join(SCORERS)}")
+    check_eligible(name)
     params = ((scores_meta or {}).get("scorers") or {}).get(name) or {}
     return get_scorer(name, **params)
 

@@ -13,19 +13,18 @@ import importlib
 import importlib.util
 import os
 import sys
-import types
 import typing
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from kvdiag.errors import UserError
-from kvdiag.parsing import parse_params  # noqa: F401  (the registry's API)
+from kvdiag.parsing import coerce, parse_params  # noqa: F401  (parse_params: the registry's API)
 from kvdiag.plugin_check import check_plugin_files
 from kvdiag.registry import Registry
+from kvdiag.scorer_fields import check_param_names
+from kvdiag.scorer_names import ENTRY_POINT_GROUP
 from kvdiag.scorers.base import Scorer, blame, where
 
-ENTRY_POINT_GROUP = "kvdiag.scorers"
 SCORERS: Registry[type[Scorer]] = Registry("scorer", ENTRY_POINT_GROUP, "load yours with --plugin")
 
 
@@ -66,37 +65,9 @@ def get_scorer(name: str, **params) -> Scorer:
     cls = SCORERS.resolve(name)
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(params) - fields)
-    if unknown:
-        valid = ", ".join(sorted(fields)) or "none"
-        raise UserError(f"scorer {name} has no parameter {unknown[0]!r}: its parameters are {valid}")
+    check_param_names(name, params, fields)
     kwargs = {key: coerce(value, hints[key], f"{name}.{key}") for key, value in params.items()}
     return cls(**kwargs)
-
-
-def coerce(value: Any, hint: Any, what: str) -> Any:
-    """Convert a ``--param`` string to the type ``hint`` (int, float, bool, str, tuples, ``X | None``)."""
-    if not isinstance(value, str):
-        return value
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value.lower() in ("none", "null") and type(None) in args:
-            return None
-        return coerce(value, next(a for a in args if a is not type(None)), what)
-    try:
-        if origin is tuple:
-            return tuple(coerce(part.strip(), args[0], what) for part in value.split(","))
-        if hint is bool:
-            if value.lower() in ("true", "1", "yes", "on"):
-                return True
-            if value.lower() in ("false", "0", "no", "off"):
-                return False
-            raise ValueError(value)
-        if hint in (int, float, str):
-            return hint(value)
-    except ValueError:
-        raise UserError(f"--param {what}={value}: not a valid {getattr(hint, '__name__', hint)}") from None
-    raise UserError(f"--param {what}: parameters of type {hint} cannot be set from the command line")
 
 
 # --------------------------------------------------------------------------- plugins

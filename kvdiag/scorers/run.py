@@ -35,6 +35,7 @@ from kvdiag.schema import (
     check_keys,
     default_checkpoints,
 )
+from kvdiag.scorer_fields import MODEL_UNUSED
 from kvdiag.scorers.base import needs_o_proj
 from kvdiag.scorers.context import ScoreContext
 from kvdiag.scorers.normalization import AGGREGATIONS, aggregation_values
@@ -179,8 +180,7 @@ def score_files(trace: str | os.PathLike, out: str | os.PathLike, labels: str | 
     check_aggregation(aggregation)
     selected = resolve_scorers(scorers, params, plugins)
     if model and not any(needs_o_proj(s) for s in selected.values()):
-        raise UserError(f"--model {model} does not apply: no selected scorer reads the wo_l2 payload (‖W_O v‖₂); drop "
-                        "it")
+        raise UserError(MODEL_UNUSED.format(model=model))
     tr = Trace(trace)
     if labels is not None:
         keys = read_keys(tr, labels)  # its contract, its Trace, its keys
