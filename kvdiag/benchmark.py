@@ -149,7 +149,7 @@ def make(name: str, version: int, trace_dir: str | os.PathLike, labels: str | os
     existing version is never overwritten (make a new version)."""
     import polars as pl
 
-    from kvdiag.contracts import read_decisions, read_labels
+    from kvdiag.contracts import belongs, read_decisions, read_labels
     from kvdiag.io import write_table
     from kvdiag.provenance import provenance
     from kvdiag.trace import Trace
@@ -159,9 +159,9 @@ def make(name: str, version: int, trace_dir: str | os.PathLike, labels: str | os
         raise UserError(f"{out} exists: a benchmark version is never rewritten; make version {version + 1}")
     tr = Trace(trace_dir)
     dec, dec_meta = read_decisions(Path(decisions_dir) / "decisions.parquet")
-    tr.check_belongs(dec_meta, "decisions")
+    belongs(tr, dec_meta, "decisions")
     lab, lab_meta = read_labels(labels, "labels")
-    tr.check_belongs(lab_meta, "labels")
+    belongs(tr, lab_meta, "labels")
     cps = dec.select("prompt_id", "checkpoint").unique()
     lab = lab.filter(pl.col("granularity") == "token").join(cps, on=["prompt_id", "checkpoint"], how="semi")
     (out / "trace").mkdir(parents=True)

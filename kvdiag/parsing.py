@@ -243,6 +243,18 @@ def parse_lengths(values: list[str]) -> list[int]:
     return sorted(parse_list(values, "--lengths", int, low=1, example="1024,2048,4096,8192"))
 
 
+LABEL_BACK = 64  # bench scale's label checkpoint sits this many positions before the end of each trace
+
+
+def check_length_room(T: int, prompt_len: int, at_least: bool = False) -> None:
+    """``bench scale --lengths T`` holds the prompt (``prompt_len`` tokens; ``at_least``: a lower bound, before the
+    tokenizer counts them) and the label checkpoint ``LABEL_BACK`` positions before the end."""
+    if T < prompt_len + LABEL_BACK + 1:
+        raise UserError(f"--lengths {T}: the prompt has {'at least ' if at_least else ''}{prompt_len} token(s) and the "
+                        f"label checkpoint sits {LABEL_BACK} positions before the end; give lengths >= "
+                        f"{prompt_len + LABEL_BACK + 1}")
+
+
 def parse_stores(values: list[str]) -> list[str]:
     """``bench scale --store`` modes, each once; ``all`` first (labels and figures read the first, fastest Trace)."""
     for v in values:  # whole values: a mode may itself be a comma-separated layer list (0,15,29)

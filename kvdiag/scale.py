@@ -27,16 +27,14 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from kvdiag.errors import UserError
 from kvdiag.io import check_writable, writable_dir, write_csv, write_json, write_text
 from kvdiag.models import PEAK_AFTER_LOAD_ENV
-from kvdiag.parsing import check_context
+from kvdiag.parsing import LABEL_BACK, check_context, check_length_room
 from kvdiag.tables import frame_table
 from kvdiag.trace.cost import ModelShape
 from kvdiag.trace.writer import STORAGE_DTYPES
 
 STAGES = ("trace", "label", "score", "figures")
-LABEL_BACK = 64  # the checkpoint sits this many positions before the end
 CANDIDATES = 64
 HORIZON = 16
 
@@ -66,9 +64,7 @@ class ScalePlan:
     def validate(self, prompt_len: int, context: int | None) -> None:
         """Every length fits a label checkpoint after the prompt and the model's context (bad input otherwise)."""
         for T in self.lengths:
-            if T < prompt_len + LABEL_BACK + 1:
-                raise UserError(f"--lengths {T}: the prompt has {prompt_len} tokens; give lengths >= "
-                                f"{prompt_len + LABEL_BACK + 1}")
+            check_length_room(T, prompt_len)
             check_context(T, context, "--lengths", f"give lengths <= {context}")
 
 

@@ -31,10 +31,11 @@ def check_scorer_names(names: list[str], flag: str = "--scorers", also: tuple[st
                             f"starting with {', '.join(PREFIXES)}; or load yours with --plugin)")
 
 
-def check_eligible(name: str | None) -> None:
-    """``--eligible`` names a built-in scorer (rank-eval loads no plugin): its ``protected()`` picks the candidates."""
-    if name is not None and name not in BUILTIN_SCORERS:
-        raise UserError(f"--eligible {name}: not a registered scorer; use one of {', '.join(BUILTIN_SCORERS)}")
+def check_eligible(name: str | None, known=BUILTIN_SCORERS) -> None:
+    """``--eligible`` names a registered scorer (``known``; the CLI's rank-eval loads no plugin: the built-ins),
+    whose ``protected()`` picks the candidates."""
+    if name is not None and name not in known:
+        raise UserError(f"--eligible {name}: not a registered scorer; use one of {', '.join(known)}")
 
 
 def check_rule_source(spec: str | None, rule: str | None, everything: bool = False) -> None:

@@ -137,6 +137,8 @@ def usable_features(
             None,
             f"computed from the Trace ({name} was made with {meta.get('params')}, the figures use {asdict(params)})",
         )
-    if hasattr(trace, "check_belongs"):
-        trace.check_belongs(meta, name)
+    if trace is not None:
+        from kvdiag.contracts import belongs
+
+        belongs(trace, meta, name)
     return df, f"read from {name} (written by kvdiag score)"

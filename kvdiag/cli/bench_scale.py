@@ -27,6 +27,8 @@ def bench_scale(
     """Trace (per store mode), label, score and figures at each length T, each in a process of its own."""
     check_outputs({"--out": (out, "dir")}, {"--prompts": prompts})
     lengths, stores = parsing.parse_lengths(parsing.listed(lengths)), parsing.parse_stores(store)
+    for T in lengths:  # every prompt has a token: the room a length needs before the tokenizer counts them
+        parsing.check_length_room(T, 1, at_least=True)
     check_model_spec(model)
     if shape := known_shape(model):  # a tiny family or a local config.json: its context, before torch
         for T in lengths:

@@ -25,6 +25,7 @@ import numpy as np
 import polars as pl
 import torch
 
+from kvdiag.contracts import belongs
 from kvdiag.decisions.config import RANDOM_REFERENCE, DecisionsConfig, check_reference, checkpoints_of, rule_columns
 from kvdiag.decisions.interactions import PAIR_SCHEMA, superadditive_pairs
 from kvdiag.decisions.search import candidate, search, visible_entries
@@ -255,9 +256,9 @@ def decide(trace, lm, scores: pl.DataFrame, scores_meta: dict, out: str | os.Pat
     from kvdiag.label.fast import FisherLabeler, FisherParams
 
     out = Path(out)
-    trace.check_belongs(scores_meta, "--scores")
+    belongs(trace, scores_meta, "--scores")
     if labels is not None:
-        trace.check_belongs(labels_meta or {}, "--labels")
+        belongs(trace, labels_meta or {}, "--labels")
         labels = labels.filter(pl.col("granularity") == "token")
     names = rule_columns(scores, cfg.rules)
     items, short = checkpoints_of(scores, trace, cfg)
@@ -326,7 +327,7 @@ def decisions_files(trace: str | os.PathLike, scores: str | os.PathLike, out: st
                     labels: str | os.PathLike | None = None, model: str | None = None, dtype: str | None = None,
                     device: str = "cpu", show_progress: bool = True) -> Path:
     """What ``kvdiag decisions`` runs: read and check the inputs (before the model loads), grade, summarize."""
-    from kvdiag.contracts import belongs, read_labels, read_scores
+    from kvdiag.contracts import read_labels, read_scores
     from kvdiag.decisions.summary import summarize_files
     from kvdiag.model_specs import check_trace_model
     from kvdiag.models import load_model

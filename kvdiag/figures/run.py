@@ -9,6 +9,7 @@ from pathlib import Path
 
 import polars as pl
 
+from kvdiag.contracts import belongs
 from kvdiag.errors import UserError
 
 # importing each module registers its figure, in this order (of make_figures, figures.json and the report)
@@ -37,11 +38,11 @@ def check_figure_inputs(trace, labels: pl.DataFrame, scores: pl.DataFrame | None
     missing = [c for c in LABEL_COLUMNS if c not in labels.columns]
     if missing:
         raise UserError(f"labels lack column(s) {', '.join(missing)}: pass a labels.parquet written by kvdiag label")
-    labels_meta, scores_meta = labels_meta or {}, scores_meta or {}
-    check_inputs(labels_meta, scores_meta)
-    if hasattr(trace, "check_belongs"):
-        trace.check_belongs(labels_meta, "--labels")
-        trace.check_belongs(scores_meta, "--scores")
+    check_inputs(labels_meta or {}, scores_meta or {})
+    if trace is not None:  # a table's metadata, when given, must record this Trace (kvdiag.contracts.belongs)
+        for meta, what in ((labels_meta, "--labels"), (scores_meta, "--scores")):
+            if meta is not None:
+                belongs(trace, meta, what)
     labels = labels.with_columns(
         pl.col("layer").fill_null(-1) if "layer" in labels.columns else pl.lit(-1, pl.Int64).alias("layer"),
         pl.col("kv_head").fill_null(-1) if "kv_head" in labels.columns else pl.lit(-1, pl.Int64).alias("kv_head"),
@@ -171,8 +172,8 @@ def _usable_reads(reads: tuple[pl.DataFrame, dict] | None, params: FigureParams,
     if meta.get("kind") != "first_reads" or meta.get("params") != read_settings(params):
         raise UserError(f"the first reads were made with {meta.get('params')} (kind {meta.get('kind')!r}), the figures "
                         f"use {read_settings(params)}: pass first_reads.parquet of a kvdiag figures run with these")
-    if hasattr(trace, "check_belongs"):
-        trace.check_belongs(meta, "first_reads.parquet")
+    if trace is not None:
+        belongs(trace, meta, "first_reads.parquet")
     return df, meta.get("trace")
 
 
@@ -183,7 +184,7 @@ def figures_files(
 ) -> dict:
     """What ``kvdiag figures`` runs: read the Trace, labels, scores and (``rank_eval``, a rank-eval directory) its
     metrics.csv, refusing bad input before the slow part, then :func:`make_figures`."""
-    from kvdiag.contracts import belongs, read_labels, read_scores
+    from kvdiag.contracts import read_labels, read_scores
     from kvdiag.trace import Trace
 
     check_writable(out, "--out", "dir")  # fail before the slow part, creating nothing

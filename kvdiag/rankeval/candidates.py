@@ -17,9 +17,9 @@ def eligible_scorer(name: str, scores_meta: dict | None):
     """The scorer ``name`` with the parameters it was scored with (from the scores file's metadata), or its
     defaults when the metadata does not record it."""
     from kvdiag.scorer_names import check_eligible
-    from kvdiag.scorers import get_scorer
+    from kvdiag.scorers import SCORERS, get_scorer
 
-    check_eligible(name)
+    check_eligible(name, SCORERS)
     params = ((scores_meta or {}).get("scorers") or {}).get(name) or {}
     return get_scorer(name, **params)
 

@@ -97,13 +97,6 @@ class TraceFiles:
         """What outputs derived from this Trace record about it."""
         return {"path": str(self.path), "fingerprint": self.fingerprint, "model": self.manifest["model"]["spec"]}
 
-    def check_belongs(self, meta: dict, what: str) -> None:
-        """Refuse a table whose metadata names another Trace."""
-        other = (meta.get("trace") or {}).get("fingerprint")
-        if other is not None and other != self.fingerprint:
-            raise UserError(f"{what} was made from another Trace (fingerprint {other}, this one {self.fingerprint}); "
-                            "pass the matching --trace")
-
     def check_layer_files(self) -> None:
         """Refuse a stored layer file (``tensors/<prompt>/layer_<LLL>.safetensors``) whose header is cut or does not
         fit its size (``kvdiag.io.safetensors_fault``), without reading its tensors; ``kvdiag.trace.Trace`` reads
