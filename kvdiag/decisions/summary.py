@@ -187,10 +187,14 @@ def _search_headroom(labeled: pl.DataFrame, boot: PromptBootstrap, budgets: list
             if c is None:
                 continue
             rows.append({"budget": budget, "rule": rule, "best": rule == best.get(budget),
-                         **_ratio_columns(c["ratios"]),
-                         "ratio_of_means": c["ratio"], "diff": c["diff"], "test": c["test"]["test"],
-                         "p_value": c["p_value"], "n": c["n"]})
-    return pl.DataFrame(rows).sort("budget", "ratio_geomean") if rows else pl.DataFrame()
+                         **_ratio_columns(c["ratios"]), "ratio_dropped": c["ratios"]["dropped"],
+                         "ratio_of_means": c["ratio"], "diff": c["diff"], "diff_ci_low": c["diff_ci"][0],
+                         "diff_ci_high": c["diff_ci"][1], "test": c["test"]["test"], "p_value": c["p_value"],
+                         "p_resolution": c["test"]["resolution"], "n": c["n"]})
+    if not rows:
+        return pl.DataFrame()
+    order = pl.col("budget").replace_strict(budgets, list(range(len(budgets))), return_dtype=pl.Int64)
+    return pl.DataFrame(rows).sort(order, "ratio_geomean")  # the budgets in the run's order
 
 
 def _search_cost(decisions: pl.DataFrame) -> pl.DataFrame:
@@ -419,13 +423,17 @@ def _search_markdown(res: dict, heads: dict) -> str:
                       "ratio of means", "best rule − oracle_search"], rows, "lllrrrrr") + "\n"
     hr = res.get("headroom")
     if hr is not None and hr.height:
-        text += "Each rule's own ratio to oracle_search (geometric mean over prompts, median; the five lowest):\n\n"
+        text += ("Each rule's own ratio to oracle_search, per prompt as above (the five lowest geometric means per "
+                 "budget; every rule in `headroom.csv`):\n\n")
         rows = []
         for (budget,), g in hr.group_by("budget", maintain_order=True):
-            rows += [[budget, r["rule"] + (" (best)" if r["best"] else ""), number_text(r["ratio_geomean"], 3),
-                      number_text(r["ratio_median"], 3), f"{r['ratio_below_one']}/{r['ratio_prompts']}"]
+            rows += [[budget, r["rule"] + (" (best)" if r["best"] else ""),
+                      _fmt_ci(r["ratio_geomean"], r["ratio_geomean_low"], r["ratio_geomean_high"], 3),
+                      number_text(r["ratio_median"], 3), f"{r['ratio_below_one']}/{r['ratio_prompts']}",
+                      f"{format_p(r['p_value'], r['p_resolution'])} ({TEST_NAMES[r['test']]})"]
                      for r in g.head(5).iter_rows(named=True)]
-        text += md_table(["budget", "rule", "geometric mean", "median", "rule wins"], rows, "llrrr") + "\n"
+        text += md_table(["budget", "rule", "geometric mean [CI]", "median", "rule wins", "p"], rows,
+                         "llrrrr") + "\n"
     cost = res.get("search")
     if cost is not None and cost.height:
         text += ("oracle_search's effort per (checkpoint, budget): set rows and seconds (medians), its improvement "
