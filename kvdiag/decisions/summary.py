@@ -163,7 +163,7 @@ def summarize(decisions: pl.DataFrame, meta: dict, pairs: pl.DataFrame | None = 
     inputs = token_inputs(labels, scores, rules) if labels is not None and scores is not None else None
     spearman = _auroc_spearman(labeled, rules, budgets, reps, boot, inputs, meta)
     return {"summary": table, "inputs": inputs, "paired": paired, "spearman": spearman, "headline": headline,
-            "stochastic": pl.DataFrame(sto_rows), "headroom": headroom, "search": _search_cost(decisions),
+            "stochastic": pl.DataFrame(sto_rows), "headroom": headroom, "search": _search_cost(decisions, budgets),
             "pairs": pair_summary(pairs) if pairs is not None and pairs.height else pl.DataFrame()}
 
 
@@ -197,15 +197,19 @@ def _search_headroom(labeled: pl.DataFrame, boot: PromptBootstrap, budgets: list
     return pl.DataFrame(rows).sort(order, "ratio_geomean")  # the budgets in the run's order
 
 
-def _search_cost(decisions: pl.DataFrame) -> pl.DataFrame:
-    """Per budget: oracle_search's effort (median rows and seconds), its improvement over its starting candidate
-    (median nats; checkpoints where it improved) and where it started (candidate: count)."""
+def _search_cost(decisions: pl.DataFrame, budgets: list[str]) -> pl.DataFrame:
+    """Per budget (in the run's order): oracle_search's effort (median rows and seconds), its improvement over its
+    starting candidate (median nats; checkpoints where it improved) and where it started (candidate: count, most
+    first, ties by name)."""
     found = decisions.filter((pl.col("decision") == SEARCH) & pl.col("kl_mean").is_not_null())
     if not found.height or "search_start" not in found.columns:
         return pl.DataFrame()
     rows = []
-    for (budget,), g in found.group_by("budget", maintain_order=True):
-        starts = g["search_start"].value_counts(sort=True)
+    for budget in budgets:
+        g = found.filter(pl.col("budget") == budget)
+        if not g.height:
+            continue
+        starts = g["search_start"].value_counts().sort("count", "search_start", descending=[True, False])
         rows.append({"budget": budget, "n": g.height, "rows_median": float(g["cost_rows"].median()),
                      "seconds_median": float(g["cost_seconds"].median()),
                      "improvement_median": float(g["search_improvement"].median()),
