@@ -134,6 +134,38 @@ def test_summary_has_cis_regret_additivity_and_the_figure(decided):
     assert (out / "pairs.parquet").is_file()
 
 
+def test_spearman_regenerates_from_the_shipped_token_inputs(run, decided, tmp_path):
+    """The run writes what the AUROC-vs-decision Spearman reads (token scores: the mean of the head rows over layers
+    and KV heads; the token labels they match) into inputs/; a copy of decisions.parquet with inputs/ alone, no labels
+    or scores, gives the same spearman.csv (the same float64 rows through the same code: compared exactly)."""
+    import shutil
+
+    from kvdiag.decisions.summary import INPUTS
+
+    out, _ = decided
+    want = pl.read_csv(out / "spearman.csv")
+    assert want.height == 2 and want["spearman"].is_finite().all() and (want["rules"] == len(RULES)).all()
+    tokens = pl.read_parquet(out / INPUTS["token_scores"])
+    head = run["scores"].filter(pl.col("granularity") == "head")
+    assert tokens.height == head.select("prompt_id", "checkpoint", "position").n_unique()
+    one = tokens.row(0, named=True)
+    cell = head.filter((pl.col("prompt_id") == one["prompt_id"]) & (pl.col("checkpoint") == one["checkpoint"])
+                       & (pl.col("position") == one["position"]))
+    assert one["h2o"] == pytest.approx(cell["h2o"].mean(), rel=1e-6)  # float32 scores: their mean, as rank-eval's
+    labels = pl.read_parquet(out / INPUTS["token_labels"])
+    assert labels.columns == ["prompt_id", "checkpoint", "position", "granularity", "layer", "kv_head", "kl_mean",
+                              "noise_floor"] and labels.height == tokens.height
+    copy = tmp_path / "report"
+    (copy / "inputs").mkdir(parents=True)
+    for f in ("decisions.parquet", "pairs.parquet", *INPUTS.values()):
+        shutil.copy(out / f, copy / f)
+    summarize_files(copy)
+    assert pl.read_csv(copy / "spearman.csv").equals(want)
+    (copy / INPUTS["token_labels"]).unlink()  # without them: no Spearman, not a wrong one
+    summarize_files(copy)
+    assert not (copy / "spearman.csv").read_text().strip()
+
+
 def test_per_head_sets_differ_per_head_and_are_exact(run):
     trace, lm = run["trace"], run["lm"]
     pid = trace.prompt_ids[0]

@@ -213,7 +213,9 @@ def test_summary_states_the_headroom_against_oracle_search(decided):
     head = pl.read_csv(out / "headroom.csv")
     assert set(head["rule"]) == set(RULES) and head["best"].sum() == 3  # one best rule per budget
     assert (head["ratio_below_one"] == 0).all() and (head["ratio_geomean"] >= 1 - 1e-12).all()
-    assert (head["test"] == "sign").all() and (head["n"] == 2).all()
+    assert (head["test"] == "sign").all() and (head["n"] == 2).all() and (head["ratio_dropped"] == 0).all()
+    assert head["budget"].unique(maintain_order=True).to_list() == ["keep:0.5", "keep:0.25", "budget:5"]
+    assert (head["diff_ci_low"] <= head["diff"]).all() and (head["diff"] > 0).all()  # the search does less damage
     for budget, h in res["headline"]["budgets"].items():
         c = h["search_headroom"]
         assert c["a"] == h["best_rule"] and c["b"] == "oracle_search" and c["ratios"]["below"] == 0, budget
@@ -222,6 +224,7 @@ def test_summary_states_the_headroom_against_oracle_search(decided):
     assert cost.height == 3 and (cost["rows_median"] <= 64).all()
     text = (out / "summary.md").read_text()
     assert "## Headroom against oracle_search" in text and "chosen (least mean damage) on these same" in text
+    assert "| rule | geometric mean [CI] | median | rule wins | p |" in text
     assert "oracle_search (ref) [per-head]" in text and "future_attention (ref) [per-head]" in text
 
 

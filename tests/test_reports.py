@@ -36,16 +36,7 @@ REL, ABS = 1e-9, 1e-12  # CSV and JSON floats
 TABLE_SUFFIXES = (".csv", ".md", ".tex")
 
 # committed tables no test regenerates: path under reports/ -> why not
-_DECISIONS_SPEARMAN = ("needs the run's own token scores of every entry (runs/decisions-math500/*-scores-head.parquet, "
-                       "not committed: remaking them traces and scores with the model). smollm2's labels are the "
-                       "benchmark's, and the benchmark's rebuilt scores (leaderboard.scores.parquet) give this table "
-                       "but for keep:0.125's ci_high, 0.79175 against 0.79085 (measured 2026-12-03): the run's Trace "
-                       "stored q/k/v, the benchmark rebuilds them, and a near-tie in a bootstrap replicate's AUROC "
-                       "flips; summary.md's Spearman section, printed to 2-3 digits, is the same. gemma3 has no "
-                       "benchmark: its labels are not committed either")
 NOT_REGENERATED = {
-    "decisions-math500/smollm2/spearman.csv": _DECISIONS_SPEARMAN,
-    "decisions-math500/gemma3/spearman.csv": _DECISIONS_SPEARMAN,
     **{f"suites-fullkv/{f}.txt": "a measurement: SmolLM2's FullKV generations of the suite, graded (measure.py runs "
        "the model, 20-35 min)" for f in ("keys", "countdown")},
     **{f"bench/{f}": "a measurement: seconds and memory of runs of the model on this machine"
@@ -437,14 +428,15 @@ def test_fast_labels_validation(tmp_path):
 # --------------------------------------------------------------------------- decisions
 
 
+_SEARCHED = ("summary.csv", "paired.csv", "spearman.csv", "pairs_summary.csv", "stochastic.csv", "headroom.csv",
+             "search.csv", "summary.md")
 DECISIONS = {  # run -> the tables its summary writes (committed)
-    "decisions-math500/smollm2": ("summary.csv", "paired.csv", "pairs_summary.csv", "stochastic.csv", "summary.md"),
-    "decisions-math500/gemma3": ("summary.csv", "paired.csv", "pairs_summary.csv", "stochastic.csv", "summary.md"),
+    "decisions-math500/smollm2": _SEARCHED,
+    "decisions-math500/gemma3": _SEARCHED,
     "decisions-math500/smollm2-stochastic": ("summary.csv", "paired.csv", "stochastic.csv", "summary.md"),
 }
 for _d, _t in DECISIONS.items():
     compared(_d, _t)
-SPEARMAN_SECTION = "## Does single-entry AUROC predict the decision?"
 
 
 def _without_section(text: str, heading: str) -> str:
@@ -458,24 +450,20 @@ def _without_section(text: str, heading: str) -> str:
 
 @pytest.mark.parametrize("run", list(DECISIONS))
 def test_decisions_summary(run, tmp_path):
-    """``kvdiag decisions``' summary (``summarize_files``) from the committed decisions.parquet and pairs.parquet;
-    the Spearman of AUROC against joint damage needs labels and scores that are not committed (NOT_REGENERATED)."""
-    from kvdiag.decisions.summary import summarize_files
+    """``kvdiag decisions``' summary (``summarize_files``) from the committed decisions.parquet and pairs.parquet, and
+    for the AUROC-vs-decision Spearman the token scores and labels the run shipped in inputs/."""
+    from kvdiag.decisions.summary import INPUTS, summarize_files
 
     src = REPORTS / run
-    for f in ("decisions.parquet", "pairs.parquet", "config.json"):
+    for f in ("decisions.parquet", "pairs.parquet", "config.json", *INPUTS.values()):
         if (src / f).is_file():
+            (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(src / f, tmp_path / f)
     summarize_files(tmp_path)
     tables = DECISIONS[run]
-    assert_same_tables(tmp_path, src, [t for t in tables if t != "summary.md"])
-    want = (src / "summary.md").read_text()
-    if (src / "spearman.csv").is_file():
-        assert f"{run}/spearman.csv" in NOT_REGENERATED and SPEARMAN_SECTION in want
-        want = _without_section(want, SPEARMAN_SECTION)
-    assert_same_text((tmp_path / "summary.md").read_text(), want, f"reports/{run}/summary.md")
+    assert_same_tables(tmp_path, src, tables)
     assert_same_json(read_json(tmp_path / "summary.json"), read_json(src / "summary.json"), f"{run}/summary.json")
-    for extra in {"pairs_summary.csv", "stochastic.csv", "spearman.csv"} - set(tables):  # not committed: empty here
+    for extra in {"pairs_summary.csv", "stochastic.csv", "spearman.csv", "headroom.csv", "search.csv"} - set(tables):
         assert not (tmp_path / extra).is_file() or not (tmp_path / extra).read_text().strip(), f"{run}/{extra}"
 
 

@@ -24,7 +24,7 @@ import polars as pl
 from kvdiag.decisions.config import RANDOM_REFERENCE
 from kvdiag.decisions.interactions import NEAR_DUPLICATE
 from kvdiag.errors import UserError
-from kvdiag.io import read_json, read_table, write_csv, write_json, write_text
+from kvdiag.io import read_json, read_table, write_csv, write_json, write_table, write_text
 from kvdiag.schema import KEYS
 from kvdiag.stats import TEST_NAMES, PromptBootstrap, compare, format_p, format_test, spearman
 from kvdiag.tables import md_table, number_text
@@ -83,7 +83,8 @@ def _headline(table: pl.DataFrame, labeled: pl.DataFrame, boot: PromptBootstrap,
 
 def summarize(decisions: pl.DataFrame, meta: dict, pairs: pl.DataFrame | None = None,
               labels: pl.DataFrame | None = None, scores: pl.DataFrame | None = None) -> dict[str, pl.DataFrame | dict]:
-    """The tables of a decisions run (module docstring). ``labels``/``scores``: for the AUROC-vs-decision Spearman."""
+    """The tables of a decisions run (module docstring). ``labels``/``scores``: for the AUROC-vs-decision Spearman
+    (the run's files or the :func:`token_inputs` a report ships; ``res["inputs"]``: those inputs)."""
     cfg = meta.get("config") or {}
     n_boot, seed, level = int(cfg.get("n_boot", 1000)), int(cfg.get("seed", 0)), 0.95
     boot = PromptBootstrap(decisions["prompt_id"].unique().to_list(), n_boot, seed, level)
@@ -159,9 +160,10 @@ def summarize(decisions: pl.DataFrame, meta: dict, pairs: pl.DataFrame | None = 
                              "p_value": c["p_value"], "p_resolution": c["test"]["resolution"],
                              "stochastic_lower": c["test"]["below"], "stochastic_higher": c["test"]["above"],
                              "mean_spread": float(spread.mean()) if spread.len() else None, "n": c["n"]})
-    spearman = _auroc_spearman(labeled, rules, budgets, reps, boot, labels, scores, meta)
-    return {"summary": table, "paired": paired, "spearman": spearman, "headline": headline,
-            "stochastic": pl.DataFrame(sto_rows), "headroom": headroom, "search": _search_cost(decisions),
+    inputs = token_inputs(labels, scores, rules) if labels is not None and scores is not None else None
+    spearman = _auroc_spearman(labeled, rules, budgets, reps, boot, inputs, meta)
+    return {"summary": table, "inputs": inputs, "paired": paired, "spearman": spearman, "headline": headline,
+            "stochastic": pl.DataFrame(sto_rows), "headroom": headroom, "search": _search_cost(decisions, budgets),
             "pairs": pair_summary(pairs) if pairs is not None and pairs.height else pl.DataFrame()}
 
 
@@ -185,21 +187,29 @@ def _search_headroom(labeled: pl.DataFrame, boot: PromptBootstrap, budgets: list
             if c is None:
                 continue
             rows.append({"budget": budget, "rule": rule, "best": rule == best.get(budget),
-                         **_ratio_columns(c["ratios"]),
-                         "ratio_of_means": c["ratio"], "diff": c["diff"], "test": c["test"]["test"],
-                         "p_value": c["p_value"], "n": c["n"]})
-    return pl.DataFrame(rows).sort("budget", "ratio_geomean") if rows else pl.DataFrame()
+                         **_ratio_columns(c["ratios"]), "ratio_dropped": c["ratios"]["dropped"],
+                         "ratio_of_means": c["ratio"], "diff": c["diff"], "diff_ci_low": c["diff_ci"][0],
+                         "diff_ci_high": c["diff_ci"][1], "test": c["test"]["test"], "p_value": c["p_value"],
+                         "p_resolution": c["test"]["resolution"], "n": c["n"]})
+    if not rows:
+        return pl.DataFrame()
+    order = pl.col("budget").replace_strict(budgets, list(range(len(budgets))), return_dtype=pl.Int64)
+    return pl.DataFrame(rows).sort(order, "ratio_geomean")  # the budgets in the run's order
 
 
-def _search_cost(decisions: pl.DataFrame) -> pl.DataFrame:
-    """Per budget: oracle_search's effort (median rows and seconds), its improvement over its starting candidate
-    (median nats; checkpoints where it improved) and where it started (candidate: count)."""
+def _search_cost(decisions: pl.DataFrame, budgets: list[str]) -> pl.DataFrame:
+    """Per budget (in the run's order): oracle_search's effort (median rows and seconds), its improvement over its
+    starting candidate (median nats; checkpoints where it improved) and where it started (candidate: count, most
+    first, ties by name)."""
     found = decisions.filter((pl.col("decision") == SEARCH) & pl.col("kl_mean").is_not_null())
     if not found.height or "search_start" not in found.columns:
         return pl.DataFrame()
     rows = []
-    for (budget,), g in found.group_by("budget", maintain_order=True):
-        starts = g["search_start"].value_counts(sort=True)
+    for budget in budgets:
+        g = found.filter(pl.col("budget") == budget)
+        if not g.height:
+            continue
+        starts = g["search_start"].value_counts().sort("count", "search_start", descending=[True, False])
         rows.append({"budget": budget, "n": g.height, "rows_median": float(g["cost_rows"].median()),
                      "seconds_median": float(g["cost_seconds"].median()),
                      "improvement_median": float(g["search_improvement"].median()),
@@ -232,19 +242,32 @@ def _stochastic_means(decisions: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFra
     return pl.concat([base, rows], how="diagonal_relaxed"), per
 
 
-def _auroc_spearman(labeled, rules, budgets, reps, boot: PromptBootstrap, labels, scores, meta) -> pl.DataFrame:
-    """Across rules, per budget: Spearman(AUROC, - mean joint damage), CI from the same prompt resamples."""
-    if labels is None or scores is None or len(rules) < 3:
-        return pl.DataFrame()
-    from kvdiag.rankeval import rank_eval
-
+def token_inputs(labels: pl.DataFrame, scores: pl.DataFrame, rules: list[str]) -> dict[str, pl.DataFrame]:
+    """All the AUROC-vs-decision Spearman reads of the labels and scores: ``token_scores`` (KEYS + one column per rule;
+    without token rows, each token's is the mean over layers and KV heads of its head rows, as mean_rank) and the
+    ``token_labels`` that match them (KEYS, kl_mean, noise_floor), sorted by KEYS. Idempotent: a report ships these
+    (``INPUTS``, a few MB) instead of every head score and label, and its spearman.csv regenerates from them."""
+    rules = [r for r in rules if r in scores.columns]
     token = scores.filter(pl.col("granularity") == "token")
-    if token.height == 0:  # token rows: the mean over layers and KV heads of the head rows (mean_rank)
+    if token.height == 0:
         token = (scores.filter(pl.col("granularity") == "head").group_by("prompt_id", "checkpoint", "position")
                  .agg(pl.col(r).mean() for r in rules)
                  .with_columns(granularity=pl.lit("token"), layer=pl.lit(-1, pl.Int64), kv_head=pl.lit(-1, pl.Int64)))
-    token = token.select(*KEYS, *rules)
-    lab = labels.filter(pl.col("granularity") == "token").join(token.select(KEYS), on=list(KEYS), how="semi")
+    token = token.select(*KEYS, *rules).sort(KEYS)
+    lab = (labels.filter(pl.col("granularity") == "token").join(token.select(KEYS), on=list(KEYS), how="semi")
+           .select(*KEYS, "kl_mean", "noise_floor").sort(KEYS))
+    return {"token_scores": token, "token_labels": lab}
+
+
+def _auroc_spearman(labeled, rules, budgets, reps, boot: PromptBootstrap, inputs: dict | None, meta) -> pl.DataFrame:
+    """Across rules, per budget: Spearman(AUROC, - mean joint damage), CI from the same prompt resamples;
+    ``inputs``: :func:`token_inputs`."""
+    if inputs is None or len(rules) < 3:
+        return pl.DataFrame()
+    from kvdiag.rankeval import rank_eval
+
+    token, lab = inputs["token_scores"], inputs["token_labels"]
+    rules = [r for r in rules if r in token.columns]
     harm = (meta.get("harm") or {})
     result = rank_eval(lab, token, n_boot=len(boot.mult) if boot.mult is not None else 0,
                        seed=int((meta.get("config") or {}).get("seed", 0)), reference=None, scorers=tuple(rules),
@@ -404,13 +427,17 @@ def _search_markdown(res: dict, heads: dict) -> str:
                       "ratio of means", "best rule − oracle_search"], rows, "lllrrrrr") + "\n"
     hr = res.get("headroom")
     if hr is not None and hr.height:
-        text += "Each rule's own ratio to oracle_search (geometric mean over prompts, median; the five lowest):\n\n"
+        text += ("Each rule's own ratio to oracle_search, per prompt as above (the five lowest geometric means per "
+                 "budget; every rule in `headroom.csv`):\n\n")
         rows = []
         for (budget,), g in hr.group_by("budget", maintain_order=True):
-            rows += [[budget, r["rule"] + (" (best)" if r["best"] else ""), number_text(r["ratio_geomean"], 3),
-                      number_text(r["ratio_median"], 3), f"{r['ratio_below_one']}/{r['ratio_prompts']}"]
+            rows += [[budget, r["rule"] + (" (best)" if r["best"] else ""),
+                      _fmt_ci(r["ratio_geomean"], r["ratio_geomean_low"], r["ratio_geomean_high"], 3),
+                      number_text(r["ratio_median"], 3), f"{r['ratio_below_one']}/{r['ratio_prompts']}",
+                      f"{format_p(r['p_value'], r['p_resolution'])} ({TEST_NAMES[r['test']]})"]
                      for r in g.head(5).iter_rows(named=True)]
-        text += md_table(["budget", "rule", "geometric mean", "median", "rule wins"], rows, "llrrr") + "\n"
+        text += md_table(["budget", "rule", "geometric mean [CI]", "median", "rule wins", "p"], rows,
+                         "llrrrr") + "\n"
     cost = res.get("search")
     if cost is not None and cost.height:
         text += ("oracle_search's effort per (checkpoint, budget): set rows and seconds (medians), its improvement "
@@ -472,22 +499,26 @@ OUTPUTS = ("summary.csv", "paired.csv", "spearman.csv", "pairs_summary.csv", "st
            "search.csv", "summary.md",
            "summary.json",
            "decisions.png", "decisions.pdf")
+INPUTS = {"token_scores": "inputs/token_scores.parquet", "token_labels": "inputs/token_labels.parquet"}
 
 
 def summarize_files(out: str | os.PathLike, labels: str | os.PathLike | None = None,
-                    scores: str | os.PathLike | None = None, keep_spearman: bool = False) -> dict:
-    """Summarize ``OUT/decisions.parquet`` (and pairs.parquet) into ``OUTPUTS`` in the same directory.
-    ``keep_spearman``: without ``labels``/``scores`` (a committed report ships neither), keep the AUROC-vs-decision
-    Spearman table ``spearman.csv`` that the run computed with them, instead of leaving it empty."""
+                    scores: str | os.PathLike | None = None) -> dict:
+    """Summarize ``OUT/decisions.parquet`` (and pairs.parquet) into ``OUTPUTS`` in the same directory. With ``labels``
+    and ``scores``, write what the AUROC-vs-decision Spearman reads of them into ``OUT/inputs/`` (``INPUTS``); without,
+    read it from there when present (a committed report ships those, not the labels and scores)."""
     out = Path(out)
     decisions, meta = read_table(out / "decisions.parquet", "decisions")
     pairs = pl.read_parquet(out / "pairs.parquet") if (out / "pairs.parquet").is_file() else None
     label_df = read_table(labels, "--labels")[0] if labels is not None else None
     score_df = read_table(scores, "--scores")[0] if scores is not None else None
+    shipped = {name: out / INPUTS[name] for name in INPUTS}
+    if label_df is None and score_df is None and all(p.is_file() for p in shipped.values()):
+        label_df, score_df = (read_table(shipped[n], n)[0] for n in ("token_labels", "token_scores"))
     res = summarize(decisions, meta, pairs, label_df, score_df)
-    kept = out / "spearman.csv"
-    if keep_spearman and label_df is None and kept.is_file() and kept.stat().st_size > 1:
-        res["spearman"] = pl.read_csv(kept, schema_overrides={"note": pl.String})
+    if labels is not None and res["inputs"] is not None:
+        for name, df in res["inputs"].items():
+            write_table(df, shipped[name], {"what": f"{name} of the AUROC-vs-decision Spearman (token_inputs)"})
     write_csv(res["summary"], out / "summary.csv")
     write_csv(res["paired"], out / "paired.csv")
     write_csv(res["spearman"], out / "spearman.csv")
