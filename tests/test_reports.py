@@ -482,6 +482,11 @@ REPLAY = {  # run -> the tables its summary writes (committed)
                              "outcomes_summary.csv", "paired.csv"),
     "replay-tf-math500": ("summary.md", "summary.csv", "budget.csv", "decisions.md", "compressions.csv",
                           "correlations.csv", "regret.csv"),
+    "replay-gemma3/recall": ("summary.md", "summary.csv", "budget.csv", "outcomes.md", "outcomes.csv",
+                             "outcomes_summary.csv", "paired.csv", "components.md", "components.csv",
+                             "components_paired.csv"),
+    "replay-gemma3/math": ("summary.md", "summary.csv", "budget.csv", "outcomes.md", "outcomes.csv",
+                           "outcomes_summary.csv", "paired.csv"),
 }
 for _d, _t in REPLAY.items():
     compared(_d, _t)
