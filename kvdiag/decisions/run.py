@@ -25,11 +25,11 @@ import numpy as np
 import polars as pl
 import torch
 
+from kvdiag.attention import future_attention
 from kvdiag.decisions.config import RANDOM_REFERENCE, DecisionsConfig
 from kvdiag.decisions.interactions import PAIR_SCHEMA, superadditive_pairs
 from kvdiag.decisions.search import candidate, search, visible_entries
 from kvdiag.decisions.sets import (
-    future_attention,
     greedy_sets,
     head_label_set,
     label_set,
