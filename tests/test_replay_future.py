@@ -119,3 +119,31 @@ def test_beaten_rows_say_where_and_why(sweep):
         assert (r["joint"], r["oracle_joint"]) == (mine["joint_kl"][c], oracle["joint_kl"][c])
         assert r["reason"] == ("set" if r["joint"] < r["oracle_joint"] else "state")
         assert r["gain"] < 0 and 0 < r["gain_share"]
+
+
+def test_a_trace_without_tensors_rebuilds_them_with_the_replay_model(tiny_llama, tiny_trace, tmp_path):
+    """``--store none`` (the report's Trace): the replay lends its model to the Trace, whose rebuilt q and k give the
+    stored ones' future attention (fp32 both, but a prefill against the trace's decode steps: 1e-5 absolute) and the
+    same replayed KL (1e-4 relative)."""
+    from kvdiag.prompts import load_prompts
+    from kvdiag.trace import GenerationSettings, Trace, trace_prompts
+
+    settings = GenerationSettings(max_new_tokens=40, chat=False, instruction=None, storage_dtype="float32",
+                                  store="none")
+    trace_prompts(tiny_llama, load_prompts("builtin:arith", limit=1), tmp_path / "bare", settings,
+                  show_progress=False)
+    bare = Trace(tmp_path / "bare")
+    pid = bare.prompt_ids[0]
+    assert torch.equal(bare.token_ids(pid), tiny_trace.token_ids(pid))
+    bare.use_model(tiny_llama)
+    t = bare.prompt_len(pid) + 8
+    got, want = future_attention(bare, pid, t, 12), future_attention(tiny_trace, pid, t, 12)
+    assert got.shape == want.shape and torch.allclose(got, want, rtol=0, atol=1e-5)
+    out = {}
+    for name, trace in (("bare", bare), ("stored", tiny_trace)):
+        replay(tiny_llama, tmp_path / name, ReplaySettings(scorers=["oracle_future"], budgets=[BUDGET],
+                                                           interval=INTERVAL, horizon=H),
+               trace=trace, prompt_ids=[pid], show_progress=False)
+        out[name] = pl.read_parquet(tmp_path / name / "generations.parquet").row(0, named=True)
+    assert out["bare"]["compression_steps"] == out["stored"]["compression_steps"]
+    assert out["bare"]["kl_mean"] == pytest.approx(out["stored"]["kl_mean"], rel=1e-4)
