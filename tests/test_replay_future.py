@@ -147,3 +147,34 @@ def test_a_trace_without_tensors_rebuilds_them_with_the_replay_model(tiny_llama,
         out[name] = pl.read_parquet(tmp_path / name / "generations.parquet").row(0, named=True)
     assert out["bare"]["compression_steps"] == out["stored"]["compression_steps"]
     assert out["bare"]["kl_mean"] == pytest.approx(out["stored"]["kl_mean"], rel=1e-4)
+
+
+def test_beaten_finds_the_segment_and_the_reason_by_hand():
+    """Hand-made runs (P = 2, T = 10, compressions at 4 and 7): the rule beats the oracle on prompt a, where its set's
+    label is lower at the compression it gains most after (``set``), and on b, where it is not (``state``); on c it
+    loses (no row). kl_steps[j] predicts position P + j."""
+    from kvdiag.replay.predict import beaten, first_sets
+
+    def run(pid, scorer, kl, joint):
+        return {"prompt_id": pid, "scorer": scorer, "budget": 4, "prompt_len": 2, "token_ids": list(range(10)),
+                "compression_steps": [4, 7], "compressions": 2, "kl_steps": [float(x) for x in kl],
+                "kl_mean": float(np.mean(kl)),
+                "joint_kl": joint}
+
+    oracle = [0.0, 0.0, 0.1, 0.1, 0.1, 0.2, 0.2, 0.2]  # segments: [4, 7) = steps 2..4, [7, 10) = steps 5..7
+    tf = pl.DataFrame([
+        run("a", "oracle_future", oracle, [0.3, 0.4]), run("a", "tova", [0, 0, 0.1, 0.1, 0.1, 0.05, 0.05, 0.05],
+                                                           [0.3, 0.2]),
+        run("b", "oracle_future", oracle, [0.3, 0.4]), run("b", "tova", [0, 0, 0.0, 0.0, 0.0, 0.2, 0.2, 0.2],
+                                                           [0.5, 0.5]),
+        run("c", "oracle_future", oracle, [0.3, 0.4]), run("c", "tova", [0, 0, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2],
+                                                           [0.1, 0.6]),
+    ])
+    won = beaten(tf, "oracle_future").sort("prompt_id")
+    assert won["prompt_id"].to_list() == ["a", "b"]
+    a, b = won.row(0, named=True), won.row(1, named=True)
+    assert (a["t"], a["compression"], a["compressions"], a["reason"]) == (7, 2, 2, "set")
+    assert a["gain"] == pytest.approx(-0.45) and a["gain_share"] == pytest.approx(1.0)
+    assert (a["joint"], a["oracle_joint"]) == (0.2, 0.4)
+    assert (b["t"], b["compression"], b["reason"]) == (4, 1, "state") and b["gain"] == pytest.approx(-0.3)
+    assert first_sets(tf, "oracle_future") == (1, 3)  # only c's first set has the lower label (0.1 < 0.3)

@@ -325,14 +325,15 @@ def regret_lines(tf: pl.DataFrame, boot: PromptBootstrap, reference: str, out_di
         return []
     write_csv(reg, out_dir / "regret.csv")
     write_csv(won, out_dir / "beaten.csv")
-    tests = sorted(set(reg["test"]) | set(reg["test_permutation"]))
     n = int(reg["prompts"].max())
     space = {"per-head": "per (layer, KV head), the rules' own action space",
              "per-token": "token sets (the same positions in every layer and KV head)"}.get(selection, selection)
     lines = ["", f"In-loop regret against the oracle policy `{reference}` (mean teacher-forced KL minus the oracle's, "
              "paired by prompt; ratio of means = rule / oracle; per-prompt ratio: geometric mean over prompts of "
-             "rule / oracle with its CI, and the prompts where the rule's KL exceeds the oracle's; p: "
-             + ", ".join(TEST_NAMES[t] for t in tests) + f" over prompts). Every policy selects {space}"
+             "rule / oracle with its CI, and the prompts where the rule's KL exceeds the oracle's; p sign: "
+             + " / ".join(TEST_NAMES[t] for t in sorted(set(reg["test"]))) + "; p perm.: "
+             + " / ".join(TEST_NAMES[t] for t in sorted(set(reg["test_permutation"])))
+             + f" of the mean, over prompts). Every policy selects {space}"
              + (" (`--selection " + selection + "`)." if selection else "."), ""]
     if n < 6:
         lines += [f"With {n} prompts no two-sided exact test can reach p < 0.05 (the smallest p is "
@@ -379,9 +380,9 @@ def regret_lines(tf: pl.DataFrame, boot: PromptBootstrap, reference: str, out_di
     o = cost.pop(reference)
     rules = tf.filter(~pl.col("scorer").is_in(REPLAY_ONLY))
     per = rules["label_seconds"].sum() / rules["compressions"].sum()
-    what = ("its future attention plus its own joint label" if reference == ORACLE_FUTURE
-            else "sets of the label horizon")
-    lines += ["", f"Oracle cost: {o['s']:.2f} s and {o['rows']:.0f} label rows ({what}) per compression; a rule's "
-              f"joint label costs {num(per)} s per compression (all rules pooled; "
+    what = ("its future attention and its own joint label together" if reference == ORACLE_FUTURE
+            else "its label rows, sets at the label horizon, and its joint label")
+    lines += ["", f"Oracle cost: `{reference}` {o['s']:.2f} s and {o['rows']:.0f} label rows per compression ({what}); "
+              f"a rule's joint label costs {num(per)} s per compression (all rules pooled; "
               f"{num(min(c['s'] for c in cost.values()))}–{num(max(c['s'] for c in cost.values()))} s by rule)."]
     return lines
