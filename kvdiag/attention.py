@@ -58,6 +58,19 @@ def attention_rows(
     return out
 
 
+@torch.no_grad()
+def future_attention(trace, pid: str, t: int, window: int) -> torch.Tensor:
+    """[L, Hkv, t] fp64: per (layer, KV head), the attention that the full-cache run's queries at ``t .. t + window
+    - 1`` pay each entry [0, t), summed over those queries and the KV head's query heads (its GQA group); exact fp32
+    probabilities recomputed from the q and k of ``trace`` (a ``kvdiag.trace.Trace``: stored, or rebuilt from its
+    model) with each layer's scale, window, softcap and sinks (``Trace.attention``). Belady-style: the entries the
+    future reads most. Shared by ``kvdiag decisions`` (a reference set) and teacher-forced replay (a policy)."""
+    pos = torch.arange(t, t + window)
+    Hkv = trace.num_kv_heads
+    return torch.stack([trace.attention(pid, l, pos, key_limit=t).double().view(Hkv, -1, t).sum(1)
+                        for l in range(trace.num_layers)])
+
+
 @contextmanager
 def attn_implementation(model, name: str):
     """Switch ``model`` to the registered attention function ``name`` for the block, then restore."""

@@ -19,7 +19,9 @@ ENTRY_FEATURES = ("window_attention", "newest_attention", "cumulative_attention"
                   "value_norm", "redundancy", "log_age", "is_prompt")
 AGGREGATIONS = ("mean_rank", "mean_raw")  # the keys of kvdiag.scorers.AGGREGATIONS
 ORACLE = "oracle"  # the policy name of replay's exact-label policy (teacher-forced only), not a scorer
-REPLAY_ONLY = (ORACLE,)
+# replay's future-attention policy (teacher-forced only): per (layer, KV head), what the full-cache run's future reads
+ORACLE_FUTURE = "oracle_future"
+REPLAY_ONLY = (ORACLE, ORACLE_FUTURE)
 
 
 def check_scorer_names(names: list[str], flag: str = "--scorers", also: tuple[str, ...] = ()) -> None:

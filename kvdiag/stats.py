@@ -134,7 +134,7 @@ def permutation_test(diffs: np.ndarray, n_resamples: int = 9999, seed: int = 0) 
     d = np.asarray(diffs, dtype=float)
     d = d[np.isfinite(d)]
     below, above, ties = _counts(d)
-    if not len(d) or not np.any(d):
+    if len(d) < 2 or not np.any(d):  # one cluster: both flips are as extreme (scipy needs two)
         return PairedTest("permutation", 1.0 if len(d) else float("nan"), len(d), below, above, ties)
     exact = len(d) <= EXACT_ENUMERATION
     res = scipy_permutation((d,), np.mean, permutation_type="samples", alternative="two-sided",

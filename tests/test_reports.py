@@ -481,7 +481,7 @@ REPLAY = {  # run -> the tables its summary writes (committed)
     "replay-smollm2-smoke": ("summary.md", "summary.csv", "budget.csv", "outcomes.md", "outcomes.csv",
                              "outcomes_summary.csv", "paired.csv"),
     "replay-tf-math500": ("summary.md", "summary.csv", "budget.csv", "decisions.md", "compressions.csv",
-                          "correlations.csv", "regret.csv"),
+                          "correlations.csv", "regret.csv", "beaten.csv"),
     "replay-gemma3/recall": ("summary.md", "summary.csv", "budget.csv", "outcomes.md", "outcomes.csv",
                              "outcomes_summary.csv", "paired.csv", "components.md", "components.csv",
                              "components_paired.csv"),
@@ -490,9 +490,10 @@ REPLAY = {  # run -> the tables its summary writes (committed)
 }
 for _d, _t in REPLAY.items():
     compared(_d, _t)
-# teacher-forced: the free-running replay its outcomes join, and the labels and scores of its single-label AUROC
-REPLAY_TF_INPUTS = {"replay-tf-math500": ("replay-math500", "math500-smollm2/labels.parquet",
-                                          "math500-smollm2/scores.parquet")}
+# teacher-forced: the free-running replay its outcomes join (None: no join), and the labels and scores of its
+# single-label AUROC. replay-tf-math500 selects per (layer, KV head) and replay-math500 ran per token: their decisions
+# differ, so no outcome joins them
+REPLAY_TF_INPUTS = {"replay-tf-math500": (None, "math500-smollm2/labels.parquet", "math500-smollm2/scores.parquet")}
 
 
 @pytest.mark.parametrize("run", list(REPLAY))
@@ -506,7 +507,7 @@ def test_replay_summary(run, tmp_path):
         free, labels, scores = REPLAY_TF_INPUTS[run]
         settings = ReplaySettings(**read_json(REPORTS / run / "config.json")["settings"])
         auroc = replayed_auroc(settings, (REPORTS / labels, REPORTS / scores), settings.seed)
-        outcomes = REPORTS / free
+        outcomes = None if free is None else REPORTS / free
     summarize_files(tmp_path, outcomes, auroc)
     tables = REPLAY[run]
     assert_same_tables(tmp_path, REPORTS / run, tables)

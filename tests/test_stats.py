@@ -50,6 +50,8 @@ def test_permutation_test_enumerates_every_sign_flip():
     assert t.test == "permutation" and t.resolution == 0 and t.p == pytest.approx(want, rel=1e-12)
     big = permutation_test(np.random.default_rng(0).normal(1.0, 1.0, 25), n_resamples=999)
     assert big.test == "permutation (Monte Carlo)" and big.resolution == pytest.approx(1 / 1000) and big.p < 0.01
+    one = permutation_test(np.array([0.3]))  # one cluster: both flips are as extreme as the observed mean
+    assert (one.test, one.p, one.n, one.above) == ("permutation", 1.0, 1, 1)
 
 
 def test_paired_test_is_exact_below_30_clusters_and_says_which_test():

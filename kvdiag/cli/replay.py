@@ -16,7 +16,10 @@ from kvdiag.schema import CHECKPOINT_INTERVAL, HORIZON
 def replay(
     ctx: typer.Context,
     scorers: list[str] = typer.Option(..., "--scorers", "--scorer", help="Scorer name(s), comma-separated and "
-                                      "repeatable, e.g. rkv,attention,avokv_e (--scorer is the deprecated name)."),
+                                      "repeatable, e.g. rkv,attention,avokv_e (--scorer is the deprecated name). "
+                                      "Teacher-forced only: oracle (greedy on exact labels, per-token) and "
+                                      "oracle_future (per cell, what the full-cache run's next queries attend most; "
+                                      "--param oracle_future.window=N|rest, default interval + horizon)."),
     budget: list[str] = typer.Option(["256"], "--budget", help="KV budget(s): entries kept per layer and KV head, "
         "comma-separated and repeatable for a sweep, e.g. 128,256 " + common.BUDGET_TERMS + "."),
     interval: int = typer.Option(CHECKPOINT_INTERVAL, "--interval", help="Generated tokens between compressions "

@@ -25,12 +25,12 @@ import numpy as np
 import polars as pl
 import torch
 
+from kvdiag.attention import future_attention
 from kvdiag.contracts import belongs
 from kvdiag.decisions.config import RANDOM_REFERENCE, DecisionsConfig, check_reference, checkpoints_of, rule_columns
 from kvdiag.decisions.interactions import PAIR_SCHEMA, superadditive_pairs
 from kvdiag.decisions.search import candidate, search, visible_entries
 from kvdiag.decisions.sets import (
-    future_attention,
     greedy_sets,
     head_label_set,
     label_set,

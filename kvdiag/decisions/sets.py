@@ -72,18 +72,6 @@ def random_set(t: int, kept: int, selection: Selection, num_layers: int, num_kv_
     return draws.sort(-1).values.view(num_layers, num_kv_heads, t - kept)
 
 
-@torch.no_grad()
-def future_attention(trace, pid: str, t: int, window: int) -> torch.Tensor:
-    """[L, Hkv, t] fp64: per (layer, KV head), the attention that the full-cache run's queries at ``t .. t + window
-    - 1`` pay each entry [0, t), summed over those queries and the KV head's query heads (its GQA group); exact fp32
-    probabilities recomputed from the Trace's stored q and k with each layer's scale, window, softcap and sinks
-    (``Trace.attention``). Belady-style: the entries the future reads most."""
-    pos = torch.arange(t, t + window)
-    Hkv = trace.num_kv_heads
-    return torch.stack([trace.attention(pid, l, pos, key_limit=t).double().view(Hkv, -1, t).sum(1)
-                        for l in range(trace.num_layers)])
-
-
 def protected_count(rule, t: int) -> int:
     """How many of the entries [0, t) of a full cache at checkpoint ``t`` the rule declares protected
     (``Scorer.protected``); 0 for a column without a known rule."""

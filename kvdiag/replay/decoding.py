@@ -26,7 +26,7 @@ from kvdiag.errors import UserError
 from kvdiag.features import o_proj_weights
 from kvdiag.generate import Policy, PositionedCache, choose, live_scores, observing, prompt_chunks
 from kvdiag.models import LoadedModel
-from kvdiag.replay.oracle import LiveLabels, OracleRule
+from kvdiag.replay.oracle import FutureRule, LiveLabels, OracleRule
 from kvdiag.replay.sampling import Sampling
 from kvdiag.scorers.base import needs_o_proj
 
@@ -174,6 +174,10 @@ class Session:
                 raise ValueError("the oracle policy needs exact labels (teacher-forced replay)")
             label = self.labels.token_labels(self._positions(row), t)  # [n]
             scores = [label.expand(positions[0].shape[0], -1)] * self.num_layers
+        elif isinstance(policy.scorer, FutureRule):
+            if self.labels is None:
+                raise ValueError("the future-attention oracle reads the full-cache run (teacher-forced replay)")
+            scores = self.labels.future_scores(positions, t, policy.scorer)
         else:
             scores = live_scores(policy, self.cache, row, t, self.attention, self.prompt_len, self.prompt_ids[row],
                                  torch.tensor(self.token_ids[row]), self.o_proj)

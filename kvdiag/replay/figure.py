@@ -128,7 +128,7 @@ def budget_figure(summary: pl.DataFrame, scorers: list[str], out_dir: Path) -> l
 
 def write_summary(df: pl.DataFrame, out_dir: Path, scorers: list[str], budgets: list[int], horizon: int = 16,
                   free: pl.DataFrame | None = None, auroc=None, exact: set[str] = frozenset(),
-                  suite=None) -> pl.DataFrame:
+                  suite=None, selection: str | None = None) -> pl.DataFrame:
     """``summary.md``, ``summary.csv`` (Table-2 shape), ``budget.csv`` (every number of the figure, long form)
     and the figure, from the rows of ``generations.parquet``; free-running with FullKV: the outcomes
     (``kvdiag.replay.outcomes``); teacher-forced with joint labels: decisions to outcomes and the regret
@@ -151,5 +151,5 @@ def write_summary(df: pl.DataFrame, out_dir: Path, scorers: list[str], budgets: 
     if teacher_forced and df["joint_kl"].drop_nulls().len():
         from kvdiag.replay.predict import write_predictions
 
-        write_predictions(df, out_dir, horizon, free, auroc=auroc)
+        write_predictions(df, out_dir, horizon, free, auroc=auroc, selection=selection)
     return table

@@ -14,12 +14,20 @@ At a checkpoint ``t`` the bounded cache holds, per (layer, KV head), the survivo
   It evicts token sets (the same positions from every layer and KV head: ``--selection per-token``) and costs one
   set row per live entry per compression (``n`` rows of ``horizon`` tokens; its seconds are recorded per run).
 
-Near the end of the sequence the horizon shrinks to the steps left (``min(horizon, T - t)``).
+The **future-attention oracle** (``oracle_future``, :class:`FutureRule`) reads no label: at each compression, per
+(layer, KV head), it keeps the ``budget`` live entries that the full-cache run's queries at ``t .. t + W - 1`` attend
+most (``kvdiag.attention.future_attention`` on the Trace, as ``kvdiag decisions``' ``future_attention`` reference),
+W reaching past the next compression plus the label horizon (``kvdiag.replay.settings.future_window``). It chooses
+in the rules' own per-head action space (or per token under ``--selection per-token``) and costs one attention
+recomputation per compression (no set row).
+
+Near the end of the sequence the horizon and the window shrink to the steps left (``min(horizon, T - t)``).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +35,7 @@ import torch
 from kvdiag.label.engine import OracleEngine
 from kvdiag.models import LoadedModel
 from kvdiag.schema import HORIZON
-from kvdiag.scorer_names import ORACLE  # noqa: F401  (the oracle's API)
+from kvdiag.scorer_names import ORACLE, ORACLE_FUTURE  # noqa: F401  (the oracles' API)
 
 
 @dataclass
@@ -49,10 +57,36 @@ class OracleRule:
 
 
 @dataclass
+class FutureRule:
+    """The future-attention oracle as a replay rule: ``window`` future queries (a number, or ``rest``: to the end of
+    the Trace) read from the full-cache run instead of scores; no query window, nothing protected."""
+
+    window: int | str
+    name: str = ORACLE_FUTURE
+    query_window: int = 0
+    needs_history: bool = False
+    needs_model: bool = False
+
+    @property
+    def params(self) -> dict:
+        return {"window": self.window}
+
+    def protected(self, age: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(position, dtype=torch.bool)
+
+    def steps(self, t: int, length: int) -> int:
+        """Future queries at checkpoint ``t`` of a sequence of ``length`` tokens: the window, cut at the end."""
+        return length - t if self.window == "rest" else min(int(self.window), length - t)
+
+
+@dataclass
 class LiveLabels:
     """Exact labels of one sequence's live caches (``token_ids`` [T], the Trace's tokens).
 
-    seconds : time spent labeling, per call kind (``joint``, ``oracle``); rows : set rows labeled, per kind.
+    seconds : time spent labeling, per call kind (``joint``, ``oracle``, ``future``); rows : set rows labeled, per
+    kind (``future`` labels no row). future : ``(t, W) -> [L, Hkv, t]``, the full-cache attention of the queries
+    ``t .. t + W - 1`` on each entry of ``[0, t)`` (``kvdiag.attention.future_attention`` of the Trace and prompt;
+    None: ``oracle_future`` cannot run).
     """
 
     lm: LoadedModel
@@ -60,8 +94,9 @@ class LiveLabels:
     horizon: int = HORIZON
     batch_size: int = 64
     backend: str = "auto"
-    seconds: dict[str, float] = field(default_factory=lambda: {"joint": 0.0, "oracle": 0.0})
-    rows: dict[str, int] = field(default_factory=lambda: {"joint": 0, "oracle": 0})
+    future: Callable[[int, int], torch.Tensor] | None = None
+    seconds: dict[str, float] = field(default_factory=lambda: {"joint": 0.0, "oracle": 0.0, "future": 0.0})
+    rows: dict[str, int] = field(default_factory=lambda: {"joint": 0, "oracle": 0, "future": 0})
     _engines: dict[int, OracleEngine] = field(default_factory=dict)
 
     def engine(self, t: int) -> OracleEngine:
@@ -83,6 +118,17 @@ class LiveLabels:
         gone = evicted_set(positions[:1, :1], t)[0, 0]
         sets = [torch.cat([gone, live[i : i + 1]]) for i in range(live.numel())]
         return self._label(t, sets, "oracle")
+
+    def future_scores(self, positions: list[torch.Tensor], t: int, rule: FutureRule) -> list[torch.Tensor]:
+        """Per layer, [Hkv, n_l] fp64: the future attention (``rule``'s window) on each live entry ``positions[l]
+        [Hkv, n_l]`` at checkpoint ``t``: ``oracle_future``'s scores (higher = keep)."""
+        if self.future is None:
+            raise ValueError(f"{ORACLE_FUTURE} needs the full-cache run's queries (a Trace): teacher-forced replay")
+        start = time.perf_counter()
+        attention = self.future(t, rule.steps(t, len(self.token_ids)))  # [L, Hkv, t]
+        scores = [attention[layer].gather(-1, pos) for layer, pos in enumerate(positions)]
+        self.seconds["future"] += time.perf_counter() - start
+        return scores
 
     def _label(self, t: int, sets: list[torch.Tensor], kind: str) -> torch.Tensor:
         """[N] mean-over-horizon KL of each set row at checkpoint ``t``."""

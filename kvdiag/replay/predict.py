@@ -12,8 +12,14 @@ optionally a free-running replay of the same prompts (fidelity and first diverge
   fidelity (share of samples whose answer equals FullKV's) and first-divergence step (mean over samples).
 - **Per rule** (each budget, across rules): Spearman between single-label AUROC and minus the mean in-loop KL, and
   between minus the mean joint damage and minus the mean in-loop KL.
-- **Regret**: a rule's mean teacher-forced KL minus the oracle policy's, paired by prompt, with the ratio of means and
-  per prompt and the paired test (``kvdiag.stats.compare``: exact sign test below 30 prompts).
+- **Regret**: a rule's mean teacher-forced KL minus the oracle policy's (``oracle_future`` when the sweep ran it,
+  else ``oracle``), paired by prompt, with the ratio of means and per prompt and the paired tests
+  (``kvdiag.stats.compare``: exact sign test below 30 prompts; and the exact sign-flip permutation test).
+- **Where a rule beats the oracle** (:func:`beaten`): per (prompt, budget) where its KL is below the oracle's, the
+  compression whose following segment gains it the most, the two joint labels there, and why: ``set`` (the rule's
+  evicted set has the lower exact label: what the future attends most is not what hurts least to lose) or ``state``
+  (its set's label is not lower, yet the KL that follows is: the caches differ by earlier compressions and by what the
+  label's horizon does not see; choosing step by step is not optimal over steps).
 
 Every CI is a 95% cluster bootstrap over prompts (``PromptBootstrap``: resample prompts, keep all their runs and
 compressions; the same resamples for every statistic, so rank-eval's AUROC replicates align when seeded alike).
@@ -27,8 +33,24 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from kvdiag.replay.oracle import ORACLE
-from kvdiag.stats import TEST_NAMES, PromptBootstrap, compare, format_p, spearman, spearman_ci
+from kvdiag.replay.oracle import ORACLE, ORACLE_FUTURE
+from kvdiag.scorer_names import REPLAY_ONLY
+from kvdiag.stats import (
+    TEST_NAMES,
+    PromptBootstrap,
+    cluster_means,
+    compare,
+    format_p,
+    permutation_test,
+    spearman,
+    spearman_ci,
+)
+
+
+def reference_policy(tf: pl.DataFrame) -> str | None:
+    """The oracle policy a sweep's regret is measured against: ``oracle_future`` if it ran, else ``oracle``."""
+    ran = set(tf["scorer"].unique().to_list())
+    return next((name for name in (ORACLE_FUTURE, ORACLE) if name in ran), None)
 
 
 def compression_table(tf: pl.DataFrame, horizon: int) -> pl.DataFrame:
@@ -86,7 +108,7 @@ def correlations(tf: pl.DataFrame, horizon: int, boot: PromptBootstrap, free: pl
                 spearman_ci(boot, runs["joint"].to_numpy(), sign * runs[outcome].to_numpy(),
                             runs["prompt_id"].to_numpy()))
     for budget in sorted(runs["budget"].unique().to_list()):
-        sel = runs.filter((pl.col("budget") == budget) & (pl.col("scorer") != ORACLE))
+        sel = runs.filter((pl.col("budget") == budget) & ~pl.col("scorer").is_in(REPLAY_ONLY))
         rules = sorted(sel["scorer"].unique().to_list())
         means = {r: _rule_means(boot, sel.filter(pl.col("scorer") == r)) for r in rules}
         kl = {r: means[r]["kl"] for r in rules}
@@ -125,27 +147,86 @@ def _across(boot: PromptBootstrap, rules: list[str], x: dict, y: dict) -> dict:
     return {"spearman": rho, "ci_low": low, "ci_high": high, "n": len(rules)}
 
 
-def regret(tf: pl.DataFrame, boot: PromptBootstrap) -> pl.DataFrame:
-    """Per (scorer, budget): mean teacher-forced KL, the oracle policy's, their paired difference (regret) and
-    ratio of means with cluster-bootstrap CIs, the per-prompt ratio (geometric mean with its CI, median, prompts where
-    the rule beat the oracle) and the paired test (``kvdiag.stats.compare``: exact sign test below 30 prompts);
-    ``prompts``: where both ran."""
+def regret(tf: pl.DataFrame, boot: PromptBootstrap, reference: str = ORACLE) -> pl.DataFrame:
+    """Per (scorer, budget): mean teacher-forced KL, the ``reference`` oracle policy's, their paired difference
+    (regret) and ratio of means with cluster-bootstrap CIs, the per-prompt ratio (geometric mean with its CI, median,
+    prompts where the rule beat the oracle) and two exact paired tests of the per-prompt differences: the sign test
+    (``kvdiag.stats.compare``: exact below 30 prompts) and the sign-flip permutation test of their mean;
+    ``prompts``: where both ran (the pairs that entered). Every other policy, the other oracle included, is a row."""
     runs = tf.select("prompt_id", "scorer", "budget", pl.col("kl_mean").alias("kl"))
-    oracle = runs.filter(pl.col("scorer") == ORACLE).select("prompt_id", "budget", pl.col("kl").alias("oracle"))
+    oracle = runs.filter(pl.col("scorer") == reference).select("prompt_id", "budget", pl.col("kl").alias("oracle"))
     rows = []
-    for (scorer, budget), g in runs.filter(pl.col("scorer") != ORACLE).join(
+    for (scorer, budget), g in runs.filter(pl.col("scorer") != reference).join(
             oracle, on=["prompt_id", "budget"]).group_by("scorer", "budget", maintain_order=True):
-        x, o = g["kl"].to_numpy(), g["oracle"].to_numpy()
-        c = compare(boot, x, o, g["prompt_id"].to_numpy())
+        x, o, prompts = g["kl"].to_numpy(), g["oracle"].to_numpy(), g["prompt_id"].to_numpy()
+        c = compare(boot, x, o, prompts)
         r, t = c["ratios"], c["test"]
-        rows.append({"scorer": scorer, "budget": budget, "kl": float(x.mean()), "oracle_kl": float(o.mean()),
+        perm = permutation_test(cluster_means(x - o, prompts)[1])
+        rows.append({"scorer": scorer, "budget": budget, "reference": reference, "kl": float(x.mean()),
+                     "oracle_kl": float(o.mean()),
                      "regret": c["diff"], "regret_low": c["diff_ci"][0], "regret_high": c["diff_ci"][1],
                      "ratio": c["ratio"], "ratio_low": c["ratio_ci"][0], "ratio_high": c["ratio_ci"][1],
                      "ratio_geomean": r["geomean"], "ratio_geomean_low": r["geomean_ci"][0],
                      "ratio_geomean_high": r["geomean_ci"][1], "ratio_median": r["median"],
-                     "prompts_above_oracle": t.above, "test": t.test, "p_value": t.p, "p_resolution": t.resolution,
-                     "prompts": t.n})
+                     "prompts_above_oracle": t.above, "prompts_below_oracle": t.below, "test": t.test,
+                     "p_value": t.p, "p_resolution": t.resolution, "test_permutation": perm.test,
+                     "p_permutation": perm.p, "p_permutation_resolution": perm.resolution, "prompts": t.n})
     return pl.DataFrame(rows).sort("budget", "regret") if rows else pl.DataFrame()
+
+
+BEATEN_SCHEMA = {
+    "scorer": pl.String, "budget": pl.Int64, "prompt_id": pl.String, "kl": pl.Float64, "oracle_kl": pl.Float64,
+    "regret": pl.Float64, "t": pl.Int64, "compression": pl.Int64, "compressions": pl.Int64, "gain": pl.Float64,
+    "gain_share": pl.Float64, "joint": pl.Float64, "oracle_joint": pl.Float64, "reason": pl.String,
+}
+
+
+def segment_kl(row: dict) -> list[float]:
+    """Per compression ``c`` of a teacher-forced run, the summed KL of the steps after it and before the next one
+    (positions ``[t_c, t_{c+1})``, the last to the end; only generated positions)."""
+    steps, kl, P, T = row["compression_steps"], np.asarray(row["kl_steps"]), row["prompt_len"], len(row["token_ids"])
+    # kl[j] is the step that predicts position P + j (teacher_force's logprobs row j)
+    return [float(kl[max(t, P) - P : max(end, P) - P].sum()) for t, end in zip(steps, [*steps[1:], T], strict=True)]
+
+
+def beaten(tf: pl.DataFrame, reference: str) -> pl.DataFrame:
+    """Every (rule, budget, prompt) whose mean KL is below the ``reference`` oracle's, with the compression (``t``,
+    ``compression`` of ``compressions``) after which the rule gains most on the oracle (``gain``: the rule's segment
+    KL minus the oracle's, summed over that segment's steps; ``gain_share``: that over the whole run's difference),
+    the exact joint labels of the two evicted sets there and the ``reason``: ``set`` where the rule's set has the
+    lower label (the future's attention is not the damage), else ``state`` (the caches differ by earlier choices, or
+    the harm lies past the label's horizon); ``no joint labels`` without them. Both runs share their schedule."""
+    runs = {(r["prompt_id"], r["scorer"], r["budget"]): r for r in tf.iter_rows(named=True)}
+    rows = []
+    for (pid, scorer, budget), r in runs.items():
+        o = runs.get((pid, reference, budget))
+        if scorer in REPLAY_ONLY or o is None or not r["kl_mean"] < o["kl_mean"]:
+            continue
+        if r["compression_steps"] != o["compression_steps"]:
+            raise ValueError(f"{scorer} and {reference} compressed {pid} at different steps (B={budget})")
+        gains = np.subtract(segment_kl(r), segment_kl(o))
+        c = int(np.argmin(gains))
+        total = (r["kl_mean"] - o["kl_mean"]) * len(r["kl_steps"])
+        joint, oracle_joint = ((r["joint_kl"][c], o["joint_kl"][c]) if r["joint_kl"] and o["joint_kl"]
+                               else (None, None))
+        reason = "no joint labels" if joint is None else "set" if joint < oracle_joint else "state"
+        rows.append({"scorer": scorer, "budget": budget, "prompt_id": pid, "kl": r["kl_mean"],
+                     "oracle_kl": o["kl_mean"], "regret": r["kl_mean"] - o["kl_mean"],
+                     "t": r["compression_steps"][c], "compression": c + 1, "compressions": len(gains),
+                     "gain": float(gains[c]), "gain_share": float(gains[c] / total), "joint": joint,
+                     "oracle_joint": oracle_joint, "reason": reason})
+    return pl.DataFrame(rows, schema=BEATEN_SCHEMA).sort("budget", "scorer", "prompt_id")
+
+
+def first_sets(tf: pl.DataFrame, reference: str) -> tuple[int, int]:
+    """At each run's first compression the rule and the oracle evict from the same full cache: how many (rule,
+    budget, prompt) runs evict a set with a lower exact joint label than the oracle's there, of how many compared."""
+    runs = {(r["prompt_id"], r["scorer"], r["budget"]): r for r in tf.filter(pl.col("compressions") > 0)
+            .iter_rows(named=True)}
+    pairs = [(r["joint_kl"][0], runs[(pid, reference, b)]["joint_kl"][0]) for (pid, s, b), r in runs.items()
+             if s not in REPLAY_ONLY and (pid, reference, b) in runs and r["joint_kl"]
+             and runs[(pid, reference, b)]["joint_kl"]]
+    return sum(a < b for a, b in pairs), len(pairs)
 
 
 def single_label_auroc(labels: str | os.PathLike, scores: str | os.PathLike, rules: list[str], params: dict[str, dict],
@@ -191,10 +272,12 @@ class SingleLabelAUROC:
 
 
 def write_predictions(tf: pl.DataFrame, out_dir, horizon: int, free: pl.DataFrame | None = None, n_boot: int = 2000,
-                      seed: int = 0, level: float = 0.95, auroc: SingleLabelAUROC | None = None) -> None:
-    """``compressions.csv``, ``correlations.csv``, ``regret.csv`` (with the oracle) and ``decisions.md`` from a
-    teacher-forced replay with joint labels; ``free``: a free-running replay's generations (its outcomes join on
-    prompt, rule and budget)."""
+                      seed: int = 0, level: float = 0.95, auroc: SingleLabelAUROC | None = None,
+                      selection: str | None = None) -> None:
+    """``compressions.csv``, ``correlations.csv``, ``regret.csv`` and ``beaten.csv`` (with an oracle policy) and
+    ``decisions.md`` from a teacher-forced replay with joint labels; ``free``: a free-running replay's generations
+    (its outcomes join on prompt, rule and budget); ``selection``: the sweep's (the action space every policy chose
+    in, named in the summary)."""
     from kvdiag.io import write_csv, write_text
     from kvdiag.replay.outcomes import outcome_rows
     from kvdiag.tables import markdown_table
@@ -225,31 +308,81 @@ def write_predictions(tf: pl.DataFrame, out_dir, horizon: int, free: pl.DataFram
                   + ("the replay's own, on the same bootstrap resamples." if same else
                      "not the replay's prompts; its bootstrap is drawn independently of the replay's.")]
         lines += [f"- parameters differ: {n}" for n in auroc.notes]
-    if (tf["scorer"] == ORACLE).any():
-        reg = regret(tf, boot)
-        write_csv(reg, out_dir / "regret.csv")
-        cost = tf.group_by("scorer", maintain_order=True).agg(  # the first rule after the oracle on every run
-            (pl.col("label_seconds").sum() / pl.col("compressions").sum()).alias("s"),
-            (pl.col("label_rows").sum() / pl.col("compressions").sum()).alias("rows"))
-        cost = {r["scorer"]: r for r in cost.iter_rows(named=True)}
-        tests = sorted(set(reg["test"]))
-        lines += ["", "In-loop regret against the oracle policy (mean teacher-forced KL minus the oracle's, paired by "
-                  "prompt; ratio of means = rule / oracle; per-prompt ratio: geometric mean over prompts of rule / "
-                  "oracle with its CI, and the prompts where the rule's KL exceeds the oracle's; p: "
-                  + ", ".join(TEST_NAMES[t] for t in tests) + " over prompts):", ""]
-        lines.append(markdown_table(
-            ["scorer", "budget", "KL", "oracle KL", "regret [CI]", "ratio of means [CI]",
-             "per-prompt ratio [CI]", "above oracle", "p"],
-            [[r["scorer"], str(r["budget"]), num(r["kl"]), num(r["oracle_kl"]),
-              f"{num(r['regret'])} [{num(r['regret_low'])}, {num(r['regret_high'])}]",
-              f"{num(r['ratio'])} [{num(r['ratio_low'])}, {num(r['ratio_high'])}]",
-              f"{num(r['ratio_geomean'])} [{num(r['ratio_geomean_low'])}, {num(r['ratio_geomean_high'])}]",
-              f"{r['prompts_above_oracle']}/{r['prompts']}", format_p(r["p_value"], r["p_resolution"])]
-             for r in reg.iter_rows(named=True)]))
-        o = cost.pop(ORACLE)
-        rules = tf.filter(pl.col("scorer") != ORACLE)
-        per = rules["label_seconds"].sum() / rules["compressions"].sum()
-        lines += ["", f"Oracle cost: {o['s']:.2f} s and {o['rows']:.0f} label rows (sets of horizon {horizon}) per "
-                  f"compression; a rule's joint label costs {num(per)} s per compression (all rules pooled; "
-                  f"{num(min(c['s'] for c in cost.values()))}–{num(max(c['s'] for c in cost.values()))} s by rule)."]
+    reference = reference_policy(tf)
+    if reference is not None:
+        lines += regret_lines(tf, boot, reference, out_dir, selection, num)
     write_text(out_dir / "decisions.md", "\n".join(lines) + "\n")
+
+
+def regret_lines(tf: pl.DataFrame, boot: PromptBootstrap, reference: str, out_dir, selection: str | None,
+                 num) -> list[str]:
+    """``regret.csv`` and ``beaten.csv`` against the ``reference`` oracle policy; their lines of decisions.md."""
+    from kvdiag.io import write_csv
+    from kvdiag.tables import markdown_table
+
+    reg, won = regret(tf, boot, reference), beaten(tf, reference)
+    if not reg.height:  # the oracle alone: nothing to compare
+        return []
+    write_csv(reg, out_dir / "regret.csv")
+    write_csv(won, out_dir / "beaten.csv")
+    n = int(reg["prompts"].max())
+    space = {"per-head": "per (layer, KV head), the rules' own action space",
+             "per-token": "token sets (the same positions in every layer and KV head)"}.get(selection, selection)
+    lines = ["", f"In-loop regret against the oracle policy `{reference}` (mean teacher-forced KL minus the oracle's, "
+             "paired by prompt; ratio of means = rule / oracle; per-prompt ratio: geometric mean over prompts of "
+             "rule / oracle with its CI, and the prompts where the rule's KL exceeds the oracle's; p sign: "
+             + " / ".join(TEST_NAMES[t] for t in sorted(set(reg["test"]))) + "; p perm.: "
+             + " / ".join(TEST_NAMES[t] for t in sorted(set(reg["test_permutation"])))
+             + f" of the mean, over prompts). Every policy selects {space}"
+             + (" (`--selection " + selection + "`)." if selection else "."), ""]
+    if n < 6:
+        lines += [f"With {n} prompts no two-sided exact test can reach p < 0.05 (the smallest p is "
+                  f"{2 / 2 ** n:.4g}, all {n} on one side): read the counts and the CIs.", ""]
+    lines.append(markdown_table(
+        ["scorer", "budget", "KL", "oracle KL", "regret [CI]", "ratio of means [CI]", "per-prompt ratio [CI]",
+         "above oracle", "p sign", "p perm."],
+        [[r["scorer"], str(r["budget"]), num(r["kl"]), num(r["oracle_kl"]),
+          f"{num(r['regret'])} [{num(r['regret_low'])}, {num(r['regret_high'])}]",
+          f"{num(r['ratio'])} [{num(r['ratio_low'])}, {num(r['ratio_high'])}]",
+          f"{num(r['ratio_geomean'])} [{num(r['ratio_geomean_low'])}, {num(r['ratio_geomean_high'])}]",
+          f"{r['prompts_above_oracle']}/{r['prompts']}", format_p(r["p_value"], r["p_resolution"]),
+          format_p(r["p_permutation"], r["p_permutation_resolution"])]
+         for r in reg.iter_rows(named=True)]))
+    negative = reg.filter(pl.col("regret") < 0)
+    lines += ["", f"Where a rule beats `{reference}` (its KL below the oracle's on a prompt; beaten.csv): "
+              f"{won.height} of {reg['prompts'].sum()} (rule, budget, prompt) runs; mean regret below 0 for "
+              f"{negative.height} of {reg.height} (rule, budget) rows"
+              + (": " + ", ".join(f"{r['scorer']}@{r['budget']}" for r in negative.iter_rows(named=True))
+                 if negative.height else "") + "."]
+    if won.height:
+        reasons = won["reason"].value_counts(sort=True)
+        wins, compared = first_sets(tf, reference)
+        lines += [
+            "For each, the compression after which the rule gains most (gain: the rule's KL minus the oracle's summed "
+            "over the steps to the next compression; share: of the run's whole difference) and the exact joint labels "
+            "of the two evicted sets there. Reason `set`: the rule's set has the lower label, so what the future "
+            "attends most is not what hurts least to lose (attention is not damage); `state`: its set's label is not "
+            "lower, yet the KL that follows is, so the caches differ by earlier compressions or by harm past the "
+            "label's horizon (choosing step by step is not optimal over steps). Reasons: "
+            + ", ".join(f"{r['reason']} {r['count']}" for r in reasons.iter_rows(named=True))
+            + f". At the first compression, where both evict from the same full cache, a rule's set has the lower "
+            f"label in {wins} of {compared} runs.", ""]
+        lines.append(markdown_table(
+            ["scorer", "budget", "prompt", "regret", "t (c / C)", "gain", "share", "rule joint", "oracle joint",
+             "reason"],
+            [[r["scorer"], str(r["budget"]), r["prompt_id"], num(r["regret"]),
+              f"{r['t']} ({r['compression']}/{r['compressions']})", num(r["gain"]), num(r["gain_share"], ".0%"),
+              num(r["joint"]), num(r["oracle_joint"]), r["reason"]] for r in won.iter_rows(named=True)]))
+    cost = tf.group_by("scorer", maintain_order=True).agg(
+        (pl.col("label_seconds").sum() / pl.col("compressions").sum()).alias("s"),
+        (pl.col("label_rows").sum() / pl.col("compressions").sum()).alias("rows"))
+    cost = {r["scorer"]: r for r in cost.iter_rows(named=True)}
+    o = cost.pop(reference)
+    rules = tf.filter(~pl.col("scorer").is_in(REPLAY_ONLY))
+    per = rules["label_seconds"].sum() / rules["compressions"].sum()
+    what = ("its future attention and its own joint label together" if reference == ORACLE_FUTURE
+            else "its label rows, sets at the label horizon, and its joint label")
+    lines += ["", f"Oracle cost: `{reference}` {o['s']:.2f} s and {o['rows']:.0f} label rows per compression ({what}); "
+              f"a rule's joint label costs {num(per)} s per compression (all rules pooled; "
+              f"{num(min(c['s'] for c in cost.values()))}–{num(max(c['s'] for c in cost.values()))} s by rule)."]
+    return lines

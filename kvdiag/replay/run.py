@@ -25,18 +25,20 @@ from kvdiag.prompts import Prompt, load_prompts
 from kvdiag.provenance import command_line, provenance
 from kvdiag.replay.decoding import Decoded
 from kvdiag.replay.free_running import FreeRunning
-from kvdiag.replay.oracle import ORACLE, OracleRule
+from kvdiag.replay.oracle import ORACLE, ORACLE_FUTURE, FutureRule, OracleRule
 from kvdiag.replay.predict import SingleLabelAUROC, single_label_auroc
 from kvdiag.replay.settings import (
     ReplaySettings,
     check_outcomes,
     check_settings,
+    future_window,
     read_outcomes,
     replayed_prompts,
 )
 from kvdiag.replay.teacher_forced import TeacherForced
 from kvdiag.replay.units import Unit
 from kvdiag.schema import HORIZON
+from kvdiag.scorer_names import REPLAY_ONLY
 from kvdiag.scorers.base import needs_o_proj
 from kvdiag.suites import Suite, check_generation_room, select_components, suite_of
 from kvdiag.trace import Trace
@@ -52,9 +54,13 @@ def build_policies(lm: LoadedModel, settings: ReplaySettings,
     group, head_dim = lm.attention.num_heads // lm.attention.num_kv_heads, lm.attention.qk_head_dim
     policies: dict[tuple[str, int | None], Policy | None] = {(FULL_KV, None): None} if settings.full_kv else {}
     for name in settings.scorers:
-        oracle = name == ORACLE
-        scorer = OracleRule(settings.horizon) if oracle else make_scorer(name, settings.params.get(name),
-                                                                         settings.w_obs)
+        oracle = name in REPLAY_ONLY
+        if name == ORACLE:
+            scorer = OracleRule(settings.horizon)
+        elif name == ORACLE_FUTURE:
+            scorer = FutureRule(future_window(settings))
+        else:
+            scorer = make_scorer(name, settings.params.get(name), settings.w_obs)
         for budget in settings.budgets:
             policy = Policy(scorer, budget, settings.interval, settings.selection, settings.backend, settings.seed)
             policy.check_model(lm.attention)  # sliding windows: per-token and budgets that evict nothing
@@ -173,9 +179,9 @@ def replay(
 
 def replayed_auroc(settings: ReplaySettings, auroc: tuple[str | os.PathLike, str | os.PathLike],
                    seed: int = 0) -> SingleLabelAUROC:
-    """The single-label AUROC (``auroc``: labels and scores files) of every rule of ``settings`` but the oracle, with
-    the parameters the replay runs it with."""
-    rules = [n for n in settings.scorers if n != ORACLE]
+    """The single-label AUROC (``auroc``: labels and scores files) of every rule of ``settings`` but the oracles,
+    with the parameters the replay runs it with."""
+    rules = [n for n in settings.scorers if n not in REPLAY_ONLY]
     params = {n: make_scorer(n, settings.params.get(n), settings.w_obs).params for n in rules}
     return single_label_auroc(*auroc, rules, params, seed=seed)
 
@@ -195,7 +201,7 @@ def summarize_files(out: str | os.PathLike, outcomes: str | os.PathLike | None =
     scorers = ([FULL_KV] if s["full_kv"] else []) + list(s["scorers"])  # the policies' order (build_policies)
     free = None if outcomes is None else read_outcomes(outcomes)
     return write_summary(df, out, scorers, s["budgets"], s.get("horizon", HORIZON), free, auroc,
-                         exact=set(_graded_whole(meta)), suite=_suite(meta))
+                         exact=set(_graded_whole(meta)), suite=_suite(meta), selection=s.get("selection"))
 
 
 def _suite(meta: dict) -> Suite | None:
@@ -235,7 +241,10 @@ DEFINITIONS = {
     "joint_kl": "teacher-forced: per compression, the exact label of the whole evicted set (every entry of [0, t) "
                 "the cache lacks, per layer and KV head): mean KL(P_full || P_evicted) over the next `horizon` "
                 "tokens (fewer at the end)",
-    "label_seconds": "teacher-forced: seconds spent on exact labels (joint labels, and the oracle's per-entry labels)",
+    "label_seconds": "teacher-forced: seconds spent on exact labels (joint labels, and the oracle's per-entry labels) "
+                     "and on oracle_future's future attention",
+    "oracle_future": "teacher-forced: per (layer, KV head), keeps the entries the full-cache run's next `window` "
+                     "queries attend most (the next compression plus the label horizon by default)",
 }
 
 

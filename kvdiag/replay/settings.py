@@ -14,7 +14,7 @@ from kvdiag.parsing import Selection
 from kvdiag.prompts import DEFAULT_INSTRUCTION
 from kvdiag.replay.sampling import Sampling
 from kvdiag.schema import CHECKPOINT_INTERVAL, HORIZON
-from kvdiag.scorer_names import ORACLE
+from kvdiag.scorer_names import ORACLE, ORACLE_FUTURE, REPLAY_ONLY
 
 if TYPE_CHECKING:
     import polars as pl
@@ -38,7 +38,8 @@ class ReplaySettings:
     samples, temperature, top_p : free-running: generations per prompt and their sampling (temperature None:
         greedy, one sample); every policy's sample ``s`` shares FullKV's draws (``kvdiag.replay.sampling``).
     batch_size : free-running generations decoded together (rows of one prompt length and budget).
-    horizon : teacher-forced: steps of the exact labels (each compression's joint damage; the oracle policy).
+    horizon : teacher-forced: steps of the exact labels (each compression's joint damage; the oracle policy); with
+        ``interval``, the least window of ``oracle_future`` (:func:`future_window`).
     joint : teacher-forced: label each compression's whole evicted set (``joint_kl``).
     seed : of stochastic selection and of sampling.
     """
@@ -90,10 +91,10 @@ def check_params(params: dict[str, dict], scorers: list[str]) -> None:
 
 
 def check_free_running(settings: ReplaySettings) -> None:
-    """The oracle labels entries on a Trace's future tokens: refused without one."""
-    if ORACLE in settings.scorers:
-        raise UserError(f"--scorers {ORACLE} labels entries on the Trace's future tokens: it runs with "
-                        "--teacher-forced only")
+    """The oracle policies read a Trace's future tokens: refused without one."""
+    for name in REPLAY_ONLY:
+        if name in settings.scorers:
+            raise UserError(f"--scorers {name} reads the Trace's future tokens: it runs with --teacher-forced only")
 
 
 def check_teacher_forced(settings: ReplaySettings) -> None:
@@ -133,6 +134,33 @@ def check_options(settings: ReplaySettings, mode: str) -> None:
     check_params(settings.params, settings.scorers)
     if ORACLE in settings.scorers and ORACLE in settings.params:
         raise UserError(f"--param {ORACLE}.…: the oracle's only setting is its label horizon; use --horizon")
+    if ORACLE_FUTURE in settings.scorers:
+        future_window(settings)
+
+
+def future_window(settings: ReplaySettings) -> int | str:
+    """``oracle_future``'s window of future queries at each compression: ``--param oracle_future.window=N|rest``
+    (default: ``interval + horizon``, the next compression plus the label horizon); at least that many, so that what
+    the policy keeps at ``t`` is judged by every query up to the next compression and the label of that one
+    (bad input: UserError). ``rest``: every query to the end of the Trace (Belady)."""
+    given = dict(settings.params.get(ORACLE_FUTURE) or {})
+    text = str(given.pop("window", settings.interval + settings.horizon))
+    if given:
+        raise UserError(f"--param {ORACLE_FUTURE}.{next(iter(given))}: {ORACLE_FUTURE}'s only setting is its window "
+                        f"(--param {ORACLE_FUTURE}.window=N|rest)")
+    if text == "rest":
+        return text
+    try:
+        window = int(text)
+    except ValueError:
+        raise UserError(f"--param {ORACLE_FUTURE}.window={text}: a number of future queries (e.g. "
+                        f"{settings.interval + settings.horizon}) or rest") from None
+    least = settings.interval + settings.horizon
+    if window < least:
+        raise UserError(f"--param {ORACLE_FUTURE}.window={window}: the window must reach past the next compression "
+                        f"plus the label horizon (--interval {settings.interval} + --horizon {settings.horizon} = "
+                        f"{least} queries); use {least} or more, or rest")
+    return window
 
 
 def check_settings(settings: ReplaySettings, mode) -> None:
@@ -143,7 +171,7 @@ def check_settings(settings: ReplaySettings, mode) -> None:
 
     check_options(settings, mode.name)
     for name in settings.scorers:
-        if name == ORACLE:
+        if name in REPLAY_ONLY:
             continue
         scorer = make_scorer(name, settings.params.get(name), settings.w_obs)
         check_live_scorer(scorer)

@@ -6,16 +6,19 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar
 
 import torch
 
+from kvdiag.attention import future_attention
 from kvdiag.errors import UserError
 from kvdiag.models import LoadedModel
 from kvdiag.replay.decoding import Decoded, full_logprobs, kl_steps, teacher_force
-from kvdiag.replay.oracle import ORACLE, LiveLabels
+from kvdiag.replay.oracle import LiveLabels
 from kvdiag.replay.settings import ReplaySettings
 from kvdiag.replay.units import Item, Unit, common_key, make_unit
+from kvdiag.scorer_names import ORACLE_FUTURE, REPLAY_ONLY
 
 
 @dataclass
@@ -56,7 +59,10 @@ class TeacherForced:
     def run(self, lm: LoadedModel, settings: ReplaySettings, policies: dict, pending: list[Unit], o_proj,
             commit, progress, task) -> None:
         """Feed each pending unit's Trace tokens under its policy, one at a time; with exact labels (joint damage of
-        every compression unless ``--no-joint``, the oracle's scores) from one :class:`LiveLabels` per sequence."""
+        every compression unless ``--no-joint``, the oracle's scores) and ``oracle_future``'s future attention (the
+        Trace's q and k: stored, or rebuilt with ``lm``) from one :class:`LiveLabels` per sequence."""
+        if any(u.scorer == ORACLE_FUTURE for u in pending):
+            self.trace.use_model(lm)  # a Trace without stored q/k rebuilds them with the loaded model, not a copy
         reference: dict[str, torch.Tensor] = {}  # P_full of the current sequence
         labels: dict[str, LiveLabels] = {}
         for u in pending:
@@ -66,9 +72,10 @@ class TeacherForced:
             if it.prompt_id not in reference:
                 reference = {it.prompt_id: full_logprobs(lm.model, it.token_ids, it.prompt_len)}
                 labels = {it.prompt_id: LiveLabels(lm, torch.tensor(it.token_ids), settings.horizon,
-                                                   backend=settings.backend)}
+                                                   backend=settings.backend,
+                                                   future=partial(future_attention, self.trace, it.prompt_id))}
             live = labels[it.prompt_id]
-            use = live if settings.joint or u.scorer == ORACLE else None
+            use = live if settings.joint or u.scorer in REPLAY_ONLY else None
             before = (sum(live.seconds.values()), sum(live.rows.values()))
             run = teacher_force(lm, it.token_ids, it.prompt_len, policy, it.prompt_id, o_proj=o_proj, labels=use,
                                 joint=settings.joint)

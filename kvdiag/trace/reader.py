@@ -126,6 +126,13 @@ class Trace(TraceFiles):
             self._model = lm
         return self._model
 
+    def use_model(self, lm) -> None:
+        """Rebuild what this Trace does not store with ``lm`` (a model already loaded, checked against the recorded
+        one) rather than loading another copy."""
+        if self._model is not lm:
+            self._check_model(lm)
+            self._model = lm
+
     def _check_model(self, lm) -> None:
         had = self.manifest["model"]
         lm.check_model_of(had, f"--trace {self.path}: model", "cannot rebuild its tensors with it")
