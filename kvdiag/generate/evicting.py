@@ -16,11 +16,10 @@ from __future__ import annotations
 import torch
 
 from kvdiag.adapters import model_attention
+from kvdiag.cache import PositionedCache, use_kvdiag_attention
 from kvdiag.errors import UserError
-from kvdiag.generate.attend import use_kvdiag_attention
 from kvdiag.generate.live import check_live_scorer, make_scorer
 from kvdiag.generate.policy import Policy, choose, live_scores, prompt_chunks
-from kvdiag.generate.positioned import PositionedCache
 from kvdiag.parsing import Selection
 from kvdiag.schema import CHECKPOINT_INTERVAL
 from kvdiag.scorers import Scorer
