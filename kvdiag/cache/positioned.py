@@ -153,10 +153,14 @@ class PositionedLayer(DynamicLayer):
 
 class PositionedCache(Cache):
     """A cache of :class:`PositionedLayer` (one per model layer, ``windows[l]``: its sliding window or None) and
-    the query window of the last ``query_window`` post-RoPE queries per layer (0: none kept)."""
+    the query window of the last ``query_window`` post-RoPE queries per layer (0: none kept).
+
+    active : per fed position, the entries its query attended (the most any layer held, its own included; every row
+        alike): replay's ``peak_kv`` and ``mean_kv``."""
 
     def __init__(self, windows: list[int | None], query_window: int = 0, capacity: int | None = None):
         self.queries = QueryWindow(len(windows), query_window) if query_window else None
+        self.active: list[int] = []
         super().__init__(layers=[PositionedLayer(w, self.queries, capacity) for w in windows])
 
     @classmethod
@@ -177,7 +181,10 @@ class PositionedCache(Cache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if layer_idx == 0:
-            self.check_positions(key_states.shape[0], key_states.shape[2], kwargs.get("kwargs") or {})
+            c = key_states.shape[2]
+            self.check_positions(key_states.shape[0], c, kwargs.get("kwargs") or {})
+            n0 = len(self)  # before this forward: no layer has taken its rows yet
+            self.active.extend(range(n0 + 1, n0 + c + 1))
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def check_positions(self, b: int, c: int, kwargs: dict) -> None:
