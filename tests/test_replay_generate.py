@@ -88,3 +88,28 @@ def test_bench_replay_generate_arm(tiny_llama):
     assert r.rows == 4 and r.same_tokens == {"batched": 4, "generate": 4}
     assert set(r.compaction_s) == {"score_choose", "compact"} and all(s > 0 for s in r.compaction_s.values())
     assert 0 < r.compaction_share < 1 and r.generate_ratio > 0
+
+
+def test_a_rule_reading_token_ids_sees_the_same_ids(tiny_llama):
+    """A rule that scores by token id (a plugin may read ``ctx.token_ids``) keeps the same entries in both paths:
+    the cache records the ids each forward feeds, and every live scoring of both paths saw them."""
+    from kvdiag.scorers import Scorer
+
+    calls: list[bool] = []  # per score() call: whether it had token ids (the live checks probe without)
+
+    class ById(Scorer):
+        name = "by_id_test"
+
+        def score(self, ctx):
+            calls.append(ctx.token_ids is not None)
+            ids = ctx.token_ids if ctx.token_ids is not None else torch.zeros(ctx.k.shape[1])
+            return ids.float().expand(ctx.k.shape[0], -1)
+
+    pols = [Policy(ById(), 16, 8)] * 2
+    prompts = PROMPTS[:2]
+    loop = decode_batch(tiny_llama, prompts, pols, 30, IDS[:2])
+    in_loop = sum(calls)
+    calls.clear()
+    gen = generate_batch(tiny_llama, prompts, pols, 30, IDS[:2])
+    assert len(loop[0].compressions) >= 3 and in_loop > 0 and sum(calls) == in_loop
+    assert_same(loop, gen)

@@ -40,10 +40,10 @@ class EvictingCache(PositionedCache):
     prompt_ids : one id per batch row (seeds per-head contexts and stochastic draws as replay does; default "").
     o_proj : layer -> W_O for the ``wo_l2`` payload (read from the model when a rule needs it and none is given).
 
-    Rules that read token ids see None (the cache never sees the tokens). Batches are prompts of one length (no
-    padding). The cache serves one generation; make a new one for the next. It records ``compressions`` (the
-    checkpoints that compacted), ``active`` (as every positioned cache) and ``seconds`` (host time in scoring and
-    choosing, and in the compaction itself).
+    Rules that read token ids see the ids fed so far (None once a forward fed embeddings). Batches are prompts of
+    one length (no padding). The cache serves one generation; make a new one for the next. It records
+    ``compressions`` (the checkpoints that compacted), ``active`` (as every positioned cache) and ``seconds`` (host
+    time in scoring and choosing, and in the compaction itself).
     """
 
     def __init__(self, model, rule: Scorer | str | list[Scorer | str], budget: int,
@@ -66,6 +66,7 @@ class EvictingCache(PositionedCache):
             self.o_proj = o_proj_weights(model)
         self.prompt_len: int | None = None
         self.compressions: list[int] = []  # the checkpoints t at which a compaction ran
+        self.fed: list[torch.Tensor] | None = []  # the token ids [b, c] of each forward (None: embeddings were fed)
         self.seconds = {"score_choose": 0.0, "compact": 0.0}
         self.restore: str | None = None  # the model's attention, switched back after each forward
         if not getattr(model, "_kvdiag_evicting_hooks", False):
@@ -128,8 +129,10 @@ class EvictingCache(PositionedCache):
             raise UserError(f"rules: {len(policies)} rules for a batch of {rows} rows; give one, or one per row")
         start = time.perf_counter()
         keep = []
+        tokens = None if self.fed is None else torch.cat(self.fed, dim=1)  # [b, t]
         for row, policy in enumerate(policies):
-            scores = live_scores(policy, self, row, t, self.attention, self.prompt_len, ids[row], None, self.o_proj)
+            scores = live_scores(policy, self, row, t, self.attention, self.prompt_len, ids[row],
+                                 None if tokens is None else tokens[row], self.o_proj)
             keep.append(choose(policy, scores, [p[row] for p in self.positions], t, ids[row], self.windows))
         per_layer = [None if keep[0][layer] is None else torch.stack([k[layer] for k in keep])
                      for layer in range(len(self.layers))]
@@ -162,9 +165,11 @@ def _before_forward(model, args: tuple, kwargs: dict) -> None:
     if isinstance(cache, EvictingCache):
         tokens = kwargs.get("input_ids", args[0] if args else None)
         if tokens is None:
-            tokens = kwargs["inputs_embeds"]
+            tokens, cache.fed = kwargs["inputs_embeds"], None
         cache.check_positions(tokens.shape[0], tokens.shape[1], kwargs)
         cache.before_forward(tokens.shape[1])
+        if cache.fed is not None:  # after the checkpoint: it reads the ids of [0, t)
+            cache.fed.append(tokens.cpu())
         cache.restore = model.config._attn_implementation
         use_kvdiag_attention(model)
 
