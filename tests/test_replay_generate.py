@@ -113,3 +113,31 @@ def test_a_rule_reading_token_ids_sees_the_same_ids(tiny_llama):
     gen = generate_batch(tiny_llama, prompts, pols, 30, IDS[:2])
     assert len(loop[0].compressions) >= 3 and in_loop > 0 and sum(calls) == in_loop
     assert_same(loop, gen)
+
+
+@pytest.mark.slow
+def test_generate_reproduces_the_committed_smollm2_replay():
+    """reports/replay-recall (made by replay's own loop, batches of 32 rows): its first two prompts under rkv at
+    budget 64, replayed through generate as a batch of two, write the committed tokens, compaction steps, entries
+    attended and stops."""
+    import json
+    from pathlib import Path
+
+    import polars as pl
+
+    from kvdiag.prompts import encode_prompt, load_prompts
+
+    root = Path(__file__).resolve().parents[1] / "reports" / "replay-recall"
+    st = json.loads((root / "config.json").read_text())["settings"]
+    lm = load_model("smollm2")
+    items = load_prompts("builtin:recall:50", limit=2)
+    ids = [encode_prompt(lm.tokenizer, p, chat=st["chat"], instruction=st["instruction"]) for p in items]
+    pol = Policy(make_scorer("rkv"), 64, st["interval"], st["selection"])
+    runs = generate_batch(lm, ids, [pol, pol], st["max_new_tokens"], [p.prompt_id for p in items])
+    committed = pl.read_parquet(root / "generations.parquet").filter((pl.col("scorer") == "rkv")
+                                                                     & (pl.col("budget") == 64))
+    for p, run in zip(items, runs, strict=True):
+        row = committed.filter(pl.col("prompt_id") == p.prompt_id).row(0, named=True)
+        assert run.token_ids == row["token_ids"] and run.compressions == row["compression_steps"]
+        assert run.peak_kv == row["peak_kv"] and run.mean_kv == pytest.approx(row["mean_kv"], abs=1e-12)
+        assert run.stop == row["stop"] and len(run.compressions) >= 2
