@@ -90,8 +90,9 @@ def bench_replay(
 
     label = {"alone": "alone (one decode per row)", "batched": f"batched loop ({batch_size} rows)",
              "generate": f"generate ({batch_size} rows)"}
-    lines = [f"  {label[a]:<28} {s:.1f} s, {r.tokens / s:.1f} tokens/s, peak {mb(r.peak_mb[a])}, same tokens as "
-             f"the batched loop: {r.same_tokens[a]}/{r.rows}" for a, s in r.seconds.items()]
+    lines = [f"  {label[a]:<28} {s:.1f} s ({r.cpu_s[a]:.1f} s CPU), {r.tokens / s:.1f} tokens/s, peak "
+             f"{mb(r.peak_mb[a])}, same tokens as the batched loop: {r.same_tokens[a]}/{r.rows}"
+             for a, s in r.seconds.items()]
     if r.speedup is not None:
         lines.append(f"  speed-up alone / batched: {r.speedup:.2f}x")
     if r.generate_ratio is not None:

@@ -6,12 +6,14 @@ prompt length and schedule) are decoded by each arm: ``alone`` (the loop, one ``
 loop, ``decode_batch`` ``batch_size`` rows at a time) and ``generate`` (``generate_batch``: ``model.generate`` with
 an EvictingCache, the same batches). Every arm's tokens are compared with the batched loop's (a row that differs is
 counted and reported, never hidden). The arms alternate once per repeat and the best time of each is kept; peak
-memory is each arm's own. The generate arm also reports the host time its caches spent scoring and choosing, and
+memory is each arm's own; so is its process CPU time (on a shared machine wall time follows the others' load).
+The generate arm also reports the host time its caches spent scoring and choosing, and
 compacting, summed over its batches (of its best run).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +37,7 @@ class ReplayBenchResult:
     peak_mb: dict[str, float | None]  # arm -> peak extra memory of one run
     same_tokens: dict[str, int]  # arm -> rows whose tokens equal the batched loop's
     compaction_s: dict[str, float] = field(default_factory=dict)  # generate: score_choose, compact (best run)
+    cpu_s: dict[str, float] = field(default_factory=dict)  # arm -> least process CPU seconds of a run (all threads)
 
     @property
     def alone_s(self) -> float:
@@ -64,8 +67,10 @@ class ReplayBenchResult:
                                                                       ("peak_mb", self.peak_mb[a]),
                                                                       ("same_tokens", self.same_tokens[a]),
                                                                       ("tokens_per_s", self.tokens / self.seconds[a]))}
-        return {"rows": self.rows, "batch_size": self.batch_size, "tokens": self.tokens, **per_arm,
-                "speedup": self.speedup, "generate_ratio": self.generate_ratio,
+        cpu = {f"{a}_cpu_s": v for a, v in self.cpu_s.items()}
+        cpu_ratio = self.cpu_s["batched"] / self.cpu_s["generate"] if "generate" in self.cpu_s else None
+        return {"rows": self.rows, "batch_size": self.batch_size, "tokens": self.tokens, **per_arm, **cpu,
+                "speedup": self.speedup, "generate_ratio": self.generate_ratio, "generate_cpu_ratio": cpu_ratio,
                 "compaction_s": self.compaction_s or None, "compaction_share": self.compaction_share}
 
 
@@ -112,15 +117,18 @@ def run_replay_bench(lm: LoadedModel, prompts: list[list[int]], prompt_ids: list
     fns = {"alone": alone, "batched": batched, "generate": generate}
     device, reset = lm.model.device, cpu_peak_probe()
     times: dict[str, list[float]] = {a: [] for a in arms}
+    cpu: dict[str, list[float]] = {a: [] for a in arms}  # on a shared machine wall time follows the load; CPU less
     peaks: dict[str, float | None] = {}
     compaction: dict[str, float] = {}
     for _ in range(repeats):  # each call is timed; its peak memory is read around the same call
         for name in arms:
+            start = time.process_time()
             peak = peak_mb(lambda name=name: times[name].append(seconds(fns[name], device)), device, reset)
+            cpu[name].append(time.process_time() - start)
             peaks[name] = peak if peaks.get(name) is None else max(peaks[name], peak)
             if name == "generate" and times[name][-1] == min(times[name]):
                 compaction = dict(spent)
     same = {a: sum(x == y for x, y in zip(out[a], out["batched"], strict=True)) for a in arms}
     tokens = sum(len(ids) - len(r[0]) for ids, r in zip(out["batched"], rows, strict=True))
     return ReplayBenchResult(len(rows), batch_size, tokens, {a: min(t) for a, t in times.items()}, peaks, same,
-                             compaction)
+                             compaction, {a: min(c) for a, c in cpu.items()})
