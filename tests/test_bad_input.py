@@ -505,6 +505,7 @@ CASES: list[tuple[str, list[str], str]] = [
     ("bench-score-trace-missing", ["bench", "score", "--trace", "/no/trace"], "/no/trace"),
     ("bench-replay-samples-greedy", ["bench", "replay", "--samples", "2"], "needs --temperature"),
     ("bench-replay-param-stray", ["bench", "replay", "--param", "cake.window=8"], "--param cake"),
+    ("bench-replay-arm-unknown", ["bench", "replay", "--arms", "alone,fast"], "unknown arm 'fast'"),
     ("bench-label-repeated", ["bench", "label", "--n", "4", "--n", "8"], "--n"),
     ("bench-label-granularity", ["bench", "label", "--granularity", "neuron"], "--granularity neuron"),
     ("bench-label-method", ["bench", "label", "--method", "guess"], "--method guess"),

@@ -167,7 +167,7 @@ def test_score_survives_sigkill(reference, tmp_path):
 
 def test_replay_survives_sigkill(reference, tmp_path):
     specs = ["write:3:mid",  # config, part 1, then half of part 2
-             "call:2:kvdiag.replay.decoding.decode_batch",  # mid-generation
+             "call:2:kvdiag.replay.generating.generate_batch",  # mid-generation
              "write:2:after"]  # config, one more part
     got = interrupted_then_finished(specs, replay_args, tmp_path)
     ref = reference["replay"]

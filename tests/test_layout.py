@@ -141,3 +141,34 @@ def test_nothing_outside_the_cli_imports_it():
     users = sorted(a for a, targets in graph.items() for b in targets
                    if unit(b) == "kvdiag.cli" and unit(a) not in ("kvdiag.cli", "kvdiag.__main__"))
     assert not users, users
+
+
+def cache_classes() -> dict[str, list[str]]:
+    """Every class in ``kvdiag/`` that subclasses a transformers cache or cache layer (or one of those): name ->
+    its module path. Bases are matched by name, so a second positioned cache (or a ``DynamicLayer`` subclass of
+    the recorder's own, as before #44) shows up whatever it is called."""
+    cache_bases = {"Cache", "DynamicCache", "DynamicLayer", "DynamicSlidingWindowLayer", "CacheLayerMixin",
+                   "StaticLayer", "StaticCache", "QuantizedLayer", "SlidingWindowLayer"}
+    found: dict[str, list[str]] = {}
+    changed = True
+    while changed:  # subclasses of subclasses (EvictingCache(PositionedCache))
+        changed = False
+        for path in ROOT.rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.ClassDef) or node.name in found:
+                    continue
+                bases = {b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "") for b in node.bases}
+                if bases & (cache_bases | set(found)):
+                    found[node.name] = str(path.relative_to(ROOT.parent))
+                    changed = True
+    return found
+
+
+def test_one_cache_with_positions():
+    """One cache implementation in kvdiag (#44): the positioned layer and cache at floor 0, the evicting cache over
+    it; the Trace recorder's ``PreallocatedLayer`` and replay's ``ReplayCache`` are gone."""
+    assert cache_classes() == {
+        "PositionedLayer": "kvdiag/cache/positioned.py", "PositionedCache": "kvdiag/cache/positioned.py",
+        "EvictingCache": "kvdiag/generate/evicting.py",
+    }
+    assert floor("kvdiag.cache.positioned") == 0 < floor("kvdiag.trace.writer")

@@ -202,7 +202,7 @@ def test_bench_replay_batches_rows_of_several_lengths_and_budgets(tiny_llama):
     pols = [Policy(make_scorer("rkv"), 16, 6), Policy(make_scorer("knorm"), 20, 6)]
     # batches: (p0, p2) under rkv, then under knorm, then p1 under each: not the rows' order
     r = run_replay_bench(tiny_llama, prompts, ["p0", "p1", "p2"], pols, 14, batch_size=3)
-    assert r.rows == 6 and r.same_tokens == 6
+    assert r.rows == 6 and r.same_tokens["alone"] == 6
 
 
 def test_joint_labels_do_not_reach_the_query_window(tiny_llama):

@@ -1,4 +1,5 @@
-"""``kvdiag bench replay``: batched free-running replay vs one generation at a time, as a ratio in one run."""
+"""``kvdiag bench replay``: batched free-running replay vs one generation at a time, and vs ``model.generate``
+under an EvictingCache (``--arms``), as ratios in one run."""
 
 from __future__ import annotations
 
@@ -31,11 +32,14 @@ def bench_replay(
     limit: int | None = common.Limit,
     param: list[str] | None = typer.Option(None, "--param", help="scorer.key=value, repeatable (as replay's)."),
     repeats: int = typer.Option(1, "--repeats", help="Alternating runs per method (best reported)."),
+    arms: str = typer.Option("alone,batched", "--arms", help="Arms, comma-separated, compared with the batched loop "
+                             "(always run): alone (one row at a time), generate (model.generate + EvictingCache, the "
+                             "same batches)."),
     out: Path | None = typer.Option(None, "--out", help="Also write the numbers as JSON here."),
     dtype: str = common.Dtype, device: str = common.Device,
 ) -> None:
-    """Decode every prompt under every scorer alone and in batches; report seconds, tokens/s, the speed-up, peak
-    memory and how many rows wrote the same tokens."""
+    """Decode every prompt under every scorer alone, in batches and through model.generate; report seconds,
+    tokens/s, the ratios, peak memory, how many rows wrote the same tokens, and generate's compaction share."""
     check_outputs({"--out": out}, {"--prompts": prompts})
     from kvdiag.errors import UserError
     from kvdiag.parsing import Selection
@@ -44,6 +48,9 @@ def bench_replay(
 
     # the arguments, before torch is imported
     names = parsing.parse_list(scorers, "--scorers", str)
+    chosen_arms = parsing.parse_list([arms], "--arms", str)
+    if unknown := [a for a in chosen_arms if a not in ("alone", "batched", "generate")]:
+        raise UserError(f"--arms {arms}: unknown arm {unknown[0]!r}; use alone, batched and/or generate")
     if batch_size < 1 or repeats < 1 or max_new_tokens < 1 or samples < 1:
         raise UserError(f"--batch-size {batch_size} / --repeats {repeats} / --max-new-tokens {max_new_tokens} / "
                         f"--samples {samples}: use positive numbers")
@@ -76,24 +83,31 @@ def bench_replay(
         raise UserError(f"--prompts {prompts}: the prompts have {len({len(i) for i in ids})} token lengths; bench "
                         "prompts of one length (a builtin suite)")
     r = run_replay_bench(lm, ids, [p.prompt_id for p in items], policies, max_new_tokens, batch_size, repeats,
-                         sampling, samples)
+                         sampling, samples, tuple(chosen_arms))
 
     def mb(x):
         return "n/a" if x is None else f"{x:,.0f} MB"
 
+    label = {"alone": "alone (one decode per row)", "batched": f"batched loop ({batch_size} rows)",
+             "generate": f"generate ({batch_size} rows)"}
+    lines = [f"  {label[a]:<28} {s:.1f} s ({r.cpu_s[a]:.1f} s CPU), {r.tokens / s:.1f} tokens/s, peak "
+             f"{mb(r.peak_mb[a])}, same tokens as the batched loop: {r.same_tokens[a]}/{r.rows}"
+             for a, s in r.seconds.items()]
+    if r.speedup is not None:
+        lines.append(f"  speed-up alone / batched: {r.speedup:.2f}x")
+    if r.generate_ratio is not None:
+        parts = ", ".join(f"{k} {v:.2f} s" for k, v in r.compaction_s.items())
+        lines.append(f"  generate throughput / batched loop's: {r.generate_ratio:.2f}x; its checkpoints: "
+                     f"{r.compaction_share:.1%} of its time ({parts})")
     Console(width=max(120, Console().width)).print(
         f"bench replay: {model} {dtype} on {device}, {len(items)} prompts x {', '.join(names)}"
         + (f" x {samples} samples (temperature {temperature}, top-p {top_p})" if samples > 1 else "")
         + f" = {r.rows} rows, "
         f"B={budget if policies[0] else 'full'}, interval {interval}, {selection}, prompt {len(ids[0])} tokens\n"
-        f"  alone (one decode per row): {r.alone_s:.1f} s, {r.tokens / r.alone_s:.1f} tokens/s, peak "
-        f"{mb(r.alone_peak_mb)}\n"
-        f"  batched ({batch_size} rows):     {r.batched_s:.1f} s, {r.tokens / r.batched_s:.1f} tokens/s, peak "
-        f"{mb(r.batched_peak_mb)}\n"
-        f"  speed-up alone / batched:   {r.speedup:.2f}x; rows with the same tokens: {r.same_tokens}/{r.rows}"
+        + "\n".join(lines)
     )
     if out is not None:
         write_json(out, {"kind": "bench_replay", "model": model, "prompts": prompts, "limit": limit, "scorers": names,
                          "params": params, "samples": samples, "temperature": temperature, "top_p": top_p,
                          "budget": budget, "interval": interval, "selection": selection,
-                         "max_new_tokens": max_new_tokens, **r.to_json()})
+                         "max_new_tokens": max_new_tokens, "arms": list(r.seconds), **r.to_json()})

@@ -13,14 +13,15 @@ replay's chunks by :meth:`EvictingCache.prefill` before ``generate`` feeds its l
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from kvdiag.adapters import model_attention
+from kvdiag.cache import PositionedCache, use_kvdiag_attention
 from kvdiag.errors import UserError
-from kvdiag.generate.attend import use_kvdiag_attention
 from kvdiag.generate.live import check_live_scorer, make_scorer
 from kvdiag.generate.policy import Policy, choose, live_scores, prompt_chunks
-from kvdiag.generate.positioned import PositionedCache
 from kvdiag.parsing import Selection
 from kvdiag.schema import CHECKPOINT_INTERVAL
 from kvdiag.scorers import Scorer
@@ -34,36 +35,39 @@ class EvictingCache(PositionedCache):
         kernel: SDPA or the model file's eager), which records the rule's query window and masks sliding layers by
         position (forward hooks switch it, and back).
     rule : a :class:`~kvdiag.scorers.Scorer` or a registered name (built-in, plugin, ``fitted:PATH``), with
-        ``params`` for a name.
+        ``params`` for a name; or a list of them, one per batch row (the rows share budget and schedule).
     budget, interval, selection, backend, seed : as :class:`~kvdiag.generate.Policy`.
     prompt_ids : one id per batch row (seeds per-head contexts and stochastic draws as replay does; default "").
+    o_proj : layer -> W_O for the ``wo_l2`` payload (read from the model when a rule needs it and none is given).
 
-    Rules that read token ids see None (the cache never sees the tokens). Batches are prompts of one length (no
-    padding). The cache serves one generation; make a new one for the next.
+    Rules that read token ids see the ids fed so far (None once a forward fed embeddings). Batches are prompts of
+    one length (no padding). The cache serves one generation; make a new one for the next. It records
+    ``compressions`` (the checkpoints that compacted), ``active`` (as every positioned cache) and ``seconds`` (host
+    time in scoring and choosing, and in the compaction itself).
     """
 
-    def __init__(self, model, rule: Scorer | str, budget: int, interval: int = CHECKPOINT_INTERVAL,
-                 selection: Selection | str = "per-head", backend: str = "auto", seed: int = 0,
-                 params: dict | None = None, prompt_ids: list[str] | None = None):
-        if isinstance(rule, Scorer) and params:
-            raise UserError(f"rule {rule.name}: params apply to a rule given by name; set them on the instance")
-        scorer = rule if isinstance(rule, Scorer) else make_scorer(rule, params)
-        policy = Policy(scorer, budget, interval, selection, backend, seed)
+    def __init__(self, model, rule: Scorer | str | list[Scorer | str], budget: int,
+                 interval: int = CHECKPOINT_INTERVAL, selection: Selection | str = "per-head", backend: str = "auto",
+                 seed: int = 0, params: dict | None = None, prompt_ids: list[str] | None = None,
+                 o_proj: dict | None = None):
+        rules = rule if isinstance(rule, list) else [rule]
+        if not rules:
+            raise UserError("EvictingCache: give a rule (or one per batch row)")
         attention = model_attention(model)
-        check_live_scorer(scorer, budget, interval, attention.num_heads // attention.num_kv_heads,
-                          attention.qk_head_dim)
-        policy.selection.check_rule(scorer)
-        policy.check_model(attention)
-        super().__init__([layer.window for layer in attention.layers], policy.query_window)
-        self.model, self.policy, self.attention, self.prompt_ids = model, policy, attention, prompt_ids
+        self.policies = [_policy(r, params, budget, interval, selection, backend, seed, attention) for r in rules]
+        self.policy = self.policies[0]  # its budget and schedule are every row's
+        super().__init__([layer.window for layer in attention.layers], max(p.query_window for p in self.policies))
+        self.model, self.attention, self.prompt_ids = model, attention, prompt_ids
         self.windows = [layer.window for layer in attention.layers]
-        self.o_proj = None
-        if needs_o_proj(scorer):
+        self.o_proj = o_proj
+        if o_proj is None and any(needs_o_proj(p.scorer) for p in self.policies):
             from kvdiag.features import o_proj_weights
 
             self.o_proj = o_proj_weights(model)
         self.prompt_len: int | None = None
         self.compressions: list[int] = []  # the checkpoints t at which a compaction ran
+        self.fed: list[torch.Tensor] | None = []  # the token ids [b, c] of each forward (None: embeddings were fed)
+        self.seconds = {"score_choose": 0.0, "compact": 0.0}
         self.restore: str | None = None  # the model's attention, switched back after each forward
         if not getattr(model, "_kvdiag_evicting_hooks", False):
             model.register_forward_pre_hook(_before_forward, with_kwargs=True)
@@ -82,12 +86,12 @@ class EvictingCache(PositionedCache):
             self.model(input_ids[:, start:end], cache=self, use_cache=True, logits_to_keep=1)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        if layer_idx == 0 and self._due(self.layers[0].seen):
+        if layer_idx == 0 and self.due(self.layers[0].seen):
             raise RuntimeError("a forward reached the EvictingCache without its model's pre-hook (it compacts before "
                                "the masks are built): call the model the cache was made for, not a submodule")
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def _due(self, t: int) -> bool:
+    def due(self, t: int) -> bool:
         """Whether a compaction at checkpoint ``t`` is due and has not run."""
         return (self.prompt_len is not None and len(self) > self.policy.budget and t in self.checkpoints(t, t + 1)
                 and (not self.compressions or self.compressions[-1] != t))
@@ -109,7 +113,7 @@ class EvictingCache(PositionedCache):
             raise UserError(f"a forward of {c} tokens at position {seen} crosses a checkpoint of the EvictingCache "
                             f"(budget {self.policy.budget} + interval {self.policy.interval}): a prompt longer than "
                             f"{first} tokens goes through cache.prefill(input_ids) before generate")
-        if self._due(seen):
+        if self.due(seen):
             self.checkpoint(seen)
 
     def checkpoint(self, t: int) -> None:
@@ -120,15 +124,38 @@ class EvictingCache(PositionedCache):
         ids = self.prompt_ids or [""] * rows
         if len(ids) != rows:
             raise UserError(f"prompt_ids: {len(ids)} ids for a batch of {rows} rows; give one per row")
+        policies = self.policies if len(self.policies) > 1 else self.policies * rows
+        if len(policies) != rows:
+            raise UserError(f"rules: {len(policies)} rules for a batch of {rows} rows; give one, or one per row")
+        start = time.perf_counter()
         keep = []
-        for row in range(rows):
-            scores = live_scores(self.policy, self, row, t, self.attention, self.prompt_len, ids[row], None,
-                                 self.o_proj)
-            keep.append(choose(self.policy, scores, [p[row] for p in self.positions], t, ids[row], self.windows))
+        tokens = None if self.fed is None else torch.cat(self.fed, dim=1)  # [b, t]
+        for row, policy in enumerate(policies):
+            scores = live_scores(policy, self, row, t, self.attention, self.prompt_len, ids[row],
+                                 None if tokens is None else tokens[row], self.o_proj)
+            keep.append(choose(policy, scores, [p[row] for p in self.positions], t, ids[row], self.windows))
         per_layer = [None if keep[0][layer] is None else torch.stack([k[layer] for k in keep])
                      for layer in range(len(self.layers))]
+        middle = time.perf_counter()
         self.compact(per_layer, self.policy.backend)
+        if self.layers[0].keys.is_cuda:  # the compaction's kernels, not only their launch
+            torch.cuda.synchronize(self.layers[0].keys.device)
+        self.seconds["score_choose"] += middle - start
+        self.seconds["compact"] += time.perf_counter() - middle
         self.compressions.append(t)
+
+
+def _policy(rule: Scorer | str, params: dict | None, budget: int, interval: int, selection: Selection | str,
+            backend: str, seed: int, attention) -> Policy:
+    """The checked policy of one rule (bad input: UserError, before any generation)."""
+    if isinstance(rule, Scorer) and params:
+        raise UserError(f"rule {rule.name}: params apply to a rule given by name; set them on the instance")
+    scorer = rule if isinstance(rule, Scorer) else make_scorer(rule, params)
+    policy = Policy(scorer, budget, interval, selection, backend, seed)
+    check_live_scorer(scorer, budget, interval, attention.num_heads // attention.num_kv_heads, attention.qk_head_dim)
+    policy.selection.check_rule(scorer)
+    policy.check_model(attention)
+    return policy
 
 
 def _before_forward(model, args: tuple, kwargs: dict) -> None:
@@ -138,9 +165,11 @@ def _before_forward(model, args: tuple, kwargs: dict) -> None:
     if isinstance(cache, EvictingCache):
         tokens = kwargs.get("input_ids", args[0] if args else None)
         if tokens is None:
-            tokens = kwargs["inputs_embeds"]
+            tokens, cache.fed = kwargs["inputs_embeds"], None
         cache.check_positions(tokens.shape[0], tokens.shape[1], kwargs)
         cache.before_forward(tokens.shape[1])
+        if cache.fed is not None:  # after the checkpoint: it reads the ids of [0, t)
+            cache.fed.append(tokens.cpu())
         cache.restore = model.config._attn_implementation
         use_kvdiag_attention(model)
 

@@ -3,7 +3,7 @@
 At a checkpoint ``t`` the cache of layer ``ℓ`` holds ``n`` entries at absolute positions ``[Hkv, n]`` (with
 per-head selection the heads differ) and the compressor holds a *query window*: the last ``W_q`` post-RoPE
 queries, recorded as the model computes them by a registered attention function (R-KV keeps the same
-query cache; ``kvdiag.generate.attend``). Scorers read a live :class:`~kvdiag.scorers.ScoreContext`
+query cache; ``kvdiag.cache.attend``). Scorers read a live :class:`~kvdiag.scorers.ScoreContext`
 (``positions`` + ``checkpoint``): window attention over the cached keys, causal by absolute position, ages
 ``t - position``, no future.
 """

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from kvdiag.adapters import ModelAttention
+from kvdiag.cache import PositionedCache
 from kvdiag.errors import UserError
 from kvdiag.generate.live import score_layer
-from kvdiag.generate.positioned import PositionedCache
 from kvdiag.parsing import Selection
 from kvdiag.schema import CHECKPOINT_INTERVAL
 from kvdiag.scorers import Scorer

@@ -20,7 +20,7 @@ from kvdiag.parsing import Selection
 # the module that defines each exported name (a bare name: a submodule of kvdiag.replay)
 _HOME = {
     "Policy": "kvdiag.generate.policy", "prompt_chunks": "kvdiag.generate.policy",
-    "QueryWindow": "kvdiag.generate.attend", "observing": "kvdiag.generate.attend",
+    "QueryWindow": "kvdiag.cache.attend", "observing": "kvdiag.cache.attend",
     "check_live_scorer": "kvdiag.generate.live", "live_scorer_names": "kvdiag.generate.live",
     "make_scorer": "kvdiag.generate.live", "score_layer": "kvdiag.generate.live",
     "select_keep": "kvdiag.selection",

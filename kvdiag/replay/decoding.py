@@ -109,7 +109,6 @@ class Session:
         size = 0 if self.policy is None else max(p.query_window for p in policies)
         self.cache = PositionedCache(self.windows, size)
         self.token_ids: list[list[int]] = [[] for _ in policies]
-        self.active: list[int] = []  # shared: every row holds the same number of entries
         self.compressions: list[int] = []
         self.kept: list[list[tuple[int, torch.Tensor]]] = [[] for _ in policies]
         self.joint: list[float] = []
@@ -132,7 +131,6 @@ class Session:
             logits = logits[copy.to(logits.device)]
         for row, new in zip(self.token_ids, ids, strict=True):
             row.extend(new)
-        self.active.extend(range(n0 + 1, n0 + c + 1))
         finite = torch.isfinite(logits).flatten(1).all(dim=1)
         if not bool(finite.all()):
             bad = self.prompt_ids[int((~finite).nonzero()[0])]
@@ -190,8 +188,8 @@ class Session:
             setattr(self, name, [getattr(self, name)[r] for r in rows])
 
     def result(self, row: int, token_ids: list[int], stop: str, logprobs: torch.Tensor | None) -> Decoded:
-        return Decoded(list(token_ids), self.prompt_len, stop, list(self.active), list(self.compressions), logprobs,
-                       self.kept[row], list(self.joint))
+        return Decoded(list(token_ids), self.prompt_len, stop, list(self.cache.active), list(self.compressions),
+                       logprobs, self.kept[row], list(self.joint))
 
 
 def eos_ids(lm: LoadedModel) -> set[int]:

@@ -1,5 +1,6 @@
 """Free-running replay: each prompt generates under every policy (and the full-cache FullKV reference), in
-batches; graded against its answer, KL against a full-cache forward of its own generation."""
+batches of ``model.generate`` calls (``kvdiag.replay.generating``); graded against its answer, KL against a
+full-cache forward of its own generation."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ import time
 from dataclasses import dataclass
 from typing import ClassVar
 
-import kvdiag.replay.decoding as decoding  # by module: tests/test_faults kills a run inside decode_batch
+import kvdiag.replay.generating as generating  # by module: tests/test_faults kills a run inside generate_batch
 from kvdiag.errors import UserError
 from kvdiag.models import LoadedModel
 from kvdiag.prompts import Prompt, encode_prompt
-from kvdiag.replay.decoding import Decoded, full_logprobs, kl_steps
+from kvdiag.replay.decoding import Decoded, batches, full_logprobs, kl_steps
 from kvdiag.replay.settings import ReplaySettings
 from kvdiag.replay.units import Item, Unit, common_key, make_unit
 from kvdiag.suites import check_generation_room
@@ -74,16 +75,17 @@ class FreeRunning:
     def run(self, lm: LoadedModel, settings: ReplaySettings, policies: dict, pending: list[Unit], o_proj,
             commit, progress, task) -> None:
         """Decode the pending units in batches of rows that share their prompt length and budget (any scorers, any
-        samples), ``batch_size`` at a time; each row's part is committed when its batch ends."""
-        for batch in decoding.batches(pending, settings.batch_size, lambda u: (len(u.item.token_ids), u.budget)):
+        samples), ``batch_size`` at a time, each batch one ``model.generate`` under an EvictingCache with a rule per
+        row (``generating``); each row's part is committed when its batch ends."""
+        for batch in batches(pending, settings.batch_size, lambda u: (len(u.item.token_ids), u.budget)):
             budget = batch[0].budget
             pols = [policies[(u.scorer, u.budget)] for u in batch]
             progress.update(task, description=f"replay B={budget or 'full'} ×{len(batch)} ({batch[0].item.prompt_id}…)")
             start = time.perf_counter()
             want_kl = settings.kl and budget is not None
-            runs = decoding.decode_batch(lm, [u.item.token_ids for u in batch], pols, settings.max_new_tokens,
-                                         [u.item.prompt_id for u in batch], keep_logprobs=want_kl, o_proj=o_proj,
-                                         sampling=settings.sampling, samples=[u.sample for u in batch])
+            runs = generating.generate_batch(lm, [u.item.token_ids for u in batch], pols, settings.max_new_tokens,
+                                             [u.item.prompt_id for u in batch], keep_logprobs=want_kl, o_proj=o_proj,
+                                             sampling=settings.sampling, samples=[u.sample for u in batch])
             seconds = (time.perf_counter() - start) / len(batch)  # the batch's time, shared by its rows
             for u, run in zip(batch, runs, strict=True):
                 kl = kl_steps(full_logprobs(lm.model, run.token_ids, run.prompt_len), run.logprobs) if want_kl else None

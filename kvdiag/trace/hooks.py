@@ -5,9 +5,10 @@ architecture that uses the interface works. The function receives post-RoPE (and
 post q/k-norm) queries ``[B, H, q, d]`` and the full cached keys/values ``[B, Hkv, kv, d]``;
 it records the newest rows and then calls the model's own attention implementation (SDPA, or the
 model file's eager function where SDPA cannot express its attention: softcap, sinks; chosen by
-``kvdiag.adapters``), so outputs are unchanged. Each variant is registered with its own mask builder:
-without one transformers passes no mask and SDPA would slice the keys wrongly when ``q > 1`` over a
-non-empty cache; eager needs a float additive mask.
+``kvdiag.adapters``), so outputs are unchanged. The generation's cache is the positioned cache
+(``kvdiag.cache.PositionedCache`` with a capacity: blocks allocated once), whose hand-off the function reads.
+Each variant is registered with its own mask builder: without one transformers passes no mask and SDPA would slice
+the keys wrongly when ``q > 1`` over a non-empty cache; eager needs a float additive mask.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from kvdiag.adapters import check_kwargs, model_attention
 from kvdiag.attention import attention_context, model_eager_attention
+from kvdiag.cache import append_rows, take_handoff
 
 TRACE_ATTN = "kvdiag_trace"  # records, then runs SDPA
 TRACE_ATTN_EAGER = "kvdiag_trace_eager"  # records, then runs the model file's eager attention
@@ -58,22 +60,10 @@ class Recorder:
         return sum(b.numel() * b.element_size() for blocks in self.blocks for b in blocks.values())
 
 
-def append_rows(block: torch.Tensor | None, filled: int, rows: torch.Tensor, capacity: int, dtype: torch.dtype,
-                device: torch.device) -> torch.Tensor:
-    """Copy ``rows [..., n, d]`` into positions ``[filled, filled + n)`` of ``block [..., size, d]`` and return the
-    block. The block is allocated on first use with ``capacity`` positions (``torch.empty``: its pages are touched
-    only as rows arrive) and doubled, keeping its first ``filled`` rows, when a write would pass its end."""
-    end = filled + rows.shape[-2]
-    if block is None or block.shape[-2] < end:
-        grown = torch.empty(*rows.shape[:-2], max(2 * end, capacity), rows.shape[-1], dtype=dtype, device=device)
-        if block is not None:
-            grown[..., :filled, :] = block[..., :filled, :]
-        block = grown
-    block[..., filled:end, :] = rows
-    return block
-
-
 def _record(module, query, key, value, kwargs) -> None:
+    # the positioned cache's hand-off is read here: its layers are contiguous in position (never compacted), so
+    # transformers' slot-based masks (sliding windows included) are exact and are kept as the model's own
+    take_handoff()
     recorder = _RECORDER.get()
     # semantics kwargs (window, softcap, sinks) must agree with the adapter; unknown ones are refused
     check_kwargs(

@@ -155,14 +155,14 @@ def rebuild_layers(
     """Teacher-forced prefill of ``ids`` [T] through the recording attention function: per layer q [H, T, d],
     k [Hkv, T, d], v [Hkv, T, d] in ``dtype``. Forwards of ``chunk`` positions over a growing cache (one forward
     when T <= chunk); the recorder keeps each forward's newest rows, so the result is the whole prompt."""
+    from kvdiag.cache import PositionedCache
     from kvdiag.trace.hooks import Recorder, recording
-    from kvdiag.trace.kv_cache import preallocated_cache
 
     model = lm.model
     n_layers = model.config.num_hidden_layers
     rec = Recorder(n_layers, dtype, capacity=len(ids))
     ids = ids.to(model.device).view(1, -1)
-    cache = preallocated_cache(model.config, ids.shape[1])
+    cache = PositionedCache.for_model(model, capacity=ids.shape[1])
     with recording(model, rec):
         for start in range(0, ids.shape[1], chunk):
             part = ids[:, start : start + chunk]

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.streamers import BaseStreamer
 
+from kvdiag.cache import PositionedCache
 from kvdiag.distributed import Group, parse_shard
 from kvdiag.errors import UserError
 from kvdiag.io import check_writable, write_json
@@ -35,7 +36,6 @@ from kvdiag.progress import progress_bar
 from kvdiag.prompts import Prompt, encode_prompt
 from kvdiag.provenance import provenance
 from kvdiag.trace.hooks import TRACE_ATTN, Recorder, attention_scale, recording
-from kvdiag.trace.kv_cache import preallocated_cache
 from kvdiag.trace.settings import GenerationSettings  # noqa: F401  (the writer's API)
 
 FORMAT_VERSION = 1
@@ -213,7 +213,8 @@ def _trace_one(
     with recording(model, rec):
         out = model.generate(
             input_ids, attention_mask=torch.ones_like(input_ids), generation_config=gen_cfg, streamer=streamer,
-            logits_processor=LogitsProcessorList([stats]), cache=preallocated_cache(model.config, capacity),
+            logits_processor=LogitsProcessorList([stats]),
+            cache=PositionedCache.for_model(model, capacity=capacity),
         )
         seq = out.sequences[0]
         # generate() never feeds its last token; one more step records that token's q/k/v

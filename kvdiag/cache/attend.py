@@ -1,13 +1,14 @@
 """The attention function a positioned cache runs under: the model's own kernel (SDPA, or the model file's eager
 attention where SDPA cannot express it), fed a mask built from the cache's positions and recording the queries.
 
-Each :class:`~kvdiag.generate.positioned.PositionedLayer` hands itself to the attention call of its layer (a
+Each :class:`~kvdiag.cache.positioned.PositionedLayer` hands itself to the attention call of its layer (a
 context variable set by ``update``, read once here): the attention function then records the layer's post-RoPE
 queries into the cache's :class:`QueryWindow` and, for a sliding layer, replaces transformers' slot-based mask by
 one from positions (query ``q`` sees key ``k`` iff ``q - W < k <= q``: a window is a position distance). Full layers
 keep transformers' own causal mask, which is exact on a compacted cache (kept entries precede the new ones and
 ``PositionedCache.get_query_offset`` is the physical length), so their kernel path is the one plain decoding takes.
 A hand-off left unread means the model ran another attention function: the next ``update`` refuses to continue.
+The Trace recorder's attention function (``kvdiag.trace.hooks``) reads the hand-off too (:func:`take_handoff`).
 """
 
 from __future__ import annotations
@@ -66,10 +67,16 @@ def position_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | 
     return visible if shared else visible.repeat_interleave(heads // key_pos.shape[1], dim=1)
 
 
+def take_handoff() -> tuple | None:
+    """The hand-off of the layer whose keys this attention call reads (cleared: read once), or None."""
+    handoff = HANDOFF.get()
+    HANDOFF.set(None)
+    return handoff
+
+
 def _take(module, query: torch.Tensor, attention_mask, kwargs: dict, eager: bool):
     """Record ``query`` [b, H, c, d] into the handing layer's window; its mask for a sliding layer."""
-    handoff = HANDOFF.get()
-    HANDOFF.set(None)  # taken before any refusal, so a refused forward leaves no stale hand-off
+    handoff = take_handoff()  # taken before any refusal, so a refused forward leaves no stale hand-off
     check_kwargs(module, None, dict(kwargs), "kvdiag attention")  # unknown attention arguments are refused
     if handoff is None:
         return attention_mask

@@ -6,10 +6,16 @@ RoPE rotation of their original positions. The cache reports its *logical* lengt
 so a forward without ``position_ids`` (and ``model.generate``) numbers new tokens by absolute position, and its
 *physical* length to the mask builder (``get_query_offset``, ``get_mask_sizes``), so transformers' causal mask over
 slots stays exact after a compaction. A sliding layer drops the entries no future query can see (as transformers'
-``DynamicSlidingWindowLayer`` does) and its mask comes from positions (``kvdiag.generate.attend``).
+``DynamicSlidingWindowLayer`` does) and its mask comes from positions (``kvdiag.cache.attend``).
 
 Every row of a batch holds the same number of entries per layer: rows share their prompt length and schedule and
 are compacted at the same steps (each keeps its own entries). Positions live on the CPU (a few integers per entry).
+
+Storage: by default each step concatenates (``torch.cat``: a compacted cache stays small). With ``capacity`` (the
+Trace recorder: the trace's longest possible length, never compacted) a layer writes each step's rows into blocks
+allocated once (``kvdiag.cache.blocks``) and hands attention views of the held part: O(new rows) bytes copied per
+step instead of O(cache). A sliding layer's block holds about two windows: its entries move to the front when the
+block fills (one copy of W entries per ~W steps).
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from kvdiag.cache.attend import HANDOFF, QueryWindow
+from kvdiag.cache.blocks import append_rows
 from kvdiag.errors import UserError
-from kvdiag.generate.attend import HANDOFF, QueryWindow
 from kvdiag.kernels import compact_kv
 
 
@@ -27,13 +34,20 @@ class PositionedLayer(DynamicLayer):
 
     sliding_window : W of a sliding layer (query ``q`` sees ``q - W < k <= q``), None for full attention.
     queries : the cache's query window, filled by the attention call this layer hands itself to.
+    capacity : entries per (row, KV head) to allocate blocks for (None: concatenate each step; see the module).
     """
 
     is_croppable = False  # a compacted cache cannot be rolled back
 
-    def __init__(self, sliding_window: int | None = None, queries: QueryWindow | None = None):
+    def __init__(self, sliding_window: int | None = None, queries: QueryWindow | None = None,
+                 capacity: int | None = None):
         super().__init__()
         self.sliding_window, self.is_sliding, self.queries = sliding_window, sliding_window is not None, queries
+        if capacity is not None and sliding_window is not None:
+            capacity = min(capacity, 2 * sliding_window)
+        self.capacity = capacity
+        self.blocks: list[torch.Tensor | None] = [None, None, None]  # keys, values [b, Hkv, size, d], positions [.., 1]
+        self.start = self.end = 0  # the held entries are slots [start, end) of the blocks
         self.positions = torch.empty(0, 0, 0, dtype=torch.long)
         self.visible_positions = self.positions  # of the keys the current attention call reads
         self.seen = 0  # tokens fed: the next token's position
@@ -55,17 +69,38 @@ class PositionedLayer(DynamicLayer):
         if self.positions.numel() == 0:
             self.positions = torch.empty(b, Hkv, 0, dtype=torch.long)
         query_pos = torch.arange(self.seen, self.seen + c).expand(b, c)
-        keys = torch.cat([self.keys, key_states], dim=-2)
-        values = torch.cat([self.values, value_states], dim=-2)
-        positions = torch.cat([self.positions, query_pos[:, None, :].expand(b, Hkv, c)], dim=-1)
+        new_pos = query_pos[:, None, :].expand(b, Hkv, c)
+        if self.capacity is None:
+            keys = torch.cat([self.keys, key_states], dim=-2)
+            values = torch.cat([self.values, value_states], dim=-2)
+            positions = torch.cat([self.positions, new_pos], dim=-1)
+        else:
+            keys, values, positions = self._write(key_states, value_states, new_pos)
         self.seen += c
         self.visible_positions = positions
         HANDOFF.set((self, query_pos, self.queries))
         drop = 0
         if self.sliding_window is not None:  # entries at or before seen - W are out of every later query's window
             drop = int((positions <= self.seen - self.sliding_window).sum(-1).min())
+        self.start += drop if self.capacity is not None else 0
         self.keys, self.values, self.positions = keys[:, :, drop:], values[:, :, drop:], positions[..., drop:]
         return keys, values
+
+    def _write(self, key_states: torch.Tensor, value_states: torch.Tensor, new_pos: torch.Tensor):
+        """Append the rows to the blocks -> views [b, Hkv, n + c, (d)] of every held entry (preallocated storage)."""
+        c = key_states.shape[-2]
+        if self.start and self.end + c > self.blocks[0].shape[-2]:  # a sliding layer's block is full: move to front
+            n = self.end - self.start
+            for block in self.blocks:
+                block[:, :, :n] = block[:, :, self.start : self.end].clone()
+            self.start, self.end = 0, n
+        rows = (key_states, value_states, new_pos[..., None])
+        devices = (key_states.device, key_states.device, torch.device("cpu"))
+        self.blocks = [append_rows(block, self.end, r, self.capacity, r.dtype, device)
+                       for block, r, device in zip(self.blocks, rows, devices, strict=True)]
+        self.end += c
+        keys, values, positions = (block[:, :, self.start : self.end] for block in self.blocks)
+        return keys, values, positions[..., 0]
 
     def get_seq_length(self) -> int:
         """Tokens fed (the logical length: the next position)."""
@@ -79,20 +114,36 @@ class PositionedLayer(DynamicLayer):
         """Keep, in row ``r``, the slots ``keep[r] [Hkv, B]`` (ascending per head)."""
         idx = keep.to(self.keys.device)
         pairs = [compact_kv(self.keys[r], self.values[r], idx[r], backend=backend) for r in range(idx.shape[0])]
-        self.keys, self.values = torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])
-        self.positions = self.positions.gather(-1, keep.cpu())
+        keys, values = torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])
+        positions = self.positions.gather(-1, keep.cpu())
+        if self.capacity is None:
+            self.keys, self.values, self.positions = keys, values, positions
+            return
+        B = keys.shape[-2]  # the gathers are copies: the blocks' first B slots can take them
+        for block, rows in zip(self.blocks, (keys, values, positions[..., None]), strict=True):
+            block[:, :, :B] = rows
+        self.start, self.end = 0, B
+        self.keys, self.values, self.positions = (block[:, :, :B] for block in self.blocks)
+        self.positions = self.positions[..., 0]
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Make batch row ``i`` the current row ``indices[i]``."""
-        if self.is_initialized:
-            self.keys, self.values = self.keys[indices.to(self.keys.device)], self.values[indices.to(self.keys.device)]
-            self.positions = self.positions[indices.cpu()]
+        if not self.is_initialized:
+            return
+        if self.capacity is not None:
+            self.blocks = [block[indices.to(block.device)] for block in self.blocks]
+            self.keys, self.values, positions = (block[:, :, self.start : self.end] for block in self.blocks)
+            self.positions = positions[..., 0]
+            return
+        self.keys, self.values = self.keys[indices.to(self.keys.device)], self.values[indices.to(self.keys.device)]
+        self.positions = self.positions[indices.cpu()]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.batch_select_indices(torch.arange(self.positions.shape[0]).repeat_interleave(repeats))
 
     def reset(self) -> None:
         super().reset()
+        self.blocks, self.start, self.end = [None, None, None], 0, 0
         self.positions = self.visible_positions = torch.empty(0, 0, 0, dtype=torch.long)
         self.seen = 0
 
@@ -102,18 +153,22 @@ class PositionedLayer(DynamicLayer):
 
 class PositionedCache(Cache):
     """A cache of :class:`PositionedLayer` (one per model layer, ``windows[l]``: its sliding window or None) and
-    the query window of the last ``query_window`` post-RoPE queries per layer (0: none kept)."""
+    the query window of the last ``query_window`` post-RoPE queries per layer (0: none kept).
 
-    def __init__(self, windows: list[int | None], query_window: int = 0):
+    active : per fed position, the entries its query attended (the most any layer held, its own included; every row
+        alike): replay's ``peak_kv`` and ``mean_kv``."""
+
+    def __init__(self, windows: list[int | None], query_window: int = 0, capacity: int | None = None):
         self.queries = QueryWindow(len(windows), query_window) if query_window else None
-        super().__init__(layers=[PositionedLayer(w, self.queries) for w in windows])
+        self.active: list[int] = []
+        super().__init__(layers=[PositionedLayer(w, self.queries, capacity) for w in windows])
 
     @classmethod
-    def for_model(cls, model, query_window: int = 0) -> PositionedCache:
-        """The cache of ``model``'s layers (their windows from ``kvdiag.adapters``)."""
+    def for_model(cls, model, query_window: int = 0, capacity: int | None = None) -> PositionedCache:
+        """The cache of ``model``'s layers (their windows from ``kvdiag.adapters``); ``capacity``: preallocated."""
         from kvdiag.adapters import model_attention
 
-        return cls([layer.window for layer in model_attention(model).layers], query_window)
+        return cls([layer.window for layer in model_attention(model).layers], query_window, capacity)
 
     def __len__(self) -> int:
         """n: the most entries any layer holds per (row, KV head) (every full-attention layer holds this many)."""
@@ -126,7 +181,10 @@ class PositionedCache(Cache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if layer_idx == 0:
-            self.check_positions(key_states.shape[0], key_states.shape[2], kwargs.get("kwargs") or {})
+            c = key_states.shape[2]
+            self.check_positions(key_states.shape[0], c, kwargs.get("kwargs") or {})
+            n0 = len(self)  # before this forward: no layer has taken its rows yet
+            self.active.extend(range(n0 + 1, n0 + c + 1))
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def check_positions(self, b: int, c: int, kwargs: dict) -> None:

@@ -1,0 +1,98 @@
+"""Free-running replay as ``model.generate`` under :class:`~kvdiag.generate.EvictingCache` (one cache per batch,
+one rule per row): the same rows, tokens and bookkeeping as :func:`~kvdiag.replay.decoding.decode_batch`.
+
+Replay's own parts travel as a logits processor: its coupled draws (``Sampling.pick`` with each row's generator,
+the token forced by masking every other one, so ``generate``'s greedy choice is that draw) and the policy's
+log-probabilities (raw fp32 logits, the rows ``decode_batch`` keeps). ``compressions`` and ``active`` come from the
+cache. Differences from the loop, none in the tokens: a finished row stays in ``generate``'s batch (fed padding until
+every row ends: its cache and its draws past the end are discarded), and rows of one prompt are each prefilled (the
+loop runs identical first chunks once and copies them).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from kvdiag.errors import UserError
+from kvdiag.generate import EvictingCache, Policy, PositionedCache, observing
+from kvdiag.models import LoadedModel
+from kvdiag.replay.decoding import Decoded, eos_ids
+from kvdiag.replay.sampling import Sampling
+
+
+class ReplayDraws(LogitsProcessor):
+    """Row ``r``'s next token is ``sampling.pick(scores[r], generators[r])`` (argmax when greedy: ``generate``'s own
+    choice, left as is); ``logprobs[r]`` collects ``log_softmax`` of its raw scores [V] per step when kept."""
+
+    def __init__(self, sampling: Sampling, generators: list, keep_logprobs: bool):
+        self.sampling, self.generators, self.keep = sampling, generators, keep_logprobs
+        self.logprobs: list[list[torch.Tensor]] = [[] for _ in generators]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.keep:
+            for row, lp in zip(self.logprobs, torch.log_softmax(scores.float(), dim=-1).cpu(), strict=True):
+                row.append(lp)
+        if self.sampling.greedy:
+            return scores
+        picks = [self.sampling.pick(scores[r].float(), g) for r, g in enumerate(self.generators)]
+        forced = torch.full_like(scores, float("-inf"))
+        forced[torch.arange(len(picks)), torch.tensor(picks)] = 0.0
+        return forced
+
+
+@torch.no_grad()
+def generate_batch(
+    lm: LoadedModel, prompts: list[list[int]], policies: list[Policy | None], max_new_tokens: int = 512,
+    prompt_ids: list[str] | None = None, keep_logprobs: bool = False, o_proj: dict[int, torch.Tensor] | None = None,
+    sampling: Sampling | None = None, samples: list[int] | None = None, cache_out: list | None = None,
+) -> list[Decoded]:
+    """As :func:`~kvdiag.replay.decoding.decode_batch` (rows of one prompt length, one budget and interval or all the
+    full cache), through ``model.generate``; ``cache_out`` (a list) receives the cache (benchmarks read its
+    ``seconds``)."""
+    if max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens {max_new_tokens}: must be a positive number of tokens")
+    if len({len(p) for p in prompts}) != 1:
+        raise ValueError("one batch needs prompts of one length")
+    b, P = len(prompts), len(prompts[0])
+    prompt_ids = prompt_ids or [""] * b
+    sampling, samples = sampling or Sampling(), samples or [0] * b
+    model, device = lm.model, lm.model.device
+    if {p is None for p in policies} == {True}:
+        cache = PositionedCache.for_model(model)
+    elif None in policies or len({(p.budget, p.interval) for p in policies}) != 1:
+        raise ValueError("one batch needs one (budget, interval) for all rows, or all the full cache")
+    else:
+        pol = policies[0]
+        cache = EvictingCache(model, [p.scorer for p in policies], pol.budget, pol.interval, pol.selection,
+                              pol.backend, pol.seed, prompt_ids=list(prompt_ids), o_proj=o_proj)
+        cache.policies = list(policies)  # each row's own policy (selection, seed) as given
+    draws = ReplayDraws(sampling, [sampling.generator(pid, s) for pid, s in zip(prompt_ids, samples, strict=True)],
+                        keep_logprobs)
+    eos = eos_ids(lm)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, top_k=None, top_p=None,
+                              temperature=None, eos_token_id=sorted(eos), pad_token_id=min(eos))
+    ids = torch.tensor(prompts, device=device)
+    with observing(model):
+        if isinstance(cache, EvictingCache):
+            cache.prefill(ids)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, generation_config=config,
+                             logits_processor=LogitsProcessorList([draws]))
+    if cache_out is not None:
+        cache_out.append(cache)
+    return [_decoded(row.tolist(), P, eos, cache, draws.logprobs[r] if keep_logprobs else None)
+            for r, row in enumerate(out)]
+
+
+def _decoded(tokens: list[int], P: int, eos: set[int], cache, logprobs: list[torch.Tensor] | None) -> Decoded:
+    """One row of ``generate``'s output as the loop's :class:`Decoded`: cut after its first EOS, with the cache's
+    bookkeeping up to its last fed position."""
+    end = next((i + 1 for i in range(P, len(tokens)) if tokens[i] in eos), len(tokens))
+    tokens = tokens[:end]
+    stop = "eos" if tokens[-1] in eos and len(tokens) > P else "max_new_tokens"
+    T = len(tokens)
+    compressions = [t for t in getattr(cache, "compressions", []) if t <= T - 1]
+    if isinstance(cache, EvictingCache) and cache.layers[0].seen == T - 1 and cache.due(T - 1):
+        compressions.append(T - 1)  # the loop compacts after feeding T - 2, before it knows the row ends
+    return Decoded(tokens, P, stop, cache.active[: T - 1], compressions,
+                   None if logprobs is None else torch.stack(logprobs[: T - P]))
