@@ -603,6 +603,8 @@ CASES: list[tuple[str, list[str], str]] = [
                                 "--fisher-samples", "0"], "--fisher-samples 0"),
     ("grade-rule-with-name", ["grade", "knorm", "--rule", "tova", "--out", "{out}"], "--rule tova"),
     ("grade-fitted-missing", ["grade", "fitted:/no/model.json", "--out", "{out}"], "/no/model.json"),
+    ("grade-horizon-0", ["grade", "knorm", "--horizon", "0", "--out", "{out}"], "--horizon 0"),
+    ("grade-horizon-past-trace", ["grade", "knorm", "--horizon", "9", "--out", "{out}"], "--horizon <= 8"),
     # ---- messages: user text is printed as given (no rich markup, no emoji codes); fields named
     ("trace-prompts-markup", ["trace", "--prompts", "[red]x[/red].jsonl", "--out", "{out}"], "[red]x[/red].jsonl"),
     ("trace-tiny-emoji", ["trace", "--model", "tiny:LLAMA", "--out", "{out}"], "tiny:LLAMA"),
