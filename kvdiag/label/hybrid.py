@@ -42,7 +42,7 @@ class HybridLabeler:
                  seed: int = 0, batch_size: int = 64, backend: str = "auto", chunk: int = CHUNK):
         params.validate()
         self.params, self.seed = params, seed
-        self.fisher = FisherLabeler(lm, token_ids, horizon, FisherParams(params.samples), seed)
+        self.fisher = FisherLabeler(lm, token_ids, horizon, FisherParams(params.samples), seed, chunk)
         self.exact = OracleEngine(lm, token_ids, horizon, batch_size, backend, chunk=chunk)
         self.num_layers, self.num_kv_heads = self.exact.num_layers, self.exact.num_kv_heads
         self.horizon = horizon

@@ -61,7 +61,7 @@ def make_engine(lm: LoadedModel, token_ids, cfg: LabelConfig):
         return HybridLabeler(lm, token_ids, cfg.horizon, HybridParams(**cfg.params), cfg.seed, cfg.batch_size,
                              cfg.backend, cfg.chunk)
     labeler, params = APPROXIMATE[cfg.method]
-    return labeler(lm, token_ids, cfg.horizon, params(**cfg.params), cfg.seed)
+    return labeler(lm, token_ids, cfg.horizon, params(**cfg.params), cfg.seed, chunk=cfg.chunk)
 
 
 def label_item(engine, trace: Trace, pid: str, t: int, cfg: LabelConfig, token_ids, progress=None) -> pl.DataFrame:
