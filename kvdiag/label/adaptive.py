@@ -88,9 +88,13 @@ class Checkpoint:
     audit: np.ndarray
 
     def top_rows(self, share: float) -> np.ndarray:
-        """The rows of the exact top at ``share``: the ceil(share n) largest fast estimates (ties: the first row)."""
-        m = math.ceil(round(share * len(self.fast), 10))
-        return np.argsort(-self.fast, kind="stable")[:m]
+        return top_rows(self.fast, share)
+
+
+def top_rows(fast: np.ndarray, share: float) -> np.ndarray:
+    """The rows of the exact top at ``share`` of ``fast`` [n]: the ceil(share n) largest (ties: the first row)."""
+    m = math.ceil(round(share * len(fast), 10))
+    return np.argsort(-fast, kind="stable")[:m]
 
 
 def bound(ckpts: list[Checkpoint], first: float, alpha: float = ALPHA) -> dict:
