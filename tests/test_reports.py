@@ -576,6 +576,21 @@ def test_hybrid_analysis(tmp_path):
     assert_same_tables(out, REPORTS / report, [name])
 
 
+MISS_RATE = compared("hybrid-labels-math500", ("miss-rate.md",))
+
+
+def test_miss_rate_frontier(tmp_path):
+    """miss_rate.py's frontier (the Fisher ranking's exact share -> measured miss rate, and --miss-rate R's rounds
+    over 20 audit seeds) from the committed exact and fast labels of every entry and the committed cost benches."""
+    report, (name,) = MISS_RATE
+    out = tmp_path / "out"
+    out.mkdir()
+    for f in (REPORTS / report).glob("bench-*.json"):
+        shutil.copy(f, out)
+    _script(f"reports/{report}/miss_rate.py").main(HYBRID_INPUTS, out)
+    assert_same_tables(out, REPORTS / report, [name])
+
+
 # --------------------------------------------------------------------------- bench
 
 

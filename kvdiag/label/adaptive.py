@@ -153,3 +153,15 @@ def control(ckpts: list[Checkpoint], target: float, first: float,
         if ctl.stopped:
             break
     return ctl
+
+
+def measured_miss(exact: list[np.ndarray], exact_rows: list[np.ndarray]) -> dict:
+    """The miss rate measured against exact labels of every entry: harmful (the pooled top decile of ``exact``,
+    per checkpoint [n]) entries outside ``exact_rows`` (bool [n] per checkpoint): missed, harmful, miss_rate and
+    per_checkpoint (each checkpoint's missed over its harmful)."""
+    pooled = np.concatenate(exact)
+    thr = np.sort(pooled)[-harmful_count(len(pooled))]
+    per = [int(((e >= thr) & ~rows).sum()) for e, rows in zip(exact, exact_rows, strict=True)]
+    harmful = int((pooled >= thr).sum())
+    return {"missed": sum(per), "harmful": harmful, "miss_rate": sum(per) / harmful,
+            "per_checkpoint": [m / max(1, int((e >= thr).sum())) for m, e in zip(per, exact, strict=True)]}

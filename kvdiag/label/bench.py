@@ -279,19 +279,6 @@ class MissRateBench:
     spearman: float  # Fisher vs exact kl_mean, pooled
 
 
-def _misses(exact: list[np.ndarray], exact_rows: list[np.ndarray]) -> dict:
-    """Harmful (the pooled top decile of ``exact``) entries outside ``exact_rows`` (bool per checkpoint)."""
-    from kvdiag.label import adaptive
-
-    pooled = np.concatenate(exact)
-    k = adaptive.harmful_count(len(pooled))
-    thr = np.sort(pooled)[-k]
-    per = [int(((e >= thr) & ~rows).sum()) for e, rows in zip(exact, exact_rows, strict=True)]
-    harmful = int((pooled >= thr).sum())
-    return {"missed": sum(per), "harmful": harmful, "miss_rate": sum(per) / harmful,
-            "per_checkpoint": [m / max(1, int((e >= thr).sum())) for m, e in zip(per, exact, strict=True)]}
-
-
 def run_miss_rate_bench(lm: LoadedModel, prefix_len: int = 512, checkpoints: int = 3, horizon: int = 16,
                         target: float = 0.05, exact_frac: float = 0.1, samples: int = 8, batch_size: int = 64,
                         backend: str = "auto", seed: int = 0) -> MissRateBench:
@@ -331,7 +318,7 @@ def run_miss_rate_bench(lm: LoadedModel, prefix_len: int = 512, checkpoints: int
             top[adaptive.top_rows(f, share)] = True
             tops.append(top)
         got = sum(int(t.sum()) for t in tops) / n
-        frontier.append({"share": got, **_misses(exact, tops), "cost": cost(got)})
+        frontier.append({"share": got, **adaptive.measured_miss(exact, tops), "cost": cost(got)})
     first = [math.ceil(exact_frac * prefix_len)] * checkpoints
     rests = [prefix_len - m for m in first]
     need = adaptive.min_audit(target, sum(rests), n, exact_frac)
@@ -350,7 +337,7 @@ def run_miss_rate_bench(lm: LoadedModel, prefix_len: int = 512, checkpoints: int
             audit[gen.choice(np.flatnonzero(~top), a, replace=False)] = True
             ckpts.append(adaptive.Checkpoint(f, np.where(top | audit, e, np.nan), top, audit))
         ctl = adaptive.control(ckpts, target, exact_frac, lambda asks: [exact[i][r] for i, r in asks]).as_dict()
-        measured = _misses(exact, [c.top | c.audit for c in ckpts])
+        measured = adaptive.measured_miss(exact, [c.top | c.audit for c in ckpts])
         control.update(ctl, **measured, cost=cost(ctl["exact_share"]))
     rho = spearman(np.concatenate(fast), np.concatenate(exact))
     return MissRateBench(checkpoints, prefix_len, horizon, exact_s, fast_s, frontier, control, rho)
