@@ -94,10 +94,10 @@ class HybridParams:
     def check_audit(self, candidates: list[int]) -> list[int]:
         """With ``miss_target``: the audit of each checkpoint of ``candidates`` rows (``adaptive.allot``); refuses an
         audit too small to bound the miss rate below the target (``adaptive.min_audit``)."""
-        from kvdiag.label import adaptive
+        from kvdiag.label.adaptive import allot, min_audit
 
         rests = [n - self.top_count(n) for n in candidates]
-        need = adaptive.min_audit(self.miss_target, sum(rests), sum(candidates), self.exact_frac)
+        need = min_audit(self.miss_target, sum(rests), sum(candidates), self.exact_frac)
         if need > sum(rests):
             raise UserError(f"--miss-rate {self.miss_target}: bounding it needs an audit of {need} entries, more than "
                             f"the {sum(rests)} candidates outside the exact top of the {len(candidates)} checkpoints; "
@@ -106,7 +106,7 @@ class HybridParams:
             raise UserError(f"--audit {self.audit}: bounding a miss rate of {self.miss_target} needs {need} audited "
                             f"entries in all (95%, Clopper-Pearson over the rounds' looks), --audit "
                             f">= {math.ceil(need / len(candidates))} per checkpoint over these {len(candidates)}")
-        return adaptive.allot(self.audit * len(candidates), rests)
+        return allot(self.audit * len(candidates), rests)
 
     def top_count(self, candidates: int) -> int:
         """M at a checkpoint of ``candidates`` rows (refusing more than there are)."""
