@@ -11,6 +11,14 @@ A row holds, on the benchmark's Trace (q/k/v rebuilt from the embedded model, it
   (ratio of means, CI), its place among the built-in rules and a paired test against the best of them.
 
 Where the time goes is printed (rebuild + scoring, rank-eval, decisions' set rows).
+
+``horizon`` (``--horizon N|rest``) grades at another horizon than the benchmark's: the decisions' sets are labeled
+over N steps (or to the end of each prompt), and the single labels the ranking half needs are the sealed labels'
+first N steps of ``kl_steps`` (``kvdiag.label.horizons``: the same teacher-forced continuation) where the benchmark
+labeled that far, else labeled exactly at N (every entry of each checkpoint, ``kvdiag.label``). A fixed N that reaches
+past the end of a prompt's trace is refused before the model loads. The sealed references and built-in rows measure
+the benchmark's horizon, so at another one a row has no regret against ``oracle_greedy``, no place and no paired test
+(it says so), and ``--all`` never stores its rows in the benchmark.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import polars as pl
 from kvdiag import benchmark as bench_mod
 from kvdiag.errors import UserError
 from kvdiag.io import read_table, write_csv, write_json, write_table, write_text
+from kvdiag.parsing import REST, horizon_steps
 from kvdiag.schema import KEYS
 from kvdiag.scorer_names import check_rule_source, is_plugin_spec
 from kvdiag.tables import md_table, number_text
@@ -72,9 +81,10 @@ def _token_scores(head: pl.DataFrame, rules: list[str]) -> pl.DataFrame:
                               kv_head=pl.lit(-1, pl.Int64)).select(*KEYS, *rules)
 
 
-def grade(bench: bench_mod.Benchmark, rules: dict, lm, out: Path, show_progress: bool = True) -> dict:
-    """Grade ``rules`` on ``bench``; writes ``out/`` (scores, rank-eval metrics, decisions) and returns the rows, the
-    per-checkpoint joint damages and the timings."""
+def grade(bench: bench_mod.Benchmark, rules: dict, lm, out: Path, show_progress: bool = True,
+          horizon: int | str | None = None) -> dict:
+    """Grade ``rules`` on ``bench`` (at ``horizon``: :func:`horizon_plan`; None: the benchmark's); writes ``out/``
+    (scores, rank-eval metrics, decisions) and returns the rows, the per-checkpoint joint damages and the timings."""
     from kvdiag.contracts import read_labels
     from kvdiag.decisions import DecisionsConfig, decide
     from kvdiag.harm import HarmSpec
@@ -88,6 +98,12 @@ def grade(bench: bench_mod.Benchmark, rules: dict, lm, out: Path, show_progress:
     labels, labels_meta = read_labels(bench.file("labels.parquet"), "benchmark labels")
     refs = read_table(bench.file("references.parquet"), "benchmark references")[0]
     cps = {pid: sorted(g["checkpoint"].unique().to_list()) for (pid,), g in labels.group_by("prompt_id")}
+    plan = horizon_plan(bench, horizon)
+    if plan is not None:  # another horizon: the single labels at it, and no sealed comparison
+        start = time.perf_counter()
+        labels, labels_meta = labels_at(plan, labels, labels_meta, tr, lm, out, show_progress)
+        timings[f"single labels at horizon {plan['horizon']}"] = time.perf_counter() - start
+        refs = None
     start = time.perf_counter()
     head, meta = score_trace(tr, keys=checkpoint_keys(tr, cps, ["head"]), scorers=rules, progress=show_progress)
     timings["rebuild + score"] = time.perf_counter() - start
@@ -101,7 +117,8 @@ def grade(bench: bench_mod.Benchmark, rules: dict, lm, out: Path, show_progress:
     timings["rank-eval"] = time.perf_counter() - start
     write_csv(result.metrics, out / "metrics.csv")
     budgets = tuple(_budget(b) for b in s["budgets"])
-    cfg = DecisionsConfig(budgets=budgets, selection=s["selection"], horizon=s["horizon"], references=(),
+    cfg = DecisionsConfig(budgets=budgets, selection=s["selection"], horizon=s["horizon"] if plan is None
+                          else plan["horizon"], references=(),
                           pairs=0, infeasible="skip", seed=int(s["seed"]), n_boot=int(s.get("n_boot", 1000)),
                           harm=HarmSpec.from_config(harm))
     start = time.perf_counter()
@@ -110,11 +127,75 @@ def grade(bench: bench_mod.Benchmark, rules: dict, lm, out: Path, show_progress:
     dec = read_table(out / "decisions" / "decisions.parquet")[0].select(
         "prompt_id", "checkpoint", "decision", "budget", "status", "kl_mean")
     boot = PromptBootstrap(labels["prompt_id"].unique().to_list(), int(s.get("n_boot", 1000)), int(s["seed"]), 0.95)
-    builtins = read_table(bench.file(bench_mod.BUILTINS))[0] if bench.has_builtins else None
+    builtins = read_table(bench.file(bench_mod.BUILTINS))[0] if bench.has_builtins and plan is None else None
+    at = {} if plan is None else {"horizon": str(plan["horizon"]), "horizon_note": plan["note"]}
     rows = [{**_rank_part(name, rules[name].params, result, ranks[name]),
              **_decision_part(name, dec, refs, builtins, boot, [b.name for b in budgets]),
-             "bench": bench.name} for name in names]  # a user-built benchmark's rows say so
+             "bench": bench.name, **at} for name in names]  # a user-built benchmark's rows say so
     return {"rows": rows, "decisions": dec, "timings": timings}
+
+
+def horizon_plan(b: bench_mod.Benchmark, horizon: int | str | None) -> dict | None:
+    """How ``grade`` gets to ``horizon`` on ``b`` (torch-free; run before the model loads): None where it gives every
+    checkpoint the steps of the benchmark's own labels (or is None); else {horizon, derive (the sealed labels hold
+    those steps: their ``kl_steps`` are cut), note}. A fixed N past the end of a prompt's trace is a ``UserError``."""
+    if horizon is None:
+        return None
+    from kvdiag.trace.manifest import TraceFiles
+
+    tf = TraceFiles(b.file("trace"))
+    have = pl.read_parquet(b.file("labels.parquet"), columns=["prompt_id", "checkpoint", "horizon"]).unique(
+        ["prompt_id", "checkpoint"])
+    room = min((tf.length(pid) - t, pid, t) for pid, t in have.select("prompt_id", "checkpoint").iter_rows())
+    if horizon != REST and horizon > room[0]:
+        raise UserError(f"--horizon {horizon} reaches past the end of the benchmark {b.name}'s trace: prompt "
+                        f"{room[1]} ends {room[0]} tokens after its checkpoint {room[2]}; use --horizon <= {room[0]} "
+                        "or rest")
+    steps = [horizon_steps(horizon, t, tf.length(pid)) for pid, t in have.select("prompt_id", "checkpoint").iter_rows()]
+    own = have["horizon"].to_list()
+    if steps == own:
+        return None
+    derive = all(s <= h for s, h in zip(steps, own, strict=True))
+    note = (f"graded at horizon {horizon}, the benchmark's labels at horizon {b.settings['horizon']}: its single "
+            + ("labels are the sealed labels' first steps (kl_steps; noise floors as sealed)" if derive
+               else "labels were labeled exactly at this horizon")
+            + "; the sealed references and built-in rows measure the benchmark's horizon, so this row has no regret "
+            "against oracle_greedy, place or paired test")
+    return {"horizon": horizon, "derive": derive, "note": note}
+
+
+def labels_at(plan: dict, labels: pl.DataFrame, meta: dict, tr, lm, out: Path, show_progress: bool
+              ) -> tuple[pl.DataFrame, dict]:
+    """The benchmark's single labels at ``plan``'s horizon (:func:`horizon_plan`), written to ``out/labels.parquet``:
+    the sealed rows' first N steps of ``kl_steps`` (kl_mean, kl_max, kl_steps, horizon cut; js_mean, nll_delta,
+    top1_flips, which are not per step, null) where they hold them, else every entry labeled exactly at N."""
+    from kvdiag.label.config import LabelConfig
+
+    H = plan["horizon"]
+    cfg = LabelConfig(checkpoints="every:1", horizon=H, candidates="all", w_obs=0)
+    if plan["derive"]:
+        steps = pl.col("length") - pl.col("checkpoint") if H == REST else pl.lit(H, pl.Int64)
+        lengths = pl.DataFrame({"prompt_id": tr.prompt_ids, "length": [tr.length(p) for p in tr.prompt_ids]})
+        cut = (labels.join(lengths, on="prompt_id").with_columns(horizon=steps)
+               .with_columns(kl_steps=pl.col("kl_steps").list.head(pl.col("horizon")))
+               .with_columns(kl_mean=pl.col("kl_steps").list.mean(), kl_max=pl.col("kl_steps").list.max(),
+                             js_mean=None, nll_delta=None, top1_flips=None).select(labels.columns)
+               .cast(labels.schema))
+        how = f"the sealed labels' first steps of kl_steps ({plan['note']})"
+    else:
+        from kvdiag.label.engine import OracleEngine
+        from kvdiag.label.run import label_item
+
+        parts = []
+        for (pid,), g in labels.group_by("prompt_id", maintain_order=True):
+            ids = tr.token_ids(pid)
+            engine = OracleEngine(lm, ids, H, cfg.batch_size, cfg.backend, chunk=cfg.chunk)
+            parts += [label_item(engine, tr, pid, t, cfg, ids) for t in sorted(g["checkpoint"].unique().to_list())]
+        cut = pl.concat(parts).select(labels.columns).cast(labels.schema)
+        how = f"labeled exactly at horizon {H}, every entry of the benchmark's checkpoints"
+    new_meta = {**meta, "config": {**(meta.get("config") or {}), "horizon": H}, "label": how}
+    write_table(cut, out / "labels.parquet", new_meta)
+    return cut, new_meta
 
 
 def rank_half(labels: pl.DataFrame, token: pl.DataFrame, names: list[str], settings: dict) -> tuple[object, dict]:
@@ -165,12 +246,12 @@ def _rank_part(name: str, params: dict, result, ranks: bool) -> dict:
     return row
 
 
-def _decision_part(name: str, dec: pl.DataFrame, refs: pl.DataFrame, builtins: pl.DataFrame | None, boot,
+def _decision_part(name: str, dec: pl.DataFrame, refs: pl.DataFrame | None, builtins: pl.DataFrame | None, boot,
                    budgets: list[str]) -> dict:
     """A row's decisions half (module docstring): per budget the joint damage with its CI, the regret against
     oracle_greedy, the place among the built-in rules and the paired test against the best of them
     (``kvdiag.stats.compare``: exact sign test below 30 prompts). ``dec``: prompt_id, checkpoint, decision, budget,
-    kl_mean rows of the rule."""
+    kl_mean rows of the rule; ``refs`` or ``builtins`` None: no regret, or no place and test."""
     from kvdiag.stats import compare, ratio_summary
 
     row: dict = {}
@@ -179,9 +260,11 @@ def _decision_part(name: str, dec: pl.DataFrame, refs: pl.DataFrame, builtins: p
         ok = mine.filter(pl.col("kl_mean").is_not_null())
         value, low, high = _mean_ci(boot, ok) if ok.height else (float("nan"),) * 3
         row[f"joint@{b}"], row[f"joint@{b}_ci"], row[f"decided@{b}"] = value, [low, high], f"{ok.height}/{mine.height}"
-        greedy = refs.filter((pl.col("decision") == "oracle_greedy") & (pl.col("budget") == b))
-        both = ok.join(greedy.select("prompt_id", "checkpoint", g="kl_mean"), on=["prompt_id", "checkpoint"])
-        if both.height:
+        greedy = None if refs is None else refs.filter((pl.col("decision") == "oracle_greedy")
+                                                       & (pl.col("budget") == b))
+        both = None if greedy is None else ok.join(greedy.select("prompt_id", "checkpoint", g="kl_mean"),
+                                                   on=["prompt_id", "checkpoint"])
+        if both is not None and both.height:
             x, xr = boot.mean(both["kl_mean"].to_numpy(), both["prompt_id"].to_numpy())
             y, yr = boot.mean(both["g"].to_numpy(), both["prompt_id"].to_numpy())
             with np.errstate(invalid="ignore", divide="ignore"):
@@ -218,13 +301,15 @@ def _ci(value, ci) -> str:
                                     f" [{number_text(low, 3)}, {number_text(high, 3)}]")
 
 
-def _intro(b: bench_mod.Benchmark) -> str:
-    """What the leaderboard's numbers are, from the benchmark's manifest."""
+def _intro(b: bench_mod.Benchmark, horizon: str | None = None) -> str:
+    """What the leaderboard's numbers are, from the benchmark's manifest (graded at ``horizon``: None, its own)."""
     m, st = b.manifest, b.settings
+    at = (f"horizon {st['horizon']}" if horizon is None else
+          f"graded at horizon {horizon} (the benchmark's labels: {st['horizon']}; no / greedy column applies)")
     return (f"`kvdiag grade --all --bench {m['name']}@{m['version']}`: {m['trace']['prompts']} prompts of "
             f"{m['model']['spec']} "
             f"({m['model']['dtype']}), {m['checkpoints']} checkpoints, exact labels of {m['labels']:,} entries, "
-            f"horizon {st['horizon']}, `{st['selection']}` selection. AUROC, AP and FSR (false-safe rate): how each "
+            f"{at}, `{st['selection']}` selection. AUROC, AP and FSR (false-safe rate): how each "
             f"rule ranks the single-entry labels (harmful: {st['harm']['harm']}). joint @ budget: the mean exact joint "
             "damage (nats) of the set the rule evicts there, over the checkpoints it could decide (decided / all). "
             "/ greedy: that damage over oracle_greedy's, per checkpoint (the geometric mean of the checkpoints' "
@@ -279,7 +364,8 @@ def leaderboard_markdown(b: bench_mod.Benchmark, rows: list[dict]) -> str:
     budgets = list(b.settings["budgets"])
     ranked, rest = leaderboard_order(rows, budgets)
     headers, table = leaderboard_table(ranked, budgets)
-    text = f"# Leaderboard: {b.name}\n\n{_intro(b)}\n\n" + md_table(headers, table, "l" + "r" * (len(headers) - 1))
+    intro = _intro(b, rows[0].get("horizon"))
+    text = f"# Leaderboard: {b.name}\n\n{intro}\n\n" + md_table(headers, table, "l" + "r" * (len(headers) - 1))
     if rest:
         headers, table = leaderboard_table(rest, budgets)
         text += (f"\n\n## Not decided at every checkpoint of {budgets[-1]}\n\nThese rules protect more entries than "
@@ -349,26 +435,28 @@ def rewrite_leaderboard(bench: str, path: str | os.PathLike, scores: str | os.Pa
 
 def grade_files(spec: str | None, bench: str, out: str | os.PathLike, rule: str | None = None,
                 params: dict | None = None, everything: bool = False, leaderboard: str | os.PathLike | None = None,
-                show_progress: bool = True) -> dict:
-    """What ``kvdiag grade`` runs: every input checked before the model loads, then :func:`grade`."""
+                show_progress: bool = True, horizon: int | str | None = None) -> dict:
+    """What ``kvdiag grade`` runs: every input checked before the model loads, then :func:`grade` (at ``horizon``:
+    :func:`horizon_plan`)."""
     from kvdiag.guard import check_outputs
 
     check_outputs({"--out": (out, "dir"), "--leaderboard": leaderboard,
                    "--leaderboard (its CSV)": None if leaderboard is None else Path(leaderboard).with_suffix(".csv")},
                   {"--bench": bench_mod.resolve(bench), "RULE": spec if spec and spec.endswith(".py") else None})
     b = bench_mod.load(bench)
+    plan = horizon_plan(b, horizon)
     rules = resolve_rules(spec, rule, params or {}, everything)
     from kvdiag.models import load_model  # torch: after the checks that need none
     start = time.perf_counter()
     lm = load_model(b.manifest["model"]["spec"], dtype=b.manifest["model"].get("dtype", "float32"))
     bench_mod.check_model(b, lm)
     load_s = time.perf_counter() - start
-    res = grade(b, rules, lm, Path(out), show_progress)
+    res = grade(b, rules, lm, Path(out), show_progress, None if plan is None else plan["horizon"])
     res["timings"] = {"model load": load_s, **res["timings"]}
     write_json(Path(out) / "rows.json", {"bench": b.name, "rows": res["rows"], "timings": res["timings"]})
     if everything:
         joint = res["decisions"].rename({"decision": "rule"})
-        if not b.has_builtins:  # the first --all of a version completes it; later ones never rewrite it
+        if not b.has_builtins and plan is None:  # the first --all of a version completes it (at its own horizon)
             write_table(joint, b.file(bench_mod.BUILTINS), {"kind": "builtins", "bench": b.name})
             bench_mod.seal(b.path, b.manifest)
         write_leaderboard(b, res["rows"],

@@ -1,7 +1,7 @@
 """Every statistic a report prints: the cluster bootstrap over prompts, percentile intervals, paired tests (exact
 sign / permutation tests below ``EXACT_BELOW`` clusters, the bootstrap p-value above), per-cluster ratio summaries,
-Spearman with its CI, Kendall's tau with its exact p, Wilson intervals, McNemar, Mann–Whitney, Holm, and the one
-p-value formatter.
+Spearman with its CI, Kendall's tau with its exact p, Wilson intervals, Clopper-Pearson upper bounds, McNemar,
+Mann–Whitney, Holm, and the one p-value formatter.
 
 Candidates of one prompt share a cache and a model state, so they are not independent: the
 bootstrap resamples *prompts* with replacement and keeps all their checkpoints and candidates. A
@@ -248,6 +248,14 @@ def kendall(x: np.ndarray, y: np.ndarray) -> dict:
         res = kendalltau(x, y, method="exact" if exact else "asymptotic")
         out.update(tau=float(res.statistic), p_value=float(res.pvalue))
     return out
+
+
+def clopper_pearson_upper(k: int, n: int, level: float = 0.95) -> float:
+    """One-sided Clopper-Pearson (exact binomial) upper bound at ``level`` on a proportion with ``k`` successes out
+    of ``n`` (1.0 when n is 0 or k is n): the ``level`` quantile of Beta(k + 1, n - k)."""
+    from scipy.stats import beta
+
+    return 1.0 if n == 0 or k >= n else float(beta.ppf(level, k + 1, n - k))
 
 
 def wilson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:

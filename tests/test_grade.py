@@ -201,3 +201,61 @@ def test_regrading_a_builtin_on_the_shipped_benchmark_reproduces_the_committed_r
         low, high = committed[f"{key}_ci_low"], committed[f"{key}_ci_high"]
         assert low <= mine[key] <= high, (key, mine[key], low, high)
         assert mine[key] == pytest.approx(committed[key], rel=1e-3), key
+
+
+def test_grade_at_a_shorter_horizon_cuts_the_sealed_labels(bench, tmp_path, capsys):
+    """--horizon 2 on a benchmark labeled at 4: the single labels are the sealed rows' first 2 steps (the same floats,
+    averaged: equal within 1e-12 relative), the sets are labeled over 2 steps, and no regret, place or paired test
+    against the sealed horizon-4 rows is claimed."""
+    import numpy as np
+
+    code, _ = run("grade", "knorm", "--bench", bench["dir"], "--out", tmp_path / "h2", "--horizon", "2", "--quiet")
+    out = capsys.readouterr().out
+    assert code == 0 and "graded at horizon 2" in out and "regret vs oracle_greedy" not in out
+    row = json.loads((tmp_path / "h2" / "rows.json").read_text())["rows"][0]
+    assert row["horizon"] == "2" and not any(k.startswith(("regret", "place", "vs_best")) for k in row)
+    sealed = read_table(bench["dir"] / "labels.parquet")[0].sort("prompt_id", "checkpoint", "position")
+    cut = read_table(tmp_path / "h2" / "labels.parquet")[0].sort("prompt_id", "checkpoint", "position")
+    assert cut.height == sealed.height and (cut["horizon"] == 2).all()
+    want = np.array([np.mean(s[:2]) for s in sealed["kl_steps"].to_list()])
+    np.testing.assert_allclose(cut["kl_mean"].to_numpy(), want, rtol=1e-12, atol=0)
+    dec = read_table(tmp_path / "h2" / "decisions" / "decisions.parquet")[0]
+    assert set(dec["horizon"].unique().to_list()) == {2}
+
+
+def test_grade_at_rest_labels_past_the_sealed_horizon(bench, tmp_path, capsys):
+    """--horizon rest where the traces run past the sealed horizon of 4: every entry is labeled exactly to the end of
+    its prompt (horizon T - t per row), and its first 4 steps agree with the sealed labels up to float rounding: the
+    prefix cache is built through other forward shapes (one run to the end, not to t + 4), so they differ by rounding
+    of the size of the tiny model's fp32 noise floor (~5e-8 nats per step): within 5e-6 nats (~100 floors) or 1e-3
+    relative per step, and Spearman >= 0.999 between the 4-step labels."""
+    import numpy as np
+    from scipy.stats import spearmanr
+
+    from kvdiag.trace.manifest import TraceFiles
+
+    code, _ = run("grade", "knorm", "--bench", bench["dir"], "--out", tmp_path / "rest", "--horizon", "rest",
+                  "--quiet")
+    assert code == 0
+    tf = TraceFiles(bench["dir"] / "trace")
+    rest = read_table(tmp_path / "rest" / "labels.parquet")[0].sort("prompt_id", "checkpoint", "position")
+    sealed = read_table(bench["dir"] / "labels.parquet")[0].sort("prompt_id", "checkpoint", "position")
+    assert rest.select("prompt_id", "checkpoint", "position").equals(sealed.select("prompt_id", "checkpoint",
+                                                                                   "position"))
+    ends = [tf.length(p) - t for p, t in rest.select("prompt_id", "checkpoint").iter_rows()]
+    assert rest["horizon"].to_list() == ends and max(ends) > 4
+    first = np.array([s[:4] for s in rest["kl_steps"].to_list()])
+    np.testing.assert_allclose(first, np.array(sealed["kl_steps"].to_list()), rtol=1e-3, atol=5e-6)
+    assert spearmanr(first.mean(1), sealed["kl_mean"].to_numpy()).statistic >= 0.999
+    assert json.loads((tmp_path / "rest" / "rows.json").read_text())["rows"][0]["horizon"] == "rest"
+
+
+def test_grade_refuses_a_horizon_past_the_benchmark_traces(bench, tmp_path, capsys):
+    from kvdiag.trace.manifest import TraceFiles
+
+    tf = TraceFiles(bench["dir"] / "trace")
+    labels = read_table(bench["dir"] / "labels.parquet")[0]
+    room = min(tf.length(p) - t for p, t in labels.select("prompt_id", "checkpoint").unique().iter_rows())
+    err = exits_2(capsys, "grade", "knorm", "--bench", bench["dir"], "--out", tmp_path / "o", "--horizon",
+                  room + 1)
+    assert f"--horizon <= {room}" in err and not (tmp_path / "o").exists()

@@ -41,7 +41,7 @@ NOT_REGENERATED = {
        "the model, 20-35 min)" for f in ("keys", "countdown")},
     **{f"bench/{f}": "a measurement: seconds and memory of runs of the model on this machine"
        for f in ("cpu-mfu.md", "kernels.txt", "label-fast.txt", "label-layer.txt", "label.txt", "scale.csv",
-                 "score.txt", "trace.txt")},
+                 "score.txt", "trace.txt", "hybrid-miss-rate-h16.txt", "hybrid-miss-rate-h128.txt")},
 }
 _REPORT_TRACE = ("its Trace section, the Trace's row of the contents, the viewer line and the date: kvdiag report "
                  "reads the run's Trace (not committed); every other line is compared")
@@ -567,6 +567,21 @@ def test_hybrid_analysis(tmp_path):
     bench = read_table(ROOT / "data/kvdiag-bench" / BENCH / "labels.parquet")[0]
     assert exact.equals(bench.filter(pl.col("granularity") == "token").select(exact.columns))
     _script(f"reports/{report}/analyze.py").main(HYBRID_INPUTS, out)
+    assert_same_tables(out, REPORTS / report, [name])
+
+
+MISS_RATE = compared("hybrid-labels-math500", ("miss-rate.md",))
+
+
+def test_miss_rate_frontier(tmp_path):
+    """miss_rate.py's frontier (the Fisher ranking's exact share -> measured miss rate, and --miss-rate R's rounds
+    over 20 audit seeds) from the committed exact and fast labels of every entry and the committed cost benches."""
+    report, (name,) = MISS_RATE
+    out = tmp_path / "out"
+    out.mkdir()
+    for f in (REPORTS / report).glob("bench-*.json"):
+        shutil.copy(f, out)
+    _script(f"reports/{report}/miss_rate.py").main(HYBRID_INPUTS, out)
     assert_same_tables(out, REPORTS / report, [name])
 
 

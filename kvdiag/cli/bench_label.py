@@ -39,6 +39,11 @@ def bench_label(
     exact_top: int = typer.Option(None, "--exact-top", help="hybrid: M entries labeled exactly"),
     exact_frac: float = typer.Option(None, "--exact-frac", help="hybrid: M as a share of the P entries"),
     audit: int = typer.Option(32, "--audit", help="hybrid: audit sample labeled exactly"),
+    miss_rate: float = typer.Option(None, "--miss-rate", help="hybrid: the rounds of label --miss-rate R (from "
+                                    "--exact-frac, with the minimum audit) on --checkpoints windows, against exact "
+                                    "labels of every entry, and the Fisher ranking's cost / miss-rate frontier"),
+    checkpoints: int = typer.Option(3, "--checkpoints", help="--miss-rate: windows of P + H + 1 tokens (one "
+                                    "checkpoint each), pooled"),
     sets: bool = typer.Option(False, "--sets", help="set rows (decisions) vs single rows vs physical deletion"),
     keep: float = typer.Option(0.5, "--keep", help="--sets: the share of the P entries a set keeps "
                                                      + common.BUDGET_TERMS),
@@ -62,10 +67,15 @@ def bench_label(
 
     if granularity not in GRANULARITIES:
         raise UserError(f"--granularity {granularity}: use one of {', '.join(GRANULARITIES)}")
-    hybrid = HybridParams(exact_top, exact_frac, audit, samples) if method == "hybrid" else None
+    if miss_rate is not None and method != "hybrid":
+        raise UserError("--miss-rate applies to --method hybrid only; add it or drop --miss-rate")
+    if checkpoints < 1:
+        raise UserError(f"--checkpoints {checkpoints}: must be a positive number of windows, e.g. 3")
+    hybrid = HybridParams(exact_top, exact_frac, audit, samples, miss_rate) if method == "hybrid" else None
     if hybrid is not None:
         hybrid.validate()
-        hybrid.check_fits(prefix, f"of the --prefix {prefix} entries")
+        if miss_rate is None:
+            hybrid.check_fits(prefix, f"of the --prefix {prefix} entries")
     elif exact_top is not None or exact_frac is not None:
         raise UserError("--exact-top / --exact-frac: hybrid settings; pass --method hybrid")
     else:
@@ -100,6 +110,10 @@ def bench_label(
     console = Console(width=max(120, Console().width))  # piped output defaults to 80 columns
     if sets:
         _bench_sets(console, title, lm, prefix, n, horizon, keep, repeats, backend, out)
+        return
+    if miss_rate is not None:
+        _bench_miss_rate(console, title, lm, prefix, checkpoints, horizon, miss_rate, exact_frac, samples, backend,
+                         out)
         return
     if scaling:
         _bench_horizon(console, title, lm, prefix, n, horizon, repeats, backend, chunk, out)
@@ -173,6 +187,37 @@ def _bench_sets(console, title, lm, prefix, n, horizon, keep, repeats, backend, 
     console.print(f"physical deletion per set {res['physical_seconds_per_set']:.3f} s, batched set row "
                   f"{res['batched_seconds_per_set']:.3f} s: batched speed-up {res['physical_over_batched']:.2f}x")
     _write(out, {**res, "rows": [asdict(r) for r in res["rows"]]})
+
+
+def _bench_miss_rate(console, title, lm, prefix, checkpoints, horizon, target, exact_frac, samples, backend,
+                     out) -> None:
+    from kvdiag.label.bench import run_miss_rate_bench
+
+    res = run_miss_rate_bench(lm, prefix, checkpoints, horizon, target, exact_frac, samples, backend=backend)
+    n = checkpoints * prefix
+    table = _table(f"{title}: the Fisher ranking's frontier over {checkpoints} windows ({n} entries, harmful: the "
+                   "pooled top decile)", ("exact share", "cost / exact", "missed / harmful", "miss rate",
+                                          "per window"))
+    for r in res.frontier:
+        table.add_row(f"{r['share']:.3f}", f"{r['cost']:.3f}", f"{r['missed']} / {r['harmful']}",
+                      f"{r['miss_rate']:.3f}", ", ".join(f"{m:.2f}" for m in r["per_checkpoint"]))
+    console.print(table)
+    console.print(f"exact labels of every entry {res.exact_seconds:.1f} s, fisher {res.fast_seconds:.1f} s "
+                  f"({res.fast_seconds / res.exact_seconds:.3f} of exact); Spearman(fisher, exact) {res.spearman:.3f}")
+    c = res.control
+    if "refused" in c:
+        console.print(f"--miss-rate {target} from --exact-frac {exact_frac}: refused: {c['refused']}")
+    else:
+        console.print(f"--miss-rate {target} from --exact-frac {exact_frac}, audit {c['min_audit']} (the minimum): "
+                      f"{len(c['rounds'])} rounds, stopped at bound {c['bound']:.3f}; exact share "
+                      f"{c['exact_share']:.3f}, cost {c['cost']:.3f} of exact labels of every entry; measured miss "
+                      f"rate {c['miss_rate']:.3f} "
+                      f"({c['missed']} of {c['harmful']} harmful)")
+    best = min((r for r in res.frontier if r["miss_rate"] <= target), key=lambda r: r["cost"], default=None)
+    console.print("the Fisher ranking alone (no audit, measured against exact labels): " + (
+        f"miss rate <= {target} first at exact share {best['share']:.3f}, cost {best['cost']:.3f}" if best else
+        f"no share below 1 reaches a miss rate <= {target}"))
+    _write(out, {"model": lm.spec, "dtype": lm.dtype, "device": str(lm.device), **asdict(res)})
 
 
 def _bench_horizon(console, title, lm, prefix, n, horizon, repeats, backend, chunk, out) -> None:

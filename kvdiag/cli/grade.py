@@ -23,12 +23,15 @@ def grade(
                               "leaderboard (the first run of a benchmark version also stores them in it)"),
     leaderboard: Path | None = typer.Option(None, "--leaderboard", help="with --all: also write the leaderboard "
                                             "Markdown here (e.g. reports/leaderboard.md)"),
+    horizon: str | None = typer.Option(None, "--horizon", help="grade at N teacher-forced steps or rest (to the end "
+                                       "of each prompt) instead of the benchmark's horizon; no regret or place "
+                                       "against its sealed rows then"),
     quiet: bool = common.Quiet,
 ) -> None:
     """Grade a rule on a shipped benchmark: how it ranks single-entry damage, and the exact joint damage of its
     decisions at the benchmark's budgets, against the oracle and the built-in rules; prints its leaderboard row."""
     from kvdiag.errors import UserError
-    from kvdiag.parsing import parse_params
+    from kvdiag.parsing import parse_horizon, parse_params
     from kvdiag.plugin_check import check_plugin_files
     from kvdiag.scorer_names import check_fitted, check_rule_source, is_plugin_spec
 
@@ -40,6 +43,7 @@ def grade(
     if rule_spec is not None and is_plugin_spec(rule_spec):
         check_plugin_files([rule_spec])  # what its source shows, before its import pulls in torch
     params = parse_params(param)
+    horizon = None if horizon is None else parse_horizon(horizon)
     check_fitted([rule_spec] if rule_spec else [], params)
     from kvdiag.grade import RANK_METRICS, grade_files  # the stage, once the arguments are checked
     from kvdiag.stats import format_test
@@ -47,7 +51,7 @@ def grade(
     common.quiet_transformers()
     name = "all" if all_ else Path(rule_spec).stem
     res = grade_files(rule_spec, bench, out or Path("runs/grade") / name, rule=rule, params=params,
-                      everything=all_, leaderboard=leaderboard, show_progress=not quiet)
+                      everything=all_, leaderboard=leaderboard, show_progress=not quiet, horizon=horizon)
     budgets = [k.split("@", 1)[1] for k in res["rows"][0] if k.startswith("joint@") and not k.endswith("_ci")]
     table = Table(title=f"kvdiag grade on {res['rows'][0]['bench']}")
     for col in ["rule", *RANK_METRICS, *(f"joint @ {b}" for b in budgets)]:
@@ -67,14 +71,17 @@ def grade(
     for row in res["rows"] if not all_ else []:
         for b in budgets:
             extra = [f"regret vs oracle_greedy: per checkpoint {cell(row, f'regret_geomean@{b}')}x (ratio of means "
-                     f"{cell(row, f'regret@{b}')}x)"]
+                     f"{cell(row, f'regret@{b}')}x)"] if f"regret@{b}" in row else []
             if f"place@{b}" in row:
                 extra.append(f"place {row[f'place@{b}']}")
             if f"vs_best@{b}" in row:
                 v = row[f"vs_best@{b}"]
                 extra.append(f"vs best ({v['best']}): {v['diff']:+.3g} [{v['ci'][0]:+.3g}, {v['ci'][1]:+.3g}], "
                              + format_test(v))
-            console.print(f"{row['rule']} @ {b}: " + "; ".join(extra), highlight=False)
+            if extra:
+                console.print(f"{row['rule']} @ {b}: " + "; ".join(extra), highlight=False)
+        if row.get("horizon_note"):
+            console.print(f"{row['rule']}: {row['horizon_note']}", highlight=False)
         if not row.get("ranks", True):
             console.print(f"{row['rule']}: {row['note']}", highlight=False)
     console.print("time: " + ", ".join(f"{k} {v:.0f} s" for k, v in res["timings"].items()), highlight=False)

@@ -40,8 +40,10 @@ def label(
     exact_frac: float = typer.Option(None, "--exact-frac", help="hybrid: M as a share of the checkpoint's candidates"),
     audit: int = typer.Option(None, "--audit", help="hybrid: a seeded uniform sample of N other entries labeled "
                               "exactly, to estimate the miss rate (default 32)"),
-    miss_rate: bool = typer.Option(True, "--miss-rate/--no-miss-rate", help="hybrid: estimate the miss rate from "
-                                   "the audit"),
+    miss_rate: float = typer.Option(None, "--miss-rate", help="hybrid: label exactly down the fast ranking in rounds "
+                                    "(from --exact-frac) until the audit's 95% upper bound on the top-decile miss "
+                                    "rate is below R, e.g. 0.05 (docs/labels.md)"),
+    no_miss_rate: bool = typer.Option(False, "--no-miss-rate", help="hybrid: no miss-rate estimate from the audit"),
     seed: int = common.Seed,
     model: str = typer.Option(None, "--model", help="override the Trace's model (refused if different unless --force)"),
     force: bool = typer.Option(False, "--force", help="label with a model other than the Trace's"),
@@ -61,19 +63,27 @@ def label(
     if model is None:
         common.refuse_given(ctx, ["force"], "without --model (the Trace's own model is used)")
     if method != "hybrid":
-        common.refuse_given(ctx, ["exact_top", "exact_frac", "audit", "miss_rate"], "without --method hybrid")
-    given = {"samples": fisher_samples, "exact_top": exact_top, "exact_frac": exact_frac, "audit": audit}
+        common.refuse_given(ctx, ["exact_top", "exact_frac", "audit", "miss_rate", "no_miss_rate"],
+                            "without --method hybrid")
+    given = {"samples": fisher_samples, "exact_top": exact_top, "exact_frac": exact_frac, "audit": audit,
+             "miss_target": miss_rate}
     params = {k: v for k, v in given.items() if v is not None}
-    if method == "hybrid" and not miss_rate:  # the audit only estimates the miss rate: none without it
+    if method == "hybrid" and no_miss_rate:  # the audit only estimates the miss rate: none without it
+        if miss_rate is not None:
+            raise UserError(f"--miss-rate {miss_rate} with --no-miss-rate: the target is bounded from the audit; "
+                            "drop one of them")
         if audit:
             raise UserError(f"--audit {audit} with --no-miss-rate: the audit sample only estimates the miss rate; "
                             "drop --audit or --no-miss-rate")
         params["audit"] = 0
+    if miss_rate is not None and shard is not None:
+        raise UserError("--shard with --miss-rate: the rounds bound the miss rate over the whole run; label it in one "
+                        "process")
 
     cfg = LabelConfig(
         checkpoints=parsing.joined(checkpoints), horizon=horizon, candidates=candidates, granularity=granularity,
         layers=parsing.parse_ints(layers, "--layers"), w_obs=w_obs, batch_size=batch_size, seed=seed, backend=backend,
-        chunk=chunk, method=method, params=params, miss_rate=miss_rate,
+        chunk=chunk, method=method, params=params, miss_rate=not no_miss_rate,
     )
     parsing.parse_shard(shard)
     parsing.check_device_name(device)

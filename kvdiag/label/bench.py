@@ -26,8 +26,10 @@ achieved FLOP/s and MFU against the matmul peak it measures in the same run (``k
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvdiag.kernels.bench import best_seconds, cpu_peak_probe, peak_mb, seconds
@@ -258,3 +260,84 @@ def run_fast_bench(lm: LoadedModel, method: str = "fisher", prefix_len: int = 51
     rho = spearman(eng.label(t, exact_rows)[0]["kl"].mean(1).numpy(), got.numpy())
     return FastBench([LabelBenchRow(name, best[name], k * horizon / best[name], peak_mb(fn, device, probe))
                       for (name, fn), k in zip(methods.items(), labeled, strict=True)], labeled, rho)
+
+
+@dataclass
+class MissRateBench:
+    """``--method hybrid --miss-rate R`` on C windows of real text (checkpoint P each): the Fisher ranking's frontier
+    (exact share -> measured top-decile miss rate, cost) and the rounds' outcome, against exact labels of every
+    entry. Cost: seconds of the Fisher pass of every entry + the exact share x seconds of exact labels of every
+    entry, over the latter (the exact rows a hybrid labels cost what the same rows cost in the all-exact run)."""
+
+    checkpoints: int
+    prefix: int
+    horizon: int
+    exact_seconds: float  # exact labels of every entry of every window (the full-cache runs not timed)
+    fast_seconds: float  # the Fisher pass over every entry of every window
+    frontier: list[dict]  # per exact share: share, missed, harmful, miss_rate, per_checkpoint, cost
+    control: dict  # the rounds' record (adaptive.Control.as_dict + measured miss rate, cost), or why none ran
+    spearman: float  # Fisher vs exact kl_mean, pooled
+
+
+def run_miss_rate_bench(lm: LoadedModel, prefix_len: int = 512, checkpoints: int = 3, horizon: int = 16,
+                        target: float = 0.05, exact_frac: float = 0.1, samples: int = 8, batch_size: int = 64,
+                        backend: str = "auto", seed: int = 0) -> MissRateBench:
+    """Exact labels and the Fisher estimate of every entry of ``checkpoints`` windows of P + H + 1 tokens (disjoint
+    stretches of the builtin problems' text), timed; then the frontier of the Fisher ranking (exact top shares 0.05 ..
+    1) and the rounds of ``kvdiag.label.adaptive`` with the minimum audit (seeded), both read off the exact labels."""
+    from kvdiag.label import adaptive
+    from kvdiag.label.fast import FisherLabeler, FisherParams
+    from kvdiag.stats import spearman
+
+    span = prefix_len + horizon + 1
+    text = bench_tokens(lm, checkpoints * span)
+    device = torch.device(lm.device)
+    exact, fast, exact_s, fast_s = [], [], 0.0, 0.0
+    rows = [Row(p) for p in range(prefix_len)]
+    for c in range(checkpoints):
+        ids = text[c * span : (c + 1) * span]
+        eng = OracleEngine(lm, ids, horizon, batch_size, backend)
+        eng.golden(prefix_len)  # shared work, not timed (as in every bench of this module)
+        out: dict = {}
+        exact_s += seconds(lambda eng=eng, out=out: out.__setitem__("e", eng.label(prefix_len, rows)[0]), device)
+        exact.append(out["e"]["kl"].double().mean(1).numpy())
+        fisher = FisherLabeler(lm, ids, horizon, FisherParams(samples), seed)
+        fisher.golden(prefix_len)
+        fast_s += seconds(lambda f=fisher, out=out: out.__setitem__("f", f.label(prefix_len, rows)), device)
+        fast.append(out["f"]["kl"].double().numpy())
+    n = checkpoints * prefix_len
+
+    def cost(share: float) -> float:
+        return (fast_s + share * exact_s) / exact_s
+
+    frontier = []
+    for share in adaptive.shares(adaptive.STEP):
+        tops = []
+        for f in fast:
+            top = np.zeros(prefix_len, bool)
+            top[adaptive.top_rows(f, share)] = True
+            tops.append(top)
+        got = sum(int(t.sum()) for t in tops) / n
+        frontier.append({"share": got, **adaptive.measured_miss(exact, tops), "cost": cost(got)})
+    first = [math.ceil(exact_frac * prefix_len)] * checkpoints
+    rests = [prefix_len - m for m in first]
+    need = adaptive.min_audit(target, sum(rests), n, exact_frac)
+    control: dict = {"target": target, "exact_frac": exact_frac, "min_audit": need, "candidates": n}
+    if need > sum(rests):
+        control["refused"] = (f"an audit of {need} entries is needed to bound the miss rate below {target}, more than "
+                              f"the {sum(rests)} outside the first exact top: the lowest cost any audit allows is "
+                              "every entry exact")
+    else:
+        gen = np.random.default_rng(seed)
+        ckpts = []
+        for f, e, m, a in zip(fast, exact, first, adaptive.allot(need, rests), strict=True):
+            top = np.zeros(prefix_len, bool)
+            top[np.argsort(-f, kind="stable")[:m]] = True
+            audit = np.zeros(prefix_len, bool)
+            audit[gen.choice(np.flatnonzero(~top), a, replace=False)] = True
+            ckpts.append(adaptive.Checkpoint(f, np.where(top | audit, e, np.nan), top, audit))
+        ctl = adaptive.control(ckpts, target, exact_frac, lambda asks: [exact[i][r] for i, r in asks]).as_dict()
+        measured = adaptive.measured_miss(exact, [c.top | c.audit for c in ckpts])
+        control.update(ctl, **measured, cost=cost(ctl["exact_share"]))
+    rho = spearman(np.concatenate(fast), np.concatenate(exact))
+    return MissRateBench(checkpoints, prefix_len, horizon, exact_s, fast_s, frontier, control, rho)

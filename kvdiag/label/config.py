@@ -55,14 +55,19 @@ class HybridParams:
 
     exact_top : M, the candidates per checkpoint with the largest Fisher labels that are labeled exactly; or
     exact_frac : that number as a share of the checkpoint's candidates (``ceil(f * C)``); one of the two.
-    audit : N, the seeded uniform sample of the other candidates labeled exactly (0: no miss-rate estimate).
+    audit : N, the seeded uniform sample of the other candidates labeled exactly (0: no miss-rate estimate); with
+        ``miss_target``, N per checkpoint on average: N x checkpoints in all, allotted in proportion to their other
+        candidates (``kvdiag.label.adaptive``).
     samples : K of the Fisher label.
+    miss_target : R (``--miss-rate R``): label exactly down the fast ranking in rounds (from ``exact_frac``) until
+        the audit's upper confidence bound on the top-decile miss rate is below R (``kvdiag.label.adaptive``).
     """
 
     exact_top: int | None = None
     exact_frac: float | None = None
     audit: int = 32
     samples: int = 8
+    miss_target: float | None = None
 
     def validate(self) -> None:
         if (self.exact_top is None) == (self.exact_frac is None):
@@ -75,6 +80,33 @@ class HybridParams:
         if self.audit < 0:
             raise UserError(f"--audit {self.audit}: must be >= 0 entries per checkpoint (0: no miss-rate estimate)")
         FisherParams(self.samples).validate()
+        if self.miss_target is not None:
+            if not 0 < self.miss_target < 1:
+                raise UserError(f"--miss-rate {self.miss_target}: the top-decile miss rate to bound, a share in "
+                                "(0, 1), e.g. 0.05")
+            if self.exact_frac is None:
+                raise UserError("--miss-rate grows each checkpoint's exact top by shares of its candidates: give the "
+                                "first round as --exact-frac F (e.g. 0.1), not --exact-top")
+            if self.audit < 1:
+                raise UserError(f"--audit {self.audit}: --miss-rate bounds the miss rate from an audit; pass --audit "
+                                "N > 0 (per checkpoint on average)")
+
+    def check_audit(self, candidates: list[int]) -> list[int]:
+        """With ``miss_target``: the audit of each checkpoint of ``candidates`` rows (``adaptive.allot``); refuses an
+        audit too small to bound the miss rate below the target (``adaptive.min_audit``)."""
+        from kvdiag.label.adaptive import allot, min_audit
+
+        rests = [n - self.top_count(n) for n in candidates]
+        need = min_audit(self.miss_target, sum(rests), sum(candidates), self.exact_frac)
+        if need > sum(rests):
+            raise UserError(f"--miss-rate {self.miss_target}: bounding it needs an audit of {need} entries, more than "
+                            f"the {sum(rests)} candidates outside the exact top of the {len(candidates)} checkpoints; "
+                            "label more checkpoints (or --candidates all) or ask a larger --miss-rate")
+        if self.audit * len(candidates) < need:
+            raise UserError(f"--audit {self.audit}: bounding a miss rate of {self.miss_target} needs {need} audited "
+                            f"entries in all (95%, Clopper-Pearson over the rounds' looks), --audit "
+                            f">= {math.ceil(need / len(candidates))} per checkpoint over these {len(candidates)}")
+        return allot(self.audit * len(candidates), rests)
 
     def top_count(self, candidates: int) -> int:
         """M at a checkpoint of ``candidates`` rows (refusing more than there are)."""
@@ -132,6 +164,9 @@ class LabelConfig:
             if hybrid.audit == 0 and self.miss_rate:
                 raise UserError("--audit 0 leaves no sample to estimate the miss rate from: pass --audit N > 0, or "
                                 "--no-miss-rate")
+            if hybrid.miss_target is not None and self.granularity != "token":
+                raise UserError(f"--miss-rate with --granularity {self.granularity}: the bound is over token entries; "
+                                "use --granularity token")
             self.params = asdict(hybrid)
         else:
             self.method = resolve_method(self.method)
@@ -187,8 +222,12 @@ def work_items(trace, cfg: LabelConfig, prompt_ids: list[str] | None = None) -> 
                                 f"horizon {cfg.horizon})")
             items.append((pid, t))
     if cfg.method == HYBRID and items:  # the exact set and the audit must fit every checkpoint's candidates
-        HybridParams(**cfg.params).check_fits(min(t if cfg.candidates == "all" else min(t, int(cfg.candidates))
-                                                  for _, t in items))
+        hybrid = HybridParams(**cfg.params)
+        sizes = [t if cfg.candidates == "all" else min(t, int(cfg.candidates)) for _, t in items]
+        if hybrid.miss_target is None:
+            hybrid.check_fits(min(sizes))
+        else:
+            hybrid.check_audit(sizes)
     if not items:
         raise UserError(f"--checkpoints {cfg.checkpoints}: no checkpoint fits the Trace (needs t - prompt_len >= "
                         f"W_obs={cfg.w_obs} "

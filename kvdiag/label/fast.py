@@ -16,7 +16,14 @@ evicted predictions has no first-order term at the full model; its second-order 
 3. One more row with the realized tokens gives a linear estimate of ``nll_delta``.
 
 One forward of the H tokens over the shared prefix and K + 1 backward passes (batched over the cotangents)
-label every entry [0, t) of every layer and KV head at once, whatever their number. What the method
+label every entry [0, t) of every layer and KV head at once, whatever their number.
+
+Long horizons run in chunks of C steps (``chunk``), so the graph, the logits and the cotangents [K + 1, C, V] are
+one chunk's: a forward without a graph records each chunk's keys and values; then the chunks are differentiated last
+first, each over the prefix and the earlier chunks' keys and values (leaves), with the cotangents its own keys and
+values received from the later chunks, so every g_k holds all its paths (reverse-mode through the horizon in chunks:
+equal to the one-forward gradient up to rounding). What grows with H is the chunks' keys and values and their
+cotangents (2 L Hkv d values per step, times K + 1). What the method
 cannot give is null: ``kl_max``, ``kl_steps``, ``js_mean``, ``top1_flips``; ``noise_floor`` is 0 (no
 batched-path rounding to measure; an estimate of exactly 0 means the entry is invisible to every query).
 """
@@ -24,7 +31,7 @@ batched-path rounding to measure; an estimate of exactly 0 means the entry is in
 from __future__ import annotations
 
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
@@ -42,20 +49,24 @@ from kvdiag.label.config import (  # noqa: F401  (the methods' API)
 )
 from kvdiag.label.engine import OracleEngine, Row
 from kvdiag.models import LoadedModel
+from kvdiag.schema import CHUNK
 
 FISHER_ATTN = "kvdiag_fisher"
 
 
 @dataclass
 class _Pass:
-    """What one forward records. prefix[l] = (k, v) [Hkv, t, d]; per layer: probs[l] [Hq, W, t] over the prefix,
-    out[l] [1, W, Hq, d] (the attention output, kept in the graph)."""
+    """What one forward (of one chunk) records. prefix[l] = (k, v) [Hkv, t, d]; past[l] = (k, v) [1, Hkv, c0, d] the
+    earlier chunks' keys and values (none at c0 = 0); per layer: probs[l] [Hq, W, t] over the prefix, out[l]
+    [1, W, Hq, d] (the attention output, kept in the graph), kv[l] = (k, v) [1, Hkv, W, d] the chunk's own."""
 
     prefix: list[tuple[torch.Tensor, torch.Tensor]]
     attention: list[LayerAttention]
     start: int  # absolute position of the first horizon token (= t)
     probs: dict[int, torch.Tensor]
     out: dict[int, torch.Tensor]
+    past: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 _PASS: ContextVar[_Pass | None] = ContextVar("kvdiag_fisher_pass", default=None)
@@ -71,10 +82,13 @@ def _fisher_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     pk, pv = rec.prefix[layer]
     n, hq, w, _ = query.shape
     g = hq // pk.shape[0]
-    k = torch.cat([pk[None].expand(n, -1, -1, -1), key], 2).repeat_interleave(g, 1)  # [N, Hq, t + W, d]
-    v = torch.cat([pv[None].expand(n, -1, -1, -1), value], 2).repeat_interleave(g, 1)
-    qpos = torch.arange(rec.start, rec.start + w, device=query.device)
-    kpos = torch.arange(rec.start + w, device=query.device)
+    rec.kv[layer] = (key, value)
+    past = [] if rec.past is None else [rec.past[layer]]
+    k = torch.cat([pk[None].expand(n, -1, -1, -1), *(k for k, _ in past), key], 2).repeat_interleave(g, 1)
+    v = torch.cat([pv[None].expand(n, -1, -1, -1), *(v for _, v in past), value], 2).repeat_interleave(g, 1)
+    first = rec.start + (past[0][0].shape[2] if past else 0)  # absolute position of the chunk's first query
+    qpos = torch.arange(first, first + w, device=query.device)  # k: [N, Hq, t + c0 + W, d]
+    kpos = torch.arange(first + w, device=query.device)
     logits = spec.logits((query @ k.transpose(-1, -2)).float()).masked_fill(spec.hidden(qpos, kpos), float("-inf"))
     # every query sees itself, so no row is all -inf (LayerAttention.softmax's in-place fix-up would break autograd)
     p = torch.softmax(logits, -1) if spec.sinks is None else spec.softmax(logits, heads_dim=1)
@@ -92,11 +106,11 @@ class FisherLabeler:
     """Labels every entry of one prompt's checkpoints with the ``fisher`` estimate; build once per prompt."""
 
     def __init__(self, lm: LoadedModel, token_ids: torch.Tensor, horizon: int | str, params: FisherParams,
-                 seed: int = 0):
+                 seed: int = 0, chunk: int = CHUNK):
         params.validate()
-        # the full-cache run, extended checkpoint by checkpoint; it also says H at each checkpoint (N, or rest).
-        # The estimate itself runs the H tokens in one differentiable forward: its memory grows with H
-        self.golden_engine = OracleEngine(lm, token_ids, horizon)
+        # the full-cache run, extended checkpoint by checkpoint; it also says H at each checkpoint (N, or rest) and
+        # splits it into chunks of ``chunk`` steps (module docstring)
+        self.golden_engine = OracleEngine(lm, token_ids, horizon, chunk=chunk)
         self.model, self.ids, self.horizon, self.params, self.seed = (
             lm.model, self.golden_engine.ids, horizon, params, seed,
         )
@@ -118,23 +132,63 @@ class FisherLabeler:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + t)
         y = torch.multinomial(logp_full.exp().cpu(), K, replacement=True, generator=gen).T.to(self.ids.device)  # [K, W]
         targets = self.ids[t + 1 : t + W + 1]  # realized next tokens (the last step may have none)
-        # cotangents of log P [W, V]: one-hot at y_{k, tau} (rows 0..K-1), at the realized tokens (row K)
-        cot = torch.zeros(K + 1, W, logp_full.shape[-1], device=self.ids.device)
-        cot[:K].scatter_(-1, y[..., None], 1.0)
-        cot[K, torch.arange(len(targets)), targets] = 1.0
-        pos = torch.arange(t, t + W, device=self.ids.device)[None]
-        rec = _Pass(prefix, self.attention.layers, t, {}, {})
-        # one forward (every row's activations are the same), K + 1 backward passes batched (vmap over cotangents)
-        with torch.enable_grad(), attention_context(self.model, FISHER_ATTN, _PASS, rec):
-            logp = torch.log_softmax(
-                self.model(self.ids[None, t : t + W], position_ids=pos, use_cache=False).logits[0].float(), -1
-            )
-            layers = sorted(rec.out)
-            grads = torch.autograd.grad(logp, [rec.out[l] for l in layers], grad_outputs=cot, is_grads_batched=True)
+        spans = self.golden_engine.spans(t)
+        # the chunks' own keys and values (no graph), which the later chunks read: none when one chunk holds H
+        kv: list[list] = []
+        for c0, c1 in spans[:-1]:
+            kv.append(self._forward(t, prefix, c0, c1, self._past(kv))[1])
+        kv_cot: list[list | None] = [None] * len(spans)  # per chunk, per layer: (dk, dv) [K + 1, 1, Hkv, W_c, d]
         out = torch.zeros(K + 1, self.num_layers, self.num_kv_heads, t)
-        for l, g in zip(layers, grads, strict=True):
-            out[:, l] = self._layer_effect(rec.probs[l], rec.out[l][0].detach(), prefix[l][1], g[:, 0])
+        for c in reversed(range(len(spans))):  # last chunk first: its cotangents reach the earlier chunks' k, v
+            c0, c1 = spans[c]
+            # cotangents of log P [W_c, V]: one-hot at y_{k, tau} (rows 0..K-1), at the realized tokens (row K)
+            cot = torch.zeros(K + 1, c1 - c0, logp_full.shape[-1], device=self.ids.device)
+            cot[:K].scatter_(-1, y[:, c0:c1, None], 1.0)
+            real = targets[c0:c1]
+            cot[K, torch.arange(len(real)), real] = 1.0
+            past = None if c == 0 else [(k.requires_grad_(), v.requires_grad_()) for k, v in self._past(kv[:c])]
+            with torch.enable_grad():
+                logp, rec = self._forward(t, prefix, c0, c1, past, grad=True)
+                layers = sorted(rec.out)
+                outputs, cots = [logp], [cot]
+                if kv_cot[c] is not None:  # what the later chunks read of this one's keys and values
+                    for l in layers:
+                        outputs += list(rec.kv[l])
+                        cots += list(kv_cot[c][l])
+                inputs = [rec.out[l] for l in layers] + ([x for l in layers for x in past[l]] if past else [])
+                # one forward (every row's activations are the same), K + 1 backward passes batched (vmap)
+                grads = torch.autograd.grad(outputs, inputs, grad_outputs=cots, is_grads_batched=True)
+            for l, g in zip(layers, grads[: len(layers)], strict=True):
+                out[:, l] += self._layer_effect(rec.probs[l], rec.out[l][0].detach(), prefix[l][1], g[:, 0])
+            if past:  # split the earlier chunks' cotangents by chunk and add them up
+                for l, (dk, dv) in zip(layers, zip(grads[len(layers) :: 2], grads[len(layers) + 1 :: 2],
+                                                       strict=True), strict=True):
+                    for e, (e0, e1) in enumerate(spans[:c]):
+                        kv_cot[e] = kv_cot[e] or [[0, 0] for _ in range(self.num_layers)]
+                        kv_cot[e][l][0] = kv_cot[e][l][0] + dk[..., e0:e1, :]
+                        kv_cot[e][l][1] = kv_cot[e][l][1] + dv[..., e0:e1, :]
         return out[:K], out[K]
+
+    @staticmethod
+    def _past(chunks: list[list]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """The keys and values [1, Hkv, c0, d] per layer of ``chunks`` (the earlier chunks', each per layer (k, v)),
+        joined along the steps; None before the first chunk."""
+        if not chunks:
+            return None
+        return [tuple(torch.cat([c[l][i] for c in chunks], 2).detach() for i in (0, 1)) for l in range(len(chunks[0]))]
+
+    def _forward(self, t: int, prefix, c0: int, c1: int, past, grad: bool = False):
+        """Steps [c0, c1) of the horizon at checkpoint ``t`` over the prefix and ``past`` (:meth:`_past`): (log P
+        [W_c, V] fp32, the pass's record), or, without ``grad``, (None, its keys and values per layer, detached)."""
+        pos = torch.arange(t + c0, t + c1, device=self.ids.device)[None]
+        rec = _Pass(prefix, self.attention.layers, t, {}, {}, past)
+        with attention_context(self.model, FISHER_ATTN, _PASS, rec):
+            if not grad:
+                with torch.no_grad():
+                    self.model(self.ids[None, t + c0 : t + c1], position_ids=pos, use_cache=False, logits_to_keep=1)
+                return None, [tuple(x.detach() for x in rec.kv[l]) for l in sorted(rec.kv)]
+            logits = self.model(self.ids[None, t + c0 : t + c1], position_ids=pos, use_cache=False).logits[0]
+        return torch.log_softmax(logits.float(), -1), rec
 
     @staticmethod
     def _layer_effect(p: torch.Tensor, o: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

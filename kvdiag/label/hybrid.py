@@ -42,7 +42,8 @@ class HybridLabeler:
                  seed: int = 0, batch_size: int = 64, backend: str = "auto", chunk: int = CHUNK):
         params.validate()
         self.params, self.seed = params, seed
-        self.fisher = FisherLabeler(lm, token_ids, horizon, FisherParams(params.samples), seed)
+        self.fisher = FisherLabeler(lm, token_ids, horizon, FisherParams(params.samples), seed, chunk)
+        self.batch_size, self.backend, self.chunk = batch_size, backend, chunk
         self.exact = OracleEngine(lm, token_ids, horizon, batch_size, backend, chunk=chunk)
         self.num_layers, self.num_kv_heads = self.exact.num_layers, self.exact.num_kv_heads
         self.horizon = horizon
@@ -54,9 +55,10 @@ class HybridLabeler:
         self.fisher.golden(t)
         return self.exact.golden(t)
 
-    def label(self, t: int, rows: list[Row], progress=None) -> dict:
-        """Per row: ``method``, ``kl [N]`` (the exact kl_mean, or the Fisher estimate), ``nll_delta``, and for the
-        exact rows ``kl_steps`` [H], ``js``, ``flips``; the checkpoint's ``noise`` floor; the audit's ``rest`` size."""
+    def label(self, t: int, rows: list[Row], progress=None, audit: int | None = None) -> dict:
+        """Per row: ``method``, ``kl [N]`` (the exact kl_mean, or the Fisher estimate), ``fast_kl`` [N] (the Fisher
+        estimate of every row), ``nll_delta``, and for the exact rows ``kl_steps`` [H], ``js``, ``flips``; the
+        checkpoint's ``noise`` floor; the audit's ``rest`` size. ``audit``: its size here (default ``params.audit``)."""
         n = len(rows)
         fast = self.fisher.label(t, rows)
         est = fast["kl"].double()
@@ -64,7 +66,8 @@ class HybridLabeler:
         top = torch.sort(est, descending=True, stable=True).indices[:m].tolist()  # ties: the older candidate first
         rest = sorted(set(range(n)) - set(top))
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + t + 7)
-        audit = sorted(rest[i] for i in torch.randperm(len(rest), generator=gen)[: self.params.audit].tolist())
+        size = self.params.audit if audit is None else audit
+        audit = sorted(rest[i] for i in torch.randperm(len(rest), generator=gen)[:size].tolist())
         chosen = sorted(top) + audit
         method = ["fast"] * n
         for j in top:
@@ -88,7 +91,8 @@ class HybridLabeler:
             js[j], flips[j] = float(exact["js"][k].double().mean()), int(exact["flips"][k])
         if progress is not None:
             progress(n - len(chosen))
-        return {"method": method, "kl": kl.tolist(), "nll_delta": nll.tolist(), "kl_steps": steps, "kl_max": kl_max,
+        return {"method": method, "kl": kl.tolist(), "fast_kl": est.tolist(),
+                "nll_delta": nll.tolist(), "kl_steps": steps, "kl_max": kl_max,
                 "js_mean": js, "top1_flips": flips, "noise": noise, "rest": len(rest)}
 
 

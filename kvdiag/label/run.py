@@ -22,7 +22,7 @@ from kvdiag.distributed import Group, parse_shard
 from kvdiag.errors import UserError
 from kvdiag.io import check_writable, write_table
 from kvdiag.label.config import HYBRID, LabelConfig, check_horizon_fits, work_items  # noqa: F401  (run's API)
-from kvdiag.label.engine import OracleEngine, candidate_rows
+from kvdiag.label.engine import OracleEngine, Row, candidate_rows
 from kvdiag.label.fast import APPROXIMATE
 from kvdiag.label.hybrid import HybridLabeler, HybridParams, miss_rate
 from kvdiag.models import LoadedModel, check_device, load_model, parse_dtype
@@ -61,15 +61,17 @@ def make_engine(lm: LoadedModel, token_ids, cfg: LabelConfig):
         return HybridLabeler(lm, token_ids, cfg.horizon, HybridParams(**cfg.params), cfg.seed, cfg.batch_size,
                              cfg.backend, cfg.chunk)
     labeler, params = APPROXIMATE[cfg.method]
-    return labeler(lm, token_ids, cfg.horizon, params(**cfg.params), cfg.seed)
+    return labeler(lm, token_ids, cfg.horizon, params(**cfg.params), cfg.seed, chunk=cfg.chunk)
 
 
-def label_item(engine, trace: Trace, pid: str, t: int, cfg: LabelConfig, token_ids, progress=None) -> pl.DataFrame:
-    """Label one checkpoint; returns its rows in ``LABEL_SCHEMA``."""
+def label_item(engine, trace: Trace, pid: str, t: int, cfg: LabelConfig, token_ids, progress=None,
+               audit: int | None = None) -> pl.DataFrame:
+    """Label one checkpoint; returns its rows in ``LABEL_SCHEMA`` (hybrid: ``audit`` rows audited, default its
+    setting's)."""
     positions = sample_candidates(t, cfg.candidates, cfg.seed)
     rows = candidate_rows(positions, cfg.granularity, engine.num_layers, engine.num_kv_heads, cfg.layers)
     if isinstance(engine, HybridLabeler):
-        return _hybrid_item(engine, pid, t, cfg, rows, token_ids, progress)
+        return _hybrid_item(engine, pid, t, cfg, rows, token_ids, progress, audit)
     if not isinstance(engine, OracleEngine):
         return _approximate_item(engine, pid, t, cfg, rows, token_ids, progress)
     res, noise = engine.label(t, rows, progress=progress)
@@ -101,10 +103,12 @@ def _approximate_item(labeler, pid: str, t: int, cfg: LabelConfig, rows, token_i
     }, schema=LABEL_SCHEMA)
 
 
-def _hybrid_item(labeler, pid: str, t: int, cfg: LabelConfig, rows, token_ids, progress=None) -> pl.DataFrame:
+def _hybrid_item(labeler, pid: str, t: int, cfg: LabelConfig, rows, token_ids, progress=None,
+                 audit: int | None = None) -> pl.DataFrame:
     """Hybrid rows: the exact label where ``method`` is exact-top or exact-audit, the Fisher estimate (kl_mean,
-    nll_delta; the rest null) where it is fast; every row the checkpoint's measured noise floor."""
-    res = labeler.label(t, rows, progress)
+    nll_delta; the rest null) where it is fast; every row the checkpoint's measured noise floor and its Fisher
+    estimate (``fast_kl_mean``)."""
+    res = labeler.label(t, rows, progress, audit)
     n = len(rows)
     return pl.DataFrame({
         "prompt_id": [pid] * n, "checkpoint": [t] * n, "position": [r.position for r in rows],
@@ -112,8 +116,8 @@ def _hybrid_item(labeler, pid: str, t: int, cfg: LabelConfig, rows, token_ids, p
         "horizon": [labeler.steps(t)] * n, "kl_mean": res["kl"], "kl_max": res["kl_max"], "kl_steps": res["kl_steps"],
         "js_mean": res["js_mean"], "nll_delta": res["nll_delta"], "top1_flips": res["top1_flips"],
         "noise_floor": [res["noise"]] * n, "age": [t - r.position for r in rows],
-        "token_id": [int(token_ids[r.position]) for r in rows], "method": res["method"],
-    }, schema={**LABEL_SCHEMA, "method": pl.String})
+        "token_id": [int(token_ids[r.position]) for r in rows], "method": res["method"], "fast_kl_mean": res["fast_kl"],
+    }, schema={**LABEL_SCHEMA, "method": pl.String, "fast_kl_mean": pl.Float64})
 
 
 def labels_meta(trace: Trace, lm: LoadedModel, cfg: LabelConfig) -> dict:
@@ -149,6 +153,12 @@ def label_trace(
     meta = labels_meta(trace, lm, cfg)
     items = work_items(trace, cfg)
     _stamp_parts(parts, meta)
+    hybrid = HybridParams(**cfg.params) if cfg.method == HYBRID else None
+    target = None if hybrid is None else hybrid.miss_target
+    if target is not None and shard[1] > 1:
+        raise UserError("--miss-rate bounds the miss rate over the whole run: label it in one process, not sharded")
+    audits = {} if target is None else dict(zip(items, hybrid.check_audit(
+        [len(sample_candidates(t, cfg.candidates, cfg.seed)) for _, t in items]), strict=True))
     mine = [it for i, it in enumerate(items) if i % shard[1] == shard[0]]
     todo = [it for it in mine if not parts.done(checkpoint_part(*it))]
     n_rows = len(candidate_rows([0], cfg.granularity, trace.num_layers, trace.num_kv_heads, cfg.layers))
@@ -172,10 +182,14 @@ def label_trace(
                     continue
                 total = min(t, int(cfg.candidates)) if cfg.candidates != "all" else t
                 progress.reset(cand_task, total=total * n_rows, description=f"  {pid} @ {t}")
-                df = label_item(engine, trace, pid, t, cfg, ids, progress=lambda k: progress.advance(cand_task, k))
+                df = label_item(engine, trace, pid, t, cfg, ids, progress=lambda k: progress.advance(cand_task, k),
+                                audit=audits.get((pid, t)))
                 parts.write(checkpoint_part(pid, t), df, meta)
                 progress.advance(item_task)
+    control = None if target is None or not merge else miss_rate_rounds(trace, lm, parts, items, cfg, meta)
     if merge:
+        if control is not None:
+            meta = {**meta, "miss_rate_control": control.as_dict()}
         merged = parts.merge(
             [checkpoint_part(*it) for it in items], out, meta,
             sort=["prompt_id", "checkpoint", "position", "layer", "kv_head"], schema=LABEL_SCHEMA,
@@ -188,6 +202,62 @@ def label_trace(
 
             Console(stderr=True, soft_wrap=True).print(f"[bold yellow]warning:[/] {warning}", highlight=False)
     return out
+
+
+def miss_rate_rounds(trace: Trace, lm: LoadedModel, parts: PartStore, items: list[tuple[str, int]], cfg: LabelConfig,
+                     meta: dict):
+    """``--miss-rate R`` (``kvdiag.label.adaptive``): the rounds after every checkpoint has its round 0 (its part),
+    each labeling the next rows down the Fisher ranking exactly (one oracle engine per prompt, its checkpoints in
+    order) and rewriting the parts, until the bound is below R. A rerun recomputes the rounds from the parts (the
+    rows already exact are not labeled again). Returns the ``adaptive.Control``."""
+    import numpy as np
+
+    from kvdiag.label import adaptive
+
+    hybrid = HybridParams(**cfg.params)
+    frames = [pl.read_parquet(parts.path(checkpoint_part(*it))).sort("position") for it in items]
+    ckpts = [adaptive.Checkpoint(
+        fast=df["fast_kl_mean"].to_numpy().astype(float),
+        exact=np.where(df["method"].to_numpy() != "fast", df["kl_mean"].to_numpy(), np.nan),
+        top=(df["method"] == "exact-top").to_numpy().copy(), audit=(df["method"] == "exact-audit").to_numpy().copy(),
+    ) for df in frames]
+
+    def label(asks: list[tuple[int, np.ndarray]]) -> list[np.ndarray]:
+        by_prompt: dict[str, list[tuple[int, np.ndarray]]] = {}
+        for i, rows in asks:
+            by_prompt.setdefault(items[i][0], []).append((i, rows))
+        values: dict[int, np.ndarray] = {}
+        for pid, group in by_prompt.items():
+            ids = trace.token_ids(pid)
+            engine = OracleEngine(lm, ids, cfg.horizon, cfg.batch_size, cfg.backend, chunk=cfg.chunk)
+            for i, rows in sorted(group, key=lambda g: items[g[0]][1]):  # ascending: the engine extends its cache
+                t, df = items[i][1], frames[i]
+                res, _ = engine.label(t, [Row(int(p)) for p in df["position"].to_numpy()[rows]])
+                kl = res["kl"].double()
+                values[i] = kl.mean(1).numpy()
+                update = pl.DataFrame({
+                    "position": df["position"].to_numpy()[rows], "kl_mean": values[i],
+                    "kl_max": kl.amax(1).numpy(), "kl_steps": kl.tolist(),
+                    "js_mean": res["js"].double().mean(1).numpy(),
+                    "nll_delta": res["nll_delta"].double().mean(1).numpy(),
+                    "top1_flips": res["flips"].numpy().astype(np.int64), "method": ["exact-top"] * len(rows),
+                })
+                frames[i] = df = df.update(update.cast({k: df.schema[k] for k in update.columns}), on="position")
+                parts.write(checkpoint_part(*items[i]), df, meta)
+        return [values[i] for i, _ in asks]
+
+    def mark_top(i: int, rows: np.ndarray) -> None:  # audited rows the exact top reaches are exact already
+        df = frames[i]
+        top = np.zeros(df.height, bool)
+        top[rows] = True
+        frames[i] = df.with_columns(method=pl.when(pl.Series(top)).then(pl.lit("exact-top")).otherwise("method"))
+
+    ctl = adaptive.control(ckpts, hybrid.miss_target, hybrid.exact_frac, label)
+    for i, c in enumerate(ckpts):  # the parts say which rows ended in the exact top
+        if (frames[i]["method"] == "exact-top").sum() != c.top.sum():
+            mark_top(i, np.flatnonzero(c.top))
+            parts.write(checkpoint_part(*items[i]), frames[i], meta)
+    return ctl
 
 
 # warn when the median label is within this factor of the median noise floor: measured on SmolLM2 (docs/labels.md,

@@ -20,3 +20,5 @@ done
 .venv/bin/python $R/analyze.py
 # the committed inputs of report.md (what analyze.py reads, tests/test_reports.py regenerates report.md from them)
 .venv/bin/python $R/inputs.py
+# the cost / miss-rate frontier of the Fisher ranking and of --miss-rate R's rounds, from the committed inputs
+.venv/bin/python $R/miss_rate.py
