@@ -48,6 +48,11 @@ def grade(
     from kvdiag.grade import RANK_METRICS, grade_files  # the stage, once the arguments are checked
     from kvdiag.stats import format_test
 
+    if horizon is not None:  # refused on the benchmark's own files, before transformers is imported
+        from kvdiag import benchmark as bench_mod
+        from kvdiag.grade import horizon_plan
+
+        horizon_plan(bench_mod.load(bench), horizon)
     common.quiet_transformers()
     name = "all" if all_ else Path(rule_spec).stem
     res = grade_files(rule_spec, bench, out or Path("runs/grade") / name, rule=rule, params=params,
