@@ -210,6 +210,17 @@ def decode(lm: LoadedModel, prompt: list[int], policy: Policy | None = None, max
                         sampling, [sample])[0]
 
 
+def batch_args(prompts: list[list[int]], max_new_tokens: int, prompt_ids: list[str] | None,
+               sampling: Sampling | None, samples: list[int] | None) -> tuple:
+    """The checks and defaults a decoded batch shares (loop or ``generate``): (b, P, prompt_ids, sampling, samples)."""
+    if max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens {max_new_tokens}: must be a positive number of tokens")
+    if len({len(p) for p in prompts}) != 1:
+        raise ValueError("one batch needs prompts of one length")
+    b = len(prompts)
+    return b, len(prompts[0]), prompt_ids or [""] * b, sampling or Sampling(), samples or [0] * b
+
+
 @torch.no_grad()
 def decode_batch(
     lm: LoadedModel, prompts: list[list[int]], policies: list[Policy | None], max_new_tokens: int = 512,
@@ -224,13 +235,7 @@ def decode_batch(
     A checkpoint follows every ``interval`` generated tokens: after the query at position ``t - 1`` produced the
     token at ``t`` (from the cache as it was), the cache is compacted, and the token at ``t`` is fed to it.
     """
-    if max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens {max_new_tokens}: must be a positive number of tokens")
-    if len({len(p) for p in prompts}) != 1:
-        raise ValueError("one batch needs prompts of one length")
-    b, P = len(prompts), len(prompts[0])
-    prompt_ids = prompt_ids or [""] * b
-    sampling, samples = sampling or Sampling(), samples or [0] * b
+    b, P, prompt_ids, sampling, samples = batch_args(prompts, max_new_tokens, prompt_ids, sampling, samples)
     draws = [sampling.generator(pid, s) for pid, s in zip(prompt_ids, samples, strict=True)]
     session = Session(lm, policies, prompt_ids, P, o_proj, keep_history)
     ids, rows, eos = [list(p) for p in prompts], [[] for _ in prompts], eos_ids(lm)

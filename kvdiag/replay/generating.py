@@ -14,10 +14,9 @@ from __future__ import annotations
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from kvdiag.errors import UserError
 from kvdiag.generate import EvictingCache, Policy, PositionedCache, observing
 from kvdiag.models import LoadedModel
-from kvdiag.replay.decoding import Decoded, eos_ids
+from kvdiag.replay.decoding import Decoded, batch_args, eos_ids
 from kvdiag.replay.sampling import Sampling
 
 
@@ -50,13 +49,7 @@ def generate_batch(
     """As :func:`~kvdiag.replay.decoding.decode_batch` (rows of one prompt length, one budget and interval or all the
     full cache), through ``model.generate``; ``cache_out`` (a list) receives the cache (benchmarks read its
     ``seconds``)."""
-    if max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens {max_new_tokens}: must be a positive number of tokens")
-    if len({len(p) for p in prompts}) != 1:
-        raise ValueError("one batch needs prompts of one length")
-    b, P = len(prompts), len(prompts[0])
-    prompt_ids = prompt_ids or [""] * b
-    sampling, samples = sampling or Sampling(), samples or [0] * b
+    b, P, prompt_ids, sampling, samples = batch_args(prompts, max_new_tokens, prompt_ids, sampling, samples)
     model, device = lm.model, lm.model.device
     if {p is None for p in policies} == {True}:
         cache = PositionedCache.for_model(model)
