@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvdiag.errors import UserError
+from kvdiag.families import FAMILIES, MLA, Family, layer_windows  # noqa: F401  (the adapter's API)
 
 
 @dataclass(frozen=True)
@@ -103,56 +104,6 @@ def as_layer_attention(attn: LayerAttention | float) -> LayerAttention:
     return attn if isinstance(attn, LayerAttention) else LayerAttention(float(attn))
 
 
-@dataclass(frozen=True)
-class Family:
-    """How one ``model_type`` attends.
-
-    windows : ``none`` (every layer full), ``config`` (every layer ``config.sliding_window``, full when None),
-        ``layer_types`` (``config.layer_types[i]``: sliding_attention -> ``config.sliding_window``).
-    softcap : the config attribute holding the attention logit softcap the model passes to attention, or None.
-    sinks : learned per-head sink logits (``module.sinks``, passed as ``s_aux``).
-    refuse : why the family is refused (None = supported).
-    kvpress : why NVIDIA kvpress presses cannot be graded on this family (None = they can): kvpress recomputes queries
-        with ``q_proj``/``head_dim`` and full-width RoPE tables, which some families do not have.
-    """
-
-    windows: str = "none"
-    softcap: str | None = None
-    sinks: bool = False
-    refuse: str | None = None
-    kvpress: str | None = None
-
-    @property
-    def needs_eager(self) -> bool:
-        """SDPA cannot express a softcap or sinks: such models run (and are recorded) with eager attention."""
-        return self.softcap is not None or self.sinks
-
-
-MLA = ("multi-head latent attention (MLA): the cache holds a compressed latent and q/k (nope + rope) and v "
-       "head dims differ; kvdiag records and evicts per-head K/V only")
-
-FAMILIES: dict[str, Family] = {
-    "llama": Family(),
-    "qwen2": Family(windows="layer_types"),
-    "qwen3": Family(windows="layer_types"),
-    "qwen3_moe": Family(windows="config"),
-    "mistral": Family(windows="config"),
-    "phi3": Family(windows="config", kvpress="partial rotary: kvpress rotates the whole head dim with RoPE tables of "
-                   "the rotary dims only"),
-    "olmo2": Family(),
-    "granite": Family(),
-    "cohere": Family(),
-    "smollm3": Family(windows="layer_types"),
-    "gpt_neox": Family(kvpress="a fused query_key_value projection and no head_dim: kvpress cannot recompute its "
-                       "queries"),
-    "gemma2": Family(windows="layer_types", softcap="attn_logit_softcapping"),
-    "gemma3_text": Family(windows="layer_types"),  # Gemma3 never passes its softcap to attention
-    "gpt_oss": Family(windows="layer_types", sinks=True, kvpress="half-width RoPE tables (cos/sin of d/2): kvpress's "
-                      "RoPE math needs full-width ones"),
-    "deepseek_v2": Family(refuse=MLA),
-    "deepseek_v3": Family(refuse=MLA),
-}
-
 # keyword arguments transformers passes to attention functions that do not change attention semantics;
 # the semantic ones (sliding_window, softcap, s_aux) are checked against the adapter, anything else refused
 BENIGN_KWARGS = frozenset(
@@ -184,22 +135,6 @@ def family_of(config, what: str = "--model") -> tuple[str, Family]:
     if any(w is not None and w < 1 for w in windows):
         raise UserError(f"{what}: sliding window {windows} is not a positive number of tokens")
     return mt, fam
-
-
-def layer_windows(cfg, fam: Family) -> list[int | None]:
-    """Per-layer sliding window (None = full causal), as the family's masks define it."""
-    L = cfg.num_hidden_layers
-    if fam.windows == "none":
-        return [None] * L
-    window = getattr(cfg, "sliding_window", None)
-    if fam.windows == "config":
-        return [window] * L
-    types = getattr(cfg, "layer_types", None) or ["full_attention"] * L
-    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
-    if unknown:
-        raise UserError(f"--model: layer types {unknown} ({cfg.model_type}) are not supported by kvdiag "
-                        "(only full and sliding-window attention are honoured exactly)")
-    return [window if t == "sliding_attention" else None for t in types]
 
 
 @dataclass

@@ -97,6 +97,16 @@ TINY: dict[str, tuple[str, dict]] = {
 }
 
 
+# the decoder model_type of each tiny family's config class (tests/test_bad_input.py: transformers' family_of says so)
+TINY_MODEL_TYPES = {
+    "LlamaConfig": "llama", "Qwen2Config": "qwen2", "Qwen3Config": "qwen3", "Qwen3MoeConfig": "qwen3_moe",
+    "MistralConfig": "mistral", "Phi3Config": "phi3", "Olmo2Config": "olmo2", "GraniteConfig": "granite",
+    "CohereConfig": "cohere", "SmolLM3Config": "smollm3", "GPTNeoXConfig": "gpt_neox", "Gemma2Config": "gemma2",
+    "Gemma3TextConfig": "gemma3_text", "Gemma3Config": "gemma3_text", "GptOssConfig": "gpt_oss",
+    "DeepseekV2Config": "deepseek_v2", "DeepseekV3Config": "deepseek_v3",
+}
+
+
 def check_model_spec(spec: str) -> str:
     """Refuse what is wrong with ``--model spec`` before it loads: an unknown ``tiny:`` family, a missing ``.gguf``
     file (a hub id or directory is checked when it loads)."""
@@ -115,7 +125,8 @@ EMBEDDED_CONFIG: dict[str, dict] = {
     "smollm2": dict(model_type="llama", num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                     max_position_embeddings=8192),
     "gemma3-270m": dict(model_type="gemma3_text", num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
-                        max_position_embeddings=32768),
+                        max_position_embeddings=32768, sliding_window=512,  # every sixth layer full
+                        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)]),
 }
 # config.json field -> the Trace manifest's model entry field (kvdiag.models.LoadedModel.info) it must equal
 RECORDED = {"model_type": ("attention", "family"), "num_hidden_layers": ("num_layers",),
@@ -234,3 +245,19 @@ def known_shape(spec: str) -> dict | None:
     if config is None:
         return None
     return {k: config.get(k) for k in ("num_hidden_layers", "max_position_embeddings")}
+
+
+def spec_windows(spec: str) -> list[int | None] | None:
+    """Per-layer sliding window (None: full) of the model ``--model spec`` names, from its config alone
+    (:func:`spec_config`, :func:`kvdiag.families.config_windows`), or None when only its load can tell."""
+    from kvdiag.families import config_windows
+
+    try:
+        config = spec_config(spec)
+    except UserError:
+        return None  # a missing directory or unreadable config.json: refused where it loads
+    if config is None:
+        return None
+    model_type = TINY_MODEL_TYPES[TINY[spec.split(":", 1)[1]][0]] if spec.startswith("tiny:") else \
+        config.get("model_type")
+    return config_windows(config, model_type)

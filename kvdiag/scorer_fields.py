@@ -10,6 +10,7 @@ tests/test_bad_input.py checks that the table is the registry's: every field's a
 from __future__ import annotations
 
 import builtins
+from dataclasses import dataclass
 
 from kvdiag.errors import UserError
 from kvdiag.parsing import coerce
@@ -53,6 +54,68 @@ HISTORY_BY_INSTANCE = ("vatp", "fitted")  # needs_history is a property of the i
 # the built-ins whose default instance runs on a live cache (kvdiag.generate.live.live_scorer_names)
 LIVE = tuple(n for n in FIELDS if n not in HISTORY + HISTORY_BY_INSTANCE)
 IN_ALL = tuple(n for n in FIELDS if n != "fitted")  # `--scorers all` (fitted needs its model path)
+# name -> the class's ``protects``: (the field W of the newest entries it never evicts, age <= W; the field S of the
+# first ones, position < S); a built-in not named protects nothing
+PROTECTS: dict[str, tuple[str | None, str | None]] = {
+    "h2o": ("recent_size", None), "snapkv": ("window", None), "rkv": ("window", None),
+    "streamingllm": (None, "n_sink"), "lazyeviction": ("window", None), "value_norm": (None, "n_sink"),
+    "vatp": (None, "n_sink"), "vase": ("window", "n_sink"), "cake": ("window", None), "obcache": ("window", None),
+    **{n: ("w_delay", None) for n in FIELDS if n.startswith("avokv_e")},
+}
+# name -> the class's ``window_field``: the field replay's --w-obs sets (kvdiag.generate.live.make_scorer)
+WINDOW_FIELD = {**{n: "window" for n in ("attention", "attention_x_age", "snapkv", "rkv", "vatp", "vase", "cake",
+                                         "obcache")}, **{n: "w_obs" for n in FIELDS if n.startswith("avokv_e")}}
+
+
+@dataclass(frozen=True)
+class Protected:
+    """The entries a rule never evicts: the ``recent`` newest (age <= recent) and the ``sinks`` first (position <
+    sinks). The one definition: ``Scorer.protected`` is its :meth:`mask`, replay's budget check its :meth:`most`."""
+
+    recent: int = 0
+    sinks: int = 0
+
+    def mask(self, age, position):
+        """[n] bool of ``age [n]`` (checkpoint - position, >= 1) and ``position [n]`` (tensors or arrays)."""
+        return (age <= self.recent) | (position < self.sinks)
+
+    def most(self, n: int) -> int:
+        """The most entries protected in a cache of ``n`` entries, over every split of it into the oldest positions
+        and the newest ages (``kvdiag.generate.live.protected_count`` measures it on any ``protected()``)."""
+        return min(n, self.recent + self.sinks)
+
+
+def protected_span(protects: tuple[str | None, str | None], values) -> Protected | None:
+    """The :class:`Protected` entries of a rule declaring ``protects`` whose fields hold ``values`` (a dict, or the
+    scorer itself); None when a field is not a number yet (avokv_e_no_delay's ``w_delay`` None follows ``w_obs`` in
+    the class)."""
+    get = values.get if isinstance(values, dict) else (lambda f: getattr(values, f))
+    recent, sinks = (0 if f is None else get(f) for f in protects)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (recent, sinks)):
+        return None
+    return Protected(recent, sinks)
+
+
+def live_protected(name: str, params: dict | None, w_obs: int | None, n: int) -> int | None:
+    """The most entries the built-in ``name`` with ``params`` (``w_obs`` in its window field unless ``params`` set it)
+    protects in a live cache of ``n`` entries, told without torch; None for a plugin, a prefixed name or a span only
+    the class can tell."""
+    values = builtin_params(name, params)
+    if values is None:
+        return None
+    field = WINDOW_FIELD.get(name)
+    if w_obs is not None and field is not None and field not in (params or {}):
+        values[field] = w_obs
+    span = protected_span(PROTECTS.get(name, (None, None)), values)
+    return None if span is None else span.most(n)
+
+
+def check_budget_fits(name: str, protected: int, budget: int, n: int) -> None:
+    """Refuse a ``budget`` below the ``protected`` entries the rule ``name`` always keeps in a live cache of ``n``."""
+    if protected > budget:
+        raise UserError(
+            f"--budget {budget} is smaller than the {protected} entries {name} always keeps (its protected windows at "
+            f"{n} cached entries); use --budget >= {protected} or shrink its windows with --param/--w-obs")
 
 
 def annotation(name: str, field: str):

@@ -778,10 +778,6 @@ PLUGIN_FILES = {"import": "import_error"}  # a plugin file named import.py would
 
 # Rows whose refusal needs what only torch, transformers or a stage gives, each with why; every other row is refused
 # before torch is imported (test_refused_before_torch).
-NEEDS_WINDOWS = ("which layers slide and how far is what transformers' config class makes of config.json (its "
-                 "defaults and rewrites: qwen's use_sliding_window, gemma3's window, layer_types derived from "
-                 "patterns); config.json read as JSON would re-implement each class (kvdiag.adapters.layer_windows "
-                 "reads the class)")
 NEEDS_TOKENIZER = ("the exact token count is the model's tokenizer and chat template, loaded through transformers (the "
                    "tokenizers library alone applies no chat template); the tokenizer-free lower bound "
                    "(kvdiag.suites.min_tokens) stays below this row's limit")
@@ -792,10 +788,6 @@ NEEDS_SCORES = "the fault shows only when the plugin's score() runs on a Trace's
 HEAVY: dict[str, str] = {
     "replay-suite-length": "each prompt's token count is the input checked: " + NEEDS_TOKENIZER,
     "replay-suite-max-new-tokenized": "the exact count of the answer's tokens is the input checked: " + NEEDS_TOKENIZER,
-    "replay-budget-protected": ("the entries a rule protects are its protected() on a live cache of budget + interval "
-                                "entries (torch tensors); a torch-free copy of every rule's protection would be a "
-                                "second definition of it"),
-    "replay-sliding-budget-evicts-nothing": NEEDS_WINDOWS, "replay-sliding-per-token": NEEDS_WINDOWS,
     "score-plugin-exits": NEEDS_PLUGIN, "grade-plugin-exits": NEEDS_PLUGIN,
     "score-plugin-raises": NEEDS_SCORES, "score-plugin-returns-list": NEEDS_SCORES,
 }

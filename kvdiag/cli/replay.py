@@ -85,10 +85,10 @@ def replay(
     check_outputs({"--out": (out, "dir")}, {"--teacher-forced": teacher_forced, "--outcomes": outcomes,
                                            "--auroc": auroc, "--prompts": prompts, "--plugin": plugin})
     from kvdiag.io import check_table
-    from kvdiag.model_specs import check_model_spec
+    from kvdiag.model_specs import check_model_spec, spec_windows
     from kvdiag.plugin_check import check_plugin_files
     from kvdiag.prompts import DEFAULT_INSTRUCTION, load_prompts
-    from kvdiag.replay.settings import ReplaySettings, check_options, check_outcomes, replayed_prompts
+    from kvdiag.replay.settings import ReplaySettings, check_budgets, check_options, check_outcomes, replayed_prompts
     from kvdiag.scorer_fields import check_live_names, check_params
     from kvdiag.scorer_names import ORACLE, REPLAY_ONLY, check_scorer_names
     from kvdiag.suites import check_generation_room, select_components
@@ -128,6 +128,8 @@ def replay(
     parsing.check_backend(backend)
     if teacher_forced is not None:
         trace_files = TraceFiles(teacher_forced)
+        recorded = trace_files.manifest["model"].get("attention") or {}
+        check_budgets(settings, spec_windows(model) if model is not None else recorded.get("windows"))
         if outcomes is not None:
             check_outcomes(outcomes, replayed_prompts(trace_files, limit))
         if auroc is not None:
@@ -136,6 +138,7 @@ def replay(
             check_inputs(check_table(auroc[0], "--auroc LABELS"), check_table(auroc[1], "--auroc SCORES"),
                          ("--auroc LABELS", "--auroc SCORES"))
     else:
+        check_budgets(settings, spec_windows(model or "smollm2"))
         source = prompts or "builtin:arith"
         check_generation_room(load_prompts(source, limit=limit, seed=seed), max_new_tokens, source)
         if components is not None:

@@ -15,7 +15,7 @@ import torch
 from kvdiag.adapters import LayerAttention, as_layer_attention
 from kvdiag.attention import group_size
 from kvdiag.errors import UserError
-from kvdiag.scorer_fields import history_refusal
+from kvdiag.scorer_fields import check_budget_fits, history_refusal
 from kvdiag.scorers import SCORERS, ScoreContext, Scorer, get_scorer
 from kvdiag.scorers.context import HistoryUnavailable
 from kvdiag.selection import SELECTIONS, Selection, select_keep, top_slots  # noqa: F401  (replay's API)
@@ -85,10 +85,8 @@ def check_live_scorer(scorer: Scorer, budget: int | None = None, interval: int =
         raise UserError(f"--scorers {scorer.name} cannot score a live cache ({err}); set its window with --w-obs or "
                         "--param, or declare its window_field") from err
     protected = protected_count(scorer, n)
-    if budget is not None and protected > budget:
-        raise UserError(
-            f"--budget {budget} is smaller than the {protected} entries {scorer.name} always keeps (its protected "
-            f"windows at {n} cached entries); use --budget >= {protected} or shrink its windows with --param/--w-obs")
+    if budget is not None:
+        check_budget_fits(scorer.name, protected, budget, n)
     return protected
 
 

@@ -12,6 +12,7 @@ import torch
 from kvdiag.adapters import ModelAttention
 from kvdiag.cache import PositionedCache
 from kvdiag.errors import UserError
+from kvdiag.families import check_windows
 from kvdiag.generate.live import score_layer
 from kvdiag.parsing import Selection
 from kvdiag.schema import CHECKPOINT_INTERVAL
@@ -60,16 +61,7 @@ class Policy:
 
     def check_model(self, attention: ModelAttention) -> None:
         """Refuse what this policy cannot mean on a model with sliding-window layers (bad input: UserError)."""
-        windows = sorted({layer.window for layer in attention.layers if layer.window is not None})
-        if not windows:
-            return
-        if self.selection.per_token:
-            raise UserError(f"--selection per-token keeps one set of entries in every layer, but this model's sliding "
-                            f"layers (window {windows[0]}) hold only their recent entries; use per-head")
-        if all(layer.window is not None for layer in attention.layers) and self.budget >= windows[0] - 1:
-            raise UserError(f"--budget {self.budget}: every layer of this model attends a sliding window of "
-                            f"{windows[0]}, so it never holds more than {windows[0] - 1} visible entries and this "
-                            f"budget evicts nothing; use --budget {windows[0] - 2} or less")
+        check_windows([layer.window for layer in attention.layers], self.selection, self.budget)
 
 
 def prompt_chunks(prompt_len: int, policy: Policy | None) -> list[tuple[int, int]]:

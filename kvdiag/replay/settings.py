@@ -163,6 +163,25 @@ def future_window(settings: ReplaySettings) -> int | str:
     return window
 
 
+def check_budgets(settings: ReplaySettings, windows: list[int | None] | None) -> None:
+    """Each budget, before torch, against the model's sliding ``windows`` (None: told when it loads;
+    :func:`kvdiag.families.check_windows`) and against the entries each built-in rule protects in a live cache of
+    ``budget + interval`` entries (:func:`kvdiag.scorer_fields.live_protected`): the checks ``build_policies`` runs
+    again on the loaded model and the scorer classes, with the same definitions (bad input: UserError)."""
+    from kvdiag.families import check_windows
+    from kvdiag.scorer_fields import check_budget_fits, live_protected
+
+    for budget in settings.budgets:
+        if windows is not None:
+            check_windows(windows, settings.selection, budget)
+        n = budget + settings.interval
+        for name in settings.scorers:
+            protected = None if name in REPLAY_ONLY else live_protected(name, settings.params.get(name),
+                                                                        settings.w_obs, n)
+            if protected is not None:
+                check_budget_fits(name, protected, budget, n)
+
+
 def check_settings(settings: ReplaySettings, mode) -> None:
     """Every check that needs no model (bad input: UserError): :func:`check_options`, then the scorers that run on a
     live cache (their classes: torch). ``mode``: a :class:`~kvdiag.replay.free_running.FreeRunning` or

@@ -60,6 +60,7 @@ class AvoKVE(Scorer):
     normalization : ``rank`` (percentile rank) or ``zscore``.
     """
 
+    protects: ClassVar = ("w_delay", None)  # never evicted: the delay buffer: entries of age ``<= w_delay``
     window_field: ClassVar[str | None] = "w_obs"
     w_obs: int = W_OBS
     w_delay: int = W_DELAY
@@ -74,10 +75,6 @@ class AvoKVE(Scorer):
         check_positive(f"{self.name}.w_delay", self.w_delay, self.w_obs)
         check_choice(self.payload, PAYLOADS, f"{self.name}.payload")
         check_choice(self.normalization, NORMALIZATIONS, f"{self.name}.normalization")
-
-    def protected(self, age: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """Never evicted: the delay buffer: entries of age ``<= w_delay``."""
-        return age <= self.w_delay
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         eligible = ctx.age > self.w_delay

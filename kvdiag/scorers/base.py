@@ -22,6 +22,7 @@ from typing import ClassVar
 import torch
 
 from kvdiag.errors import UserError, check_positive
+from kvdiag.scorer_fields import protected_span
 from kvdiag.scorers.context import ScoreContext
 from kvdiag.scorers.normalization import protect
 
@@ -37,6 +38,8 @@ class Scorer:
     name: ClassVar[str] = ""
     in_all: ClassVar[bool] = True  # part of `--scorers all` (False: needs a setting, e.g. fitted's model path)
     window_field: ClassVar[str | None] = None  # the field holding the observation window (replay's --w-obs sets it)
+    # (the field W: entries of age <= W, the newest; the field S: entries at position < S, the first) never evicted
+    protects: ClassVar[tuple[str | None, str | None]] = (None, None)
     needs_history: ClassVar[bool] = False  # reads the attention of every past query (a live cache keeps W_q)
     needs_model: ClassVar[bool] = False  # reruns the Trace's model (kvpress presses): not in a live cache
     continuous: ClassVar[bool] = True  # its score is a graded preference (False: a fixed order; no stochastic draws)
@@ -47,8 +50,10 @@ class Scorer:
 
     def protected(self, age: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """[n] bool: the entries of ``age [n]`` (checkpoint − position) and ``position [n]`` that this rule never
-        evicts (sinks, recent windows, a delay buffer); they get :func:`protect`'s kept score. Default: none."""
-        return torch.zeros_like(age, dtype=torch.bool)
+        evicts; they get :func:`protect`'s kept score. The built-ins declare them in ``protects`` (the newest entries
+        up to one field's age, the first ones below another's position: :class:`kvdiag.scorer_fields.Protected`, the
+        one definition the CLI's budget check reads before torch loads); a plugin may override this."""
+        return protected_span(self.protects, self).mask(age, position)
 
     def check_trace(self, trace) -> None:
         """Refuse a Trace this rule cannot score, in one ``UserError`` line, before any work (default: none)."""
@@ -90,14 +95,11 @@ class QueryWindowScorer(Scorer):
     """A rule that scores from its last ``window`` queries and keeps the last ``window`` entries (SnapKV, R-KV)."""
 
     window_field: ClassVar[str | None] = "window"
+    protects: ClassVar = ("window", None)  # never evicted: the last ``window`` entries (the query window)
     window: int = 32
 
     def __post_init__(self):
         check_positive(f"{self.name}.window", self.window)
-
-    def protected(self, age: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """Never evicted: the last ``window`` entries (the query window)."""
-        return age <= self.window
 
 
 def check_scores(name: str, scores: torch.Tensor, ctx: ScoreContext) -> None:

@@ -32,16 +32,13 @@ class H2O(Scorer):
     recent_size : last entries kept unconditionally (default 0).
     """
 
+    protects: ClassVar = ("recent_size", None)  # never evicted: the last ``recent_size`` entries
     needs_history: ClassVar[bool] = True  # every past query's attention
     normalize: bool = True
     recent_size: int = 0
 
     def __post_init__(self):
         check_positive(f"{self.name}.recent_size", self.recent_size, 0)
-
-    def protected(self, age: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """Never evicted: the last ``recent_size`` entries."""
-        return age <= self.recent_size
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         received = ctx.column_sum()

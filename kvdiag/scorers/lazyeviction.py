@@ -45,6 +45,7 @@ class LazyEviction(Scorer):
     window : protected recent entries W (official ``decoding_recent_size`` 52 for Llama-8B / MATH).
     """
 
+    protects: ClassVar = ("window", None)  # never evicted: the last ``window`` entries
     needs_history: ClassVar[bool] = True  # the recurrence state replays every decode query
     alpha: float = 5e-4
     window: int = 52
@@ -52,10 +53,6 @@ class LazyEviction(Scorer):
     def __post_init__(self):
         check_positive(f"{self.name}.alpha", self.alpha, 1e-12)
         check_positive(f"{self.name}.window", self.window, 0)
-
-    def protected(self, age: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """Never evicted: the last ``window`` entries."""
-        return age <= self.window
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         ts, mri = ctx.recurrence(self.alpha)

@@ -28,15 +28,12 @@ class StreamingLLM(Scorer):
     n_sink : attention sinks kept (official start_size 4).
     """
 
+    protects: ClassVar = (None, "n_sink")  # never evicted: the ``n_sink`` first entries
     continuous: ClassVar[bool] = False  # a recency order, not a graded preference: nothing to draw from
     n_sink: int = 4
 
     def __post_init__(self):
         check_positive(f"{self.name}.n_sink", self.n_sink, 0)
-
-    def protected(self, age: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """Never evicted: the ``n_sink`` first entries."""
-        return position < self.n_sink
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         return ctx.positions.float().expand(ctx.num_kv_heads, -1)

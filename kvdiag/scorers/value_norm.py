@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -27,16 +28,13 @@ class ValueNorm(Scorer):
     n_sink : first tokens kept (VaSE 4).
     """
 
+    protects: ClassVar = (None, "n_sink")  # never evicted: the ``n_sink`` first entries
     kind: str = "range"
     n_sink: int = 4
 
     def __post_init__(self):
         check_choice(self.kind, PAYLOADS, f"{self.name}.kind")
         check_positive(f"{self.name}.n_sink", self.n_sink, 0)
-
-    def protected(self, age: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """Never evicted: the ``n_sink`` first entries."""
-        return position < self.n_sink
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         return ctx.payload(self.kind)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -65,6 +66,7 @@ class VaSE(QueryWindowScorer):
     temperature : divides the logits (official 1.0).
     """
 
+    protects: ClassVar = ("window", "n_sink")  # never evicted: the residual window and the ``n_sink`` first entries
     window: int = 64
     n_large: int = 256
     kind: str = "range"
@@ -80,10 +82,6 @@ class VaSE(QueryWindowScorer):
         check_positive(f"{self.name}.kernel_size", self.kernel_size)
         if not self.temperature > 0:
             raise UserError(f"{self.name}.temperature={self.temperature} must be positive")
-
-    def protected(self, age: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """Never evicted: the residual window (age ``<= window``) and the ``n_sink`` first entries."""
-        return (age <= self.window) | (position < self.n_sink)
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         q_window = ctx.window_queries(self.window)

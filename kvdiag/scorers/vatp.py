@@ -31,6 +31,7 @@ class VATP(Scorer):
     n_sink : first tokens kept (ours: 4).
     """
 
+    protects: ClassVar = (None, "n_sink")  # never evicted: the ``n_sink`` first entries
     window_field: ClassVar[str | None] = "window"
     base: str = "h2o"
     window: int = 32
@@ -40,10 +41,6 @@ class VATP(Scorer):
         check_choice(self.base, ("h2o", "window"), f"{self.name}.base")
         check_positive(f"{self.name}.window", self.window)
         check_positive(f"{self.name}.n_sink", self.n_sink, 0)
-
-    def protected(self, age: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """Never evicted: the ``n_sink`` first entries."""
-        return position < self.n_sink
 
     @property
     def needs_history(self) -> bool:

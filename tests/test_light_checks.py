@@ -1,0 +1,125 @@
+"""The checks the CLI runs before torch loads give the answers of the stage's own (torch, transformers) checks:
+which layers slide (config.json read as JSON against transformers' config classes), the entries a rule protects
+(the one ``Protected`` definition against ``protected()`` measured on tensors) and token counts (``kvdiag.token_count``
+against transformers' tokenizer and chat template)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvdiag.model_specs import EMBEDDED_CONFIG, TINY, spec_windows
+
+# the tiny families whose windows the CLI must tell before the load (the rows of tests/test_bad_input.py need them)
+KNOWN_SLIDING = {"mistral_sw", "gemma2", "gemma3", "gemma3_cg", "gpt_oss"}
+
+
+@pytest.mark.parametrize("arch", list(TINY))
+def test_tiny_windows_are_the_config_class(arch):
+    """spec_windows of every tiny family is what transformers' config class makes of the same fields (or None: the
+    load tells), and its model_type is the class's."""
+    from kvdiag.adapters import family_of, layer_windows, text_config
+    from kvdiag.errors import UserError
+    from kvdiag.model_specs import TINY_MODEL_TYPES
+    from kvdiag.models import _tiny_config, byte_tokenizer
+
+    config = _tiny_config(arch, byte_tokenizer())
+    assert text_config(config).model_type == TINY_MODEL_TYPES[TINY[arch][0]]
+    light = spec_windows(f"tiny:{arch}")
+    try:
+        heavy = layer_windows(text_config(config), family_of(config)[1])
+    except UserError:  # a refused family (MLA): refused at load, not told here
+        assert light is None
+        return
+    assert light is None or light == heavy, (light, heavy)
+    if arch in KNOWN_SLIDING or arch not in ("mistral", "phi3"):
+        assert light == heavy  # only mistral's and phi3's defaults (None stripped) are left to the load
+
+
+@pytest.mark.parametrize("name", list(EMBEDDED_CONFIG))
+def test_embedded_windows_are_the_config_class(name):
+    """The embedded models' windows from EMBEDDED_CONFIG are their config class's (its fields in transformers' class,
+    and the converted config.json where one is on this machine)."""
+    import transformers
+
+    from kvdiag.adapters import family_of, layer_windows
+    from kvdiag.embedded import converted_dir
+
+    fields = EMBEDDED_CONFIG[name]
+    cls = transformers.CONFIG_MAPPING[fields["model_type"]]
+    config = cls(**{k: v for k, v in fields.items() if k in ("num_hidden_layers", "sliding_window", "layer_types")})
+    light = spec_windows(name)
+    assert light is not None and light == layer_windows(config, family_of(config)[1])
+    d = converted_dir(name)
+    if d is not None:
+        loaded = transformers.AutoConfig.from_pretrained(d)
+        assert light == layer_windows(loaded, family_of(loaded)[1])
+    if name == "gemma3-270m":
+        assert light.count(None) == 3 and set(light) == {512, None}
+
+
+def test_config_windows_leave_derived_layouts_to_the_load():
+    """A layout transformers derives (a pattern, max_window_layers, a class default) is not guessed from JSON."""
+    from kvdiag.families import config_windows
+
+    assert config_windows({"num_hidden_layers": 4, "sliding_window": 8}, "gemma3_text") is None  # pattern
+    assert config_windows({"num_hidden_layers": 4, "use_sliding_window": True, "sliding_window": 8}, "qwen2") is None
+    assert config_windows({"num_hidden_layers": 4}, "mistral") is None  # the class's default window
+    assert config_windows({"num_hidden_layers": 4}, "no_such_family") is None
+    assert config_windows({"num_hidden_layers": 2, "sliding_window": 8}, "mistral") == [8, 8]
+    assert config_windows({"num_hidden_layers": 2}, "llama") == [None, None]
+
+
+# --------------------------------------------------------------------------- protected entries
+
+
+def test_protects_are_the_classes():
+    """scorer_fields' PROTECTS and WINDOW_FIELD (read before torch) are the classes' ``protects``/``window_field``."""
+    from kvdiag import scorer_fields
+    from kvdiag.scorers import SCORERS
+
+    builtins = {n: c for n, c in SCORERS.items() if c.__module__.startswith("kvdiag.") and ":" not in n}
+    assert {n: c.protects for n, c in builtins.items()} == {
+        n: scorer_fields.PROTECTS.get(n, (None, None)) for n in builtins}
+    assert {n: c.window_field for n, c in builtins.items() if c.window_field} == scorer_fields.WINDOW_FIELD
+
+
+@pytest.mark.parametrize("w_obs", [None, 4])
+@pytest.mark.parametrize("params", [{}, "small"])
+def test_live_protected_is_what_protected_marks(w_obs, params):
+    """For every live built-in, the count the CLI checks the budget against (live_protected) is the count
+    protected_count measures on the class's protected() over tensors, at cache sizes below, at and above its span."""
+    from kvdiag.generate.live import make_scorer, protected_count
+    from kvdiag.scorer_fields import FIELDS, LIVE, PROTECTS, live_protected
+
+    checked = 0
+    for name in LIVE:
+        given = {}
+        if params == "small":  # every protecting field set to a small value of its own
+            given = {f: str(3 + i) for i, f in enumerate(f for f in PROTECTS.get(name, ()) if f)}
+            if "w_delay" in given:  # avokv_e's delay buffer is at least its observation window
+                given["w_obs"] = "3"
+        scorer = make_scorer(name, given or None, w_obs)
+        for n in (1, 5, 9, 40, 300):
+            light = live_protected(name, given or None, w_obs, n)
+            if light is None:  # only where a field is not a number before the class fills it in
+                assert name == "avokv_e_no_delay" and "w_delay" not in given
+                continue
+            assert light == protected_count(scorer, n), (name, given, w_obs, n)
+            checked += 1
+    assert checked >= 5 * (len(LIVE) - 1)
+    assert set(FIELDS) >= set(LIVE)
+
+
+def test_protected_mask_is_the_rules_declaration():
+    """Scorer.protected is Protected.mask of the declared fields: vase's window and sinks, avokv_e's delay buffer."""
+    import torch
+
+    from kvdiag.generate.live import make_scorer
+
+    t = 100
+    age, pos = t - torch.arange(t), torch.arange(t)
+    vase = make_scorer("vase", {"window": "10", "n_sink": "3"})
+    assert vase.protected(age, pos).nonzero().flatten().tolist() == [0, 1, 2, *range(90, 100)]
+    avokv = make_scorer("avokv_e", {"w_delay": "40"})
+    assert avokv.protected(age, pos).nonzero().flatten().tolist() == list(range(60, 100))
+    assert not make_scorer("knorm").protected(age, pos).any()
