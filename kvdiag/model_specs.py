@@ -23,22 +23,31 @@ TINY_COMMON = dict(
 BYTE_VOCAB = 259  # 256 byte tokens + bos/eos/pad
 
 
-def byte_tokenizer(vocab_size: int = BYTE_VOCAB):
-    """A byte-level tokenizer (256 byte tokens + bos/eos/pad), built in memory. A larger ``vocab_size`` adds
-    filler tokens ``<rI>`` (never produced by encoding) so that every id a model of that vocabulary generates
-    decodes to some text."""
+def byte_core(vocab_size: int = BYTE_VOCAB):
+    """The byte-level ``tokenizers.Tokenizer`` of the tiny and random models (256 byte tokens + bos/eos/pad; a larger
+    ``vocab_size`` adds filler tokens ``<rI>``, never produced by encoding, so that every id a model of that
+    vocabulary generates decodes to some text). The tokenizers library only: no torch, no transformers."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    for special in ("<s>", "</s>", "<pad>"):
+    for special in BYTE_SPECIALS.values():
         vocab[special] = len(vocab)
     vocab.update({f"<r{i}>": i for i in range(len(vocab), vocab_size)})
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    return core
+
+
+BYTE_SPECIALS = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+
+
+def byte_tokenizer(vocab_size: int = BYTE_VOCAB):
+    """:func:`byte_core` as a transformers tokenizer (no chat template)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=byte_core(vocab_size), **BYTE_SPECIALS)
 
 
 # Tiny random models: one line per family. Windows of 8 make traces of ~40 tokens cross them; hybrid families

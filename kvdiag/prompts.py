@@ -79,18 +79,32 @@ def _text(path: Path) -> list[Prompt]:
     return [Prompt(f"p{i:04d}", ln, None, None) for i, ln in enumerate(l for l in lines if l)]
 
 
+def chat_turns(prompt: Prompt, instruction: str | None = DEFAULT_INSTRUCTION) -> list[dict]:
+    """The chat of ``prompt``: its shots as earlier (user, assistant) turns, its text as the last user turn, with
+    ``instruction`` appended unless the prompt has shots (they fix the answer's format)."""
+    turns = [{"role": role, "content": c} for user, answer in prompt.shots
+             for role, c in (("user", user), ("assistant", answer))]
+    return [*turns, {"role": "user", "content": _with_instruction(prompt, instruction)}]
+
+
+def plain_text(prompt: Prompt, instruction: str | None = DEFAULT_INSTRUCTION) -> str:
+    """``prompt`` without a chat template: its shots and its text (with ``instruction``, as in :func:`chat_turns`)
+    joined by blank lines."""
+    return "\n\n".join([*(f"{q}\n{a}" for q, a in prompt.shots), _with_instruction(prompt, instruction)])
+
+
+def _with_instruction(prompt: Prompt, instruction: str | None) -> str:
+    return f"{prompt.text}\n{instruction}" if instruction and not prompt.shots else prompt.text
+
+
 def encode_prompt(
     tokenizer, prompt: Prompt, chat: bool = True, instruction: str | None = DEFAULT_INSTRUCTION
 ) -> list[int]:
-    """Token ids of ``prompt``; with ``chat`` and a chat template, its shots as earlier turns and its text as the
-    last user turn plus the generation prompt (without, the turns joined by blank lines). ``instruction`` is
-    appended to the text unless the prompt has shots (they fix the answer's format)."""
-    text = f"{prompt.text}\n{instruction}" if instruction and not prompt.shots else prompt.text
+    """Token ids of ``prompt`` through a transformers ``tokenizer``: with ``chat`` and a chat template, its
+    :func:`chat_turns` rendered with the generation prompt; without, its :func:`plain_text`
+    (``kvdiag.token_count.TokenCounter.prompt_ids`` does the same without transformers)."""
     if chat and getattr(tokenizer, "chat_template", None):
-        turns = [{"role": role, "content": c} for user, answer in prompt.shots
-                 for role, c in (("user", user), ("assistant", answer))]
-        rendered = tokenizer.apply_chat_template(
-            [*turns, {"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-        )
+        rendered = tokenizer.apply_chat_template(chat_turns(prompt, instruction), add_generation_prompt=True,
+                                                 tokenize=False)
         return tokenizer(rendered, add_special_tokens=False).input_ids
-    return tokenizer("\n\n".join([*(f"{q}\n{a}" for q, a in prompt.shots), text])).input_ids
+    return tokenizer(plain_text(prompt, instruction)).input_ids

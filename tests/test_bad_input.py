@@ -776,20 +776,19 @@ PLUGINS = {  # file name -> source; line numbers matter (the messages name them)
 }
 PLUGIN_FILES = {"import": "import_error"}  # a plugin file named import.py would shadow nothing, but reads oddly
 
-# Rows whose refusal needs what only torch, transformers or a stage gives, each with why; every other row is refused
-# before torch is imported (test_refused_before_torch).
-NEEDS_TOKENIZER = ("the exact token count is the model's tokenizer and chat template, loaded through transformers (the "
-                   "tokenizers library alone applies no chat template); the tokenizer-free lower bound "
-                   "(kvdiag.suites.min_tokens) stays below this row's limit")
-NEEDS_PLUGIN = ("the fault shows only when the plugin runs (its import pulls in kvdiag.scorers, hence torch); what its "
-                "source shows (syntax, the scorer contract, a taken name, a missing import) is refused before "
-                "(kvdiag.plugin_check)")
-NEEDS_SCORES = "the fault shows only when the plugin's score() runs on a Trace's tensors"
+# Rows whose refusal needs what only torch gives, each with why; every other row is refused before torch or
+# transformers is imported (test_refused_before_torch). Four remain, all a plugin's own code at fault: what its
+# source shows (syntax, the scorer contract, a taken name, a missing import) is refused before torch
+# (kvdiag.plugin_check), but a module that exits when run, or a score() that raises or returns a list, shows it only
+# when it runs, and it runs inside torch: a plugin imports kvdiag.scorers (torch) and score() reads a Trace's
+# tensors. Each is still refused before any model loads or any output is written
+# (test_plugin_rows_are_refused_before_a_model_or_an_output).
+RUNS_PLUGIN = ("its module runs only when imported (SystemExit at import), and importing it imports kvdiag.scorers, "
+               "hence torch")
+RUNS_SCORE = "the fault is in its score(), which shows only when it runs on a Trace's tensors (torch)"
 HEAVY: dict[str, str] = {
-    "replay-suite-length": "each prompt's token count is the input checked: " + NEEDS_TOKENIZER,
-    "replay-suite-max-new-tokenized": "the exact count of the answer's tokens is the input checked: " + NEEDS_TOKENIZER,
-    "score-plugin-exits": NEEDS_PLUGIN, "grade-plugin-exits": NEEDS_PLUGIN,
-    "score-plugin-raises": NEEDS_SCORES, "score-plugin-returns-list": NEEDS_SCORES,
+    "score-plugin-exits": RUNS_PLUGIN, "grade-plugin-exits": RUNS_PLUGIN,
+    "score-plugin-raises": RUNS_SCORE, "score-plugin-returns-list": RUNS_SCORE,
 }
 
 
@@ -990,6 +989,31 @@ def test_refused_before_torch(inputs, tmp_path):
     assert not late, f"refused only after importing torch/transformers: {sorted(late)}"
     assert not wrong, f"not exit 2: {wrong}"
     assert len(results) == len(rows)
+
+
+def test_plugin_rows_are_refused_before_a_model_or_an_output(inputs, tmp_path, capsys, monkeypatch,
+                                                             restore_scorers):
+    """The rows left in HEAVY (a plugin's code runs to show its fault) exit 2 with one line naming the plugin's file
+    and the fix, with no model loaded (kvdiag.models.load_model never called) and nothing written at --out."""
+    import kvdiag.models
+
+    loads = []
+    monkeypatch.setattr(kvdiag.models, "load_model", lambda *a, **k: loads.append(a))
+    files = {"score-plugin-exits": "exits.py:2", "grade-plugin-exits": "exits.py:2",
+             "score-plugin-raises": "raises.py:9", "score-plugin-returns-list": "returns_list.py:"}
+    fixes = {"exits": "a plugin must only define and register scorers", "raises": "fix its score()",
+             "returns-list": "fix its score()"}
+    assert set(files) == set(HEAVY)
+    for name, argv, _ in CASES:
+        if name not in HEAVY:
+            continue
+        out = tmp_path / name / "out"
+        code, err = _run([a.format(out=out, **inputs) for a in argv], capsys)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1, (name, err)
+        assert files[name] in lines[0] and fixes[name.split("-plugin-")[1]] in lines[0], (name, err)
+        assert not out.exists() and not (tmp_path / name).exists(), f"{name}: {out} was written"
+    assert not loads, f"a model was loaded before the plugin was refused: {loads}"
 
 
 def test_light_name_lists_are_the_registries():

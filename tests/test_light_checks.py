@@ -123,3 +123,82 @@ def test_protected_mask_is_the_rules_declaration():
     avokv = make_scorer("avokv_e", {"w_delay": "40"})
     assert avokv.protected(age, pos).nonzero().flatten().tolist() == list(range(60, 100))
     assert not make_scorer("knorm").protected(age, pos).any()
+
+
+# --------------------------------------------------------------------------- token counts
+
+
+def _transformers_tokenizer(spec: str):
+    """The tokenizer the stage loads for ``spec`` (kvdiag.models: tiny -> the byte tokenizer, embedded -> its
+    converted directory through AutoTokenizer), or a skip when the embedded model is not converted here."""
+    from kvdiag.model_specs import byte_tokenizer
+
+    if spec.startswith("tiny:"):
+        return byte_tokenizer()
+    from transformers import AutoTokenizer
+
+    from kvdiag.embedded import converted_dir
+    from kvdiag.errors import UserError
+
+    try:
+        path = converted_dir(spec)
+    except UserError:
+        pytest.skip(f"{spec}: its packages are not installed")
+    if path is None:
+        pytest.skip(f"{spec} is not converted on this machine (a load converts it)")
+    return AutoTokenizer.from_pretrained(path)
+
+
+@pytest.mark.parametrize("spec", ["tiny:llama", "smollm2", "gemma3-270m"])
+def test_light_counts_are_transformers(spec):
+    """For every prompt of every builtin suite (20 each, default lengths, and recall/keys/countdown at a longer
+    length), with and without the chat template: the TokenCounter's prompt ids are encode_prompt's through
+    transformers' tokenizer, and its counts of each expected answer and of the part between the needed value and the
+    last line are the tokenizer's (what check_generation_room compares with --max-new-tokens)."""
+    from kvdiag.prompts import DEFAULT_INSTRUCTION, encode_prompt
+    from kvdiag.suites import SUITES, load_builtin
+    from kvdiag.token_count import light_counter
+
+    tok = _transformers_tokenizer(spec)
+    counter = light_counter(spec)
+    assert counter is not None
+    assert (counter.chat_template is None) == (not getattr(tok, "chat_template", None))
+    sources = [f"builtin:{name}" for name in SUITES] + [f"builtin:{n}:3:120" for n, s in SUITES.items() if s.lengths]
+    checked = 0
+    for source in sources:
+        for p in load_builtin(source):
+            for chat in (True, False):
+                assert counter.prompt_ids(p, chat, DEFAULT_INSTRUCTION) == encode_prompt(tok, p, chat), (source, p)
+            texts = [p.text]
+            if p.answer is not None:
+                last = p.answer.rstrip().rfind("\n") + 1
+                texts += [p.answer] + ([p.answer[p.answer_needs[0][1]:last]] if p.answer_needs else [])
+            for text in texts:
+                assert counter.count(text) == len(tok(text, add_special_tokens=False).input_ids), (source, text)
+            checked += 1
+    assert checked == 20 * len(SUITES) + 3 * sum(1 for s in SUITES.values() if s.lengths)
+
+
+def test_no_light_counter_where_it_is_not_known():
+    """Models whose tokenizer the light path cannot vouch for get none: the stage counts after the load."""
+    from kvdiag.token_count import light_counter
+
+    for spec in ("tiny:gpt9", "random:qwen3-8b", "/no/such/dir", "some/hub-id", "model.gguf"):
+        assert light_counter(spec) is None, spec
+
+
+def test_a_generation_tagged_template_is_left_to_transformers(tmp_path):
+    """A saved tokenizer whose template has {% generation %} (or a list of templates) gets no light counter."""
+    import shutil
+
+    from kvdiag.model_specs import byte_core
+    from kvdiag.token_count import saved_counter
+
+    byte_core().save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": "<s>"}')
+    assert saved_counter(tmp_path) is not None and saved_counter(tmp_path).chat_template is None
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{% generation %}{{ m.content }}"
+                                                  "{% endgeneration %}{% endfor %}")
+    assert saved_counter(tmp_path) is None
+    shutil.rmtree(tmp_path)
+    assert saved_counter(tmp_path) is None  # nothing there

@@ -85,13 +85,14 @@ def replay(
     check_outputs({"--out": (out, "dir")}, {"--teacher-forced": teacher_forced, "--outcomes": outcomes,
                                            "--auroc": auroc, "--prompts": prompts, "--plugin": plugin})
     from kvdiag.io import check_table
-    from kvdiag.model_specs import check_model_spec, spec_windows
+    from kvdiag.model_specs import check_model_spec, context_of, spec_windows
     from kvdiag.plugin_check import check_plugin_files
     from kvdiag.prompts import DEFAULT_INSTRUCTION, load_prompts
     from kvdiag.replay.settings import ReplaySettings, check_budgets, check_options, check_outcomes, replayed_prompts
     from kvdiag.scorer_fields import check_live_names, check_params
     from kvdiag.scorer_names import ORACLE, REPLAY_ONLY, check_scorer_names
     from kvdiag.suites import check_generation_room, select_components
+    from kvdiag.token_count import check_room, light_counter
     from kvdiag.trace.manifest import TraceFiles
 
     if teacher_forced is not None:  # the Trace fixes the tokens: generation settings cannot apply
@@ -140,7 +141,12 @@ def replay(
     else:
         check_budgets(settings, spec_windows(model or "smollm2"))
         source = prompts or "builtin:arith"
-        check_generation_room(load_prompts(source, limit=limit, seed=seed), max_new_tokens, source)
+        items = load_prompts(source, limit=limit, seed=seed)
+        check_generation_room(items, max_new_tokens, source)  # a lower bound on any model's count
+        counter = light_counter(model or "smollm2")
+        if counter is not None:  # the exact counts, as the stage takes them once the model loads
+            check_room(items, [len(counter.prompt_ids(p, chat, settings.instruction)) for p in items], max_new_tokens,
+                       context_of(model or "smollm2"), source, counter.count)
         if components is not None:
             components = select_components(source, parsing.parse_list(components, "--components", str))
     from kvdiag.replay.run import replay_sweep  # the stage: torch, once the arguments are checked

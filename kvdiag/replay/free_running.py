@@ -9,13 +9,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import kvdiag.replay.generating as generating  # by module: tests/test_faults kills a run inside generate_batch
-from kvdiag.errors import UserError
 from kvdiag.models import LoadedModel
 from kvdiag.prompts import Prompt, encode_prompt
 from kvdiag.replay.decoding import Decoded, batches, full_logprobs, kl_steps
 from kvdiag.replay.settings import ReplaySettings
 from kvdiag.replay.units import Item, Unit, common_key, make_unit
-from kvdiag.suites import check_generation_room
+from kvdiag.token_count import check_room
 
 
 def check_answer(text: str, answer: str | None, check: str = "math") -> bool | None:
@@ -48,21 +47,15 @@ class FreeRunning:
         return settings
 
     def items(self, lm: LoadedModel, settings: ReplaySettings) -> list[Item]:
-        """The encoded prompts, each checked to fit the model's context with its whole generation (bad input)."""
-        limit = getattr(lm.model.config, "max_position_embeddings", None)
-        items = []
-        for p in self.prompts:
-            ids = encode_prompt(lm.tokenizer, p, chat=settings.chat, instruction=settings.instruction)
-            if limit and len(ids) + settings.max_new_tokens > limit:
-                raise UserError(f"--prompts {self.source}: prompt {p.prompt_id} has {len(ids)} tokens, so its "
-                                f"generation could reach {len(ids) + settings.max_new_tokens} > the model's context "
-                                f"of {limit}; use a shorter suite length or --max-new-tokens "
-                                f"{max(1, limit - len(ids))} or less")
-            items.append(Item(p.prompt_id, ids, len(ids), p.answer, p.check))
-        check_generation_room(self.prompts, settings.max_new_tokens, self.source,  # the exact count, tokenized
-                              lambda text: len(lm.tokenizer(text, add_special_tokens=False).input_ids),
-                              "its expected text, tokenized")
-        return items
+        """The encoded prompts, each checked to fit the model's context with its whole generation, and the
+        generation limit against the builtin suites' answers counted by the model's tokenizer (bad input:
+        ``kvdiag.token_count.check_room``, the check the CLI runs before torch where it can count without it)."""
+        ids = [encode_prompt(lm.tokenizer, p, chat=settings.chat, instruction=settings.instruction)
+               for p in self.prompts]
+        check_room(self.prompts, [len(i) for i in ids], settings.max_new_tokens,
+                   getattr(lm.model.config, "max_position_embeddings", None), self.source,
+                   lambda text: len(lm.tokenizer(text, add_special_tokens=False).input_ids))
+        return [Item(p.prompt_id, i, len(i), p.answer, p.check) for p, i in zip(self.prompts, ids, strict=True)]
 
     def units(self, model_info: dict, settings: ReplaySettings, items: list[Item], policies: dict) -> list[Unit]:
         """Every (prompt, scorer, budget, sample) with its part and fingerprint; a sampled sweep names and keys each

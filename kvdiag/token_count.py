@@ -1,0 +1,121 @@
+"""Token counts without torch or transformers: a model's ``tokenizer.json`` through the tokenizers library and its chat
+template through jinja2, rendered as transformers renders it, so that ``kvdiag replay`` refuses a prompt that cannot
+fit the model's context, or a generation limit that cannot hold a builtin suite's answer, before anything heavy loads.
+
+Only where the count is known to be transformers' (tests/test_light_checks.py compares every builtin suite prompt and
+answer): the ``tiny:`` models' byte tokenizer and the embedded models once converted (their saved ``tokenizer.json``
+and template). Any other model returns no counter (:func:`light_counter`), and the stage checks it once loaded, with
+the same :func:`check_room`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+
+from kvdiag.errors import UserError
+from kvdiag.prompts import DEFAULT_INSTRUCTION, Prompt, chat_turns, plain_text
+from kvdiag.suites import check_generation_room
+
+GENERATION_TAG = re.compile(r"\{\%-?\s*generation\s*-?\%\}")  # transformers' test for assistant masks
+TOKENIZED = "its expected text, tokenized"  # what the exact count is, for check_generation_room's message
+
+
+class TokenCounter:
+    """A model's tokenizer (``tokenizer``: a ``tokenizers.Tokenizer``) and chat template (None: it has none) with the
+    special tokens the template may read, applied as :func:`kvdiag.prompts.encode_prompt` applies transformers'."""
+
+    def __init__(self, tokenizer, chat_template: str | None = None, special_tokens: dict[str, str] | None = None):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.special_tokens = special_tokens or {}
+        self._template = None if chat_template is None else compile_template(chat_template)
+
+    def count(self, text: str) -> int:
+        """Tokens of ``text`` without special tokens (a transformers tokenizer's ``add_special_tokens=False``)."""
+        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def prompt_ids(self, prompt: Prompt, chat: bool = True, instruction: str | None = DEFAULT_INSTRUCTION) -> list[int]:
+        """The token ids :func:`kvdiag.prompts.encode_prompt` gives ``prompt`` on the same model."""
+        if chat and self._template is not None:
+            rendered = self._template.render(messages=chat_turns(prompt, instruction), tools=None, documents=None,
+                                             add_generation_prompt=True, **self.special_tokens)
+            return self.tokenizer.encode(rendered, add_special_tokens=False).ids
+        return self.tokenizer.encode(plain_text(prompt, instruction)).ids
+
+
+def compile_template(source: str):
+    """A chat template compiled as transformers compiles it (``utils/chat_template_utils.py``): a sandboxed
+    environment with trim_blocks, lstrip_blocks and loop controls, and its ``raise_exception``, ``strftime_now`` and
+    ``tojson`` (not HTML-escaping). Its ``{% generation %}`` tag (assistant masks) is not supported: callers check."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def light_counter(spec: str) -> TokenCounter | None:
+    """The :class:`TokenCounter` of ``--model spec`` where it is known to count as transformers does: a ``tiny:``
+    model (the byte tokenizer, no template), an embedded model already converted (its saved tokenizer); None
+    otherwise (the stage counts once the model loads)."""
+    from kvdiag.model_specs import TINY, byte_core
+
+    if spec.startswith("tiny:"):
+        return TokenCounter(byte_core()) if spec.split(":", 1)[1] in TINY else None
+    from kvdiag.embedded import EMBEDDED, converted_dir
+
+    if spec not in EMBEDDED:
+        return None
+    try:
+        path = converted_dir(spec)
+    except UserError:  # its packages are missing: the load says so
+        return None
+    return None if path is None else saved_counter(path)
+
+
+def saved_counter(path: Path) -> TokenCounter | None:
+    """The counter of a tokenizer saved by transformers in ``path`` (``tokenizer.json``, ``tokenizer_config.json``,
+    ``chat_template.jinja`` or the config's ``chat_template``); None when a part it needs is missing or is not a
+    single plain template."""
+    from tokenizers import Tokenizer
+
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    except Exception:  # noqa: BLE001  (a missing or unreadable file; tokenizers raises a bare Exception)
+        return None
+    jinja = path / "chat_template.jinja"
+    template = jinja.read_text() if jinja.is_file() else config.get("chat_template")
+    if template is not None and (not isinstance(template, str) or GENERATION_TAG.search(template)):
+        return None  # a list of named templates, or one with {% generation %}: transformers' own handling
+    specials = {k: v if isinstance(v, str) else v.get("content") for k, v in config.items()
+                if k.endswith("_token") and isinstance(v, str | dict)}
+    return TokenCounter(tokenizer, template, {k: v for k, v in specials.items() if isinstance(v, str)})
+
+
+def check_room(prompts: list[Prompt], lengths: list[int], max_new_tokens: int, context: int | None, source: str,
+               count: Callable[[str], int]) -> None:
+    """Refuse (UserError) a prompt whose ``lengths`` tokens and whole generation could pass the model's ``context``
+    (None: unknown), then a ``max_new_tokens`` that cannot hold a builtin suite's answer counted exactly by ``count``
+    (``kvdiag.suites.check_generation_room``). The one check of the free-running stage (transformers' tokenizer) and
+    of the CLI before torch (a :class:`TokenCounter`)."""
+    for p, n in zip(prompts, lengths, strict=True):
+        if context and n + max_new_tokens > context:
+            raise UserError(f"--prompts {source}: prompt {p.prompt_id} has {n} tokens, so its generation could reach "
+                            f"{n + max_new_tokens} > the model's context of {context}; use a shorter suite length or "
+                            f"--max-new-tokens {max(1, context - n)} or less")
+    check_generation_room(prompts, max_new_tokens, source, count, TOKENIZED)
