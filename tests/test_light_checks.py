@@ -19,11 +19,13 @@ def test_tiny_windows_are_the_config_class(arch):
     load tells), and its model_type is the class's."""
     from kvdiag.adapters import family_of, layer_windows, text_config
     from kvdiag.errors import UserError
-    from kvdiag.model_specs import TINY_MODEL_TYPES
+    from kvdiag.model_specs import TINY_MODEL_TYPES, context_of
     from kvdiag.models import _tiny_config, byte_tokenizer
 
     config = _tiny_config(arch, byte_tokenizer())
     assert text_config(config).model_type == TINY_MODEL_TYPES[TINY[arch][0]]
+    # the context the CLI checks prompts against is the one FreeRunning.items reads from the loaded config
+    assert context_of(f"tiny:{arch}") == text_config(config).max_position_embeddings
     light = spec_windows(f"tiny:{arch}")
     try:
         heavy = layer_windows(text_config(config), family_of(config)[1])
@@ -202,3 +204,26 @@ def test_a_generation_tagged_template_is_left_to_transformers(tmp_path):
     assert saved_counter(tmp_path) is None
     shutil.rmtree(tmp_path)
     assert saved_counter(tmp_path) is None  # nothing there
+
+
+@pytest.mark.parametrize("source, max_new, needle", [
+    ("builtin:recall:2:1000", 3000, "has 17832 tokens"),  # past tiny:llama's context of 4096
+    ("builtin:recall:2", 60, "reads its needed value 123 tokens (its expected text, tokenized)"),
+])
+def test_the_stage_refuses_what_the_cli_refused(tiny_llama, source, max_new, needle, capsys):
+    """The refusal the CLI gives before torch (the light counter) is, word for word, the one the stage gives from the
+    loaded model's tokenizer and config (FreeRunning.items): one check_room, two counters that agree."""
+    from kvdiag.cli.main import main
+    from kvdiag.errors import UserError
+    from kvdiag.prompts import load_prompts
+    from kvdiag.replay.free_running import FreeRunning
+    from kvdiag.replay.settings import ReplaySettings
+
+    with pytest.raises(SystemExit):
+        main(["replay", "--scorers", "rkv", "--model", "tiny:llama", "--prompts", source, "--max-new-tokens",
+              str(max_new), "--out", "/nonexistent/never"])
+    light = capsys.readouterr().err.strip().removeprefix("error: ")
+    with pytest.raises(UserError) as heavy:
+        FreeRunning(load_prompts(source), source).items(tiny_llama,
+                                                        ReplaySettings(["rkv"], [64], max_new_tokens=max_new))
+    assert needle in light and str(heavy.value) == light

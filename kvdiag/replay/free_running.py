@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import kvdiag.replay.generating as generating  # by module: tests/test_faults kills a run inside generate_batch
+from kvdiag.adapters import text_config
 from kvdiag.models import LoadedModel
 from kvdiag.prompts import Prompt, encode_prompt
 from kvdiag.replay.decoding import Decoded, batches, full_logprobs, kl_steps
@@ -53,7 +54,7 @@ class FreeRunning:
         ids = [encode_prompt(lm.tokenizer, p, chat=settings.chat, instruction=settings.instruction)
                for p in self.prompts]
         check_room(self.prompts, [len(i) for i in ids], settings.max_new_tokens,
-                   getattr(lm.model.config, "max_position_embeddings", None), self.source,
+                   getattr(text_config(lm.model.config), "max_position_embeddings", None), self.source,
                    lambda text: len(lm.tokenizer(text, add_special_tokens=False).input_ids))
         return [Item(p.prompt_id, i, len(i), p.answer, p.check) for p, i in zip(self.prompts, ids, strict=True)]
 
