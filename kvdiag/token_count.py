@@ -21,6 +21,8 @@ from kvdiag.prompts import DEFAULT_INSTRUCTION, Prompt, chat_turns, plain_text
 from kvdiag.suites import check_generation_room
 
 GENERATION_TAG = re.compile(r"\{\%-?\s*generation\s*-?\%\}")  # transformers' test for assistant masks
+# the special tokens a chat template sees by name (transformers passes its special_tokens_map to the template)
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 TOKENIZED = "its expected text, tokenized"  # what the exact count is, for check_generation_room's message
 
 
@@ -103,7 +105,7 @@ def saved_counter(path: Path) -> TokenCounter | None:
     if template is not None and (not isinstance(template, str) or GENERATION_TAG.search(template)):
         return None  # a list of named templates, or one with {% generation %}: transformers' own handling
     specials = {k: v if isinstance(v, str) else v.get("content") for k, v in config.items()
-                if k.endswith("_token") and isinstance(v, str | dict)}
+                if k in SPECIAL_TOKENS and isinstance(v, str | dict)}
     return TokenCounter(tokenizer, template, {k: v for k, v in specials.items() if isinstance(v, str)})
 
 
