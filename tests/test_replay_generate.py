@@ -109,6 +109,7 @@ def test_bench_replay_generate_arm(tiny_llama):
     assert r.rows == 4 and r.same_tokens == {"batched": 4, "generate": 4}
     assert set(r.compaction_s) == {"score_choose", "compact"} and all(s > 0 for s in r.compaction_s.values())
     assert 0 < r.compaction_share < 1 and r.generate_ratio > 0
+    assert r.compact_share == r.compaction_s["compact"] / r.seconds["generate"] < r.compaction_share
     assert set(r.cpu_s) == {"batched", "generate"} and all(c > 0 for c in r.cpu_s.values())
     assert r.to_json()["generate_cpu_ratio"] == r.cpu_s["batched"] / r.cpu_s["generate"]
 
