@@ -1,6 +1,7 @@
 """Free-running replay through ``model.generate`` (``kvdiag.replay.generating.generate_batch``) against replay's own
 loop (``decode_batch``): tokens, stop, compaction steps, entries attended and the kept log-probabilities are the same
-(bitwise: the same forwards on the same shapes' rows), greedy and sampled, mixed rules in one batch, the full cache,
+(bitwise: generate runs the loop's forwards on the same shapes: finished rows leave both batches, and rows of one
+prompt share the first chunk of a chunked prefill), greedy and sampled, mixed rules in one batch, the full cache,
 rows that end early, a run ending on a checkpoint, and a sliding-window model."""
 
 from __future__ import annotations
@@ -20,19 +21,32 @@ PROMPTS = [list(range(40, 70)), list(range(90, 120)), list(range(40, 70))]  # ro
 IDS = ["a", "b", "c"]
 
 
-def assert_same(loop, gen) -> None:
-    """Bitwise while both run the batch at one shape; once the loop has dropped a finished row (generate keeps it,
-    padded) its forwards have another batch size and the log-probabilities may differ in the last bits: within 1e-5
-    absolute (fp32 log-probabilities of magnitude < 30)."""
+def assert_same(loop, gen, bitwise: bool = True) -> None:
+    """Tokens and bookkeeping equal; log-probabilities bitwise (the same forwards on the same shapes), or within 1e-5
+    absolute (fp32 log-probabilities of magnitude < 30) where ``generate`` prefills a batch the loop runs with fewer
+    rows (the full cache: generate's one prefill forward holds every row, the loop runs each distinct prompt once)."""
     assert len(loop) == len(gen)
-    same_shape = min(w.generated for w in loop)  # steps before the first row left the loop's batch
     for want, got in zip(loop, gen, strict=True):
         assert got.token_ids == want.token_ids and got.stop == want.stop
         assert got.compressions == want.compressions and got.active == want.active
         assert (got.logprobs is None) == (want.logprobs is None)
-        if want.logprobs is not None:
-            assert torch.equal(got.logprobs[:same_shape], want.logprobs[:same_shape])
+        if want.logprobs is not None and bitwise:
+            assert torch.equal(got.logprobs, want.logprobs)
+        elif want.logprobs is not None:
             torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-5)
+
+
+def forward_shapes(model, run) -> list[tuple[int, ...]]:
+    """The input shapes [b, c] of every forward of ``model`` during ``run()``."""
+    shapes: list[tuple[int, ...]] = []
+    hook = model.register_forward_pre_hook(
+        lambda m, args, kwargs: shapes.append(tuple(kwargs.get("input_ids", args[0] if args else None).shape)),
+        with_kwargs=True)
+    try:
+        run()
+    finally:
+        hook.remove()
+    return shapes
 
 
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(0.8, 0.9, 1)], ids=["greedy", "sampled"])
@@ -43,7 +57,7 @@ def test_generate_batch_equals_the_loop(tiny_llama, rules, sampling):
     kw = dict(keep_logprobs=True, sampling=sampling, samples=[0, 1, 2])
     loop = decode_batch(tiny_llama, PROMPTS, pols, 25, IDS, **kw)
     gen = generate_batch(tiny_llama, PROMPTS, pols, 25, IDS, **kw)
-    assert_same(loop, gen)
+    assert_same(loop, gen, bitwise=rules is not None)
     if rules:
         assert loop[0].compressions == [24, 30, 38, 46, 54]  # prompt chunks, then every 8
     if not sampling.greedy:  # the rows of one prompt drew differently: the draws are each row's own
@@ -51,18 +65,25 @@ def test_generate_batch_equals_the_loop(tiny_llama, rules, sampling):
 
 
 def test_rows_that_end_early(tiny_llama, monkeypatch):
-    """An EOS chosen among row 0's tokens: the loop drops the row from its batch, generate pads it to the end; every
-    row keeps the same tokens and bookkeeping."""
+    """An EOS chosen among row 0's tokens: both drop the row from their batch (generate ends its call there and
+    continues the other rows from the cache), so every forward has the loop's shape; every row keeps the same tokens,
+    bookkeeping and log-probabilities."""
     pols = [Policy(make_scorer("rkv"), 16, 8)] * 3
     free = decode_batch(tiny_llama, PROMPTS, pols, 30, IDS)
     eos = free[0].token_ids[30 + 11]  # row 0's 12th new token
     assert eos not in free[1].token_ids[30:] or eos != free[1].token_ids[30 + 11]
     monkeypatch.setattr(decoding, "eos_ids", lambda lm: {eos})
     monkeypatch.setattr(generating, "eos_ids", lambda lm: {eos})
-    loop = decode_batch(tiny_llama, PROMPTS, pols, 30, IDS, keep_logprobs=True)
-    gen = generate_batch(tiny_llama, PROMPTS, pols, 30, IDS, keep_logprobs=True)
-    assert_same(loop, gen)
+    runs: dict[str, list] = {}
+    shapes = {name: forward_shapes(tiny_llama.model, lambda name=name, fn=fn: runs.setdefault(
+        name, fn(tiny_llama, PROMPTS, pols, 30, IDS, keep_logprobs=True))) for name, fn in
+              (("loop", decode_batch), ("generate", generate_batch))}
+    assert_same(runs["loop"], runs["generate"])
+    loop = runs["loop"]
     assert loop[0].stop == "eos" and loop[0].generated <= 12 and loop[1].generated > loop[0].generated
+    assert shapes["generate"] == shapes["loop"]
+    # the shared first chunk of rows 0 and 2 (one prompt, one rule: they also end together), then row 1 alone
+    assert shapes["loop"][:3] == [(2, 24), (3, 6), (3, 1)] and shapes["loop"][-1] == (1, 1)
 
 
 def test_sliding_window_model(tiny_gemma3_model):
@@ -88,6 +109,7 @@ def test_bench_replay_generate_arm(tiny_llama):
     assert r.rows == 4 and r.same_tokens == {"batched": 4, "generate": 4}
     assert set(r.compaction_s) == {"score_choose", "compact"} and all(s > 0 for s in r.compaction_s.values())
     assert 0 < r.compaction_share < 1 and r.generate_ratio > 0
+    assert r.compact_share == r.compaction_s["compact"] / r.seconds["generate"] < r.compaction_share
     assert set(r.cpu_s) == {"batched", "generate"} and all(c > 0 for c in r.cpu_s.values())
     assert r.to_json()["generate_cpu_ratio"] == r.cpu_s["batched"] / r.cpu_s["generate"]
 

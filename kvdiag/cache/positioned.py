@@ -213,9 +213,25 @@ class PositionedCache(Cache):
             if kl is not None:
                 layer.compact(kl, backend)
 
-    def select(self, rows: torch.Tensor) -> None:
-        """Make batch row ``i`` the current row ``rows[i]`` (finished generations leave the batch; a shared prefill
-        is copied to its rows), with the query window's rows."""
-        self.batch_select_indices(rows)
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Make batch row ``i`` the current row ``indices[i]`` (finished generations leave the batch; a shared
+        prefill is copied to its rows): every layer's entries and positions, and the query window's rows."""
+        super().batch_select_indices(indices)
         if self.queries is not None:
-            self.queries.select(rows)
+            self.queries.select(indices)
+
+    def select(self, rows: torch.Tensor) -> None:
+        """kvdiag's name for :meth:`batch_select_indices`."""
+        self.batch_select_indices(rows)
+
+
+def distinct_rows(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """ids [b, c] -> (its distinct rows [u, c] in first-seen order, copy [b]: row ``r`` is distinct row ``copy[r]``;
+    None when every row differs). Rows fed to an empty cache with the same tokens are one computation: run each once,
+    then ``select(copy)`` (the first prefill chunk of one prompt under several rules or samples)."""
+    rows = [tuple(r) for r in ids.tolist()]
+    first = {row: u for u, row in enumerate(dict.fromkeys(rows))}
+    if len(first) == len(rows):
+        return ids, None
+    unique = torch.tensor([rows.index(row) for row in first], device=ids.device)
+    return ids[unique], torch.tensor([first[row] for row in rows])

@@ -59,6 +59,8 @@ def bench_replay(
     chosen = Selection.parse(selection)
     params = parsing.parse_params(param)
     check_params(params, names)
+    import torch
+
     from kvdiag.generate.live import check_live_scorer, make_scorer
     from kvdiag.generate.policy import Policy
     from kvdiag.io import write_json
@@ -98,9 +100,10 @@ def bench_replay(
     if r.generate_ratio is not None:
         parts = ", ".join(f"{k} {v:.2f} s" for k, v in r.compaction_s.items())
         lines.append(f"  generate throughput / batched loop's: {r.generate_ratio:.2f}x; its checkpoints: "
-                     f"{r.compaction_share:.1%} of its time ({parts})")
+                     f"{r.compaction_share:.1%} of its time ({parts}; the compaction itself {r.compact_share:.1%})")
     Console(width=max(120, Console().width)).print(
-        f"bench replay: {model} {dtype} on {device}, {len(items)} prompts x {', '.join(names)}"
+        f"bench replay: {model} {dtype} on {device} ({torch.get_num_threads()} threads), {len(items)} prompts x "
+        f"{', '.join(names)}"
         + (f" x {samples} samples (temperature {temperature}, top-p {top_p})" if samples > 1 else "")
         + f" = {r.rows} rows, "
         f"B={budget if policies[0] else 'full'}, interval {interval}, {selection}, prompt {len(ids[0])} tokens\n"
@@ -110,4 +113,5 @@ def bench_replay(
         write_json(out, {"kind": "bench_replay", "model": model, "prompts": prompts, "limit": limit, "scorers": names,
                          "params": params, "samples": samples, "temperature": temperature, "top_p": top_p,
                          "budget": budget, "interval": interval, "selection": selection,
-                         "max_new_tokens": max_new_tokens, "arms": list(r.seconds), **r.to_json()})
+                         "max_new_tokens": max_new_tokens, "arms": list(r.seconds), "threads": torch.get_num_threads(),
+                         **r.to_json()})

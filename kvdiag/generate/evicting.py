@@ -18,7 +18,7 @@ import time
 import torch
 
 from kvdiag.adapters import model_attention
-from kvdiag.cache import PositionedCache, use_kvdiag_attention
+from kvdiag.cache import PositionedCache, distinct_rows, use_kvdiag_attention
 from kvdiag.errors import UserError
 from kvdiag.generate.live import check_live_scorer, make_scorer
 from kvdiag.generate.policy import Policy, choose, live_scores, prompt_chunks
@@ -83,7 +83,23 @@ class EvictingCache(PositionedCache):
             raise UserError("this EvictingCache already holds a prompt: make a new cache for each generation")
         self.prompt_len = input_ids.shape[1]
         for start, end in prompt_chunks(self.prompt_len, self.policy)[:-1]:
-            self.model(input_ids[:, start:end], cache=self, use_cache=True, logits_to_keep=1)
+            ids, copy = distinct_rows(input_ids[:, start:end]) if start == 0 else (input_ids[:, start:end], None)
+            self.model(ids, cache=self, use_cache=True, logits_to_keep=1)
+            if copy is not None:  # rows of one prompt share their first chunk (as replay's loop); the rules and
+                super().batch_select_indices(copy)  # prompt ids are already one per row
+                self.fed[-1] = input_ids[:, start:end].cpu()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Make batch row ``i`` the current row ``indices[i]``: the positioned layers, the query window, and each
+        row's rule, prompt id and fed token ids (finished rows leave; a shared first chunk is copied)."""
+        super().batch_select_indices(indices)
+        rows = indices.tolist()
+        if self.fed:
+            self.fed = [ids[indices.to(ids.device)] for ids in self.fed]
+        if len(self.policies) > 1:
+            self.policies = [self.policies[r] for r in rows]
+        if self.prompt_ids is not None:
+            self.prompt_ids = [self.prompt_ids[r] for r in rows]
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if layer_idx == 0 and self.due(self.layers[0].seen):

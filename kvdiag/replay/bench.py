@@ -62,6 +62,11 @@ class ReplayBenchResult:
         """The generate arm's checkpoint time (scoring, choosing, compacting) over its decode time."""
         return sum(self.compaction_s.values()) / self.seconds["generate"] if self.compaction_s else None
 
+    @property
+    def compact_share(self) -> float | None:
+        """The compaction itself (``compact_kv``, no scoring) over the generate arm's decode time."""
+        return self.compaction_s["compact"] / self.seconds["generate"] if self.compaction_s else None
+
     def to_json(self) -> dict:
         per_arm = {f"{a}_{k}": v for a in self.seconds for k, v in (("s", self.seconds[a]),
                                                                       ("peak_mb", self.peak_mb[a]),
@@ -71,7 +76,8 @@ class ReplayBenchResult:
         cpu_ratio = self.cpu_s["batched"] / self.cpu_s["generate"] if "generate" in self.cpu_s else None
         return {"rows": self.rows, "batch_size": self.batch_size, "tokens": self.tokens, **per_arm, **cpu,
                 "speedup": self.speedup, "generate_ratio": self.generate_ratio, "generate_cpu_ratio": cpu_ratio,
-                "compaction_s": self.compaction_s or None, "compaction_share": self.compaction_share}
+                "compaction_s": self.compaction_s or None, "compaction_share": self.compaction_share,
+                "compact_share": self.compact_share}
 
 
 @torch.no_grad()

@@ -22,6 +22,7 @@ from typing import TypeVar
 import torch
 from transformers import DynamicCache
 
+from kvdiag.cache import distinct_rows
 from kvdiag.errors import UserError
 from kvdiag.features import o_proj_weights
 from kvdiag.generate import Policy, PositionedCache, choose, live_scores, observing, prompt_chunks
@@ -116,17 +117,15 @@ class Session:
     def feed(self, ids: list[list[int]], start: int, all_logits: bool = False) -> torch.Tensor:
         """Feed row r its tokens ``ids[r]`` at positions ``[start, start + c)``; fp32 logits [b, c, V] or [b, 1, V]."""
         device = self.model.device
-        n0, c = len(self.cache), len(ids[0])
-        # rows that start from an empty cache with the same tokens are the same computation: run each once (the
-        # first prefill chunk of one prompt under several scorers or samples), then copy it to its rows
-        unique = list(dict.fromkeys(map(tuple, ids))) if n0 == 0 else [tuple(r) for r in ids]
-        out = self.model(torch.tensor(unique, device=device), cache=self.cache, use_cache=True,
-                         position_ids=torch.arange(start, start + c, device=device).expand(len(unique), c),
+        c = len(ids[0])
+        fed, copy = torch.tensor(ids, device=device), None
+        if len(self.cache) == 0:  # rows of one prompt start as one computation: run each once, then copy it
+            fed, copy = distinct_rows(fed)
+        out = self.model(fed, cache=self.cache, use_cache=True,
+                         position_ids=torch.arange(start, start + c, device=device).expand(len(fed), c),
                          logits_to_keep=0 if all_logits else 1)
         logits = out.logits.float()
-        if len(unique) < len(ids):
-            where = {row: u for u, row in enumerate(unique)}
-            copy = torch.tensor([where[tuple(r)] for r in ids])
+        if copy is not None:
             self.cache.select(copy)
             logits = logits[copy.to(logits.device)]
         for row, new in zip(self.token_ids, ids, strict=True):

@@ -4,15 +4,17 @@ one rule per row): the same rows, tokens and bookkeeping as :func:`~kvdiag.repla
 Replay's own parts travel as a logits processor: its coupled draws (``Sampling.pick`` with each row's generator,
 the token forced by masking every other one, so ``generate``'s greedy choice is that draw) and the policy's
 log-probabilities (raw fp32 logits, the rows ``decode_batch`` keeps). ``compressions`` and ``active`` come from the
-cache. Differences from the loop, none in the tokens: a finished row stays in ``generate``'s batch (fed padding until
-every row ends: its cache and its draws past the end are discarded), and rows of one prompt are each prefilled (the
-loop runs identical first chunks once and copies them).
+cache. A finished row leaves the batch as in the loop: a stopping criterion ends the ``generate`` call at the step a
+row writes EOS, the finished rows are dropped from the cache (``batch_select_indices``: entries, positions, query
+window, rules, fed ids) and from the inputs, and ``generate`` continues the others from the cache (it feeds only the
+tokens past ``get_seq_length``, the tokens seen). Rows of one prompt share the first prefill chunk when the prompt
+is prefilled in chunks (``EvictingCache.prefill``); a prompt ``generate`` prefills in one forward is run per row.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from kvdiag.generate import EvictingCache, Policy, PositionedCache, observing
 from kvdiag.models import LoadedModel
@@ -21,23 +23,37 @@ from kvdiag.replay.sampling import Sampling
 
 
 class ReplayDraws(LogitsProcessor):
-    """Row ``r``'s next token is ``sampling.pick(scores[r], generators[r])`` (argmax when greedy: ``generate``'s own
-    choice, left as is); ``logprobs[r]`` collects ``log_softmax`` of its raw scores [V] per step when kept."""
+    """Batch row ``j`` (generation ``rows[j]``) takes ``sampling.pick(scores[j], generators[rows[j]])`` (argmax when
+    greedy: ``generate``'s own choice, left as is); ``logprobs[r]`` collects ``log_softmax`` of generation ``r``'s
+    raw scores [V] per step when kept."""
 
     def __init__(self, sampling: Sampling, generators: list, keep_logprobs: bool):
         self.sampling, self.generators, self.keep = sampling, generators, keep_logprobs
+        self.rows = list(range(len(generators)))  # the generation of each batch row
         self.logprobs: list[list[torch.Tensor]] = [[] for _ in generators]
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.keep:
-            for row, lp in zip(self.logprobs, torch.log_softmax(scores.float(), dim=-1).cpu(), strict=True):
-                row.append(lp)
+            for r, lp in zip(self.rows, torch.log_softmax(scores.float(), dim=-1).cpu(), strict=True):
+                self.logprobs[r].append(lp)
         if self.sampling.greedy:
             return scores
-        picks = [self.sampling.pick(scores[r].float(), g) for r, g in enumerate(self.generators)]
+        picks = [self.sampling.pick(scores[j].float(), self.generators[r]) for j, r in enumerate(self.rows)]
         forced = torch.full_like(scores, float("-inf"))
         forced[torch.arange(len(picks)), torch.tensor(picks)] = 0.0
         return forced
+
+
+class RowEnded(StoppingCriteria):
+    """Ends the ``generate`` call (every row) at the step a row writes one of ``eos``, so that the caller can drop
+    the finished rows and continue the others."""
+
+    def __init__(self, eos: set[int]):
+        self.eos = torch.tensor(sorted(eos))
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        ended = torch.isin(input_ids[:, -1], self.eos.to(input_ids.device))
+        return ended.any().expand(input_ids.shape[0])
 
 
 @torch.no_grad()
@@ -63,18 +79,36 @@ def generate_batch(
     draws = ReplayDraws(sampling, [sampling.generator(pid, s) for pid, s in zip(prompt_ids, samples, strict=True)],
                         keep_logprobs)
     eos = eos_ids(lm)
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, top_k=None, top_p=None,
-                              temperature=None, eos_token_id=sorted(eos), pad_token_id=min(eos))
-    ids = torch.tensor(prompts, device=device)
+    ended = StoppingCriteriaList([RowEnded(eos)])
+    ids, live, results = torch.tensor(prompts, device=device), list(range(b)), [None] * b
     with observing(model):
         if isinstance(cache, EvictingCache):
             cache.prefill(ids)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, generation_config=config,
-                             logits_processor=LogitsProcessorList([draws]))
+        while live:  # one generate call per stretch of steps in which no row ends
+            config = GenerationConfig(max_new_tokens=max_new_tokens - (ids.shape[1] - P), do_sample=False,
+                                      top_k=None, top_p=None, temperature=None, eos_token_id=sorted(eos),
+                                      pad_token_id=min(eos))
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, generation_config=config,
+                                 logits_processor=LogitsProcessorList([draws]), stopping_criteria=ended)
+            last, at_max = out[:, -1].tolist(), out.shape[1] - P == max_new_tokens
+            staying = [j for j, token in enumerate(last) if token not in eos and not at_max]
+            if len(staying) == len(live):
+                raise RuntimeError(f"generate stopped at {out.shape[1] - P} of {max_new_tokens} new tokens with no "
+                                   "row finished")
+            for j, r in enumerate(live):  # the cache as the finished rows left it: their bookkeeping
+                if j not in staying:
+                    results[r] = _decoded(out[j].tolist(), P, eos, cache,
+                                          draws.logprobs[r] if keep_logprobs else None)
+            if staying:
+                keep = torch.tensor(staying)
+                cache.select(keep)
+                live = draws.rows = [live[j] for j in staying]
+                ids = out[keep.to(out.device)]
+            else:
+                live = []
     if cache_out is not None:
         cache_out.append(cache)
-    return [_decoded(row.tolist(), P, eos, cache, draws.logprobs[r] if keep_logprobs else None)
-            for r, row in enumerate(out)]
+    return results
 
 
 def _decoded(tokens: list[int], P: int, eos: set[int], cache, logprobs: list[torch.Tensor] | None) -> Decoded:
