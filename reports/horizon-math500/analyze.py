@@ -40,10 +40,13 @@ def ci(v, lo, hi, d=3) -> str:
 
 
 def token_kind(text: str) -> str:
-    """digit (only digits), operator (only operator or punctuation characters), space, or word."""
+    """special (a chat-template token), digit (only digits), operator (only operator or punctuation characters),
+    space, or word."""
     s = text.strip()
     if not s:
         return "space"
+    if s.startswith("<|") and s.endswith("|>"):
+        return "special"
     if s.isdigit():
         return "digit"
     if set(s) <= OPERATORS:
@@ -196,7 +199,8 @@ def damage_section(dec: pl.DataFrame, boot: PromptBootstrap) -> list[str]:
         b = ok.filter(pl.col("budget") == budget)
         mean = {h: {} for h in HORIZONS}
         rows = []
-        for r in names:
+        over = [r for r in names if b.filter(pl.col("decision") == r).height == 0]
+        for r in [r for r in names if r not in over]:
             d = b.filter(pl.col("decision") == r)
             for h in HORIZONS:
                 mean[h][r] = float(d[f"kl_{h}"].mean())
@@ -206,6 +210,9 @@ def damage_section(dec: pl.DataFrame, boot: PromptBootstrap) -> list[str]:
                                          ci(v16, *boot.ci(reps16)), ci(v, *boot.ci(reps))]))
         full = [r for r in names if b.filter(pl.col("decision") == r).height == b["prompt_id"].n_unique()]
         text.append(f"### {budget}\n")
+        if over:
+            text.append(f"Over the budget at every checkpoint (they protect more entries than it keeps): "
+                        f"{', '.join(over)}.\n")
         text.append(md_table(["decision", "n", *[f"H = {h}" for h in HORIZONS], "H = 16 [95% CI]",
                               "H = 256 [95% CI]"], [r for _, r in sorted(rows, key=lambda x: x[0])],
                              "lr" + "r" * (len(HORIZONS) + 2)))
@@ -252,13 +259,15 @@ def consistency_section(lab: pl.DataFrame, dec: pl.DataFrame) -> list[str]:
         return []
     old = (read_table(DECISIONS_H8)[0].filter(pl.col("sample").is_null() & (pl.col("status") == "ok"))
            .select("prompt_id", "checkpoint", "decision", "budget", kl8_old="kl_mean"))
-    j = dec.filter(pl.col("status") == "ok").join(old, on=["prompt_id", "checkpoint", "decision", "budget"])
+    # future_attention reads the next H queries: a different set at H = 8 and at 256
+    j = (dec.filter((pl.col("status") == "ok") & (pl.col("decision") != "future_attention"))
+         .join(old, on=["prompt_id", "checkpoint", "decision", "budget"]))
     if j.height == 0:
         return []
     rel = ((j["kl_8"] - j["kl8_old"]).abs() / j["kl8_old"].abs()).to_numpy()
     return ["## Consistency with reports/decisions-math500\n",
             f"The joint damage at H = 8 derived here (the first 8 steps of the H = 256 rows) against the "
-            f"decisions-math500 run at H = 8 of the same decisions at the same checkpoints: {j.height} rows "
+            f"decisions-math500 run at H = 8 of the same rules' decisions at the same checkpoints: {j.height} rows "
             f"({j['decision'].n_unique()} decisions), largest relative difference {rel.max():.2g}, median "
             f"{np.median(rel):.2g} (different batch and chunk shapes: float32 rounding).\n"]
 
