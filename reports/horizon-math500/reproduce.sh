@@ -9,6 +9,8 @@
 # selection, for 12 rules and the random and future_attention references (their joint damage at every shorter horizon
 # derives from kl_steps in the same way). No oracle_single (it needs exact labels of every entry at H = 256: ~90 min
 # here), no oracle_greedy or oracle_search (each many times that).
+# About 1 h 40 min on the shared 2-core CPU (load 3-5 from other jobs): trace 35 min, scores 5 min, labels 25 min and
+# decisions 34 min (these two ran side by side).
 set -euo pipefail
 K=${K:-.venv/bin/kvdiag}
 D=runs/horizon-math500
