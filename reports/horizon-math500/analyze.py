@@ -272,6 +272,34 @@ def consistency_section(lab: pl.DataFrame, dec: pl.DataFrame) -> list[str]:
             f"{np.median(rel):.2g} (different batch and chunk shapes: float32 rounding).\n"]
 
 
+FIGURE_RULES = ("cake", "snapkv", "rkv", "avokv_e", "avokv_e_no_delay", "vase", "knorm")
+
+
+def figure(lab: pl.DataFrame, scores: pl.DataFrame, dec: pl.DataFrame, boot: PromptBootstrap, out: Path) -> None:
+    """horizons.png/pdf: Spearman with H = 256 [CI], pooled AUROC and mean joint damage at keep 0.25, against H."""
+    from kvdiag.plotting import new_figure, save_figure, style
+
+    j = lab.join(scores, on=["prompt_id", "checkpoint", "position"])
+    with style():
+        fig, (a, b, c) = new_figure(3, 12, 3.4)
+        rho = [spearman_ci(boot, lab[f"kl_{h}"].to_numpy(), lab[f"kl_{LONG}"].to_numpy(), lab["prompt_id"].to_numpy())
+               for h in HORIZONS]
+        a.errorbar(HORIZONS, [r["spearman"] for r in rho], capsize=3,
+                   yerr=[[r["spearman"] - r["ci_low"] for r in rho], [r["ci_high"] - r["spearman"] for r in rho]])
+        a.set(xscale="log", xlabel="horizon H (tokens)", ylabel="Spearman with H = 256", title="single-entry labels")
+        ok = dec.filter((pl.col("status") == "ok") & (pl.col("budget") == "keep:0.25"))
+        for r in FIGURE_RULES:
+            b.plot(HORIZONS, [auroc(j[f"harm_{h}"].to_numpy().astype(int), j[r].to_numpy()) for h in HORIZONS],
+                   marker="o", label=r)
+            c.plot(HORIZONS, [ok.filter(pl.col("decision") == r)[f"kl_{h}"].mean() for h in HORIZONS], marker="o",
+                   label=r)
+        b.set(xscale="log", xlabel="horizon H (tokens)", ylabel="AUROC (harmful at H)", title="rules' AUROC")
+        c.set(xscale="log", yscale="log", xlabel="horizon H (tokens)", ylabel="joint damage (nats per step)",
+              title="decisions at keep 0.25")
+        c.legend(fontsize=6)
+        save_figure(fig, out, "horizons")
+
+
 def main(inputs: Path = INPUTS, out: Path = OUT) -> None:
     lab, thr = harmful(read_table(inputs / "labels.parquet")[0])
     scores = read_table(inputs / "token_scores.parquet")[0]
@@ -297,7 +325,9 @@ def main(inputs: Path = INPUTS, out: Path = OUT) -> None:
     text += ["## The dependency suites\n",
              "The share of the tokens a dependency-suite task needs that are labeled harmful at H = 16 and at `rest` "
              "waits for the suites of issue #43 (not landed).\n"]
+    text.append("![Spearman, AUROC and joint damage by horizon](horizons.png)\n")
     (out / "report.md").write_text("\n".join(text))
+    figure(lab, scores, dec, boot, out)
 
 
 if __name__ == "__main__":
