@@ -207,3 +207,18 @@ def test_label_cli_horizon_rest(tiny_trace, tmp_path):
     assert meta["config"]["horizon"] == "rest" and meta["config"]["chunk"] == 8
     T = {pid: tiny_trace.length(pid) for pid in tiny_trace.prompt_ids}
     assert (df["horizon"] == pl.Series([T[p] - t for p, t in df.select("prompt_id", "checkpoint").iter_rows()])).all()
+
+
+def test_derived_horizons_of_decision_rows_use_their_own_keys():
+    """The joint damage of a decisions run at a long horizon gives every shorter one the same way (one place)."""
+    df = pl.DataFrame({"prompt_id": ["a", "a"], "checkpoint": [5, 5], "decision": ["snapkv", "h2o"],
+                       "budget": ["keep 0.5", "keep 0.5"], "horizon": [4, 2],
+                       "kl_steps": [[0.1, 0.3, 0.5, 0.7], [1.0, 3.0]]})
+    keys = ("prompt_id", "checkpoint", "decision", "budget")
+    got = at_horizons(df, (2, 4, "rest"), keys=keys)
+    assert got.columns == [*keys, "at", "steps", "kl_mean"]
+    kl = {(d, a): v for d, a, v in got.select("decision", "at", "kl_mean").iter_rows()}
+    assert kl[("snapkv", "2")] == pytest.approx(0.2, abs=1e-15) and kl[("snapkv", "4")] == pytest.approx(0.4)
+    assert kl[("h2o", "2")] == pytest.approx(2.0) and kl[("h2o", "4")] is None and kl[("h2o", "rest")] == 2.0
+    with pytest.raises(UserError, match="lack columns"):
+        at_horizons(df)  # a label row's keys: a decisions table lacks position, granularity, ...

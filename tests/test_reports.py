@@ -585,6 +585,27 @@ def test_miss_rate_frontier(tmp_path):
     assert_same_tables(out, REPORTS / report, [name])
 
 
+HORIZON = compared("horizon-math500", ("report.md",))
+HORIZON_INPUTS = REPORTS / "horizon-math500/inputs"
+
+
+def test_horizon_study(tmp_path):
+    """analyze.py's report.md from its committed inputs (labels, token scores, decisions and kept shares at every
+    horizon, derived by inputs.py from the H = 256 runs' kl_steps) and reports/decisions-math500's decisions at H = 8
+    (its consistency check)."""
+    report, (name,) = HORIZON
+    want = {"labels.parquet": {"prompt_id", "checkpoint", "position", "age", "noise_floor", "prompt_len", "token_text",
+                               *(f"kl_{h}" for h in (8, 16, 32, 64, 128, 256))},
+            "decisions.parquet": {"prompt_id", "checkpoint", "decision", "kind", "budget", "status", "kl_256"},
+            "kept.parquet": {"prompt_id", "checkpoint", "decision", "budget", "position", "kept_share"}}
+    for file, columns in want.items():
+        assert columns <= set(read_table(HORIZON_INPUTS / file)[0].columns), file
+    out = tmp_path / "out"
+    out.mkdir()
+    _script(f"reports/{report}/analyze.py").main(HORIZON_INPUTS, out)
+    assert_same_tables(out, REPORTS / report, [name])
+
+
 # --------------------------------------------------------------------------- bench
 
 

@@ -16,13 +16,15 @@ from kvdiag.schema import KEYS
 SUMMARY_HORIZONS = (8, 16, 32, 64, 128, 256, REST)
 
 
-def at_horizons(labels: pl.DataFrame, horizons=SUMMARY_HORIZONS) -> pl.DataFrame:
+def at_horizons(labels: pl.DataFrame, horizons=SUMMARY_HORIZONS, keys=tuple(KEYS)) -> pl.DataFrame:
     """One row per (label row, horizon): the keys, ``at`` (the horizon asked: N, or rest), ``steps`` (the steps
     averaged: N, or the row's own horizon for rest) and ``kl_mean`` (null where the row's horizon is shorter than N).
 
-    labels: a labels table with ``kl_steps`` (exact rows; an approximate method's rows have none and are refused)."""
+    labels: a labels table with ``kl_steps`` (exact rows; an approximate method's rows have none and are refused), or
+    any table of such rows with its own ``keys`` (the labeled sets of ``kvdiag decisions``: their joint damage)."""
     asked = [parse_horizon(h) for h in horizons]
-    missing = sorted({*KEYS, "horizon", "kl_steps"} - set(labels.columns))
+    keys = list(keys)
+    missing = sorted({*keys, "horizon", "kl_steps"} - set(labels.columns))
     if missing:
         raise UserError(f"labels lack columns {missing}: derive horizons from a labels file of `kvdiag label`")
     if labels["kl_steps"].null_count():
@@ -35,7 +37,7 @@ def at_horizons(labels: pl.DataFrame, horizons=SUMMARY_HORIZONS) -> pl.DataFrame
     for h in asked:
         steps = pl.col("horizon") if h == REST else pl.lit(h, pl.Int64)
         frames.append(labels.select(
-            *KEYS, at=pl.lit(str(h)), steps=steps,
+            *keys, at=pl.lit(str(h)), steps=steps,
             kl_mean=pl.when(pl.col("horizon") >= steps).then(pl.col("kl_steps").list.head(steps).list.mean()),
         ))
     return pl.concat(frames)
