@@ -10,6 +10,8 @@ from pathlib import Path
 
 from kvdiag.errors import UserError
 
+DEFAULT_MODEL = "smollm2"  # the model a command loads when --model is not given
+
 # --------------------------------------------------------------------------- tiny random models
 
 TINY_COMMON = dict(

@@ -41,6 +41,7 @@ from kvdiag.embedded import EMBEDDED, embedded_dir
 from kvdiag.errors import UserError
 from kvdiag.model_specs import (  # noqa: F401  (models' API)
     BYTE_VOCAB,
+    DEFAULT_MODEL,
     TINY,
     TINY_COMMON,
     TINY_SW,
@@ -107,7 +108,7 @@ def check_device(device: str) -> str:
 
 
 def load_model(
-    spec: str = "smollm2", dtype: str = "float32", device: str = "cpu", revision: str | None = None,
+    spec: str = DEFAULT_MODEL, dtype: str = "float32", device: str = "cpu", revision: str | None = None,
     trust_remote_code: bool = False, seed: int = 0,
 ) -> LoadedModel:
     """Load ``spec`` (see module docstring) in eval mode on ``device``."""

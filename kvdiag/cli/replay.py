@@ -85,7 +85,7 @@ def replay(
     check_outputs({"--out": (out, "dir")}, {"--teacher-forced": teacher_forced, "--outcomes": outcomes,
                                            "--auroc": auroc, "--prompts": prompts, "--plugin": plugin})
     from kvdiag.io import check_table
-    from kvdiag.model_specs import check_model_spec, context_of, spec_windows
+    from kvdiag.model_specs import DEFAULT_MODEL, check_model_spec, context_of, spec_windows
     from kvdiag.plugin_check import check_plugin_files
     from kvdiag.prompts import DEFAULT_INSTRUCTION, load_prompts
     from kvdiag.replay.settings import ReplaySettings, check_budgets, check_options, check_outcomes, replayed_prompts
@@ -139,14 +139,15 @@ def replay(
             check_inputs(check_table(auroc[0], "--auroc LABELS"), check_table(auroc[1], "--auroc SCORES"),
                          ("--auroc LABELS", "--auroc SCORES"))
     else:
-        check_budgets(settings, spec_windows(model or "smollm2"))
+        spec = model or DEFAULT_MODEL
+        check_budgets(settings, spec_windows(spec))
         source = prompts or "builtin:arith"
         items = load_prompts(source, limit=limit, seed=seed)
         check_generation_room(items, max_new_tokens, source)  # a lower bound on any model's count
-        counter = light_counter(model or "smollm2")
+        counter = light_counter(spec)
         if counter is not None:  # the exact counts, as the stage takes them once the model loads
             check_room(items, [len(counter.prompt_ids(p, chat, settings.instruction)) for p in items], max_new_tokens,
-                       context_of(model or "smollm2"), source, counter.count)
+                       context_of(spec), source, counter.count)
         if components is not None:
             components = select_components(source, parsing.parse_list(components, "--components", str))
     from kvdiag.replay.run import replay_sweep  # the stage: torch, once the arguments are checked

@@ -18,6 +18,7 @@ from kvdiag.features import o_proj_weights
 from kvdiag.generate.live import check_live_scorer, make_scorer
 from kvdiag.generate.policy import Policy
 from kvdiag.io import check_writable, write_json
+from kvdiag.model_specs import DEFAULT_MODEL
 from kvdiag.models import LoadedModel, load_model
 from kvdiag.parts import PartStore
 from kvdiag.progress import progress_bar
@@ -112,7 +113,7 @@ def replay_sweep(
     check_generation_room(items, settings.max_new_tokens, source)
     if components is not None:
         components = select_components(source, components)
-    lm = load_model(model or "smollm2", dtype=dtype or "float32", device=device, revision=revision,
+    lm = load_model(model or DEFAULT_MODEL, dtype=dtype or "float32", device=device, revision=revision,
                     trust_remote_code=trust_remote_code, seed=seed)
     return replay(lm, out, settings, prompts=items, source=source, show_progress=show_progress,
                   components=components)
