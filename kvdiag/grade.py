@@ -36,7 +36,7 @@ from kvdiag.io import read_table, write_csv, write_json, write_table, write_text
 from kvdiag.parsing import REST, horizon_steps
 from kvdiag.schema import KEYS
 from kvdiag.scorer_names import check_rule_source, is_plugin_spec
-from kvdiag.tables import md_table, number_text
+from kvdiag.tables import ci_text, md_table, number_text
 
 RANK_METRICS = ("auroc", "ap", "topk_recall", "fsr", "spearman")
 
@@ -297,8 +297,7 @@ def _ci(value, ci) -> str:
     if value is None or (isinstance(value, float) and np.isnan(value)):
         return "n/a"
     low, high = ci if ci else (float("nan"), float("nan"))
-    return number_text(value, 3) + ("" if low is None or np.isnan(low) else
-                                    f" [{number_text(low, 3)}, {number_text(high, 3)}]")
+    return number_text(value, 3) if low is None or np.isnan(low) else ci_text(value, low, high)
 
 
 def _intro(b: bench_mod.Benchmark, horizon: str | None = None) -> str:

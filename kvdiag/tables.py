@@ -44,6 +44,11 @@ def number_text(x, digits: int = 4) -> str:
     return f"{x:.{digits}g}"
 
 
+def ci_text(value, low, high, digits: int = 3) -> str:
+    """A value with its confidence interval, ``value [low, high]``, each as :func:`number_text`."""
+    return f"{number_text(value, digits)} [{number_text(low, digits)}, {number_text(high, digits)}]"
+
+
 def cell_text(x) -> str:
     """A report cell: strings as they are, numbers by :func:`number_text`; ``|`` escaped, one line."""
     text = x if isinstance(x, str) else number_text(x)

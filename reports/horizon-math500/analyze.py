@@ -19,7 +19,7 @@ from kvdiag.harm import HarmSpec
 from kvdiag.io import read_table
 from kvdiag.rankeval.metrics import auroc
 from kvdiag.stats import PromptBootstrap, compare, format_p, kendall, sign_test, spearman_ci
-from kvdiag.tables import md_table, number_text
+from kvdiag.tables import ci_text, md_table, number_text
 
 INPUTS = Path("reports/horizon-math500/inputs")
 OUT = Path("reports/horizon-math500")
@@ -34,9 +34,6 @@ N_BOOT, SEED, LEVEL = 1000, 0, 0.95
 AGE_BINS = (("1-16", 1, 16), ("17-64", 17, 64), ("65-256", 65, 256), ("> 256", 257, 10**9))
 OPERATORS = set("+-*/=^()[]{}<>|!\\,.:;")
 
-
-def ci(v, lo, hi, d=3) -> str:
-    return f"{number_text(v, d)} [{number_text(lo, d)}, {number_text(hi, d)}]"
 
 
 def token_kind(text: str) -> str:
@@ -78,8 +75,8 @@ def spearman_section(lab: pl.DataFrame, boot: PromptBootstrap, thr: dict[int, fl
         s = spearman_ci(boot, lab[f"kl_{h}"].to_numpy(), long, prompts)
         both = lab.filter(pl.col(f"harm_{LONG}"))
         share, reps = boot.mean(both[f"harm_{h}"].cast(pl.Float64).to_numpy(), both["prompt_id"].to_numpy())
-        rows.append([f"H = {h}", f"{s['n']:,}", ci(s["spearman"], s["ci_low"], s["ci_high"]),
-                     number_text(thr[h], 3), ci(share, *boot.ci(reps)),
+        rows.append([f"H = {h}", f"{s['n']:,}", ci_text(s["spearman"], s["ci_low"], s["ci_high"]),
+                     number_text(thr[h], 3), ci_text(share, *boot.ci(reps)),
                      number_text(float(lab[f"kl_{h}"].median()), 3)])
     return ["## (a) Labels at H against labels at H = 256\n",
             md_table(["horizon", "entries", "Spearman with H = 256 [95% CI]", "harm threshold (nats)",
@@ -115,7 +112,7 @@ def delayed_section(lab: pl.DataFrame, kept: pl.DataFrame, boot: PromptBootstrap
             share, reps = boot.mean(part["delayed"].cast(pl.Float64).to_numpy(), part["prompt_id"].to_numpy())
             n_g = lab.filter(pl.col(col).cast(pl.String) == g).height
             rows.append([title, g, f"{n_g:,}", f"{part.height:,}", f"{int(part['delayed'].sum()):,}",
-                         ci(share, *boot.ci(reps)) if part.height else "n/a"])
+                         ci_text(share, *boot.ci(reps)) if part.height else "n/a"])
     text.append(md_table(["by", "group", "entries", "harmful at 256", "delayed", "delayed share [95% CI]"], rows,
                          "llrrrr"))
     text.append("\nWhich rules keep them: the share of the (layer, KV head) cells that keep an entry, averaged over "
@@ -133,7 +130,7 @@ def delayed_section(lab: pl.DataFrame, kept: pl.DataFrame, boot: PromptBootstrap
                 continue
             d = kb.filter("delayed")
             share, reps = boot.mean(d["kept_share"].to_numpy(), d["prompt_id"].to_numpy())
-            cells += [ci(share, *boot.ci(reps), d=2),
+            cells += [ci_text(share, *boot.ci(reps), digits=2),
                       number_text(float(kb.filter(f"harm_{LONG}")["kept_share"].mean()), 2),
                       number_text(float(kb["kept_share"].mean()), 2)]
         rows.append(cells)
@@ -160,7 +157,7 @@ def auroc_section(lab: pl.DataFrame, scores: pl.DataFrame, boot: PromptBootstrap
     for r in sorted(rules, key=lambda r: -value[LONG][r]):
         test = sign_test(per[LONG][r] - per[SHORT][r])
         rows.append([r, *[number_text(value[h][r], 3) for h in HORIZONS],
-                     ci(value[SHORT][r], *cis[SHORT][r]), ci(value[LONG][r], *cis[LONG][r]),
+                     ci_text(value[SHORT][r], *cis[SHORT][r]), ci_text(value[LONG][r], *cis[LONG][r]),
                      f"{test.above} of {test.n}", format_p(test.p)])
     text = ["## (c) Each rule's AUROC by horizon\n",
             f"Pooled AUROC of the token score against harmful at H (above the 0.9 quantile of the sampled labels at "
@@ -207,7 +204,7 @@ def damage_section(dec: pl.DataFrame, boot: PromptBootstrap) -> list[str]:
             v, reps = boot.mean(d[f"kl_{LONG}"].to_numpy(), d["prompt_id"].to_numpy())
             v16, reps16 = boot.mean(d[f"kl_{SHORT}"].to_numpy(), d["prompt_id"].to_numpy())
             rows.append((mean[LONG][r], [r, f"{d.height}", *[number_text(mean[h][r], 3) for h in HORIZONS],
-                                         ci(v16, *boot.ci(reps16)), ci(v, *boot.ci(reps))]))
+                                         ci_text(v16, *boot.ci(reps16)), ci_text(v, *boot.ci(reps))]))
         full = [r for r in names if b.filter(pl.col("decision") == r).height == b["prompt_id"].n_unique()]
         text.append(f"### {budget}\n")
         if over:
@@ -242,7 +239,7 @@ def avokv_section(dec: pl.DataFrame, boot: PromptBootstrap) -> list[str]:
             for h in HORIZONS:
                 c = compare(boot, j[f"kl_{h}"].to_numpy(), j[f"kl_{h}_o"].to_numpy(), j["prompt_id"].to_numpy())
                 rt, t = c["ratios"], c["test"]
-                rows.append([other, budget, f"H = {h}", f"{t.n}", ci(rt["geomean"], *rt["geomean_ci"]),
+                rows.append([other, budget, f"H = {h}", f"{t.n}", ci_text(rt["geomean"], *rt["geomean_ci"]),
                              number_text(rt["median"], 3), f"{rt['below']} of {rt['n']}", format_p(t.p)])
     return ["## (c) Does AvoKV-E's delay buffer gain at long horizons?\n",
             "AvoKV-E's joint damage over its variant's at the same checkpoint: the geometric mean of the "

@@ -13,16 +13,13 @@ import polars as pl
 from kvdiag.harm import HarmSpec
 from kvdiag.io import read_table
 from kvdiag.stats import PromptBootstrap, compare, format_p
-from kvdiag.tables import md_table, number_text
+from kvdiag.tables import ci_text, md_table, number_text
 
 D = Path("runs/decisions-math500")
 OUT = Path("reports/hybrid-labels-math500")
 KEY = ["prompt_id", "checkpoint", "position"]
 SETTINGS = {"exact-frac 0.1, audit 32": "hybrid-0.1", "exact-frac 0.2, audit 32": "hybrid-0.2"}
 
-
-def ci(v, lo, hi, d=3):
-    return f"{number_text(v, d)} [{number_text(lo, d)}, {number_text(hi, d)}]"
 
 
 def main(runs: Path = D, out: Path = OUT) -> None:
@@ -43,7 +40,8 @@ def main(runs: Path = D, out: Path = OUT) -> None:
         value, reps = boot.mean(per["missed"].to_numpy(), per["prompt_id"].to_numpy())
         low, high = boot.ci(reps)
         share = lab.filter(pl.col("method") != "fast").height / lab.height
-        rows.append([name, f"{share:.1%}", ci(est["miss_rate"], est["ci_low"], est["ci_high"]), ci(value, low, high),
+        rows.append([name, f"{share:.1%}", ci_text(est["miss_rate"], est["ci_low"], est["ci_high"]),
+                     ci_text(value, low, high),
                      number_text(cost[stem]["ratio"], 3) if stem in cost else "not measured"])
     text.append(f"Exact labels of every entry at the {exact.select('prompt_id', 'checkpoint').n_unique()} checkpoints "
                 f"({exact.height:,} entries) are the truth. Harmful: kl_mean > {thr:.3g} nats (quantile 0.9 of the "
@@ -71,7 +69,7 @@ def main(runs: Path = D, out: Path = OUT) -> None:
     crow = []
     for (where,), g in harmful.group_by("where", maintain_order=True):
         v, r = boot.mean(g["missed"].to_numpy(), g["prompt_id"].to_numpy())
-        crow.append([where, g.height, ci(v, *boot.ci(r))])
+        crow.append([where, g.height, ci_text(v, *boot.ci(r))])
     text.append("\n## Where the fast label misses\n\nHarmful entries (exact) outside the fast label's top decile of "
                 "their checkpoint, by position:\n")
     text.append(md_table(["entries", "harmful", "share missed by the fast top decile"], crow, "lrr"))
@@ -87,7 +85,7 @@ def main(runs: Path = D, out: Path = OUT) -> None:
                 on=["prompt_id", "checkpoint"])
             c = compare(boot, p["h"].to_numpy(), p["e"].to_numpy(), p["prompt_id"].to_numpy())
             r, t = c["ratios"], c["test"]
-            orow.append([name, budget, ci(c["diff"], *c["diff_ci"], 3), ci(r["geomean"], *r["geomean_ci"], 3),
+            orow.append([name, budget, ci_text(c["diff"], *c["diff_ci"], 3), ci_text(r["geomean"], *r["geomean_ci"], 3),
                          number_text(r["median"], 3), f"{r['below']} of {r['n']}", number_text(c["ratio"], 3),
                          f"{t.above} of {t.n}", format_p(t.p, t.resolution)])
     text.append("\n## oracle_single from hybrid labels\n\nThe joint damage of the set that keeps the largest labels "
