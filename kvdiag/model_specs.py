@@ -118,14 +118,48 @@ TINY_MODEL_TYPES = {
 }
 
 
+ADAPTER_SEP = "+"  # --model BASE+ADAPTER: a LoRA adapter directory merged into BASE's weights at load
+
+
+def split_adapter(spec: str) -> tuple[str, str | None]:
+    """(base spec, adapter directory or None) of ``--model spec``: ``smollm2+data/adapters/smollm2-countdown``."""
+    base, sep, adapter = spec.rpartition(ADAPTER_SEP)
+    return (base, adapter) if sep and base and adapter else (spec, None)
+
+
+def check_adapter(spec: str, adapter: str) -> Path:
+    """Refuse an adapter directory kvdiag cannot merge safely: missing, without a LoRA ``adapter_config.json``, or
+    whose weights are not ``adapter_model.safetensors`` (pickled ``.bin`` weights are never loaded)."""
+    path = Path(adapter).expanduser()
+    if not path.is_dir():
+        raise UserError(f"--model {spec}: adapter directory {adapter} not found; pass BASE+DIR with DIR holding "
+                        "adapter_config.json and adapter_model.safetensors")
+    try:
+        config = json.loads((path / "adapter_config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UserError(f"--model {spec}: {adapter}/adapter_config.json is missing or unreadable "
+                        f"({type(err).__name__}); save the adapter with peft's save_pretrained") from err
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        got = config.get("peft_type") if isinstance(config, dict) else None
+        raise UserError(f"--model {spec}: {adapter} is not a LoRA adapter (peft_type {got!r}); pass a LoRA adapter")
+    if not (path / "adapter_model.safetensors").is_file():
+        raise UserError(f"--model {spec}: {adapter} has no adapter_model.safetensors (kvdiag loads no pickled "
+                        "weights); save the adapter with safe_serialization=True")
+    return path
+
+
 def check_model_spec(spec: str) -> str:
     """Refuse what is wrong with ``--model spec`` before it loads: an unknown ``tiny:`` family, a missing ``.gguf``
-    file (a hub id or directory is checked when it loads)."""
+    file, an adapter directory that is not a LoRA adapter in safetensors (a hub id or directory is checked when it
+    loads)."""
+    whole, (spec, adapter) = spec, split_adapter(spec)
+    if adapter is not None:
+        check_adapter(whole, adapter)
     if spec.startswith("tiny:") and spec.split(":", 1)[1] not in TINY:
         raise UserError(f"--model {spec}: unknown tiny architecture; use one of {', '.join('tiny:' + a for a in TINY)}")
     if spec.endswith(".gguf") and not Path(spec).is_file():
         raise UserError(f"--model {spec}: GGUF file not found; check the path")
-    return spec
+    return whole
 
 
 # --------------------------------------------------------------------------- a model's config, read as JSON
@@ -145,12 +179,14 @@ RECORDED = {"model_type": ("attention", "family"), "num_hidden_layers": ("num_la
 
 
 def is_path_spec(spec: str) -> bool:
-    """Whether ``--model spec`` names a file or directory (else a built-in name or a hub id)."""
+    """Whether ``--model spec`` names a file or directory (else a built-in name or a hub id; an adapter's base)."""
+    spec = split_adapter(spec)[0]
     return spec.startswith((".", "/", "~")) or Path(spec).expanduser().exists()
 
 
 def is_builtin(spec: str) -> bool:
-    """An embedded, ``tiny:`` or ``random:`` model: its weights are known from its name."""
+    """An embedded, ``tiny:`` or ``random:`` model (an adapter's base too): its weights are known from its name."""
+    spec = split_adapter(spec)[0]
     return spec in EMBEDDED_CONFIG or spec.startswith(("tiny:", "random:"))
 
 
@@ -159,7 +195,8 @@ def spec_config(spec: str) -> dict | None:
     tiny family's, an embedded model's, a directory's ``config.json`` (a multimodal one's ``text_config``), a hub id's
     ``config.json`` from the local Hugging Face cache. None where only a load can tell: a ``.gguf``, a ``random:``
     spec, a hub id whose config is not cached, a composite config that nests its decoder under another key than
-    ``text_config``. A directory without a readable config.json is refused."""
+    ``text_config``. A directory without a readable config.json is refused. An adapter keeps its base's config."""
+    spec = split_adapter(spec)[0]
     if spec.startswith("tiny:"):
         config = {**TINY_COMMON, **TINY[check_model_spec(spec).split(":", 1)[1]][1]}
         return {k: v for k, v in config.items() if v is not None}  # gpt_neox: no num_key_value_heads
@@ -263,6 +300,7 @@ def spec_windows(spec: str) -> list[int | None] | None:
     (:func:`spec_config`, :func:`kvdiag.families.config_windows`), or None when only its load can tell."""
     from kvdiag.families import config_windows
 
+    spec = split_adapter(spec)[0]
     try:
         config = spec_config(spec)
     except UserError:

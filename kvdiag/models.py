@@ -23,6 +23,8 @@ Specs accepted by ``load_model``:
   manifest and labels file (``is_random``).
 - ``path/to/file.gguf`` — loaded through transformers' GGUF support (dequantized).
 - a local directory or a hub id — ``AutoModelForCausalLM.from_pretrained`` (safetensors only).
+- ``BASE+ADAPTER`` — any spec above with a LoRA adapter directory (peft's ``adapter_config.json`` and
+  ``adapter_model.safetensors``) merged into its weights: ``smollm2+data/adapters/smollm2-countdown``.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from kvdiag.model_specs import (  # noqa: F401  (models' API)
     TINY_SW,
     byte_tokenizer,
     check_model_spec,
+    split_adapter,
 )
 from kvdiag.parsing import check_device_name, check_dtype
 
@@ -115,16 +118,19 @@ def load_model(
     torch_dtype = parse_dtype(dtype)
     device = check_device(device)
     rnd = None
-    if spec.startswith("tiny:"):
-        model, tok = _tiny(spec.split(":", 1)[1], seed)
-    elif spec.startswith("random:"):
-        model, tok, rnd = _random(spec, torch_dtype, device, seed)
-    elif spec in EMBEDDED:  # smollm2, gemma3-270m
-        model, tok = _from_dir(embedded_dir(spec), torch_dtype, None, False)
-    elif spec.endswith(".gguf"):
-        model, tok = _from_gguf(Path(spec), torch_dtype)
+    base, adapter = split_adapter(check_model_spec(spec))
+    if base.startswith("tiny:"):
+        model, tok = _tiny(base.split(":", 1)[1], seed)
+    elif base.startswith("random:"):
+        model, tok, rnd = _random(base, torch_dtype, device, seed)
+    elif base in EMBEDDED:  # smollm2, gemma3-270m
+        model, tok = _from_dir(embedded_dir(base), torch_dtype, None, False)
+    elif base.endswith(".gguf"):
+        model, tok = _from_gguf(Path(base), torch_dtype)
     else:
-        model, tok = _from_dir(spec, torch_dtype, revision, trust_remote_code)
+        model, tok = _from_dir(base, torch_dtype, revision, trust_remote_code)
+    if adapter is not None:
+        model = merge_adapter(model, spec, adapter)
     model = adapt(model).to(device=device, dtype=torch_dtype).eval()
     # a random model's weights are a function of its recipe: a sample of them identifies it (hashing 8B
     # parameters would take minutes)
@@ -132,6 +138,20 @@ def load_model(
     loaded = LoadedModel(model, tok, spec, dtype, device, revision, config_hash(model.config), hashed, rnd)
     _restart_peak_after_load()
     return loaded
+
+
+def merge_adapter(model, spec: str, adapter: str):
+    """``model`` with the LoRA adapter in directory ``adapter`` merged into its weights (peft's ``merge_and_unload``:
+    plain Linear layers again, so every kvdiag attention path and kernel sees an ordinary model; the weights hash
+    covers the adapter). A base whose module names the adapter does not target is refused."""
+    from peft import PeftModel
+
+    try:
+        merged = PeftModel.from_pretrained(model, adapter, is_trainable=False).merge_and_unload()
+    except (ValueError, KeyError, RuntimeError) as err:
+        raise UserError(f"--model {spec}: the adapter does not fit this base model ({str(err).splitlines()[0][:160]});"
+                        " pass the base model the adapter was trained on") from err
+    return merged
 
 
 PEAK_AFTER_LOAD_ENV = "KVDIAG_PEAK_AFTER_LOAD"

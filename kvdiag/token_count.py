@@ -73,8 +73,10 @@ def compile_template(source: str):
 def light_counter(spec: str) -> TokenCounter | None:
     """The :class:`TokenCounter` of ``--model spec`` where it is known to count as transformers does: a ``tiny:``
     model (the byte tokenizer, no template), an embedded model already converted (its saved tokenizer); None
-    otherwise (the stage counts once the model loads)."""
-    from kvdiag.model_specs import TINY, byte_core
+    otherwise (the stage counts once the model loads). An adapter (``BASE+ADAPTER``) counts as its base."""
+    from kvdiag.model_specs import TINY, byte_core, split_adapter
+
+    spec = split_adapter(spec)[0]
 
     if spec.startswith("tiny:"):
         return TokenCounter(byte_core()) if spec.split(":", 1)[1] in TINY else None

@@ -27,6 +27,11 @@ CASES: list[tuple[str, list[str], str]] = [
     # ---- trace
     ("trace-gguf-missing", ["trace", "--model", "/no/such.gguf", "--out", "{out}"], "/no/such.gguf"),
     ("trace-unknown-tiny", ["trace", "--model", "tiny:gpt9", "--out", "{out}"], "tiny:gpt9"),
+    ("trace-adapter-missing", ["trace", "--model", "smollm2+/no/such/adapter", "--out", "{out}"], "adapter directory"),
+    ("trace-adapter-no-config", ["trace", "--model", "smollm2+{empty_dir}", "--out", "{out}"], "adapter_config.json"),
+    ("trace-adapter-not-lora", ["trace", "--model", "smollm2+{adapter_ia3}", "--out", "{out}"], "not a LoRA adapter"),
+    ("replay-adapter-pickle", ["replay", "--scorer", "rkv", "--model", "smollm2+{adapter_bin}", "--out", "{out}"],
+     "adapter_model.safetensors"),
     (
         "trace-max-new-0", ["trace", "--model", "tiny:llama", "--max-new-tokens", "0", "--out", "{out}"],
         "--max-new-tokens 0",
@@ -911,6 +916,11 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
     p["trace_kv"] = broken_trace("t-kv", keys_only)
     (root / "number.jsonl").write_text('{"problem": 42}\n')
     p["number_jsonl"] = str(root / "number.jsonl")
+    for kind, peft_type, weights in (("ia3", "IA3", "adapter_model.safetensors"), ("bin", "LORA", "adapter_model.bin")):
+        (root / f"adapter-{kind}").mkdir()
+        (root / f"adapter-{kind}" / "adapter_config.json").write_text(json.dumps({"peft_type": peft_type}))
+        (root / f"adapter-{kind}" / weights).write_bytes(b"not read")
+        p[f"adapter_{kind}"] = str(root / f"adapter-{kind}")
     (root / "plugins").mkdir()
     for kind, source in PLUGINS.items():
         path = root / "plugins" / f"{PLUGIN_FILES.get(kind, kind)}.py"

@@ -49,7 +49,7 @@ class EvictingCache(PositionedCache):
     def __init__(self, model, rule: Scorer | str | list[Scorer | str], budget: int,
                  interval: int = CHECKPOINT_INTERVAL, selection: Selection | str = "per-head", backend: str = "auto",
                  seed: int = 0, params: dict | None = None, prompt_ids: list[str] | None = None,
-                 o_proj: dict | None = None):
+                 o_proj: dict | None = None, record_kept: bool = False):
         rules = rule if isinstance(rule, list) else [rule]
         if not rules:
             raise UserError("EvictingCache: give a rule (or one per batch row)")
@@ -66,6 +66,8 @@ class EvictingCache(PositionedCache):
             self.o_proj = o_proj_weights(model)
         self.prompt_len: int | None = None
         self.compressions: list[int] = []  # the checkpoints t at which a compaction ran
+        # record_kept: per row, (t, how many (layer, KV head) slots hold each position of [0, t) [t]) per compaction
+        self.kept: list[list[tuple[int, torch.Tensor]]] | None = [] if record_kept else None
         self.fed: list[torch.Tensor] | None = []  # the token ids [b, c] of each forward (None: embeddings were fed)
         self.seconds = {"score_choose": 0.0, "compact": 0.0}
         self.restore: str | None = None  # the model's attention, switched back after each forward
@@ -100,6 +102,13 @@ class EvictingCache(PositionedCache):
             self.policies = [self.policies[r] for r in rows]
         if self.prompt_ids is not None:
             self.prompt_ids = [self.prompt_ids[r] for r in rows]
+        if self.kept:
+            self.kept = [self.kept[r] for r in rows]
+
+    @property
+    def slots(self) -> int:
+        """(layer, KV head) slots per row: what a kept count is a share of."""
+        return sum(layer.positions.shape[1] for layer in self.layers)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if layer_idx == 0 and self.due(self.layers[0].seen):
@@ -159,6 +168,11 @@ class EvictingCache(PositionedCache):
         self.seconds["score_choose"] += middle - start
         self.seconds["compact"] += time.perf_counter() - middle
         self.compressions.append(t)
+        if self.kept is not None:
+            self.kept = self.kept or [[] for _ in range(rows)]
+            for row, got in enumerate(self.kept):
+                held = torch.cat([p[row].reshape(-1) for p in self.positions])
+                got.append((t, torch.bincount(held, minlength=t)[:t].to(torch.int16)))
 
 
 def _policy(rule: Scorer | str, params: dict | None, budget: int, interval: int, selection: Selection | str,

@@ -45,6 +45,9 @@ class Decoded:
     logprobs : [G, V] fp32 log P_policy of each generated position (row j predicts position prompt_len + j),
         or None when not kept.
     kept : (checkpoint, positions [L, Hkv, B]) after each compaction, when asked for (tests, inspection).
+    kept_counts : (checkpoint t, [t] how many of the ``slots`` (layer, KV head) slots hold each position of [0, t))
+        after each compaction, when asked for (``generate_batch(record_kept=True)``).
+    needed : the needed-token columns of a builtin suite's generation (``kvdiag.replay.free_running``).
     joint : teacher-forced with exact labels: the joint damage (mean KL over the label horizon) of the whole evicted
         set after each compaction, aligned with ``compressions``.
     """
@@ -57,6 +60,9 @@ class Decoded:
     logprobs: torch.Tensor | None = None
     kept: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     joint: list[float] | None = field(default_factory=list)
+    kept_counts: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    slots: int = 0
+    needed: dict = field(default_factory=dict)
 
     @property
     def generated(self) -> int:

@@ -11,6 +11,7 @@ from typing import ClassVar
 import kvdiag.replay.generating as generating  # by module: tests/test_faults kills a run inside generate_batch
 from kvdiag.adapters import text_config
 from kvdiag.models import LoadedModel
+from kvdiag.needed import final_line_start, generated_positions, needed_texts, prompt_positions, slot_shares
 from kvdiag.prompts import Prompt, encode_prompt
 from kvdiag.replay.decoding import Decoded, batches, full_logprobs, kl_steps
 from kvdiag.replay.settings import ReplaySettings
@@ -56,7 +57,10 @@ class FreeRunning:
         check_room(self.prompts, [len(i) for i in ids], settings.max_new_tokens,
                    getattr(text_config(lm.model.config), "max_position_embeddings", None), self.source,
                    lambda text: len(lm.tokenizer(text, add_special_tokens=False).input_ids))
-        return [Item(p.prompt_id, i, len(i), p.answer, p.check) for p, i in zip(self.prompts, ids, strict=True)]
+        return [Item(p.prompt_id, i, len(i), p.answer, p.check,
+                     tuple(prompt_positions(lm.tokenizer, p, settings.chat, settings.instruction)),
+                     tuple(needed_texts(p)))
+                for p, i in zip(self.prompts, ids, strict=True)]
 
     def units(self, model_info: dict, settings: ReplaySettings, items: list[Item], policies: dict) -> list[Unit]:
         """Every (prompt, scorer, budget, sample) with its part and fingerprint; a sampled sweep names and keys each
@@ -77,11 +81,15 @@ class FreeRunning:
             progress.update(task, description=f"replay B={budget or 'full'} ×{len(batch)} ({batch[0].item.prompt_id}…)")
             start = time.perf_counter()
             want_kl = settings.kl and budget is not None
+            record = any(u.item.needs or u.item.needed for u in batch)
             runs = generating.generate_batch(lm, [u.item.token_ids for u in batch], pols, settings.max_new_tokens,
                                              [u.item.prompt_id for u in batch], keep_logprobs=want_kl, o_proj=o_proj,
-                                             sampling=settings.sampling, samples=[u.sample for u in batch])
+                                             sampling=settings.sampling, samples=[u.sample for u in batch],
+                                             record_kept=record and budget is not None)
             seconds = (time.perf_counter() - start) / len(batch)  # the batch's time, shared by its rows
             for u, run in zip(batch, runs, strict=True):
+                if record:
+                    run.needed = needed_columns(lm.tokenizer, u.item, run)
                 kl = kl_steps(full_logprobs(lm.model, run.token_ids, run.prompt_len), run.logprobs) if want_kl else None
                 commit(u, run, kl, seconds)
                 progress.advance(task)
@@ -90,4 +98,22 @@ class FreeRunning:
     def outcome(run: Decoded, item: Item, text: str) -> dict:
         """The row fields only a generation has: its max-length hit and its verdict."""
         return {"max_length_hit": run.stop == "max_new_tokens", "correct": check_answer(text, item.answer, item.check),
-                "joint_kl": None}
+                "joint_kl": None, **run.needed}
+
+
+def needed_columns(tokenizer, item: Item, run: Decoded) -> dict:
+    """The needed-token columns of a generation (:data:`NEEDED_SCHEMA`): each needed token (in the prompt, and where
+    the generation wrote the needed text), per compaction the share of (layer, KV head) slots that held it (None
+    before it was written), and where the generation's final line starts. FullKV: the positions, no compactions."""
+    where, positions = [], []
+    for p in item.needs:
+        where.append("prompt")
+        positions.append(p)
+    for text in item.needed:
+        for p in generated_positions(tokenizer, run.token_ids, run.prompt_len, text):
+            where.append("answer")
+            positions.append(p)
+    kept = [(t, counts.tolist()) for t, counts in run.kept_counts]
+    return {"needed_where": where, "needed_positions": positions, "kept_steps": [t for t, _ in kept],
+            "needed_kept": slot_shares(kept, run.slots, positions) if kept else [[] for _ in positions],
+            "final_line_at": final_line_start(tokenizer, run.token_ids, run.prompt_len)}

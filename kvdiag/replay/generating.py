@@ -61,10 +61,11 @@ def generate_batch(
     lm: LoadedModel, prompts: list[list[int]], policies: list[Policy | None], max_new_tokens: int = 512,
     prompt_ids: list[str] | None = None, keep_logprobs: bool = False, o_proj: dict[int, torch.Tensor] | None = None,
     sampling: Sampling | None = None, samples: list[int] | None = None, cache_out: list | None = None,
+    record_kept: bool = False,
 ) -> list[Decoded]:
     """As :func:`~kvdiag.replay.decoding.decode_batch` (rows of one prompt length, one budget and interval or all the
     full cache), through ``model.generate``; ``cache_out`` (a list) receives the cache (benchmarks read its
-    ``seconds``)."""
+    ``seconds``); ``record_kept``: each row's ``kept_counts`` (what every compaction kept, per position)."""
     b, P, prompt_ids, sampling, samples = batch_args(prompts, max_new_tokens, prompt_ids, sampling, samples)
     model, device = lm.model, lm.model.device
     if {p is None for p in policies} == {True}:
@@ -74,7 +75,8 @@ def generate_batch(
     else:
         pol = policies[0]
         cache = EvictingCache(model, [p.scorer for p in policies], pol.budget, pol.interval, pol.selection,
-                              pol.backend, pol.seed, prompt_ids=list(prompt_ids), o_proj=o_proj)
+                              pol.backend, pol.seed, prompt_ids=list(prompt_ids), o_proj=o_proj,
+                              record_kept=record_kept)
         cache.policies = list(policies)  # each row's own policy (selection, seed) as given
     draws = ReplayDraws(sampling, [sampling.generator(pid, s) for pid, s in zip(prompt_ids, samples, strict=True)],
                         keep_logprobs)
@@ -98,7 +100,7 @@ def generate_batch(
             for j, r in enumerate(live):  # the cache as the finished rows left it: their bookkeeping
                 if j not in staying:
                     results[r] = _decoded(out[j].tolist(), P, eos, cache,
-                                          draws.logprobs[r] if keep_logprobs else None)
+                                          draws.logprobs[r] if keep_logprobs else None, j)
             if staying:
                 keep = torch.tensor(staying)
                 cache.select(keep)
@@ -111,9 +113,10 @@ def generate_batch(
     return results
 
 
-def _decoded(tokens: list[int], P: int, eos: set[int], cache, logprobs: list[torch.Tensor] | None) -> Decoded:
-    """One row of ``generate``'s output as the loop's :class:`Decoded`: cut after its first EOS, with the cache's
-    bookkeeping up to its last fed position."""
+def _decoded(tokens: list[int], P: int, eos: set[int], cache, logprobs: list[torch.Tensor] | None,
+             row: int) -> Decoded:
+    """Batch row ``row`` of ``generate``'s output as the loop's :class:`Decoded`: cut after its first EOS, with the
+    cache's bookkeeping up to its last fed position."""
     end = next((i + 1 for i in range(P, len(tokens)) if tokens[i] in eos), len(tokens))
     tokens = tokens[:end]
     stop = "eos" if tokens[-1] in eos and len(tokens) > P else "max_new_tokens"
@@ -121,5 +124,7 @@ def _decoded(tokens: list[int], P: int, eos: set[int], cache, logprobs: list[tor
     compressions = [t for t in getattr(cache, "compressions", []) if t <= T - 1]
     if isinstance(cache, EvictingCache) and cache.layers[0].seen == T - 1 and cache.due(T - 1):
         compressions.append(T - 1)  # the loop compacts after feeding T - 2, before it knows the row ends
+    kept = getattr(cache, "kept", None)
     return Decoded(tokens, P, stop, cache.active[: T - 1], compressions,
-                   None if logprobs is None else torch.stack(logprobs[: T - P]))
+                   None if logprobs is None else torch.stack(logprobs[: T - P]),
+                   kept_counts=list(kept[row]) if kept else [], slots=cache.slots if kept is not None else 0)

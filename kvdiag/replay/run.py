@@ -256,6 +256,9 @@ ROW_SCHEMA = {
     "mean_kv": pl.Float64, "compressions": pl.Int64, "compression_steps": pl.List(pl.Int64),
     "kl_mean": pl.Float64, "kl_max": pl.Float64, "kl_steps": pl.List(pl.Float64), "joint_kl": pl.List(pl.Float64),
     "label_seconds": pl.Float64, "label_rows": pl.Int64, "seconds": pl.Float64,
+    # builtin suites with needed tokens (kvdiag.replay.free_running.needed_columns); null elsewhere
+    "needed_where": pl.List(pl.String), "needed_positions": pl.List(pl.Int64), "kept_steps": pl.List(pl.Int64),
+    "needed_kept": pl.List(pl.List(pl.Float64)), "final_line_at": pl.Int64,
 }
 
 

@@ -30,6 +30,8 @@ class Item:
     prompt_len: int
     answer: str | None
     check: str = "math"
+    needs: tuple[int, ...] = ()  # positions of the prompt tokens its answer needs (kvdiag.needed)
+    needed: tuple[str, ...] = ()  # the texts its answer needs, as the expected generation writes them
 
 
 @dataclass

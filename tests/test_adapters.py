@@ -1,0 +1,65 @@
+"""``--model BASE+ADAPTER``: a LoRA adapter merged into the base's weights at load equals peft's own (unmerged)
+adapted model, and the shipped countdown adapter is what its provenance says."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvdiag.model_specs import check_model_spec, spec_config, split_adapter
+from kvdiag.models import load_model
+
+SHIPPED = Path(__file__).parent.parent / "data" / "adapters" / "smollm2-countdown"
+
+
+@pytest.fixture(scope="module")
+def tiny_adapter(tmp_path_factory) -> tuple[Path, torch.Tensor, torch.Tensor]:
+    """A seeded LoRA on tiny:llama saved to a directory, with (peft's unmerged logits, the base's logits) [1, T, V]
+    on a fixed input."""
+    from peft import LoraConfig, get_peft_model
+
+    path = tmp_path_factory.mktemp("adapter")
+    ids = torch.arange(3, 40)[None]
+    base = load_model("tiny:llama")
+    with torch.no_grad():
+        plain = base.model(ids).logits
+    torch.manual_seed(1)
+    # init_lora_weights=False: B random too, so the adapter changes the model (peft's default B is zero)
+    peft_model = get_peft_model(base.model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                       target_modules=["q_proj", "v_proj", "down_proj"]))
+    peft_model.eval()
+    with torch.no_grad():
+        adapted = peft_model(ids).logits
+    peft_model.save_pretrained(path, safe_serialization=True)
+    return path, adapted, plain
+
+
+def test_merged_adapter_equals_peft(tiny_adapter):
+    path, adapted, plain = tiny_adapter
+    lm = load_model(f"tiny:llama+{path}")
+    with torch.no_grad():
+        merged = lm.model(torch.arange(3, 40)[None]).logits
+    # merging W + BA in fp32 reorders the sums: equal within 1e-5 absolute on these O(1) logits
+    assert torch.allclose(merged, adapted, atol=1e-5), (merged - adapted).abs().max()
+    assert (merged - plain).abs().max() > 1e-2  # the adapter does change the model
+    assert lm.spec == f"tiny:llama+{path}"
+    assert lm.info["weights_hash"] != load_model("tiny:llama").info["weights_hash"]
+
+
+def test_adapter_keeps_its_base_config(tiny_adapter):
+    path = tiny_adapter[0]
+    assert split_adapter(f"smollm2+{path}") == ("smollm2", str(path))
+    assert split_adapter("smollm2") == ("smollm2", None)
+    assert spec_config(f"smollm2+{path}") == spec_config("smollm2")
+    assert check_model_spec(f"tiny:llama+{path}") == f"tiny:llama+{path}"
+
+
+def test_shipped_adapter_is_small_safetensors_lora():
+    if not (SHIPPED / "adapter_model.safetensors").exists():
+        pytest.skip("the countdown adapter is not in this checkout")
+    config = json.loads((SHIPPED / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] <= 16
+    assert (SHIPPED / "adapter_model.safetensors").stat().st_size <= 5_000_000
+    assert not list(SHIPPED.glob("*.bin"))
+    check_model_spec(f"smollm2+{SHIPPED}")

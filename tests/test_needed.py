@@ -1,0 +1,81 @@
+"""The tokens an answer needs (kvdiag.needed) and what each compaction kept of them: positions that decode to the
+needed text, and kept counts recorded in ``generate`` equal to those recounted from the loop's kept positions."""
+
+import pytest
+import torch
+
+from kvdiag.generate import Policy
+from kvdiag.generate.live import make_scorer
+from kvdiag.models import load_model
+from kvdiag.needed import final_line_start, generated_positions, needed_texts, prompt_positions, slot_shares
+from kvdiag.prompts import encode_prompt
+from kvdiag.replay.decoding import decode_batch
+from kvdiag.replay.generating import generate_batch
+from kvdiag.suites import countdown_prompts, keys_prompts, recall_prompts
+from tests.conftest import needs_smollm2
+
+PROMPTS = [*recall_prompts(2, 3, 5), *keys_prompts(2, 4, 6), *countdown_prompts(2, 5, 7)]
+
+
+def _check_positions(tokenizer, chat: bool) -> None:
+    for p in PROMPTS:
+        ids = encode_prompt(tokenizer, p, chat=chat)
+        at = prompt_positions(tokenizer, p, chat=chat)
+        needed = p.text[p.needs[0][0] : p.needs[0][1]]
+        assert at == list(range(at[0], at[-1] + 1))  # one contiguous run, in the final user turn
+        # in the question's own turn, the last one (the shots before it hold the same kind of text)
+        assert at[0] >= len(ids) - len(tokenizer(p.text, add_special_tokens=False).input_ids) - 8
+        assert tokenizer.decode([ids[i] for i in at]).strip() == needed
+        # the expected generation as if written: its needed text found where the answer first writes it
+        answer = tokenizer(p.answer, add_special_tokens=False).input_ids
+        got = generated_positions(tokenizer, ids + answer, len(ids), needed_texts(p)[0])
+        assert tokenizer.decode([(ids + answer)[i] for i in got]).strip() == needed_texts(p)[0]
+        assert got[0] - len(ids) < 12  # the copy in the first line, not the one in the last
+        last = final_line_start(tokenizer, ids + answer, len(ids))
+        assert tokenizer.decode((ids + answer)[last:]).strip() == p.answer.splitlines()[-1]
+
+
+def test_positions_decode_to_the_needed_text_tiny(tiny_llama):
+    _check_positions(tiny_llama.tokenizer, chat=False)
+
+
+@needs_smollm2
+def test_positions_decode_to_the_needed_text_smollm2():
+    _check_positions(load_model("smollm2").tokenizer, chat=True)
+
+
+def test_not_written_means_no_positions(tiny_llama):
+    ids = tiny_llama.tokenizer("Codes: none here\n1. 1", add_special_tokens=False).input_ids
+    assert generated_positions(tiny_llama.tokenizer, [5, 6, *ids], 2, "apple 1234") == []
+
+
+def test_slot_shares():
+    kept = [(4, [2, 0, 1, 2]), (6, [2, 0, 0, 1, 2, 2])]
+    assert slot_shares(kept, 2, [2, 4]) == [[0.5, 0.0], [None, 1.0]]
+
+
+def test_recorded_counts_equal_the_loop_kept_positions(tiny_llama):
+    """generate's kept counts per compaction == the bincount of the loop's kept positions [L, Hkv, B] (the same
+    decisions: tests/test_replay_generate); every slot holds ``budget`` entries; a budget above the sequence never
+    compacts and records nothing."""
+    prompts = [list(range(5, 45)), list(range(7, 47))]
+    pols = [Policy(make_scorer("snapkv", w_obs=4), 24, 8), Policy(make_scorer("streamingllm"), 24, 8)]
+    loop = decode_batch(tiny_llama, prompts, pols, 30, ["a", "b"], keep_history=True)
+    gen = generate_batch(tiny_llama, prompts, pols, 30, ["a", "b"], record_kept=True)
+    for lp, g in zip(loop, gen, strict=True):
+        assert g.token_ids == lp.token_ids
+        assert [t for t, _ in g.kept_counts] == [t for t, _ in lp.kept] and g.kept_counts
+        slots = tiny_llama.attention.num_layers * tiny_llama.attention.num_kv_heads
+        assert g.slots == slots
+        for (t, counts), (_, positions) in zip(g.kept_counts, lp.kept, strict=True):
+            assert torch.equal(counts.long(), torch.bincount(positions.reshape(-1), minlength=t)[:t])
+            assert int(counts.sum()) == slots * 24
+    roomy = generate_batch(tiny_llama, prompts, [Policy(make_scorer("snapkv", w_obs=4), 200, 8)] * 2, 30, ["a", "b"],
+                           record_kept=True)
+    assert all(r.kept_counts == [] for r in roomy)
+
+
+@pytest.mark.parametrize("make", [recall_prompts, keys_prompts, countdown_prompts])
+def test_every_suite_prompt_has_needs(make):
+    p = make(1, 0)[0]
+    assert p.needs and needed_texts(p) and needed_texts(p)[0] in p.answer
