@@ -300,6 +300,13 @@ def fisher_greater(table: np.ndarray, level: float = 0.95) -> dict[str, float]:
             "odds_ratio_ci_high": float(ci.high)}
 
 
+def fisher_two_sided(table: np.ndarray) -> float:
+    """Fisher's exact test, two-sided, of a 2x2 count ``table`` (rows: groups, columns: success, failure): its p."""
+    from scipy.stats import fisher_exact
+
+    return float(fisher_exact(table, alternative="two-sided").pvalue)
+
+
 def stat(name: str, value: float | None, note: str = "") -> dict:
     """One row of a ``*_stats.csv``: statistic, value (NaN when undefined), note."""
     value = float("nan") if value is None else float(value)

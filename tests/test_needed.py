@@ -79,3 +79,33 @@ def test_recorded_counts_equal_the_loop_kept_positions(tiny_llama):
 def test_every_suite_prompt_has_needs(make):
     p = make(1, 0)[0]
     assert p.needs and needed_texts(p) and needed_texts(p)[0] in p.answer
+
+
+def test_needed_rows_read_the_compaction_before_the_final_line():
+    """The shares at the last compaction at or before the final line; a token written after it counts as held; kept
+    when one copy is held whole (>= KEPT_SHARE in every token); success against kept in the summary."""
+    import polars as pl
+
+    from kvdiag.replay.kept_needed import needed_rows, needed_summary
+    from kvdiag.suites import SUITES
+
+    p = recall_prompts(1, 0)[0]
+    base = {"prompt_id": p.prompt_id, "sample": 0, "budget": 64, "compressions": 3, "answer": p.answer,
+            "needed_where": ["prompt", "prompt", "answer"], "needed_positions": [10, 11, 50],
+            "kept_steps": [40, 60, 100], "final_line_at": 90}
+    rows = pl.DataFrame([
+        # at t=60: prompt copy half lost, own copy held (0.5 >= 0.5): kept; the right answer
+        {**base, "scorer": "a", "text": p.answer, "needed_kept": [[1.0, 1.0, 0.0], [1.0, 0.25, 0.0],
+                                                                      [None, 0.5, 0.0]]},
+        # at t=60 nothing kept; written after? no: own copy at 50 < 60 lost; a wrong answer
+        {**base, "scorer": "b", "text": "nope", "needed_kept": [[1.0, 0.0, 1.0], [1.0, 0.0, 1.0], [None, 0.0, 1.0]]},
+        {**base, "scorer": "c", "text": p.answer, "kept_steps": [40, 95, 100], "final_line_at": 45,
+         "needed_kept": [[1.0, 0.0, 0.0], [1.0, 0.0, 0.0], [None, 0.0, 0.0]]},  # own copy written after t=40: held
+    ])
+    got = needed_rows(rows, SUITES["recall"]).sort("scorer")
+    assert got["kept_prompt"].to_list() == [0.625, 0.0, 1.0]
+    assert got["kept_answer"].to_list() == [0.5, 0.0, 1.0]
+    assert got["kept"].to_list() == [True, False, True] and got["success"].to_list() == [True, False, True]
+    pooled = needed_summary(got, n_boot=50).filter(pl.col("scorer") == "all rules").row(0, named=True)
+    assert (pooled["kept_success"], pooled["kept_n"], pooled["lost_success"], pooled["lost_n"]) == (2, 2, 0, 1)
+    assert pooled["fisher_p"] == pytest.approx(1 / 3)
