@@ -4,9 +4,11 @@ torch): the faults that show in its text are refused in one line naming the file
 
 Only what the text decides is refused here: a syntax error; a scorer class registered with ``@register_scorer``
 that overrides ``scores()``, that subclasses ``Scorer`` alone and defines no ``score()``, or whose literal name is a
-built-in's; a module-level import, in the file's leading run of imports, of a top-level module that is not installed.
-Anything that needs the code to run (an exception or ``sys.exit`` at import, an import after other statements,
-which may have changed ``sys.path``) is left to the import.
+built-in's; a module-level import, in the file's leading run of imports, of a top-level module that is not installed;
+a module-level statement that ends the process (``sys.exit``, ``exit``, ``quit``, ``os._exit``, ``os.abort``,
+``raise SystemExit``), outside ``if __name__ == "__main__":`` and outside any def or class. Anything that needs the
+code to run (an exception at import, an import after other statements, which may have changed ``sys.path``, a fault
+in ``score()``) is left to the import and to the first scoring, both before any model loads.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def check_plugin_source(module: str) -> None:
     except ValueError as err:  # null bytes: not Python source
         raise UserError(f"{label}: not Python source ({err}); pass a .py file") from None
     _check_leading_imports(tree, label, path)
+    _check_exits(tree.body, label, path)
     scorer_names = _names_bound_to_scorer(tree)
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and (key := _registered_name(node, scorer_names)) is not None:
@@ -67,6 +70,47 @@ def _check_leading_imports(tree: ast.Module, label: str, path: Path) -> None:
             if not _installed(top):
                 raise UserError(f"{label}: cannot import it (No module named {top!r}) at {path}:{node.lineno}; pass "
                                 "a module on PYTHONPATH or a .py file whose imports are installed")
+
+
+EXITS = {("sys", "exit"), (None, "exit"), (None, "quit"), ("os", "_exit"), ("os", "abort")}
+
+
+def _is_main_guard(node: ast.stmt) -> bool:
+    """``if __name__ == "__main__":`` (its body does not run at import)."""
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
+            and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators))
+
+
+def _exit_call(node: ast.stmt) -> str | None:
+    """What a statement that ends the process at import is (``sys.exit(...)``, ``raise SystemExit``), else None."""
+    if isinstance(node, ast.Raise) and node.exc is not None:
+        exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+        return "raise SystemExit" if isinstance(exc, ast.Name) and exc.id == "SystemExit" else None
+    call = node.value if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) else None
+    func = call.func if call else None
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+        key = (func.value.id, func.attr)
+    elif isinstance(func, ast.Name):
+        key = (None, func.id)
+    else:
+        return None
+    return f"{'.'.join(k for k in key if k)}()" if key in EXITS else None
+
+
+def _check_exits(body: list[ast.stmt], label: str, path: Path) -> None:
+    """A module-level statement (in the module's own blocks: if, try, with, for, while; not under the main guard,
+    not in a def or class) that ends the process when the plugin is imported."""
+    for node in body:
+        if (what := _exit_call(node)) is not None:
+            raise UserError(f"{label}: it exits at import ({what} at {path}:{node.lineno}); a plugin must only define "
+                            "and register scorers")
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or _is_main_guard(node):
+            continue
+        for field in ("body", "orelse", "finalbody"):
+            _check_exits(getattr(node, field, None) or [], label, path)
+        for handler in getattr(node, "handlers", None) or []:
+            _check_exits(handler.body, label, path)
 
 
 def _installed(top: str) -> bool:

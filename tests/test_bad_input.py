@@ -782,17 +782,13 @@ PLUGINS = {  # file name -> source; line numbers matter (the messages name them)
 PLUGIN_FILES = {"import": "import_error"}  # a plugin file named import.py would shadow nothing, but reads oddly
 
 # Rows whose refusal needs what only torch gives, each with why; every other row is refused before torch or
-# transformers is imported (test_refused_before_torch). Four remain, all a plugin's own code at fault: what its
-# source shows (syntax, the scorer contract, a taken name, a missing import) is refused before torch
-# (kvdiag.plugin_check), but a module that exits when run, or a score() that raises or returns a list, shows it only
-# when it runs, and it runs inside torch: a plugin imports kvdiag.scorers (torch) and score() reads a Trace's
-# tensors. Each is still refused before any model loads or any output is written
-# (test_plugin_rows_are_refused_before_a_model_or_an_output).
-RUNS_PLUGIN = ("its module runs only when imported (SystemExit at import), and importing it imports kvdiag.scorers, "
-               "hence torch")
+# transformers is imported (test_refused_before_torch). Two remain, both a fault inside a plugin's score(): what the
+# plugin's source shows (syntax, the scorer contract, a taken name, a missing import, an exit at import) is refused
+# before torch (kvdiag.plugin_check), but a score() that raises or returns a list shows it only when it runs, on a
+# Trace's tensors (torch). These are not argument checks: the plugin's own code must run. Each is still refused
+# before any model loads or any output is written (test_plugin_rows_are_refused_before_a_model_or_an_output).
 RUNS_SCORE = "the fault is in its score(), which shows only when it runs on a Trace's tensors (torch)"
 HEAVY: dict[str, str] = {
-    "score-plugin-exits": RUNS_PLUGIN, "grade-plugin-exits": RUNS_PLUGIN,
     "score-plugin-raises": RUNS_SCORE, "score-plugin-returns-list": RUNS_SCORE,
 }
 
@@ -1009,10 +1005,8 @@ def test_plugin_rows_are_refused_before_a_model_or_an_output(inputs, tmp_path, c
 
     loads = []
     monkeypatch.setattr(kvdiag.models, "load_model", lambda *a, **k: loads.append(a))
-    files = {"score-plugin-exits": "exits.py:2", "grade-plugin-exits": "exits.py:2",
-             "score-plugin-raises": "raises.py:9", "score-plugin-returns-list": "returns_list.py:"}
-    fixes = {"exits": "a plugin must only define and register scorers", "raises": "fix its score()",
-             "returns-list": "fix its score()"}
+    files = {"score-plugin-raises": "raises.py:9", "score-plugin-returns-list": "returns_list.py:"}
+    fixes = {"raises": "fix its score()", "returns-list": "fix its score()"}
     assert set(files) == set(HEAVY)
     for name, argv, _ in CASES:
         if name not in HEAVY:

@@ -177,6 +177,9 @@ def test_light_counts_are_transformers(spec):
                 texts += [p.answer] + ([p.answer[p.answer_needs[0][1]:last]] if p.answer_needs else [])
             for text in texts:
                 assert counter.count(text) == len(tok(text, add_special_tokens=False).input_ids), (source, text)
+                assert counter.bound(text) >= counter.count(text), (source, text)  # the bound the CLI tries first
+            for chat in (True, False):
+                assert counter.prompt_bound(p, chat) >= len(counter.prompt_ids(p, chat)), (source, p)
             checked += 1
     assert checked == 20 * len(SUITES) + 3 * sum(1 for s in SUITES.values() if s.lengths)
 
@@ -227,3 +230,27 @@ def test_the_stage_refuses_what_the_cli_refused(tiny_llama, source, max_new, nee
         FreeRunning(load_prompts(source), source).items(tiny_llama,
                                                         ReplaySettings(["rkv"], [64], max_new_tokens=max_new))
     assert needle in light and str(heavy.value) == light
+
+
+def test_bounds_decide_without_loading_the_tokenizer():
+    """A generation limit with room to spare passes on the bounds (the tokenizer never loads); a tight one that the
+    bounds cannot clear is decided by the exact count: refused when the count says so, with the exact figure."""
+    from kvdiag.errors import UserError
+    from kvdiag.model_specs import byte_core
+    from kvdiag.suites import load_builtin
+    from kvdiag.token_count import TokenCounter
+
+    loads = []
+
+    def load():
+        loads.append(1)
+        return byte_core()
+
+    prompts = load_builtin("builtin:recall:2:5")
+    TokenCounter(load).check_room(prompts, 4000, 100_000, "builtin:recall:2:5")
+    assert loads == []
+    need = TokenCounter(byte_core()).count(prompts[0].answer)
+    TokenCounter(load).check_room(prompts, need + 1, 100_000, "builtin:recall:2:5")  # bounds refuse, counts pass
+    assert loads == [1]
+    with pytest.raises(UserError, match=f"needs {need} generated tokens"):
+        TokenCounter(load).check_room(prompts, need - 1, 100_000, "builtin:recall:2:5")

@@ -18,10 +18,18 @@ PASSES = {
     # score() may come from a base class other than Scorer
     "inherits": HEAD + "from kvdiag.scorers import KNorm\n\n@register_scorer('mine')\n@dataclass\n"
                        "class Mine(KNorm):\n    pass\n",
+    # an exit that does not run at import: under the main guard, in a function, in a class body's method
+    "main_guard": "import sys\n\ndef main():\n    sys.exit(1)\n\nif __name__ == '__main__':\n    sys.exit(main())\n",
+    "exit_attr": "class A:\n    def stop(self):\n        raise SystemExit(2)\n",
     "computed_name": HEAD + "NAME = 'knorm'\n@register_scorer(NAME)\n@dataclass\nclass Mine(Scorer):\n"
                             "    def score(self, ctx):\n        return ctx.keys.norm(dim=-1)\n",
 }
 REFUSED = {
+    "sys_exit": ("import sys\nsys.exit(0)\n", "exits at import (sys.exit() at"),
+    "exit_in_try": ("import os\ntry:\n    x = 1\nexcept Exception:\n    pass\nelse:\n    os._exit(3)\n",
+                    "exit_in_try.py:7"),
+    "raise_system_exit": ("if True:\n    raise SystemExit('bye')\n", "raise SystemExit at"),
+    "quit": ("quit()\n", "quit() at"),
     "bare_taken": (HEAD + "@register_scorer\n@dataclass\nclass KNorm(Scorer):\n    def score(self, ctx):\n"
                           "        return ctx.keys\n", "'knorm' is taken by the built-in"),
     "named_taken": (HEAD + "@register_scorer\n@dataclass\nclass Mine(Scorer):\n    name = 'tova'\n"

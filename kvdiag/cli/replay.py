@@ -92,7 +92,7 @@ def replay(
     from kvdiag.scorer_fields import check_live_names, check_params
     from kvdiag.scorer_names import ORACLE, REPLAY_ONLY, check_scorer_names
     from kvdiag.suites import check_generation_room, select_components
-    from kvdiag.token_count import check_room, light_counter
+    from kvdiag.token_count import light_counter
     from kvdiag.trace.manifest import TraceFiles
 
     if teacher_forced is not None:  # the Trace fixes the tokens: generation settings cannot apply
@@ -146,8 +146,7 @@ def replay(
         check_generation_room(items, max_new_tokens, source)  # a lower bound on any model's count
         counter = light_counter(spec)
         if counter is not None:  # the exact counts, as the stage takes them once the model loads
-            check_room(items, [len(counter.prompt_ids(p, chat, settings.instruction)) for p in items], max_new_tokens,
-                       context_of(spec), source, counter.count)
+            counter.check_room(items, max_new_tokens, context_of(spec), source, chat, settings.instruction)
         if components is not None:
             components = select_components(source, parsing.parse_list(components, "--components", str))
     from kvdiag.replay.run import replay_sweep  # the stage: torch, once the arguments are checked
