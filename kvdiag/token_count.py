@@ -109,8 +109,8 @@ def compile_template(source: str):
 
 
 def light_counter(spec: str) -> TokenCounter | None:
-    """The :class:`TokenCounter` of ``--model spec`` where it is known to count as transformers does: a ``tiny:``
-    model (the byte tokenizer, no template), an embedded model already converted (its saved tokenizer); None
+    """The :class:`TokenCounter` of ``--model spec`` where it is known to count as transformers does: a ``tiny:`` or
+    ``random:`` model (the byte tokenizer, no template), an embedded model already converted (its saved tokenizer); None
     otherwise (the stage counts once the model loads). An adapter (``BASE+ADAPTER``) counts as its base."""
     from kvdiag.model_specs import TINY, byte_core, split_adapter
 
@@ -118,6 +118,8 @@ def light_counter(spec: str) -> TokenCounter | None:
 
     if spec.startswith("tiny:"):
         return TokenCounter(byte_core()) if spec.split(":", 1)[1] in TINY else None
+    if spec.startswith("random:"):  # the byte tokenizer padded to the model's vocabulary: the same counts
+        return TokenCounter(byte_core())
     from kvdiag.embedded import EMBEDDED, converted_dir
 
     if spec not in EMBEDDED:

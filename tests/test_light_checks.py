@@ -188,8 +188,24 @@ def test_no_light_counter_where_it_is_not_known():
     """Models whose tokenizer the light path cannot vouch for get none: the stage counts after the load."""
     from kvdiag.token_count import light_counter
 
-    for spec in ("tiny:gpt9", "random:qwen3-8b", "/no/such/dir", "some/hub-id", "model.gguf"):
+    for spec in ("tiny:gpt9", "/no/such/dir", "some/hub-id", "model.gguf"):
         assert light_counter(spec) is None, spec
+
+
+def test_random_models_count_as_their_padded_byte_tokenizer():
+    """A random: model's tokenizer is the byte tokenizer padded to its vocabulary (kvdiag.models._random): the light
+    counter's counts and prompt ids are that tokenizer's, on every builtin suite's prompts and answers."""
+    from kvdiag.model_specs import byte_tokenizer
+    from kvdiag.prompts import encode_prompt
+    from kvdiag.suites import SUITES, load_builtin
+    from kvdiag.token_count import light_counter
+
+    tok, counter = byte_tokenizer(151_936), light_counter("random:qwen3-8b")
+    for name in SUITES:
+        for p in load_builtin(f"builtin:{name}:3"):
+            assert counter.prompt_ids(p) == encode_prompt(tok, p)
+            for text in (p.text, p.answer or ""):
+                assert counter.count(text) == len(tok(text, add_special_tokens=False).input_ids)
 
 
 def test_a_generation_tagged_template_is_left_to_transformers(tmp_path):
