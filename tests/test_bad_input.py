@@ -494,7 +494,8 @@ CASES: list[tuple[str, list[str], str]] = [
                              "--max-new-tokens", "3000", "--out", "{out}"], "--prompts builtin:recall:2:1000"),
     # the lower bound (48 tokens) passes 100; the random model's byte tokenizer counts the answer exactly, before torch
     ("replay-random-max-new", ["replay", "--scorer", "rkv", "--model", "random:llama-3.1-8b:layers=1", "--prompts",
-                               "builtin:recall:2", "--max-new-tokens", "100", "--out", "{out}"], "(its expected text, tokenized)"),
+                               "builtin:recall:2", "--max-new-tokens", "100", "--out", "{out}"],
+     "(its expected text, tokenized)"),
     ("replay-samples-greedy", ["replay", "--scorer", "rkv", "--samples", "4", "--out", "{out}"], "needs --temperature"),
     ("replay-top-p-greedy", ["replay", "--scorer", "rkv", "--top-p", "0.9", "--out", "{out}"], "needs --temperature"),
     ("replay-temperature-0", ["replay", "--scorer", "rkv", "--temperature", "0", "--out", "{out}"], "--temperature"),
