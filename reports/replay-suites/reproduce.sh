@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Regenerates this report (run from the repository root; outputs in runs/replay-suites-*, then copied here).
+# SmolLM2-135M-Instruct, greedy, free-running, incremental compression as deployed (the prompt is compressed too,
+# interval 64), FullKV + six rules at budgets 64 / 128 / 256 (all below the distance from a needed token to the line
+# that reads it); no KL against FullKV (--no-kl: it would double the cost). SUITES picks which suites to run (default: both).
+#   keys:      builtin:keys:50 (LENGTH 40: about 310 generated tokens, each code read about 290 tokens after it was
+#              copied), the base model.
+#   countdown: builtin:countdown:50 (LENGTH 40), the base model with the LoRA adapter data/adapters/smollm2-countdown.
+set -euo pipefail
+K=${K:-.venv/bin/kvdiag}
+RULES=streamingllm,snapkv,tova,rkv,avokv_e,cake
+COMMON="--scorers $RULES --budget 64,128,256 --interval 64 --param avokv_e.w_delay=32 --max-new-tokens 400 --batch-size 32 --no-kl"
+for suite in ${SUITES:-keys countdown}; do
+    model=smollm2
+    [ "$suite" = countdown ] && model=smollm2+data/adapters/smollm2-countdown
+    $K replay --model "$model" --prompts "builtin:$suite:50" $COMMON --out "runs/replay-suites-$suite"
+    mkdir -p "reports/replay-suites/$suite"
+    for f in summary.md summary.csv budget.csv budget.png budget.pdf outcomes.md outcomes.csv outcomes_summary.csv \
+        paired.csv components.md components.csv components_paired.csv needed.md needed.csv config.json \
+        generations.parquet; do cp "runs/replay-suites-$suite/$f" "reports/replay-suites/$suite/"; done
+done
