@@ -499,6 +499,8 @@ CASES: list[tuple[str, list[str], str]] = [
     ("replay-dir-max-new", ["replay", "--scorer", "rkv", "--model", "{model_tokenizer}", "--prompts",
                             "builtin:recall:2", "--max-new-tokens", "100", "--out", "{out}"],
      "(its expected text, tokenized)"),
+    ("replay-hub-max-new", ["replay", "--scorer", "rkv", "--model", "someone/bytes", "--prompts", "builtin:recall:2",
+                            "--max-new-tokens", "100", "--out", "{out}"], "(its expected text, tokenized)"),
     ("replay-samples-greedy", ["replay", "--scorer", "rkv", "--samples", "4", "--out", "{out}"], "needs --temperature"),
     ("replay-top-p-greedy", ["replay", "--scorer", "rkv", "--top-p", "0.9", "--out", "{out}"], "needs --temperature"),
     ("replay-temperature-0", ["replay", "--scorer", "rkv", "--temperature", "0", "--out", "{out}"], "--temperature"),
@@ -812,7 +814,7 @@ def _run(argv: list[str], capsys) -> tuple[int, str]:
 def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
     """A tiny run (trace, labels, scores, rank-eval) and broken copies of its files."""
     from kvdiag.io import read_table, write_table
-    from tests.conftest import make_trace
+    from tests.conftest import hub_cache, make_trace
 
     root = tmp_path_factory.mktemp("bad-input")
     trace = make_trace(tiny_llama, root / "run" / "trace", n_prompts=2, max_new_tokens=40)
@@ -937,7 +939,15 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
         path = root / "plugins" / f"{PLUGIN_FILES.get(kind, kind)}.py"
         path.write_text(source)
         p[f"plugin_{kind}"] = str(path)
-    return p
+    # the tokenizer directory as a hub id's files in a Hugging Face cache (which records that the hub has no
+    # chat_template.jinja): this module's cache, in process and in the fresh interpreters (HF_HUB_CACHE)
+    cache = hub_cache(root / "hub", "someone/bytes", list((root / "model-tokenizer").iterdir()))
+    import huggingface_hub.constants
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_CACHE", str(cache))
+        mp.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+        yield p
 
 
 def test_there_are_enough_cases():

@@ -221,24 +221,6 @@ def _saved_model_dir(path, kind: str):
     return path
 
 
-def _hub_cache(root, repo_id: str, files, missing=("chat_template.jinja",)):
-    """A Hugging Face cache (hub layout: refs/main, snapshots/<commit>/, .no_exist/<commit>/) holding ``files`` of
-    ``repo_id``, and recording that the hub has none of ``missing``."""
-    import shutil
-
-    commit = "0" * 40
-    repo = root / f"models--{repo_id.replace('/', '--')}"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(commit)
-    (repo / "snapshots" / commit).mkdir(parents=True)
-    for file in files:
-        shutil.copy2(file, repo / "snapshots" / commit / file.name)
-    (repo / ".no_exist" / commit).mkdir(parents=True)
-    for name in missing:
-        (repo / ".no_exist" / commit / name).touch()
-    return root
-
-
 @pytest.mark.parametrize("kind", ["bytes", "smollm2"])
 def test_a_cached_hub_id_or_a_directory_counts_as_transformers_loads_it(kind, tmp_path, monkeypatch):
     """A hub id whose tokenizer files are in the local Hugging Face cache, and a local model directory, count as
@@ -247,6 +229,7 @@ def test_a_cached_hub_id_or_a_directory_counts_as_transformers_loads_it(kind, tm
     from transformers import AutoTokenizer
 
     from kvdiag.token_count import light_counter
+    from tests.conftest import hub_cache
 
     local = _saved_model_dir(tmp_path / "model", kind)
     counter = light_counter(str(local))
@@ -258,7 +241,7 @@ def test_a_cached_hub_id_or_a_directory_counts_as_transformers_loads_it(kind, tm
     assert len(untemplated) < len(files)
     for name, cached, missing in (("unknown", untemplated, ()), ("templated", files, ()),
                                   ("untemplated", untemplated, ("chat_template.jinja",))):
-        cache = _hub_cache(tmp_path / name, "someone/model", cached, missing)
+        cache = hub_cache(tmp_path / name, "someone/model", cached, missing)
         monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
         counter = light_counter("someone/model")
         if name == "unknown":  # its template is neither cached nor known to be missing: the hub may have one
