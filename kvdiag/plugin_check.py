@@ -6,9 +6,12 @@ Only what the text decides is refused here: a syntax error; a scorer class regis
 that overrides ``scores()``, that subclasses ``Scorer`` alone and defines no ``score()``, or whose literal name is a
 built-in's; a module-level import, in the file's leading run of imports, of a top-level module that is not installed;
 a module-level statement that ends the process (``sys.exit``, ``exit``, ``quit``, ``os._exit``, ``os.abort``,
-``raise SystemExit``), outside ``if __name__ == "__main__":`` and outside any def or class. Anything that needs the
-code to run (an exception at import, an import after other statements, which may have changed ``sys.path``, a fault
-in ``score()``) is left to the import and to the first scoring, both before any model loads.
+``raise SystemExit``, ``raise KeyboardInterrupt``), in the module's own blocks (if, try, with, for, while) but outside
+``if __name__ == "__main__":`` and outside any def or class; a ``raise`` of anything directly in the module body (it
+runs unconditionally: the module can never import). Anything that needs the code to run (an exception raised by a
+call at import, an exit reached through another name, an import after other statements, which may have changed
+``sys.path``, a fault in ``score()``) is left to the import (whose guard turns an exit into the same one line) and to
+the first scoring, both before any model loads.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ def check_plugin_source(module: str) -> None:
         raise UserError(f"{label}: not Python source ({err}); pass a .py file") from None
     _check_leading_imports(tree, label, path)
     _check_exits(tree.body, label, path)
+    _check_top_raise(tree.body, label, path)
     scorer_names = _names_bound_to_scorer(tree)
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and (key := _registered_name(node, scorer_names)) is not None:
@@ -73,6 +77,7 @@ def _check_leading_imports(tree: ast.Module, label: str, path: Path) -> None:
 
 
 EXITS = {("sys", "exit"), (None, "exit"), (None, "quit"), ("os", "_exit"), ("os", "abort")}
+EXIT_EXCEPTIONS = ("SystemExit", "KeyboardInterrupt")  # BaseExceptions: no `except Exception` in the loader stops them
 
 
 def _is_main_guard(node: ast.stmt) -> bool:
@@ -86,7 +91,7 @@ def _exit_call(node: ast.stmt) -> str | None:
     """What a statement that ends the process at import is (``sys.exit(...)``, ``raise SystemExit``), else None."""
     if isinstance(node, ast.Raise) and node.exc is not None:
         exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
-        return "raise SystemExit" if isinstance(exc, ast.Name) and exc.id == "SystemExit" else None
+        return f"raise {exc.id}" if isinstance(exc, ast.Name) and exc.id in EXIT_EXCEPTIONS else None
     call = node.value if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) else None
     func = call.func if call else None
     if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
@@ -111,6 +116,15 @@ def _check_exits(body: list[ast.stmt], label: str, path: Path) -> None:
             _check_exits(getattr(node, field, None) or [], label, path)
         for handler in getattr(node, "handlers", None) or []:
             _check_exits(handler.body, label, path)
+
+
+def _check_top_raise(body: list[ast.stmt], label: str, path: Path) -> None:
+    """A ``raise`` directly in the module body (not in a block that may skip it): every import of the file raises."""
+    for node in body:
+        if isinstance(node, ast.Raise):
+            what = "raise" if node.exc is None else f"raise {ast.unparse(node.exc)}"[:60]
+            raise UserError(f"{label}: it raises at import ({what} at {path}:{node.lineno}), so it can never be "
+                            "imported; remove the raise, or move it into a function")
 
 
 def _installed(top: str) -> bool:

@@ -3,9 +3,13 @@ template through jinja2, rendered as transformers renders it, so that ``kvdiag r
 fit the model's context, or a generation limit that cannot hold a builtin suite's answer, before anything heavy loads.
 
 Only where the count is known to be transformers' (tests/test_light_checks.py compares every builtin suite prompt and
-answer): the ``tiny:`` models' byte tokenizer and the embedded models once converted (their saved ``tokenizer.json``
-and template). Any other model returns no counter (:func:`light_counter`), and the stage checks it once loaded, with
-the same :func:`check_room`.
+answer): the ``tiny:`` and ``random:`` models' byte tokenizer, the embedded models once converted (their saved
+``tokenizer.json`` and template), and a local model directory or a hub id whose tokenizer files are in the local
+Hugging Face cache, when its ``tokenizer_class`` loads ``tokenizer.json`` as it is (:data:`AS_SAVED`). Any other
+model returns no counter (:func:`light_counter`), and the stage checks it once loaded, with the same
+:func:`check_room`. GGUF files get none: transformers rebuilds their tokenizer from the GGUF metadata per architecture
+(``integrations/ggml.py``), a second conversion kvdiag would have to keep equal to it, and reading a 262k-entry
+vocabulary with the ``gguf`` package is not cheaper than the tokenizer.json it would replace.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ TOKENIZED = "its expected text, tokenized"  # what the exact count is, for check
 
 
 BOUND_SLACK = 2  # tokens a text may hold beyond its UTF-8 bytes: a BOS, and SentencePiece's dummy-prefix piece
+# tokenizer classes that transformers (5.x) builds from tokenizer.json unchanged; a model-specific class
+# (LlamaTokenizer, GemmaTokenizer, ...) may rebuild its normalizer, pre-tokenizer or post-processor
+AS_SAVED = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 class TokenCounter:
@@ -37,12 +44,16 @@ class TokenCounter:
     ``bound`` / ``prompt_bound``: an upper bound on the count that needs no tokenizer (UTF-8 bytes + BOUND_SLACK:
     every token of a byte-level BPE or byte-fallback SentencePiece vocabulary, kvdiag's light models', covers at least
     one byte; tests/test_light_checks.py checks it against the counts). A check that passes on the bounds passes on
-    the counts, so a large tokenizer.json (gemma3's 262k entries: ~2 s) loads only when the bounds cannot decide."""
+    the counts, so a large tokenizer.json (gemma3's 262k entries: ~2 s) loads only when the bounds cannot decide.
+    ``bounded=False`` (a tokenizer the bound is not known to hold for, e.g. one whose normalizer expands text): the
+    counts decide every check."""
 
-    def __init__(self, tokenizer, chat_template: str | None = None, special_tokens: dict[str, str] | None = None):
+    def __init__(self, tokenizer, chat_template: str | None = None, special_tokens: dict[str, str] | None = None,
+                 bounded: bool = False):
         self._tokenizer = tokenizer
         self.chat_template = chat_template
         self.special_tokens = special_tokens or {}
+        self.bounded = bounded
         self._template = None if chat_template is None else compile_template(chat_template)
 
     @property
@@ -78,8 +89,10 @@ class TokenCounter:
 
     def check_room(self, prompts: list[Prompt], max_new_tokens: int, context: int | None, source: str,
                    chat: bool = True, instruction: str | None = DEFAULT_INSTRUCTION) -> None:
-        """:func:`check_room` on the bounds, and on the exact counts only where the bounds refuse."""
+        """:func:`check_room` on the bounds (when ``bounded``), and on the exact counts where the bounds refuse."""
         try:
+            if not self.bounded:
+                raise UserError("no bound")
             check_room(prompts, [self.prompt_bound(p, chat, instruction) for p in prompts], max_new_tokens, context,
                        source, self.bound)
         except UserError:
@@ -108,40 +121,78 @@ def compile_template(source: str):
     return env.from_string(source)
 
 
-def light_counter(spec: str) -> TokenCounter | None:
-    """The :class:`TokenCounter` of ``--model spec`` where it is known to count as transformers does: a ``tiny:`` or
-    ``random:`` model (the byte tokenizer, no template), an embedded model already converted (its saved tokenizer); None
-    otherwise (the stage counts once the model loads). An adapter (``BASE+ADAPTER``) counts as its base."""
-    from kvdiag.model_specs import TINY, byte_core, split_adapter
+def light_counter(spec: str, revision: str | None = None) -> TokenCounter | None:
+    """The :class:`TokenCounter` of ``--model spec`` (at ``revision``) where it is known to count as transformers
+    does: a ``tiny:`` or ``random:`` model (the byte tokenizer, no template), an embedded model already converted (its
+    saved tokenizer), a local model directory (:func:`as_saved_counter`) or a hub id at its main revision whose
+    tokenizer files are in the local Hugging Face cache (:func:`hub_counter`); None otherwise (the stage counts once
+    the model loads). An adapter (``BASE+ADAPTER``) counts as its base."""
+    from kvdiag.model_specs import TINY, byte_core, is_path_spec, split_adapter
 
     spec = split_adapter(spec)[0]
 
     if spec.startswith("tiny:"):
-        return TokenCounter(byte_core()) if spec.split(":", 1)[1] in TINY else None
+        return TokenCounter(byte_core(), bounded=True) if spec.split(":", 1)[1] in TINY else None
     if spec.startswith("random:"):  # the byte tokenizer padded to the model's vocabulary: the same counts
-        return TokenCounter(byte_core())
+        return TokenCounter(byte_core(), bounded=True)
     from kvdiag.embedded import EMBEDDED, converted_dir
 
     if spec not in EMBEDDED:
-        return None
+        if spec.endswith(".gguf") or revision is not None:
+            return None
+        if is_path_spec(spec):
+            path = Path(spec).expanduser()
+            return as_saved_counter(path) if path.is_dir() else None
+        return hub_counter(spec)
     try:
         path = converted_dir(spec)
     except UserError:  # its packages are missing: the load says so
         return None
-    return None if path is None else saved_counter(path)
+    return None if path is None else saved_counter(path, bounded=True)
 
 
-def saved_counter(path: Path) -> TokenCounter | None:
+def hub_counter(repo_id: str) -> TokenCounter | None:
+    """The counter of hub id ``repo_id`` (main revision) from the local Hugging Face cache, read as files (nothing is
+    downloaded): its ``tokenizer.json`` and ``tokenizer_config.json`` (a ``tokenizer_class`` in :data:`AS_SAVED`), and
+    its ``chat_template.jinja`` when the cache holds it or has recorded that the hub has none; None when any of this
+    is unknown (the load counts). The counts decide (no byte bound: its normalizer is not known to keep it)."""
+    from huggingface_hub import _CACHED_NO_EXIST, try_to_load_from_cache
+
+    from kvdiag.model_specs import cached_hub_file
+
+    config, tokenizer = cached_hub_file(repo_id, "tokenizer_config.json"), cached_hub_file(repo_id, "tokenizer.json")
+    if config is None or tokenizer is None or config.parent != tokenizer.parent:
+        return None
+    if (not (config.parent / "chat_template.jinja").is_file()
+            and try_to_load_from_cache(repo_id, "chat_template.jinja") is not _CACHED_NO_EXIST):
+        return None  # not downloaded, and not known to be missing: the hub may have a template the cache lacks
+    return as_saved_counter(config.parent)
+
+
+def as_saved_counter(path: Path) -> TokenCounter | None:
+    """:func:`saved_counter` of a model directory (a local one, or a hub snapshot) whose ``tokenizer_config.json``
+    names a class in :data:`AS_SAVED` and no remote code (``auto_map``); None otherwise."""
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(config, dict) or config.get("tokenizer_class") not in AS_SAVED or "auto_map" in config:
+        return None
+    return saved_counter(path)
+
+
+def saved_counter(path: Path, bounded: bool = False) -> TokenCounter | None:
     """The counter of a tokenizer saved by transformers in ``path`` (``tokenizer.json``, ``tokenizer_config.json``,
     ``chat_template.jinja`` or the config's ``chat_template``); None when a part it needs is missing or is not a
-    single plain template."""
+    single plain template. ``bounded``: its vocabulary is known to keep :meth:`TokenCounter.bound` (a byte-level or
+    byte-fallback one; tests/test_light_checks.py checks the embedded models')."""
     from tokenizers import Tokenizer
 
     try:
         config = json.loads((path / "tokenizer_config.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
-    if not (path / "tokenizer.json").is_file():
+    if not isinstance(config, dict) or not (path / "tokenizer.json").is_file():
         return None
     jinja = path / "chat_template.jinja"
     template = jinja.read_text() if jinja.is_file() else config.get("chat_template")
@@ -150,7 +201,7 @@ def saved_counter(path: Path) -> TokenCounter | None:
     specials = {k: v if isinstance(v, str) else v.get("content") for k, v in config.items()
                 if k in SPECIAL_TOKENS and isinstance(v, str | dict)}
     return TokenCounter(lambda: Tokenizer.from_file(str(path / "tokenizer.json")), template,
-                        {k: v for k, v in specials.items() if isinstance(v, str)})
+                        {k: v for k, v in specials.items() if isinstance(v, str)}, bounded)
 
 
 def check_room(prompts: list[Prompt], lengths: list[int], max_new_tokens: int, context: int | None, source: str,

@@ -146,3 +146,21 @@ def exits_2(capsys, *argv) -> str:
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
     return err
+
+
+def hub_cache(root, repo_id: str, files, missing=("chat_template.jinja",)):
+    """A Hugging Face cache (hub layout: refs/main, snapshots/<commit>/, .no_exist/<commit>/) holding ``files`` of
+    ``repo_id``, and recording that the hub has none of ``missing``."""
+    import shutil
+
+    commit = "0" * 40
+    repo = root / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    for file in files:
+        shutil.copy2(file, repo / "snapshots" / commit / file.name)
+    (repo / ".no_exist" / commit).mkdir(parents=True)
+    for name in missing:
+        (repo / ".no_exist" / commit / name).touch()
+    return root

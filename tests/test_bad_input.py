@@ -496,6 +496,11 @@ CASES: list[tuple[str, list[str], str]] = [
     ("replay-random-max-new", ["replay", "--scorer", "rkv", "--model", "random:llama-3.1-8b:layers=1", "--prompts",
                                "builtin:recall:2", "--max-new-tokens", "100", "--out", "{out}"],
      "(its expected text, tokenized)"),
+    ("replay-dir-max-new", ["replay", "--scorer", "rkv", "--model", "{model_tokenizer}", "--prompts",
+                            "builtin:recall:2", "--max-new-tokens", "100", "--out", "{out}"],
+     "(its expected text, tokenized)"),
+    ("replay-hub-max-new", ["replay", "--scorer", "rkv", "--model", "someone/bytes", "--prompts", "builtin:recall:2",
+                            "--max-new-tokens", "100", "--out", "{out}"], "(its expected text, tokenized)"),
     ("replay-samples-greedy", ["replay", "--scorer", "rkv", "--samples", "4", "--out", "{out}"], "needs --temperature"),
     ("replay-top-p-greedy", ["replay", "--scorer", "rkv", "--top-p", "0.9", "--out", "{out}"], "needs --temperature"),
     ("replay-temperature-0", ["replay", "--scorer", "rkv", "--temperature", "0", "--out", "{out}"], "--temperature"),
@@ -660,7 +665,8 @@ CASES: list[tuple[str, list[str], str]] = [
                               "{out}/s.parquet"), ("grade", ["grade"], "{out}"))
       for kind, needle in (("old-api", "old_api.py:5) overrides scores()"), ("no-score", "no_score.py:5) defines no"),
                            ("collides", "is taken by"), ("syntax", "syntax.py line 3"),
-                           ("import", "import_error.py:2"), ("exits", "exits.py:2"))],
+                           ("import", "import_error.py:2"), ("exits", "exits.py:2"),
+                           ("top-raise", "raises at import (raise RuntimeError('not ready') at"))],
     ("score-plugin-raises", ["score", "--trace", "{trace}", "--labels", "{labels}", "--plugin", "{plugin_raises}",
                              "--scorers", "boom", "--out", "{out}/s.parquet"], "raises.py:9"),
     ("score-plugin-returns-list", ["score", "--trace", "{trace}", "--labels", "{labels}", "--plugin",
@@ -776,6 +782,7 @@ PLUGINS = {  # file name -> source; line numbers matter (the messages name them)
     "syntax": "from kvdiag.scorers import Scorer\n\ndef score(self ctx):\n    pass\n",
     "import": "import os\nimport no_such_module_kvdiag\n",
     "exits": "import sys\nsys.exit(0)\n",
+    "top_raise": "import os\nraise RuntimeError('not ready')\n",
     "raises": "from dataclasses import dataclass\nfrom kvdiag.scorers import Scorer, register_scorer\n\n\n"
               "@register_scorer('boom')\n@dataclass\nclass Boom(Scorer):\n    def score(self, ctx):\n"
               "        raise ValueError('the plugin broke')\n",
@@ -807,7 +814,7 @@ def _run(argv: list[str], capsys) -> tuple[int, str]:
 def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
     """A tiny run (trace, labels, scores, rank-eval) and broken copies of its files."""
     from kvdiag.io import read_table, write_table
-    from tests.conftest import make_trace
+    from tests.conftest import hub_cache, make_trace
 
     root = tmp_path_factory.mktemp("bad-input")
     trace = make_trace(tiny_llama, root / "run" / "trace", n_prompts=2, max_new_tokens=40)
@@ -890,6 +897,12 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 30, "num_attention_heads": 9,
         "num_key_value_heads": 3, "max_position_embeddings": 8192}))
     p["model_other"] = str(root / "model-other")
+    # a model directory with a tokenizer saved by transformers (the byte tokenizer): counted before torch
+    from kvdiag.model_specs import byte_tokenizer
+
+    shutil.copytree(root / "model-other", root / "model-tokenizer")
+    byte_tokenizer().save_pretrained(root / "model-tokenizer")
+    p["model_tokenizer"] = str(root / "model-tokenizer")
 
     def broken_trace(name: str, breaker) -> str:
         copy = root / name
@@ -926,7 +939,15 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
         path = root / "plugins" / f"{PLUGIN_FILES.get(kind, kind)}.py"
         path.write_text(source)
         p[f"plugin_{kind}"] = str(path)
-    return p
+    # the tokenizer directory as a hub id's files in a Hugging Face cache (which records that the hub has no
+    # chat_template.jinja): this module's cache, in process and in the fresh interpreters (HF_HUB_CACHE)
+    cache = hub_cache(root / "hub", "someone/bytes", list((root / "model-tokenizer").iterdir()))
+    import huggingface_hub.constants
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_CACHE", str(cache))
+        mp.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+        yield p
 
 
 def test_there_are_enough_cases():

@@ -157,13 +157,19 @@ def test_light_counts_are_transformers(spec):
     length), with and without the chat template: the TokenCounter's prompt ids are encode_prompt's through
     transformers' tokenizer, and its counts of each expected answer and of the part between the needed value and the
     last line are the tokenizer's (what check_generation_room compares with --max-new-tokens)."""
-    from kvdiag.prompts import DEFAULT_INSTRUCTION, encode_prompt
-    from kvdiag.suites import SUITES, load_builtin
     from kvdiag.token_count import light_counter
 
-    tok = _transformers_tokenizer(spec)
     counter = light_counter(spec)
-    assert counter is not None
+    assert counter is not None and counter.bounded
+    _assert_counts_are(counter, _transformers_tokenizer(spec))
+
+
+def _assert_counts_are(counter, tok) -> None:
+    """The counter's prompt ids (with and without the chat template) and text counts are the transformers tokenizer
+    ``tok``'s on every builtin suite prompt and answer, and its bound (when ``bounded``) is at least the count."""
+    from kvdiag.prompts import DEFAULT_INSTRUCTION, encode_prompt
+    from kvdiag.suites import SUITES, load_builtin
+
     assert (counter.chat_template is None) == (not getattr(tok, "chat_template", None))
     sources = [f"builtin:{name}" for name in SUITES] + [f"builtin:{n}:3:120" for n, s in SUITES.items() if s.lengths]
     checked = 0
@@ -177,11 +183,87 @@ def test_light_counts_are_transformers(spec):
                 texts += [p.answer] + ([p.answer[p.answer_needs[0][1]:last]] if p.answer_needs else [])
             for text in texts:
                 assert counter.count(text) == len(tok(text, add_special_tokens=False).input_ids), (source, text)
-                assert counter.bound(text) >= counter.count(text), (source, text)  # the bound the CLI tries first
+                if counter.bounded:  # the bound the CLI tries first
+                    assert counter.bound(text) >= counter.count(text), (source, text)
             for chat in (True, False):
-                assert counter.prompt_bound(p, chat) >= len(counter.prompt_ids(p, chat)), (source, p)
+                if counter.bounded:
+                    assert counter.prompt_bound(p, chat) >= len(counter.prompt_ids(p, chat)), (source, p)
             checked += 1
     assert checked == 20 * len(SUITES) + 3 * sum(1 for s in SUITES.values() if s.lengths)
+
+
+TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def _saved_model_dir(path, kind: str):
+    """A model directory's tokenizer files as transformers saves them: the byte tokenizer with a chat template, or
+    the converted smollm2's (a skip when it is not converted here)."""
+    import shutil
+
+    from kvdiag.model_specs import BYTE_SPECIALS, byte_tokenizer
+
+    path.mkdir(parents=True)
+    if kind == "bytes":
+        tok = byte_tokenizer()
+        tok.chat_template = TEMPLATE
+        tok.save_pretrained(path)
+        (path / "config.json").write_text('{"model_type": "llama"}')  # AutoTokenizer reads a hub model's config
+        assert BYTE_SPECIALS["eos_token"] in (path / "tokenizer_config.json").read_text()
+        return path
+    from kvdiag.embedded import converted_dir
+
+    source = converted_dir("smollm2")
+    if source is None:
+        pytest.skip("smollm2 is not converted on this machine (a load converts it)")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json"):
+        shutil.copy2(source / name, path / name)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["bytes", "smollm2"])
+def test_a_cached_hub_id_or_a_directory_counts_as_transformers_loads_it(kind, tmp_path, monkeypatch):
+    """A hub id whose tokenizer files are in the local Hugging Face cache, and a local model directory, count as
+    AutoTokenizer (what kvdiag.models loads, offline) counts, on every builtin suite prompt and answer; no bound."""
+    import huggingface_hub.constants
+    from transformers import AutoTokenizer
+
+    from kvdiag.token_count import light_counter
+    from tests.conftest import hub_cache
+
+    local = _saved_model_dir(tmp_path / "model", kind)
+    counter = light_counter(str(local))
+    assert counter is not None and not counter.bounded
+    _assert_counts_are(counter, AutoTokenizer.from_pretrained(local))
+
+    files = list(local.iterdir())
+    untemplated = [f for f in files if f.name != "chat_template.jinja"]
+    assert len(untemplated) < len(files)
+    for name, cached, missing in (("unknown", untemplated, ()), ("templated", files, ()),
+                                  ("untemplated", untemplated, ("chat_template.jinja",))):
+        cache = hub_cache(tmp_path / name, "someone/model", cached, missing)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+        counter = light_counter("someone/model")
+        if name == "unknown":  # its template is neither cached nor known to be missing: the hub may have one
+            assert counter is None
+            continue
+        assert counter is not None and not counter.bounded and (counter.chat_template is None) == (name != "templated")
+        assert light_counter("someone/model", revision="v2") is None  # only the main revision is known
+        _assert_counts_are(counter, AutoTokenizer.from_pretrained("someone/model", cache_dir=cache,
+                                                                  local_files_only=True))
+
+
+def test_a_tokenizer_class_that_rebuilds_or_remote_code_gets_no_counter(tmp_path):
+    """A tokenizer_config naming a model-specific class (transformers may rebuild the pipeline) or remote code."""
+    import json
+
+    from kvdiag.token_count import light_counter
+
+    local = _saved_model_dir(tmp_path / "model", "bytes")
+    config = json.loads((local / "tokenizer_config.json").read_text())
+    for change in ({"tokenizer_class": "LlamaTokenizer"}, {"auto_map": {"AutoTokenizer": ["x.T", None]}}):
+        (local / "tokenizer_config.json").write_text(json.dumps({**config, **change}))
+        assert light_counter(str(local)) is None, change
 
 
 def test_no_light_counter_where_it_is_not_known():
@@ -263,10 +345,11 @@ def test_bounds_decide_without_loading_the_tokenizer():
         return byte_core()
 
     prompts = load_builtin("builtin:recall:2:5")
-    TokenCounter(load).check_room(prompts, 4000, 100_000, "builtin:recall:2:5")
+    TokenCounter(load, bounded=True).check_room(prompts, 4000, 100_000, "builtin:recall:2:5")
     assert loads == []
     need = TokenCounter(byte_core()).count(prompts[0].answer)
-    TokenCounter(load).check_room(prompts, need + 1, 100_000, "builtin:recall:2:5")  # bounds refuse, counts pass
+    # the bounds refuse, the counts pass
+    TokenCounter(load, bounded=True).check_room(prompts, need + 1, 100_000, "builtin:recall:2:5")
     assert loads == [1]
     with pytest.raises(UserError, match=f"needs {need} generated tokens"):
-        TokenCounter(load).check_room(prompts, need - 1, 100_000, "builtin:recall:2:5")
+        TokenCounter(load, bounded=True).check_room(prompts, need - 1, 100_000, "builtin:recall:2:5")

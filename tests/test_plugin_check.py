@@ -21,6 +21,9 @@ PASSES = {
     # an exit that does not run at import: under the main guard, in a function, in a class body's method
     "main_guard": "import sys\n\ndef main():\n    sys.exit(1)\n\nif __name__ == '__main__':\n    sys.exit(main())\n",
     "exit_attr": "class A:\n    def stop(self):\n        raise SystemExit(2)\n",
+    # a raise that may not run at import: under a condition, or re-raising in a handler
+    "conditional_raise": "import sys\nif sys.version_info < (3, 0):\n    raise ImportError('needs Python 3')\n",
+    "reraise": "try:\n    import json\nexcept ImportError:\n    raise\n",
     "computed_name": HEAD + "NAME = 'knorm'\n@register_scorer(NAME)\n@dataclass\nclass Mine(Scorer):\n"
                             "    def score(self, ctx):\n        return ctx.keys.norm(dim=-1)\n",
 }
@@ -30,6 +33,12 @@ REFUSED = {
                     "exit_in_try.py:7"),
     "raise_system_exit": ("if True:\n    raise SystemExit('bye')\n", "raise SystemExit at"),
     "quit": ("quit()\n", "quit() at"),
+    "interrupt_in_with": ("import contextlib\nwith contextlib.nullcontext():\n    raise KeyboardInterrupt\n",
+                          "raise KeyboardInterrupt at"),
+    # a raise of anything in the module body runs at every import
+    "top_raise": ("import os\nraise RuntimeError('not ready')\n", "raises at import (raise RuntimeError('not "
+                  "ready') at"),
+    "bare_raise": ("x = 1\nraise\n", "(raise at"),
     "bare_taken": (HEAD + "@register_scorer\n@dataclass\nclass KNorm(Scorer):\n    def score(self, ctx):\n"
                           "        return ctx.keys\n", "'knorm' is taken by the built-in"),
     "named_taken": (HEAD + "@register_scorer\n@dataclass\nclass Mine(Scorer):\n    name = 'tova'\n"

@@ -144,7 +144,7 @@ def replay(
         source = prompts or "builtin:arith"
         items = load_prompts(source, limit=limit, seed=seed)
         check_generation_room(items, max_new_tokens, source)  # a lower bound on any model's count
-        counter = light_counter(spec)
+        counter = light_counter(spec, revision)
         if counter is not None:  # the exact counts, as the stage takes them once the model loads
             counter.check_room(items, max_new_tokens, context_of(spec), source, chat, settings.instruction)
         if components is not None:
