@@ -106,6 +106,7 @@ def test_needed_rows_read_the_compaction_before_the_final_line():
     assert got["kept_prompt"].to_list() == [0.625, 0.0, 1.0]
     assert got["kept_answer"].to_list() == [0.5, 0.0, 1.0]
     assert got["kept"].to_list() == [True, False, True] and got["success"].to_list() == [True, False, True]
+    assert needed_rows(rows, SUITES["recall"], share=0.6).sort("scorer")["kept"].to_list() == [False, False, True]
     pooled = needed_summary(got, n_boot=50).filter(pl.col("scorer") == "all rules").row(0, named=True)
     assert (pooled["kept_success"], pooled["kept_n"], pooled["lost_success"], pooled["lost_n"]) == (2, 2, 0, 1)
     assert pooled["fisher_p"] == pytest.approx(1 / 3)
