@@ -106,6 +106,48 @@ def test_needed_rows_read_the_compaction_before_the_final_line():
     assert got["kept_prompt"].to_list() == [0.625, 0.0, 1.0]
     assert got["kept_answer"].to_list() == [0.5, 0.0, 1.0]
     assert got["kept"].to_list() == [True, False, True] and got["success"].to_list() == [True, False, True]
+    assert needed_rows(rows, SUITES["recall"], share=0.6).sort("scorer")["kept"].to_list() == [False, False, True]
     pooled = needed_summary(got, n_boot=50).filter(pl.col("scorer") == "all rules").row(0, named=True)
     assert (pooled["kept_success"], pooled["kept_n"], pooled["lost_success"], pooled["lost_n"]) == (2, 2, 0, 1)
     assert pooled["fisher_p"] == pytest.approx(1 / 3)
+
+
+def test_replay_records_the_shares_the_loop_kept(tiny_llama, tmp_path):
+    """Free-running ``kvdiag replay`` of a suite with needs: its generations.parquet ``needed_kept`` equal the shares
+    recounted, slowly, from the loop's kept positions [L, Hkv, B] (``decode_batch(keep_history=True)``, the same rows
+    batched as replay batches them): per compaction, per needed prompt token, the (layer, KV head) slots whose kept
+    positions contain it over all slots; the prompt positions are :func:`prompt_positions`'; FullKV records none."""
+    import polars as pl
+
+    from kvdiag.contracts import FULL_KV
+    from kvdiag.prompts import load_prompts
+    from kvdiag.replay.run import ReplaySettings, build_policies, replay
+
+    settings = ReplaySettings(scorers=["snapkv", "streamingllm"], budgets=[64], interval=32, max_new_tokens=120,
+                              chat=False, instruction=None)
+    prompts = load_prompts("builtin:keys:2:3")
+    out = replay(tiny_llama, tmp_path / "r", settings, prompts=prompts, source="builtin:keys:2:3", command="test",
+                 show_progress=False)
+    df = pl.read_parquet(out / "generations.parquet")
+    policies = build_policies(tiny_llama, settings)
+    slots = tiny_llama.attention.num_layers * tiny_llama.attention.num_kv_heads
+    checked = 0
+    for p in prompts:
+        needs = prompt_positions(tiny_llama.tokenizer, p, chat=False, instruction=None)
+        rows = {r["scorer"]: r for r in df.filter(pl.col("prompt_id") == p.prompt_id).iter_rows(named=True)}
+        assert rows[FULL_KV]["kept_steps"] == [] and rows[FULL_KV]["needed_positions"][: len(needs)] == needs
+        ids = encode_prompt(tiny_llama.tokenizer, p, chat=False, instruction=None)
+        loop = decode_batch(tiny_llama, [ids, ids], [policies[(s, 64)] for s in settings.scorers],
+                            settings.max_new_tokens, [p.prompt_id] * 2, keep_history=True)
+        for scorer, lp in zip(settings.scorers, loop, strict=True):
+            r = rows[scorer]
+            assert r["token_ids"] == lp.token_ids and r["kept_steps"] == [t for t, _ in lp.kept] and lp.kept
+            where = r["needed_where"]
+            assert [q for q, w in zip(r["needed_positions"], where, strict=True) if w == "prompt"] == needs
+            want = [[sum(q in pos[layer, head].tolist() for layer in range(pos.shape[0])
+                         for head in range(pos.shape[1])) / slots if q < t else None for t, pos in lp.kept]
+                    for q in r["needed_positions"]]
+            assert r["needed_kept"] == want  # k / slots on both sides: the same float
+            assert any(0 < s < 1 for shares in want for s in shares if s is not None) or scorer == "streamingllm"
+            checked += 1
+    assert checked == 4

@@ -97,10 +97,11 @@ def _pct(v, lo, hi) -> str:
 
 
 def write_needed(df: pl.DataFrame, suite: Suite, out_dir, n_boot: int = 2000, seed: int = 0,
-                 level: float = 0.95) -> pl.DataFrame | None:
-    """``needed.csv`` (:func:`needed_summary`) and ``needed.md`` from free-running generations with needed tokens;
-    None (nothing written) when no compressed generation records them."""
-    rows = needed_rows(df, suite)
+                 level: float = 0.95, share: float = KEPT_SHARE) -> pl.DataFrame | None:
+    """``needed.csv`` (:func:`needed_summary`) and ``needed.md`` from free-running generations with needed tokens
+    (``share``: as :func:`needed_rows`, said in the notes); None (nothing written) when no compressed generation
+    records them."""
+    rows = needed_rows(df, suite, share)
     if rows.height == 0:
         return None
     summary = needed_summary(rows, n_boot, seed, level)
@@ -125,7 +126,7 @@ def write_needed(df: pl.DataFrame, suite: Suite, out_dir, n_boot: int = 2000, se
             f"prompt's copy / of the copy the generation wrote (in parentheses: generations that wrote it), "
             f"{level:.0%} cluster-bootstrap CI over prompts ({n_boot} replicates, seed {seed}); a token written after "
             "that compaction counts as held.\n"
-            f"- kept: every needed token of one copy held in at least {KEPT_SHARE:.0%} of its slots.\n"
+            f"- kept: every needed token of one copy held in at least {share:.0%} of its slots.\n"
             f"- {suite.task.name} if kept / lost: the task component's success among generations that kept / did not, "
             f"Wilson {level:.0%} CIs; Fisher p: Fisher's exact test, two-sided, of success against kept.\n"
             f"- {ALL_RULES}: every rule's generations at that budget pooled.\n")
