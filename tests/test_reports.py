@@ -41,7 +41,8 @@ NOT_REGENERATED = {
        "the model, 20-35 min)" for f in ("keys", "countdown")},
     **{f"bench/{f}": "a measurement: seconds and memory of runs of the model on this machine"
        for f in ("cpu-mfu.md", "kernels.txt", "label-fast.txt", "label-layer.txt", "label.txt", "scale.csv",
-                 "score.txt", "trace.txt", "hybrid-miss-rate-h16.txt", "hybrid-miss-rate-h128.txt")},
+                 "score.txt", "trace.txt", "hybrid-miss-rate-h16.txt", "hybrid-miss-rate-h128.txt",
+                 "label-horizon.txt")},
 }
 _REPORT_TRACE = ("its Trace section, the Trace's row of the contents, the viewer line and the date: kvdiag report "
                  "reads the run's Trace (not committed); every other line is compared")
@@ -596,16 +597,22 @@ HORIZON_INPUTS = REPORTS / "horizon-math500/inputs"
 
 
 def test_horizon_study(tmp_path):
-    """analyze.py's report.md from its committed inputs (labels, token scores, decisions and kept shares at every
-    horizon, derived by inputs.py from the H = 256 runs' kl_steps) and reports/decisions-math500's decisions at H = 8
-    (its consistency check)."""
+    """analyze.py's report.md from its committed inputs, one folder per model (labels, token scores, decisions and
+    kept shares at every horizon, derived by inputs.py from the H = 256 runs' kl_steps) and reports/decisions-math500's
+    decisions at H = 8 (its consistency check)."""
     report, (name,) = HORIZON
     want = {"labels.parquet": {"prompt_id", "checkpoint", "position", "age", "noise_floor", "prompt_len", "token_text",
                                *(f"kl_{h}" for h in (8, 16, 32, 64, 128, 256))},
             "decisions.parquet": {"prompt_id", "checkpoint", "decision", "kind", "budget", "status", "kl_256"},
             "kept.parquet": {"prompt_id", "checkpoint", "decision", "budget", "position", "kept_share"}}
-    for file, columns in want.items():
-        assert columns <= set(read_table(HORIZON_INPUTS / file)[0].columns), file
+    checkpoints = {"smollm2": 10, "gemma3": 5}
+    for model, n in checkpoints.items():
+        for file, columns in want.items():
+            table = read_table(HORIZON_INPUTS / model / file)[0]
+            assert columns <= set(table.columns), (model, file)
+            assert table["prompt_id"].n_unique() == n, (model, file)
+    text = (REPORTS / report / name).read_text()
+    assert all(f"| {model} |" in text for model in checkpoints), "a model missing from the report's tables"
     out = tmp_path / "out"
     out.mkdir()
     _script(f"reports/{report}/analyze.py").main(HORIZON_INPUTS, out)

@@ -1,6 +1,7 @@
 """analyze.py's inputs, committed: the rows and columns of reproduce.sh's outputs that analyze.py reads, with every
 horizon's value derived here from the runs' per-step KL (``kvdiag.label.horizons.at_horizons``: the mean of the first
 H steps of the same rows), so that the tables regenerate without the model or the Trace (tests/test_reports.py).
+One folder per model: inputs/smollm2/, inputs/gemma3/.
 
 - ``labels.parquet``: the exact labels of the sampled entries (prompt_id, checkpoint, position, age, noise_floor at
   the longest horizon, prompt_len, token_text) and ``kl_H`` for every H in HORIZONS;
@@ -9,11 +10,13 @@ H steps of the same rows), so that the tables regenerate without the model or th
   joint damage ``kl_H`` for every H (null where nothing was labeled: a rule over the budget);
 - ``kept.parquet``: per decision and sampled entry, the share of the (layer, KV head) cells that keep it.
 
-Run from the repository root after reproduce.sh's runs: .venv/bin/python reports/horizon-math500/inputs.py
+Run from the repository root after reproduce.sh's runs: .venv/bin/python reports/horizon-math500/inputs.py [MODEL ...]
+(default: every model of MODELS)
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import polars as pl
@@ -25,6 +28,7 @@ from kvdiag.trace.manifest import TraceFiles
 D = Path("runs/horizon-math500")
 OUT = Path("reports/horizon-math500/inputs")
 HORIZONS = (8, 16, 32, 64, 128, 256)
+MODELS = ("smollm2", "gemma3")  # the run names' prefixes: smollm2-trace, gemma3-labels-h256.parquet, ...
 KEY = ["prompt_id", "checkpoint", "position"]
 DECISION_KEY = ["prompt_id", "checkpoint", "decision", "budget"]
 
@@ -35,9 +39,9 @@ def wide(table: pl.DataFrame, keys: list[str]) -> pl.DataFrame:
     return long.pivot(on="at", index=keys, values="kl_mean").rename({str(h): f"kl_{h}" for h in HORIZONS})
 
 
-def labels(runs: Path) -> pl.DataFrame:
-    lab = read_table(runs / "smollm2-labels-h256.parquet", "labels")[0].filter(pl.col("granularity") == "token")
-    trace = TraceFiles(runs / "smollm2-trace")
+def labels(runs: Path, model: str) -> pl.DataFrame:
+    lab = read_table(runs / f"{model}-labels-h256.parquet", "labels")[0].filter(pl.col("granularity") == "token")
+    trace = TraceFiles(runs / f"{model}-trace")
     text = trace.tokens.select("prompt_id", "position", "token_text")
     plen = pl.DataFrame({"prompt_id": trace.prompt_ids, "prompt_len": [trace.prompt_len(p) for p in trace.prompt_ids]})
     out = (lab.select(*KEY, "age", "noise_floor", "horizon").join(wide(lab, [*KEY]), on=KEY)
@@ -46,16 +50,16 @@ def labels(runs: Path) -> pl.DataFrame:
     return out.sort(KEY)
 
 
-def token_scores(runs: Path, entries: pl.DataFrame) -> pl.DataFrame:
-    scores = read_table(runs / "smollm2-scores.parquet", "scores")[0].filter(pl.col("granularity") == "token")
+def token_scores(runs: Path, model: str, entries: pl.DataFrame) -> pl.DataFrame:
+    scores = read_table(runs / f"{model}-scores.parquet", "scores")[0].filter(pl.col("granularity") == "token")
     rules = [c for c in scores.columns if c not in (*KEY, "granularity", "layer", "kv_head")]
     out = entries.select(KEY).join(scores.select(*KEY, *rules), on=KEY)
     assert out.height == entries.height, "a labeled entry without its scores"
     return out.sort(KEY)
 
 
-def decisions(runs: Path) -> tuple[pl.DataFrame, pl.DataFrame]:
-    dec = read_table(runs / "smollm2-decisions/decisions.parquet", "decisions")[0].filter(pl.col("sample").is_null())
+def decisions(runs: Path, model: str) -> tuple[pl.DataFrame, pl.DataFrame]:
+    dec = read_table(runs / f"{model}-decisions/decisions.parquet", "decisions")[0].filter(pl.col("sample").is_null())
     labeled = dec.filter(pl.col("kl_steps").is_not_null())
     out = (dec.select(*DECISION_KEY, "kind", "kept", "status", "horizon")
            .join(wide(labeled, DECISION_KEY), on=DECISION_KEY, how="left"))
@@ -73,16 +77,17 @@ def kept(dec: pl.DataFrame, entries: pl.DataFrame, cells: int) -> pl.DataFrame:
             .sort([*DECISION_KEY, "position"]))
 
 
-def main(runs: Path = D, out: Path = OUT) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    lab = labels(runs)
-    trace = TraceFiles(runs / "smollm2-trace")
-    dec, raw = decisions(runs)
-    for name, df in {"labels.parquet": lab, "token_scores.parquet": token_scores(runs, lab),
-                     "decisions.parquet": dec,
-                     "kept.parquet": kept(raw, lab, trace.num_layers * trace.num_kv_heads)}.items():
-        write_table(df, out / name, {"source": f"{runs}: reproduce.sh's outputs, slimmed by inputs.py"})
+def main(models: tuple[str, ...] = MODELS, runs: Path = D, out: Path = OUT) -> None:
+    for model in models:
+        (out / model).mkdir(parents=True, exist_ok=True)
+        lab = labels(runs, model)
+        trace = TraceFiles(runs / f"{model}-trace")
+        dec, raw = decisions(runs, model)
+        for name, df in {"labels.parquet": lab, "token_scores.parquet": token_scores(runs, model, lab),
+                         "decisions.parquet": dec,
+                         "kept.parquet": kept(raw, lab, trace.num_layers * trace.num_kv_heads)}.items():
+            write_table(df, out / model / name, {"source": f"{runs}: reproduce.sh's outputs, slimmed by inputs.py"})
 
 
 if __name__ == "__main__":
-    main()
+    main(tuple(sys.argv[1:]) or MODELS)
