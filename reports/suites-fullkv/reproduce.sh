@@ -6,3 +6,6 @@ for suite in keys countdown; do
     nice -n 10 .venv/bin/python reports/suites-fullkv/measure.py builtin:$suite:20 400 \
         > reports/suites-fullkv/$suite.txt 2>/dev/null
 done
+# the countdown suite on the model with the LoRA adapter data/adapters/smollm2-countdown
+nice -n 10 .venv/bin/python reports/suites-fullkv/measure.py builtin:countdown:20 400 \
+    smollm2+data/adapters/smollm2-countdown > reports/suites-fullkv/countdown-adapter.txt 2>/dev/null
