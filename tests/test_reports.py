@@ -493,7 +493,7 @@ REPLAY = {  # run -> the tables its summary writes (committed)
 # outputs); each is compared once its generations.parquet is committed (a table without it: test_every_table_is_covered)
 SUITE_TABLES = ("summary.md", "summary.csv", "budget.csv", "outcomes.md", "outcomes.csv", "outcomes_summary.csv",
                 "paired.csv", "components.md", "components.csv", "components_paired.csv", "needed.md", "needed.csv")
-REPLAY.update({run: SUITE_TABLES for run in ("replay-suites/keys",)
+REPLAY.update({run: SUITE_TABLES for run in ("replay-suites/keys", "replay-suites/countdown")
                if (REPORTS / run / "generations.parquet").is_file()})
 for _d, _t in REPLAY.items():
     compared(_d, _t)
