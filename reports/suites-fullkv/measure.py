@@ -1,7 +1,8 @@
 """FullKV greedy accuracy of a builtin suite on SmolLM2 through kvdiag's own decode path (``decode_batch`` without a
 policy: FullKV), graded by the suite's components, each with its Wilson 95 % CI.
 
-Usage: ``python reports/suites-fullkv/measure.py builtin:keys:20 400`` (source, --max-new-tokens).
+Usage: ``python reports/suites-fullkv/measure.py builtin:keys:20 400 [MODEL]`` (source, --max-new-tokens, --model:
+default smollm2; ``smollm2+data/adapters/smollm2-countdown`` for the adapted model).
 """
 
 import sys
@@ -19,12 +20,12 @@ from kvdiag.suites import check_generation_room, grade, suite_of
 
 def main(argv: list[str] | None = None) -> None:
     """Decode ``builtin:<suite>:N`` at FullKV and print each prompt's verdicts and the per-component rates."""
-    source, max_new = (argv or sys.argv[1:])[:2]
-    max_new = int(max_new)
+    args = argv or sys.argv[1:]
+    source, max_new, spec = args[0], int(args[1]), args[2] if len(args) > 2 else "smollm2"
     torch.set_num_threads(2)
     suite, prompts = suite_of(source), load_prompts(source)
     check_generation_room(prompts, max_new, source)
-    lm = load_model("smollm2")
+    lm = load_model(spec)
     groups = defaultdict(list)  # decode_batch takes prompts of one length
     for p in prompts:
         ids = encode_prompt(lm.tokenizer, p)
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
             print(p.prompt_id, len(ids), run.generated, run.stop, v, flush=True)
             if not v[suite.task.name]:
                 print("   got last:", text.strip().splitlines()[-1:], "want:", p.answer.splitlines()[-1])
-    print(f"{source}: {len(prompts)} prompts, {time.time() - start:.0f}s")
+    print(f"{source} on {spec}: {len(prompts)} prompts, {time.time() - start:.0f}s")
     for c in suite.components:
         k, n = sum(v[c.name] for v in verdicts), len(verdicts)
         lo, hi = wilson(k, n)
