@@ -6,6 +6,7 @@ and how long its context is."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from kvdiag.errors import UserError
@@ -128,8 +129,10 @@ def split_adapter(spec: str) -> tuple[str, str | None]:
 
 
 def check_adapter(spec: str, adapter: str) -> Path:
-    """Refuse an adapter directory kvdiag cannot merge safely: missing, without a LoRA ``adapter_config.json``, or
-    whose weights are not ``adapter_model.safetensors`` (pickled ``.bin`` weights are never loaded)."""
+    """Refuse an adapter directory kvdiag cannot merge safely: missing, without a LoRA ``adapter_config.json``, whose
+    weights are not ``adapter_model.safetensors`` (pickled ``.bin`` weights are never loaded), or made for another base
+    (:func:`check_adapter_base`). Any rank loads: the issue's rank <= 16 bounds the adapter kvdiag ships (its test
+    checks it), not what a user may merge, which changes no kvdiag path."""
     path = Path(adapter).expanduser()
     if not path.is_dir():
         raise UserError(f"--model {spec}: adapter directory {adapter} not found; pass BASE+DIR with DIR holding "
@@ -145,7 +148,66 @@ def check_adapter(spec: str, adapter: str) -> Path:
     if not (path / "adapter_model.safetensors").is_file():
         raise UserError(f"--model {spec}: {adapter} has no adapter_model.safetensors (kvdiag loads no pickled "
                         "weights); save the adapter with safe_serialization=True")
+    check_adapter_base(spec, path, config)
     return path
+
+
+# LoRA target (the last module name) -> its (in, out) features in a Llama-style decoder, from config fields
+_HEADS = {"q": "num_attention_heads", "kv": "num_key_value_heads"}
+LORA_DIMS = {"q_proj": ("hidden", "q"), "k_proj": ("hidden", "kv"), "v_proj": ("hidden", "kv"),
+             "o_proj": ("q", "hidden"), "gate_proj": ("hidden", "inter"), "up_proj": ("hidden", "inter"),
+             "down_proj": ("inter", "hidden")}
+
+
+def safetensors_shapes(file: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape from a safetensors file's header (8-byte little-endian length, then JSON): no torch."""
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size)) if 0 < size <= 100_000_000 else None
+    if not isinstance(header, dict):
+        raise ValueError("not a safetensors header")
+    return {k: v["shape"] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
+
+
+def check_adapter_base(spec: str, path: Path, config: dict) -> None:
+    """Refuse, before torch, an adapter made for another base than ``--model spec``'s: its recorded base
+    (``base_model_name_or_path``) another built-in model, a layer the base does not have, or a LoRA factor whose
+    features are not the base module's (q/k/v/o and gate/up/down projections, where the base's config is known
+    without a load). Anything else that does not fit is refused when peft loads it."""
+    base = split_adapter(spec)[0]
+    recorded = config.get("base_model_name_or_path")
+    if isinstance(recorded, str) and is_builtin(recorded) and is_builtin(base) and recorded != base:
+        raise UserError(f"--model {spec}: the adapter was made for {recorded}, not {base}; pass "
+                        f"{recorded}{ADAPTER_SEP}{path}")
+    try:
+        shapes = safetensors_shapes(path / "adapter_model.safetensors")
+    except (OSError, ValueError, UnicodeDecodeError, KeyError, TypeError) as err:
+        raise UserError(f"--model {spec}: {path}/adapter_model.safetensors is not a readable safetensors file "
+                        f"({type(err).__name__}); save the adapter with safe_serialization=True") from err
+    try:
+        base_config = spec_config(base)
+    except UserError:
+        return  # a wrong base is refused by its own check
+    if base_config is None or "hidden_size" not in base_config:
+        return
+    head = base_config.get("head_dim") or base_config["hidden_size"] // base_config["num_attention_heads"]
+    dims = {"hidden": base_config["hidden_size"], "inter": base_config.get("intermediate_size"),
+            **{k: base_config.get(f, base_config["num_attention_heads"]) * head for k, f in _HEADS.items()}}
+    for name, shape in shapes.items():
+        m = re.search(r"layers\.(\d+)\.(?:.*\.)?(\w+)\.lora_([AB])\.weight$", name)
+        if m is None:
+            continue
+        layer, module, factor = int(m[1]), m[2], m[3]
+        if layer >= base_config["num_hidden_layers"]:
+            raise UserError(f"--model {spec}: the adapter has layer {layer}, {base} has "
+                            f"{base_config['num_hidden_layers']}; pass the base model the adapter was trained on")
+        if module not in LORA_DIMS or len(shape) != 2:
+            continue
+        want = dims[LORA_DIMS[module][0 if factor == "A" else 1]]
+        got = shape[1] if factor == "A" else shape[0]
+        if want is not None and got != want:
+            raise UserError(f"--model {spec}: the adapter's {module} has {got} {'in' if factor == 'A' else 'out'} "
+                            f"features, {base}'s {want}; pass the base model the adapter was trained on")
 
 
 def check_model_spec(spec: str) -> str:
@@ -168,9 +230,10 @@ def check_model_spec(spec: str) -> str:
 # config.json has them (tests/test_contracts.py compares them with that file where it has been converted).
 EMBEDDED_CONFIG: dict[str, dict] = {
     "smollm2": dict(model_type="llama", num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                    max_position_embeddings=8192),
+                    max_position_embeddings=8192, hidden_size=576, intermediate_size=1536, head_dim=64),
     "gemma3-270m": dict(model_type="gemma3_text", num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
-                        max_position_embeddings=32768, sliding_window=512,  # every sixth layer full
+                        max_position_embeddings=32768, hidden_size=640, intermediate_size=2048, head_dim=256,
+                        sliding_window=512,  # every sixth layer full
                         layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)]),
 }
 # config.json field -> the Trace manifest's model entry field (kvdiag.models.LoadedModel.info) it must equal

@@ -70,6 +70,7 @@ class LoadedModel:
     config_hash: str
     weights_hash: str
     random: dict | None = None  # how a random:<name> model was made (None: trained weights)
+    adapter: dict | None = None  # the LoRA merged into the weights (``adapter_info``; None: none)
 
     @property
     def attention(self) -> ModelAttention:
@@ -84,6 +85,7 @@ class LoadedModel:
             "revision": self.revision, "config_hash": self.config_hash, "weights_hash": self.weights_hash,
             "num_layers": ma.num_layers, "num_heads": ma.num_heads, "num_kv_heads": ma.num_kv_heads,
             "head_dim": ma.qk_head_dim, "attention": ma.info(), **({"random": self.random} if self.random else {}),
+            **({"adapter": self.adapter} if self.adapter else {}),
         }
 
     def is_model_of(self, recorded: dict, config: bool = False) -> bool:
@@ -135,7 +137,8 @@ def load_model(
     # a random model's weights are a function of its recipe: a sample of them identifies it (hashing 8B
     # parameters would take minutes)
     hashed = sampled_weights_hash(model) if rnd else weights_hash(model)
-    loaded = LoadedModel(model, tok, spec, dtype, device, revision, config_hash(model.config), hashed, rnd)
+    loaded = LoadedModel(model, tok, spec, dtype, device, revision, config_hash(model.config), hashed, rnd,
+                         None if adapter is None else adapter_info(adapter))
     _restart_peak_after_load()
     return loaded
 
@@ -152,6 +155,17 @@ def merge_adapter(model, spec: str, adapter: str):
         raise UserError(f"--model {spec}: the adapter does not fit this base model ({str(err).splitlines()[0][:160]});"
                         " pass the base model the adapter was trained on") from err
     return merged
+
+
+def adapter_info(adapter: str) -> dict:
+    """What a Trace or replay records of a merged LoRA adapter: its directory, the sha256 of its weights file (the
+    merged weights' hash covers it too), rank, alpha and target modules."""
+    path = Path(adapter).expanduser()
+    config = json.loads((path / "adapter_config.json").read_text())
+    digest = hashlib.sha256((path / "adapter_model.safetensors").read_bytes()).hexdigest()[:16]
+    targets = config.get("target_modules")
+    return {"path": adapter, "sha256": digest, "r": config.get("r"), "lora_alpha": config.get("lora_alpha"),
+            "target_modules": sorted(targets) if isinstance(targets, list) else targets}
 
 
 PEAK_AFTER_LOAD_ENV = "KVDIAG_PEAK_AFTER_LOAD"

@@ -1,13 +1,15 @@
 """``--model BASE+ADAPTER``: a LoRA adapter merged into the base's weights at load equals peft's own (unmerged)
 adapted model, and the shipped countdown adapter is what its provenance says."""
 
+import hashlib
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvdiag.model_specs import check_model_spec, spec_config, split_adapter
+from kvdiag.errors import UserError
+from kvdiag.model_specs import check_model_spec, safetensors_shapes, spec_config, split_adapter
 from kvdiag.models import load_model
 
 SHIPPED = Path(__file__).parent.parent / "data" / "adapters" / "smollm2-countdown"
@@ -45,6 +47,37 @@ def test_merged_adapter_equals_peft(tiny_adapter):
     assert (merged - plain).abs().max() > 1e-2  # the adapter does change the model
     assert lm.spec == f"tiny:llama+{path}"
     assert lm.info["weights_hash"] != load_model("tiny:llama").info["weights_hash"]
+
+
+def test_adapter_is_recorded(tiny_adapter):
+    """A Trace's model entry names the adapter and hashes its weights file (besides the merged weights' hash)."""
+    path = tiny_adapter[0]
+    recorded = load_model(f"tiny:llama+{path}").info["adapter"]
+    digest = hashlib.sha256((path / "adapter_model.safetensors").read_bytes()).hexdigest()[:16]
+    assert recorded == {"path": str(path), "sha256": digest, "r": 4, "lora_alpha": 8,
+                        "target_modules": ["down_proj", "q_proj", "v_proj"]}
+    assert "adapter" not in load_model("tiny:llama").info
+
+
+def test_adapter_for_another_base_is_refused_before_torch(tiny_adapter):
+    """peft's own file, read from its header only: tiny:llama's factors (64 features) do not fit smollm2 (576)."""
+    path = tiny_adapter[0]
+    shapes = safetensors_shapes(path / "adapter_model.safetensors")
+    assert shapes["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"] == [4, 64]
+    assert shapes["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"] == [64, 4]
+    with pytest.raises(UserError, match="q_proj has 64 in features, smollm2's 576|down_proj has 128 in features"):
+        check_model_spec(f"smollm2+{path}")
+
+
+def test_any_rank_loads(tmp_path):
+    """Rank 32 loads and merges: the issue's rank <= 16 bounds the shipped adapter only."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(2)
+    peft_model = get_peft_model(load_model("tiny:llama").model,
+                                LoraConfig(r=32, init_lora_weights=False, target_modules=["k_proj"]))
+    peft_model.save_pretrained(tmp_path, safe_serialization=True)
+    assert load_model(f"tiny:llama+{tmp_path}").info["adapter"]["r"] == 32
 
 
 def test_adapter_keeps_its_base_config(tiny_adapter):

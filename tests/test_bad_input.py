@@ -32,6 +32,13 @@ CASES: list[tuple[str, list[str], str]] = [
     ("trace-adapter-not-lora", ["trace", "--model", "smollm2+{adapter_ia3}", "--out", "{out}"], "not a LoRA adapter"),
     ("replay-adapter-pickle", ["replay", "--scorer", "rkv", "--model", "smollm2+{adapter_bin}", "--out", "{out}"],
      "adapter_model.safetensors"),
+    ("trace-adapter-not-safetensors", ["trace", "--model", "smollm2+{adapter_garbage}", "--out", "{out}"],
+     "not a readable safetensors"),
+    ("trace-adapter-other-base", ["trace", "--model", "smollm2+{adapter_gemma}", "--out", "{out}"],
+     "made for gemma3-270m"),
+    ("replay-adapter-features", ["replay", "--scorer", "rkv", "--model", "smollm2+{adapter_tiny}", "--out", "{out}"],
+     "q_proj has 64 in features"),
+    ("trace-adapter-layer", ["trace", "--model", "tiny:llama+{adapter_deep}", "--out", "{out}"], "layer 30"),
     (
         "trace-max-new-0", ["trace", "--model", "tiny:llama", "--max-new-tokens", "0", "--out", "{out}"],
         "--max-new-tokens 0",
@@ -934,6 +941,24 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
         (root / f"adapter-{kind}" / "adapter_config.json").write_text(json.dumps({"peft_type": peft_type}))
         (root / f"adapter-{kind}" / weights).write_bytes(b"not read")
         p[f"adapter_{kind}"] = str(root / f"adapter-{kind}")
+
+    def lora(kind: str, tensors: dict | None, base: str | None = None) -> None:
+        """A LoRA adapter directory whose safetensors file has a header only (``tensors``: name -> shape) or, with
+        None, garbage; recording ``base``."""
+        d = root / f"adapter-{kind}"
+        d.mkdir()
+        (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": base}))
+        header = json.dumps({k: {"dtype": "F32", "shape": s, "data_offsets": [0, 0]}
+                             for k, s in (tensors or {}).items()})
+        (d / "adapter_model.safetensors").write_bytes(
+            len(header).to_bytes(8, "little") + header.encode() if tensors else b"\xff" * 64)
+        p[f"adapter_{kind}"] = str(d)
+
+    at = "base_model.model.model.layers.{}.self_attn.q_proj.lora_A.weight"
+    lora("garbage", None)
+    lora("gemma", {at.format(0): [8, 640]}, base="gemma3-270m")
+    lora("tiny", {at.format(0): [4, 64]})  # tiny:llama's q_proj on smollm2 (576 in features)
+    lora("deep", {at.format(30): [4, 64]})  # a 30th layer on tiny:llama (2 layers)
     (root / "plugins").mkdir()
     for kind, source in PLUGINS.items():
         path = root / "plugins" / f"{PLUGIN_FILES.get(kind, kind)}.py"
