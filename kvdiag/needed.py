@@ -9,7 +9,7 @@ Positions come from the tokenizer's offsets of the very text that was encoded (t
 
 from __future__ import annotations
 
-from kvdiag.prompts import DEFAULT_INSTRUCTION, Prompt, chat_turns, plain_text
+from kvdiag.prompts import DEFAULT_INSTRUCTION, Prompt, rendered_prompt
 
 KEPT_SHARE = 0.5  # a needed token counts as kept when at least this share of its (layer, KV head) slots hold it
 
@@ -25,16 +25,11 @@ def prompt_positions(tokenizer, prompt: Prompt, chat: bool = True,
     of the tokens that overlap ``prompt.needs``: in its final user turn (the shots before it hold similar text)."""
     if not prompt.needs:
         return []
-    templated = chat and bool(getattr(tokenizer, "chat_template", None))
-    if templated:
-        text = tokenizer.apply_chat_template(chat_turns(prompt, instruction), add_generation_prompt=True,
-                                             tokenize=False)
-    else:
-        text = plain_text(prompt, instruction)
+    text, special = rendered_prompt(tokenizer, prompt, chat, instruction)
     at = text.rfind(prompt.text)  # the question's own turn: the last place its text occurs
     if at < 0:
         raise ValueError(f"prompt {prompt.prompt_id}: its text is not in its rendered prompt")
-    enc = tokenizer(text, add_special_tokens=not templated, return_offsets_mapping=True)
+    enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
     return _overlapping(enc["offset_mapping"], [(at + s, at + e) for s, e in prompt.needs])
 
 
@@ -43,32 +38,36 @@ def needed_texts(prompt: Prompt) -> list[str]:
     return [prompt.answer[s:e] for s, e in prompt.answer_needs] if prompt.answer else []
 
 
-def _ends(tokenizer, generated: list[int]) -> list[int]:
+def decoded_ends(tokenizer, generated: list[int]) -> list[int]:
     """The char length of the decoded text after each generated token (decoding growing prefixes: the same text as
-    replay's ``text`` column, special tokens skipped)."""
+    replay's ``text`` column, special tokens skipped). Pass it to :func:`generated_positions` and
+    :func:`final_line_start` to decode a generation's prefixes once."""
     return [len(tokenizer.decode(generated[: i + 1], skip_special_tokens=True)) for i in range(len(generated))]
 
 
-def generated_positions(tokenizer, token_ids: list[int], prompt_len: int, needed: str) -> list[int]:
+def generated_positions(tokenizer, token_ids: list[int], prompt_len: int, needed: str,
+                        ends: list[int] | None = None) -> list[int]:
     """Absolute positions of the generated tokens (``token_ids[prompt_len:]``) that overlap the first place the
-    generation wrote ``needed``; [] when it never wrote it."""
+    generation wrote ``needed``; [] when it never wrote it. ``ends``: :func:`decoded_ends` of the generation."""
     generated = token_ids[prompt_len:]
     at = tokenizer.decode(generated, skip_special_tokens=True).find(needed)
     if at < 0:
         return []
-    ends = _ends(tokenizer, generated)
+    ends = decoded_ends(tokenizer, generated) if ends is None else ends
     spans = list(zip([0, *ends[:-1]], ends, strict=True))
     return [prompt_len + i for i in _overlapping(spans, [(at, at + len(needed))])]
 
 
-def final_line_start(tokenizer, token_ids: list[int], prompt_len: int) -> int:
+def final_line_start(tokenizer, token_ids: list[int], prompt_len: int, ends: list[int] | None = None) -> int:
     """Absolute position of the generated token that holds the first character of the generation's last non-empty
-    line (where a suite's answer reads what it needs); the end of the sequence for a generation of one line."""
+    line (where a suite's answer reads what it needs); the end of the sequence for a generation of one line.
+    ``ends``: :func:`decoded_ends` of the generation."""
     generated = token_ids[prompt_len:]
     cut = tokenizer.decode(generated, skip_special_tokens=True).rstrip().rfind("\n") + 1
     if cut == 0:
         return len(token_ids)
-    return prompt_len + next(i for i, end in enumerate(_ends(tokenizer, generated)) if end > cut)
+    ends = decoded_ends(tokenizer, generated) if ends is None else ends
+    return prompt_len + next(i for i, end in enumerate(ends) if end > cut)
 
 
 def slot_shares(kept: list[tuple[int, list[int]]], slots: int, positions: list[int]) -> list[list[float | None]]:

@@ -15,7 +15,7 @@ from kvdiag.errors import UserError
 from kvdiag.suites import SUITES, Prompt, arith_prompts, load_builtin, recall_prompts
 
 __all__ = ["DEFAULT_INSTRUCTION", "Prompt", "arith_prompts", "encode_prompt", "load_prompts", "recall_prompts",
-           "safe_id"]
+           "rendered_prompt", "safe_id"]
 
 # Appended to math prompts, as in the R1 / R-KV MATH-500 setups. A named default, overridable.
 DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -97,14 +97,22 @@ def _with_instruction(prompt: Prompt, instruction: str | None) -> str:
     return f"{prompt.text}\n{instruction}" if instruction and not prompt.shots else prompt.text
 
 
+def rendered_prompt(
+    tokenizer, prompt: Prompt, chat: bool = True, instruction: str | None = DEFAULT_INSTRUCTION
+) -> tuple[str, bool]:
+    """The text :func:`encode_prompt` tokenizes and whether the tokenizer adds its special tokens to it: with ``chat``
+    and a chat template, its :func:`chat_turns` rendered with the generation prompt (the template writes them); without,
+    its :func:`plain_text`."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(chat_turns(prompt, instruction), add_generation_prompt=True,
+                                             tokenize=False), False
+    return plain_text(prompt, instruction), True
+
+
 def encode_prompt(
     tokenizer, prompt: Prompt, chat: bool = True, instruction: str | None = DEFAULT_INSTRUCTION
 ) -> list[int]:
-    """Token ids of ``prompt`` through a transformers ``tokenizer``: with ``chat`` and a chat template, its
-    :func:`chat_turns` rendered with the generation prompt; without, its :func:`plain_text`
+    """Token ids of ``prompt`` through a transformers ``tokenizer``: its :func:`rendered_prompt`, tokenized
     (``kvdiag.token_count.TokenCounter.prompt_ids`` does the same without transformers)."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        rendered = tokenizer.apply_chat_template(chat_turns(prompt, instruction), add_generation_prompt=True,
-                                                 tokenize=False)
-        return tokenizer(rendered, add_special_tokens=False).input_ids
-    return tokenizer(plain_text(prompt, instruction)).input_ids
+    text, special = rendered_prompt(tokenizer, prompt, chat, instruction)
+    return tokenizer(text, add_special_tokens=special).input_ids

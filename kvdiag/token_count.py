@@ -90,14 +90,15 @@ class TokenCounter:
     def check_room(self, prompts: list[Prompt], max_new_tokens: int, context: int | None, source: str,
                    chat: bool = True, instruction: str | None = DEFAULT_INSTRUCTION) -> None:
         """:func:`check_room` on the bounds (when ``bounded``), and on the exact counts where the bounds refuse."""
-        try:
-            if not self.bounded:
-                raise UserError("no bound")
-            check_room(prompts, [self.prompt_bound(p, chat, instruction) for p in prompts], max_new_tokens, context,
-                       source, self.bound)
-        except UserError:
-            check_room(prompts, [len(self.prompt_ids(p, chat, instruction)) for p in prompts], max_new_tokens,
-                       context, source, self.count)
+        if self.bounded:
+            try:
+                check_room(prompts, [self.prompt_bound(p, chat, instruction) for p in prompts], max_new_tokens,
+                           context, source, self.bound)
+                return  # the bounds clear it: so do the counts
+            except UserError:
+                pass  # the bounds cannot clear it: the counts decide
+        check_room(prompts, [len(self.prompt_ids(p, chat, instruction)) for p in prompts], max_new_tokens, context,
+                   source, self.count)
 
 
 def compile_template(source: str):

@@ -11,7 +11,14 @@ from typing import ClassVar
 import kvdiag.replay.generating as generating  # by module: tests/test_faults kills a run inside generate_batch
 from kvdiag.adapters import text_config
 from kvdiag.models import LoadedModel
-from kvdiag.needed import final_line_start, generated_positions, needed_texts, prompt_positions, slot_shares
+from kvdiag.needed import (
+    decoded_ends,
+    final_line_start,
+    generated_positions,
+    needed_texts,
+    prompt_positions,
+    slot_shares,
+)
 from kvdiag.prompts import Prompt, encode_prompt
 from kvdiag.replay.decoding import Decoded, batches, full_logprobs, kl_steps
 from kvdiag.replay.settings import ReplaySettings
@@ -102,18 +109,16 @@ class FreeRunning:
 
 
 def needed_columns(tokenizer, item: Item, run: Decoded) -> dict:
-    """The needed-token columns of a generation (:data:`NEEDED_SCHEMA`): each needed token (in the prompt, and where
-    the generation wrote the needed text), per compaction the share of (layer, KV head) slots that held it (None
-    before it was written), and where the generation's final line starts. FullKV: the positions, no compactions."""
-    where, positions = [], []
-    for p in item.needs:
-        where.append("prompt")
-        positions.append(p)
-    for text in item.needed:
-        for p in generated_positions(tokenizer, run.token_ids, run.prompt_len, text):
-            where.append("answer")
-            positions.append(p)
+    """The needed-token columns of a generation (``needed_*``, ``kept_steps`` and ``final_line_at`` of
+    ``kvdiag.replay.run.ROW_SCHEMA``): each needed token (in the prompt, and where the generation wrote the needed
+    text), per compaction the share of (layer, KV head) slots that held it (None before it was written), and where the
+    generation's final line starts. FullKV: the positions, no compactions."""
+    ends = decoded_ends(tokenizer, run.token_ids[run.prompt_len:])  # decoded once for both lookups below
+    written = [p for text in item.needed for p in generated_positions(tokenizer, run.token_ids, run.prompt_len, text,
+                                                                        ends)]
+    positions = [*item.needs, *written]
     kept = [(t, counts.tolist()) for t, counts in run.kept_counts]
-    return {"needed_where": where, "needed_positions": positions, "kept_steps": [t for t, _ in kept],
+    return {"needed_where": ["prompt"] * len(item.needs) + ["answer"] * len(written), "needed_positions": positions,
+            "kept_steps": [t for t, _ in kept],
             "needed_kept": slot_shares(kept, run.slots, positions) if kept else [[] for _ in positions],
-            "final_line_at": final_line_start(tokenizer, run.token_ids, run.prompt_len)}
+            "final_line_at": final_line_start(tokenizer, run.token_ids, run.prompt_len, ends)}
