@@ -123,6 +123,26 @@ def parse_ints(values: list[str] | None, flag: str) -> list[int] | None:
     return parse_list(values, flag, int, low=0, example="0,5,11") or None
 
 
+def read_positions(path, flag: str = "--include") -> dict[str, list[int]]:
+    """A JSON file ``{prompt_id: [position, ...]}`` -> that mapping (positions sorted, deduplicated); a missing file,
+    bad JSON or another shape is refused in one line."""
+    import json
+    from pathlib import Path
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UserError(f"{flag} {path}: no such file; give a JSON file {{prompt_id: [position, ...]}}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{flag} {path}: not a readable JSON file ({e}); give {{prompt_id: [position, ...]}}") from None
+    if not isinstance(data, dict) or not all(
+            isinstance(v, list) and all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in v)
+            for v in data.values()):
+        raise UserError(f"{flag} {path}: must map each prompt id to a list of token positions >= 0, e.g. "
+                        '{"keys000": [747, 748]}')
+    return {str(k): sorted(set(v)) for k, v in data.items()}
+
+
 def parse_shard(spec: str | None) -> tuple[int, int] | None:
     """``--shard i/n`` -> (i, n) with 0 <= i < n; None -> None."""
     if spec is None:

@@ -98,6 +98,26 @@ CASES: list[tuple[str, list[str], str]] = [
         "--candidates foo",
     ),
     (
+        "label-include-missing",
+        ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--include", "{out}/none.json"],
+        "no such file",
+    ),
+    (
+        "label-include-shape",
+        ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--include", "{include_shape}"],
+        "must map each prompt id to a list of token positions",
+    ),
+    (
+        "label-include-unknown",
+        ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--include", "{include_unknown}"],
+        "--include: prompt nope is not in the Trace",
+    ),
+    (
+        "label-include-beyond",
+        ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--include", "{include_beyond}"],
+        "is past its end",
+    ),
+    (
         "label-batch-size", ["label", "--trace", "{trace}", *FITS, "--out", "{out}/l.parquet", "--batch-size", "0"],
         "--batch-size 0",
     ),
@@ -934,6 +954,10 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
         (d / "manifest.json").write_text(json.dumps(manifest))
 
     p["trace_kv"] = broken_trace("t-kv", keys_only)
+    for name, positions in (("shape", {"p": "1,2"}), ("unknown", {"nope": [1]}),
+                            ("beyond", {trace.prompt_ids[0]: [3, 10**6]})):
+        (root / f"include-{name}.json").write_text(json.dumps(positions))
+        p[f"include_{name}"] = str(root / f"include-{name}.json")
     (root / "number.jsonl").write_text('{"problem": 42}\n')
     p["number_jsonl"] = str(root / "number.jsonl")
     for kind, peft_type, weights in (("ia3", "IA3", "adapter_model.safetensors"), ("bin", "LORA", "adapter_model.bin")):

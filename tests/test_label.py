@@ -114,8 +114,8 @@ def test_non_finite_logits_name_the_checkpoint(tiny_llama):
     eng = OracleEngine(tiny_llama, _ids(), horizon=H)
     chunks = eng._chunks
 
-    def overflowing(t, prefix, exclude, n, *args):  # the candidate batch (2 rows) overflows, the null row does not
-        for span, logits in chunks(t, prefix, exclude, n, *args):
+    def overflowing(t, prefix, exclude, n, *args, **kw):  # the candidate batch (2 rows) overflows, the null row not
+        for span, logits in chunks(t, prefix, exclude, n, *args, **kw):
             yield span, logits.index_fill_(2, torch.tensor([3]), float("nan")) if n == 2 else logits
 
     eng._chunks = overflowing
@@ -190,3 +190,31 @@ def test_divergences_match_textbook_formulas():
     )
     assert got["kl"][0].abs().max() < 1e-6 and got["js"][0].abs().max() < 1e-6
     assert got["flips"].tolist() == (le.argmax(-1) != lf.argmax(-1)).sum(-1).tolist()
+
+
+def test_include_labels_listed_positions_as_all_candidates_would(tiny_llama, tiny_trace, tmp_path):
+    """--include adds each listed position before a checkpoint to its sample; its label is the one `--candidates all`
+    gives the same entry (the batch differs, so equal within float rounding: rel 1e-4, abs 1e-6)."""
+    pid = tiny_trace.prompt_ids[0]
+    base = {"checkpoints": "every:10", "w_obs": 10, "horizon": 4}
+    sample = label_trace(tiny_trace, tiny_llama, tmp_path / "s.parquet", LabelConfig(**base, candidates="3"),
+                         show_progress=False)
+    first = pl.read_parquet(sample).filter(pl.col("prompt_id") == pid)["checkpoint"].min()
+    listed = [0, first - 1, first + 5]  # the last is past the first checkpoint: labeled from the next one on
+    out = label_trace(tiny_trace, tiny_llama, tmp_path / "i.parquet",
+                      LabelConfig(**base, candidates="3", include={pid: listed}), show_progress=False)
+    both = pl.read_parquet(out)
+    every = pl.read_parquet(label_trace(tiny_trace, tiny_llama, tmp_path / "a.parquet",
+                                        LabelConfig(**base, candidates="all"), show_progress=False))
+    keys = ["prompt_id", "checkpoint", "position"]
+    have = set(map(tuple, both.select(keys).rows()))
+    want = set(map(tuple, pl.read_parquet(sample).select(keys).rows()))
+    want |= {(pid, t, p) for t in both.filter(pl.col("prompt_id") == pid)["checkpoint"].unique() for p in listed
+             if p < t}
+    assert have == want and (pid, first, first + 5) not in have
+    from polars.testing import assert_frame_equal
+
+    joined = both.select(*keys, "kl_mean").join(every.select(*keys, "kl_mean"), on=keys, suffix="_all")
+    assert joined.height == both.height
+    assert_frame_equal(joined.select(pl.col("kl_mean").alias("kl")), joined.select(pl.col("kl_mean_all").alias("kl")),
+                       rel_tol=1e-4, abs_tol=1e-6)

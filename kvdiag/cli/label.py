@@ -24,6 +24,8 @@ def label(
                                 "end of its prompt (rows record their H; shorter horizons derive from kl_steps)"),
     chunk: int = typer.Option(CHUNK, "--chunk", help="horizon steps per forward: memory is one chunk's logits"),
     candidates: str = typer.Option("64", "--candidates", help="N (seeded sample per checkpoint) or all"),
+    include: Path = typer.Option(None, "--include", help="JSON {prompt_id: [positions]}: label these too at every "
+                                 "checkpoint they precede, besides the sample (e.g. the tokens an answer needs)"),
     granularity: str = typer.Option("token", "--granularity", help="token | layer | head"),
     layers: list[str] | None = typer.Option(None, "--layers", help="layer/head granularity: comma-separated layers, "
                                                                    "repeatable (default all)"),
@@ -81,7 +83,8 @@ def label(
                         "process")
 
     cfg = LabelConfig(
-        checkpoints=parsing.joined(checkpoints), horizon=horizon, candidates=candidates, granularity=granularity,
+        checkpoints=parsing.joined(checkpoints), horizon=horizon, candidates=candidates,
+        include=None if include is None else parsing.read_positions(include), granularity=granularity,
         layers=parsing.parse_ints(layers, "--layers"), w_obs=w_obs, batch_size=batch_size, seed=seed, backend=backend,
         chunk=chunk, method=method, params=params, miss_rate=not no_miss_rate,
     )

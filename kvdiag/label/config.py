@@ -141,6 +141,9 @@ class LabelConfig:
     checkpoints: str = CHECKPOINTS  # "every:K" (generated tokens, R-KV's schedule) or "t1,t2,..." absolute positions
     horizon: int | str = HORIZON  # N teacher-forced steps, or "rest": to the end of each prompt (rows record theirs)
     candidates: str = "64"  # "N" (seeded sample) or "all"
+    # positions labeled besides the sample, per prompt, at every checkpoint they precede (e.g. the tokens a suite's
+    # answer needs, kvdiag.needed); None: the sample only
+    include: dict[str, list[int]] | None = None
     granularity: str = "token"
     layers: list[int] | None = None  # layer/head granularity: which layers (None = all)
     w_obs: int = W_OBS  # checkpoints start once W_obs tokens have been generated (docs/oracle.md)
@@ -173,6 +176,8 @@ class LabelConfig:
             self.params = method_params(self.method, **self.params)
         self.sampling = ("every cached entry [0, t)" if self.candidates == "all"
                          else f"uniform without replacement over [0, t), seed {self.seed} + checkpoint")
+        if self.include:
+            self.sampling += "; and the include positions before t (config include)"
 
     @property
     def rest(self) -> bool:
@@ -213,8 +218,16 @@ def work_items(trace, cfg: LabelConfig, prompt_ids: list[str] | None = None) -> 
         raise UserError(f"--layers {max(cfg.layers)}: the Trace's model has layers 0..{trace.num_layers - 1}")
     items, spec = [], parse_checkpoints(cfg.checkpoints)  # every:K, or positions taken as given (checked here)
     least = 1 if cfg.rest else cfg.horizon  # rest: each checkpoint's label runs to the end, at least one step
+    unknown = sorted(set(cfg.include or {}) - set(trace.prompt_ids))
+    if unknown:
+        raise UserError(f"--include: prompt {unknown[0]} is not in the Trace (it has {', '.join(trace.prompt_ids[:3])}"
+                        f"{', ...' if len(trace.prompt_ids) > 3 else ''}); list only its prompts")
     for pid in prompt_ids or trace.prompt_ids:
         P, T = trace.prompt_len(pid), trace.length(pid)
+        beyond = [p for p in (cfg.include or {}).get(pid, []) if p >= T]
+        if beyond:
+            raise UserError(f"--include: position {beyond[0]} of prompt {pid} is past its end (length {T}); list "
+                            "positions in [0, length)")
         check_horizon_fits(cfg.horizon, {pid: T})
         for t in spec if isinstance(spec, list) else default_checkpoints(P, T, spec, least, cfg.w_obs):
             if not 1 <= t <= T - least:
@@ -223,6 +236,7 @@ def work_items(trace, cfg: LabelConfig, prompt_ids: list[str] | None = None) -> 
             items.append((pid, t))
     if cfg.method == HYBRID and items:  # the exact set and the audit must fit every checkpoint's candidates
         hybrid = HybridParams(**cfg.params)
+        # the sample's size (the include positions only add rows): light, before torch
         sizes = [t if cfg.candidates == "all" else min(t, int(cfg.candidates)) for _, t in items]
         if hybrid.miss_target is None:
             hybrid.check_fits(min(sizes))
@@ -234,6 +248,19 @@ def work_items(trace, cfg: LabelConfig, prompt_ids: list[str] | None = None) -> 
                         "and t + horizon <= length); use a smaller interval, --w-obs, --horizon (or rest), or explicit "
                         "positions")
     return items
+
+
+def candidate_positions(pid: str, t: int, cfg: LabelConfig) -> list[int]:
+    """Candidate positions of prompt ``pid`` at checkpoint ``t`` (sorted): all of [0, t) or a seeded sample of N,
+    with ``cfg.include``'s positions before ``t``. Torch's generator draws the sample, so this imports torch."""
+    import torch
+
+    if cfg.candidates == "all" or int(cfg.candidates) >= t:
+        sample = range(t)
+    else:
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + t)
+        sample = torch.randperm(t, generator=gen)[: int(cfg.candidates)].tolist()
+    return sorted({*sample, *(p for p in (cfg.include or {}).get(pid, []) if p < t)})
 
 
 @dataclass

@@ -9,7 +9,8 @@ H query positions ``tau = t .. t+H-1``. H is fixed, or ``rest``: T - t, to the e
 Long horizons run in chunks of C steps (``chunk``): each chunk's C tokens attend to the shared prefix and to the
 row's own keys and values of the earlier chunks (the continuation cache, which grows by C per chunk), and only one
 chunk's logits [N, C, V] are alive at a time; the divergences are taken per chunk and concatenated per step. At H <= C
-a row is one forward, as before chunking.
+a row is one forward, as before chunking. The runs of one sequence (the full-cache run, the null row) take chunks as
+long as that memory allows (``solo_chunk``), and a batch of rows takes ``plan``'s shape within it.
 
 The prefix cache is computed once per checkpoint (and extended, not recomputed, from one checkpoint
 to the next). A row that evicts from one layer ``l`` (layer/head granularity) is identical to the null row
@@ -187,6 +188,9 @@ class OracleEngine:
         self.layer_start = layer_start
         self.attention = lm.attention
         self.num_layers, self.num_kv_heads = self.attention.num_layers, self.attention.num_kv_heads
+        # cache elements per step and sequence, and the vocabulary: what one step of a forward holds (plan's budget)
+        self.kv_step = self.num_layers * self.num_kv_heads * (self.attention.qk_head_dim + self.attention.v_head_dim)
+        self.vocab = self.model.get_output_embeddings().weight.shape[0]
         self._cache = full_cache(self.num_layers)  # the golden prefix, extended checkpoint by checkpoint
         self._cached = 0
         self._golden: tuple[int, list, torch.Tensor] | None = None  # the last checkpoint's (t, prefix, logp_full)
@@ -216,8 +220,8 @@ class OracleEngine:
         Checkpoints are visited in order: when the cache ends at or before ``t``, forwards over
         [end, t+H) extend it and their logits at t .. t+H-1 are P_full, so the horizon is not run twice; for a
         checkpoint inside the cache (closer than H to the last one, or earlier) the H tokens run over a
-        cache of the first ``t`` entries. Either way the horizon runs in chunks (``spans``): one chunk's logits at a
-        time (the first chunk also carries [end, t) when the cache is extended).
+        cache of the first ``t`` entries. Either way the horizon runs in chunks (``spans`` of ``solo_chunk``): one
+        chunk's logits at a time (the first chunk also carries [end, t) when the cache is extended).
         """
         self.check_checkpoint(t)
         if self._golden is not None and self._golden[0] == t:
@@ -231,7 +235,7 @@ class OracleEngine:
             prefix = [(layer.keys[0, :, :t], layer.values[0, :, :t]) for layer in self._cache.layers]
             cache, first = cache_from_prefix(self.model.config, prefix), t
         logp = []
-        for c0, c1 in self.spans(t):
+        for c0, c1 in self.spans(t, self.solo_chunk(t)):
             pos = torch.arange(first, t + c1, device=self.ids.device)[None]
             logits = self.model(self.ids[None, first : t + c1], cache=cache, position_ids=pos, use_cache=True,
                                 logits_to_keep=c1 - c0).logits[0]
@@ -299,7 +303,7 @@ class OracleEngine:
         """The null row (nothing evicted) through the batched path: its divergences from ``logp_full`` [H, V] and,
         with ``layer_inputs``, the hidden states entering each decoder layer, inputs[l] [1, H, D]."""
         parts, inputs = [], [[] for _ in range(self.num_layers)]
-        chunks = self._chunks(t, prefix, self._exclusions([Row(-1)]), 1)
+        chunks = self._chunks(t, prefix, self._exclusions([Row(-1)]), 1, chunk=self.solo_chunk(t))
         while True:
             with capturing_layer_inputs(self.model) as captured:
                 step = next(chunks, None)
@@ -355,6 +359,17 @@ class OracleEngine:
             out += [(start, group[s : s + size]) for s in range(0, len(group), size)]
         return out
 
+    def budget(self) -> int:
+        """Elements one forward may hold: ``batch_size`` rows' logits and continuation caches over ``chunk`` steps."""
+        return self.batch_size * self.chunk * (self.vocab + self.kv_step)
+
+    def solo_chunk(self, t: int) -> int:
+        """Horizon steps per forward of one sequence (the full-cache run, the null row) at checkpoint ``t``: the
+        longest chunk whose logits [1, C, V] and whole continuation cache fit ``budget``, at least ``chunk``, so that
+        a long horizon's shared runs are not many small forwards (issue #42: they made H = 128 cost 8.5x H = 16)."""
+        H = self.steps(t)
+        return min(H, max(self.chunk, (self.budget() - H * self.kv_step) // self.vocab))
+
     def plan(self, ckpt: Checkpoint) -> tuple[int, int]:
         """(rows per forward, horizon steps per chunk) at ``ckpt``: (``batch_size``, ``chunk``) at H <= chunk. At
         longer horizons a batch holds one chunk's logits [rows, C, V] and the rows' continuation caches (2 Hkv d
@@ -364,9 +379,7 @@ class OracleEngine:
         H = len(ckpt.logp_full)
         if H <= self.chunk:
             return self.batch_size, self.chunk
-        V = ckpt.logp_full.shape[-1]
-        kv = sum(2 * k.shape[0] * k.shape[-1] for k, _ in ckpt.prefix)  # cache elements per step and row
-        budget = self.batch_size * self.chunk * (V + kv)
+        V, kv, budget = self.vocab, self.kv_step, self.budget()
         best = (1, self.chunk)
         for rows in range(self.batch_size, 0, -1):
             steps = min(H, (budget // rows - H * kv) // V)

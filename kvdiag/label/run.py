@@ -12,7 +12,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import polars as pl
-import torch
 
 from kvdiag.contracts import (
     LABEL_SCHEMA,
@@ -21,7 +20,13 @@ from kvdiag.contracts import (
 from kvdiag.distributed import Group, parse_shard
 from kvdiag.errors import UserError
 from kvdiag.io import check_writable, write_table
-from kvdiag.label.config import HYBRID, LabelConfig, check_horizon_fits, work_items  # noqa: F401  (run's API)
+from kvdiag.label.config import (  # noqa: F401  (run's API)
+    HYBRID,
+    LabelConfig,
+    candidate_positions,
+    check_horizon_fits,
+    work_items,
+)
 from kvdiag.label.engine import OracleEngine, Row, candidate_rows
 from kvdiag.label.fast import APPROXIMATE
 from kvdiag.label.hybrid import HybridLabeler, HybridParams, miss_rate
@@ -30,17 +35,6 @@ from kvdiag.parts import PartStore, part_name
 from kvdiag.progress import progress_bar
 from kvdiag.provenance import provenance
 from kvdiag.trace import Trace
-
-
-def sample_candidates(t: int, spec: str, seed: int) -> list[int]:
-    """Candidate positions at checkpoint ``t``: all of [0, t) or a seeded sample of N (sorted)."""
-    if spec == "all":
-        return list(range(t))
-    n = int(spec)  # validated by LabelConfig
-    if n >= t:
-        return list(range(t))
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + t)
-    return sorted(torch.randperm(t, generator=gen)[:n].tolist())
 
 
 def checkpoint_part(pid: str, t: int) -> str:
@@ -68,7 +62,7 @@ def label_item(engine, trace: Trace, pid: str, t: int, cfg: LabelConfig, token_i
                audit: int | None = None) -> pl.DataFrame:
     """Label one checkpoint; returns its rows in ``LABEL_SCHEMA`` (hybrid: ``audit`` rows audited, default its
     setting's)."""
-    positions = sample_candidates(t, cfg.candidates, cfg.seed)
+    positions = candidate_positions(pid, t, cfg)
     rows = candidate_rows(positions, cfg.granularity, engine.num_layers, engine.num_kv_heads, cfg.layers)
     if isinstance(engine, HybridLabeler):
         return _hybrid_item(engine, pid, t, cfg, rows, token_ids, progress, audit)
@@ -158,7 +152,7 @@ def label_trace(
     if target is not None and shard[1] > 1:
         raise UserError("--miss-rate bounds the miss rate over the whole run: label it in one process, not sharded")
     audits = {} if target is None else dict(zip(items, hybrid.check_audit(
-        [len(sample_candidates(t, cfg.candidates, cfg.seed)) for _, t in items]), strict=True))
+        [len(candidate_positions(pid, t, cfg)) for pid, t in items]), strict=True))
     mine = [it for i, it in enumerate(items) if i % shard[1] == shard[0]]
     todo = [it for it in mine if not parts.done(checkpoint_part(*it))]
     n_rows = len(candidate_rows([0], cfg.granularity, trace.num_layers, trace.num_kv_heads, cfg.layers))
@@ -180,8 +174,8 @@ def label_trace(
                     # float rounding, hence every label, is then the same whatever the split or the resume
                     engine.golden(t)
                     continue
-                total = min(t, int(cfg.candidates)) if cfg.candidates != "all" else t
-                progress.reset(cand_task, total=total * n_rows, description=f"  {pid} @ {t}")
+                progress.reset(cand_task, total=len(candidate_positions(pid, t, cfg)) * n_rows,
+                               description=f"  {pid} @ {t}")
                 df = label_item(engine, trace, pid, t, cfg, ids, progress=lambda k: progress.advance(cand_task, k),
                                 audit=audits.get((pid, t)))
                 parts.write(checkpoint_part(pid, t), df, meta)
@@ -286,10 +280,11 @@ def _stamp_parts(parts: PartStore, meta: dict) -> None:
     cfg = meta["config"]
     # only what changes a part's content; the schedule, batch size and backend may differ between runs
     want = {"trace": meta["trace"]["fingerprint"], "model": meta["model"]["weights_hash"],
-            **{k: cfg[k] for k in ("horizon", "candidates", "granularity", "layers", "seed", "method", "params")}}
+            **{k: cfg[k] for k in ("horizon", "candidates", "include", "granularity", "layers", "seed", "method",
+                                  "params")}}
 
-    def same(have: dict) -> None:  # a stamp written before approximate methods existed is an exact run's
-        if {"method": "exact", "params": {}, **have} != want:
+    def same(have: dict) -> None:  # a stamp written before approximate methods (or include) existed: exact, none
+        if {"method": "exact", "params": {}, "include": None, **have} != want:
             parts.refuse_mixing()
 
     parts.stamp("config.json", want, same)
