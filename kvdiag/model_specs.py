@@ -253,12 +253,13 @@ def is_builtin(spec: str) -> bool:
     return spec in EMBEDDED_CONFIG or spec.startswith(("tiny:", "random:"))
 
 
-def spec_config(spec: str) -> dict | None:
+def spec_config(spec: str, revision: str | None = None) -> dict | None:
     """The decoder config of the model ``--model spec`` names, read without torch, transformers or the network: a
     tiny family's, an embedded model's, a directory's ``config.json`` (a multimodal one's ``text_config``), a hub id's
     ``config.json`` from the local Hugging Face cache. None where only a load can tell: a ``.gguf``, a ``random:``
     spec, a hub id whose config is not cached, a composite config that nests its decoder under another key than
-    ``text_config``. A directory without a readable config.json is refused. An adapter keeps its base's config."""
+    ``text_config``; a hub id at another ``revision`` than main (the cache's main config may not be that revision's).
+    A directory without a readable config.json is refused. An adapter keeps its base's config."""
     spec = split_adapter(spec)[0]
     if spec.startswith("tiny:"):
         config = {**TINY_COMMON, **TINY[check_model_spec(spec).split(":", 1)[1]][1]}
@@ -274,7 +275,7 @@ def spec_config(spec: str) -> dict | None:
                             "hub id, smollm2, gemma3-270m or tiny:llama")
         file = path / "config.json"
     else:
-        file = cached_hub_file(spec, "config.json")
+        file = None if revision is not None else cached_hub_file(spec, "config.json")
         if file is None:
             return None
     try:
@@ -335,22 +336,22 @@ def check_trace_model(spec: str, recorded: dict, fix: str = "drop --model") -> N
                             f"Trace's model {theirs}; {fix}")
 
 
-def context_of(spec: str) -> int | None:
-    """``max_position_embeddings`` of the model ``spec`` names, from its config alone (:func:`spec_config`), or None
-    when that cannot be told before it loads."""
-    config = spec_config(spec)
+def context_of(spec: str, revision: str | None = None) -> int | None:
+    """``max_position_embeddings`` of the model ``spec`` names (at ``revision``), from its config alone
+    (:func:`spec_config`), or None when that cannot be told before it loads."""
+    config = spec_config(spec, revision)
     value = (config or {}).get("max_position_embeddings")
     return value if isinstance(value, int) and value > 0 else None
 
 
-def known_shape(spec: str) -> dict | None:
+def known_shape(spec: str, revision: str | None = None) -> dict | None:
     """``{"num_hidden_layers", "max_position_embeddings"}`` of ``--model spec`` where they are known without loading
     it (:func:`spec_config`: a ``tiny:`` family, an embedded model, a local directory's config.json or a cached hub
     id's, their ``text_config`` when nested); None otherwise (an uncached hub id, a GGUF file, ``random:``, a spec or
     config that is wrong: the stage checks them once the model loads, and the loader says what is wrong). A key the
     config lacks is None."""
     try:
-        config = spec_config(spec)
+        config = spec_config(spec, revision)
     except UserError:
         return None  # an unknown tiny family, a missing directory, an unreadable config.json: told where it loads
     if config is None:
@@ -358,14 +359,14 @@ def known_shape(spec: str) -> dict | None:
     return {k: config.get(k) for k in ("num_hidden_layers", "max_position_embeddings")}
 
 
-def spec_windows(spec: str) -> list[int | None] | None:
-    """Per-layer sliding window (None: full) of the model ``--model spec`` names, from its config alone
-    (:func:`spec_config`, :func:`kvdiag.families.config_windows`), or None when only its load can tell."""
+def spec_windows(spec: str, revision: str | None = None) -> list[int | None] | None:
+    """Per-layer sliding window (None: full) of the model ``--model spec`` names (at ``revision``), from its config
+    alone (:func:`spec_config`, :func:`kvdiag.families.config_windows`), or None when only its load can tell."""
     from kvdiag.families import config_windows
 
     spec = split_adapter(spec)[0]
     try:
-        config = spec_config(spec)
+        config = spec_config(spec, revision)
     except UserError:
         return None  # a missing directory or unreadable config.json: refused where it loads
     if config is None:

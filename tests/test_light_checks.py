@@ -353,3 +353,24 @@ def test_bounds_decide_without_loading_the_tokenizer():
     assert loads == [1]
     with pytest.raises(UserError, match=f"needs {need} generated tokens"):
         TokenCounter(load, bounded=True).check_room(prompts, need - 1, 100_000, "builtin:recall:2:5")
+
+
+def test_a_cached_config_speaks_for_the_main_revision_only(tmp_path, monkeypatch):
+    """The local cache's config.json is main's: with --revision another revision's context, layers and windows are
+    left to the load (None), as the token counts are (light_counter)."""
+    import json
+
+    import huggingface_hub.constants
+
+    from kvdiag.model_specs import context_of, known_shape, spec_config, spec_windows
+    from tests.conftest import hub_cache
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2,
+                                                       "max_position_embeddings": 100}))
+    cache = hub_cache(tmp_path / "hub", "someone/model", [tmp_path / "config.json"])
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    assert context_of("someone/model") == 100 and known_shape("someone/model")["num_hidden_layers"] == 2
+    assert spec_windows("someone/model") == [None, None]
+    for revision in ("v2", "main"):  # a branch named main may have moved since it was cached: the load tells
+        assert spec_config("someone/model", revision) is None and context_of("someone/model", revision) is None
+        assert known_shape("someone/model", revision) is None and spec_windows("someone/model", revision) is None

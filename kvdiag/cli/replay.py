@@ -130,7 +130,7 @@ def replay(
     if teacher_forced is not None:
         trace_files = TraceFiles(teacher_forced)
         recorded = trace_files.manifest["model"].get("attention") or {}
-        check_budgets(settings, spec_windows(model) if model is not None else recorded.get("windows"))
+        check_budgets(settings, spec_windows(model, revision) if model is not None else recorded.get("windows"))
         if outcomes is not None:
             check_outcomes(outcomes, replayed_prompts(trace_files, limit))
         if auroc is not None:
@@ -140,13 +140,13 @@ def replay(
                          ("--auroc LABELS", "--auroc SCORES"))
     else:
         spec = model or DEFAULT_MODEL
-        check_budgets(settings, spec_windows(spec))
+        check_budgets(settings, spec_windows(spec, revision))
         source = prompts or "builtin:arith"
         items = load_prompts(source, limit=limit, seed=seed)
         check_generation_room(items, max_new_tokens, source)  # a lower bound on any model's count
         counter = light_counter(spec, revision)
         if counter is not None:  # the exact counts, as the stage takes them once the model loads
-            counter.check_room(items, max_new_tokens, context_of(spec), source, chat, settings.instruction)
+            counter.check_room(items, max_new_tokens, context_of(spec, revision), source, chat, settings.instruction)
         if components is not None:
             components = select_components(source, parsing.parse_list(components, "--components", str))
     from kvdiag.replay.run import replay_sweep  # the stage: torch, once the arguments are checked
