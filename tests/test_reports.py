@@ -619,6 +619,26 @@ def test_horizon_study(tmp_path):
     assert_same_tables(out, REPORTS / report, [name])
 
 
+NEEDED_LABELS = compared("replay-suites/labels", ("report.md",))
+NEEDED_LABELS_INPUTS = REPORTS / "replay-suites/labels/inputs"
+
+
+def test_needed_token_labels(tmp_path):
+    """analyze.py's report.md from its committed inputs (one folder per suite: the labels of the sampled entries and
+    of the needed tokens at every horizon, inputs.py's) and the replay's committed needed.csv (its ground truth)."""
+    report, (name,) = NEEDED_LABELS
+    suites = sorted(p.name for p in NEEDED_LABELS_INPUTS.iterdir() if p.is_dir())
+    assert "keys" in suites
+    for suite in suites:
+        table = read_table(NEEDED_LABELS_INPUTS / suite / "labels.parquet")[0]
+        assert {"prompt_id", "checkpoint", "position", "sampled", "where", "kl_16", "kl_rest"} <= set(table.columns)
+        assert table["sampled"].any() and table["where"].is_not_null().any(), suite
+    out = tmp_path / "out"
+    out.mkdir()
+    _script(f"reports/{report}/analyze.py").main(NEEDED_LABELS_INPUTS, out)
+    assert_same_tables(out, REPORTS / report, [name])
+
+
 # --------------------------------------------------------------------------- bench
 
 
