@@ -489,12 +489,10 @@ REPLAY = {  # run -> the tables its summary writes (committed)
     "replay-gemma3/math": ("summary.md", "summary.csv", "budget.csv", "outcomes.md", "outcomes.csv",
                            "outcomes_summary.csv", "paired.csv"),
 }
-# suite replays with needed tokens (#43): reproduce.sh is committed ahead of the run (the 50-prompt run commits the
-# outputs); each is compared once its generations.parquet is committed (a table without it: test_every_table_is_covered)
+# suite replays with needed tokens (#43)
 SUITE_TABLES = ("summary.md", "summary.csv", "budget.csv", "outcomes.md", "outcomes.csv", "outcomes_summary.csv",
                 "paired.csv", "components.md", "components.csv", "components_paired.csv", "needed.md", "needed.csv")
-REPLAY.update({run: SUITE_TABLES for run in ("replay-suites/keys", "replay-suites/countdown")
-               if (REPORTS / run / "generations.parquet").is_file()})
+REPLAY.update({f"replay-suites/{suite}": SUITE_TABLES for suite in ("keys", "countdown", "recall")})
 for _d, _t in REPLAY.items():
     compared(_d, _t)
 # teacher-forced: the free-running replay its outcomes join (None: no join), and the labels and scores of its

@@ -6,15 +6,20 @@
 #   keys:      builtin:keys:50 (LENGTH 40: about 310 generated tokens, each code read about 290 tokens after it was
 #              copied), the base model.
 #   countdown: builtin:countdown:50 (LENGTH 40), the base model with the LoRA adapter data/adapters/smollm2-countdown.
+#   recall:    builtin:recall:50 (the regraded recall suite: one code, count to 20, the code again; about 140
+#              generated tokens, the code read about 130 after it was copied), the base model, --max-new-tokens 192.
 set -euo pipefail
 K=${K:-.venv/bin/kvdiag}
 N=${N:-50}  # prompts per suite (the report: 50)
 RULES=streamingllm,snapkv,tova,rkv,avokv_e,cake
-COMMON="--scorers $RULES --budget 64,128,256 --interval 64 --param avokv_e.w_delay=32 --max-new-tokens 400 --batch-size 32 --no-kl"
-for suite in ${SUITES:-keys countdown}; do
+COMMON="--scorers $RULES --budget 64,128,256 --interval 64 --param avokv_e.w_delay=32 --batch-size 32 --no-kl"
+for suite in ${SUITES:-keys countdown recall}; do
     model=smollm2
     [ "$suite" = countdown ] && model=smollm2+data/adapters/smollm2-countdown
-    $K replay --model "$model" --prompts "builtin:$suite:$N" $COMMON --out "runs/replay-suites-$suite"
+    max_new=400
+    [ "$suite" = recall ] && max_new=192
+    $K replay --model "$model" --prompts "builtin:$suite:$N" $COMMON --max-new-tokens $max_new \
+        --out "runs/replay-suites-$suite"
     mkdir -p "reports/replay-suites/$suite"
     for f in summary.md summary.csv budget.csv budget.png budget.pdf outcomes.md outcomes.csv outcomes_summary.csv \
         paired.csv components.md components.csv components_paired.csv needed.md needed.csv config.json \
