@@ -227,19 +227,20 @@ def test_derived_horizons_of_decision_rows_use_their_own_keys():
 
 
 def test_shared_runs_take_the_longest_chunk_the_memory_allows():
-    """The full-cache run and the null row are one sequence each: at H = 72 they run in one forward each where the
-    plan's memory holds it (batch 64 rows x 16 steps), and in chunks of 16 where it does not (batch 1); the labels
-    of both agree within the physical-deletion tolerance (1e-4 relative + 1e-6 nats)."""
+    """The full-cache run and the null row are one sequence each: at H = 72 they run in chunks of 4 x 16 = 64 steps
+    (two forwards each) where the plan's memory holds them (batch 64 rows x 16 steps), and in chunks of 16 where it
+    does not (batch 1: five each); the labels of both agree within the physical-deletion tolerance (1e-4 relative +
+    1e-6 nats)."""
     lm = model("llama")
     calls = []
     hook = lm.model.register_forward_pre_hook(lambda *_: calls.append(1))
     try:
         out = {}
-        for batch, forwards in ((64, 2), (1, 2 * 5)):
+        for batch, forwards in ((64, 2 * 2), (1, 2 * 5)):
             eng = OracleEngine(lm, _ids(), horizon=H, batch_size=batch, chunk=CHUNK)
             calls.clear()
             eng.checkpoint(T_CKPT, layer_inputs=False)
-            assert (eng.solo_chunk(T_CKPT), len(calls)) == ((H, forwards) if batch == 64 else (CHUNK, forwards))
+            assert (eng.solo_chunk(T_CKPT), len(calls)) == ((4 * CHUNK if batch == 64 else CHUNK), forwards)
             out[batch] = eng.label(T_CKPT, [Row(0), Row(9)])[0]["kl"]
     finally:
         hook.remove()

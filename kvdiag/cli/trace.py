@@ -60,7 +60,7 @@ def trace(
     )
     items = load_prompts(prompts, limit=limit, seed=seed)
     check_model_spec(model)
-    if shape := known_shape(model, revision):  # a tiny family or a local config.json: its layers and context, before torch
+    if shape := known_shape(model, revision):  # a tiny family or a local config.json: layers and context, before torch
         if shape["num_hidden_layers"]:
             parsing.store_spec(store, shape["num_hidden_layers"])
         context = shape["max_position_embeddings"]

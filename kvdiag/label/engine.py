@@ -45,6 +45,8 @@ from kvdiag.models import LoadedModel
 from kvdiag.parsing import REST, parse_horizon
 from kvdiag.schema import CHUNK, GRANULARITIES
 
+SOLO_CHUNKS = 4  # the full-cache run and the null row take chunks of up to this many --chunk (solo_chunk)
+
 
 @dataclass(frozen=True)
 class Row:
@@ -364,11 +366,13 @@ class OracleEngine:
         return self.batch_size * self.chunk * (self.vocab + self.kv_step)
 
     def solo_chunk(self, t: int) -> int:
-        """Horizon steps per forward of one sequence (the full-cache run, the null row) at checkpoint ``t``: the
-        longest chunk whose logits [1, C, V] and whole continuation cache fit ``budget``, at least ``chunk``, so that
-        a long horizon's shared runs are not many small forwards (issue #42: they made H = 128 cost 8.5x H = 16)."""
+        """Horizon steps per forward of one sequence (the full-cache run, the null row) at checkpoint ``t``: up to
+        ``SOLO_CHUNKS`` x ``chunk`` where its logits [1, C, V] and whole continuation cache fit ``budget``, at least
+        ``chunk``. Many ``chunk``-step forwards made H = 128 cost 8.5x H = 16 (issue #42); one forward of the whole
+        horizon added more peak memory than it saved time (``kvdiag bench label``: docs/labels.md, "Cost")."""
         H = self.steps(t)
-        return min(H, max(self.chunk, (self.budget() - H * self.kv_step) // self.vocab))
+        fits = (self.budget() - H * self.kv_step) // self.vocab
+        return min(H, max(self.chunk, min(SOLO_CHUNKS * self.chunk, fits)))
 
     def plan(self, ckpt: Checkpoint) -> tuple[int, int]:
         """(rows per forward, horizon steps per chunk) at ``ckpt``: (``batch_size``, ``chunk``) at H <= chunk. At
