@@ -40,16 +40,13 @@ def _share(boot: PromptBootstrap, values: np.ndarray, prompts: np.ndarray) -> st
 def suite_section(suite: str, labels: pl.DataFrame, meta: dict) -> list[str]:
     sampled = labels.filter("sampled")
     thresholds = {h: harm_threshold(sampled[f"kl_{h}"].drop_nulls().to_numpy(), HARM) for h in SHOWN}
-    # each row's percentile among its checkpoint's sampled entries, per horizon
-    ranked = labels
-    for h in SHOWN:
-        ref = sampled.group_by("prompt_id", "checkpoint").agg(pl.col(f"kl_{h}").alias(f"ref_{h}"))
-        ranked = ranked.join(ref, on=["prompt_id", "checkpoint"]).with_columns(
-            pl.struct(f"kl_{h}", f"ref_{h}").map_elements(
-                lambda s, h=h: None if s[f"kl_{h}"] is None else
-                float(np.mean([r < s[f"kl_{h}"] for r in s[f"ref_{h}"] if r is not None])),
-                return_dtype=pl.Float64).alias(f"pct_{h}")).drop(f"ref_{h}")
-    needed = ranked.filter(pl.col("where").is_not_null()).with_columns(
+    # each needed token's percentile among its checkpoint's sampled entries, per horizon
+    keys = ["prompt_id", "checkpoint", "position"]
+    needed = labels.filter(pl.col("where").is_not_null())
+    ref = sampled.select("prompt_id", "checkpoint", *(pl.col(f"kl_{h}").alias(f"ref_{h}") for h in SHOWN))
+    pct = (needed.select(*keys, *(f"kl_{h}" for h in SHOWN)).join(ref, on=["prompt_id", "checkpoint"])
+           .group_by(keys).agg(**{f"pct_{h}": (pl.col(f"ref_{h}") < pl.col(f"kl_{h}")).mean() for h in SHOWN}))
+    needed = needed.join(pct, on=keys, how="left").with_columns(
         generated=pl.col("checkpoint") - pl.col("prompt_len"),
         **{f"harm_{h}": pl.col(f"kl_{h}") > thresholds[h] for h in SHOWN})
     boot = PromptBootstrap(needed["prompt_id"].unique().to_list(), N_BOOT, SEED, LEVEL)
