@@ -60,12 +60,17 @@ TARGET = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:
           "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64"]
 # distribution -> (version, why it travels); None: this environment's version
 WHEELS: dict[str, tuple[str | None, str]] = {
-    "transformers": (None, "the GPU image has transformers 5.17, whose models still take past_key_values (kvdiag "
-                           "passes cache=, transformers >= 5.20); the version kvdiag is tested with here, pure Python"),
+    "transformers": ("5.24.0", "the GPU image has transformers 5.17, whose models still take past_key_values "
+                               "(kvdiag passes cache=, transformers >= 5.20); 5.24.0, not 5.25: 5.25 needs "
+                               "huggingface-hub >= 2.4 (and its httpx2), the image has 1.33; pure Python"),
     "polars": ("1.33.1", "not on the GPU image; 1.33.1 is the last polars in one wheel, 39.7 MB (23.8 MiB "
                          "recompressed); polars 2.x adds its engine as polars-runtime-32, 54 MB, too much of the "
                          "64 MiB a device call carries beside a checkout"),
 }
+# what the image beside the bundle holds (docs/benchmarks.md; the device tool's KINDS.md, 2026-11): a bundled wheel
+# whose requirements these do not meet fails on the GPU machine at import, so the bundle refuses it here
+IMAGE = {"torch": "2.11.0", "huggingface-hub": "1.33.0", "tokenizers": "0.23.2", "safetensors": "0.8.0",
+         "numpy": "2.5.2", "triton": "3.6.0"}
 STEPS = ("environment", "peak", "pytest_gpu", "kernels", "labels_cuda_vs_cpu", "bench_label", "replay")
 LABEL_RTOL, LABEL_ATOL = 1e-3, 1e-5  # labels on CUDA vs CPU (nats): different kernels, fp32 rounding
 
@@ -92,6 +97,9 @@ def build_bundle(out: Path, offline: bool = False, python: str = sys.executable)
             _pip(python, ["download", "--no-deps", "-q", "-d", str(out), *TARGET, pin])
             wheels.append({"distribution": dist, "version": pin.split("==")[1], "why": why})
     files = sorted(out.glob("*.whl"))
+    for f in files:
+        if not f.name.startswith("kvdiag-"):  # kvdiag runs on the image's torch by design; the others check at import
+            _check_image(f)
     for w in wheels:
         w["file"] = next(f.name for f in files if f.name.lower().startswith(w["distribution"].replace("-", "_") + "-"))
         w["downloaded_bytes"] = (out / w["file"]).stat().st_size
@@ -110,6 +118,25 @@ def build_bundle(out: Path, offline: bool = False, python: str = sys.executable)
     if total > BUNDLE_LIMIT:
         raise SystemExit(f"bundle: {total / 2**20:.1f} MiB is over the {BUNDLE_LIMIT / 2**20:.0f} MiB limit")
     return manifest
+
+
+def _check_image(wheel: Path) -> None:
+    """Refuse ``wheel`` when one of its unconditional requirements names an ``IMAGE`` package at a version the
+    requirement excludes (transformers 5.25 needs huggingface-hub >= 2.4; the image has 1.33)."""
+    import zipfile
+
+    from packaging.requirements import Requirement
+
+    with zipfile.ZipFile(wheel) as z:
+        meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    for line in meta.splitlines():
+        if not line.startswith("Requires-Dist:"):
+            continue
+        req = Requirement(line.split(":", 1)[1].strip())
+        have = IMAGE.get(req.name.lower().replace("_", "-"))
+        if have and not (req.marker and "extra" in str(req.marker)) and not req.specifier.contains(have, True):
+            raise SystemExit(f"bundle: {wheel.name} requires {req}, the GPU image has {req.name} {have}: pin an "
+                             f"older version in kvdiag.gpu_check.WHEELS or bundle {req.name} too")
 
 
 def _kvdiag_wheel(root: Path, out: Path, python: str) -> None:
@@ -405,7 +432,7 @@ class Checker:
         T, H, LENGTH, candidates = 30, 4, 40, [0, 5, 21, 22, 23, 29]  # tests/test_conformance.py's case
         ids = torch.randint(0, 250, (LENGTH,), generator=torch.Generator().manual_seed(0))
         # the dry run compares a CPU run in batches of 3 rows with one in batches of 8 (both torch)
-        batch = 8 if not self.dry_run else 3
+        batch, be = (8, "triton") if not self.dry_run else (3, "torch")
         families, rows_out, bad = [], [], []
         for name in self.shapes.families or TINY:
             try:
@@ -417,7 +444,8 @@ class Checker:
             for granularity in ("token", "layer", "head"):
                 rows = candidate_rows(candidates, granularity, cpu.attention.num_layers, cpu.attention.num_kv_heads)
                 want, floor_cpu = OracleEngine(cpu, ids, H, batch_size=8).label(T, rows)
-                got, floor_dev = OracleEngine(dev, ids, H, batch_size=batch).label(T, rows)
+                # Triton by name: auto keeps fp32 attention on torch (kvdiag.kernels.attention_backend)
+                got, floor_dev = OracleEngine(dev, ids, H, batch_size=batch, backend=be).label(T, rows)
                 a, b = want["kl"].double(), got["kl"].double()
                 diff = (a - b).abs()
                 excess = float((diff - (LABEL_ATOL + LABEL_RTOL * a.abs())).max())

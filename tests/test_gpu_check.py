@@ -53,3 +53,26 @@ def test_steps_not_reached_are_reported(tmp_path):
 def test_run_without_a_bundle_exits_2(tmp_path, capsys):
     assert gpu_check.main(["run", "--bundle", str(tmp_path), "--out", str(tmp_path / "out"), "--dry-run"]) == 2
     assert "make gpu-bundle" in capsys.readouterr().err
+
+
+def _wheel(tmp_path: Path, requires: list[str]) -> Path:
+    import zipfile
+
+    path = tmp_path / "demo-1.0-py3-none-any.whl"
+    meta = "Metadata-Version: 2.1\nName: demo\nVersion: 1.0\n" + "".join(f"Requires-Dist: {r}\n" for r in requires)
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("demo-1.0.dist-info/METADATA", meta)
+    return path
+
+
+def test_bundle_refuses_a_wheel_the_image_cannot_import(tmp_path):
+    """transformers 5.25 needs huggingface-hub >= 2.4; the GPU image has 1.33: the first real GPU run failed at
+    import on exactly this, so the bundle now refuses such a wheel where it is built."""
+    bad = _wheel(tmp_path, ["huggingface-hub<3.0,>=2.4.0", "numpy>=1.17"])
+    with pytest.raises(SystemExit, match="huggingface-hub.*1.33.0"):
+        gpu_check._check_image(bad)
+    ok = tmp_path / "ok"
+    ok.mkdir()
+    # met requirements, packages the image list does not name, and extras pass
+    gpu_check._check_image(_wheel(ok, ["huggingface-hub<3.0,>=1.31.0", "kernels<0.20",
+                                       'huggingface-hub>=9; extra == "hub"']))

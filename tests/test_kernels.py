@@ -231,6 +231,19 @@ def test_dispatcher_backends(monkeypatch):
         kernels.resolve_backend("triton", torch.device("cpu"))
 
 
+def test_auto_keeps_fp32_attention_on_torch(monkeypatch):
+    """auto: Triton for 16-bit attention on CUDA, torch for fp32 (the H200 measured Triton's fp32 6-9x slower);
+    compaction and an explicit 'triton' are unchanged."""
+    monkeypatch.setattr(kernels, "triton_available", lambda: True)
+    cuda = torch.device("cuda")
+    assert kernels.attention_backend("auto", cuda, torch.bfloat16) == "triton"
+    assert kernels.attention_backend("auto", cuda, torch.float16) == "triton"
+    assert kernels.attention_backend("auto", cuda, torch.float32) == "torch"
+    assert kernels.attention_backend("triton", cuda, torch.float32) == "triton"
+    assert kernels.attention_backend("auto", torch.device("cpu"), torch.bfloat16) == "torch"
+    assert kernels.resolve_backend("auto", cuda) == "triton"
+
+
 def test_triton_backend_refuses_cpu_tensors_without_interpreter(monkeypatch):
     tk = pytest.importorskip("kvdiag.kernels.triton_kernels")
     monkeypatch.setattr(tk, "_interpreted", lambda: False)
