@@ -24,7 +24,8 @@ bundle and a checkout fit in the 64 MiB a device call carries. ``run`` installs 
    128, N = 64 rows, W = 16) and P = 4,096 and 16,384, fp32 and bf16: Triton against the torch reference
    (tolerances of tests/test_kernels.py), TFLOP/s and MFU of the attention, GB/s of the compaction;
 5. labels: every exact family's tiny model (``kvdiag.models.TINY``, as tests/test_conformance.py) labeled on CUDA
-   (Triton) and on the CPU (torch reference), token/layer/head rows: |kl_cuda - kl_cpu| <= 1e-3 |kl_cpu| + 1e-5;
+   (Triton) and on the CPU (torch reference), token/layer/head rows, and the fast (fisher, K = 4) label of every
+   entry: |kl_cuda - kl_cpu| <= 1e-3 |kl_cpu| + 1e-5;
 6. bench label: ``random:llama-3.1-8b`` in bf16 at P = 4,096 and 16,384: the token engine against the naive loop
    and the plain forward (skipped where the prefix expanded to N rows would not fit), layer start against full
    depth; seconds, TFLOP/s and MFU against the bf16 peak of step 2;
@@ -427,6 +428,7 @@ class Checker:
 
         from kvdiag.errors import UserError
         from kvdiag.label import OracleEngine, candidate_rows
+        from kvdiag.label.fast import FisherLabeler, FisherParams
         from kvdiag.models import TINY, load_model
 
         T, H, LENGTH, candidates = 30, 4, 40, [0, 5, 21, 22, 23, 29]  # tests/test_conformance.py's case
@@ -456,9 +458,20 @@ class Checker:
                 rows_out.append(row)
                 if excess > 0:
                     bad.append(f"{name} {granularity}: max |diff| {row['max_abs']:.2e} nats")
+            # the fast (fisher) label of every entry: its backward passes on the device against the CPU's
+            rows = candidate_rows(list(range(T)), "token", cpu.attention.num_layers, cpu.attention.num_kv_heads)
+            a = FisherLabeler(cpu, ids, H, FisherParams(samples=4), 0).label(T, rows)["kl"].double()
+            b = FisherLabeler(dev, ids, H, FisherParams(samples=4), 0).label(T, rows)["kl"].double()
+            diff = (a - b).abs()
+            row = {"family": name, "granularity": "token (fisher)", "rows": len(rows), "max_abs": float(diff.max()),
+                   "max_rel": float((diff / a.abs().clamp_min(1e-12)).max()), "kl_mean": float(a.mean())}
+            rows_out.append(row)
+            if float((diff - (LABEL_ATOL + LABEL_RTOL * a.abs())).max()) > 0:
+                bad.append(f"{name} fisher: max |diff| {row['max_abs']:.2e} nats")
         worst = max(rows_out, key=lambda r: r["max_abs"])
-        summary = (f"{len(families)} families x 3 granularities within {LABEL_RTOL:g} relative + {LABEL_ATOL:g} nats; "
-                   f"largest |diff| {worst['max_abs']:.2e} nats ({worst['family']} {worst['granularity']})")
+        summary = (f"{len(families)} families x 3 granularities and fisher within {LABEL_RTOL:g} relative + "
+                   f"{LABEL_ATOL:g} nats; largest |diff| {worst['max_abs']:.2e} nats ({worst['family']} "
+                   f"{worst['granularity']})")
         return ("fail" if bad else "pass"), "; ".join(bad) or summary, {
             "tolerance": {"rtol": LABEL_RTOL, "atol_nats": LABEL_ATOL}, "families": families, "rows": rows_out}
 

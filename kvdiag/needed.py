@@ -70,6 +70,24 @@ def final_line_start(tokenizer, token_ids: list[int], prompt_len: int, ends: lis
     return prompt_len + next(i for i, end in enumerate(ends) if end > cut)
 
 
+def final_line_positions(tokenizer, token_ids: list[int], prompt_len: int, needed: list[str],
+                         ends: list[int] | None = None) -> list[int] | None:
+    """Absolute positions of the generated tokens that overlap the last place the final line (from
+    :func:`final_line_start`) wrote each of ``needed``: the tokens where the answer reads what it needs. None when
+    the final line lacks one of them (the generation did not give the answer). ``ends``: :func:`decoded_ends`."""
+    generated = token_ids[prompt_len:]
+    text = tokenizer.decode(generated, skip_special_tokens=True)
+    cut = text.rstrip().rfind("\n") + 1
+    spans = []
+    for want in needed:
+        at = text.rfind(want, cut)
+        if at < 0:
+            return None
+        spans.append((at, at + len(want)))
+    ends = decoded_ends(tokenizer, generated) if ends is None else ends
+    return [prompt_len + i for i in _overlapping(list(zip([0, *ends[:-1]], ends, strict=True)), spans)]
+
+
 def slot_shares(kept: list[tuple[int, list[int]]], slots: int, positions: list[int]) -> list[list[float | None]]:
     """Per position of ``positions``, per compaction of ``kept`` ((checkpoint t, kept count per position of
     [0, t))): the share of the ``slots`` (layer, KV head) slots that held it after that compaction; None where the

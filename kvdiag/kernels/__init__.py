@@ -50,8 +50,8 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 def attention_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
     """The backend of ``shared_prefix_attention``: as ``resolve_backend``, except that ``auto`` keeps fp32 inputs on
-    the torch reference. On an H200 (reports/gpu-check) the Triton kernel's IEEE fp32 dot ran at 0.57 TFLOP/s,
-    5.8-9.4x slower than the torch reference's fp32 matmuls, and 56-58x faster in bf16."""
+    the torch reference. On an H200 (reports/gpu-check) the Triton kernel's IEEE fp32 dot ran at 0.58 TFLOP/s,
+    4.5-9.4x slower than the torch reference's fp32 matmuls, and 56-88x faster in bf16."""
     resolved = resolve_backend(backend, device)
     return "torch" if backend == "auto" and dtype == torch.float32 else resolved
 

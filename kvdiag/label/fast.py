@@ -138,7 +138,7 @@ class FisherLabeler:
         for c0, c1 in spans[:-1]:
             kv.append(self._forward(t, prefix, c0, c1, self._past(kv))[1])
         kv_cot: list[list | None] = [None] * len(spans)  # per chunk, per layer: (dk, dv) [K + 1, 1, Hkv, W_c, d]
-        out = torch.zeros(K + 1, self.num_layers, self.num_kv_heads, t)
+        out = torch.zeros(K + 1, self.num_layers, self.num_kv_heads, t, device=self.ids.device)
         for c in reversed(range(len(spans))):  # last chunk first: its cotangents reach the earlier chunks' k, v
             c0, c1 = spans[c]
             # cotangents of log P [W_c, V]: one-hot at y_{k, tau} (rows 0..K-1), at the realized tokens (row K)
@@ -167,7 +167,7 @@ class FisherLabeler:
                         kv_cot[e] = kv_cot[e] or [[0, 0] for _ in range(self.num_layers)]
                         kv_cot[e][l][0] = kv_cot[e][l][0] + dk[..., e0:e1, :]
                         kv_cot[e][l][1] = kv_cot[e][l][1] + dv[..., e0:e1, :]
-        return out[:K], out[K]
+        return out[:K].cpu(), out[K].cpu()  # label() indexes them with CPU rows
 
     @staticmethod
     def _past(chunks: list[list]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:

@@ -48,6 +48,8 @@ class Decoded:
     kept_counts : (checkpoint t, [t] how many of the ``slots`` (layer, KV head) slots hold each position of [0, t))
         after each compaction, when asked for (``generate_batch(record_kept=True)``).
     needed : the needed-token columns of a builtin suite's generation (``kvdiag.replay.free_running``).
+    agree : teacher-forced: per continuation position, whether the policy's most likely token is the full-cache
+        run's (``top1_agree``).
     joint : teacher-forced with exact labels: the joint damage (mean KL over the label horizon) of the whole evicted
         set after each compaction, aligned with ``compressions``.
     """
@@ -63,6 +65,7 @@ class Decoded:
     kept_counts: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     slots: int = 0
     needed: dict = field(default_factory=dict)
+    agree: list[bool] | None = None
 
     @property
     def generated(self) -> int:

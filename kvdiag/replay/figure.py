@@ -148,6 +148,10 @@ def write_summary(df: pl.DataFrame, out_dir: Path, scorers: list[str], budgets: 
         from kvdiag.replay.outcomes import write_outcomes
 
         write_outcomes(df, out_dir, exact=exact, suite=suite)
+    if teacher_forced:
+        from kvdiag.replay.tf_task import write_tf_task
+
+        write_tf_task(df, out_dir)
     if teacher_forced and df["joint_kl"].drop_nulls().len():
         from kvdiag.replay.predict import write_predictions
 

@@ -259,6 +259,10 @@ ROW_SCHEMA = {
     # builtin suites with needed tokens (kvdiag.replay.free_running.needed_columns); null elsewhere
     "needed_where": pl.List(pl.String), "needed_positions": pl.List(pl.Int64), "kept_steps": pl.List(pl.Int64),
     "needed_kept": pl.List(pl.List(pl.Float64)), "final_line_at": pl.Int64,
+    # teacher-forced (kvdiag.replay.teacher_forced): per step, the policy's top-1 token is the full cache's; on a
+    # builtin suite, whether it is at every token where the final line writes what the answer needs (null: the
+    # Trace's final line lacks it)
+    "top1_agree": pl.List(pl.Boolean), "tf_task": pl.Boolean,
 }
 
 

@@ -14,11 +14,15 @@ import torch
 from kvdiag.attention import future_attention
 from kvdiag.errors import UserError
 from kvdiag.models import LoadedModel
+from kvdiag.needed import decoded_ends, final_line_positions, needed_texts, prompt_positions
+from kvdiag.prompts import load_prompts
 from kvdiag.replay.decoding import Decoded, full_logprobs, kl_steps, teacher_force
+from kvdiag.replay.free_running import needed_columns
 from kvdiag.replay.oracle import LiveLabels
 from kvdiag.replay.settings import ReplaySettings
 from kvdiag.replay.units import Item, Unit, common_key, make_unit
 from kvdiag.scorer_names import ORACLE_FUTURE, REPLAY_ONLY
+from kvdiag.suites import suite_of
 
 
 @dataclass
@@ -41,12 +45,23 @@ class TeacherForced:
         return dataclasses.replace(settings, full_kv=False)
 
     def items(self, lm: LoadedModel, settings: ReplaySettings) -> list[Item]:
+        """The Trace's sequences; a Trace of a builtin suite with needed tokens (``kvdiag.needed``) gives each its
+        prompt's needed positions and texts, found as the Trace rendered its prompts."""
+        source, generation = self.trace.manifest.get("prompts_source"), self.trace.manifest.get("generation", {})
+        suite = {p.prompt_id: p for p in load_prompts(source)} if suite_of(source) is not None else {}
         items = []
         for pid in self.prompt_ids or self.trace.prompt_ids:
             entry = self.trace.manifest["prompts"].get(pid)
             if entry is None:
                 raise UserError(f"prompt {pid!r} is not in the Trace {self.trace.path}")
-            items.append(Item(pid, self.trace.token_ids(pid).tolist(), self.trace.prompt_len(pid), entry.get("answer")))
+            needs, needed = (), ()
+            if pid in suite:
+                p = suite[pid]
+                needs = tuple(prompt_positions(lm.tokenizer, p, generation.get("chat", True),
+                                               generation.get("instruction")))
+                needed = tuple(needed_texts(p))
+            items.append(Item(pid, self.trace.token_ids(pid).tolist(), self.trace.prompt_len(pid), entry.get("answer"),
+                              needs=needs, needed=needed))
         return items
 
     def units(self, model_info: dict, settings: ReplaySettings, items: list[Item], policies: dict) -> list[Unit]:
@@ -77,10 +92,15 @@ class TeacherForced:
             live = labels[it.prompt_id]
             use = live if settings.joint or u.scorer in REPLAY_ONLY else None
             before = (sum(live.seconds.values()), sum(live.rows.values()))
+            suite = bool(it.needs or it.needed)
             run = teacher_force(lm, it.token_ids, it.prompt_len, policy, it.prompt_id, o_proj=o_proj, labels=use,
-                                joint=settings.joint)
+                                joint=settings.joint, keep_history=suite)
             if not settings.joint:  # --no-joint: no joint_kl column values (and none computed, oracle or not)
                 run.joint = None
+            top1 = run.logprobs.argmax(-1) == reference[it.prompt_id].argmax(-1)
+            run.agree = top1.tolist()
+            if suite:
+                suite_columns(lm.tokenizer, it, run, top1)
             spent = {"seconds": sum(live.seconds.values()) - before[0], "rows": sum(live.rows.values()) - before[1]}
             commit(u, run, kl_steps(reference[it.prompt_id], run.logprobs), time.perf_counter() - start, spent)
             progress.advance(task)
@@ -88,5 +108,21 @@ class TeacherForced:
     @staticmethod
     def outcome(run: Decoded, item: Item, text: str) -> dict:
         """The row fields of a replayed Trace: no max-length hit or verdict (its tokens are not the policy's), the
-        joint damage of each compression."""
-        return {"max_length_hit": None, "correct": None, "joint_kl": run.joint}
+        joint damage of each compression, the top-1 agreement with the full cache; on a builtin suite its needed
+        columns and ``tf_task``."""
+        return {"max_length_hit": None, "correct": None, "joint_kl": run.joint, "top1_agree": run.agree,
+                **run.needed}
+
+
+def suite_columns(tokenizer, item: Item, run: Decoded, top1) -> None:
+    """``run.needed``: the needed columns of the Trace's sequence under the policy (what each compaction kept of the
+    needed tokens, from the policy's kept positions) and ``tf_task``: the policy's top-1 token is the full cache's at
+    every token where the Trace's final line writes the needed texts (the teacher-forced task success; None when
+    that line lacks them). ``top1`` [T - P] bool, row j for position P + j."""
+    P = run.prompt_len
+    run.kept_counts = [(t, torch.bincount(pos.reshape(-1), minlength=t)[:t]) for t, pos in run.kept]
+    run.slots = run.kept[0][1].shape[0] * run.kept[0][1].shape[1] if run.kept else 0
+    run.needed = needed_columns(tokenizer, item, run)
+    ends = decoded_ends(tokenizer, run.token_ids[P:])
+    at = final_line_positions(tokenizer, run.token_ids, P, list(item.needed), ends)
+    run.needed["tf_task"] = None if not at else bool(all(top1[q - P] for q in at))
