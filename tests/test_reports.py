@@ -638,6 +638,18 @@ def test_needed_token_labels(tmp_path):
     assert_same_tables(out, REPORTS / report, [name])
 
 
+GPU_CHECK = compared("gpu-check", ("results.md",))
+
+
+def test_gpu_check_results():
+    """results.md of the H200 run is ``render_markdown`` of its committed results.json, which passed 7 of 7."""
+    from kvdiag.gpu_check import render_markdown
+
+    res = read_json(REPORTS / "gpu-check/results.json")
+    assert not res["dry_run"] and [s["status"] for s in res["steps"]] == ["pass"] * 7
+    assert render_markdown(res) == (REPORTS / "gpu-check/results.md").read_text()
+
+
 # --------------------------------------------------------------------------- bench
 
 
