@@ -493,7 +493,7 @@ REPLAY = {  # run -> the tables its summary writes (committed)
 # suite replays with needed tokens (#43)
 SUITE_TABLES = ("summary.md", "summary.csv", "budget.csv", "outcomes.md", "outcomes.csv", "outcomes_summary.csv",
                 "paired.csv", "components.md", "components.csv", "components_paired.csv", "needed.md", "needed.csv")
-REPLAY.update({f"replay-suites/{suite}": SUITE_TABLES for suite in ("keys", "countdown", "recall")})
+REPLAY.update({f"replay-suites/{suite}": SUITE_TABLES for suite in ("keys", "countdown", "recall", "keys-interval128")})
 for _d, _t in REPLAY.items():
     compared(_d, _t)
 # teacher-forced: the free-running replay its outcomes join (None: no join), and the labels and scores of its
@@ -616,6 +616,15 @@ def test_horizon_study(tmp_path):
     out.mkdir()
     _script(f"reports/{report}/analyze.py").main(HORIZON_INPUTS, out)
     assert_same_tables(out, REPORTS / report, [name])
+
+
+INTERVAL = compared("replay-suites", ("interval.md",))
+
+
+def test_keys_interval(tmp_path):
+    """interval.py's interval.md (keys at interval 64 against 128) from the two committed generations files."""
+    _script("reports/replay-suites/interval.py").main(REPORTS / "replay-suites", tmp_path)
+    assert_same_tables(tmp_path, REPORTS / "replay-suites", ["interval.md"])
 
 
 NEEDED_LABELS = compared("replay-suites/labels", ("report.md",))

@@ -108,12 +108,14 @@ class FreeRunning:
                 "joint_kl": None, **run.needed}
 
 
-def needed_columns(tokenizer, item: Item, run: Decoded) -> dict:
+def needed_columns(tokenizer, item: Item, run: Decoded, ends: list[int] | None = None) -> dict:
     """The needed-token columns of a generation (``needed_*``, ``kept_steps`` and ``final_line_at`` of
     ``kvdiag.replay.run.ROW_SCHEMA``): each needed token (in the prompt, and where the generation wrote the needed
     text), per compaction the share of (layer, KV head) slots that held it (None before it was written), and where the
-    generation's final line starts. FullKV: the positions, no compactions."""
-    ends = decoded_ends(tokenizer, run.token_ids[run.prompt_len:])  # decoded once for both lookups below
+    generation's final line starts. FullKV: the positions, no compactions. ``ends``: ``decoded_ends`` of the
+    generation, when the caller has it."""
+    if ends is None:  # decoded once for both lookups below
+        ends = decoded_ends(tokenizer, run.token_ids[run.prompt_len:])
     written = [p for text in item.needed for p in generated_positions(tokenizer, run.token_ids, run.prompt_len, text,
                                                                         ends)]
     positions = [*item.needs, *written]

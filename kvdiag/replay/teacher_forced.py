@@ -122,7 +122,7 @@ def suite_columns(tokenizer, item: Item, run: Decoded, top1) -> None:
     P = run.prompt_len
     run.kept_counts = [(t, torch.bincount(pos.reshape(-1), minlength=t)[:t]) for t, pos in run.kept]
     run.slots = run.kept[0][1].shape[0] * run.kept[0][1].shape[1] if run.kept else 0
-    run.needed = needed_columns(tokenizer, item, run)
     ends = decoded_ends(tokenizer, run.token_ids[P:])
+    run.needed = needed_columns(tokenizer, item, run, ends)
     at = final_line_positions(tokenizer, run.token_ids, P, list(item.needed), ends)
     run.needed["tf_task"] = None if not at else bool(all(top1[q - P] for q in at))
