@@ -51,6 +51,7 @@ def test_tf_task_needs_agreement_at_every_final_needed_token(tiny_llama):
     top1 = torch.ones(len(ids) - P, dtype=torch.bool)
     ok, run = verdict(top1)
     assert ok is True and run.slots == 4 and run.needed["kept_steps"] == [P + 10]
+    assert run.needed["tf_needed_agree"] == 1.0
     assert all(s == [1.0] for s, w in zip(run.needed["needed_kept"], run.needed["needed_where"], strict=True)
                if w == "prompt")
     early = top1.clone()
@@ -58,11 +59,12 @@ def test_tf_task_needs_agreement_at_every_final_needed_token(tiny_llama):
     assert verdict(early)[0] is True
     miss = top1.clone()
     miss[at[len(at) // 2] - P] = False
-    assert verdict(miss)[0] is False
+    ok, run = verdict(miss)
+    assert ok is False and run.needed["tf_needed_agree"] == pytest.approx((len(at) - 1) / len(at))
     cut = Item(item.prompt_id, ids[:-12], P, p.answer, needed=item.needed)
     run = Decoded(ids[:-12], P, "teacher_forced", kept=kept)
     suite_columns(tok, cut, run, top1[:-12])
-    assert run.needed["tf_task"] is None
+    assert run.needed["tf_task"] is None and run.needed["tf_needed_agree"] is None
 
 
 def test_teacher_forced_suite_rows(tiny_llama, tmp_path):
@@ -103,15 +105,16 @@ def test_tf_task_table_counts_and_tests():
     rows = []
     for i in range(6):
         rows += [{"prompt_id": f"p{i}", "scorer": "a", "budget": 64, "compressions": 2, "tf_task": True,
-                  "top1_agree": [True, True]},
+                  "top1_agree": [True, True], "tf_needed_agree": 1.0},
                  {"prompt_id": f"p{i}", "scorer": "b", "budget": 64, "compressions": 2, "tf_task": False,
-                  "top1_agree": [True, False]}]
+                  "top1_agree": [True, False], "tf_needed_agree": 0.25}]
     rows += [{"prompt_id": "p6", "scorer": "a", "budget": 64, "compressions": 0, "tf_task": True,
-              "top1_agree": [True]},
+              "top1_agree": [True], "tf_needed_agree": 1.0},
              {"prompt_id": "p7", "scorer": "b", "budget": 64, "compressions": 2, "tf_task": None,
-              "top1_agree": [True]}]
+              "top1_agree": [True], "tf_needed_agree": None}]
     t = tf_task_table(pl.DataFrame(rows)).sort("scorer")
     assert t["success"].to_list() == [6, 0] and t["n"].to_list() == [6, 6] and t["apart"].to_list() == [1, 1]
     assert t["best"].to_list() == ["a", "a"] and t["top1_agree"].to_list() == [1.0, 0.5]
+    assert t["needed_agree"].to_list() == [1.0, 0.25]
     assert t["p_vs_best"][1] == pytest.approx(2 * 0.5**6) and t["p_vs_best"][0] is None
     assert t["lo"][0] > 0.5 and t["hi"][1] < 0.5

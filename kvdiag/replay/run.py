@@ -261,8 +261,8 @@ ROW_SCHEMA = {
     "needed_kept": pl.List(pl.List(pl.Float64)), "final_line_at": pl.Int64,
     # teacher-forced (kvdiag.replay.teacher_forced): per step, the policy's top-1 token is the full cache's; on a
     # builtin suite, whether it is at every token where the final line writes what the answer needs (null: the
-    # Trace's final line lacks it)
-    "top1_agree": pl.List(pl.Boolean), "tf_task": pl.Boolean,
+    # Trace's final line lacks it), and the share of those tokens where it is
+    "top1_agree": pl.List(pl.Boolean), "tf_task": pl.Boolean, "tf_needed_agree": pl.Float64,
 }
 
 

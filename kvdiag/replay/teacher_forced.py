@@ -118,11 +118,14 @@ def suite_columns(tokenizer, item: Item, run: Decoded, top1) -> None:
     """``run.needed``: the needed columns of the Trace's sequence under the policy (what each compaction kept of the
     needed tokens, from the policy's kept positions) and ``tf_task``: the policy's top-1 token is the full cache's at
     every token where the Trace's final line writes the needed texts (the teacher-forced task success; None when
-    that line lacks them). ``top1`` [T - P] bool, row j for position P + j."""
+    that line lacks them) and ``tf_needed_agree``, the share of those tokens where it is. ``top1`` [T - P] bool, row j
+    for position P + j."""
     P = run.prompt_len
     run.kept_counts = [(t, torch.bincount(pos.reshape(-1), minlength=t)[:t]) for t, pos in run.kept]
     run.slots = run.kept[0][1].shape[0] * run.kept[0][1].shape[1] if run.kept else 0
     ends = decoded_ends(tokenizer, run.token_ids[P:])
     run.needed = needed_columns(tokenizer, item, run, ends)
     at = final_line_positions(tokenizer, run.token_ids, P, list(item.needed), ends)
-    run.needed["tf_task"] = None if not at else bool(all(top1[q - P] for q in at))
+    agree = [bool(top1[q - P]) for q in at] if at else []
+    run.needed["tf_task"] = bool(all(agree)) if agree else None
+    run.needed["tf_needed_agree"] = sum(agree) / len(agree) if agree else None

@@ -8,7 +8,8 @@ teacher-forced only) enter the accuracy-against-budget view beside the rules. It
 slip earlier in a generation changes everything after it, which teacher forcing never sees.
 
 Per (policy, budget): n (sequences compressed at least once whose Trace's final line holds the needed texts; the
-others are counted apart), successes with Wilson CIs, the mean per-step top-1 agreement, and McNemar's exact test
+others are counted apart), successes with Wilson CIs, the mean per-step top-1 agreement, the mean share of the final
+line's needed tokens with top-1 agreement (``tf_needed_agree``: a graded success), and McNemar's exact test
 of each policy against the best policy of that budget (the same sequences, Holm-adjusted per budget).
 """
 
@@ -31,8 +32,10 @@ def tf_task_table(df: pl.DataFrame, level: float = 0.95) -> pl.DataFrame:
         k, n = int(g["tf_task"].sum()), g.height
         lo, hi = wilson(k, n, level)
         agree = [float(np.mean(a)) for a in g["top1_agree"].to_list() if a]
+        needed = g["tf_needed_agree"].drop_nulls() if "tf_needed_agree" in g.columns else pl.Series([], dtype=float)
         out.append({"scorer": scorer, "budget": budget, "n": n, "prompts": g["prompt_id"].n_unique(),
                     "success": k, "rate": k / n, "lo": lo, "hi": hi, "top1_agree": float(np.mean(agree)),
+                    "needed_agree": float(needed.mean()) if needed.len() else None,
                     "apart": apart.filter((pl.col("scorer") == scorer) & (pl.col("budget") == budget)).height})
     table = pl.DataFrame(out, infer_schema_length=None)
     return _tests(table, rows)
@@ -78,9 +81,10 @@ def write_tf_task(df: pl.DataFrame, out_dir, level: float = 0.95) -> pl.DataFram
              f"{level:.0%} CIs; McNemar's exact test against the budget's best policy, Holm-adjusted per budget.", ""]
     body = [[r["scorer"], r["budget"], r["n"], f"{r['success']}/{r['n']}",
              f"{r['rate']:.2f} [{r['lo']:.2f}, {r['hi']:.2f}]", f"{r['top1_agree']:.3f}",
+             "–" if r["needed_agree"] is None else f"{r['needed_agree']:.3f}",
              "best" if r["scorer"] == r["best"] else format_p(r["p_holm"]), r["apart"]]
             for r in table.sort("budget", "scorer").iter_rows(named=True)]
     lines.append(markdown_table(["policy", "budget", "n", "success", "rate [CI]", "top-1 agreement",
-                                 "p vs best (Holm)", "apart"], body))
+                                 "agreement on the final line's needed tokens", "p vs best (Holm)", "apart"], body))
     write_text(out_dir / "tf_task.md", "\n".join(lines) + "\n")
     return table
