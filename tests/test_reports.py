@@ -44,6 +44,8 @@ NOT_REGENERATED = {
        for f in ("cpu-mfu.md", "kernels.txt", "label-fast.txt", "label-layer.txt", "label.txt", "scale.csv",
                  "score.txt", "trace.txt", "hybrid-miss-rate-h16.txt", "hybrid-miss-rate-h128.txt",
                  "label-horizon.txt")},
+    **{f"fast-labels-horizon/bench-h{h}.txt": "a measurement: kvdiag bench label --method fast (seconds on this "
+       "machine); report.md's cost table reads the JSON beside it" for h in (16, 128)},
 }
 _REPORT_TRACE = ("its Trace section, the Trace's row of the contents, the viewer line and the date: kvdiag report "
                  "reads the run's Trace (not committed); every other line is compared")
@@ -625,6 +627,16 @@ def test_keys_interval(tmp_path):
     """interval.py's interval.md (keys at interval 64 against 128) from the two committed generations files."""
     _script("reports/replay-suites/interval.py").main(REPORTS / "replay-suites", tmp_path)
     assert_same_tables(tmp_path, REPORTS / "replay-suites", ["interval.md"])
+
+
+FAST_HORIZON = compared("fast-labels-horizon", ("report.md",))
+
+
+def test_fast_labels_horizon(tmp_path):
+    """analyze.py's report.md from the committed inputs (exact labels to H = 128, fast labels at 16 and 128) and the
+    bench JSONs."""
+    _script("reports/fast-labels-horizon/analyze.py").main(REPORTS / "fast-labels-horizon/inputs", tmp_path)
+    assert_same_tables(tmp_path, REPORTS / "fast-labels-horizon", ["report.md"])
 
 
 NEEDED_LABELS = compared("replay-suites/labels", ("report.md",))
