@@ -192,6 +192,8 @@ def test_comparison_tolerances(tmp_path):
 RANK_EVAL_VOLATILE = ("seconds", "reference_note")
 RANK_EVAL_TABLES = ("metrics.csv", "paired.csv", "table.md", "table.tex", "budget_curves.csv")
 RANK_EVAL = {  # the rank-eval directory -> its committed labels and scores
+    **{f"adapter-vs-base/{m}/rank-eval": (f"adapter-vs-base/{m}/labels.parquet", f"adapter-vs-base/{m}/scores.parquet")
+       for m in ("base", "adapted")},
     "math500-smollm2/rank-eval": ("math500-smollm2/labels.parquet", "math500-smollm2/scores.parquet"),
     "math500-smollm2/rank-eval-eligible": ("math500-smollm2/labels.parquet", "math500-smollm2/scores.parquet"),
     "math500-long/rank-eval": ("math500-long/labels.parquet", "math500-long/scores.parquet"),
@@ -496,6 +498,9 @@ REPLAY = {  # run -> the tables its summary writes (committed)
 SUITE_TABLES = ("summary.md", "summary.csv", "budget.csv", "outcomes.md", "outcomes.csv", "outcomes_summary.csv",
                 "paired.csv", "components.md", "components.csv", "components_paired.csv", "needed.md", "needed.csv")
 REPLAY.update({f"replay-suites/{suite}": SUITE_TABLES for suite in ("keys", "countdown", "recall", "keys-interval128")})
+# teacher-forced replays of the suites' Traces (#43): the rules and oracle_future, and oracle_future with window rest
+REPLAY.update({f"replay-suites/tf/{run}": ("summary.md", "summary.csv", "budget.csv", "tf_task.md", "tf_task.csv")
+               for run in ("keys", "countdown", "keys-rest", "countdown-rest")})
 for _d, _t in REPLAY.items():
     compared(_d, _t)
 # teacher-forced: the free-running replay its outcomes join (None: no join), and the labels and scores of its
@@ -637,6 +642,26 @@ def test_fast_labels_horizon(tmp_path):
     bench JSONs."""
     _script("reports/fast-labels-horizon/analyze.py").main(REPORTS / "fast-labels-horizon/inputs", tmp_path)
     assert_same_tables(tmp_path, REPORTS / "fast-labels-horizon", ["report.md"])
+
+
+TF_REPORT = compared("replay-suites/tf", ("report.md",))
+
+
+def test_teacher_forced_suites_report(tmp_path):
+    """tf/analyze.py's report.md from the committed teacher-forced and free-running generations alone."""
+    _script("reports/replay-suites/tf/analyze.py").main(REPORTS / "replay-suites/tf", REPORTS / "replay-suites",
+                                                        tmp_path, plot=False)
+    assert_same_tables(tmp_path, REPORTS / "replay-suites/tf", ["report.md"])
+
+
+ADAPTER = compared("adapter-vs-base", ("report.md",))
+
+
+def test_adapter_vs_base(tmp_path):
+    """analyze.py's report.md from the committed labels (each model's, and the base Trace's under the adapted model)
+    and the two rank-eval metrics tables (test_rank_eval regenerates those)."""
+    _script("reports/adapter-vs-base/analyze.py").main(REPORTS / "adapter-vs-base", tmp_path)
+    assert_same_tables(tmp_path, REPORTS / "adapter-vs-base", ["report.md"])
 
 
 NEEDED_LABELS = compared("replay-suites/labels", ("report.md",))

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Regenerates this report (run from the repository root, after reports/replay-suites/labels/reproduce.sh: its
+# Traces are the full cache's greedy generations of the first 10 prompts of each suite, the same tokens as the
+# free-running replay's FullKV rows). Teacher-forced replay of each Trace under the six rules of the free-running
+# report and the future-attention oracle policy oracle_future (per (layer, KV head), the entries the full-cache run's
+# next interval + horizon = 80 queries attend most), budgets 64 / 128 / 256, interval 64, per-head selection, the
+# prompt compressed too (as in the free-running report), no joint labels (--no-joint); then oracle_future with
+# window rest (every query to the end: Belady) in its own replay (<suite>-rest/: one name, one window per replay).
+# Each row records its per-step top-1 agreement with the full cache and the teacher-forced task success
+# (kvdiag.replay.tf_task); analyze.py sets them beside the free-running outcomes of the same prompts.
+# A rerun continues from runs/replay-suites-tf-*. About 10 min per suite and 3 min per rest run on the idle machine.
+set -euo pipefail
+K=${K:-.venv/bin/kvdiag}
+PY=${PY:-.venv/bin/python}
+TF="--budget 64,128,256 --interval 64 --horizon 16 --no-joint"
+FILES="summary.md summary.csv budget.csv tf_task.md tf_task.csv config.json generations.parquet"
+for suite in ${SUITES:-keys countdown}; do
+    T=runs/needed-labels-$suite/trace
+    $K replay --teacher-forced "$T" --scorers oracle_future,streamingllm,snapkv,tova,rkv,avokv_e,cake $TF \
+        --param avokv_e.w_delay=32 --out "runs/replay-suites-tf-$suite"
+    $K replay --teacher-forced "$T" --scorers oracle_future --param oracle_future.window=rest $TF \
+        --out "runs/replay-suites-tf-$suite-rest"
+    for run in "$suite" "$suite-rest"; do
+        mkdir -p "reports/replay-suites/tf/$run"
+        for f in $FILES; do cp "runs/replay-suites-tf-$run/$f" "reports/replay-suites/tf/$run/"; done
+    done
+done
+$PY reports/replay-suites/tf/analyze.py
