@@ -436,6 +436,17 @@ class Checker:
         # the dry run compares a CPU run in batches of 3 rows with one in batches of 8 (both torch)
         batch, be = (8, "triton") if not self.dry_run else (3, "torch")
         families, rows_out, bad = [], [], []
+
+        def compare(name: str, granularity: str, want, got, **extra) -> None:
+            """One row of the table: |got - want| against LABEL_ATOL + LABEL_RTOL |want| (nats)."""
+            a, b = want.double(), got.double()
+            diff = (a - b).abs()
+            row = {"family": name, "granularity": granularity, "rows": len(a), "max_abs": float(diff.max()),
+                   "max_rel": float((diff / a.abs().clamp_min(1e-12)).max()), "kl_mean": float(a.mean()), **extra}
+            rows_out.append(row)
+            if float((diff - (LABEL_ATOL + LABEL_RTOL * a.abs())).max()) > 0:
+                bad.append(f"{name} {granularity}: max |diff| {row['max_abs']:.2e} nats")
+
         for name in self.shapes.families or TINY:
             try:
                 cpu = load_model(f"tiny:{name}")
@@ -448,26 +459,12 @@ class Checker:
                 want, floor_cpu = OracleEngine(cpu, ids, H, batch_size=8).label(T, rows)
                 # Triton by name: auto keeps fp32 attention on torch (kvdiag.kernels.attention_backend)
                 got, floor_dev = OracleEngine(dev, ids, H, batch_size=batch, backend=be).label(T, rows)
-                a, b = want["kl"].double(), got["kl"].double()
-                diff = (a - b).abs()
-                excess = float((diff - (LABEL_ATOL + LABEL_RTOL * a.abs())).max())
-                row = {"family": name, "granularity": granularity, "rows": len(rows), "max_abs": float(diff.max()),
-                       "max_rel": float((diff / a.abs().clamp_min(1e-12)).max()), "kl_mean": float(a.mean()),
-                       "noise_floor_cpu": floor_cpu, "noise_floor_device": floor_dev,
-                       "flip_mismatches": int((want["flips"] != got["flips"]).sum())}
-                rows_out.append(row)
-                if excess > 0:
-                    bad.append(f"{name} {granularity}: max |diff| {row['max_abs']:.2e} nats")
+                compare(name, granularity, want["kl"], got["kl"], noise_floor_cpu=floor_cpu,
+                        noise_floor_device=floor_dev, flip_mismatches=int((want["flips"] != got["flips"]).sum()))
             # the fast (fisher) label of every entry: its backward passes on the device against the CPU's
             rows = candidate_rows(list(range(T)), "token", cpu.attention.num_layers, cpu.attention.num_kv_heads)
-            a = FisherLabeler(cpu, ids, H, FisherParams(samples=4), 0).label(T, rows)["kl"].double()
-            b = FisherLabeler(dev, ids, H, FisherParams(samples=4), 0).label(T, rows)["kl"].double()
-            diff = (a - b).abs()
-            row = {"family": name, "granularity": "token (fisher)", "rows": len(rows), "max_abs": float(diff.max()),
-                   "max_rel": float((diff / a.abs().clamp_min(1e-12)).max()), "kl_mean": float(a.mean())}
-            rows_out.append(row)
-            if float((diff - (LABEL_ATOL + LABEL_RTOL * a.abs())).max()) > 0:
-                bad.append(f"{name} fisher: max |diff| {row['max_abs']:.2e} nats")
+            compare(name, "token (fisher)", *(FisherLabeler(m, ids, H, FisherParams(samples=4), 0).label(T, rows)["kl"]
+                                              for m in (cpu, dev)))
         worst = max(rows_out, key=lambda r: r["max_abs"])
         summary = (f"{len(families)} families x 3 granularities and fisher within {LABEL_RTOL:g} relative + "
                    f"{LABEL_ATOL:g} nats; largest |diff| {worst['max_abs']:.2e} nats ({worst['family']} "

@@ -33,6 +33,16 @@ def prompt_positions(tokenizer, prompt: Prompt, chat: bool = True,
     return _overlapping(enc["offset_mapping"], [(at + s, at + e) for s, e in prompt.needs])
 
 
+def _token_spans(ends: list[int]) -> list[tuple[int, int]]:
+    """The char range [a, b) of each generated token in the decoded text, from :func:`decoded_ends`."""
+    return list(zip([0, *ends[:-1]], ends, strict=True))
+
+
+def _final_cut(text: str) -> int:
+    """Char offset where ``text``'s last non-empty line starts (0 for one line)."""
+    return text.rstrip().rfind("\n") + 1
+
+
 def needed_texts(prompt: Prompt) -> list[str]:
     """The texts the answer needs, as its expected generation writes them (``answer_needs`` spans of ``answer``)."""
     return [prompt.answer[s:e] for s, e in prompt.answer_needs] if prompt.answer else []
@@ -54,8 +64,7 @@ def generated_positions(tokenizer, token_ids: list[int], prompt_len: int, needed
     if at < 0:
         return []
     ends = decoded_ends(tokenizer, generated) if ends is None else ends
-    spans = list(zip([0, *ends[:-1]], ends, strict=True))
-    return [prompt_len + i for i in _overlapping(spans, [(at, at + len(needed))])]
+    return [prompt_len + i for i in _overlapping(_token_spans(ends), [(at, at + len(needed))])]
 
 
 def final_line_start(tokenizer, token_ids: list[int], prompt_len: int, ends: list[int] | None = None) -> int:
@@ -63,7 +72,7 @@ def final_line_start(tokenizer, token_ids: list[int], prompt_len: int, ends: lis
     line (where a suite's answer reads what it needs); the end of the sequence for a generation of one line.
     ``ends``: :func:`decoded_ends` of the generation."""
     generated = token_ids[prompt_len:]
-    cut = tokenizer.decode(generated, skip_special_tokens=True).rstrip().rfind("\n") + 1
+    cut = _final_cut(tokenizer.decode(generated, skip_special_tokens=True))
     if cut == 0:
         return len(token_ids)
     ends = decoded_ends(tokenizer, generated) if ends is None else ends
@@ -77,7 +86,7 @@ def final_line_positions(tokenizer, token_ids: list[int], prompt_len: int, neede
     the final line lacks one of them (the generation did not give the answer). ``ends``: :func:`decoded_ends`."""
     generated = token_ids[prompt_len:]
     text = tokenizer.decode(generated, skip_special_tokens=True)
-    cut = text.rstrip().rfind("\n") + 1
+    cut = _final_cut(text)
     spans = []
     for want in needed:
         at = text.rfind(want, cut)
@@ -85,7 +94,7 @@ def final_line_positions(tokenizer, token_ids: list[int], prompt_len: int, neede
             return None
         spans.append((at, at + len(want)))
     ends = decoded_ends(tokenizer, generated) if ends is None else ends
-    return [prompt_len + i for i in _overlapping(list(zip([0, *ends[:-1]], ends, strict=True)), spans)]
+    return [prompt_len + i for i in _overlapping(_token_spans(ends), spans)]
 
 
 def slot_shares(kept: list[tuple[int, list[int]]], slots: int, positions: list[int]) -> list[list[float | None]]:
