@@ -1,5 +1,6 @@
 """#42: the fast (fisher) label against exact labels at H = 16 and H = 128, and the short labels as predictors of
-harm over 128 steps. ``analyze.py inputs`` writes inputs/ from runs/fast-labels-horizon (the rows and columns used);
+harm over 128 steps. ``analyze.py inputs`` writes inputs/ from runs/fast-labels-horizon (the rows and columns used;
+exact_all.parquet, the exact labels of every entry, is read by reports/hybrid-labels-math500/miss_rate.py);
 ``analyze.py`` writes report.md from inputs/ and the bench JSONs alone.
 
 Per checkpoint, on its 48 sampled entries (the exact rows; the fast runs label every entry, joined on position):
@@ -43,6 +44,10 @@ def write_inputs() -> None:
     out = HERE / "inputs"
     out.mkdir(exist_ok=True)
     exact.write_parquet(out / "exact.parquet")
+    every = pl.read_parquet(RUNS / "exact-all-h128.parquet").filter(pl.col("granularity") == "token")
+    assert (every["horizon"] == 128).all()
+    every.select(*KEYS, pl.col("kl_steps").list.head(16).list.mean().alias("exact_16"),
+                 pl.col("kl_mean").alias("exact_128")).write_parquet(out / "exact_all.parquet")
     for h in (16, 128):
         fast = pl.read_parquet(RUNS / f"fast-h{h}.parquet").filter(pl.col("granularity") == "token")
         fast.select(*KEYS, pl.col("kl_mean").alias(f"fast_{h}")).write_parquet(out / f"fast_{h}.parquet")

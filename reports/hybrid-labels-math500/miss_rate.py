@@ -9,6 +9,13 @@ from the committed exact and fast (Fisher, K = 8) labels of every entry (inputs/
   FISHER_COST, is read off the committed cost benches (bench-hybrid-{0.1,0.2}.json: hybrid's cost minus its exact
   share, 0.052 and 0.036 of exact at H = 8, P = 512): the larger.
 
+At H = 16 and H = 128 (``horizon_frontier``): the same frontier and ``--miss-rate R`` on every entry of
+reports/fast-labels-horizon's 20 checkpoints (exact labels to H = 128, fast labels at H = 16 and H = 128: its
+inputs/), for each estimator of each target: the fast label at the target's horizon, and for H = 128 also the exact
+label at H = 16 and the fast label at H = 16. An estimator's cost is read off the committed benches: the fast pass's
+share of exact labels of every entry (fast-labels-horizon's bench-h{16,128}.json ``ratio``) and exact H = 16 over
+exact H = 128 per entry (reports/bench's label-horizon-n16-h128.json, 1 / ``cost_ratio_per_entry``).
+
 Run from the repository root: .venv/bin/python reports/hybrid-labels-math500/miss_rate.py (writes miss-rate.md).
 """
 
@@ -26,6 +33,10 @@ from kvdiag.label import adaptive
 from kvdiag.tables import md_table, number_text
 
 HERE = Path("reports/hybrid-labels-math500")
+HORIZON = Path("reports/fast-labels-horizon")
+HORIZON_BENCH = Path("reports/bench/label-horizon-n16-h128.json")
+TARGET_MISS = 0.05
+FINE = [i / 100 for i in range(1, 101)]  # the shares searched for the smallest that meets TARGET_MISS
 KEY = ["prompt_id", "checkpoint", "position"]
 TARGETS = (0.05, 0.1, 0.2)
 SEEDS = 20
@@ -54,24 +65,54 @@ def main(inputs: Path = HERE / "inputs", out: Path = HERE) -> str:
     n = sum(len(x) for x in e)
     cost0 = fisher_cost(out)
 
+    pooled = ranking_frontier(groups, "fast", "kl_mean", pooled=True)
     rows = []
-    for share in adaptive.shares(adaptive.STEP):
-        tops = []
-        for x in f:
-            top = np.zeros(len(x), bool)
-            top[adaptive.top_rows(x, share)] = True
-            tops.append(top)
-        got = sum(int(t.sum()) for t in tops) / n
-        m = adaptive.measured_miss(e, tops)
+    for (got, m), (share, p) in zip(ranking_frontier(groups, "fast", "kl_mean"), pooled, strict=True):
         per = np.array(m["per_checkpoint"])
         rows.append([number_text(got, 3), number_text(cost0 + got, 3), f"{m['missed']} / {m['harmful']}",
                      number_text(m["miss_rate"], 3), f"{number_text(float(np.median(per)), 2)} "
-                     f"[{number_text(float(per.min()), 2)}, {number_text(float(per.max()), 2)}]"])
+                     f"[{number_text(float(per.min()), 2)}, {number_text(float(per.max()), 2)}]",
+                     f"{number_text(share, 3)}: {p['missed']} / {p['harmful']}"])
     frontier = md_table(["exact share", "cost / exact", "missed / harmful", "miss rate",
-                         "per checkpoint: median [min, max]"], rows, "rrrrr")
+                         "per checkpoint: median [min, max]", "pooled ranking: exact share: missed / harmful"],
+                        rows, "rrrrrr")
 
+    control = control_table(e, f, cost0)
+    reach = []
+    for pooled, name in ((False, "per checkpoint"), (True, "pooled")):
+        hit, m = next((s, m) for s, m in ranking_frontier(groups, "fast", "kl_mean", pooled, FINE)
+                      if m["miss_rate"] <= TARGET_MISS)
+        reach.append(f"- {name}: a measured miss rate <= {TARGET_MISS} from exact share {number_text(hit, 3)} "
+                     f"({m['missed']} / {m['harmful']}), cost {number_text(cost0 + hit, 3)}.")
+    k = adaptive.harmful_count(n)
+    text = (
+        "# Cost / miss-rate frontier (SmolLM2, the decisions checkpoints, H = 8)\n\n"
+        f"[miss_rate.py](miss_rate.py) from the committed exact and Fisher (K = 8) labels of every entry (`inputs/`): "
+        f"{len(e)} checkpoints (one per prompt), {n:,} entries, harmful: the pooled top decile ({k} entries, "
+        "`kvdiag.label.adaptive`); missed: harmful and not labeled exactly. Cost: the exact share plus the Fisher "
+        f"pass ({number_text(cost0, 3)} of exact labels of every entry, the larger of the committed cost benches' "
+        "`bench-hybrid-*.json`), as a share of exact labels of every entry. 10 checkpoints: the per-checkpoint "
+        "columns show the spread; no CI is claimed for the pooled rates.\n\n"
+        "## The Fisher ranking alone (no audit: the miss rate is measured here, not bounded)\n\n"
+        f"The smallest exact share (steps of 0.01) whose measured miss rate is at most {TARGET_MISS}:\n\n"
+        + "\n".join(reach) + f"\n\n{frontier}\n\n"
+        f"## `--miss-rate R` from `--exact-frac {FIRST}` with the minimum audit ({SEEDS} audit seeds)\n\n"
+        "The rounds add 0.05 of every checkpoint's candidates to its exact top until the bound (one-sided "
+        "Clopper-Pearson, 95 % with Bonferroni over the rounds) is below R; the exact share includes the audit.\n\n"
+        f"{control}\n\n"
+        f"{horizon_frontier(HORIZON)}"
+    )
+    (out / "miss-rate.md").write_text(text)
+    return text
+
+
+def control_table(e: list[np.ndarray], f: list[np.ndarray], cost0: float) -> str:
+    """``--miss-rate R`` (``adaptive.control``) from ``--exact-frac FIRST`` with the minimum audit over SEEDS audit
+    seeds, on exact labels ``e`` and fast labels ``f`` of every entry (per checkpoint [n]): the audit, the exact share
+    it needed, its cost (plus the fast pass ``cost0``), the bound and the miss rate measured against ``e``."""
+    n = sum(len(x) for x in e)
     rests = [len(x) - math.ceil(FIRST * len(x)) for x in e]
-    ctl_rows = []
+    rows = []
     for target in TARGETS:
         need = adaptive.min_audit(target, sum(rests), n, FIRST)
         shares, misses, bounds = [], [], []
@@ -89,33 +130,95 @@ def main(inputs: Path = HERE / "inputs", out: Path = HERE) -> str:
             bounds.append(ctl["bound"])
             misses.append(adaptive.measured_miss(e, [c.top | c.audit for c in ckpts])["miss_rate"])
         q = np.quantile
-        ctl_rows.append([number_text(target, 2), f"{need:,} ({number_text(need / n, 3)})",
-                         f"{number_text(float(np.median(shares)), 3)} [{number_text(float(min(shares)), 3)}, "
-                         f"{number_text(float(max(shares)), 3)}]",
-                         number_text(cost0 + float(np.median(shares)), 3),
-                         f"{number_text(float(np.median(bounds)), 3)}",
-                         f"{number_text(float(np.median(misses)), 3)} [{number_text(float(q(misses, 0)), 3)}, "
-                         f"{number_text(float(q(misses, 1)), 3)}]"])
-    control = md_table(["R", "audit (share)", "exact share: median [min, max]", "cost / exact (median)",
-                        "bound (median)", "measured miss rate: median [min, max]"], ctl_rows, "rrrrrr")
-    k = adaptive.harmful_count(n)
-    text = (
-        "# Cost / miss-rate frontier (SmolLM2, the decisions checkpoints, H = 8)\n\n"
-        f"[miss_rate.py](miss_rate.py) from the committed exact and Fisher (K = 8) labels of every entry (`inputs/`): "
-        f"{len(e)} checkpoints (one per prompt), {n:,} entries, harmful: the pooled top decile ({k} entries, "
-        "`kvdiag.label.adaptive`); missed: harmful and not labeled exactly. Cost: the exact share plus the Fisher "
-        f"pass ({number_text(cost0, 3)} of exact labels of every entry, the larger of the committed cost benches' "
-        "`bench-hybrid-*.json`), as a share of exact labels of every entry. 10 checkpoints: the per-checkpoint "
-        "columns show the spread; no CI is claimed for the pooled rates.\n\n"
-        "## The Fisher ranking alone (no audit: the miss rate is measured here, not bounded)\n\n"
-        f"{frontier}\n\n"
-        f"## `--miss-rate R` from `--exact-frac {FIRST}` with the minimum audit ({SEEDS} audit seeds)\n\n"
-        "The rounds add 0.05 of every checkpoint's candidates to its exact top until the bound (one-sided "
-        "Clopper-Pearson, 95 % with Bonferroni over the rounds) is below R; the exact share includes the audit.\n\n"
-        f"{control}\n"
+        rows.append([number_text(target, 2), f"{need:,} ({number_text(need / n, 3)})",
+                     f"{number_text(float(np.median(shares)), 3)} [{number_text(float(min(shares)), 3)}, "
+                     f"{number_text(float(max(shares)), 3)}]",
+                     number_text(cost0 + float(np.median(shares)), 3),
+                     f"{number_text(float(np.median(bounds)), 3)}",
+                     f"{number_text(float(np.median(misses)), 3)} [{number_text(float(q(misses, 0)), 3)}, "
+                     f"{number_text(float(q(misses, 1)), 3)}]"])
+    return md_table(["R", "audit (share)", "exact share: median [min, max]", "cost / exact (median)",
+                     "bound (median)", "measured miss rate: median [min, max]"], rows, "rrrrrr")
+
+
+def ranking_frontier(groups: list[pl.DataFrame], est: str, target: str, pooled: bool = False,
+                     grid: list[float] | None = None) -> list[tuple[float, dict]]:
+    """(exact share, ``adaptive.measured_miss``) for each share of ``grid`` (default ``adaptive.shares``, steps of
+    0.05): each checkpoint's top share by ``est`` labeled exactly (``pooled``: the top share of every checkpoint's
+    entries together, as harmful is defined), harmful the pooled top decile of ``target``."""
+    e = [g[target].to_numpy() for g in groups]
+    x = [g[est].to_numpy() for g in groups]
+    n = sum(len(v) for v in e)
+    out = []
+    for share in grid or adaptive.shares(adaptive.STEP):
+        if pooled:
+            thr = np.sort(np.concatenate(x))[-math.ceil(share * n)]
+            tops = [v >= thr for v in x]
+        else:
+            tops = []
+            for v in x:
+                top = np.zeros(len(v), bool)
+                top[adaptive.top_rows(v, share)] = True
+                tops.append(top)
+        out.append((sum(int(t.sum()) for t in tops) / n, adaptive.measured_miss(e, tops)))
+    return out
+
+
+def horizon_frontier(here: Path) -> str:
+    """At H = 16 and H = 128 on every entry of fast-labels-horizon's checkpoints: the ranking frontier, one column per
+    estimator, and ``--miss-rate R`` from the fast label of the target's horizon."""
+    df = read_table(here / "inputs/exact_all.parquet")[0]
+    for h in (16, 128):
+        df = df.join(read_table(here / f"inputs/fast_{h}.parquet")[0], on=KEY, how="left")
+    assert df["fast_16"].null_count() == df["fast_128"].null_count() == 0, "every exact entry has its fast labels"
+    groups = [g for _, g in df.sort(KEY).group_by("prompt_id", "checkpoint", maintain_order=True)]
+    fast = {h: json.loads((here / f"bench-h{h}.json").read_text())["ratio"] for h in (16, 128)}
+    h128 = json.loads(HORIZON_BENCH.read_text())["cost_ratio_per_entry"]
+    estimators = {  # target -> [(estimate, pooled, its cost as a share of exact labels of every entry at the target)]
+        16: [("fast_16", False, fast[16]), ("fast_16", True, fast[16])],
+        128: [("fast_128", False, fast[128]), ("fast_128", True, fast[128]), ("exact_16", False, 1 / h128),
+              ("fast_16", False, fast[16] / h128)],
+    }
+    parts, closest = [], []
+    for h, ests in estimators.items():
+        target = f"exact_{h}"
+        fronts = {(est, pooled): ranking_frontier(groups, est, target, pooled) for est, pooled, _ in ests}
+        ests = [((est, pooled), f"`{est}`" + (", pooled" if pooled else ""), cost) for est, pooled, cost in ests]
+        rows = []
+        for i, share in enumerate(adaptive.shares(adaptive.STEP)):
+            row = [number_text(share, 2)]
+            for est, _, cost in ests:
+                got, m = fronts[est][i]
+                row += [f"{m['missed']} / {m['harmful']}", number_text(cost + got, 3)]
+            rows.append(row)
+            if all(fronts[est][i][1]["miss_rate"] == 0 for est, _, _ in ests):
+                break  # every estimator misses nothing from here on
+        head = ["share"] + [c for _, name, _ in ests for c in (f"{name}: missed / harmful", "cost")]
+        e = [g[target].to_numpy() for g in groups]
+        control = control_table(e, [g[f"fast_{h}"].to_numpy() for g in groups], fast[h])
+        parts.append(f"### H = {h} (target `{target}`; harmful: the pooled top decile, "
+                     f"{fronts[ests[0][0]][0][1]['harmful']} entries)\n\n{md_table(head, rows, 'r' * len(head))}\n\n"
+                     f"`--miss-rate R` from `--exact-frac {FIRST}` with the fast label at H = {h} ({SEEDS} audit "
+                     f"seeds):\n\n{control}")
+        for (est, pooled), name, cost in ests:
+            fine = ranking_frontier(groups, est, target, pooled, FINE)
+            hit, m = next((s, m) for s, m in fine if m["miss_rate"] <= TARGET_MISS)
+            closest.append(f"- H = {h}, {name}: the pass costs {number_text(cost, 3)}; measured miss rate <= "
+                           f"{TARGET_MISS} from exact share {number_text(hit, 3)} ({m['missed']} / {m['harmful']}), "
+                           f"cost {number_text(cost + hit, 3)}.")
+    return (
+        "## At H = 16 and H = 128 (every entry of reports/fast-labels-horizon's checkpoints)\n\n"
+        f"{len(groups)} checkpoints (10 MATH-500 prompts at 128 and 256 generated tokens), {df.height:,} entries, "
+        "each labeled exactly to H = 128 (`exact_16`: the mean of its first 16 steps) and by the fast label at H = 16 "
+        "and at H = 128; each estimator ranks each checkpoint's entries (pooled: all checkpoints' together) and its "
+        "top share is labeled exactly at the target's horizon. Cost: the exact share plus the estimator's pass, as a "
+        "share of exact labels of every entry at the target's horizon (the fast pass: fast-labels-horizon's "
+        "`bench-h{16,128}.json`; exact H = 16 for the H = 128 target: 1 / "
+        f"{number_text(h128, 3)}, reports/bench/label-horizon-n16-h128.json). Measured, not bounded, except by "
+        f"`--miss-rate`. The lines: the smallest exact share (searched in steps of 0.01) whose measured miss rate is "
+        f"at most {TARGET_MISS}.\n\n"
+        + "\n".join(closest) + "\n\n" + "\n\n".join(parts) + "\n"
     )
-    (out / "miss-rate.md").write_text(text)
-    return text
 
 
 if __name__ == "__main__":
