@@ -498,9 +498,10 @@ REPLAY = {  # run -> the tables its summary writes (committed)
 SUITE_TABLES = ("summary.md", "summary.csv", "budget.csv", "outcomes.md", "outcomes.csv", "outcomes_summary.csv",
                 "paired.csv", "components.md", "components.csv", "components_paired.csv", "needed.md", "needed.csv")
 REPLAY.update({f"replay-suites/{suite}": SUITE_TABLES for suite in ("keys", "countdown", "recall", "keys-interval128")})
-# teacher-forced replays of the suites' Traces (#43): the rules and oracle_future, and oracle_future with window rest
+# teacher-forced replays of the suites' Traces (#43): the rules and oracle_future, oracle_future with window rest, and
+# per-token selection with the exact-label oracle
 REPLAY.update({f"replay-suites/tf/{run}": ("summary.md", "summary.csv", "budget.csv", "tf_task.md", "tf_task.csv")
-               for run in ("keys", "countdown", "keys-rest", "countdown-rest")})
+               for suite in ("keys", "countdown") for run in (suite, f"{suite}-rest", f"{suite}-per-token")})
 for _d, _t in REPLAY.items():
     compared(_d, _t)
 # teacher-forced: the free-running replay its outcomes join (None: no join), and the labels and scores of its

@@ -1,4 +1,4 @@
-"""report.md and accuracy.png: the in-loop oracle policy beside the rules, on the suites' task component.
+"""report.md and accuracy.png: the in-loop oracle policies beside the rules, on the suites' task component.
 
 Reads only this folder's <suite>/generations.parquet (teacher-forced replay of the full cache's generations of the
 first 10 prompts) and reports/replay-suites/<suite>/generations.parquet (the free-running replay, 50 prompts).
@@ -10,13 +10,15 @@ first 10 prompts) and reports/replay-suites/<suite>/generations.parquet (the fre
   over the compressed generations (the same 10 prompts, and all 50).
 - **Agreement on the needed tokens** (``tf_needed_agree``): the share of the final line's needed tokens where the
   policy's top-1 token is the full cache's, a graded teacher-forced success; top-1 agreement, all steps: the same over
-  every generated token.
+  every generated token; KL: the mean over sequences of the mean per-step KL(P_full || P_policy).
 - **Concordance**: per (prompt, rule, budget) present in both, teacher-forced success against free-running success.
 - Wilson 95 % CIs; McNemar's exact test (the Belady oracle oracle_future_rest, else oracle_future, against each
   policy, the same sequences).
 - Policies: oracle_future (per (layer, KV head), the entries the full-cache run's next interval + horizon = 80 queries
   attend most), oracle_future_rest (the same over every query to the end: Belady; its own replay, <suite>-rest/),
-  and the six rules.
+  and the six rules, selected per (layer, KV head) at 64 / 128 / 256; and at 256 with one keep set for every layer
+  and KV head (per-token selection, <suite>-per-token/) the same policies and the exact-label oracle (greedy on exact
+  labels at H = 16: each live entry ranked by the KL of evicting it with what is already gone), which needs it.
 
 Run from the repository root: .venv/bin/python reports/replay-suites/tf/analyze.py
 """
@@ -28,13 +30,14 @@ from pathlib import Path
 import polars as pl
 
 from kvdiag.plotting import new_figure, save_figure, style
-from kvdiag.stats import format_p, mcnemar, wilson
+from kvdiag.stats import format_p, format_test, mcnemar, sign_test, wilson
 from kvdiag.suites import SUITES, grade
 from kvdiag.tables import markdown_table
 
 HERE = Path(__file__).parent
 FREE = HERE.parent
-ORACLES = ("oracle_future", "oracle_future_rest")  # window interval + horizon (80 queries), and rest (Belady)
+ORACLES = ("oracle", "oracle_future", "oracle_future_rest")  # exact labels; attention of 80 queries; of all (Belady)
+COLORS = dict(zip(ORACLES, ("darkred", "black", "dimgrey"), strict=True))
 SUITE_NAMES = ("keys", "countdown")
 
 
@@ -55,39 +58,47 @@ def free_rows(suite: str, free: Path = FREE) -> pl.DataFrame:
 
 
 def tf_generations(suite: str, here: Path = HERE) -> pl.DataFrame:
-    """The teacher-forced rows of ``suite``, and of ``suite``-rest (oracle_future with window rest) when present."""
+    """The teacher-forced rows of ``suite`` (per-head selection), and of ``suite``-rest (oracle_future with window
+    rest, renamed) when present."""
     df = pl.read_parquet(here / suite / "generations.parquet")
     rest = here / f"{suite}-rest" / "generations.parquet"
     if rest.exists():
-        df = pl.concat([df, pl.read_parquet(rest).with_columns(pl.lit(ORACLES[1]).alias("scorer"))],
+        df = pl.concat([df, pl.read_parquet(rest).with_columns(pl.lit(ORACLES[2]).alias("scorer"))],
                        how="diagonal_relaxed")
     return df
 
 
-def tf_rows(suite: str, here: Path = HERE) -> pl.DataFrame:
-    df = tf_generations(suite, here)
+def tf_rows(df: pl.DataFrame) -> pl.DataFrame:
+    """The sequences of teacher-forced generations ``df`` with a verdict: success, needed-token and top-1 agreement,
+    KL."""
     if "tf_needed_agree" not in df.columns:
         df = df.with_columns(pl.lit(None, pl.Float64).alias("tf_needed_agree"))
     return df.filter((pl.col("compressions") > 0) & pl.col("tf_task").is_not_null()).select(
         "prompt_id", "scorer", "budget", pl.col("tf_task").alias("tf"), pl.col("tf_needed_agree").alias("needed"),
-        pl.col("top1_agree").list.eval(pl.element().cast(pl.Float64)).list.mean().alias("agree"))
+        pl.col("top1_agree").list.eval(pl.element().cast(pl.Float64)).list.mean().alias("agree"), "kl_mean")
 
 
-def suite_section(suite: str, here: Path = HERE, free_dir: Path = FREE) -> tuple[list[str], dict]:
-    tf, free = tf_rows(suite, here), free_rows(suite, free_dir)
-    tf_all = tf_generations(suite, here)
-    prompts = sorted(tf_all["prompt_id"].unique())
-    apart = tf_all.filter((pl.col("compressions") == 0) | pl.col("tf_task").is_null()).height
-    full = free.filter(pl.col("scorer") == "full_kv")
-    full10 = full.filter(pl.col("prompt_id").is_in(prompts))
-    on10, on50 = _rate(int(full10["free"].sum()), full10.height), _rate(int(full["free"].sum()), full.height)
-    lines = [f"## {suite}", "",
-             f"Teacher-forced: {len(prompts)} prompts, {tf.height} sequences with a verdict ({apart} apart: not "
-             f"compressed, or the Trace's final line lacks the needed text). FullKV free-running on these prompts: "
-             f"{on10}; on all 50: {on50}.", ""]
+def oracle_kl(tf: pl.DataFrame) -> list[str]:
+    """The exact-label oracle's teacher-forced KL against every other policy at its budget, paired by prompt (exact
+    sign test: 10 prompts)."""
+    out = []
+    for budget in sorted(tf.filter(pl.col("scorer") == ORACLES[0])["budget"].unique()):
+        wide = tf.filter(pl.col("budget") == budget).pivot(on="scorer", index="prompt_id", values="kl_mean")
+        cells = []
+        for pol in [c for c in wide.columns if c not in ("prompt_id", ORACLES[0])]:
+            pair = wide.select(ORACLES[0], pol).drop_nulls()
+            cells.append(f"{pol} {format_test(sign_test(pair[ORACLES[0]].to_numpy() - pair[pol].to_numpy()))}")
+        out += ["", f"The exact-label oracle's KL against each policy's at budget {budget}, paired by prompt "
+                    "(lower: the oracle's): " + "; ".join(cells) + "."]
+    return out
+
+
+def policy_table(tf: pl.DataFrame, free: pl.DataFrame, prompts: list[str], ref: str) -> tuple[list[str], dict]:
+    """One row per (budget, policy) of ``tf`` (oracles first): teacher-forced success, agreements, KL, McNemar's test
+    against ``ref`` and (rules) the free-running success of ``free`` on ``prompts`` and on all; and the plot's
+    points."""
     body, plot = [], {}
     oracles = [o for o in ORACLES if o in set(tf["scorer"])]
-    ref = oracles[-1]  # the tests' reference: the Belady oracle where it ran
     policies = [*oracles, *[p for p in tf["scorer"].unique(maintain_order=True) if p not in ORACLES]]
     for budget in sorted(tf["budget"].unique()):
         for pol in policies:
@@ -103,13 +114,32 @@ def suite_section(suite: str, here: Path = HERE, free_dir: Path = FREE) -> tuple
             needed = t["needed"].drop_nulls()
             body.append([pol, budget, _rate(int(t["tf"].sum()), t.height),
                          f"{needed.mean():.3f}" if needed.len() else "–",
-                         f"{t['agree'].mean():.3f}" if t.height else "–", test,
+                         f"{t['agree'].mean():.3f}", f"{t['kl_mean'].mean():.3f}", test,
                          "teacher-forced only" if pol in ORACLES else _rate(int(f10["free"].sum()), f10.height),
                          "–" if pol in ORACLES else _rate(int(f["free"].sum()), f.height)])
             plot[(pol, budget)] = {"tf": (int(t["tf"].sum()), t.height), "free": (int(f["free"].sum()), f.height)}
-    lines.append(markdown_table(["policy", "budget", "teacher-forced success", "agreement on the needed tokens",
-                                 "top-1 agreement, all steps",
-                                 f"McNemar p vs {ref}", "free-running, same prompts", "free-running, 50"], body))
+    table = markdown_table(["policy", "budget", "teacher-forced success", "agreement on the needed tokens",
+                            "top-1 agreement, all steps", "KL (nats)", f"McNemar p vs {ref}",
+                            "free-running, same prompts", "free-running, 50"], body)
+    return [table], plot
+
+
+def suite_section(suite: str, here: Path = HERE, free_dir: Path = FREE) -> tuple[list[str], dict]:
+    tf_all = tf_generations(suite, here)
+    tf, free = tf_rows(tf_all), free_rows(suite, free_dir)
+    prompts = sorted(tf_all["prompt_id"].unique())
+    apart = tf_all.filter((pl.col("compressions") == 0) | pl.col("tf_task").is_null()).height
+    full = free.filter(pl.col("scorer") == "full_kv")
+    full10 = full.filter(pl.col("prompt_id").is_in(prompts))
+    on10, on50 = _rate(int(full10["free"].sum()), full10.height), _rate(int(full["free"].sum()), full.height)
+    lines = [f"## {suite}", "",
+             f"Teacher-forced: {len(prompts)} prompts, {tf.height} sequences with a verdict ({apart} apart: not "
+             f"compressed, or the Trace's final line lacks the needed text). FullKV free-running on these prompts: "
+             f"{on10}; on all 50: {on50}.", "",
+             "### Per-head selection (each layer and KV head keeps its own budget), as in the free-running replay", ""]
+    ref = [o for o in ORACLES if o in set(tf["scorer"])][-1]  # the tests' reference: the Belady oracle where it ran
+    table, plot = policy_table(tf, free, prompts, ref)
+    lines += table
     both = tf.join(free, on=["prompt_id", "scorer", "budget"], how="inner")
     if both.height:
         cells = {(a, b): both.filter((pl.col("tf") == a) & (pl.col("free") == b)).height
@@ -118,6 +148,15 @@ def suite_section(suite: str, here: Path = HERE, free_dir: Path = FREE) -> tuple
                       f"budget, {both.height} pairs): both succeed {cells[(True, True)]}, both fail "
                       f"{cells[(False, False)]}, teacher-forced only {cells[(True, False)]}, free-running only "
                       f"{cells[(False, True)]}."]
+    per_token = here / f"{suite}-per-token" / "generations.parquet"
+    if per_token.exists():
+        pt = tf_rows(pl.read_parquet(per_token))
+        table, pt_plot = policy_table(pt, free.clear(), prompts, ORACLES[0])
+        lines += ["", "### One keep set for every layer and KV head (per-token selection), as the exact-label oracle "
+                      "needs", "",
+                  f"The same sequences at budget 256 ({suite}-per-token/); the free-running replay selected per head, "
+                  "so it has no row here.", "", *table, *oracle_kl(pt)]
+        plot.update({("oracle", b): v for (pol, b), v in pt_plot.items() if pol == ORACLES[0]})
     plot["full_kv"] = (int(full["free"].sum()), full.height)
     return [*lines, ""], plot
 
@@ -135,17 +174,18 @@ def figure(plots: dict, out: Path) -> None:
             rules = sorted({k[0] for k in plot if k != "full_kv" and k[0] not in ORACLES})
             oracles = [o for o in ORACLES if any(k[0] == o for k in plot if k != "full_kv")]
             colors = dict(zip(rules, sns.color_palette("tab10", len(rules)), strict=True))
-            colors.update({ORACLES[0]: "black", ORACLES[1]: "dimgrey"})
+            colors.update(COLORS)
             for pol in [*oracles, *rules]:
                 for kind, ls, marker in (("tf", "--", "s"), ("free", "-", "o")):
                     if pol in ORACLES and kind == "free":
                         continue
-                    pts = [(b, *plot[(pol, b)][kind]) for b in budgets if plot[(pol, b)][kind][1]]
+                    pts = [(b, *plot[(pol, b)][kind]) for b in budgets if (pol, b) in plot and plot[(pol, b)][kind][1]]
                     if not pts:
                         continue
                     xs, ys = [x[p[0]] for p in pts], [p[1] / p[2] for p in pts]
                     ax.plot(xs, ys, ls, marker=marker, color=colors[pol], markersize=3,
-                            label=f"{pol} ({'teacher-forced' if kind == 'tf' else 'free'})",
+                            label=f"{pol} ({'teacher-forced' if kind == 'tf' else 'free'}"
+                                  f"{', per-token' if pol == ORACLES[0] else ''})",
                             alpha=1.0 if pol in ORACLES or kind == "free" else 0.6)
                     if pol in ORACLES:
                         lo_hi = [wilson(p[1], p[2]) for p in pts]
@@ -162,7 +202,7 @@ def figure(plots: dict, out: Path) -> None:
 def main(here: Path = HERE, free: Path = FREE, out: Path = HERE, plot: bool = True) -> None:
     """report.md (and accuracy.png / .pdf unless not ``plot``) in ``out`` from ``here``'s teacher-forced and ``free``'s
     free-running generations."""
-    lines = ["# The in-loop oracle policy beside the rules (teacher-forced)", "",
+    lines = ["# The in-loop oracle policies beside the rules (teacher-forced)", "",
              "Made by reproduce.sh and analyze.py (this folder). Dashed: teacher-forced success (10 prompts, the "
              "full cache's generation fed under each policy); solid: free-running success (50 prompts, the rule's own "
              "generation). The oracle policies read the future queries, so they exist only teacher-forced.", ""]
