@@ -124,6 +124,23 @@ def policy_table(tf: pl.DataFrame, free: pl.DataFrame, prompts: list[str], ref: 
     return [table], plot
 
 
+def horizon_probe(suite: str, pt: pl.DataFrame, here: Path = HERE) -> list[str]:
+    """The exact-label oracle with a horizon past the next compression (``suite``-oracle-h80/, its first prompts)
+    against the per-token policies ``pt`` on the same prompts."""
+    path = here / f"{suite}-oracle-h80" / "generations.parquet"
+    if not path.exists():
+        return []
+    h80 = tf_rows(pl.read_parquet(path))
+    prompts = sorted(h80["prompt_id"].unique())
+    same = pt.filter(pl.col("prompt_id").is_in(prompts))
+    cells = [f"{pol} {g['kl_mean'].mean():.3f} ({int(g['tf'].sum())}/{g.height})"
+             for (pol,), g in same.group_by("scorer", maintain_order=True)]
+    return ["", f"The exact-label oracle with labels over 80 steps (the next compression's 64 and 16 more; "
+                f"{suite}-oracle-h80/, the first {len(prompts)} prompts, 5x the cost): KL {h80['kl_mean'].mean():.3f}, "
+                f"success {int(h80['tf'].sum())}/{h80.height}; on the same prompts at H = 16, KL (success): "
+                + "; ".join(cells) + "."]
+
+
 def suite_section(suite: str, here: Path = HERE, free_dir: Path = FREE) -> tuple[list[str], dict]:
     tf_all = tf_generations(suite, here)
     tf, free = tf_rows(tf_all), free_rows(suite, free_dir)
@@ -157,6 +174,7 @@ def suite_section(suite: str, here: Path = HERE, free_dir: Path = FREE) -> tuple
                   f"The same sequences at budget 256 ({suite}-per-token/); the free-running replay selected per head, "
                   "so it has no row here.", "", *table, *oracle_kl(pt)]
         plot.update({("oracle", b): v for (pol, b), v in pt_plot.items() if pol == ORACLES[0]})
+        lines += horizon_probe(suite, pt, here)
     plot["full_kv"] = (int(full["free"].sum()), full.height)
     return [*lines, ""], plot
 

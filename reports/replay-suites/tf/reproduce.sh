@@ -11,8 +11,8 @@
 # the six rules at budget 256 (<suite>-per-token/; the oracle takes about 2 min per prompt, so one budget).
 # Each row records its per-step top-1 agreement with the full cache and the teacher-forced task success
 # (kvdiag.replay.tf_task); analyze.py sets them beside the free-running outcomes of the same prompts.
-# A rerun continues from runs/replay-suites-tf-*. About 10 min per suite, 3 min per rest run and 25 min per per-token run
-# on the idle machine.
+# A rerun continues from runs/replay-suites-tf-*. About 10 min per suite, 3 min per rest run and 25 min per per-token
+# run on the idle machine.
 set -euo pipefail
 K=${K:-.venv/bin/kvdiag}
 PY=${PY:-.venv/bin/python}
@@ -32,4 +32,11 @@ for suite in ${SUITES:-keys countdown}; do
         for f in $FILES; do cp "runs/replay-suites-tf-$run/$f" "reports/replay-suites/tf/$run/"; done
     done
 done
+# the exact-label oracle with labels over 80 steps (past the next compression), countdown's first 3 prompts (about
+# 9 min each: 5x the labels of H = 16)
+$K replay --teacher-forced runs/needed-labels-countdown/trace --scorers oracle --selection per-token --budget 256 \
+    --interval 64 --horizon 80 --no-joint --limit 3 --out runs/replay-suites-tf-countdown-oracle-h80
+H80=reports/replay-suites/tf/countdown-oracle-h80
+mkdir -p $H80
+for f in $FILES; do cp "runs/replay-suites-tf-countdown-oracle-h80/$f" $H80/; done
 $PY reports/replay-suites/tf/analyze.py
