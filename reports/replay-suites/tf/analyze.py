@@ -137,7 +137,8 @@ def horizon_probe(suite: str, pt: pl.DataFrame, here: Path = HERE) -> list[str]:
              for (pol,), g in same.group_by("scorer", maintain_order=True)]
     return ["", f"The exact-label oracle with labels over 80 steps (the next compression's 64 and 16 more; "
                 f"{suite}-oracle-h80/, the first {len(prompts)} prompts, 5x the cost): KL {h80['kl_mean'].mean():.3f}, "
-                f"success {int(h80['tf'].sum())}/{h80.height}; on the same prompts at H = 16, KL (success): "
+                f"success {int(h80['tf'].sum())}/{h80.height}; the per-token policies on the same prompts (the "
+                f"oracle at H = 16), KL (success): "
                 + "; ".join(cells) + "."]
 
 
