@@ -500,10 +500,10 @@ SUITE_TABLES = ("summary.md", "summary.csv", "budget.csv", "outcomes.md", "outco
 REPLAY.update({f"replay-suites/{suite}": SUITE_TABLES for suite in ("keys", "countdown", "recall", "keys-interval128")})
 # teacher-forced replays of the suites' Traces (#43): the rules and oracle_future, oracle_future with window rest, and
 # per-token selection with the exact-label oracle
-REPLAY.update({f"replay-suites/tf/{run}": ("summary.md", "summary.csv", "budget.csv", "tf_task.md", "tf_task.csv")
-               for suite in ("keys", "countdown") for run in (suite, f"{suite}-rest", f"{suite}-per-token")}
-              | {"replay-suites/tf/countdown-oracle-h80": ("summary.md", "summary.csv", "budget.csv", "tf_task.md",
-                                                           "tf_task.csv")})
+TF_TABLES = ("summary.md", "summary.csv", "budget.csv", "tf_task.md", "tf_task.csv")
+REPLAY.update({f"replay-suites/tf/{run}": TF_TABLES for run in (
+    *(r for suite in ("keys", "countdown") for r in (suite, f"{suite}-rest", f"{suite}-per-token")),
+    "countdown-oracle-h80")})
 for _d, _t in REPLAY.items():
     compared(_d, _t)
 # teacher-forced: the free-running replay its outcomes join (None: no join), and the labels and scores of its
