@@ -53,7 +53,7 @@ GPU_PYTHON ?= python3
 # needs the venv, not a fresh install of it (the stamp goes stale whenever this Makefile changes)
 gpu-bundle:
 	test -x $(BIN)/python || $(MAKE) venv
-	$(BIN)/python -m kvdiag.gpu_check bundle --out $(GPU_BUNDLE)
+	$(BIN)/python -m kvdiag.bench.gpu_check bundle --out $(GPU_BUNDLE)
 
 ifeq ($(DRY_RUN),1)
 gpu-check: gpu-bundle

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import polars as pl
 
+from kvdiag.core.io import read_json, write_table
 from kvdiag.figures.delayed_reads import read_settings
 from kvdiag.figures.params import FigureParams
 from kvdiag.figures.registry import READS_SCHEMA
-from kvdiag.io import read_json, write_table
-from kvdiag.token_features import SCHEMA as FEATURES_SCHEMA
+from kvdiag.scorers.token_features import SCHEMA as FEATURES_SCHEMA
 
 RUNS = {"reports/math500-smollm2/figures": False, "reports/math500-long/figures": True}  # -> take the features too
 FROM = "taken column for column from the committed {} of the run in figures.json (its Trace is not committed)"

@@ -12,21 +12,21 @@ torch.set_num_threads(1)  # pytest-xdist runs one worker per core
 
 @pytest.fixture(scope="session")
 def tiny_llama():
-    from kvdiag.models import load_model
+    from kvdiag.model.load import load_model
 
     return load_model("tiny:llama")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3():
-    from kvdiag.models import load_model
+    from kvdiag.model.load import load_model
 
     return load_model("tiny:qwen3")
 
 
 @pytest.fixture(scope="session", params=["tiny:llama", "tiny:qwen3"])
 def tiny_model(request):
-    from kvdiag.models import load_model
+    from kvdiag.model.load import load_model
 
     return load_model(request.param)
 
@@ -51,7 +51,7 @@ def restore_scorers():
 
 def make_trace(lm, path, n_prompts=2, max_new_tokens=40, storage_dtype="float32"):
     """A Trace of ``n_prompts`` short builtin prompts (no instruction, no chat) written to ``path``."""
-    from kvdiag.prompts import load_prompts
+    from kvdiag.tasks.prompts import load_prompts
     from kvdiag.trace import GenerationSettings, Trace, trace_prompts
 
     settings = GenerationSettings(

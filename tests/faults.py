@@ -62,7 +62,7 @@ def _guard_reads() -> None:
     pl.read_parquet = guarded(pl.read_parquet)
     pq.read_metadata = guarded(pq.read_metadata)
     safetensors.safe_open = guarded(safetensors.safe_open)
-    import kvdiag.trace.reader  # kvdiag.io reads through the patched modules (imported on use)
+    import kvdiag.trace.reader  # kvdiag.core.io reads through the patched modules (imported on use)
 
     kvdiag.trace.reader.safe_open = safetensors.safe_open
 
@@ -90,10 +90,10 @@ def _inject(spec: str) -> None:
         setattr(mod, func, killing)
         return
 
-    import kvdiag.io
+    import kvdiag.core.io
     import kvdiag.trace.writer
 
-    original_atomic, original_save = kvdiag.io.write_atomically, kvdiag.trace.writer.save_file
+    original_atomic, original_save = kvdiag.core.io.write_atomically, kvdiag.trace.writer.save_file
 
     def half(path) -> None:  # a write cut off half-way
         os.truncate(path, os.path.getsize(path) // 2)
@@ -117,7 +117,7 @@ def _inject(spec: str) -> None:
                 half(filename)
             _kill()
 
-    kvdiag.io.write_atomically = atomic
+    kvdiag.core.io.write_atomically = atomic
     kvdiag.trace.writer.save_file = save
 
 

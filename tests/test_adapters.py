@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvdiag.errors import UserError
-from kvdiag.model_specs import check_model_spec, safetensors_shapes, spec_config, split_adapter
-from kvdiag.models import load_model
+from kvdiag.core.errors import UserError
+from kvdiag.model.load import load_model
+from kvdiag.model.specs import check_model_spec, safetensors_shapes, spec_config, split_adapter
 
 SHIPPED = Path(__file__).parent.parent / "data" / "adapters" / "smollm2-countdown"
 

@@ -12,7 +12,7 @@ import pytest
 _CHILD = """
 import resource, sys
 import torch
-from kvdiag.allocator import reuse_freed_memory
+from kvdiag.core.allocator import reuse_freed_memory
 applied = reuse_freed_memory() if sys.argv[1] == "on" else None
 w = torch.randn(576, 1536)
 faults = []

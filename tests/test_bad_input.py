@@ -822,7 +822,8 @@ PLUGIN_FILES = {"import": "import_error"}  # a plugin file named import.py would
 # Rows whose refusal needs what only torch gives, each with why; every other row is refused before torch or
 # transformers is imported (test_refused_before_torch). Two remain, both a fault inside a plugin's score(): what the
 # plugin's source shows (syntax, the scorer contract, a taken name, a missing import, an exit at import) is refused
-# before torch (kvdiag.plugin_check), but a score() that raises or returns a list shows it only when it runs, on a
+# before torch (kvdiag.scorers.plugin_check), but a score() that raises or returns a list shows it only when it runs,
+# on a
 # Trace's tensors (torch). These are not argument checks: the plugin's own code must run. Each is still refused
 # before any model loads or any output is written (test_plugin_rows_are_refused_before_a_model_or_an_output).
 RUNS_SCORE = "the fault is in its score(), which shows only when it runs on a Trace's tensors (torch)"
@@ -840,7 +841,7 @@ def _run(argv: list[str], capsys) -> tuple[int, str]:
 @pytest.fixture(scope="module")
 def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
     """A tiny run (trace, labels, scores, rank-eval) and broken copies of its files."""
-    from kvdiag.io import read_table, write_table
+    from kvdiag.core.io import read_table, write_table
     from tests.conftest import hub_cache, make_trace
 
     root = tmp_path_factory.mktemp("bad-input")
@@ -925,7 +926,7 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
         "num_key_value_heads": 3, "max_position_embeddings": 8192}))
     p["model_other"] = str(root / "model-other")
     # a model directory with a tokenizer saved by transformers (the byte tokenizer): counted before torch
-    from kvdiag.model_specs import byte_tokenizer
+    from kvdiag.model.specs import byte_tokenizer
 
     shutil.copytree(root / "model-other", root / "model-tokenizer")
     byte_tokenizer().save_pretrained(root / "model-tokenizer")
@@ -1074,11 +1075,11 @@ def test_refused_before_torch(inputs, tmp_path):
 def test_plugin_rows_are_refused_before_a_model_or_an_output(inputs, tmp_path, capsys, monkeypatch,
                                                              restore_scorers):
     """The rows left in HEAVY (a plugin's code runs to show its fault) exit 2 with one line naming the plugin's file
-    and the fix, with no model loaded (kvdiag.models.load_model never called) and nothing written at --out."""
-    import kvdiag.models
+    and the fix, with no model loaded (kvdiag.model.load.load_model never called) and nothing written at --out."""
+    import kvdiag.model.load
 
     loads = []
-    monkeypatch.setattr(kvdiag.models, "load_model", lambda *a, **k: loads.append(a))
+    monkeypatch.setattr(kvdiag.model.load, "load_model", lambda *a, **k: loads.append(a))
     files = {"score-plugin-raises": "raises.py:9", "score-plugin-returns-list": "returns_list.py:"}
     fixes = {"raises": "fix its score()", "returns-list": "fix its score()"}
     assert set(files) == set(HEAVY)
@@ -1096,11 +1097,12 @@ def test_plugin_rows_are_refused_before_a_model_or_an_output(inputs, tmp_path, c
 
 def test_light_name_lists_are_the_registries():
     """The names the CLI checks before torch loads are the names the registries (which need torch) hold."""
-    from kvdiag import parsing, scorer_names
+    from kvdiag.core import parsing
     from kvdiag.label.config import APPROXIMATE_PARAMS
     from kvdiag.label.fast import APPROXIMATE
-    from kvdiag.models import DTYPES
+    from kvdiag.model.load import DTYPES
     from kvdiag.scorers import AGGREGATIONS, SCORERS
+    from kvdiag.scorers import names as scorer_names
 
     assert scorer_names.BUILTIN_SCORERS == tuple(n for n, c in SCORERS.items() if c.__module__.startswith("kvdiag."))
     assert set(scorer_names.PREFIXES) == set(SCORERS._resolvers)
@@ -1113,15 +1115,15 @@ def test_light_name_lists_are_the_registries():
 
 
 def test_scorer_fields_are_the_registrys():
-    """kvdiag.scorer_fields (read before torch) is the registry's: every built-in's fields (annotation as written,
+    """kvdiag.scorers.fields (read before torch) is the registry's: every built-in's fields (annotation as written,
     default, order) and their evaluated types, which rules need every past query's attention (in the class or by
     instance), which default instances run on a live cache, and which join `--scorers all`."""
     import dataclasses
     import typing
 
-    from kvdiag import scorer_fields
     from kvdiag.generate.live import live_scorer_names
     from kvdiag.scorers import SCORERS
+    from kvdiag.scorers import fields as scorer_fields
 
     builtins = {n: c for n, c in SCORERS.items() if c.__module__.startswith("kvdiag.") and ":" not in n}
     assert {n: {f.name: (f.type, f.default) for f in dataclasses.fields(c)} for n, c in builtins.items()} \
@@ -1147,10 +1149,10 @@ def inspect_attr(cls, name: str):
 def test_light_params_are_the_registrys():
     """The --param checks before torch refuse what get_scorer refuses, with its line, and convert what it converts
     (every field of every built-in, a valid and an invalid value of each type)."""
-    from kvdiag.errors import UserError
-    from kvdiag.scorer_fields import FIELDS, builtin_params, wo_l2_unused
+    from kvdiag.core.errors import UserError
     from kvdiag.scorers import get_scorer
     from kvdiag.scorers.base import needs_o_proj
+    from kvdiag.scorers.fields import FIELDS, builtin_params, wo_l2_unused
 
     samples = {"int": ["3", "x"], "float": ["0.5", "lots"], "bool": ["false", "maybe"], "str": ["wo_l2"],
                "int | None": ["none", "4", "y"], "tuple[float, ...]": ["0.2,0.4", "a,b"],
@@ -1187,7 +1189,7 @@ def test_light_params_are_the_registrys():
 def test_grade_tells_names_from_plugins():
     """``grade fitted:dir/model.json`` grades a registered (prefixed) name, as ``score --scorers fitted:PATH`` does;
     a path without a prefix is a plugin."""
-    from kvdiag.grade import is_plugin_spec
+    from kvdiag.grade.run import is_plugin_spec
 
     assert not is_plugin_spec("fitted:runs/fit/model.json") and not is_plugin_spec("kvpress:SnapKVPress")
     assert not is_plugin_spec("knorm") and not is_plugin_spec("my_package.rules")
@@ -1212,13 +1214,13 @@ def test_warnings_are_one_line_each(monkeypatch, capsys):
     no code line), printed before the error's one line."""
     import warnings
 
-    import kvdiag.prompts
+    import kvdiag.tasks.prompts
 
     def warn_then_refuse(*args, **kwargs):
         warnings.warn("first line\nsecond [bold]line[/bold]", UserWarning, stacklevel=1)
-        raise kvdiag.prompts.UserError("--prompts x: refused")
+        raise kvdiag.tasks.prompts.UserError("--prompts x: refused")
 
-    monkeypatch.setattr(kvdiag.prompts, "load_prompts", warn_then_refuse)
+    monkeypatch.setattr(kvdiag.tasks.prompts, "load_prompts", warn_then_refuse)
     code, err = _run(["trace", "--model", "tiny:llama", "--out", "/nonexistent/t"], capsys)
     assert code == 2
     assert err.strip().splitlines() == ["warning: first line second [bold]line[/bold] (UserWarning)",
@@ -1227,13 +1229,13 @@ def test_warnings_are_one_line_each(monkeypatch, capsys):
 
 def test_unexpected_error_is_one_line_with_a_log(monkeypatch, tmp_path, capsys):
     """A bug (not bad input): one line naming the log file with the traceback, exit 1; --debug raises."""
-    import kvdiag.prompts
+    import kvdiag.tasks.prompts
 
     def boom(*args, **kwargs):
         raise RuntimeError("simulated bug\nsecond line")
 
     monkeypatch.setenv("KVDIAG_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(kvdiag.prompts, "load_prompts", boom)
+    monkeypatch.setattr(kvdiag.tasks.prompts, "load_prompts", boom)
     argv = ["trace", "--model", "tiny:llama", "--out", str(tmp_path / "t")]
     code, err = _run(argv, capsys)
     assert code == 1
@@ -1253,7 +1255,7 @@ def test_list_options_accumulate(inputs, tmp_path, capsys):
     code, _ = _run(["score", "--trace", inputs["trace"], "--labels", inputs["labels"], "--scorers", "knorm",
                     "--scorers", "value_norm,attention", "--out", str(out)], capsys)
     assert code == 0
-    from kvdiag.io import read_table
+    from kvdiag.core.io import read_table
 
     df, meta = read_table(out)
     assert list(meta["scorers"]) == ["knorm", "value_norm", "attention"]
@@ -1276,7 +1278,7 @@ SHIPPED = Path(__file__).resolve().parents[1] / "data" / "kvdiag-bench" / "math5
 
 def _drop_labels_from_the_manifest(d: Path) -> None:
     """The labels file is altered and no longer listed: the manifest's own hashes all still match."""
-    from kvdiag.io import read_table, write_table
+    from kvdiag.core.io import read_table, write_table
 
     df, meta = read_table(d / "labels.parquet")
     write_table(df.with_columns(pl.col("kl_mean") * 0.5), d / "labels.parquet", meta)
@@ -1287,8 +1289,8 @@ def _drop_labels_from_the_manifest(d: Path) -> None:
 
 def _recompute_the_hashes(d: Path) -> None:
     """The labels file is altered and the manifest resealed: the manifest vouches for itself."""
-    from kvdiag import benchmark
-    from kvdiag.io import read_table, write_table
+    from kvdiag.core.io import read_table, write_table
+    from kvdiag.grade import benchmark
 
     df, meta = read_table(d / "labels.parquet")
     write_table(df.with_columns(pl.col("kl_mean") * 0.5), d / "labels.parquet", meta)
@@ -1309,7 +1311,7 @@ def _drop_the_files_key(d: Path) -> None:
 def test_grade_refuses_a_tampered_copy_of_the_shipped_benchmark(tamper, needle, tmp_path, capsys):
     """The seal (#40): kvdiag holds the sha256 of the shipped MANIFEST.json, so a copy tampered with in any of the three
     ways is refused with exit 2 and one line, before the model loads or --out is written."""
-    from kvdiag import benchmark
+    from kvdiag.grade import benchmark
 
     assert benchmark.sha256(SHIPPED / "MANIFEST.json") == benchmark.SHIPPED["math500-smollm2@1"]
     assert benchmark.load("math500-smollm2@1").name == "math500-smollm2@1"  # the shipped one passes, not user-built
@@ -1324,8 +1326,8 @@ def test_grade_refuses_a_tampered_copy_of_the_shipped_benchmark(tamper, needle, 
 
 def test_a_benchmark_missing_a_required_file_from_its_manifest_is_refused(tmp_path):
     """A user-built benchmark (not a shipped version) must still list and seal every file a benchmark has."""
-    from kvdiag import benchmark
-    from kvdiag.errors import UserError
+    from kvdiag.core.errors import UserError
+    from kvdiag.grade import benchmark
 
     copy = tmp_path / "mine@1"
     shutil.copytree(SHIPPED, copy)
@@ -1341,9 +1343,9 @@ def test_a_benchmark_missing_a_required_file_from_its_manifest_is_refused(tmp_pa
 
 def test_the_decisions_contract(tmp_path):
     """read_decisions refuses an empty table, a repeated decision row and a labeled row without a finite kl_mean."""
-    from kvdiag.contracts import read_decisions
-    from kvdiag.errors import UserError
-    from kvdiag.io import write_table
+    from kvdiag.core.contracts import read_decisions
+    from kvdiag.core.errors import UserError
+    from kvdiag.core.io import write_table
 
     rows = pl.DataFrame({"prompt_id": ["p", "p"], "checkpoint": [8, 8], "decision": ["knorm", "random"],
                          "kind": ["rule", "reference"], "budget": ["keep:0.5"] * 2, "sample": [None, None],
@@ -1359,11 +1361,12 @@ def test_the_decisions_contract(tmp_path):
 
 
 def test_the_output_guard(inputs, tmp_path):
-    """kvdiag.guard.check_outputs: an output that is (also through a symlink), holds or lies inside an input, or lies
+    """kvdiag.core.guard.check_outputs: an output that is (also through a symlink), holds or lies inside an input, or
+    lies
     inside any Trace, is refused naming both flags; `kvdiag trace` may continue its own Trace; a fine output passes
     and the writability probe leaves nothing behind."""
-    from kvdiag.errors import UserError
-    from kvdiag.guard import check_outputs, is_trace_dir
+    from kvdiag.core.errors import UserError
+    from kvdiag.core.guard import check_outputs, is_trace_dir
 
     trace, labels = Path(inputs["trace"]), Path(inputs["labels"])
     link = tmp_path / "link.parquet"

@@ -8,7 +8,7 @@ import polars as pl
 import pytest
 import torch
 
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
 from kvdiag.rankeval import KEYS, rank_eval
 from kvdiag.scorers import SCORERS, ScoreContext
 from tests.conftest import make_scorer, random_qkv

@@ -50,8 +50,8 @@ def test_trace_files_fingerprint_is_the_traces():
 def test_known_shape_is_the_loaded_config(tmp_path):
     """model_specs.known_shape (read before torch) gives the layer count and context of the config the model loads
     with: every tiny family's, and a local directory's config.json (its text_config when nested)."""
-    from kvdiag.model_specs import TINY, known_shape
-    from kvdiag.models import _tiny_config, byte_tokenizer
+    from kvdiag.model.load import _tiny_config, byte_tokenizer
+    from kvdiag.model.specs import TINY, known_shape
 
     tok = byte_tokenizer()
     for family in TINY:
@@ -84,3 +84,11 @@ def test_each_commands_refusal_imports_no_heavy_library(tmp_path):
         results[name] = (exit_code, sorted(set(loaded) & set(HEAVY)))
     assert len(results) >= 20 and {"trace", "label", "score", "decisions", "bench cli"} <= set(results)
     assert {name: r for name, r in results.items() if r != (2, [])} == {}
+
+
+def test_version_prints_the_package_version():
+    import kvdiag
+
+    proc = subprocess.run([sys.executable, "-m", "kvdiag", "--version"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, f"kvdiag {kvdiag.__version__}\n", "")

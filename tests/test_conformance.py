@@ -1,13 +1,13 @@
 """Conformance matrix: every model family kvdiag knows, on a tiny random model, is exact or refused in one line.
 
-Exact means, for each family (``kvdiag.models.TINY``; semantics from ``kvdiag.adapters``):
+Exact means, for each family (``kvdiag.model.load.TINY``; semantics from ``kvdiag.model.adapters``):
 - trace: the recorded continuation is the model's own greedy decoding (its default attention implementation),
   and attention recomputed from the recorded q/k (``Trace.attention``) equals the model's eager attention
   weights (``output_attentions=True``) within 1e-5;
 - label: token, layer and head granularity equal the slow reference (stock eager attention, entry physically
   deleted, absolute-position masks) within 1e-4 relative + 1e-6 nats; entries outside a sliding layer's window
   label exactly 0 at that layer.
-Adding a family = one adapter entry (``kvdiag.adapters.FAMILIES``) + one tiny model line + one line here.
+Adding a family = one adapter entry (``kvdiag.model.adapters.FAMILIES``) + one tiny model line + one line here.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvdiag.adapters import FAMILIES, LayerAttention, check_kwargs, family_of
-from kvdiag.attention import attn_implementation
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
 from kvdiag.label import OracleEngine, Row, candidate_rows, divergences
 from kvdiag.label.reference import reference_logprobs, reference_set_logprobs
-from kvdiag.models import load_model
+from kvdiag.model.adapters import FAMILIES, LayerAttention, check_kwargs, family_of
+from kvdiag.model.attention import attn_implementation
+from kvdiag.model.load import load_model
 
 EXACT = "exact"
 MLA = "multi-head latent attention"
@@ -64,7 +64,7 @@ def model(name):
 
 
 def test_matrix_covers_every_family():
-    from kvdiag.models import TINY
+    from kvdiag.model.load import TINY
 
     assert set(MATRIX) == set(TINY)
     families = {model_type for model_type in FAMILIES}
@@ -84,7 +84,7 @@ def prompts_file(tmp_path_factory):
 
 @pytest.mark.parametrize("name", EXACT_FAMILIES)
 def test_trace_equals_the_model(name, prompts_file, tmp_path):
-    from kvdiag.prompts import load_prompts
+    from kvdiag.tasks.prompts import load_prompts
     from kvdiag.trace import GenerationSettings, Trace, trace_prompts
 
     lm = model(name)
@@ -200,7 +200,7 @@ def test_semantics_the_model_passes_must_match_the_adapter(name):
 
 
 def test_gemma3_conditional_generation_is_its_text_model():
-    from kvdiag.models import _tiny
+    from kvdiag.model.load import _tiny
 
     cg, _ = _tiny("gemma3_cg", 0)
     lm = model("gemma3_cg")

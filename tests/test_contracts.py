@@ -10,10 +10,10 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from kvdiag.contracts import read_generations, same_trace
-from kvdiag.errors import UserError
-from kvdiag.io import write_table
-from kvdiag.model_specs import EMBEDDED_CONFIG, check_trace_model, context_of, spec_config
+from kvdiag.core.contracts import read_generations, same_trace
+from kvdiag.core.errors import UserError
+from kvdiag.core.io import write_table
+from kvdiag.model.specs import EMBEDDED_CONFIG, check_trace_model, context_of, spec_config
 
 REPORTS = Path(__file__).resolve().parents[1] / "reports"
 
@@ -33,8 +33,8 @@ def test_the_light_fingerprint_is_the_traces(tiny_trace):
 
 def test_the_shipped_benchmarks_tables_belong_to_its_trace():
     """The fingerprint read light matches what the shipped benchmark's labels and references record."""
-    from kvdiag.contracts import belongs
-    from kvdiag.io import check_table
+    from kvdiag.core.contracts import belongs
+    from kvdiag.core.io import check_table
     from kvdiag.trace.manifest import TraceFiles
 
     bench = Path(__file__).resolve().parents[1] / "data" / "kvdiag-bench" / "math500-smollm2@1"
@@ -115,7 +115,7 @@ def test_another_model_than_the_traces_is_refused_before_it_loads(tmp_path, monk
 def test_the_light_configs_are_the_loaded_ones(tiny_llama, tiny_qwen3):
     """spec_config's layer and head counts for tiny models are what the loaded model records; an embedded model's
     fields are its converted config.json's (where this machine has converted it)."""
-    from kvdiag.embedded import EMBEDDED, converted_dir
+    from kvdiag.model.embedded import EMBEDDED, converted_dir
 
     for lm in (tiny_llama, tiny_qwen3):
         cfg, info = spec_config(lm.spec), lm.info

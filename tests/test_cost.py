@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from kvdiag.prompts import load_prompts
+from kvdiag.tasks.prompts import load_prompts
 from kvdiag.trace import GenerationSettings, Trace, trace_prompts
 from kvdiag.trace.cost import LLAMA_8B, TOKEN_TABLE_BYTES, ModelShape, TraceCost
 

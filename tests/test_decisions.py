@@ -9,11 +9,11 @@ import torch
 from scipy.stats import binomtest
 
 import kvdiag.cli.main
+import kvdiag.core.selection
 import kvdiag.generate.live
-import kvdiag.selection
+from kvdiag.core.io import read_table, write_table
 from kvdiag.decisions import Budget, DecisionsConfig, decide, summarize_files
 from kvdiag.decisions.sets import rule_set
-from kvdiag.io import read_table, write_table
 from kvdiag.label import LabelConfig, OracleEngine, divergences, label_trace
 from kvdiag.label.reference import reference_set_logprobs
 from kvdiag.scorers import checkpoint_keys, get_scorer, score_trace
@@ -56,7 +56,7 @@ def decided(run):
 
 
 def test_replay_and_decisions_share_one_selection_function():
-    assert kvdiag.generate.live.select_keep is kvdiag.selection.select_keep
+    assert kvdiag.generate.live.select_keep is kvdiag.core.selection.select_keep
 
 
 def test_every_decision_is_labeled_and_equals_physical_deletion(run, decided):
@@ -99,7 +99,7 @@ def test_rule_sets_are_replays_selection_of_the_rules_scores(run, decided):
         ctx = ScoreContext(qkv.q[:, :t], qkv.k[:, :t], qkv.v[:, :t], trace.layer_attention(layer),
                            trace.prompt_len(pid), layer, pid)
         live.append(rule.scores(ctx))
-    keep = kvdiag.selection.select_keep(live, row["kept"], "per-token")[0, 0]
+    keep = kvdiag.core.selection.select_keep(live, row["kept"], "per-token")[0, 0]
     assert sorted(set(range(t)) - set(keep.tolist())) == row["evicted_positions"]
 
 
@@ -337,7 +337,7 @@ def test_cli_stochastic_selection_takes_its_draw_count(run, tmp_path):
 
 
 def test_viewer_shows_the_random_rule_and_the_random_reference_apart(run, decided):
-    from kvdiag.viewer import viewer_data
+    from kvdiag.report.viewer import viewer_data
 
     _, df = decided
     trace = run["trace"]
@@ -351,9 +351,9 @@ def test_viewer_shows_the_random_rule_and_the_random_reference_apart(run, decide
 def test_sampled_labels_and_another_model_are_refused_before_the_model_loads(run, capsys, tmp_path, monkeypatch):
     """#40: labels of a sample of the entries cannot define oracle_single, and another built-in --model is known to
     differ from the Trace's: both refused before any model load."""
-    import kvdiag.models
+    import kvdiag.model.load
 
-    monkeypatch.setattr(kvdiag.models, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(kvdiag.model.load, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     sampled = write_table(run["labels"].filter(pl.col("position") % 2 == 0), tmp_path / "sampled.parquet",
                           run["labels_meta"])
     err = exits_2(capsys, "decisions", "--trace", run["trace"].path, "--scores", run["scores_path"], "--labels",

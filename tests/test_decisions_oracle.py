@@ -7,13 +7,13 @@ import polars as pl
 import pytest
 import torch
 
+from kvdiag.core.io import read_table
 from kvdiag.decisions import Budget, DecisionsConfig, decide
 from kvdiag.decisions.search import mask_gradient
 from kvdiag.decisions.sets import mask_set, set_mask, unpack_set
-from kvdiag.io import read_table
 from kvdiag.label import OracleEngine, divergences
 from kvdiag.label.reference import reference_set_logprobs
-from kvdiag.models import load_model
+from kvdiag.model.load import load_model
 from kvdiag.scorers import checkpoint_keys, score_trace
 from tests.conftest import make_trace
 
@@ -255,8 +255,8 @@ def test_cli_runs_both_references_with_a_window_to_the_end(decided):
     """``kvdiag decisions --references future_attention,oracle_search --future-window rest``: both rows at every
     (checkpoint, budget), the settings recorded, future_attention reading every later query of the prompt."""
     from kvdiag.cli.main import main
+    from kvdiag.core.io import read_json, write_table
     from kvdiag.decisions.sets import head_label_set
-    from kvdiag.io import read_json, write_table
 
     if decided["lm"].spec != "tiny:llama":
         pytest.skip("one model is enough for the CLI")
@@ -310,7 +310,7 @@ def test_cli_horizon_rest_with_both_references(decided):
     search's gradient runs over those steps, and future_attention's default window (the horizon) reads every later
     query of the prompt, as ``--future-window rest`` does."""
     from kvdiag.cli.main import main
-    from kvdiag.io import write_table
+    from kvdiag.core.io import write_table
 
     if decided["lm"].spec != "tiny:llama":
         pytest.skip("one model is enough for the CLI")

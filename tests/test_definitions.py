@@ -8,10 +8,10 @@ import numpy as np
 import polars as pl
 import pytest
 
-from kvdiag.errors import UserError
-from kvdiag.harm import HarmSpec
-from kvdiag.parsing import parse_checkpoints, parse_list
-from kvdiag.registry import Registry
+from kvdiag.core.errors import UserError
+from kvdiag.core.harm import HarmSpec
+from kvdiag.core.parsing import parse_checkpoints, parse_list
+from kvdiag.core.registry import Registry
 
 
 def test_the_list_parser_accumulates_converts_bounds_and_refuses_repeats():

@@ -120,7 +120,7 @@ def _same_trace(a: Path, b: Path) -> None:
 @pytest.fixture(scope="module")
 def one_trace(tiny_llama, tmp_path_factory) -> Path:
     """The Trace of TRACE_ARGS made by one process."""
-    from kvdiag.prompts import load_prompts
+    from kvdiag.tasks.prompts import load_prompts
 
     out = tmp_path_factory.mktemp("one") / "trace"
     return trace_prompts(tiny_llama, load_prompts("builtin:arith", limit=3), out, GEN, prompts_source="builtin:arith",
@@ -161,7 +161,7 @@ def test_slurm_shards_then_merge_equal_one_process(one_trace, tiny_trace, refere
 @pytest.mark.parametrize("rank", [0, 1])
 def test_group_split_roles(monkeypatch, rank):
     """Under torchrun every rank does its own share without merging; only rank 0 then merges."""
-    from kvdiag.distributed import Group
+    from kvdiag.core.distributed import Group
 
     monkeypatch.setenv("RANK", str(rank))
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -174,8 +174,8 @@ def test_group_split_roles(monkeypatch, rank):
 
 
 def test_shard_under_torchrun_is_refused(monkeypatch):
-    from kvdiag.distributed import Group, parse_shard
-    from kvdiag.errors import UserError
+    from kvdiag.core.distributed import Group, parse_shard
+    from kvdiag.core.errors import UserError
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(UserError, match="use one of them"):

@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.slow, needs_smollm2]
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from kvdiag.models import load_model
+    from kvdiag.model.load import load_model
 
     return load_model("smollm2")
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from kvdiag import features as F
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
+from kvdiag.scorers import features as F
 
 
 def dense_attention(q, k, scale):

@@ -16,7 +16,8 @@ from sklearn.metrics import average_precision_score, roc_auc_score
 from typer.testing import CliRunner
 
 import kvdiag.cli.main
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
+from kvdiag.core.io import read_table, write_table
 from kvdiag.figures import (
     FigureParams,
     check_figure_inputs,
@@ -25,7 +26,6 @@ from kvdiag.figures import (
     make_figures,
     trace_first_reads,
 )
-from kvdiag.io import read_table, write_table
 from kvdiag.label import LABEL_SCHEMA
 from kvdiag.rankeval import KEYS
 
@@ -445,7 +445,7 @@ def test_figures_read_the_features_that_score_wrote(run, tmp_path, monkeypatch):
     from kvdiag.figures import registry
     from kvdiag.figures.run import figures_files
     from kvdiag.scorers.run import score_files, score_trace
-    from kvdiag.token_features import TokenFeatures, features_path, read_token_features, usable_features
+    from kvdiag.scorers.token_features import TokenFeatures, features_path, read_token_features, usable_features
 
     tr, labels = run["trace"], run["labels"]
     meta = {"kind": "labels", "trace": tr.provenance}

@@ -65,7 +65,7 @@ def test_out_of_fold_predictions_are_honest(signal, monkeypatch, tmp_path):
 def test_fitted_scorer_reproduces_the_model(tiny_trace, tmp_path, restore_scorers):
     """score --scorers fitted --aggregation mean_raw gives the logit of the saved model on the fit's own features."""
     from kvdiag.label import LabelConfig, label_trace
-    from kvdiag.models import load_model
+    from kvdiag.model.load import load_model
     from kvdiag.scorers import score_trace
 
     labels_path = label_trace(

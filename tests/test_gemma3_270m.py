@@ -30,7 +30,7 @@ ZERO_NATS = 1e-12
 
 @pytest.fixture(scope="session")
 def gemma3():
-    from kvdiag.models import load_model
+    from kvdiag.model.load import load_model
 
     return load_model("gemma3-270m")
 
@@ -115,7 +115,7 @@ class PhysicalDeletion:
     def __init__(self, model, ids: torch.Tensor, t_max: int, H: int):
         import copy
 
-        from kvdiag.attention import attn_implementation
+        from kvdiag.model.attention import attn_implementation
 
         _register()
         self.ids, self.H, self.num_layers = ids, H, model.config.num_hidden_layers

@@ -9,9 +9,9 @@ import torch
 from transformers import AttentionInterface, DynamicCache, StoppingCriteria, StoppingCriteriaList
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
 from kvdiag.generate import EvictingCache, Policy, PositionedCache, make_scorer, position_mask
-from kvdiag.models import load_model
+from kvdiag.model.load import load_model
 from kvdiag.replay.decoding import decode, decode_batch
 
 PROMPT = list(range(40, 70))  # 30 byte tokens: longer than budget + interval below (chunked prefill)

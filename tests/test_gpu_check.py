@@ -1,5 +1,6 @@
 """``make gpu-check DRY_RUN=1`` in small: the bundle builds (offline: kvdiag's wheel only), installs into a clean
-directory, and every step of ``kvdiag.gpu_check`` runs on the CPU from that install and writes the results file."""
+directory, and every step of ``kvdiag.bench.gpu_check`` runs on the CPU from that install and writes the results
+file."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag import gpu_check
+from kvdiag.bench import gpu_check
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_dry_run_end_to_end(tmp_path):
     pytest.importorskip("setuptools")  # the wheel is built with this environment's setuptools
     bundle, out = tmp_path / "bundle", tmp_path / "out"
-    subprocess.run([sys.executable, "-m", "kvdiag.gpu_check", "bundle", "--out", str(bundle), "--offline"],
+    subprocess.run([sys.executable, "-m", "kvdiag.bench.gpu_check", "bundle", "--out", str(bundle), "--offline"],
                    cwd=ROOT, check=True, capture_output=True)
     manifest = json.loads((bundle / "bundle.json").read_text())
     assert [w["distribution"] for w in manifest["wheels"]] == ["kvdiag"] and manifest["bytes"] < gpu_check.BUNDLE_LIMIT

@@ -12,9 +12,9 @@ import polars as pl
 import pytest
 
 import kvdiag.cli.main
-from kvdiag import benchmark
+from kvdiag.core.io import read_table, write_table
 from kvdiag.decisions import Budget, DecisionsConfig, decide
-from kvdiag.io import read_table, write_table
+from kvdiag.grade import benchmark
 from kvdiag.label import LabelConfig, label_trace
 from kvdiag.scorers import SCORERS, checkpoint_keys, score_trace
 from tests.conftest import exits_2, make_trace
@@ -77,8 +77,8 @@ def test_the_leaderboard_rewrites_from_the_scores_grade_wrote(bench, graded_all,
     """rewrite_leaderboard without a model: from the rules and params of the csv alone, the ranking half from the token
     scores grade --all wrote (OUT/scores.parquet) and the decisions half from the benchmark, the same files (one path:
     the same rank-eval on the same inputs, so equal as text); foreign scores are refused."""
-    from kvdiag.errors import UserError
-    from kvdiag.grade import rewrite_leaderboard
+    from kvdiag.core.errors import UserError
+    from kvdiag.grade.run import rewrite_leaderboard
 
     lb = tmp_path / "leaderboard.md"
     pl.read_csv(graded_all / "leaderboard.csv", infer_schema_length=None).select("rule", "params").write_csv(
@@ -101,7 +101,7 @@ def test_the_leaderboard_rewrites_from_the_scores_grade_wrote(bench, graded_all,
 def test_undefined_rows_are_apart_and_all_ties_rank_nothing():
     """A rule undefined at the tightest budget is no place there (not the worst); a rule whose scores all tie on
     the labeled entries of every checkpoint is marked as not ranking."""
-    from kvdiag.grade import leaderboard_order, leaderboard_table, ranking_rules
+    from kvdiag.grade.run import leaderboard_order, leaderboard_table, ranking_rules
 
     def row(rule, a, b, decided_b="2/2"):
         return {"rule": rule, "joint@k1": a, "decided@k1": "2/2", "joint@k2": b, "decided@k2": decided_b}

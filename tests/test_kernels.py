@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 
 from kvdiag import kernels
 from kvdiag.cli.main import app, main
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
 from kvdiag.kernels import torch_ref
 from kvdiag.kernels.bench import run_kernel_bench
 
@@ -154,7 +154,8 @@ def test_torch_shared_prefix_attention_edges():
     torch.testing.assert_close(out.double(), want, atol=TOL[torch.float16], rtol=TOL[torch.float16])
 
 
-# layer semantics (kvdiag.adapters.LayerAttention): window (None / 1 / inside the prefix / beyond it), softcap, sinks
+# layer semantics (kvdiag.model.adapters.LayerAttention): window (None / 1 / inside the prefix / beyond it), softcap,
+# sinks
 SEMANTICS = {
     "window_1": dict(window=1), "window_7": dict(window=7), "window_wide": dict(window=1000),
     "softcap": dict(softcap=2.0), "sinks": dict(sinks="large"), "all": dict(window=9, softcap=3.0, sinks="large"),

@@ -17,8 +17,8 @@ from scipy.stats import spearmanr
 from typer.testing import CliRunner
 
 import kvdiag.cli.main
-from kvdiag.errors import UserError
-from kvdiag.io import read_table, write_table
+from kvdiag.core.errors import UserError
+from kvdiag.core.io import read_table, write_table
 from kvdiag.scorers import SCORERS, checkpoint_keys, get_scorer, parse_params, resolve_scorers, score_trace
 from tests.conftest import make_trace
 from tests.test_conformance import EXACT, MATRIX
@@ -236,8 +236,8 @@ def test_every_press_runs_on_every_family_or_is_refused_before_work(family, tmp_
     """Presses reach the model only through the adapter (attention modules, decoder layers, the per-layer rotary
     embedding): on every exact family each gradable press gives finite [Hkv, t] scores, or the family is refused for
     presses in one line (``Family.kvpress``) before the model loads."""
-    from kvdiag.adapters import FAMILIES
-    from kvdiag.models import load_model
+    from kvdiag.model.adapters import FAMILIES
+    from kvdiag.model.load import load_model
     from kvdiag.scorers.kvpress_press import gradable_presses
 
     lm = load_model(f"tiny:{family}")

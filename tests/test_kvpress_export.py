@@ -1,4 +1,5 @@
-"""kvdiag rules as kvpress presses (``kvdiag.kvpress_export.as_press``): through kvpress's own pipeline, equal to
+"""kvdiag rules as kvpress presses (``kvdiag.generate.kvpress_export.as_press``): through kvpress's own pipeline, equal
+to
 ``EvictingCache`` where the two semantics meet (the compaction at the end of the context), refused where kvpress
 cannot express the rule."""
 
@@ -8,13 +9,13 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
 from kvdiag.generate import EvictingCache
-from kvdiag.models import load_model
+from kvdiag.model.load import load_model
 
 kvpress = pytest.importorskip("kvpress")
 
-from kvdiag.kvpress_export import as_press  # noqa: E402
+from kvdiag.generate.kvpress_export import as_press  # noqa: E402
 
 CONTEXT = list(range(40, 101))  # 61 byte tokens
 

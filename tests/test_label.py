@@ -6,7 +6,7 @@ import polars as pl
 import pytest
 import torch
 
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
 from kvdiag.label import LabelConfig, OracleEngine, Row, candidate_rows, divergences, label_trace
 from kvdiag.label.reference import reference_logprobs
 
@@ -51,7 +51,7 @@ def test_entry_no_query_reads_changes_nothing(tiny_llama):
     eviction in a live head does."""
     import copy
 
-    from kvdiag.models import LoadedModel
+    from kvdiag.model.load import LoadedModel
 
     model = copy.deepcopy(tiny_llama.model)
     attn = model.model.layers[0].self_attn
@@ -102,7 +102,7 @@ def test_bad_checkpoints_and_candidates(tiny_llama, t, rows, needle):
 def test_non_finite_logits_name_the_checkpoint(tiny_llama):
     import copy
 
-    from kvdiag.models import LoadedModel
+    from kvdiag.model.load import LoadedModel
 
     model = copy.deepcopy(tiny_llama.model)
     with torch.no_grad():

@@ -11,12 +11,12 @@ import pytest
 import torch
 from scipy.stats import spearmanr
 
-from kvdiag.adapters import LayerAttention
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
 from kvdiag.label import LabelConfig, OracleEngine, Row, candidate_rows, label_trace
 from kvdiag.label.fast import FisherLabeler, FisherParams
 from kvdiag.label.run import LABEL_SCHEMA
 from kvdiag.label.validate import ValidateConfig, validate_labels
+from kvdiag.model.adapters import LayerAttention
 
 T_CKPT, H = 40, 5
 
@@ -80,7 +80,7 @@ def test_chunked_fisher_equals_one_forward_at_a_long_horizon(name):
     1e-4 absolute + 1e-4 relative (fp32, other shapes: measured <= 1.6e-5 absolute on effects up to 14), and the
     labels of every entry within 1e-3 relative + 1e-8 (a label is a mean of squared effects). gemma3 alternates
     sliding (window 8) and full layers, with softcapping."""
-    from kvdiag.models import load_model
+    from kvdiag.model.load import load_model
 
     lm, t, h = load_model(f"tiny:{name}"), 24, 72
     ids = _ids(t + h + 1)
@@ -100,7 +100,7 @@ def test_chunked_fisher_equals_one_forward_at_a_long_horizon(name):
 
 
 def test_fisher_is_seeded_and_zero_where_nothing_sees_the_entry():
-    from kvdiag.models import load_model
+    from kvdiag.model.load import load_model
 
     lm = load_model("tiny:mistral_sw")  # window 8 on every layer
     rows = [Row(p) for p in range(T_CKPT)]
@@ -114,7 +114,7 @@ def test_fisher_is_seeded_and_zero_where_nothing_sees_the_entry():
 def test_fast_labels_table_and_parts(tiny_llama, tiny_trace, tmp_path):
     """--method fast: same columns (what it cannot give is null), method and settings in the metadata, the exact
     candidates a subset of its rows; an exact run may not reuse its parts directory."""
-    from kvdiag.io import read_table
+    from kvdiag.core.io import read_table
 
     common = dict(checkpoints="every:10", w_obs=10, horizon=4)
     fast = label_trace(

@@ -9,11 +9,11 @@ import polars as pl
 import pytest
 import torch
 
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
 from kvdiag.label import LabelConfig, OracleEngine, Row, candidate_rows, divergences, label_trace
 from kvdiag.label.horizons import at_horizons, horizons_summary
 from kvdiag.label.reference import reference_logprobs
-from kvdiag.models import load_model
+from kvdiag.model.load import load_model
 
 T_CKPT, H, CHUNK = 24, 72, 16  # 5 chunks, the last one of 8 steps
 LENGTH = T_CKPT + H + 1
@@ -169,8 +169,8 @@ def test_bench_label_long_horizon_reports_cost_and_peak_against_h16(tmp_path):
 def test_decisions_rest_label_each_set_to_the_end_of_its_prompt(tiny_llama, tiny_trace, tmp_path):
     """``decisions --horizon rest``: each set row records T - t steps, and its per-step KL equals deleting the set
     from a copied cache over all of them (chunks of 16; 1e-4 relative + 1e-6 nats, the physical-deletion tolerance)."""
+    from kvdiag.core.io import read_table
     from kvdiag.decisions import Budget, DecisionsConfig, decide
-    from kvdiag.io import read_table
     from kvdiag.label.reference import reference_set_logprobs
     from kvdiag.scorers import checkpoint_keys, score_trace
 
@@ -203,7 +203,7 @@ def test_label_cli_horizon_rest(tiny_trace, tmp_path):
         main(["label", "--trace", str(tiny_trace.path), "--out", str(out), "--checkpoints", "every:16", "--w-obs", "8",
               "--candidates", "2", "--horizon", "rest", "--chunk", "8", "--quiet"])
     assert exc.value.code in (0, None)
-    from kvdiag.io import read_meta
+    from kvdiag.core.io import read_meta
 
     df, meta = pl.read_parquet(out), read_meta(out)
     assert meta["config"]["horizon"] == "rest" and meta["config"]["chunk"] == 8

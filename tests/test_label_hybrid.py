@@ -7,8 +7,8 @@ import numpy as np
 import polars as pl
 import pytest
 
-from kvdiag.harm import HarmSpec
-from kvdiag.io import read_table
+from kvdiag.core.harm import HarmSpec
+from kvdiag.core.io import read_table
 from kvdiag.label import LabelConfig, label_trace
 from kvdiag.label.hybrid import miss_rate, weighted_quantile
 from tests.conftest import exits_2, make_trace
@@ -131,8 +131,8 @@ def test_bench_label_hybrid_writes_its_cost_ratio(tmp_path):
 def test_the_minimum_audit_is_the_smallest_that_can_bound_the_target():
     """min_audit: with no audited entry over the threshold (X = 0) the bound is below R at A = min_audit and not at
     A - 1 (the formula is tight); about 1,050 entries for R = 0.05 from F = 0.1, whatever the run's size."""
+    from kvdiag.core.stats import clopper_pearson_upper
     from kvdiag.label import adaptive
-    from kvdiag.stats import clopper_pearson_upper
 
     for n, target in ((2048, 0.05), (6546, 0.05), (500, 0.3)):
         rest = n - int(np.ceil(0.1 * n))

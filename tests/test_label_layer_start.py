@@ -9,9 +9,9 @@ import functools
 import pytest
 import torch
 
-from kvdiag.adapters import capturing_layer_inputs, decoder_layers, starting_at_layer
 from kvdiag.label import OracleEngine, candidate_rows
-from kvdiag.models import load_model
+from kvdiag.model.adapters import capturing_layer_inputs, decoder_layers, starting_at_layer
+from kvdiag.model.load import load_model
 from tests.test_conformance import CANDIDATES, EXACT_FAMILIES, HORIZON, LENGTH, T_CKPT
 
 

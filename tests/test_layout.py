@@ -67,33 +67,37 @@ def test_find_cycle_finds_one():
 
 def test_no_import_circles_inside_kvdiag():
     graph = module_graph()
-    assert "kvdiag.scorers.registry" in graph and "kvdiag.registry" in graph["kvdiag.scorers.registry"]
+    assert "kvdiag.scorers.registry" in graph and "kvdiag.core.registry" in graph["kvdiag.scorers.registry"]
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
-# The floors of the package, bottom up. Floor 0 is the shared layer (parsing, stats, plotting, io, models, kernels,
-# ...): every module not named here. A module may import its own package, floor 0, and the stages below its floor;
-# never a stage on its own floor or above it. The CLI is the top floor and nothing else imports it.
+# The floors of the package, bottom up: the shared floor, the model layer, the stages in pipeline order, the tools,
+# the CLI. A module may import its own package and the packages below its floor; never a package on its own floor or
+# above it (floor 0, the shared floor, only itself). The CLI is the top floor and nothing else imports it.
 FLOORS = {
-    "kvdiag.trace": 1,
-    "kvdiag.label": 2,
-    "kvdiag.scorers": 3,
-    "kvdiag.rankeval": 4,
-    "kvdiag.fit": 5,
-    "kvdiag.figures": 5,
-    "kvdiag.generate": 5,  # the positioned and evicting caches: replay decodes through them
-    "kvdiag.decisions": 6,
-    "kvdiag.replay": 6,
-    "kvdiag.kvpress_export": 6,  # kvdiag rules as kvpress presses (over kvdiag.generate)
-    "kvdiag.benchmark": 7,
-    "kvdiag.grade": 8,
-    "kvdiag.viewer": 9,
-    "kvdiag.report": 10,
-    "kvdiag.scale": 11,
-    "kvdiag.gpu_check": 11,
-    "kvdiag.cli": 12,
-    "kvdiag.__main__": 13,
+    "kvdiag.core": 0,  # errors, io, parsing, schema, stats, tables, registry, guard, contracts, parts, plotting, ...
+    "kvdiag.tasks": 1,  # prompts, suites, needed tokens
+    "kvdiag.model": 2,  # specs, loading, families and adapters, attention, embedded weights, token counts
+    "kvdiag.kernels": 3,
+    "kvdiag.cache": 4,  # the positioned cache: the Trace records through it, replay decodes through it
+    "kvdiag.trace": 5,
+    "kvdiag.label": 6,
+    "kvdiag.scorers": 7,
+    "kvdiag.rankeval": 8,
+    "kvdiag.fit": 9,
+    "kvdiag.figures": 9,
+    "kvdiag.generate": 9,  # the evicting cache and kvpress presses: replay decodes through them
+    "kvdiag.decisions": 10,
+    "kvdiag.replay": 10,
+    "kvdiag.grade": 11,
+    "kvdiag.report": 12,
+    "kvdiag.bench": 13,
+    "kvdiag.cli": 14,
+    "kvdiag.__main__": 15,
 }
+# the modules at the top of kvdiag/ that are not packages: the package's entry points
+ENTRY_POINTS = {"__init__.py", "__main__.py"}
+MAX_ROOMS = 25
 
 
 def unit(module: str) -> str:
@@ -103,7 +107,7 @@ def unit(module: str) -> str:
 
 
 def floor(module: str) -> int:
-    return FLOORS.get(unit(module), 0)
+    return FLOORS[unit(module)] if module != "kvdiag" else 0
 
 
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
@@ -111,20 +115,22 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
     bad = []
     for a, targets in graph.items():
         for b in targets:
-            if unit(a) == unit(b) or b == "kvdiag":
+            if unit(a) == unit(b) or "kvdiag" in (a, b):  # the root: the version and the moved-module aliases
                 continue
-            if floor(b) > floor(a) or (floor(b) == floor(a) and floor(a) > 0):
+            if floor(b) >= floor(a):
                 bad.append(f"{a} (floor {floor(a)}) imports {b} (floor {floor(b)})")
     return sorted(bad)
 
 
 def test_upward_imports_are_found():
-    graph = {"kvdiag.label.run": {"kvdiag.cli.common", "kvdiag.stats", "kvdiag.trace.reader"},
-             "kvdiag.stats": {"kvdiag.rankeval.evaluate"}, "kvdiag.decisions.run": {"kvdiag.replay.run"}}
+    graph = {"kvdiag.label.run": {"kvdiag.cli.common", "kvdiag.core.stats", "kvdiag.trace.reader"},
+             "kvdiag.core.stats": {"kvdiag.rankeval.evaluate"}, "kvdiag.decisions.run": {"kvdiag.replay.run"},
+             "kvdiag.core.parts": {"kvdiag.tasks.prompts", "kvdiag.core.io"}}
     assert upward_imports(graph) == [
-        "kvdiag.decisions.run (floor 6) imports kvdiag.replay.run (floor 6)",
-        "kvdiag.label.run (floor 2) imports kvdiag.cli.common (floor 12)",
-        "kvdiag.stats (floor 0) imports kvdiag.rankeval.evaluate (floor 4)",
+        "kvdiag.core.parts (floor 0) imports kvdiag.tasks.prompts (floor 1)",
+        "kvdiag.core.stats (floor 0) imports kvdiag.rankeval.evaluate (floor 8)",
+        "kvdiag.decisions.run (floor 10) imports kvdiag.replay.run (floor 10)",
+        "kvdiag.label.run (floor 6) imports kvdiag.cli.common (floor 14)",
     ]
 
 
@@ -132,7 +138,7 @@ def test_no_module_imports_a_later_floor():
     """Labels come before rank-eval in the pipeline, so ``label/`` may not import ``rankeval/``; no library module
     imports ``kvdiag.cli``; the shared layer imports no stage."""
     graph = module_graph()
-    assert {"kvdiag.parsing", "kvdiag.stats", "kvdiag.plotting"} <= set(graph)
+    assert {"kvdiag.core.parsing", "kvdiag.core.stats", "kvdiag.core.plotting"} <= set(graph)
     assert not (bad := upward_imports(graph)), "\n".join(bad)
 
 
@@ -171,4 +177,43 @@ def test_one_cache_with_positions():
         "PositionedLayer": "kvdiag/cache/positioned.py", "PositionedCache": "kvdiag/cache/positioned.py",
         "EvictingCache": "kvdiag/generate/evicting.py",
     }
-    assert floor("kvdiag.cache.positioned") == 0 < floor("kvdiag.trace.writer")
+    assert floor("kvdiag.cache.positioned") < floor("kvdiag.trace.writer")
+
+
+def test_the_top_of_kvdiag_is_packages():
+    """``kvdiag/`` holds packages (each with a floor) and the entry points, nothing loose: a newcomer reads the
+    layers from the directory listing. At most MAX_ROOMS rooms."""
+    top = sorted(p.name for p in ROOT.iterdir() if p.name != "__pycache__")
+    loose = [name for name in top if name.endswith(".py") and name not in ENTRY_POINTS]
+    assert not loose, f"loose modules at the top of kvdiag/: {loose}; move each into the package of its floor"
+    packages = [name for name in top if (ROOT / name / "__init__.py").exists()]
+    assert sorted(set(top) - set(packages) - ENTRY_POINTS) == [], "only packages and entry points at the top"
+    assert sorted(f"kvdiag.{name}" for name in packages) == sorted(u for u in FLOORS if u != "kvdiag.__main__")
+    assert len(packages) + len(ENTRY_POINTS) <= MAX_ROOMS
+
+
+def test_every_module_has_a_floor():
+    graph = module_graph()
+    assert all(unit(m) in FLOORS or m == "kvdiag" for m in graph), sorted(
+        m for m in graph if unit(m) not in FLOORS and m != "kvdiag")
+
+
+def test_old_module_paths_still_import_with_a_warning():
+    """Plugins written against the loose modules of 0.1 keep working: ``kvdiag.stats`` is ``kvdiag.core.stats``
+    (one module object), with a DeprecationWarning naming the new path; every moved path exists."""
+    import importlib
+    import sys
+    import warnings
+
+    from kvdiag.core.moved import MOVED
+
+    assert all((ROOT.parent / (new.replace(".", "/") + ".py")).exists() for new in MOVED.values())
+    assert not any((ROOT.parent / (old.replace(".", "/") + ".py")).exists() for old in MOVED)
+    for old in ("kvdiag.stats", "kvdiag.scorer_names"):
+        sys.modules.pop(old, None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module = importlib.import_module(old)
+        assert module is importlib.import_module(MOVED[old])
+        assert [str(w.message) for w in caught if w.category is DeprecationWarning] == [
+            f"{old} moved to {MOVED[old]}; import it from there"]

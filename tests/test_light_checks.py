@@ -1,13 +1,14 @@
 """The checks the CLI runs before torch loads give the answers of the stage's own (torch, transformers) checks:
 which layers slide (config.json read as JSON against transformers' config classes), the entries a rule protects
-(the one ``Protected`` definition against ``protected()`` measured on tensors) and token counts (``kvdiag.token_count``
+(the one ``Protected`` definition against ``protected()`` measured on tensors) and token counts
+(``kvdiag.model.token_count``
 against transformers' tokenizer and chat template)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvdiag.model_specs import EMBEDDED_CONFIG, TINY, spec_windows
+from kvdiag.model.specs import EMBEDDED_CONFIG, TINY, spec_windows
 
 # the tiny families whose windows the CLI must tell before the load (the rows of tests/test_bad_input.py need them)
 KNOWN_SLIDING = {"mistral_sw", "gemma2", "gemma3", "gemma3_cg", "gpt_oss"}
@@ -17,10 +18,10 @@ KNOWN_SLIDING = {"mistral_sw", "gemma2", "gemma3", "gemma3_cg", "gpt_oss"}
 def test_tiny_windows_are_the_config_class(arch):
     """spec_windows of every tiny family is what transformers' config class makes of the same fields (or None: the
     load tells), and its model_type is the class's."""
-    from kvdiag.adapters import family_of, layer_windows, text_config
-    from kvdiag.errors import UserError
-    from kvdiag.model_specs import TINY_MODEL_TYPES, context_of
-    from kvdiag.models import _tiny_config, byte_tokenizer
+    from kvdiag.core.errors import UserError
+    from kvdiag.model.adapters import family_of, layer_windows, text_config
+    from kvdiag.model.load import _tiny_config, byte_tokenizer
+    from kvdiag.model.specs import TINY_MODEL_TYPES, context_of
 
     config = _tiny_config(arch, byte_tokenizer())
     assert text_config(config).model_type == TINY_MODEL_TYPES[TINY[arch][0]]
@@ -43,8 +44,8 @@ def test_embedded_windows_are_the_config_class(name):
     and the converted config.json where one is on this machine)."""
     import transformers
 
-    from kvdiag.adapters import family_of, layer_windows
-    from kvdiag.embedded import converted_dir
+    from kvdiag.model.adapters import family_of, layer_windows
+    from kvdiag.model.embedded import converted_dir
 
     fields = EMBEDDED_CONFIG[name]
     cls = transformers.CONFIG_MAPPING[fields["model_type"]]
@@ -61,7 +62,7 @@ def test_embedded_windows_are_the_config_class(name):
 
 def test_config_windows_leave_derived_layouts_to_the_load():
     """A layout transformers derives (a pattern, max_window_layers, a class default) is not guessed from JSON."""
-    from kvdiag.families import config_windows
+    from kvdiag.model.families import config_windows
 
     assert config_windows({"num_hidden_layers": 4, "sliding_window": 8}, "gemma3_text") is None  # pattern
     assert config_windows({"num_hidden_layers": 4, "use_sliding_window": True, "sliding_window": 8}, "qwen2") is None
@@ -76,8 +77,8 @@ def test_config_windows_leave_derived_layouts_to_the_load():
 
 def test_protects_are_the_classes():
     """scorer_fields' PROTECTS and WINDOW_FIELD (read before torch) are the classes' ``protects``/``window_field``."""
-    from kvdiag import scorer_fields
     from kvdiag.scorers import SCORERS
+    from kvdiag.scorers import fields as scorer_fields
 
     builtins = {n: c for n, c in SCORERS.items() if c.__module__.startswith("kvdiag.") and ":" not in n}
     assert {n: c.protects for n, c in builtins.items()} == {
@@ -91,7 +92,7 @@ def test_live_protected_is_what_protected_marks(w_obs, params):
     """For every live built-in, the count the CLI checks the budget against (live_protected) is the count
     protected_count measures on the class's protected() over tensors, at cache sizes below, at and above its span."""
     from kvdiag.generate.live import make_scorer, protected_count
-    from kvdiag.scorer_fields import FIELDS, LIVE, PROTECTS, live_protected
+    from kvdiag.scorers.fields import FIELDS, LIVE, PROTECTS, live_protected
 
     checked = 0
     for name in LIVE:
@@ -131,16 +132,16 @@ def test_protected_mask_is_the_rules_declaration():
 
 
 def _transformers_tokenizer(spec: str):
-    """The tokenizer the stage loads for ``spec`` (kvdiag.models: tiny -> the byte tokenizer, embedded -> its
+    """The tokenizer the stage loads for ``spec`` (kvdiag.model.load: tiny -> the byte tokenizer, embedded -> its
     converted directory through AutoTokenizer), or a skip when the embedded model is not converted here."""
-    from kvdiag.model_specs import byte_tokenizer
+    from kvdiag.model.specs import byte_tokenizer
 
     if spec.startswith("tiny:"):
         return byte_tokenizer()
     from transformers import AutoTokenizer
 
-    from kvdiag.embedded import converted_dir
-    from kvdiag.errors import UserError
+    from kvdiag.core.errors import UserError
+    from kvdiag.model.embedded import converted_dir
 
     try:
         path = converted_dir(spec)
@@ -157,7 +158,7 @@ def test_light_counts_are_transformers(spec):
     length), with and without the chat template: the TokenCounter's prompt ids are encode_prompt's through
     transformers' tokenizer, and its counts of each expected answer and of the part between the needed value and the
     last line are the tokenizer's (what check_generation_room compares with --max-new-tokens)."""
-    from kvdiag.token_count import light_counter
+    from kvdiag.model.token_count import light_counter
 
     counter = light_counter(spec)
     assert counter is not None and counter.bounded
@@ -167,8 +168,8 @@ def test_light_counts_are_transformers(spec):
 def _assert_counts_are(counter, tok) -> None:
     """The counter's prompt ids (with and without the chat template) and text counts are the transformers tokenizer
     ``tok``'s on every builtin suite prompt and answer, and its bound (when ``bounded``) is at least the count."""
-    from kvdiag.prompts import DEFAULT_INSTRUCTION, encode_prompt
-    from kvdiag.suites import SUITES, load_builtin
+    from kvdiag.tasks.prompts import DEFAULT_INSTRUCTION, encode_prompt
+    from kvdiag.tasks.suites import SUITES, load_builtin
 
     assert (counter.chat_template is None) == (not getattr(tok, "chat_template", None))
     sources = [f"builtin:{name}" for name in SUITES] + [f"builtin:{n}:3:120" for n, s in SUITES.items() if s.lengths]
@@ -201,7 +202,7 @@ def _saved_model_dir(path, kind: str):
     the converted smollm2's (a skip when it is not converted here)."""
     import shutil
 
-    from kvdiag.model_specs import BYTE_SPECIALS, byte_tokenizer
+    from kvdiag.model.specs import BYTE_SPECIALS, byte_tokenizer
 
     path.mkdir(parents=True)
     if kind == "bytes":
@@ -211,7 +212,7 @@ def _saved_model_dir(path, kind: str):
         (path / "config.json").write_text('{"model_type": "llama"}')  # AutoTokenizer reads a hub model's config
         assert BYTE_SPECIALS["eos_token"] in (path / "tokenizer_config.json").read_text()
         return path
-    from kvdiag.embedded import converted_dir
+    from kvdiag.model.embedded import converted_dir
 
     source = converted_dir("smollm2")
     if source is None:
@@ -224,11 +225,11 @@ def _saved_model_dir(path, kind: str):
 @pytest.mark.parametrize("kind", ["bytes", "smollm2"])
 def test_a_cached_hub_id_or_a_directory_counts_as_transformers_loads_it(kind, tmp_path, monkeypatch):
     """A hub id whose tokenizer files are in the local Hugging Face cache, and a local model directory, count as
-    AutoTokenizer (what kvdiag.models loads, offline) counts, on every builtin suite prompt and answer; no bound."""
+    AutoTokenizer (what kvdiag.model.load loads, offline) counts, on every builtin suite prompt and answer; no bound."""
     import huggingface_hub.constants
     from transformers import AutoTokenizer
 
-    from kvdiag.token_count import light_counter
+    from kvdiag.model.token_count import light_counter
     from tests.conftest import hub_cache
 
     local = _saved_model_dir(tmp_path / "model", kind)
@@ -257,7 +258,7 @@ def test_a_tokenizer_class_that_rebuilds_or_remote_code_gets_no_counter(tmp_path
     """A tokenizer_config naming a model-specific class (transformers may rebuild the pipeline) or remote code."""
     import json
 
-    from kvdiag.token_count import light_counter
+    from kvdiag.model.token_count import light_counter
 
     local = _saved_model_dir(tmp_path / "model", "bytes")
     config = json.loads((local / "tokenizer_config.json").read_text())
@@ -268,19 +269,19 @@ def test_a_tokenizer_class_that_rebuilds_or_remote_code_gets_no_counter(tmp_path
 
 def test_no_light_counter_where_it_is_not_known():
     """Models whose tokenizer the light path cannot vouch for get none: the stage counts after the load."""
-    from kvdiag.token_count import light_counter
+    from kvdiag.model.token_count import light_counter
 
     for spec in ("tiny:gpt9", "/no/such/dir", "some/hub-id", "model.gguf"):
         assert light_counter(spec) is None, spec
 
 
 def test_random_models_count_as_their_padded_byte_tokenizer():
-    """A random: model's tokenizer is the byte tokenizer padded to its vocabulary (kvdiag.models._random): the light
+    """A random: model's tokenizer is the byte tokenizer padded to its vocabulary (kvdiag.model.load._random): the light
     counter's counts and prompt ids are that tokenizer's, on every builtin suite's prompts and answers."""
-    from kvdiag.model_specs import byte_tokenizer
-    from kvdiag.prompts import encode_prompt
-    from kvdiag.suites import SUITES, load_builtin
-    from kvdiag.token_count import light_counter
+    from kvdiag.model.specs import byte_tokenizer
+    from kvdiag.model.token_count import light_counter
+    from kvdiag.tasks.prompts import encode_prompt
+    from kvdiag.tasks.suites import SUITES, load_builtin
 
     tok, counter = byte_tokenizer(151_936), light_counter("random:qwen3-8b")
     for name in SUITES:
@@ -294,8 +295,8 @@ def test_a_generation_tagged_template_is_left_to_transformers(tmp_path):
     """A saved tokenizer whose template has {% generation %} (or a list of templates) gets no light counter."""
     import shutil
 
-    from kvdiag.model_specs import byte_core
-    from kvdiag.token_count import saved_counter
+    from kvdiag.model.specs import byte_core
+    from kvdiag.model.token_count import saved_counter
 
     byte_core().save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text('{"bos_token": "<s>"}')
@@ -315,10 +316,10 @@ def test_the_stage_refuses_what_the_cli_refused(tiny_llama, source, max_new, nee
     """The refusal the CLI gives before torch (the light counter) is, word for word, the one the stage gives from the
     loaded model's tokenizer and config (FreeRunning.items): one check_room, two counters that agree."""
     from kvdiag.cli.main import main
-    from kvdiag.errors import UserError
-    from kvdiag.prompts import load_prompts
+    from kvdiag.core.errors import UserError
     from kvdiag.replay.free_running import FreeRunning
     from kvdiag.replay.settings import ReplaySettings
+    from kvdiag.tasks.prompts import load_prompts
 
     with pytest.raises(SystemExit):
         main(["replay", "--scorers", "rkv", "--model", "tiny:llama", "--prompts", source, "--max-new-tokens",
@@ -333,10 +334,10 @@ def test_the_stage_refuses_what_the_cli_refused(tiny_llama, source, max_new, nee
 def test_bounds_decide_without_loading_the_tokenizer():
     """A generation limit with room to spare passes on the bounds (the tokenizer never loads); a tight one that the
     bounds cannot clear is decided by the exact count: refused when the count says so, with the exact figure."""
-    from kvdiag.errors import UserError
-    from kvdiag.model_specs import byte_core
-    from kvdiag.suites import load_builtin
-    from kvdiag.token_count import TokenCounter
+    from kvdiag.core.errors import UserError
+    from kvdiag.model.specs import byte_core
+    from kvdiag.model.token_count import TokenCounter
+    from kvdiag.tasks.suites import load_builtin
 
     loads = []
 
@@ -362,7 +363,7 @@ def test_a_cached_config_speaks_for_the_main_revision_only(tmp_path, monkeypatch
 
     import huggingface_hub.constants
 
-    from kvdiag.model_specs import context_of, known_shape, spec_config, spec_windows
+    from kvdiag.model.specs import context_of, known_shape, spec_config, spec_windows
     from tests.conftest import hub_cache
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2,

@@ -8,7 +8,7 @@ import torch
 from typer.testing import CliRunner
 
 from kvdiag.cli.main import app, main
-from kvdiag.peak import Peak, matmul_peak
+from kvdiag.kernels.peak import Peak, matmul_peak
 from kvdiag.trace.cost import ModelShape
 
 SMOL = ModelShape("smollm2", layers=30, heads=9, kv_heads=3, head_dim=64, hidden=576, intermediate=1536, vocab=49152)
@@ -45,7 +45,7 @@ def test_windows_and_experts_in_the_counts():
 
 
 def test_shape_from_config_of_a_moe_and_a_hybrid_model():
-    from kvdiag.models import load_model
+    from kvdiag.model.load import load_model
 
     oss = load_model("tiny:gpt_oss")
     shape = ModelShape.from_config(oss.model.config)
@@ -94,7 +94,7 @@ def test_bench_label_trace_and_kernels_print_mfu():
 def test_gpu_from_a_gpu_check_results_file(tmp_path):
     import json
 
-    from kvdiag.errors import UserError
+    from kvdiag.core.errors import UserError
     from kvdiag.trace.cost import GPU
 
     path = tmp_path / "results.json"

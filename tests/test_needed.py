@@ -1,4 +1,4 @@
-"""The tokens an answer needs (kvdiag.needed) and what each compaction kept of them: positions that decode to the
+"""The tokens an answer needs (kvdiag.tasks.needed) and what each compaction kept of them: positions that decode to the
 needed text, and kept counts recorded in ``generate`` equal to those recounted from the loop's kept positions."""
 
 import pytest
@@ -6,12 +6,12 @@ import torch
 
 from kvdiag.generate import Policy
 from kvdiag.generate.live import make_scorer
-from kvdiag.models import load_model
-from kvdiag.needed import final_line_start, generated_positions, needed_texts, prompt_positions, slot_shares
-from kvdiag.prompts import encode_prompt
+from kvdiag.model.load import load_model
 from kvdiag.replay.decoding import decode_batch
 from kvdiag.replay.generating import generate_batch
-from kvdiag.suites import countdown_prompts, keys_prompts, recall_prompts
+from kvdiag.tasks.needed import final_line_start, generated_positions, needed_texts, prompt_positions, slot_shares
+from kvdiag.tasks.prompts import encode_prompt
+from kvdiag.tasks.suites import countdown_prompts, keys_prompts, recall_prompts
 from tests.conftest import needs_smollm2
 
 PROMPTS = [*recall_prompts(2, 3, 5), *keys_prompts(2, 4, 6), *countdown_prompts(2, 5, 7)]
@@ -87,7 +87,7 @@ def test_needed_rows_read_the_compaction_before_the_final_line():
     import polars as pl
 
     from kvdiag.replay.kept_needed import needed_rows, needed_summary
-    from kvdiag.suites import SUITES
+    from kvdiag.tasks.suites import SUITES
 
     p = recall_prompts(1, 0)[0]
     base = {"prompt_id": p.prompt_id, "sample": 0, "budget": 64, "compressions": 3, "answer": p.answer,
@@ -119,9 +119,9 @@ def test_replay_records_the_shares_the_loop_kept(tiny_llama, tmp_path):
     positions contain it over all slots; the prompt positions are :func:`prompt_positions`'; FullKV records none."""
     import polars as pl
 
-    from kvdiag.contracts import FULL_KV
-    from kvdiag.prompts import load_prompts
+    from kvdiag.core.contracts import FULL_KV
     from kvdiag.replay.run import ReplaySettings, build_policies, replay
+    from kvdiag.tasks.prompts import load_prompts
 
     settings = ReplaySettings(scorers=["snapkv", "streamingllm"], budgets=[64], interval=32, max_new_tokens=120,
                               chat=False, instruction=None)

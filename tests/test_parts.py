@@ -5,9 +5,9 @@ from __future__ import annotations
 import polars as pl
 import pytest
 
-from kvdiag.errors import UserError
-from kvdiag.io import read_table
-from kvdiag.parts import PartStore
+from kvdiag.core.errors import UserError
+from kvdiag.core.io import read_table
+from kvdiag.core.parts import PartStore
 
 
 def test_parts_resume_stamp_and_merge(tmp_path):

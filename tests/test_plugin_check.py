@@ -1,12 +1,13 @@
-"""kvdiag.plugin_check refuses only what a plugin's source decides: the files that are fine, or whose fault needs
+"""kvdiag.scorers.plugin_check refuses only what a plugin's source decides: the files that are fine, or whose fault
+needs
 them to run, pass (and the registry's import then decides)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvdiag.errors import UserError
-from kvdiag.plugin_check import check_plugin_files
+from kvdiag.core.errors import UserError
+from kvdiag.scorers.plugin_check import check_plugin_files
 
 HEAD = "from dataclasses import dataclass\nfrom kvdiag.scorers import Scorer, register_scorer\n\n\n"
 PASSES = {

@@ -12,8 +12,8 @@ import torch
 from typer.testing import CliRunner
 
 from kvdiag.cli.main import app, main
-from kvdiag.errors import UserError
-from kvdiag.models import RANDOM, check_not_random, is_random, load_model, parse_random_spec, random_config
+from kvdiag.core.errors import UserError
+from kvdiag.model.load import RANDOM, check_not_random, is_random, load_model, parse_random_spec, random_config
 from kvdiag.trace.cost import ModelShape
 
 SPEC = "random:llama-3.1-8b:layers=1,vocab=512"  # Llama-3.1-8B's layer (4096 wide, 32/8 heads of 128), ~0.9 GB fp32
@@ -26,7 +26,7 @@ def llama():
 
 @pytest.fixture(scope="module")
 def trace(llama, tmp_path_factory):
-    from kvdiag.prompts import load_prompts
+    from kvdiag.tasks.prompts import load_prompts
     from kvdiag.trace import GenerationSettings, Trace, trace_prompts
 
     path = tmp_path_factory.mktemp("random") / "trace"
@@ -124,7 +124,7 @@ def test_bad_specs_are_refused_in_one_line(spec, message):
 
 
 def test_a_model_larger_than_memory_is_refused_before_it_is_built(monkeypatch):
-    import kvdiag.models as models
+    import kvdiag.model.load as models
 
     monkeypatch.setattr(models, "_available_bytes", lambda device: 2**30)
     with pytest.raises(UserError, match="GiB are free"):
@@ -140,7 +140,7 @@ def test_bad_spec_exits_2_from_the_cli():
 @pytest.mark.parametrize("name", [n for n in RANDOM if n != "deepseek-v3"])
 def test_configs_have_the_families_attention(name):
     """From the config alone (no weights): windows, sinks and the cost model's MoE and window accounting."""
-    from kvdiag.adapters import family_of, layer_windows
+    from kvdiag.model.adapters import family_of, layer_windows
 
     cfg = random_config(parse_random_spec(f"random:{name}"))
     mt, fam = family_of(cfg)
@@ -178,7 +178,7 @@ def test_report_refuses_a_random_model_run(tmp_path, capsys):
     import json
 
     import kvdiag.cli.main
-    from kvdiag.models import load_model
+    from kvdiag.model.load import load_model
     from tests.conftest import make_trace
 
     run = tmp_path / "run"

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvdiag.cli.main import app, main
-from kvdiag.io import write_table
+from kvdiag.core.io import write_table
 from kvdiag.rankeval import KEYS
 
 

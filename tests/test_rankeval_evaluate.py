@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
 from kvdiag.rankeval import KEYS, check_inputs, rank_eval, to_latex, to_markdown
 
 

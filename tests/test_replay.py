@@ -12,9 +12,9 @@ from transformers import AttentionInterface, GenerationConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
-from kvdiag.attention import attn_implementation
 from kvdiag.generate import PositionedLayer
 from kvdiag.generate.live import live_scorer_names, top_slots
+from kvdiag.model.attention import attn_implementation
 from kvdiag.replay import (
     Policy,
     ReplaySettings,
@@ -227,7 +227,7 @@ def test_check_answer():
 
 
 def test_replay_outputs_and_resume(tiny_llama, tmp_path):
-    from kvdiag.prompts import load_prompts
+    from kvdiag.tasks.prompts import load_prompts
 
     settings = ReplaySettings(scorers=["rkv", "attention"], budgets=[96, 48], interval=16, max_new_tokens=24,
                               chat=False, instruction=None)

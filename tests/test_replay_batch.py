@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
 from kvdiag.generate.live import make_scorer
 from kvdiag.replay import Policy, decoding
 from kvdiag.replay.decoding import decode, decode_batch

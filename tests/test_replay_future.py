@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy.stats import binomtest
 
-from kvdiag.attention import future_attention
+from kvdiag.model.attention import future_attention
 from kvdiag.replay import Policy, ReplaySettings, replay, teacher_force
 from kvdiag.replay.oracle import FutureRule, LiveLabels
 from kvdiag.replay.settings import future_window
@@ -125,7 +125,7 @@ def test_a_trace_without_tensors_rebuilds_them_with_the_replay_model(tiny_llama,
     """``--store none`` (the report's Trace): the replay lends its model to the Trace, whose rebuilt q and k give the
     stored ones' future attention (fp32 both, but a prefill against the trace's decode steps: 1e-5 absolute) and the
     same replayed KL (1e-4 relative)."""
-    from kvdiag.prompts import load_prompts
+    from kvdiag.tasks.prompts import load_prompts
     from kvdiag.trace import GenerationSettings, Trace, trace_prompts
 
     settings = GenerationSettings(max_new_tokens=40, chat=False, instruction=None, storage_dtype="float32",

@@ -12,7 +12,7 @@ import torch
 import kvdiag.replay.decoding as decoding
 import kvdiag.replay.generating as generating
 from kvdiag.generate import Policy, make_scorer
-from kvdiag.models import load_model
+from kvdiag.model.load import load_model
 from kvdiag.replay.decoding import decode_batch
 from kvdiag.replay.generating import generate_batch
 from kvdiag.replay.sampling import Sampling
@@ -149,7 +149,7 @@ def test_generate_reproduces_the_committed_smollm2_replay():
 
     import polars as pl
 
-    from kvdiag.prompts import encode_prompt, load_prompts
+    from kvdiag.tasks.prompts import encode_prompt, load_prompts
 
     root = Path(__file__).resolve().parents[1] / "reports" / "replay-recall"
     st = json.loads((root / "config.json").read_text())["settings"]

@@ -12,13 +12,13 @@ import polars as pl
 import pytest
 import torch
 
+from kvdiag.core.errors import UserError
+from kvdiag.core.selection import Selection, select_keep
 from kvdiag.decisions import Budget, DecisionsConfig
-from kvdiag.errors import UserError
 from kvdiag.replay import FreeRunning, Policy, ReplaySettings, TeacherForced, make_scorer, replay, teacher_force
 from kvdiag.replay.decoding import batches, decode
 from kvdiag.replay.oracle import ORACLE, LiveLabels, OracleRule
 from kvdiag.replay.units import Item
-from kvdiag.selection import Selection, select_keep
 
 # --------------------------------------------------------------------------- resume keys
 
@@ -86,7 +86,7 @@ def digest(df: pl.DataFrame) -> tuple[str, list, list]:
 
 def run_cases(lm, trace, root) -> dict[str, tuple]:
     """The outputs of a greedy, a sampled stochastic and a teacher-forced oracle sweep on ``lm``."""
-    from kvdiag.prompts import load_prompts
+    from kvdiag.tasks.prompts import load_prompts
 
     prompts = load_prompts("builtin:arith", limit=2)
     base = dict(interval=8, max_new_tokens=24, chat=False, instruction=None)

@@ -83,8 +83,8 @@ def test_single_label_auroc_joins_rank_eval_and_the_loop(tiny_llama, tiny_trace,
     """``--auroc LABELS SCORES``: each rule's pooled AUROC and replicates are rank-eval's own; with the replay's
     prompts and seed they sit on the same resamples, and the rule-level row is the Spearman of AUROC against minus
     the in-loop KL. A rule without a score column is refused; scored parameters that differ are named."""
-    from kvdiag.errors import UserError
-    from kvdiag.io import read_table, write_table
+    from kvdiag.core.errors import UserError
+    from kvdiag.core.io import read_table, write_table
     from kvdiag.label import LabelConfig
     from kvdiag.label.run import label_trace
     from kvdiag.rankeval.evaluate import rank_eval

@@ -109,7 +109,7 @@ def test_rates_are_over_compressed_generations_and_the_others_are_counted(tmp_pa
 
 
 def test_generations_without_compressions_are_refused():
-    from kvdiag.errors import UserError
+    from kvdiag.core.errors import UserError
 
     with pytest.raises(UserError, match="no compressions column"):
         outcome_rows(_frame().drop("compressions"))

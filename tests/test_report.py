@@ -15,11 +15,11 @@ import pytest
 from typer.testing import CliRunner
 
 import kvdiag.cli.main
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
+from kvdiag.core.io import write_table
 from kvdiag.figures import FigureParams, make_figures
-from kvdiag.io import write_table
 from kvdiag.rankeval import KEYS
-from kvdiag.report import build_report, label_statistics, record_command
+from kvdiag.report.run import build_report, label_statistics, record_command
 from tests.conftest import synthetic_labels as shared_synthetic_labels
 
 

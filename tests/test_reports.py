@@ -28,7 +28,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from kvdiag.io import read_json, read_meta, read_table
+from kvdiag.core.io import read_json, read_meta, read_table
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORTS = ROOT / "reports"
@@ -296,8 +296,8 @@ FIT = compared("math500-smollm2/fit", ("metrics.csv", "table.md"))
 
 def test_fit_ranking(tmp_path):
     """The fit's rank-eval (``rank_fitted``) of the committed out-of-fold scores beside the rules."""
+    from kvdiag.core.io import write_csv, write_text
     from kvdiag.fit import FitConfig, rank_fitted
-    from kvdiag.io import write_csv, write_text
     from kvdiag.rankeval import to_markdown
 
     run, tables = FIT
@@ -321,9 +321,9 @@ def test_fit_importances(tmp_path):
     """importances.csv, the out-of-fold scores and model.json's logistic regression from the committed features.parquet
     (``cross_validate``, ``importance_table``: the grouped folds and permutation importances ``fit_features`` runs;
     about 20 s on 2 cores; the 4 min of a whole ``kvdiag fit`` are rank-eval's bootstrap, test_fit_ranking's)."""
+    from kvdiag.core.io import write_csv
     from kvdiag.fit import MODELS, FitConfig, cross_validate, importance_table
     from kvdiag.fit.run import _labels_y, _models, _token_labels
-    from kvdiag.io import write_csv
     from kvdiag.rankeval import KEYS
 
     run = REPORTS / "math500-smollm2/fit"
@@ -373,7 +373,7 @@ def _without_trace(text: str) -> str:
 @pytest.mark.parametrize("report", list(REPORT))
 def test_report(report, tmp_path):
     """``kvdiag report`` (``build_report``) of a run directory holding the report's committed pieces, no Trace."""
-    from kvdiag.report import build_report
+    from kvdiag.report.run import build_report
 
     name, pieces = REPORT[report]
     run = tmp_path / name
@@ -545,11 +545,12 @@ LEADERBOARD_SCORES = REPORTS / "leaderboard.scores.parquet"  # kvdiag grade --al
 
 
 def test_leaderboard(tmp_path):
-    """``kvdiag.grade.rewrite_leaderboard``: the leaderboard's decisions half recomputed from the benchmark's committed
+    """``kvdiag.grade.run.rewrite_leaderboard``: the leaderboard's decisions half recomputed from the benchmark's
+    committed
     builtins.parquet and references.parquet, its ranking half (rank-eval's AUROC, AP, top-k recall, FSR, Spearman and
     whether a rule ranks at all) from the benchmark's labels and the committed token scores of every rule; every
     table cell compared with the committed files. Only the rules and their params come from the csv."""
-    from kvdiag.grade import rewrite_leaderboard
+    from kvdiag.grade.run import rewrite_leaderboard
 
     for name in LEADERBOARD[1]:
         shutil.copy(REPORTS / name, tmp_path / name)
@@ -692,7 +693,7 @@ GPU_CHECK = compared("gpu-check", ("results.md",))
 
 def test_gpu_check_results():
     """results.md of the H200 run is ``render_markdown`` of its committed results.json, which passed 7 of 7."""
-    from kvdiag.gpu_check import render_markdown
+    from kvdiag.bench.gpu_check import render_markdown
 
     res = read_json(REPORTS / "gpu-check/results.json")
     assert not res["dry_run"] and [s["status"] for s in res["steps"]] == ["pass"] * 7
@@ -708,7 +709,7 @@ SCALE = compared("bench", ("scale.md",))
 def test_scale_steps_table():
     """scale.md's steps table is ``frame_table`` of the measured steps, which scale.csv holds (as bench_scale writes
     both from one table)."""
-    from kvdiag.tables import frame_table
+    from kvdiag.core.tables import frame_table
 
     report, (name,) = SCALE
     steps = pl.read_csv(REPORTS / report / "scale.csv")

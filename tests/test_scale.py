@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag import scale
+from kvdiag.bench import scale
 
 PROMPTS = Path(__file__).parents[1] / "data" / "math500-first20.jsonl"
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
 from kvdiag.replay import check_live_scorer, make_scorer
 from kvdiag.scorers import ScoreContext, get_scorer
 from tests.conftest import random_qkv

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
 from kvdiag.scorers import (
     SCORERS,
     Scorer,

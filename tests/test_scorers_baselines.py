@@ -8,8 +8,8 @@ from functools import partial
 import pytest
 import torch
 
-from kvdiag.features import AttentionHistory
 from kvdiag.scorers import SCORERS, ScoreContext, get_scorer, lazyeviction_score
+from kvdiag.scorers.features import AttentionHistory
 from tests.conftest import dense_attention, make_scorer, random_qkv
 
 H, HKV, T, D, PROMPT = 4, 2, 24, 6, 8

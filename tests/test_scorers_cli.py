@@ -14,8 +14,8 @@ import torch
 from typer.testing import CliRunner
 
 import kvdiag.cli.main
-import kvdiag.registry as registry_mod
-from kvdiag.io import read_table, write_table
+import kvdiag.core.registry as registry_mod
+from kvdiag.core.io import read_table, write_table
 from kvdiag.scorers import (
     ENTRY_POINT_GROUP,
     SCORERS,

@@ -19,8 +19,8 @@ PEAK_RSS_MIB = 2048
 @pytest.mark.slow
 @needs_smollm2
 def test_all_scorers_on_a_2048_token_trace(tmp_path):
-    from kvdiag.models import load_model
-    from kvdiag.prompts import encode_prompt, load_prompts
+    from kvdiag.model.load import load_model
+    from kvdiag.tasks.prompts import encode_prompt, load_prompts
     from kvdiag.trace import GenerationSettings, Trace, trace_prompts
 
     lm = load_model("smollm2")

@@ -1,4 +1,5 @@
-"""kvdiag.stats against closed forms and scipy: exact paired tests, the test each comparison picks, per-cluster ratio
+"""kvdiag.core.stats against closed forms and scipy: exact paired tests, the test each comparison picks, per-cluster
+ratio
 summaries, Spearman's n, Kendall's exact p, Wilson, McNemar, Mann–Whitney and the one p-value formatter."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 from scipy.stats import spearmanr
 
-from kvdiag.stats import (
+from kvdiag.core.stats import (
     EXACT_BELOW,
     PromptBootstrap,
     cluster_means,

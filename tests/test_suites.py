@@ -9,9 +9,9 @@ import polars as pl
 import pytest
 from scipy.stats import binomtest
 
-from kvdiag.errors import UserError
-from kvdiag.prompts import Prompt, encode_prompt, load_prompts, recall_prompts
-from kvdiag.suites import SUITES, answer_tokens, check_generation_room, grade, keys_prompts, min_tokens
+from kvdiag.core.errors import UserError
+from kvdiag.tasks.prompts import Prompt, encode_prompt, load_prompts, recall_prompts
+from kvdiag.tasks.suites import SUITES, answer_tokens, check_generation_room, grade, keys_prompts, min_tokens
 from tests.conftest import needs_smollm2
 
 
@@ -77,7 +77,7 @@ def test_shots_become_earlier_turns_and_suppress_the_instruction():
 @pytest.mark.slow
 @needs_smollm2
 def test_smollm2_solves_recall_at_full_kv():
-    from kvdiag.models import load_model
+    from kvdiag.model.load import load_model
     from kvdiag.replay.decoding import decode
 
     lm = load_model("smollm2")
@@ -91,7 +91,7 @@ def test_smollm2_solves_recall_at_full_kv():
 @needs_smollm2
 def test_smollm2_solves_keys_at_full_kv():
     """Two keys prompts at length 12 (about 110 generated tokens): every component passed."""
-    from kvdiag.models import load_model
+    from kvdiag.model.load import load_model
     from kvdiag.replay.decoding import decode
 
     lm = load_model("smollm2")
@@ -197,8 +197,8 @@ def _outcomes() -> pl.DataFrame:
 
 
 def test_component_summary_and_paired_tests():
+    from kvdiag.core.stats import wilson
     from kvdiag.replay.outcomes import component_summary, component_tests
-    from kvdiag.stats import wilson
 
     suite = SUITES["recall"]
     s = component_summary(_outcomes(), suite, n_boot=200)
@@ -221,7 +221,7 @@ def test_component_summary_and_paired_tests():
 
 def test_components_selection_reaches_the_summary():
     from kvdiag.replay.run import _suite
-    from kvdiag.suites import select_components
+    from kvdiag.tasks.suites import select_components
 
     assert select_components("builtin:recall:5", ["format"]) == ["recalled", "format"]  # the task always reported
     picked = _suite({"mode": "free", "prompts_source": "builtin:recall:50", "components": ["format", "recalled"]})

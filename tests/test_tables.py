@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvdiag.tables import markdown_table
+from kvdiag.core.tables import markdown_table
 
 HEAD = ["Score", "AUROC", "AP"]
 ROWS = [["rkv", "0.817 [0.80, 0.83]", "0.4"], ["h2o", "n/a", "0.1"]]

@@ -5,14 +5,14 @@ import polars as pl
 import pytest
 import torch
 
-from kvdiag.needed import final_line_positions, needed_texts
-from kvdiag.prompts import encode_prompt, load_prompts
 from kvdiag.replay.decoding import Decoded, full_logprobs, teacher_force
 from kvdiag.replay.run import ReplaySettings, build_policies, replay
 from kvdiag.replay.teacher_forced import suite_columns
 from kvdiag.replay.tf_task import tf_task_table
 from kvdiag.replay.units import Item
-from kvdiag.suites import keys_prompts
+from kvdiag.tasks.needed import final_line_positions, needed_texts
+from kvdiag.tasks.prompts import encode_prompt, load_prompts
+from kvdiag.tasks.suites import keys_prompts
 
 SOURCE = "builtin:keys:2:3"
 
@@ -71,7 +71,7 @@ def test_teacher_forced_suite_rows(tiny_llama, tmp_path):
     """A Trace of a builtin suite replayed teacher-forced: ``top1_agree`` equals the argmax comparison of the
     policy's and the full cache's log-probs from the same functions (same shapes, same path: compared exactly), the
     prompt's needed positions are found, and ``needed_kept`` is the bincount of the policy's kept positions."""
-    from kvdiag.needed import prompt_positions
+    from kvdiag.tasks.needed import prompt_positions
     from kvdiag.trace import GenerationSettings, Trace, trace_prompts
 
     prompts = load_prompts(SOURCE)

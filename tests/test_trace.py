@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from kvdiag.attention import attention_rows
+from kvdiag.model.attention import attention_rows
 from kvdiag.trace.hooks import Recorder, recording
 from tests.conftest import make_trace
 
@@ -128,7 +128,7 @@ def test_trace_round_trip_and_resume(tiny_llama, tmp_path):
 
 
 def test_truncated_trace_is_a_clear_error(tiny_llama, tmp_path):
-    from kvdiag.errors import UserError
+    from kvdiag.core.errors import UserError
     from kvdiag.trace import Trace
 
     tr = make_trace(tiny_llama, tmp_path / "tr", n_prompts=1, max_new_tokens=4)

@@ -8,7 +8,7 @@ import json
 import polars as pl
 import torch
 
-from kvdiag.prompts import load_prompts
+from kvdiag.tasks.prompts import load_prompts
 from kvdiag.trace import GenerationSettings, trace_prompts
 from kvdiag.trace.hooks import Recorder
 

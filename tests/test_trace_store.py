@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvdiag.errors import UserError
-from kvdiag.prompts import load_prompts
+from kvdiag.core.errors import UserError
+from kvdiag.tasks.prompts import load_prompts
 from kvdiag.trace import GenerationSettings, Trace, trace_prompts
 from kvdiag.trace import reader as reader_mod
 from kvdiag.trace.writer import stored_names

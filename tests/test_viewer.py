@@ -20,12 +20,12 @@ import numpy as np
 import polars as pl
 import pytest
 
-from kvdiag.errors import UserError
-from kvdiag.io import write_table
+from kvdiag.core.errors import UserError
+from kvdiag.core.io import write_table
 from kvdiag.rankeval import KEYS, harm_threshold
 from kvdiag.rankeval.metrics import eviction_counts, n_evicted
-from kvdiag.report import build_report
-from kvdiag.viewer import ViewerSettings, build_viewer, viewer_data, viewer_html
+from kvdiag.report.run import build_report
+from kvdiag.report.viewer import ViewerSettings, build_viewer, viewer_data, viewer_html
 from tests.conftest import synthetic_labels as shared_synthetic_labels
 
 RULES = ("attention", "rkv", "avokv_e", "streamingllm")

@@ -20,8 +20,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-from kvdiag.adapters import check_kwargs, model_attention
-from kvdiag.attention import attn_implementation, model_eager_attention
+from kvdiag.model.adapters import check_kwargs, model_attention
+from kvdiag.model.attention import attn_implementation, model_eager_attention
 
 KVDIAG_ATTN = "kvdiag_replay"  # the registered name (also what replay recorded in earlier releases' configs)
 
@@ -115,7 +115,7 @@ AttentionMaskInterface.register(KVDIAG_ATTN + "_eager", eager_mask)
 
 
 def implementation(model) -> str:
-    """The registered kvdiag attention that reproduces ``model`` (SDPA or eager, from ``kvdiag.adapters``)."""
+    """The registered kvdiag attention that reproduces ``model`` (SDPA or eager, from ``kvdiag.model.adapters``)."""
     return KVDIAG_ATTN + "_eager" if model_attention(model).implementation == "eager" else KVDIAG_ATTN
 
 

@@ -25,7 +25,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from kvdiag.cache.attend import HANDOFF, QueryWindow
 from kvdiag.cache.blocks import append_rows
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
 from kvdiag.kernels import compact_kv
 
 
@@ -165,8 +165,9 @@ class PositionedCache(Cache):
 
     @classmethod
     def for_model(cls, model, query_window: int = 0, capacity: int | None = None) -> PositionedCache:
-        """The cache of ``model``'s layers (their windows from ``kvdiag.adapters``); ``capacity``: preallocated."""
-        from kvdiag.adapters import model_attention
+        """The cache of ``model``'s layers (their windows from ``kvdiag.model.adapters``); ``capacity``:
+        preallocated."""
+        from kvdiag.model.adapters import model_attention
 
         return cls([layer.window for layer in model_attention(model).layers], query_window, capacity)
 

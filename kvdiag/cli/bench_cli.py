@@ -83,7 +83,7 @@ def bench_cli(
     Console().print(f"worst ratio {max(ratios):.3f}, median {sorted(ratios)[len(ratios) // 2]:.3f} "
                     f"({sum(r < TARGET for r in ratios)}/{len(ratios)} under {TARGET})", highlight=False)
     if out is not None:
-        from kvdiag.io import write_json
+        from kvdiag.core.io import write_json
 
         write_json(out, {"import_torch_transformers_s": base, "repeats": repeats, "target": TARGET,
                          "rows": [{"command": n, "seconds": s, "ratio": s / base, "exit": c, "torch_imported": t}

@@ -7,9 +7,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvdiag import parsing
 from kvdiag.cli import common
-from kvdiag.guard import check_outputs
+from kvdiag.core import parsing
+from kvdiag.core.guard import check_outputs
 
 
 def bench_decisions(
@@ -29,8 +29,8 @@ def bench_decisions(
 ) -> None:
     """oracle_search's rows, seconds and improvement over the best candidate per budget, at 1x and --scale x."""
     check_outputs({"--out": out})
+    from kvdiag.core.errors import UserError
     from kvdiag.decisions.config import Budget, DecisionsConfig
-    from kvdiag.errors import UserError
 
     fractions = parsing.parse_list(keep, "--keep", float, low=0, high=1, strict=True, example="0.5,0.25")
     names = parsing.parse_list(scorers, "--scorers", str)
@@ -43,7 +43,7 @@ def bench_decisions(
                         "per-token")
     parsing.check_device_name(device)
     from kvdiag.decisions.bench import run_search_bench
-    from kvdiag.models import load_model
+    from kvdiag.model.load import load_model
 
     common.quiet_transformers()
     lm = load_model(model, dtype=dtype, device=device)
@@ -62,6 +62,6 @@ def bench_decisions(
     if out is not None:
         from pathlib import Path
 
-        from kvdiag.io import write_json
+        from kvdiag.core.io import write_json
 
         write_json(Path(out), res)

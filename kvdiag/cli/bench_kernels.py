@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
 
 
 def bench_kernels(
@@ -26,7 +26,7 @@ def bench_kernels(
     seed: int = typer.Option(0, help="seed of the random inputs"),
 ) -> None:
     """Time and peak memory of each eviction kernel: Triton (CUDA), torch reference, obvious composition."""
-    from kvdiag.parsing import check_device_name, check_dtype
+    from kvdiag.core.parsing import check_device_name, check_dtype
 
     check_dtype(dtype)
     check_device_name(device)
@@ -38,8 +38,8 @@ def bench_kernels(
 
     from kvdiag.kernels import triton_available
     from kvdiag.kernels.bench import run_kernel_bench
-    from kvdiag.models import check_device, parse_dtype
-    from kvdiag.peak import matmul_peak
+    from kvdiag.kernels.peak import matmul_peak
+    from kvdiag.model.load import check_device, parse_dtype
 
     torch_dtype = parse_dtype(dtype)
     check_device(device)

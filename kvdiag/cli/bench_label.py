@@ -3,7 +3,7 @@
 or what a set row of ``kvdiag decisions`` costs against a single row and the physical-deletion reference (``--sets``).
 
 Exact methods also print their achieved matmul FLOP/s (``kvdiag.trace.cost``) and MFU against the matmul peak measured
-at the model's dtype in the same run, before the timed runs (``kvdiag.peak``)."""
+at the model's dtype in the same run, before the timed runs (``kvdiag.kernels.peak``)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvdiag import parsing
 from kvdiag.cli import common
-from kvdiag.errors import UserError, check_number
-from kvdiag.guard import check_outputs
-from kvdiag.schema import CHUNK, HORIZON
+from kvdiag.core import parsing
+from kvdiag.core.errors import UserError, check_number
+from kvdiag.core.guard import check_outputs
+from kvdiag.core.schema import CHUNK, HORIZON
 
 MAX_REPEATS = 1000  # timed runs; more would only hang
 
@@ -62,8 +62,8 @@ def bench_label(
     check_number("--repeats", repeats, 1, MAX_REPEATS)
     if n > prefix:
         raise UserError(f"--n {n} candidates exceed the --prefix {prefix} cached entries: use --n {prefix} or less")
+    from kvdiag.core.schema import GRANULARITIES
     from kvdiag.label.config import HybridParams, resolve_method
-    from kvdiag.schema import GRANULARITIES
 
     if granularity not in GRANULARITIES:
         raise UserError(f"--granularity {granularity}: use one of {', '.join(GRANULARITIES)}")
@@ -93,12 +93,12 @@ def bench_label(
     parsing.check_dtype(dtype)
     parsing.check_device_name(device)
     parsing.check_backend(backend)
-    from kvdiag.model_specs import check_model_spec, context_of
+    from kvdiag.model.specs import check_model_spec, context_of
 
     _check_context(prefix, horizon, model, context_of(check_model_spec(model)))  # from its config, before the load
+    from kvdiag.kernels.peak import model_peak
     from kvdiag.label.bench import run_fast_bench, run_label_bench, run_layer_start_bench
-    from kvdiag.models import load_model
-    from kvdiag.peak import model_peak
+    from kvdiag.model.load import load_model
     from kvdiag.trace.cost import ModelShape
 
     common.quiet_transformers()
@@ -244,13 +244,13 @@ def _bench_horizon(console, title, lm, prefix, n, horizon, repeats, backend, chu
 
 def _write(out: str | None, payload: dict) -> None:
     if out is not None:
-        from kvdiag.io import write_json
+        from kvdiag.core.io import write_json
 
         write_json(Path(out), payload)
 
 
 def _throughput(row, peak) -> tuple[str, str]:
-    """A row's achieved matmul GFLOP/s and its fraction of the measured ``peak`` (``kvdiag.peak.Peak``)."""
+    """A row's achieved matmul GFLOP/s and its fraction of the measured ``peak`` (``kvdiag.kernels.peak.Peak``)."""
     if row.flops is None:
         return "n/a", "n/a"
     return _gflops(row.flops / row.seconds), f"{peak.mfu(row.flops, row.seconds):.0%}"

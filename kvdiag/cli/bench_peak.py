@@ -6,8 +6,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvdiag import parsing
 from kvdiag.cli import common
+from kvdiag.core import parsing
 
 MAX_SECONDS = 3600.0  # per dtype; a longer timing only hangs the command
 
@@ -21,7 +21,7 @@ def bench_peak(
     seconds: float = typer.Option(1.0, "--seconds", help="time each dtype for about this long (best call kept)"),
 ) -> None:
     """Time a large square matmul (F.linear, the product of a linear layer) per dtype: GFLOP/s, one run."""
-    from kvdiag.errors import UserError, check_number
+    from kvdiag.core.errors import UserError, check_number
 
     # the arguments, before torch is imported
     parsing.check_device_name(device)
@@ -31,8 +31,8 @@ def bench_peak(
     check_number("--seconds", seconds, 0, MAX_SECONDS, open_low=True)
     import torch
 
-    from kvdiag.models import check_device, parse_dtype
-    from kvdiag.peak import matmul_peak
+    from kvdiag.kernels.peak import matmul_peak
+    from kvdiag.model.load import check_device, parse_dtype
 
     device = check_device(device)
     torch_dtypes = [parse_dtype(d) for d in names]

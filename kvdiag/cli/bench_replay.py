@@ -8,9 +8,9 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from kvdiag import parsing
 from kvdiag.cli import common
-from kvdiag.guard import check_outputs
+from kvdiag.core import parsing
+from kvdiag.core.guard import check_outputs
 
 
 def bench_replay(
@@ -41,8 +41,8 @@ def bench_replay(
     """Decode every prompt under every scorer alone, in batches and through model.generate; report seconds,
     tokens/s, the ratios, peak memory, how many rows wrote the same tokens, and generate's compaction share."""
     check_outputs({"--out": out}, {"--prompts": prompts})
-    from kvdiag.errors import UserError
-    from kvdiag.parsing import Selection
+    from kvdiag.core.errors import UserError
+    from kvdiag.core.parsing import Selection
     from kvdiag.replay.sampling import Sampling
     from kvdiag.replay.settings import check_params, check_samples
 
@@ -61,13 +61,13 @@ def bench_replay(
     check_params(params, names)
     import torch
 
+    from kvdiag.core.io import write_json
     from kvdiag.generate.live import check_live_scorer, make_scorer
     from kvdiag.generate.policy import Policy
-    from kvdiag.io import write_json
-    from kvdiag.models import load_model
-    from kvdiag.prompts import encode_prompt, load_prompts
+    from kvdiag.model.load import load_model
     from kvdiag.replay.bench import run_replay_bench
     from kvdiag.replay.run import FULL_KV
+    from kvdiag.tasks.prompts import encode_prompt, load_prompts
 
     common.quiet_transformers()
     full = [n for n in names if n == FULL_KV]

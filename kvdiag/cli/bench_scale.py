@@ -7,10 +7,10 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from kvdiag import parsing
 from kvdiag.cli import common
-from kvdiag.guard import check_outputs
-from kvdiag.model_specs import check_model_spec, known_shape
+from kvdiag.core import parsing
+from kvdiag.core.guard import check_outputs
+from kvdiag.model.specs import check_model_spec, known_shape
 
 
 def bench_scale(
@@ -34,7 +34,7 @@ def bench_scale(
         for T in lengths:
             context = shape["max_position_embeddings"]
             parsing.check_context(T, context, "--lengths", f"give lengths <= {context}")
-    from kvdiag import scale  # the stage (torch, transformers), once the arguments are checked
+    from kvdiag.bench import scale  # the stage (torch, transformers), once the arguments are checked
 
     common.quiet_transformers()
     plan = scale.ScalePlan(model, prompts, lengths, stores, out, dtype)

@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvdiag.guard import check_outputs
+from kvdiag.core.guard import check_outputs
 
 
 def bench_score(
@@ -23,8 +23,8 @@ def bench_score(
 ) -> None:
     """Time `kvdiag score` over every checkpoint (token granularity, all cached entries) and report s/checkpoint."""
     check_outputs({"--out": out}, {"--trace": trace, "--plugin": plugin})
-    from kvdiag.io import write_json
-    from kvdiag.parsing import joined, parse_checkpoints, parse_list, parse_params
+    from kvdiag.core.io import write_json
+    from kvdiag.core.parsing import joined, parse_checkpoints, parse_list, parse_params
     from kvdiag.trace.manifest import read_trace_files
 
     read_trace_files(trace)  # before torch

@@ -16,10 +16,10 @@ def bench_trace(
     dtype: str = common.Dtype, device: str = common.Device,
 ) -> None:
     """Time `kvdiag trace` (record + write) against plain `generate` on the same prompts."""
-    from kvdiag import parsing
-    from kvdiag.errors import UserError
-    from kvdiag.model_specs import check_model_spec
-    from kvdiag.prompts import load_prompts
+    from kvdiag.core import parsing
+    from kvdiag.core.errors import UserError
+    from kvdiag.model.specs import check_model_spec
+    from kvdiag.tasks.prompts import load_prompts
 
     # the arguments, before torch is imported
     for flag, value in (("--max-new-tokens", max_new_tokens), ("--repeats", repeats)):
@@ -29,8 +29,8 @@ def bench_trace(
     parsing.check_dtype(dtype)
     parsing.check_device_name(device)
     items = load_prompts(prompts, limit=limit)
-    from kvdiag.models import load_model
-    from kvdiag.peak import model_peak
+    from kvdiag.kernels.peak import model_peak
+    from kvdiag.model.load import load_model
     from kvdiag.trace.bench import run_trace_bench
 
     common.quiet_transformers()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from kvdiag.errors import UserError
-from kvdiag.schema import HARM, N_BOOT, NOISE_MULT
+from kvdiag.core.errors import UserError
+from kvdiag.core.schema import HARM, N_BOOT, NOISE_MULT
 
 Model = typer.Option("smollm2", "--model", help="hub id, local HF dir, file.gguf, smollm2 or gemma3-270m (embedded), "
                                                 "tiny:FAMILY (random, for tests) or random:NAME[:layers=N] (random "
@@ -20,7 +20,7 @@ Prompts = typer.Option("builtin:arith", "--prompts", help="file.jsonl (problem/q
 Limit = typer.Option(None, "--limit", help="use only the first K prompts")
 Seed = typer.Option(0, "--seed", min=0, help="random seed (>= 0)")
 Quiet = typer.Option(False, "--quiet", help="no progress bars")
-# which labels are analysed and which are harmful (kvdiag.harm.HarmSpec)
+# which labels are analysed and which are harmful (kvdiag.core.harm.HarmSpec)
 Harm = typer.Option(HARM, "--harm", help="harmful: kl_mean above quantile:Q of the analysed labels, or above abs:TAU "
                     "nats")
 NoiseMult = typer.Option(NOISE_MULT, "--noise-mult", help="unresolved: kl_mean <= noise_mult * noise_floor")

@@ -7,9 +7,9 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from kvdiag import parsing
 from kvdiag.cli import common
-from kvdiag.guard import check_outputs
+from kvdiag.core import parsing
+from kvdiag.core.guard import check_outputs
 
 
 def decisions(
@@ -64,12 +64,12 @@ def decisions(
 ) -> None:
     """Label the set each rule evicts under each budget exactly and compare the decisions with oracle references."""
     check_outputs({"--out": (out, "dir")}, {"--trace": trace, "--scores": scores, "--labels": labels})
+    from kvdiag.core.errors import UserError
+    from kvdiag.core.harm import HarmSpec
+    from kvdiag.core.io import check_table
+    from kvdiag.core.schema import HORIZON
     from kvdiag.decisions import REFERENCES, DecisionsConfig, budgets_from  # light: the config, not the stage
     from kvdiag.decisions.config import DEFAULT_REFERENCES, check_reference, checkpoints_of, rule_columns
-    from kvdiag.errors import UserError
-    from kvdiag.harm import HarmSpec
-    from kvdiag.io import check_table
-    from kvdiag.schema import HORIZON
     from kvdiag.trace.manifest import TraceFiles
 
     if draws is not None and not selection.startswith("stochastic"):
@@ -96,7 +96,7 @@ def decisions(
     if dtype is not None:
         parsing.check_dtype(dtype)
     trace_files = TraceFiles(trace)
-    from kvdiag.contracts import belongs, read_scores  # polars and pyarrow: only now
+    from kvdiag.core.contracts import belongs, read_scores  # polars and pyarrow: only now
     # the scores contract (readable, keyed, finite, unique keys) and the Trace of each table, before torch
     score_df, score_meta = read_scores(scores)
     belongs(trace_files, score_meta, f"--scores {scores}")
@@ -104,7 +104,7 @@ def decisions(
         belongs(trace_files, label_meta, f"--labels {labels}")
     check_reference(cfg, rule_columns(score_df, cfg.rules))
     if model is not None:  # another model than the Trace's, told from names and configs before anything loads
-        from kvdiag.model_specs import check_model_spec, check_trace_model
+        from kvdiag.model.specs import check_model_spec, check_trace_model
 
         check_trace_model(check_model_spec(model), trace_files.manifest["model"])
     cfg.check_future(trace_files.manifest, checkpoints_of(score_df, trace_files, cfg)[0])
@@ -120,7 +120,7 @@ def decisions(
 
 def _window(text: str | None) -> int | str | None:
     """``--future-window N|rest``."""
-    from kvdiag.errors import UserError
+    from kvdiag.core.errors import UserError
 
     if text is None or text.strip() == "rest":
         return None if text is None else "rest"

@@ -15,7 +15,7 @@ import typer
 from rich.console import Console
 
 from kvdiag.cli import common
-from kvdiag.schema import HORIZON
+from kvdiag.core.schema import HORIZON
 
 
 def demo_commands(out: Path, model: str, prompts: str, limit: int, max_new_tokens: int, candidates: int,
@@ -74,12 +74,12 @@ def demo(
     bootstrap: int = common.Bootstrap,
 ) -> None:
     """Run trace -> label -> score -> rank-eval -> figures -> report and print the report's path."""
-    from kvdiag.io import check_writable
-    from kvdiag.model_specs import check_model_spec
+    from kvdiag.core.io import check_writable
+    from kvdiag.model.specs import check_model_spec
 
     check_writable(out, "--out", "dir")
     check_model_spec(model)
-    from kvdiag.report import record_command  # matplotlib and torch, once the arguments are checked
+    from kvdiag.report.run import record_command  # matplotlib and torch, once the arguments are checked
 
     console = Console()
     out.mkdir(parents=True, exist_ok=True)

@@ -8,8 +8,8 @@ import typer
 from rich.console import Console
 
 from kvdiag.cli import common
+from kvdiag.core.guard import check_outputs
 from kvdiag.figures.params import FigureParams
-from kvdiag.guard import check_outputs
 
 _D = FigureParams()
 
@@ -53,7 +53,7 @@ def figures(
     """Draw the attention-only blind spot, the delayed-read effect and the AvoKV-E component figure."""
     check_outputs({"--out": (out, "dir")},
                   {"--trace": trace, "--labels": labels, "--scores": scores, "--rank-eval": rank_eval})
-    from kvdiag.io import check_table
+    from kvdiag.core.io import check_table
     from kvdiag.trace.manifest import TraceFiles
 
     # the settings, the inputs' files and the Trace they were made from, before torch and matplotlib are imported
@@ -66,7 +66,7 @@ def figures(
         max_age=max_age, eligible=eligible,
     )
     trace_files = TraceFiles(trace)
-    from kvdiag.contracts import belongs  # polars: only now
+    from kvdiag.core.contracts import belongs  # polars: only now
 
     belongs(trace_files, check_table(labels, "--labels"), f"--labels {labels}")
     belongs(trace_files, check_table(scores, "--scores"), f"--scores {scores}")

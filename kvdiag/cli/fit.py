@@ -7,9 +7,9 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from kvdiag import parsing
 from kvdiag.cli import common
-from kvdiag.guard import check_outputs
+from kvdiag.core import parsing
+from kvdiag.core.guard import check_outputs
 
 
 def fit(

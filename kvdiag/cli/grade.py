@@ -30,10 +30,10 @@ def grade(
 ) -> None:
     """Grade a rule on a shipped benchmark: how it ranks single-entry damage, and the exact joint damage of its
     decisions at the benchmark's budgets, against the oracle and the built-in rules; prints its leaderboard row."""
-    from kvdiag.errors import UserError
-    from kvdiag.parsing import parse_horizon, parse_params
-    from kvdiag.plugin_check import check_plugin_files
-    from kvdiag.scorer_names import check_fitted, check_rule_source, is_plugin_spec
+    from kvdiag.core.errors import UserError
+    from kvdiag.core.parsing import parse_horizon, parse_params
+    from kvdiag.scorers.names import check_fitted, check_rule_source, is_plugin_spec
+    from kvdiag.scorers.plugin_check import check_plugin_files
 
     if all_ == (rule_spec is not None):
         raise UserError("pass a rule to grade (a .py file, a module or a registered name) or --all, not both")
@@ -45,12 +45,12 @@ def grade(
     params = parse_params(param)
     horizon = None if horizon is None else parse_horizon(horizon)
     check_fitted([rule_spec] if rule_spec else [], params)
-    from kvdiag.grade import RANK_METRICS, grade_files  # the stage, once the arguments are checked
-    from kvdiag.stats import format_test
+    from kvdiag.core.stats import format_test
+    from kvdiag.grade.run import RANK_METRICS, grade_files  # the stage, once the arguments are checked
 
     if horizon is not None:  # refused on the benchmark's own files, before transformers is imported
-        from kvdiag import benchmark as bench_mod
-        from kvdiag.grade import horizon_plan
+        from kvdiag.grade import benchmark as bench_mod
+        from kvdiag.grade.run import horizon_plan
 
         horizon_plan(bench_mod.load(bench), horizon)
     common.quiet_transformers()

@@ -7,11 +7,11 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from kvdiag import parsing
 from kvdiag.cli import common
-from kvdiag.errors import UserError
-from kvdiag.guard import check_outputs
-from kvdiag.schema import CHECKPOINTS, CHUNK, HORIZON, W_OBS
+from kvdiag.core import parsing
+from kvdiag.core.errors import UserError
+from kvdiag.core.guard import check_outputs
+from kvdiag.core.schema import CHECKPOINTS, CHUNK, HORIZON, W_OBS
 
 
 def label(
@@ -59,7 +59,7 @@ def label(
     """Evict single cache entries at checkpoints and measure the KL damage to the next H predictions."""
     check_outputs({"--out": out, "--out (its parts)": (out.with_name(out.name + ".parts"), "dir")}, {"--trace": trace})
     from kvdiag.label.config import LabelConfig, work_items  # light: the config, not the engine
-    from kvdiag.model_specs import check_model_spec, check_trace_model
+    from kvdiag.model.specs import check_model_spec, check_trace_model
     from kvdiag.trace.manifest import TraceFiles
 
     if model is None:

@@ -2,7 +2,7 @@
 
 Each command lives in its own module of ``cli/`` and is registered here. How a run ends:
 
-- bad input (``kvdiag.errors.UserError``, a usage error, or an option given twice): one line, exit 2;
+- bad input (``kvdiag.core.errors.UserError``, a usage error, or an option given twice): one line, exit 2;
 - a bug (any other exception): one line naming the log file that holds the traceback, exit 1
   (``--debug`` anywhere on the command line prints the traceback instead);
 - Ctrl-C: one line, exit 130.
@@ -25,9 +25,9 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from kvdiag.allocator import reuse_freed_memory
 from kvdiag.cli import common
-from kvdiag.errors import UserError
+from kvdiag.core.allocator import reuse_freed_memory
+from kvdiag.core.errors import UserError
 
 DEBUG_FLAG = "--debug"
 
@@ -39,6 +39,23 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from kvdiag import __version__
+
+        typer.echo(f"kvdiag {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                      help="print kvdiag's version and exit")) -> None:
+    # the root options (the commands are registered below); the help text is the app's
+    del version
+
+
 bench_app = typer.Typer(help="Benchmarks: ratios measured in one run.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
@@ -88,7 +105,7 @@ def report_bug(err: BaseException, argv: list[str]) -> Path | None:
     written)."""
     text = f"kvdiag {' '.join(argv)}\n\n" + "".join(traceback.format_exception(err))
     name = f"kvdiag-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
-    from kvdiag.embedded import cache_dir  # the one definition of kvdiag's user cache ($KVDIAG_CACHE)
+    from kvdiag.model.embedded import cache_dir  # the one definition of kvdiag's user cache ($KVDIAG_CACHE)
 
     for folder in (cache_dir() / "logs", Path(tempfile.gettempdir())):
         try:

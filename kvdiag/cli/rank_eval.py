@@ -10,10 +10,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvdiag import parsing
 from kvdiag.cli import common
-from kvdiag.guard import check_outputs
-from kvdiag.schema import RHO
+from kvdiag.core import parsing
+from kvdiag.core.guard import check_outputs
+from kvdiag.core.schema import RHO
 
 if TYPE_CHECKING:  # the stage (polars, pyarrow, numpy) loads when the command runs, not at the CLI's start-up
     from kvdiag.rankeval import RankEvalResult
@@ -86,8 +86,8 @@ def rank_eval(
 ) -> None:
     """Rank every scorer against the oracle labels: AUROC, AP, top-k recall, false-safe rate, Spearman."""
     check_outputs({"--out": (out, "dir")}, {"--labels": labels, "--scores": scores})
-    from kvdiag.io import check_table
-    from kvdiag.scorer_names import check_eligible
+    from kvdiag.core.io import check_table
+    from kvdiag.scorers.names import check_eligible
 
     check_table(labels, "--labels")  # a missing file, before the stage's polars and numpy
     check_table(scores, "--scores")

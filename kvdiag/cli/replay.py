@@ -7,10 +7,10 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from kvdiag import parsing
 from kvdiag.cli import common
-from kvdiag.guard import check_outputs
-from kvdiag.schema import CHECKPOINT_INTERVAL, HORIZON
+from kvdiag.core import parsing
+from kvdiag.core.guard import check_outputs
+from kvdiag.core.schema import CHECKPOINT_INTERVAL, HORIZON
 
 
 def replay(
@@ -84,15 +84,15 @@ def replay(
     generations.parquet, a Table-2-shaped summary and an accuracy/KL-vs-budget figure."""
     check_outputs({"--out": (out, "dir")}, {"--teacher-forced": teacher_forced, "--outcomes": outcomes,
                                            "--auroc": auroc, "--prompts": prompts, "--plugin": plugin})
-    from kvdiag.io import check_table
-    from kvdiag.model_specs import DEFAULT_MODEL, check_model_spec, context_of, spec_windows
-    from kvdiag.plugin_check import check_plugin_files
-    from kvdiag.prompts import DEFAULT_INSTRUCTION, load_prompts
+    from kvdiag.core.io import check_table
+    from kvdiag.model.specs import DEFAULT_MODEL, check_model_spec, context_of, spec_windows
+    from kvdiag.model.token_count import light_counter
     from kvdiag.replay.settings import ReplaySettings, check_budgets, check_options, check_outcomes, replayed_prompts
-    from kvdiag.scorer_fields import check_live_names, check_params
-    from kvdiag.scorer_names import ORACLE, REPLAY_ONLY, check_scorer_names
-    from kvdiag.suites import check_generation_room, select_components
-    from kvdiag.token_count import light_counter
+    from kvdiag.scorers.fields import check_live_names, check_params
+    from kvdiag.scorers.names import ORACLE, REPLAY_ONLY, check_scorer_names
+    from kvdiag.scorers.plugin_check import check_plugin_files
+    from kvdiag.tasks.prompts import DEFAULT_INSTRUCTION, load_prompts
+    from kvdiag.tasks.suites import check_generation_room, select_components
     from kvdiag.trace.manifest import TraceFiles
 
     if teacher_forced is not None:  # the Trace fixes the tokens: generation settings cannot apply

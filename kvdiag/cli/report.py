@@ -15,13 +15,13 @@ def report(
                                                         "directory)"),
 ) -> None:
     """Write report.md, report.html (images embedded) and viewer.html (the token viewer) describing a run."""
-    from kvdiag.io import check_writable
-    from kvdiag.run_layout import check_run_dir
+    from kvdiag.core.io import check_writable
+    from kvdiag.core.run_layout import check_run_dir
 
     check_run_dir(run)  # before matplotlib and torch (build_report reads the run's pieces)
     if out is not None:
         check_writable(out, "--out", "dir")
-    from kvdiag.report import build_report
+    from kvdiag.report.run import build_report
 
     md, html = build_report(run, out)
     Console().print(f"wrote {md}, {html} and {md.with_name('viewer.html')}", highlight=False)

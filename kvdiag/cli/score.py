@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 
 from kvdiag.cli import common
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
 
 
 def score(
@@ -36,13 +36,13 @@ def score(
     quiet: bool = common.Quiet,
 ) -> None:
     """Score candidates of a Trace with the scorer zoo (higher = keep) and write scores.parquet."""
-    from kvdiag import parsing
-    from kvdiag.guard import check_outputs
-    from kvdiag.parsing import GRANULARITIES, joined, parse_checkpoints, parse_list
-    from kvdiag.plugin_check import check_plugin_files
-    from kvdiag.schema import check_checkpoint
-    from kvdiag.scorer_fields import MODEL_UNUSED, check_params, wo_l2_unused
-    from kvdiag.scorer_names import AGGREGATIONS, check_fitted, check_scorer_names
+    from kvdiag.core import parsing
+    from kvdiag.core.guard import check_outputs
+    from kvdiag.core.parsing import GRANULARITIES, joined, parse_checkpoints, parse_list
+    from kvdiag.core.schema import check_checkpoint
+    from kvdiag.scorers.fields import MODEL_UNUSED, check_params, wo_l2_unused
+    from kvdiag.scorers.names import AGGREGATIONS, check_fitted, check_scorer_names
+    from kvdiag.scorers.plugin_check import check_plugin_files
     from kvdiag.trace.manifest import TraceFiles
 
     if list_:
@@ -68,7 +68,7 @@ def score(
     trace_files = TraceFiles(trace)
     trace_files.check_layer_files()
     if labels is not None:  # their contract, their Trace and their keys against its manifest, before torch (the
-        from kvdiag.contracts import read_keys  # stage reads them again, with the tensors)
+        from kvdiag.core.contracts import read_keys  # stage reads them again, with the tensors)
 
         read_keys(trace_files, labels)
     elif not isinstance(cps, int):  # positions: each a checkpoint of every prompt (every:K fits itself to each)
@@ -76,13 +76,13 @@ def score(
             for t in cps:
                 check_checkpoint(trace_files, pid, t)
     if model is not None:  # another model than the Trace's, told from names and configs before anything loads
-        from kvdiag.model_specs import check_model_spec, check_trace_model
+        from kvdiag.model.specs import check_model_spec, check_trace_model
 
         check_trace_model(check_model_spec(model), trace_files.manifest["model"],
                           f"pass {trace_files.manifest['model']['spec']}")
     params = parsing.parse_params(param)
     names = parse_list(scorers, "--scorers", str)
-    check_params(params)  # the built-ins' parameter names and types, from kvdiag.scorer_fields
+    check_params(params)  # the built-ins' parameter names and types, from kvdiag.scorers.fields
     check_fitted(names, params)
     if model is not None and wo_l2_unused(names, params, plugin):
         raise UserError(MODEL_UNUSED.format(model=model))

@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 
 from kvdiag.cli import common
-from kvdiag.guard import check_outputs
+from kvdiag.core.guard import check_outputs
 
 
 def trace(
@@ -43,10 +43,10 @@ def trace(
 ) -> None:
     """Generate each prompt's trace and write the Trace directory (manifest, tokens, per-layer q/k/v)."""
     check_outputs({"--out": (out, "dir")}, {"--prompts": prompts}, writes_trace=True)
-    from kvdiag import parsing
-    from kvdiag.errors import UserError
-    from kvdiag.model_specs import check_model_spec, known_shape
-    from kvdiag.prompts import DEFAULT_INSTRUCTION, load_prompts
+    from kvdiag.core import parsing
+    from kvdiag.core.errors import UserError
+    from kvdiag.model.specs import check_model_spec, known_shape
+    from kvdiag.tasks.prompts import DEFAULT_INSTRUCTION, load_prompts
     from kvdiag.trace import GenerationSettings  # light: the settings, not the writer
 
     if no_instruction:

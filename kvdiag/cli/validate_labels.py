@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from kvdiag.cli import common
-from kvdiag.guard import check_outputs
+from kvdiag.core.guard import check_outputs
 
 
 def validate_labels(
@@ -33,7 +33,7 @@ def validate_labels(
     """How far approximate labels can be trusted: per-checkpoint Spearman, AUROC for exact-harmful entries, top-k
     overlap."""
     check_outputs({"--out": (out, "dir")}, {"--exact": exact, "--approx": approx, "--scores": scores})
-    from kvdiag.io import check_table
+    from kvdiag.core.io import check_table
     from kvdiag.label.config import ValidateConfig
 
     cfg = ValidateConfig(

@@ -13,8 +13,7 @@ parts), ``interactions`` (superadditive pairs), ``summary`` (means, CIs, paired 
 
 from __future__ import annotations
 
-import importlib
-
+from kvdiag.core.lazy import lazy_exports
 from kvdiag.decisions.config import REFERENCES, Budget, DecisionsConfig, budgets_from
 
 # the submodule that defines each exported name
@@ -22,10 +21,6 @@ _HOME = {"DECISION_SCHEMA": "run", "decide": "run", "decisions_files": "run",
          "load_summary": "summary", "summarize": "summary", "summarize_files": "summary"}
 __all__ = ["REFERENCES", "Budget", "DecisionsConfig", "budgets_from", *_HOME]
 
-
-def __getattr__(name: str):
-    """The config loads at once, the rest on first use: torch takes seconds to import, and the CLI checks its
-    arguments (DecisionsConfig) before."""
-    if name in _HOME:
-        return getattr(importlib.import_module(f"kvdiag.decisions.{_HOME[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The config loads at once, the rest on first use: torch takes seconds to import, and the CLI checks its
+# arguments (DecisionsConfig) before.
+__getattr__ = lazy_exports(__name__, _HOME)

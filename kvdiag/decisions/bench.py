@@ -24,7 +24,7 @@ from kvdiag.kernels.bench import seconds
 from kvdiag.label.bench import bench_tokens
 from kvdiag.label.engine import OracleEngine, divergences
 from kvdiag.label.reference import reference_set_logprobs
-from kvdiag.models import LoadedModel
+from kvdiag.model.load import LoadedModel
 
 
 @dataclass
@@ -94,11 +94,11 @@ def search_candidates(lm: LoadedModel, ids: torch.Tensor, t: int, horizon: int, 
     rules' sets from their scores of the teacher-forced prefix's q/k/v (``ScoreContext``, prompt = the first t/8
     tokens), ``fast`` (Fisher labels) and ``future_attention`` (the next ``horizon`` queries), per budget; every set
     labeled exactly. Returns {"engine", "visible", "per_token", "candidates": {keep: [Candidate]}, "seconds"}."""
+    from kvdiag.core.selection import Selection
     from kvdiag.decisions.search import candidate, visible_entries
     from kvdiag.decisions.sets import head_label_set, label_set, rule_set
     from kvdiag.label.fast import FisherLabeler, FisherParams
     from kvdiag.scorers import ScoreContext, get_scorer
-    from kvdiag.selection import Selection
     from kvdiag.trace.reader import rebuild_layers
 
     began = time.perf_counter()
@@ -116,7 +116,7 @@ def search_candidates(lm: LoadedModel, ids: torch.Tensor, t: int, horizon: int, 
             "bench", ids[:t])).double() for l, layer in enumerate(layers)])
     a, _ = FisherLabeler(lm, ids, horizon, FisherParams(), seed).effects(t)
     values["fast"] = a.double().sum((1, 2)).pow(2).mean(0) if sel.per_token else a.double().pow(2).mean(0)
-    from kvdiag.attention import attention_rows
+    from kvdiag.model.attention import attention_rows
 
     pos = torch.arange(t, t + horizon)
     values["future_attention"] = torch.stack([

@@ -6,10 +6,10 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvdiag.errors import UserError, check_choice
-from kvdiag.harm import HarmSpec
-from kvdiag.parsing import REST, Selection, horizon_steps, parse_horizon
-from kvdiag.schema import HORIZON, N_BOOT
+from kvdiag.core.errors import UserError, check_choice
+from kvdiag.core.harm import HarmSpec
+from kvdiag.core.parsing import REST, Selection, horizon_steps, parse_horizon
+from kvdiag.core.schema import HORIZON, N_BOOT
 
 if TYPE_CHECKING:  # the tables are read once the arguments are checked
     import polars as pl
@@ -62,7 +62,7 @@ class DecisionsConfig:
     budgets : the budgets graded (:class:`Budget`).
     selection : ``per-head`` (each layer and KV head keeps its own top B, as replay's default), ``per-token`` (one keep
         set for every layer and head) or ``stochastic[:TAU]`` (each layer and KV head draws its evictions; every rule
-        then also gets its deterministic per-head set, to compare); ``kvdiag.selection.select_keep`` decides for
+        then also gets its deterministic per-head set, to compare); ``kvdiag.core.selection.select_keep`` decides for
         replay and here.
     samples : stochastic selection: draws per (rule, budget, checkpoint).
     horizon : teacher-forced steps of each joint label, N or ``rest`` (to the end of each prompt; the labels file's,
@@ -79,7 +79,7 @@ class DecisionsConfig:
     reference : rule of the paired comparisons: ``best`` (the rule with the least mean damage at each budget), a
         rule or reference name, or ``none``.
     batch_size : set rows per forward.
-    harm : which single labels are harmless (a superadditive pair's members) and harmful (``kvdiag.harm``).
+    harm : which single labels are harmless (a superadditive pair's members) and harmful (``kvdiag.core.harm``).
     future_window : ``future_attention`` sums the attention of the queries ``t .. t + W - 1``: W (None: the horizon's
         steps) or ``"rest"`` (to the end of the prompt).
     search_rows, search_seconds : ``oracle_search``'s effort per (checkpoint, budget): at most this many set rows
@@ -175,8 +175,9 @@ class DecisionsConfig:
 
 
 def rule_columns(scores: pl.DataFrame, wanted: tuple[str, ...] | None) -> list[str]:
-    """The rules graded: the scores file's score columns (``kvdiag.contracts.score_columns``; all, or ``wanted``)."""
-    from kvdiag.contracts import score_columns
+    """The rules graded: the scores file's score columns (``kvdiag.core.contracts.score_columns``; all, or
+    ``wanted``)."""
+    from kvdiag.core.contracts import score_columns
 
     columns = score_columns(scores)
     if wanted is not None:

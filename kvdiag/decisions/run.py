@@ -1,11 +1,11 @@
 """``decide``: the exact joint label of the set each rule evicts under each budget, at every checkpoint of a scores
 file; ``decisions_files``: the same from files (what ``kvdiag decisions`` runs).
 
-Work items are ``(prompt, checkpoint)``; each is one atomic part in ``OUT/parts/`` (``kvdiag.parts``), so an
+Work items are ``(prompt, checkpoint)``; each is one atomic part in ``OUT/parts/`` (``kvdiag.core.parts``), so an
 interrupted run keeps its finished checkpoints and the same command continues. At a checkpoint ``t``:
 
 1. every rule's per-(layer, KV head) scores of the whole cache ``[0, t)`` (the scores file's head rows) give its keep
-   set under each budget through ``kvdiag.selection.select_keep``, as replay's compaction does;
+   set under each budget through ``kvdiag.core.selection.select_keep``, as replay's compaction does;
 2. the references give theirs: ``oracle_single`` (largest exact single labels), ``oracle_greedy``
 (``sets.greedy_sets``),
    ``fast`` (largest Fisher labels), ``random``;
@@ -25,8 +25,12 @@ import numpy as np
 import polars as pl
 import torch
 
-from kvdiag.attention import future_attention
-from kvdiag.contracts import belongs
+from kvdiag.core.contracts import belongs
+from kvdiag.core.errors import UserError
+from kvdiag.core.io import check_writable, write_json
+from kvdiag.core.parts import PartStore, part_name
+from kvdiag.core.progress import progress_bar
+from kvdiag.core.provenance import provenance
 from kvdiag.decisions.config import RANDOM_REFERENCE, DecisionsConfig, check_reference, checkpoints_of, rule_columns
 from kvdiag.decisions.interactions import PAIR_SCHEMA, superadditive_pairs
 from kvdiag.decisions.search import candidate, search, visible_entries
@@ -40,11 +44,7 @@ from kvdiag.decisions.sets import (
     random_set,
     rule_set,
 )
-from kvdiag.errors import UserError
-from kvdiag.io import check_writable, write_json
-from kvdiag.parts import PartStore, part_name
-from kvdiag.progress import progress_bar
-from kvdiag.provenance import provenance
+from kvdiag.model.attention import future_attention
 
 DECISION_SCHEMA = {
     "prompt_id": pl.String, "checkpoint": pl.Int64, "decision": pl.String, "kind": pl.String, "budget": pl.String,
@@ -327,10 +327,10 @@ def decisions_files(trace: str | os.PathLike, scores: str | os.PathLike, out: st
                     labels: str | os.PathLike | None = None, model: str | None = None, dtype: str | None = None,
                     device: str = "cpu", show_progress: bool = True) -> Path:
     """What ``kvdiag decisions`` runs: read and check the inputs (before the model loads), grade, summarize."""
-    from kvdiag.contracts import read_labels, read_scores
+    from kvdiag.core.contracts import read_labels, read_scores
     from kvdiag.decisions.summary import summarize_files
-    from kvdiag.model_specs import check_trace_model
-    from kvdiag.models import load_model
+    from kvdiag.model.load import load_model
+    from kvdiag.model.specs import check_trace_model
     from kvdiag.trace import Trace
 
     check_writable(out, "--out", "dir")

@@ -28,9 +28,9 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from kvdiag.adapters import LayerAttention, check_kwargs
-from kvdiag.attention import attention_context
 from kvdiag.decisions.sets import mask_set, set_mask
+from kvdiag.model.adapters import LayerAttention, check_kwargs
+from kvdiag.model.attention import attention_context
 
 SOFT_MASK_ATTN = "kvdiag_soft_mask"
 ACCEPT_REL, ACCEPT_ABS = 1e-6, 1e-9  # a move must lower the exact label by more than this (batch rounding is not)

@@ -1,5 +1,6 @@
 """The evicted set of every decision at one checkpoint ``t``: a rule's (from its per-(layer, KV head) scores, through
-``kvdiag.selection`` as in replay) and the references' (exact single labels, the greedy joint oracle, Fisher labels,
+``kvdiag.core.selection`` as in replay) and the references' (exact single labels, the greedy joint oracle, Fisher
+labels,
 random).
 
 A set is ``[E]`` positions (a token set: the same entries from every layer and KV head) or ``[L, Hkv, E]`` (a per-head
@@ -15,7 +16,7 @@ import zlib
 import numpy as np
 import torch
 
-from kvdiag.selection import Selection, evicted_slots, select_keep, top_slots
+from kvdiag.core.selection import Selection, evicted_slots, select_keep, top_slots
 
 
 def rule_set(scores: torch.Tensor, kept: int, selection: Selection | str, protected: torch.Tensor | None = None,

@@ -8,7 +8,7 @@ additivity ratio (joint damage / sum of the set's single labels; token sets). Pe
 factor (best rule / best oracle, of means and per prompt), whether ``oracle_greedy`` beats ``oracle_single``, and the
 Spearman correlation across rules between rank-eval's AUROC and minus the joint damage, with its CI (the same
 resamples for both). Pairs: how often superadditive pairs share a near-duplicate key, the token or adjacency, against
-every tested pair, and how far above additive they are. Every test and ratio summary is ``kvdiag.stats.compare``'s
+every tested pair, and how far above additive they are. Every test and ratio summary is ``kvdiag.core.stats.compare``'s
 (exact sign test below 30 prompts).
 """
 
@@ -21,13 +21,13 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
+from kvdiag.core.errors import UserError
+from kvdiag.core.io import read_json, read_table, write_csv, write_json, write_table, write_text
+from kvdiag.core.schema import KEYS
+from kvdiag.core.stats import TEST_NAMES, PromptBootstrap, compare, format_p, format_test, spearman
+from kvdiag.core.tables import md_table, number_text
 from kvdiag.decisions.config import RANDOM_REFERENCE
 from kvdiag.decisions.interactions import NEAR_DUPLICATE
-from kvdiag.errors import UserError
-from kvdiag.io import read_json, read_table, write_csv, write_json, write_table, write_text
-from kvdiag.schema import KEYS
-from kvdiag.stats import TEST_NAMES, PromptBootstrap, compare, format_p, format_test, spearman
-from kvdiag.tables import md_table, number_text
 
 ORACLES = ("oracle_single", "oracle_greedy", "fast", "future_attention", "oracle_search")
 SEARCH = "oracle_search"
@@ -49,7 +49,8 @@ def distinct_names(decisions: pl.DataFrame) -> pl.DataFrame:
 
 
 def _compare(labeled: pl.DataFrame, boot: PromptBootstrap, a: str, b: str, budget: str) -> dict | None:
-    """``a`` against ``b`` at ``budget`` on the checkpoints both decided (``kvdiag.stats.compare``): the mean difference
+    """``a`` against ``b`` at ``budget`` on the checkpoints both decided (``kvdiag.core.stats.compare``): the mean
+    difference
     (a - b) and the ratio of means with their cluster-bootstrap CIs, the per-prompt ratio summary and the paired test
     (exact sign test below 30 prompts); JSON-ready."""
     p = _paired(labeled, a, b, budget)
@@ -471,7 +472,7 @@ def _per_prompt(c: dict | None) -> str:
 
 def figure(table: pl.DataFrame, out: Path) -> list[Path]:
     """decisions.png/.pdf: joint damage against the budget per decision, log y; the oracles dotted."""
-    from kvdiag.plotting import new_figure, save_figure, style
+    from kvdiag.core.plotting import new_figure, save_figure, style
 
     budgets = table["budget"].unique(maintain_order=True).to_list()
     x = {b: float(b.split(":")[1]) for b in budgets}

@@ -9,8 +9,7 @@ registered by name (``register_figure``, ``FIGURES``); adding one: docs/extendin
 
 from __future__ import annotations
 
-import importlib
-
+from kvdiag.core.lazy import lazy_exports
 from kvdiag.figures.params import FigureParams
 
 # the submodule that defines each exported name
@@ -25,10 +24,6 @@ _HOME = {
 }
 __all__ = ["FigureParams", *_HOME]
 
-
-def __getattr__(name: str):
-    """Everything but FigureParams loads on first use: matplotlib, seaborn and scipy take about 1.5 s to
-    import, which every ``kvdiag`` command (even ``--help``) would pay through the CLI's option defaults."""
-    if name in _HOME:
-        return getattr(importlib.import_module(f"kvdiag.figures.{_HOME[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Everything but FigureParams loads on first use: matplotlib, seaborn and scipy take about 1.5 s to
+# import, which every ``kvdiag`` command (even ``--help``) would pay through the CLI's option defaults.
+__getattr__ = lazy_exports(__name__, _HOME)

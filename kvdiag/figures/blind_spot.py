@@ -23,9 +23,7 @@ import seaborn as sns
 from matplotlib.cm import ScalarMappable
 from matplotlib.colors import LogNorm, Normalize
 
-from kvdiag.figures.params import FigureParams
-from kvdiag.figures.registry import Drawn, FigureContext, register_figure
-from kvdiag.plotting import (
+from kvdiag.core.plotting import (
     fmt,
     new_figure,
     note_on,
@@ -34,7 +32,9 @@ from kvdiag.plotting import (
     style,
     write_stats,
 )
-from kvdiag.stats import fisher_greater, mann_whitney, stat
+from kvdiag.core.stats import fisher_greater, mann_whitney, stat
+from kvdiag.figures.params import FigureParams
+from kvdiag.figures.registry import Drawn, FigureContext, register_figure
 
 POINT_COLUMNS = [
     "prompt_id", "checkpoint", "position", "read_pressure", "value_payload", "kl_mean", "low_attention_cut",

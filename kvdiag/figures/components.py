@@ -13,10 +13,10 @@ import numpy as np
 import polars as pl
 import seaborn as sns
 
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
+from kvdiag.core.plotting import new_figure, note_on, save_figure, style
 from kvdiag.figures.params import FigureParams
 from kvdiag.figures.registry import Drawn, FigureContext, register_figure
-from kvdiag.plotting import new_figure, note_on, save_figure, style
 from kvdiag.rankeval import metrics_where, rank_eval
 
 # (scorer, row label) in the paper's Table 4 order

@@ -34,11 +34,11 @@ import polars as pl
 import seaborn as sns
 from matplotlib import MatplotlibDeprecationWarning
 
-from kvdiag import plotting as common
+from kvdiag.core import plotting as common
+from kvdiag.core.io import write_table
+from kvdiag.core.stats import mann_whitney, stat
 from kvdiag.figures.params import FigureParams
 from kvdiag.figures.registry import Drawn, FigureContext, register_figure
-from kvdiag.io import write_table
-from kvdiag.stats import mann_whitney, stat
 
 CLASSES = ("early", "delayed", "never", "unobserved")
 READ_SETTINGS = ("w_obs", "strong_read_mult", "read_reduce")  # the FigureParams that define the first reads

@@ -1,5 +1,5 @@
 """Token-level features of the figures computed from the Trace: read pressure and value payload per labeled
-candidate (when the scores' features file cannot serve them, ``kvdiag.token_features``), and the read strengths
+candidate (when the scores' features file cannot serve them, ``kvdiag.scorers.token_features``), and the read strengths
 of every future query on the labeled entries (future queries: no scorer sees them).
 
 Core functions take tensors of one (prompt, layer); the ``trace_*`` functions loop over a Trace's prompts and
@@ -14,15 +14,15 @@ import numpy as np
 import polars as pl
 import torch
 
-from kvdiag.adapters import LayerAttention
-from kvdiag.attention import attention_rows
-from kvdiag.token_features import PromptSums, TokenFeatureParams
+from kvdiag.model.adapters import LayerAttention
+from kvdiag.model.attention import attention_rows
+from kvdiag.scorers.token_features import PromptSums, TokenFeatureParams
 
 
 def trace_pressure_payload(trace, keys: pl.DataFrame, params: TokenFeatureParams,
                            advance: Callable[[], None] | None = None) -> pl.DataFrame:
     """``keys`` (prompt_id, checkpoint, position) with ``read_pressure`` and ``value_payload`` computed from the
-    Trace (``kvdiag.token_features``: what ``kvdiag score`` writes beside the scores)."""
+    Trace (``kvdiag.scorers.token_features``: what ``kvdiag score`` writes beside the scores)."""
     frames = []
     for pid, grp in keys.group_by("prompt_id", maintain_order=True):
         pid = pid[0]

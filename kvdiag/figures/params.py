@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvdiag.errors import UserError
-from kvdiag.harm import HarmSpec
-from kvdiag.schema import CHECKPOINT_INTERVAL, HARM, N_BOOT, NOISE_MULT, RHO, W_DELAY, W_OBS
+from kvdiag.core.errors import UserError
+from kvdiag.core.harm import HarmSpec
+from kvdiag.core.schema import CHECKPOINT_INTERVAL, HARM, N_BOOT, NOISE_MULT, RHO, W_DELAY, W_OBS
 
 PAYLOAD_KINDS = ("l2", "l1", "range", "var")  # features.value_payload kinds computable from the Trace alone
 READ_REDUCES = ("mean", "max")
@@ -61,13 +61,13 @@ class FigureParams:
 
     @property
     def harm_spec(self) -> HarmSpec:
-        """Which labels are analysed and which are high-damage (``kvdiag.harm``, as rank-eval)."""
+        """Which labels are analysed and which are high-damage (``kvdiag.core.harm``, as rank-eval)."""
         return HarmSpec(self.harm, self.noise_mult, self.include_unresolved)
 
     @property
     def token_features(self) -> TokenFeatureParams:  # noqa: F821
         """The definition of ``p`` and ``b`` (what a scores' features file must have been made with)."""
-        from kvdiag.token_features import TokenFeatureParams  # torch: not at import (the CLI starts fast)
+        from kvdiag.scorers.token_features import TokenFeatureParams  # torch: not at import (the CLI starts fast)
 
         return TokenFeatureParams(self.w_obs, self.w_delay, self.payload)
 

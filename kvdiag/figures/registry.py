@@ -4,7 +4,7 @@ one context, and the report lists them from :data:`FIGURES`.
 
 The context holds the checked inputs and the features the figures share, each made once on first use:
 read pressure and value payload per analysed label (``points``: from the features ``kvdiag score`` wrote beside
-the scores, ``kvdiag.token_features``; from the Trace when that file cannot serve them), the read strengths of
+the scores, ``kvdiag.scorers.token_features``; from the Trace when that file cannot serve them), the read strengths of
 every future query per labeled entry (``reads``: from the Trace, since no scorer sees future queries, or from
 a previous run's ``first_reads.parquet``);
 rank-eval's metrics.csv when given (``given_metrics``, e.g. ``--rank-eval``).
@@ -19,12 +19,12 @@ from pathlib import Path
 
 import polars as pl
 
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
+from kvdiag.core.registry import Registry
+from kvdiag.core.schema import KEYS
 from kvdiag.figures.features import trace_first_reads, trace_pressure_payload
 from kvdiag.figures.params import FigureParams
-from kvdiag.registry import Registry
-from kvdiag.schema import KEYS
-from kvdiag.token_features import NO_FILE
+from kvdiag.scorers.token_features import NO_FILE
 
 
 @dataclass
@@ -70,7 +70,7 @@ class FigureContext:
     ``labels``: checked labels of every granularity; ``token``: the token rows; ``analysed``: those analysed
     (resolved unless ``include_unresolved``, finite ``kl_mean``); ``threshold``: the harm threshold over them.
     ``given_metrics``: rank-eval's metrics table to reuse (None: a figure that needs metrics computes them).
-    ``features``: the scores' token features (``kvdiag.token_features``, made with ``params.token_features``)
+    ``features``: the scores' token features (``kvdiag.scorers.token_features``, made with ``params.token_features``)
     or None; ``features_source`` says where ``points`` came from (figures.json).
     ``given_reads``: the labeled entries' first reads made with ``params`` (``first_reads.parquet`` of an earlier
     run of the same Trace) or None: ``reads`` computes them from the Trace.

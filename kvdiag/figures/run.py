@@ -9,19 +9,19 @@ from pathlib import Path
 
 import polars as pl
 
-from kvdiag.contracts import belongs
-from kvdiag.errors import UserError
+from kvdiag.core.contracts import belongs
+from kvdiag.core.errors import UserError
 
 # importing each module registers its figure, in this order (of make_figures, figures.json and the report)
 from kvdiag.figures import blind_spot, delayed_reads, components  # noqa: F401  # isort: skip
+from kvdiag.core.io import check_writable, read_json, writable_dir, write_json
+from kvdiag.core.progress import progress_bar
+from kvdiag.core.provenance import provenance
+from kvdiag.core.schema import KEYS, check_keys, keyed
 from kvdiag.figures.params import FigureParams
 from kvdiag.figures.registry import FIGURES, FigureContext
-from kvdiag.io import check_writable, read_json, writable_dir, write_json
-from kvdiag.progress import progress_bar
-from kvdiag.provenance import provenance
 from kvdiag.rankeval import check_inputs
-from kvdiag.schema import KEYS, check_keys, keyed
-from kvdiag.token_features import read_token_features, usable_features
+from kvdiag.scorers.token_features import read_token_features, usable_features
 
 TRACE_FREE = {"blind_spot", "components"}  # figures that need no Trace when the scores' token features are usable
 READS_FREE = TRACE_FREE | {"delayed_reads"}  # ... and when the entries' first reads are given too
@@ -39,7 +39,7 @@ def check_figure_inputs(trace, labels: pl.DataFrame, scores: pl.DataFrame | None
     if missing:
         raise UserError(f"labels lack column(s) {', '.join(missing)}: pass a labels.parquet written by kvdiag label")
     check_inputs(labels_meta or {}, scores_meta or {})
-    if trace is not None:  # a table's metadata, when given, must record this Trace (kvdiag.contracts.belongs)
+    if trace is not None:  # a table's metadata, when given, must record this Trace (kvdiag.core.contracts.belongs)
         for meta, what in ((labels_meta, "--labels"), (scores_meta, "--scores")):
             if meta is not None:
                 belongs(trace, meta, what)
@@ -92,10 +92,10 @@ def make_figures(
     trace : a :class:`kvdiag.trace.Trace` (or an object with its reader API).
     labels, scores : the labels and scores tables (``scores`` may be None: no component figure, a note instead).
     params : thresholds and definitions (:class:`FigureParams`).
-    labels_meta, scores_meta : the tables' provenance (``kvdiag.io.read_meta``), checked against each other and the
+    labels_meta, scores_meta : the tables' provenance (``kvdiag.core.io.read_meta``), checked against each other and the
     Trace.
     metrics : rank-eval's metrics table (metrics.csv) to reuse; computed from labels and scores when None.
-    features : the scores' token features and their metadata (``kvdiag.token_features.read_token_features``),
+    features : the scores' token features and their metadata (``kvdiag.scorers.token_features.read_token_features``),
         used for read pressure and payload when made with ``params``' definitions from this Trace; None, or
         other definitions: computed from the Trace (figures.json records which).
     command : the argv that produced this call, recorded in figures.json.
@@ -103,7 +103,7 @@ def make_figures(
         ``features``, ``components``, ``delayed_reads`` with ``reads``) may be drawn with ``trace`` None: a report's
         tables from its committed files.
     reads : the labeled entries' first reads and their metadata (``first_reads.parquet`` that an earlier call wrote,
-        ``kvdiag.io.read_table``), made with ``params``' read settings from the same Trace; None: from the Trace.
+        ``kvdiag.core.io.read_table``), made with ``params``' read settings from the same Trace; None: from the Trace.
 
     Returns ``{"blind_spot": {statistic: value}, "delayed_reads": {...}, "components": [rows], "notes": [...],
     "files": [paths]}``. Writes blind_spot.*, delayed_reads.*, components.* and figures.json.
@@ -184,7 +184,7 @@ def figures_files(
 ) -> dict:
     """What ``kvdiag figures`` runs: read the Trace, labels, scores and (``rank_eval``, a rank-eval directory) its
     metrics.csv, refusing bad input before the slow part, then :func:`make_figures`."""
-    from kvdiag.contracts import read_labels, read_scores
+    from kvdiag.core.contracts import read_labels, read_scores
     from kvdiag.trace import Trace
 
     check_writable(out, "--out", "dir")  # fail before the slow part, creating nothing

@@ -11,8 +11,7 @@ scorer (``--scorers fitted --param fitted.path=DIR/model.json``).
 
 from __future__ import annotations
 
-import importlib
-
+from kvdiag.core.lazy import lazy_exports
 from kvdiag.fit.config import FitConfig, check_config
 
 # the submodule that defines each exported name
@@ -21,10 +20,6 @@ _HOME = {"MODELS": "run", "feature_table": "run", "fit_ceiling": "run", "fit_fea
          "cross_validate": "run", "importance_table": "run"}
 __all__ = ["FitConfig", "check_config", *_HOME]
 
-
-def __getattr__(name: str):
-    """The config loads at once, the stage on first use (numpy, polars, scikit-learn, and torch for the features):
-    the CLI checks its arguments (FitConfig) before."""
-    if name in _HOME:
-        return getattr(importlib.import_module(f"kvdiag.fit.{_HOME[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The config loads at once, the stage on first use (numpy, polars, scikit-learn, and torch for the features):
+# the CLI checks its arguments (FitConfig) before.
+__getattr__ = lazy_exports(__name__, _HOME)

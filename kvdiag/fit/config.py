@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvdiag.errors import UserError
-from kvdiag.harm import HarmSpec
-from kvdiag.schema import HARM, N_BOOT, NOISE_MULT
+from kvdiag.core.errors import UserError
+from kvdiag.core.harm import HarmSpec
+from kvdiag.core.schema import HARM, N_BOOT, NOISE_MULT
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class FitConfig:
 
 def check_config(cfg: FitConfig) -> tuple[str, ...]:
     """The features ``cfg`` fits (all when none are named); bad settings are a ``UserError``, before torch."""
-    from kvdiag.scorer_names import ENTRY_FEATURES as FEATURES  # the names, without torch
+    from kvdiag.scorers.names import ENTRY_FEATURES as FEATURES  # the names, without torch
 
     cfg.harm_spec  # noqa: B018  (checks the harm settings)
     names = cfg.features or tuple(FEATURES)

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
+from kvdiag.core.io import write_csv, write_json, write_table, write_text
+from kvdiag.core.provenance import provenance
 from kvdiag.fit.config import FitConfig, check_config
-from kvdiag.io import write_csv, write_json, write_table, write_text
-from kvdiag.provenance import provenance
 
 MODELS = ("fitted_logreg", "fitted_gbt")
 
@@ -175,8 +175,8 @@ def fit_files(trace: str | Path, labels: str | Path, scores: str | Path | None, 
               progress: bool = True) -> dict:
     """What ``kvdiag fit`` runs: read the Trace, labels and (optional) scores, refuse inputs that do not belong
     together or an unwritable ``out`` before any work, then :func:`fit_ceiling`."""
-    from kvdiag.contracts import belongs, read_labels, read_scores
-    from kvdiag.io import check_writable
+    from kvdiag.core.contracts import belongs, read_labels, read_scores
+    from kvdiag.core.io import check_writable
     from kvdiag.rankeval import check_inputs
     from kvdiag.trace.manifest import TraceFiles
 
@@ -212,7 +212,7 @@ def rank_fitted(labels: pl.DataFrame, ranked: pl.DataFrame, cfg: FitConfig, scor
 def load_summary(path: str | Path) -> dict:
     """What ``kvdiag fit`` wrote into the directory ``path``: ``{"config": config.json, "table.md": text,
     "importances": DataFrame}``; an unfinished directory is a ``UserError``."""
-    from kvdiag.io import read_json
+    from kvdiag.core.io import read_json
 
     path = Path(path)
     missing = [f for f in ("config.json", "table.md", "importances.csv") if not (path / f).is_file()]

@@ -17,13 +17,13 @@ import time
 
 import torch
 
-from kvdiag.adapters import model_attention
 from kvdiag.cache import PositionedCache, distinct_rows, use_kvdiag_attention
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
+from kvdiag.core.parsing import Selection
+from kvdiag.core.schema import CHECKPOINT_INTERVAL
 from kvdiag.generate.live import check_live_scorer, make_scorer
 from kvdiag.generate.policy import Policy, choose, live_scores, prompt_chunks
-from kvdiag.parsing import Selection
-from kvdiag.schema import CHECKPOINT_INTERVAL
+from kvdiag.model.adapters import model_attention
 from kvdiag.scorers import Scorer
 from kvdiag.scorers.base import needs_o_proj
 
@@ -61,7 +61,7 @@ class EvictingCache(PositionedCache):
         self.windows = [layer.window for layer in attention.layers]
         self.o_proj = o_proj
         if o_proj is None and any(needs_o_proj(p.scorer) for p in self.policies):
-            from kvdiag.features import o_proj_weights
+            from kvdiag.scorers.features import o_proj_weights
 
             self.o_proj = o_proj_weights(model)
         self.prompt_len: int | None = None

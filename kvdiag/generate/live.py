@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from kvdiag.adapters import LayerAttention, as_layer_attention
-from kvdiag.attention import group_size
-from kvdiag.errors import UserError
-from kvdiag.scorer_fields import check_budget_fits, history_refusal
+from kvdiag.core.errors import UserError
+from kvdiag.core.selection import SELECTIONS, Selection, select_keep, top_slots  # noqa: F401  (replay's API)
+from kvdiag.model.adapters import LayerAttention, as_layer_attention
+from kvdiag.model.attention import group_size
 from kvdiag.scorers import SCORERS, ScoreContext, Scorer, get_scorer
 from kvdiag.scorers.context import HistoryUnavailable
-from kvdiag.selection import SELECTIONS, Selection, select_keep, top_slots  # noqa: F401  (replay's API)
+from kvdiag.scorers.fields import check_budget_fits, history_refusal
 
 # entries of the seeded live cache on which check_live_scorer runs a rule once
 PROBE_ENTRIES = 64

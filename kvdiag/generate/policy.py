@@ -9,15 +9,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdiag.adapters import ModelAttention
 from kvdiag.cache import PositionedCache
-from kvdiag.errors import UserError
-from kvdiag.families import check_windows
+from kvdiag.core.errors import UserError
+from kvdiag.core.parsing import Selection
+from kvdiag.core.schema import CHECKPOINT_INTERVAL
+from kvdiag.core.selection import select_keep
 from kvdiag.generate.live import score_layer
-from kvdiag.parsing import Selection
-from kvdiag.schema import CHECKPOINT_INTERVAL
+from kvdiag.model.adapters import ModelAttention
+from kvdiag.model.families import check_windows
 from kvdiag.scorers import Scorer
-from kvdiag.selection import select_keep
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Policy:
     scorer : the scoring rule (must run on a live cache, see ``live.check_live_scorer``).
     budget : B, entries kept per (layer, KV head) after a compaction.
     interval : generated tokens between checkpoints (R-KV's ``divide_length``, 128).
-    selection : ``per-head`` (R-KV), ``per-token`` or ``stochastic[:TAU]`` (a ``kvdiag.selection.Selection``; a
+    selection : ``per-head`` (R-KV), ``per-token`` or ``stochastic[:TAU]`` (a ``kvdiag.core.selection.Selection``; a
         spec string is parsed here).
     backend : kernel backend of the compaction (``auto``, ``torch``, ``triton``).
     seed : seed of stochastic selection (each compaction draws from ``crc32(seed:prompt:t)``).
@@ -89,7 +89,7 @@ def live_scores(policy: Policy, cache: PositionedCache, row: int, t: int, attent
 def choose(policy: Policy, scores: list[torch.Tensor], positions: list[torch.Tensor], t: int, prompt_id: str,
            windows: list[int | None]) -> list[torch.Tensor | None]:
     """Per layer, the slots [Hkv, B] row ``prompt_id`` keeps at checkpoint ``t`` (None: the layer holds no more than
-    the budget) from its scores and positions [Hkv, n_l] (``kvdiag.selection.select_keep``; stochastic draws from
+    the budget) from its scores and positions [Hkv, n_l] (``kvdiag.core.selection.select_keep``; stochastic draws from
     ``crc32(seed:prompt:t)``). Layers of one size are chosen together (per-token ranks across layers); a sliding
     layer evicts the entries its window already hides first."""
     generator = None

@@ -14,10 +14,10 @@ from typing import Literal
 
 import torch
 
-from kvdiag.attention import group_size
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
+from kvdiag.core.parsing import BACKENDS
 from kvdiag.kernels import torch_ref
-from kvdiag.parsing import BACKENDS
+from kvdiag.model.attention import group_size
 
 Backend = Literal["auto", "torch", "triton"]
 
@@ -105,7 +105,8 @@ def shared_prefix_attention(
     or [N, Hkv, E] (per KV head) prefix positions each row does not see, ``-1`` = none, or ``None``.
     Query head h reads KV head h // g; ``scale`` defaults to d ** -0.5. ``chunk``: rows per chunk on
     the torch backend (default: ``torch_ref.LOGITS_CHUNK_BYTES`` of prefix logits).
-    ``window`` / ``softcap`` / ``sinks [H]``: the layer's attention semantics (``kvdiag.adapters.LayerAttention``),
+    ``window`` / ``softcap`` / ``sinks [H]``: the layer's attention semantics
+    (``kvdiag.model.adapters.LayerAttention``),
     with prefix entry j at absolute position j and the suffix right after it (see ``torch_ref``).
     Returns [N, H, W, d] in q's dtype; equals deleting the excluded entries from each row's cache.
     """

@@ -50,7 +50,7 @@ def shared_prefix_attention(
     exclude [N, Hkv, E] (int): prefix positions row ``n`` does not see at KV head ``h``; ``-1`` = none;
     repeats allowed (see ``kvdiag.kernels.normalize_exclude`` for the [N, E] form).
     chunk: candidate rows per chunk (default: prefix logits of about ``LOGITS_CHUNK_BYTES``).
-    window / softcap / sinks: the layer's semantics (``kvdiag.adapters.LayerAttention``). Positions are
+    window / softcap / sinks: the layer's semantics (``kvdiag.model.adapters.LayerAttention``). Positions are
     absolute: prefix entry ``j`` at ``j``, suffix entry ``j`` at ``P + j``, query ``w`` at ``P + S - W + w``;
     with a window the query at ``tau`` sees keys ``> tau - window``. ``softcap`` c: logits ``c tanh(l / c)``;
     ``sinks`` fp32 [H]: one extra logit per query head in the denominator.

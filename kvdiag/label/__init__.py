@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import importlib
-
+from kvdiag.core.lazy import lazy_exports
 from kvdiag.label.config import LabelConfig
 
-# the module that defines each exported name (kvdiag.contracts: polars and pyarrow, loaded on use)
-_HOME = {"LABEL_SCHEMA": "kvdiag.contracts", "read_labels": "kvdiag.contracts", "GRANULARITIES": "engine",
+# the module that defines each exported name (kvdiag.core.contracts: polars and pyarrow, loaded on use)
+_HOME = {"LABEL_SCHEMA": "kvdiag.core.contracts", "read_labels": "kvdiag.core.contracts", "GRANULARITIES": "engine",
          "OracleEngine": "engine", "Row": "engine", "candidate_rows": "engine", "divergences": "engine",
          "label_trace": "run", "work_items": "config"}
 __all__ = ["LabelConfig", *_HOME]
 
-
-def __getattr__(name: str):
-    """The config loads at once, the rest on first use: torch and transformers take seconds to import (polars and
-    pyarrow a fraction of one), and the CLI checks its arguments (LabelConfig) before."""
-    if name in _HOME:
-        home = _HOME[name]
-        return getattr(importlib.import_module(home if "." in home else f"kvdiag.label.{home}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The config loads at once, the rest on first use: torch and transformers take seconds to import (polars and
+# pyarrow a fraction of one), and the CLI checks its arguments (LabelConfig) before.
+__getattr__ = lazy_exports(__name__, _HOME)

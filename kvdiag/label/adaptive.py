@@ -11,7 +11,8 @@ Over the whole run (every checkpoint pooled):
 - **bound**: thr, the k-th largest exact-top label, is at most the true threshold (a subset's k-th largest is at
   most the whole set's; -inf while the exact top holds fewer than k), so every missed entry lies outside the exact
   top with a label >= thr. Of the A' audited entries still outside the exact top, X have labels >= thr; the
-  one-sided **Clopper-Pearson** upper bound p of X / A' (``kvdiag.stats.clopper_pearson_upper``) bounds the share of
+  one-sided **Clopper-Pearson** upper bound p of X / A' (``kvdiag.core.stats.clopper_pearson_upper``) bounds the share
+  of
   such entries among the R' entries outside the exact top, so at most p R' - X entries are missed (the audited ones
   have exact labels) and the miss rate is at most (p R' - X) / k. Its level is 1 - alpha / looks (Bonferroni over
   every round that could stop, :func:`looks`), so the bound at the round that stops holds at 1 - alpha = 95 %.
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvdiag.stats import clopper_pearson_upper
+from kvdiag.core.stats import clopper_pearson_upper
 
 ALPHA = 0.05  # the bound's error, split over the looks (Bonferroni)
 STEP = 0.05  # each round adds this share of every checkpoint's candidates to its exact top

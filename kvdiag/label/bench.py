@@ -20,7 +20,7 @@ largest difference of their labels.
 
 Every row carries the matmul FLOPs its method executes (``kvdiag.trace.cost.ModelShape.row_flops``: N x H tokens over
 the P-token prefix, the engine's null row included, layer-start rows from their start layer), so the CLI prints
-achieved FLOP/s and MFU against the matmul peak it measures in the same run (``kvdiag.peak``).
+achieved FLOP/s and MFU against the matmul peak it measures in the same run (``kvdiag.kernels.peak``).
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvdiag.core.schema import CHUNK
 from kvdiag.kernels.bench import best_seconds, cpu_peak_probe, peak_mb, seconds
 from kvdiag.label.engine import OracleEngine, Row, cache_from_prefix, candidate_rows, divergences
-from kvdiag.models import LoadedModel
-from kvdiag.prompts import arith_prompts
-from kvdiag.schema import CHUNK
+from kvdiag.model.load import LoadedModel
+from kvdiag.tasks.prompts import arith_prompts
 from kvdiag.trace.cost import ModelShape
 
 
@@ -238,9 +238,9 @@ def run_fast_bench(lm: LoadedModel, method: str = "fisher", prefix_len: int = 51
     """Cost per labeled entry: the exact engine on ``n`` token rows vs approximate ``method`` (or ``hybrid``: Fisher
     for every entry, exact for its top M and an audit sample) on every entry of the same P-token prefix, same
     model, tokens and horizon."""
+    from kvdiag.core.stats import spearman
     from kvdiag.label.fast import APPROXIMATE
     from kvdiag.label.hybrid import HybridLabeler, HybridParams
-    from kvdiag.stats import spearman
 
     labeler_cls, params_cls = {**APPROXIMATE, "hybrid": (HybridLabeler, HybridParams)}[method]
     ids = bench_tokens(lm, prefix_len + horizon + 1)
@@ -285,9 +285,9 @@ def run_miss_rate_bench(lm: LoadedModel, prefix_len: int = 512, checkpoints: int
     """Exact labels and the Fisher estimate of every entry of ``checkpoints`` windows of P + H + 1 tokens (disjoint
     stretches of the builtin problems' text), timed; then the frontier of the Fisher ranking (exact top shares 0.05 ..
     1) and the rounds of ``kvdiag.label.adaptive`` with the minimum audit (seeded), both read off the exact labels."""
+    from kvdiag.core.stats import spearman
     from kvdiag.label import adaptive
     from kvdiag.label.fast import FisherLabeler, FisherParams
-    from kvdiag.stats import spearman
 
     span = prefix_len + horizon + 1
     text = bench_tokens(lm, checkpoints * span)

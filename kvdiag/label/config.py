@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from kvdiag.errors import UserError
-from kvdiag.parsing import REST, check_backend, parse_checkpoints, parse_horizon
-from kvdiag.schema import CHECKPOINTS, CHUNK, GRANULARITIES, HORIZON, N_BOOT, W_OBS, default_checkpoints
+from kvdiag.core.errors import UserError
+from kvdiag.core.parsing import REST, check_backend, parse_checkpoints, parse_horizon
+from kvdiag.core.schema import CHECKPOINTS, CHUNK, GRANULARITIES, HORIZON, N_BOOT, W_OBS, default_checkpoints
 
 HYBRID = "hybrid"
 
@@ -142,7 +142,7 @@ class LabelConfig:
     horizon: int | str = HORIZON  # N teacher-forced steps, or "rest": to the end of each prompt (rows record theirs)
     candidates: str = "64"  # "N" (seeded sample) or "all"
     # positions labeled besides the sample, per prompt, at every checkpoint they precede (e.g. the tokens a suite's
-    # answer needs, kvdiag.needed); None: the sample only
+    # answer needs, kvdiag.tasks.needed); None: the sample only
     include: dict[str, list[int]] | None = None
     granularity: str = "token"
     layers: list[int] | None = None  # layer/head granularity: which layers (None = all)

@@ -14,7 +14,7 @@ long as that memory allows (``solo_chunk``), and a batch of rows takes ``plan``'
 
 The prefix cache is computed once per checkpoint (and extended, not recomputed, from one checkpoint
 to the next). A row that evicts from one layer ``l`` (layer/head granularity) is identical to the null row
-below ``l``: it starts at layer ``l`` from the null row's hidden states (``kvdiag.adapters.starting_at_layer``),
+below ``l``: it starts at layer ``l`` from the null row's hidden states (``kvdiag.model.adapters.starting_at_layer``),
 so a layer sweep skips (L - 1) / 2 of the L layers per row on average (lm_head and the divergences remain).
 Candidate rows are batched: each row runs the same H tokens and reads the shared prefix through
 ``kvdiag.kernels.shared_prefix_attention`` with its own exclusions, so a batch of N rows costs about one
@@ -22,7 +22,7 @@ forward of N x H tokens and no per-row copy of the prefix. ``P_full`` comes from
 (the model's own attention over a standard cache); a null row (nothing evicted) through the
 batched path measures the numerical noise floor of each checkpoint.
 
-Attention semantics (per-layer sliding windows, softcap, sinks) come from ``kvdiag.adapters``. An entry
+Attention semantics (per-layer sliding windows, softcap, sinks) come from ``kvdiag.model.adapters``. An entry
 outside a layer's window for every horizon query (``i <= t - window``) is invisible to that layer: a row
 that evicts only such entries changes nothing, and its label is exactly zero without running it.
 """
@@ -38,12 +38,12 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvdiag.adapters import capturing_layer_inputs, starting_at_layer
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
+from kvdiag.core.parsing import REST, parse_horizon
+from kvdiag.core.schema import CHUNK, GRANULARITIES
 from kvdiag.label.hooks import EvictionBatch, evicting
-from kvdiag.models import LoadedModel
-from kvdiag.parsing import REST, parse_horizon
-from kvdiag.schema import CHUNK, GRANULARITIES
+from kvdiag.model.adapters import capturing_layer_inputs, starting_at_layer
+from kvdiag.model.load import LoadedModel
 
 SOLO_CHUNKS = 4  # the full-cache run and the null row take chunks of up to this many --chunk (solo_chunk)
 

@@ -37,9 +37,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from kvdiag.adapters import LayerAttention, check_kwargs
-from kvdiag.attention import attention_context
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
+from kvdiag.core.schema import CHUNK
 from kvdiag.label.config import (  # noqa: F401  (the methods' API)
     FAST,
     METHODS,
@@ -48,8 +47,9 @@ from kvdiag.label.config import (  # noqa: F401  (the methods' API)
     resolve_method,
 )
 from kvdiag.label.engine import OracleEngine, Row
-from kvdiag.models import LoadedModel
-from kvdiag.schema import CHUNK
+from kvdiag.model.adapters import LayerAttention, check_kwargs
+from kvdiag.model.attention import attention_context
+from kvdiag.model.load import LoadedModel
 
 FISHER_ATTN = "kvdiag_fisher"
 

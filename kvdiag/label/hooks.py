@@ -4,7 +4,7 @@ Registered as ``kvdiag_evict``. The model runs the W teacher-forced tokens of ev
 cache object (``use_cache=False``), so ``key``/``value`` are exactly the rows' own suffixes; the
 shared prefix (never copied per row) and the per-layer exclusions travel in a context variable.
 Attention itself is ``kvdiag.kernels.shared_prefix_attention`` (Triton on CUDA, torch on CPU), with each
-layer's window, softcap and sinks from ``kvdiag.adapters`` (the kwargs the model passes are checked against it).
+layer's window, softcap and sinks from ``kvdiag.model.adapters`` (the kwargs the model passes are checked against it).
 A horizon run in chunks keeps each row's keys and values of the earlier chunks in ``EvictionBatch.suffix`` (the
 continuation cache, allocated once per layer for the whole horizon and filled chunk by chunk, so it is never copied
 to grow): a chunk's queries see them before their own.
@@ -19,9 +19,9 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from kvdiag.adapters import LayerAttention, check_kwargs
-from kvdiag.attention import attention_context
 from kvdiag.kernels import shared_prefix_attention
+from kvdiag.model.adapters import LayerAttention, check_kwargs
+from kvdiag.model.attention import attention_context
 
 EVICT_ATTN = "kvdiag_evict"
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import polars as pl
 
-from kvdiag.errors import UserError
-from kvdiag.parsing import REST, parse_horizon
-from kvdiag.schema import KEYS
+from kvdiag.core.errors import UserError
+from kvdiag.core.parsing import REST, parse_horizon
+from kvdiag.core.schema import KEYS
 
 SUMMARY_HORIZONS = (8, 16, 32, 64, 128, 256, REST)
 

@@ -8,7 +8,7 @@ At each checkpoint:
    the Fisher ranking left out.
 
 Each row says which method gave its value (``method``). From the audit, :func:`miss_rate` estimates the share of the
-exact-harmful entries (``kvdiag.harm``'s threshold, estimated over the exact labels with the audit weighted by the
+exact-harmful entries (``kvdiag.core.harm``'s threshold, estimated over the exact labels with the audit weighted by the
 entries it stands for) that lie outside the exact set, with a cluster-bootstrap CI over prompts. Every row carries
 the checkpoint's measured noise floor (the exact engine's null row), so rank-eval treats an estimate below it as
 unresolved, as it would the exact label.
@@ -22,14 +22,14 @@ import numpy as np
 import polars as pl
 import torch
 
-from kvdiag.errors import UserError
-from kvdiag.harm import HarmSpec
+from kvdiag.core.errors import UserError
+from kvdiag.core.harm import HarmSpec
+from kvdiag.core.schema import CHUNK
+from kvdiag.core.stats import percentile_ci, prompt_multiplicities
 from kvdiag.label.config import HybridParams  # noqa: F401  (hybrid's API)
 from kvdiag.label.engine import OracleEngine, Row
 from kvdiag.label.fast import FisherLabeler, FisherParams
-from kvdiag.models import LoadedModel
-from kvdiag.schema import CHUNK
-from kvdiag.stats import percentile_ci, prompt_multiplicities
+from kvdiag.model.load import LoadedModel
 
 METHODS = ("exact-top", "exact-audit", "fast")
 

@@ -22,8 +22,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sliding_window_overlay
 
-from kvdiag.attention import attn_implementation, model_eager_attention
 from kvdiag.label.engine import Row, cache_from_prefix
+from kvdiag.model.attention import attn_implementation, model_eager_attention
 
 REFERENCE_ATTN = "kvdiag_reference"
 

@@ -1,6 +1,6 @@
 """``label_trace``: work items (prompt, checkpoint) -> atomic Parquet parts -> one labels table.
 
-Each item is written as ``<out>.parts/<prompt_id>__<checkpoint>.parquet`` atomically (``kvdiag.parts``); a rerun
+Each item is written as ``<out>.parts/<prompt_id>__<checkpoint>.parquet`` atomically (``kvdiag.core.parts``); a rerun
 skips items whose part exists, so an interrupted run loses no finished work; the merge makes the
 output table. Items can be split over processes (``shard=(i, n)``, or torchrun ranks).
 """
@@ -13,13 +13,16 @@ from pathlib import Path
 
 import polars as pl
 
-from kvdiag.contracts import (
+from kvdiag.core.contracts import (
     LABEL_SCHEMA,
     read_labels,  # noqa: F401  (run's API)
 )
-from kvdiag.distributed import Group, parse_shard
-from kvdiag.errors import UserError
-from kvdiag.io import check_writable, write_table
+from kvdiag.core.distributed import Group, parse_shard
+from kvdiag.core.errors import UserError
+from kvdiag.core.io import check_writable, write_table
+from kvdiag.core.parts import PartStore, part_name
+from kvdiag.core.progress import progress_bar
+from kvdiag.core.provenance import provenance
 from kvdiag.label.config import (  # noqa: F401  (run's API)
     HYBRID,
     LabelConfig,
@@ -30,10 +33,7 @@ from kvdiag.label.config import (  # noqa: F401  (run's API)
 from kvdiag.label.engine import OracleEngine, Row, candidate_rows
 from kvdiag.label.fast import APPROXIMATE
 from kvdiag.label.hybrid import HybridLabeler, HybridParams, miss_rate
-from kvdiag.models import LoadedModel, check_device, load_model, parse_dtype
-from kvdiag.parts import PartStore, part_name
-from kvdiag.progress import progress_bar
-from kvdiag.provenance import provenance
+from kvdiag.model.load import LoadedModel, check_device, load_model, parse_dtype
 from kvdiag.trace import Trace
 
 

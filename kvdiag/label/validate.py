@@ -12,7 +12,7 @@ Per checkpoint (the entries of one prompt's cache at one t):
 scale).
 
 Each is averaged over checkpoints; CIs come from a cluster bootstrap over *prompts* (checkpoints of one prompt
-share a trace, so they are not independent: ``kvdiag.stats``). Where they disagree: each entry's
+share a trace, so they are not independent: ``kvdiag.core.stats``). Where they disagree: each entry's
 within-checkpoint percentile ranks (exact, approximate), their absolute difference averaged in quantile bins of
 age, attention and payload (the last two from an optional scores file, e.g. ``kvdiag score``'s ``attention`` and
 ``value_norm``), with the same bootstrap.
@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
+from kvdiag.core.stats import percentile_ci, prompt_multiplicities
 from kvdiag.label.config import ValidateConfig  # noqa: F401  (validate's API)
-from kvdiag.stats import percentile_ci, prompt_multiplicities
 
 KEYS = ["prompt_id", "checkpoint", "position", "granularity", "layer", "kv_head"]
 METRICS = ("spearman", "auroc", "topk_overlap")  # rank agreement (the figure's panel)
@@ -67,7 +67,7 @@ def join_labels(
 def _per_checkpoint(joined: pl.DataFrame, cfg: ValidateConfig) -> pl.DataFrame:
     from sklearn.metrics import roc_auc_score
 
-    from kvdiag.stats import spearman
+    from kvdiag.core.stats import spearman
 
     out = []
     for (pid, t), g in joined.group_by("prompt_id", "checkpoint", maintain_order=True):
@@ -141,8 +141,8 @@ def validate_labels(
 
 def run_validation(exact: Path, approx: Path, out: Path, cfg: ValidateConfig, scores: Path | None = None) -> list[Path]:
     """Read the inputs (refusing bad ones before anything is written), validate, write ``out``."""
-    from kvdiag.contracts import read_labels, read_scores, same_trace
-    from kvdiag.io import check_writable
+    from kvdiag.core.contracts import read_labels, read_scores, same_trace
+    from kvdiag.core.io import check_writable
 
     cfg.validate()
     check_writable(out, "--out", "dir")
@@ -169,7 +169,7 @@ def run_validation(exact: Path, approx: Path, out: Path, cfg: ValidateConfig, sc
 
 def write_validation(res: Validation, cfg: ValidateConfig, out: Path, inputs: dict) -> list[Path]:
     """validation.md, summary.csv, per_checkpoint.csv, disagreement.csv, validation.png, validation.json in ``out``."""
-    from kvdiag.io import write_csv, write_json, write_text
+    from kvdiag.core.io import write_csv, write_json, write_text
 
     out.mkdir(parents=True, exist_ok=True)
     paths = [

@@ -3,7 +3,8 @@
 The metrics are registered by name (``METRICS``, ``register_metric``); built-ins in ``metrics.py``.
 """
 
-from kvdiag.harm import HarmSpec, harm_threshold, parse_harm, unresolved
+from kvdiag.core.harm import HarmSpec, harm_threshold, parse_harm, unresolved
+from kvdiag.core.stats import holm, paired_p_value, percentile_ci, prompt_multiplicities
 from kvdiag.rankeval.evaluate import KEYS, SCOPES, RankEvalConfig, RankEvalResult, check_inputs, rank_eval
 from kvdiag.rankeval.metrics import (
     Rankings,
@@ -18,7 +19,6 @@ from kvdiag.rankeval.metrics import (
 )
 from kvdiag.rankeval.registry import METRICS, Counts, Metric, metrics_where, register_metric
 from kvdiag.rankeval.tables import caption, to_latex, to_markdown
-from kvdiag.stats import holm, paired_p_value, percentile_ci, prompt_multiplicities
 
 __all__ = [
     "KEYS", "METRICS", "SCOPES", "Counts", "HarmSpec", "Metric", "RankEvalConfig", "RankEvalResult", "Rankings",

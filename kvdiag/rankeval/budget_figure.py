@@ -14,7 +14,7 @@ def budget_curves_figure(curves: pl.DataFrame, out_dir: Path, candidates: str) -
     (FSR, FNR), one line per rule with its CI band, the random scorer dashed."""
     import seaborn as sns
 
-    from kvdiag.plotting import (  # matplotlib on first use only
+    from kvdiag.core.plotting import (  # matplotlib on first use only
         new_figure,
         save_figure,
         style,

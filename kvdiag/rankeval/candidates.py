@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import polars as pl
 
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
 
 
 def eligible_scorer(name: str, scores_meta: dict | None):
     """The scorer ``name`` with the parameters it was scored with (from the scores file's metadata), or its
     defaults when the metadata does not record it."""
-    from kvdiag.scorer_names import check_eligible
     from kvdiag.scorers import SCORERS, get_scorer
+    from kvdiag.scorers.names import check_eligible
 
     check_eligible(name, SCORERS)
     params = ((scores_meta or {}).get("scorers") or {}).get(name) or {}

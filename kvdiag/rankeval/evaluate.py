@@ -16,13 +16,13 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import polars as pl
 
-from kvdiag.errors import UserError
-from kvdiag.harm import HarmSpec
+from kvdiag.core.errors import UserError
+from kvdiag.core.harm import HarmSpec
+from kvdiag.core.schema import HARM, KEYS, N_BOOT, NOISE_MULT, RHO, keyed
+from kvdiag.core.stats import EXACT_BELOW, holm, paired_p_value, percentile_ci, prompt_multiplicities, sign_test
 from kvdiag.rankeval.candidates import filter_candidates
 from kvdiag.rankeval.metrics import Rankings, _div, eviction_counts, n_evicted, ranking_metrics
 from kvdiag.rankeval.registry import METRICS, Counts, Metric, metrics_where
-from kvdiag.schema import HARM, KEYS, N_BOOT, NOISE_MULT, RHO, keyed
-from kvdiag.stats import EXACT_BELOW, holm, paired_p_value, percentile_ci, prompt_multiplicities, sign_test
 
 SCOPES = ("pooled", "macro")
 # below this many prompts, a percentile bootstrap over prompts has too few clusters to be trusted: warn
@@ -57,7 +57,7 @@ class RankEvalConfig:
 
     @property
     def harm_spec(self) -> HarmSpec:
-        """Which labels are evaluated and which are harmful (``kvdiag.harm``)."""
+        """Which labels are evaluated and which are harmful (``kvdiag.core.harm``)."""
         return HarmSpec(self.harm, self.noise_mult, self.include_unresolved)
 
 
@@ -106,7 +106,7 @@ class _Estimate:
 
 
 def check_inputs(labels_meta: dict, scores_meta: dict, flags: tuple[str, str] = ("--labels", "--scores")) -> None:
-    """The provenance of a labels and a scores file (``kvdiag.io.read_meta``) must fit together: each file
+    """The provenance of a labels and a scores file (``kvdiag.core.io.read_meta``) must fit together: each file
     of its own kind, and both from the same trace when both record its fingerprint. ``flags``: how the command
     names the two inputs (``--auroc``'s LABELS and SCORES for replay)."""
     for meta, want, command, flag in ((labels_meta, "labels", "label", flags[0]),

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvdiag.registry import Registry
+from kvdiag.core.registry import Registry
 
 
 @dataclass(frozen=True)

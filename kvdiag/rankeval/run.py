@@ -8,10 +8,10 @@ from pathlib import Path
 
 import polars as pl
 
-from kvdiag.contracts import read_labels, read_scores, same_trace
-from kvdiag.errors import UserError
-from kvdiag.io import check_writable, read_json, write_csv, write_json, write_text
-from kvdiag.provenance import provenance
+from kvdiag.core.contracts import read_labels, read_scores, same_trace
+from kvdiag.core.errors import UserError
+from kvdiag.core.io import check_writable, read_json, write_csv, write_json, write_text
+from kvdiag.core.provenance import provenance
 from kvdiag.rankeval.budget_figure import budget_curves_figure
 from kvdiag.rankeval.evaluate import RankEvalResult, check_inputs, rank_eval
 from kvdiag.rankeval.tables import to_latex, to_markdown

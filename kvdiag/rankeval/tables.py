@@ -6,9 +6,9 @@ import math
 
 import polars as pl
 
+from kvdiag.core.tables import markdown_table
 from kvdiag.rankeval.evaluate import RankEvalResult
 from kvdiag.rankeval.registry import metrics_where
-from kvdiag.tables import markdown_table
 
 _LATEX_HEADERS = {"Top-k recall": "Top-$k$ recall"}
 _LATEX_SPECIAL = {c: "\\" + c for c in "&%$#_{}"} | {

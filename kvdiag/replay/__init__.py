@@ -13,9 +13,8 @@ modes: items, fingerprints, runner), ``run`` (the sweep).
 
 from __future__ import annotations
 
-import importlib
-
-from kvdiag.parsing import Selection
+from kvdiag.core.lazy import lazy_exports
+from kvdiag.core.parsing import Selection
 
 # the module that defines each exported name (a bare name: a submodule of kvdiag.replay)
 _HOME = {
@@ -23,7 +22,7 @@ _HOME = {
     "QueryWindow": "kvdiag.cache.attend", "observing": "kvdiag.cache.attend",
     "check_live_scorer": "kvdiag.generate.live", "live_scorer_names": "kvdiag.generate.live",
     "make_scorer": "kvdiag.generate.live", "score_layer": "kvdiag.generate.live",
-    "select_keep": "kvdiag.selection",
+    "select_keep": "kvdiag.core.selection",
     "Decoded": "decoding", "decode": "decoding", "full_logprobs": "decoding", "kl_steps": "decoding",
     "teacher_force": "decoding",
     "FreeRunning": "free_running", "check_answer": "free_running",
@@ -33,11 +32,6 @@ _HOME = {
 }
 __all__ = ["Selection", *_HOME]
 
-
-def __getattr__(name: str):
-    """Each name loads its module on first use: the CLI checks a replay's settings (``settings``, ``sampling``:
-    no torch) before the stage's torch and transformers are imported."""
-    if name in _HOME:
-        home = _HOME[name]
-        return getattr(importlib.import_module(home if "." in home else f"kvdiag.replay.{home}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Each name loads its module on first use: the CLI checks a replay's settings (``settings``, ``sampling``:
+# no torch) before the stage's torch and transformers are imported.
+__getattr__ = lazy_exports(__name__, _HOME)

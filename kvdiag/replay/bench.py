@@ -20,7 +20,7 @@ import torch
 
 from kvdiag.generate.policy import Policy
 from kvdiag.kernels.bench import cpu_peak_probe, peak_mb, seconds
-from kvdiag.models import LoadedModel
+from kvdiag.model.load import LoadedModel
 from kvdiag.replay.decoding import batches, decode, decode_batch
 from kvdiag.replay.generating import generate_batch
 from kvdiag.replay.sampling import Sampling

@@ -23,13 +23,13 @@ import torch
 from transformers import DynamicCache
 
 from kvdiag.cache import distinct_rows
-from kvdiag.errors import UserError
-from kvdiag.features import o_proj_weights
+from kvdiag.core.errors import UserError
 from kvdiag.generate import Policy, PositionedCache, choose, live_scores, observing, prompt_chunks
-from kvdiag.models import LoadedModel
+from kvdiag.model.load import LoadedModel
 from kvdiag.replay.oracle import FutureRule, LiveLabels, OracleRule
 from kvdiag.replay.sampling import Sampling
 from kvdiag.scorers.base import needs_o_proj
+from kvdiag.scorers.features import o_proj_weights
 
 REFERENCE_CHUNK = 512  # tokens per forward of the full-cache reference (bounds its logits memory)
 Row = TypeVar("Row")

@@ -8,9 +8,9 @@ from pathlib import Path
 import polars as pl
 import seaborn as sns
 
-from kvdiag.io import write_csv, write_text
-from kvdiag.plotting import new_figure, save_figure, style
-from kvdiag.tables import markdown_table
+from kvdiag.core.io import write_csv, write_text
+from kvdiag.core.plotting import new_figure, save_figure, style
+from kvdiag.core.tables import markdown_table
 
 FULL_LABEL = "FullKV"
 
@@ -134,7 +134,7 @@ def write_summary(df: pl.DataFrame, out_dir: Path, scorers: list[str], budgets: 
     (``kvdiag.replay.outcomes``); teacher-forced with joint labels: decisions to outcomes and the regret
     (``kvdiag.replay.predict``, ``free``: a free-running replay's generations of the same prompts, ``auroc``: the
     rules' ``SingleLabelAUROC``); ``exact``: prompts graded on their whole generation (their answer is the
-    generation); ``suite``: the prompts' builtin suite (``kvdiag.suites.Suite``), graded by its components."""
+    generation); ``suite``: the prompts' builtin suite (``kvdiag.tasks.suites.Suite``), graded by its components."""
     summary = summarize(df)
     teacher_forced = bool((df["mode"] == "teacher_forced").all())
     table = table2(summary, scorers, sorted(budgets))

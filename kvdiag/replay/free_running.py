@@ -9,9 +9,13 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import kvdiag.replay.generating as generating  # by module: tests/test_faults kills a run inside generate_batch
-from kvdiag.adapters import text_config
-from kvdiag.models import LoadedModel
-from kvdiag.needed import (
+from kvdiag.model.adapters import text_config
+from kvdiag.model.load import LoadedModel
+from kvdiag.model.token_count import check_room
+from kvdiag.replay.decoding import Decoded, batches, full_logprobs, kl_steps
+from kvdiag.replay.settings import ReplaySettings
+from kvdiag.replay.units import Item, Unit, common_key, make_unit
+from kvdiag.tasks.needed import (
     decoded_ends,
     final_line_start,
     generated_positions,
@@ -19,11 +23,7 @@ from kvdiag.needed import (
     prompt_positions,
     slot_shares,
 )
-from kvdiag.prompts import Prompt, encode_prompt
-from kvdiag.replay.decoding import Decoded, batches, full_logprobs, kl_steps
-from kvdiag.replay.settings import ReplaySettings
-from kvdiag.replay.units import Item, Unit, common_key, make_unit
-from kvdiag.token_count import check_room
+from kvdiag.tasks.prompts import Prompt, encode_prompt
 
 
 def check_answer(text: str, answer: str | None, check: str = "math") -> bool | None:
@@ -58,7 +58,7 @@ class FreeRunning:
     def items(self, lm: LoadedModel, settings: ReplaySettings) -> list[Item]:
         """The encoded prompts, each checked to fit the model's context with its whole generation, and the
         generation limit against the builtin suites' answers counted by the model's tokenizer (bad input:
-        ``kvdiag.token_count.check_room``, the check the CLI runs before torch where it can count without it)."""
+        ``kvdiag.model.token_count.check_room``, the check the CLI runs before torch where it can count without it)."""
         ids = [encode_prompt(lm.tokenizer, p, chat=settings.chat, instruction=settings.instruction)
                for p in self.prompts]
         check_room(self.prompts, [len(i) for i in ids], settings.max_new_tokens,

@@ -17,7 +17,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from kvdiag.generate import EvictingCache, Policy, PositionedCache, observing
-from kvdiag.models import LoadedModel
+from kvdiag.model.load import LoadedModel
 from kvdiag.replay.decoding import Decoded, batch_args, eos_ids
 from kvdiag.replay.sampling import Sampling
 

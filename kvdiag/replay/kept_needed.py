@@ -1,5 +1,5 @@
 """Which of the tokens a suite's answer needs each rule kept, and how that relates to the task's success: the
-``needed.csv`` / ``needed.md`` tables of a free-running replay of a builtin suite with needs (``kvdiag.needed``),
+``needed.csv`` / ``needed.md`` tables of a free-running replay of a builtin suite with needs (``kvdiag.tasks.needed``),
 from ``generations.parquet`` alone (its ``needed_*`` columns).
 
 Per generation (a rule's compressed ones): at the last compaction before the generation's final line (what the
@@ -15,12 +15,12 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from kvdiag.contracts import FULL_KV
-from kvdiag.io import write_csv, write_text
-from kvdiag.needed import KEPT_SHARE
-from kvdiag.stats import PromptBootstrap, fisher_two_sided, format_p, wilson
-from kvdiag.suites import Suite, grade
-from kvdiag.tables import markdown_table
+from kvdiag.core.contracts import FULL_KV
+from kvdiag.core.io import write_csv, write_text
+from kvdiag.core.stats import PromptBootstrap, fisher_two_sided, format_p, wilson
+from kvdiag.core.tables import markdown_table
+from kvdiag.tasks.needed import KEPT_SHARE
+from kvdiag.tasks.suites import Suite, grade
 
 ALL_RULES = "all rules"  # the pooled row of a budget
 

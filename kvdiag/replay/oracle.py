@@ -16,7 +16,8 @@ At a checkpoint ``t`` the bounded cache holds, per (layer, KV head), the survivo
 
 The **future-attention oracle** (``oracle_future``, :class:`FutureRule`) reads no label: at each compression, per
 (layer, KV head), it keeps the ``budget`` live entries that the full-cache run's queries at ``t .. t + W - 1`` attend
-most (``kvdiag.attention.future_attention`` on the Trace, as ``kvdiag decisions``' ``future_attention`` reference),
+most (``kvdiag.model.attention.future_attention`` on the Trace, as ``kvdiag decisions``' ``future_attention``
+reference),
 W reaching past the next compression plus the label horizon (``kvdiag.replay.settings.future_window``). It chooses
 in the rules' own per-head action space (or per token under ``--selection per-token``) and costs one attention
 recomputation per compression (no set row).
@@ -32,10 +33,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvdiag.core.schema import HORIZON
 from kvdiag.label.engine import OracleEngine
-from kvdiag.models import LoadedModel
-from kvdiag.schema import HORIZON
-from kvdiag.scorer_names import ORACLE, ORACLE_FUTURE  # noqa: F401  (the oracles' API)
+from kvdiag.model.load import LoadedModel
+from kvdiag.scorers.names import ORACLE, ORACLE_FUTURE  # noqa: F401  (the oracles' API)
 
 
 @dataclass
@@ -85,7 +86,7 @@ class LiveLabels:
 
     seconds : time spent labeling, per call kind (``joint``, ``oracle``, ``future``); rows : set rows labeled, per
     kind (``future`` labels no row). future : ``(t, W) -> [L, Hkv, t]``, the full-cache attention of the queries
-    ``t .. t + W - 1`` on each entry of ``[0, t)`` (``kvdiag.attention.future_attention`` of the Trace and prompt;
+    ``t .. t + W - 1`` on each entry of ``[0, t)`` (``kvdiag.model.attention.future_attention`` of the Trace and prompt;
     None: ``oracle_future`` cannot run).
     """
 

@@ -18,7 +18,7 @@ one sample, else a cluster bootstrap over prompts (samples of a prompt are not i
 bootstrap. The paired tests compare, at each budget, the rule with the highest fidelity against each other rule on
 the (prompt, sample) units where either of the two compressed: the bootstrap CI of the difference in fidelity and,
 with one sample per prompt, McNemar's exact p-value; with several samples, the exact sign test (or the bootstrap p
-from 30 prompts on) of the per-prompt mean differences (``kvdiag.stats``).
+from 30 prompts on) of the per-prompt mean differences (``kvdiag.core.stats``).
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ import re
 import numpy as np
 import polars as pl
 
-from kvdiag.contracts import FULL_KV
-from kvdiag.errors import UserError
-from kvdiag.io import write_csv, write_text
-from kvdiag.stats import TEST_NAMES, PromptBootstrap, cluster_means, format_p, holm, mcnemar, paired_test, wilson
-from kvdiag.suites import Suite, grade
-from kvdiag.tables import markdown_table
+from kvdiag.core.contracts import FULL_KV
+from kvdiag.core.errors import UserError
+from kvdiag.core.io import write_csv, write_text
+from kvdiag.core.stats import TEST_NAMES, PromptBootstrap, cluster_means, format_p, holm, mcnemar, paired_test, wilson
+from kvdiag.core.tables import markdown_table
+from kvdiag.tasks.suites import Suite, grade
 
 LOOP_NGRAM = 12  # tokens of the repeated span (ours; long enough that counting lines never repeat)
 LOOP_REPEATS = 3  # occurrences that make a loop
@@ -139,7 +139,7 @@ def summarize_outcomes(out: pl.DataFrame, n_boot: int = 2000, seed: int = 0, lev
 def paired_tests(out: pl.DataFrame, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> pl.DataFrame:
     """At each budget: the rule with the highest fidelity (on its compressed generations) against every other rule,
     on the units where either compressed; ``test``/``p_value``: McNemar's exact test with one sample per prompt, else
-    ``kvdiag.stats.paired_test`` of the per-prompt mean differences."""
+    ``kvdiag.core.stats.paired_test`` of the per-prompt mean differences."""
     boot = PromptBootstrap(out["prompt_id"].unique().to_list(), n_boot, seed, level)
     single = bool(out.group_by("prompt_id").agg(pl.col("sample").n_unique())["sample"].max() == 1)
     rules = out.filter(pl.col("scorer") != FULL_KV)
@@ -195,7 +195,7 @@ def component_tests(out: pl.DataFrame, suite: Suite, n_boot: int = 2000, seed: i
     """Per (budget, component): each rule against FullKV (on the rule's compressed generations, FullKV's of the same
     prompt and sample) and each pair of rules (on the units where either compressed): passes of each, the discordant
     pairs (``a_only``, ``b_only``), the difference in rate with its cluster-bootstrap CI, and p: McNemar's exact test
-    with one sample per prompt, else ``kvdiag.stats.paired_test`` of the per-prompt mean differences;
+    with one sample per prompt, else ``kvdiag.core.stats.paired_test`` of the per-prompt mean differences;
     ``p_holm``: Holm-adjusted within the (budget, component) family."""
     boot = PromptBootstrap(out["prompt_id"].unique().to_list(), n_boot, seed, level)
     single = bool(out.group_by("prompt_id").agg(pl.col("sample").n_unique())["sample"].max() == 1)

@@ -14,7 +14,7 @@ optionally a free-running replay of the same prompts (fidelity and first diverge
   between minus the mean joint damage and minus the mean in-loop KL.
 - **Regret**: a rule's mean teacher-forced KL minus the oracle policy's (``oracle_future`` when the sweep ran it,
   else ``oracle``), paired by prompt, with the ratio of means and per prompt and the paired tests
-  (``kvdiag.stats.compare``: exact sign test below 30 prompts; and the exact sign-flip permutation test).
+  (``kvdiag.core.stats.compare``: exact sign test below 30 prompts; and the exact sign-flip permutation test).
 - **Where a rule beats the oracle** (:func:`beaten`): per (prompt, budget) where its KL is below the oracle's, the
   compression whose following segment gains it the most, the two joint labels there, and why: ``set`` (the rule's
   evicted set has the lower exact label: what the future attends most is not what hurts least to lose) or ``state``
@@ -33,9 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from kvdiag.replay.oracle import ORACLE, ORACLE_FUTURE
-from kvdiag.scorer_names import REPLAY_ONLY
-from kvdiag.stats import (
+from kvdiag.core.stats import (
     TEST_NAMES,
     PromptBootstrap,
     cluster_means,
@@ -45,6 +43,8 @@ from kvdiag.stats import (
     spearman,
     spearman_ci,
 )
+from kvdiag.replay.oracle import ORACLE, ORACLE_FUTURE
+from kvdiag.scorers.names import REPLAY_ONLY
 
 
 def reference_policy(tf: pl.DataFrame) -> str | None:
@@ -151,7 +151,7 @@ def regret(tf: pl.DataFrame, boot: PromptBootstrap, reference: str = ORACLE) -> 
     """Per (scorer, budget): mean teacher-forced KL, the ``reference`` oracle policy's, their paired difference
     (regret) and ratio of means with cluster-bootstrap CIs, the per-prompt ratio (geometric mean with its CI, median,
     prompts where the rule beat the oracle) and two exact paired tests of the per-prompt differences: the sign test
-    (``kvdiag.stats.compare``: exact below 30 prompts) and the sign-flip permutation test of their mean;
+    (``kvdiag.core.stats.compare``: exact below 30 prompts) and the sign-flip permutation test of their mean;
     ``prompts``: where both ran (the pairs that entered). Every other policy, the other oracle included, is a row."""
     runs = tf.select("prompt_id", "scorer", "budget", pl.col("kl_mean").alias("kl"))
     oracle = runs.filter(pl.col("scorer") == reference).select("prompt_id", "budget", pl.col("kl").alias("oracle"))
@@ -236,8 +236,8 @@ def single_label_auroc(labels: str | os.PathLike, scores: str | os.PathLike, rul
     replay's ``PromptBootstrap`` when both have the same prompts and seed, otherwise an independent draw.
     ``params``: rule -> the parameters the replay ran it with; a rule scored with others is named in ``notes``.
     Bad input (unreadable files, files of two Traces, a rule without a score column): ``UserError``."""
-    from kvdiag.contracts import read_labels, read_scores, same_trace
-    from kvdiag.errors import UserError
+    from kvdiag.core.contracts import read_labels, read_scores, same_trace
+    from kvdiag.core.errors import UserError
     from kvdiag.rankeval.evaluate import check_inputs, rank_eval
 
     label_df, label_meta = read_labels(labels, "--auroc LABELS", full=False)
@@ -278,9 +278,9 @@ def write_predictions(tf: pl.DataFrame, out_dir, horizon: int, free: pl.DataFram
     ``decisions.md`` from a teacher-forced replay with joint labels; ``free``: a free-running replay's generations
     (its outcomes join on prompt, rule and budget); ``selection``: the sweep's (the action space every policy chose
     in, named in the summary)."""
-    from kvdiag.io import write_csv, write_text
+    from kvdiag.core.io import write_csv, write_text
+    from kvdiag.core.tables import markdown_table
     from kvdiag.replay.outcomes import outcome_rows
-    from kvdiag.tables import markdown_table
 
     boot = PromptBootstrap(tf["prompt_id"].unique().to_list(), n_boot, seed, level)
     outcomes = None if free is None else outcome_rows(free).filter(pl.col("prompt_id").is_in(tf["prompt_id"]))
@@ -317,8 +317,8 @@ def write_predictions(tf: pl.DataFrame, out_dir, horizon: int, free: pl.DataFram
 def regret_lines(tf: pl.DataFrame, boot: PromptBootstrap, reference: str, out_dir, selection: str | None,
                  num) -> list[str]:
     """``regret.csv`` and ``beaten.csv`` against the ``reference`` oracle policy; their lines of decisions.md."""
-    from kvdiag.io import write_csv
-    from kvdiag.tables import markdown_table
+    from kvdiag.core.io import write_csv
+    from kvdiag.core.tables import markdown_table
 
     reg, won = regret(tf, boot, reference), beaten(tf, reference)
     if not reg.height:  # the oracle alone: nothing to compare

@@ -12,18 +12,17 @@ from pathlib import Path
 
 import polars as pl
 
-from kvdiag.contracts import FULL_KV
-from kvdiag.errors import UserError
-from kvdiag.features import o_proj_weights
+from kvdiag.core.contracts import FULL_KV
+from kvdiag.core.errors import UserError
+from kvdiag.core.io import check_writable, write_json
+from kvdiag.core.parts import PartStore
+from kvdiag.core.progress import progress_bar
+from kvdiag.core.provenance import command_line, provenance
+from kvdiag.core.schema import HORIZON
 from kvdiag.generate.live import check_live_scorer, make_scorer
 from kvdiag.generate.policy import Policy
-from kvdiag.io import check_writable, write_json
-from kvdiag.model_specs import DEFAULT_MODEL
-from kvdiag.models import LoadedModel, load_model
-from kvdiag.parts import PartStore
-from kvdiag.progress import progress_bar
-from kvdiag.prompts import Prompt, load_prompts
-from kvdiag.provenance import command_line, provenance
+from kvdiag.model.load import LoadedModel, load_model
+from kvdiag.model.specs import DEFAULT_MODEL
 from kvdiag.replay.decoding import Decoded
 from kvdiag.replay.free_running import FreeRunning
 from kvdiag.replay.oracle import ORACLE, ORACLE_FUTURE, FutureRule, OracleRule
@@ -38,10 +37,11 @@ from kvdiag.replay.settings import (
 )
 from kvdiag.replay.teacher_forced import TeacherForced
 from kvdiag.replay.units import Unit
-from kvdiag.schema import HORIZON
-from kvdiag.scorer_names import REPLAY_ONLY
 from kvdiag.scorers.base import needs_o_proj
-from kvdiag.suites import Suite, check_generation_room, select_components, suite_of
+from kvdiag.scorers.features import o_proj_weights
+from kvdiag.scorers.names import REPLAY_ONLY
+from kvdiag.tasks.prompts import Prompt, load_prompts
+from kvdiag.tasks.suites import Suite, check_generation_room, select_components, suite_of
 from kvdiag.trace import Trace
 from kvdiag.trace.manifest import TraceFiles
 
@@ -83,7 +83,7 @@ def replay_sweep(
     unless ``model``, which must be the Trace's). Settings and ``out`` are checked before the model loads.
     ``auroc``: (labels, scores) files of a Trace of the same task, whose rank-eval AUROC per rule is correlated with
     the teacher-forced in-loop KL (``kvdiag.replay.predict.single_label_auroc``). ``components``: the components of
-    the builtin suite the components table reports (None: all; ``kvdiag.suites.select_components``)."""
+    the builtin suite the components table reports (None: all; ``kvdiag.tasks.suites.select_components``)."""
     check_settings(settings, FreeRunning if teacher_forced is None else TeacherForced)
     check_writable(out, "--out", "dir")
     if outcomes is not None:  # before the model loads
@@ -193,7 +193,7 @@ def summarize_files(out: str | os.PathLike, outcomes: str | os.PathLike | None =
     alone, no model: its metadata holds the settings. ``outcomes``: a free-running replay directory of the same
     prompts (teacher-forced: the decisions-to-outcomes join); ``auroc``: as :func:`replayed_auroc` gives it.
     Returns the Table-2-shaped summary."""
-    from kvdiag.contracts import read_generations
+    from kvdiag.core.contracts import read_generations
     from kvdiag.replay.figure import write_summary
 
     out = Path(out)

@@ -13,7 +13,7 @@ import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
 
 if TYPE_CHECKING:  # torch loads where tokens are drawn: the CLI checks the sampling settings before it
     import torch

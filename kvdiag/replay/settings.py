@@ -9,12 +9,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvdiag.errors import UserError
-from kvdiag.parsing import Selection
-from kvdiag.prompts import DEFAULT_INSTRUCTION
+from kvdiag.core.errors import UserError
+from kvdiag.core.parsing import Selection
+from kvdiag.core.schema import CHECKPOINT_INTERVAL, HORIZON
 from kvdiag.replay.sampling import Sampling
-from kvdiag.schema import CHECKPOINT_INTERVAL, HORIZON
-from kvdiag.scorer_names import ORACLE, ORACLE_FUTURE, REPLAY_ONLY
+from kvdiag.scorers.names import ORACLE, ORACLE_FUTURE, REPLAY_ONLY
+from kvdiag.tasks.prompts import DEFAULT_INSTRUCTION
 
 if TYPE_CHECKING:
     import polars as pl
@@ -27,12 +27,13 @@ class ReplaySettings:
     scorers, budgets : the sweep (scorer names; entries kept per layer and KV head).
     interval : generated tokens between compressions (R-KV 128).
     w_obs : observation window given to every scorer's ``window``/``w_obs`` field (None: each scorer's own).
-    selection : ``per-head``, ``per-token`` or ``stochastic[:TAU]`` (a ``kvdiag.selection.Selection``; a spec string
+    selection : ``per-head``, ``per-token`` or ``stochastic[:TAU]`` (a ``kvdiag.core.selection.Selection``; a spec
+    string
         is parsed here, once).
     max_new_tokens : free-running generation cap (a stop there is a max-length hit).
     full_kv : also decode with the full cache (the FullKV reference row; free-running only).
     kl : free-running: also measure KL against a full-cache forward of each generation.
-    chat, instruction : how prompts are encoded (``kvdiag.prompts.encode_prompt``).
+    chat, instruction : how prompts are encoded (``kvdiag.tasks.prompts.encode_prompt``).
     params : scorer -> {field: value} overrides.
     backend : compaction kernel backend.
     samples, temperature, top_p : free-running: generations per prompt and their sampling (temperature None:
@@ -165,11 +166,11 @@ def future_window(settings: ReplaySettings) -> int | str:
 
 def check_budgets(settings: ReplaySettings, windows: list[int | None] | None) -> None:
     """Each budget, before torch, against the model's sliding ``windows`` (None: told when it loads;
-    :func:`kvdiag.families.check_windows`) and against the entries each built-in rule protects in a live cache of
-    ``budget + interval`` entries (:func:`kvdiag.scorer_fields.live_protected`): the checks ``build_policies`` runs
+    :func:`kvdiag.model.families.check_windows`) and against the entries each built-in rule protects in a live cache of
+    ``budget + interval`` entries (:func:`kvdiag.scorers.fields.live_protected`): the checks ``build_policies`` runs
     again on the loaded model and the scorer classes, with the same definitions (bad input: UserError)."""
-    from kvdiag.families import check_windows
-    from kvdiag.scorer_fields import check_budget_fits, live_protected
+    from kvdiag.model.families import check_windows
+    from kvdiag.scorers.fields import check_budget_fits, live_protected
 
     for budget in settings.budgets:
         if windows is not None:
@@ -204,8 +205,8 @@ def replayed_prompts(trace, limit: int | None) -> list[str]:
 
 def read_outcomes(outcomes: str | os.PathLike) -> pl.DataFrame:
     """The generations of the free-running replay directory ``outcomes`` (``--outcomes``), through their contract
-    (``kvdiag.contracts.read_generations``); a teacher-forced replay is refused (it has no outcomes of its own)."""
-    from kvdiag.contracts import read_generations  # polars: only now
+    (``kvdiag.core.contracts.read_generations``); a teacher-forced replay is refused (it has no outcomes of its own)."""
+    from kvdiag.core.contracts import read_generations  # polars: only now
 
     free, meta = read_generations(Path(outcomes) / "generations.parquet", "--outcomes")
     if meta["mode"] != "free":

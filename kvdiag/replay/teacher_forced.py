@@ -11,18 +11,18 @@ from typing import ClassVar
 
 import torch
 
-from kvdiag.attention import future_attention
-from kvdiag.errors import UserError
-from kvdiag.models import LoadedModel
-from kvdiag.needed import decoded_ends, final_line_positions, needed_texts, prompt_positions
-from kvdiag.prompts import load_prompts
+from kvdiag.core.errors import UserError
+from kvdiag.model.attention import future_attention
+from kvdiag.model.load import LoadedModel
 from kvdiag.replay.decoding import Decoded, full_logprobs, kl_steps, teacher_force
 from kvdiag.replay.free_running import needed_columns
 from kvdiag.replay.oracle import LiveLabels
 from kvdiag.replay.settings import ReplaySettings
 from kvdiag.replay.units import Item, Unit, common_key, make_unit
-from kvdiag.scorer_names import ORACLE_FUTURE, REPLAY_ONLY
-from kvdiag.suites import suite_of
+from kvdiag.scorers.names import ORACLE_FUTURE, REPLAY_ONLY
+from kvdiag.tasks.needed import decoded_ends, final_line_positions, needed_texts, prompt_positions
+from kvdiag.tasks.prompts import load_prompts
+from kvdiag.tasks.suites import suite_of
 
 
 @dataclass
@@ -45,7 +45,7 @@ class TeacherForced:
         return dataclasses.replace(settings, full_kv=False)
 
     def items(self, lm: LoadedModel, settings: ReplaySettings) -> list[Item]:
-        """The Trace's sequences; a Trace of a builtin suite with needed tokens (``kvdiag.needed``) gives each its
+        """The Trace's sequences; a Trace of a builtin suite with needed tokens (``kvdiag.tasks.needed``) gives each its
         prompt's needed positions and texts, found as the Trace rendered its prompts."""
         source, generation = self.trace.manifest.get("prompts_source"), self.trace.manifest.get("generation", {})
         suite = {p.prompt_id: p for p in load_prompts(source)} if suite_of(source) is not None else {}

@@ -18,9 +18,9 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from kvdiag.io import write_csv, write_text
-from kvdiag.stats import format_p, holm, mcnemar, wilson
-from kvdiag.tables import markdown_table
+from kvdiag.core.io import write_csv, write_text
+from kvdiag.core.stats import format_p, holm, mcnemar, wilson
+from kvdiag.core.tables import markdown_table
 
 
 def tf_task_table(df: pl.DataFrame, level: float = 0.95) -> pl.DataFrame:

@@ -12,8 +12,8 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from kvdiag.core.parts import part_name
 from kvdiag.generate.policy import Policy
-from kvdiag.parts import part_name
 from kvdiag.replay.settings import ReplaySettings
 
 # settings that change no unit's tokens (the sweep's axes are in each unit's own key; the batch changes no token:
@@ -30,7 +30,7 @@ class Item:
     prompt_len: int
     answer: str | None
     check: str = "math"
-    needs: tuple[int, ...] = ()  # positions of the prompt tokens its answer needs (kvdiag.needed)
+    needs: tuple[int, ...] = ()  # positions of the prompt tokens its answer needs (kvdiag.tasks.needed)
     needed: tuple[str, ...] = ()  # the texts its answer needs, as the expected generation writes them
 
 

@@ -6,58 +6,31 @@ Flat API::
 
 Modules: ``base`` (the Scorer template: raw ``score()``, declared ``protected()`` entries and needs), ``context``
 (ScoreContext), ``registry`` (SCORERS, register_scorer, get_scorer, plugins), ``normalization`` (percentile rank,
-z-score, protection, aggregations), ``run`` (score_trace), ``bench``, one module per rule.
+z-score, protection, aggregations), ``run`` (score_trace), ``bench``, one module per rule, and ``zoo`` (imports
+every rule). Importable without torch: ``names`` (the built-in names), ``fields`` (their parameters) and
+``plugin_check`` (a plugin file read as source), which the CLI checks its arguments with before torch loads.
 """
 
-from kvdiag.scorers.base import QueryWindowScorer, Scorer, check_scores, needs_o_proj
-from kvdiag.scorers.context import HistoryUnavailable, ScoreContext
-from kvdiag.scorers.normalization import AGGREGATIONS, percentile_rank, protect, zscore
-from kvdiag.scorers.registry import (
-    ENTRY_POINT_GROUP,
-    SCORERS,
-    get_scorer,
-    load_plugin_rules,
-    load_plugins,
-    parse_params,
-    register_scorer,
-    resolve_scorers,
-    scorer_names,
-)
+from kvdiag.core.lazy import lazy_exports
 
-# isort: off
-# importing each module registers its scorer(s), in this order (the columns of `--scorers all`)
-from kvdiag.scorers.attention import AttentionScorer
-from kvdiag.scorers.attention_x_age import AttentionXAge
-from kvdiag.scorers.h2o import H2O
-from kvdiag.scorers.snapkv import SnapKV
-from kvdiag.scorers.tova import TOVA
-from kvdiag.scorers.streamingllm import StreamingLLM
-from kvdiag.scorers.rkv import RKV, rkv_importance
-from kvdiag.scorers.lazyeviction import LazyEviction, lazyeviction_score
-from kvdiag.scorers.thinkv import ThinKVProxy
-from kvdiag.scorers.knorm import KNorm
-from kvdiag.scorers.value_norm import ValueNorm
-from kvdiag.scorers.vatp import VATP
-from kvdiag.scorers.random_scorer import RandomScorer
-from kvdiag.scorers.avokv_e import AvoKVE, avokv_score
-from kvdiag.scorers.avokv_e_ablations import AvoKVENoDelay, AvoKVENoPayload, AvoKVENoRedundancy, AvoKVERaw
-from kvdiag.scorers.vase import VaSE
-from kvdiag.scorers.cake import CAKE
-from kvdiag.scorers.obcache import OBCache
-from kvdiag.scorers.longflow import LongFlow
-from kvdiag.scorers.fitted import Fitted  # not in --scorers all: needs --param fitted.path=model.json
-from kvdiag.scorers import kvpress_press  # noqa: F401  (registers the kvpress: resolver; kvpress loads on first use)
-# isort: on
+# the submodule that defines each exported name; the zoo (every built-in rule) is imported before any of them
+_HOME = {
+    "AGGREGATIONS": "normalization", "percentile_rank": "normalization", "protect": "normalization",
+    "zscore": "normalization",
+    "QueryWindowScorer": "base", "Scorer": "base", "check_scores": "base", "needs_o_proj": "base",
+    "HistoryUnavailable": "context", "ScoreContext": "context",
+    "ENTRY_POINT_GROUP": "registry", "SCORERS": "registry", "get_scorer": "registry", "load_plugin_rules": "registry",
+    "load_plugins": "registry", "parse_params": "registry", "register_scorer": "registry",
+    "resolve_scorers": "registry", "scorer_names": "registry",
+    "KEY_COLUMNS": "run", "checkpoint_keys": "run", "default_checkpoints": "run", "score_trace": "run",
+    "AttentionScorer": "attention", "AttentionXAge": "attention_x_age", "H2O": "h2o", "SnapKV": "snapkv",
+    "TOVA": "tova", "StreamingLLM": "streamingllm", "RKV": "rkv", "rkv_importance": "rkv",
+    "LazyEviction": "lazyeviction", "lazyeviction_score": "lazyeviction", "ThinKVProxy": "thinkv", "KNorm": "knorm",
+    "ValueNorm": "value_norm", "VATP": "vatp", "RandomScorer": "random_scorer", "AvoKVE": "avokv_e",
+    "avokv_score": "avokv_e", "AvoKVENoDelay": "avokv_e_ablations", "AvoKVENoPayload": "avokv_e_ablations",
+    "AvoKVENoRedundancy": "avokv_e_ablations", "AvoKVERaw": "avokv_e_ablations", "VaSE": "vase", "CAKE": "cake",
+    "OBCache": "obcache", "LongFlow": "longflow", "Fitted": "fitted",
+}
+__all__ = sorted(_HOME)
 
-from kvdiag.scorers.run import KEY_COLUMNS, checkpoint_keys, default_checkpoints, score_trace
-
-__all__ = [
-    "AGGREGATIONS", "ENTRY_POINT_GROUP", "KEY_COLUMNS", "SCORERS",
-    "AttentionScorer", "AttentionXAge", "AvoKVE", "AvoKVENoDelay", "AvoKVENoPayload", "AvoKVENoRedundancy",
-    "AvoKVERaw", "CAKE", "Fitted", "H2O", "HistoryUnavailable", "KNorm", "LazyEviction", "LongFlow", "OBCache",
-    "QueryWindowScorer", "RKV", "RandomScorer", "ScoreContext", "Scorer", "SnapKV", "StreamingLLM", "TOVA",
-    "ThinKVProxy", "VATP", "VaSE", "ValueNorm",
-    "avokv_score", "check_scores", "checkpoint_keys", "default_checkpoints", "get_scorer", "lazyeviction_score",
-    "load_plugin_rules", "load_plugins", "needs_o_proj", "parse_params", "percentile_rank", "protect",
-    "register_scorer", "resolve_scorers", "rkv_importance", "score_trace", "scorer_names", "zscore",
-]
+__getattr__ = lazy_exports(__name__, _HOME, first="kvdiag.scorers.zoo")

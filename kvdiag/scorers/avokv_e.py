@@ -7,11 +7,11 @@ from typing import ClassVar
 
 import torch
 
-from kvdiag.errors import check_choice, check_positive
-from kvdiag.features import PAYLOADS, mean_cosine_redundancy, read_pressure
-from kvdiag.schema import W_DELAY, W_OBS
+from kvdiag.core.errors import check_choice, check_positive
+from kvdiag.core.schema import W_DELAY, W_OBS
 from kvdiag.scorers.base import Scorer
 from kvdiag.scorers.context import ScoreContext
+from kvdiag.scorers.features import PAYLOADS, mean_cosine_redundancy, read_pressure
 from kvdiag.scorers.normalization import percentile_rank, protect, zscore
 from kvdiag.scorers.registry import register_scorer
 

@@ -21,9 +21,9 @@ from typing import ClassVar
 
 import torch
 
-from kvdiag.errors import UserError, check_positive
-from kvdiag.scorer_fields import protected_span
+from kvdiag.core.errors import UserError, check_positive
 from kvdiag.scorers.context import ScoreContext
+from kvdiag.scorers.fields import protected_span
 from kvdiag.scorers.normalization import protect
 
 
@@ -51,7 +51,7 @@ class Scorer:
     def protected(self, age: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """[n] bool: the entries of ``age [n]`` (checkpoint − position) and ``position [n]`` that this rule never
         evicts; they get :func:`protect`'s kept score. The built-ins declare them in ``protects`` (the newest entries
-        up to one field's age, the first ones below another's position: :class:`kvdiag.scorer_fields.Protected`, the
+        up to one field's age, the first ones below another's position: :class:`kvdiag.scorers.fields.Protected`, the
         one definition the CLI's budget check reads before torch loads); a plugin may override this."""
         return protected_span(self.protects, self).mask(age, position)
 

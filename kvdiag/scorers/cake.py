@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdiag.errors import check_positive
-from kvdiag.features import avg_pool, group_reduce
+from kvdiag.core.errors import check_positive
 from kvdiag.scorers.base import QueryWindowScorer
 from kvdiag.scorers.context import ScoreContext
+from kvdiag.scorers.features import avg_pool, group_reduce
 from kvdiag.scorers.registry import register_scorer
 
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from kvdiag import features
-from kvdiag.adapters import LayerAttention, as_layer_attention
-from kvdiag.attention import group_size
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
+from kvdiag.model.adapters import LayerAttention, as_layer_attention
+from kvdiag.model.attention import group_size
+from kvdiag.scorers import features
 
 
 @dataclass
@@ -33,14 +33,14 @@ class ScoreContext:
     q : [H, t, d] fp32 post-RoPE queries at positions ``< t`` only (a scorer never sees the future);
         live: [H, w, d], the queries at positions ``[checkpoint - w, checkpoint)``.
     k, v : [Hkv, t, d] fp32 cached keys and values.
-    scale : the layer's attention semantics, a :class:`kvdiag.adapters.LayerAttention` (scale, sliding window,
+    scale : the layer's attention semantics, a :class:`kvdiag.model.adapters.LayerAttention` (scale, sliding window,
         softcap, sinks), or a bare float: plain causal attention with that scale (1/√d for Llama/Qwen).
     prompt_len : prompt tokens; positions ``>= prompt_len`` were generated.
     layer, prompt_id : where this context sits (used by seeded scorers).
     token_ids : LongTensor [t] or None.
     candidates : LongTensor [C] of positions ``< t`` returned by ``Scorer.__call__`` (default: all).
     o_proj : the layer's output projection [hidden, H*d] (only for the ``wo_l2`` payload), or None.
-    history : the layer's :class:`kvdiag.features.AttentionHistory` shared across checkpoints; built from
+    history : the layer's :class:`kvdiag.scorers.features.AttentionHistory` shared across checkpoints; built from
         ``q``/``k`` on first use when None.
     positions : LongTensor [t], ascending absolute positions of the cached entries (live context), or None:
         the full cache, ``arange(t)``.
@@ -89,7 +89,7 @@ class ScoreContext:
 
     @property
     def attn(self) -> LayerAttention:
-        """The layer's attention semantics (``scale`` as a :class:`kvdiag.adapters.LayerAttention`)."""
+        """The layer's attention semantics (``scale`` as a :class:`kvdiag.model.adapters.LayerAttention`)."""
         return as_layer_attention(self.scale)
 
     @property

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdiag.features import mean_cosine_redundancy
 from kvdiag.scorers.attention import AttentionScorer
 from kvdiag.scorers.base import Scorer
 from kvdiag.scorers.context import ScoreContext
+from kvdiag.scorers.features import mean_cosine_redundancy
 from kvdiag.scorers.h2o import H2O
 from kvdiag.scorers.lazyeviction import LazyEviction
 from kvdiag.scorers.tova import TOVA

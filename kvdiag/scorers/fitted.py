@@ -9,10 +9,10 @@ from typing import ClassVar
 
 import torch
 
-from kvdiag.scorer_names import read_fitted_model
 from kvdiag.scorers.base import Scorer
 from kvdiag.scorers.context import ScoreContext
 from kvdiag.scorers.entry_features import FEATURES, entry_features
+from kvdiag.scorers.names import read_fitted_model
 from kvdiag.scorers.registry import SCORERS, register_scorer
 
 

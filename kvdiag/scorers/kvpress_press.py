@@ -38,9 +38,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvdiag.adapters import FAMILIES, attention_modules, decoder_layers, rotary_embedding
-from kvdiag.attention import attention_rows
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
+from kvdiag.model.adapters import FAMILIES, attention_modules, decoder_layers, rotary_embedding
+from kvdiag.model.attention import attention_rows
 from kvdiag.scorers.base import Scorer
 from kvdiag.scorers.context import ScoreContext
 from kvdiag.scorers.registry import SCORERS, register_scorer
@@ -303,14 +303,14 @@ class ModelRun:
     """The Trace's model (checked against the manifest's weights hash) and the attention inputs of one prompt.
 
     ``modules[l]``: layer ``l``'s attention module in fp32 with the model's rotary embedding attached, as kvpress's
-    ``BasePress`` attaches it; every module path comes from ``kvdiag.adapters``. ``inputs(pid, layer)`` -> hidden
+    ``BasePress`` attaches it; every module path comes from ``kvdiag.model.adapters``. ``inputs(pid, layer)`` -> hidden
     [1, T, hidden] fp32, (cos, sin) [1, T, d] fp32: what the layer's attention module received over the prompt's
     recorded tokens, from one forward pass of the whole model per prompt (the last prompt is kept: score_trace visits
     prompt by prompt).
     """
 
     def __init__(self, trace):
-        from kvdiag.models import load_model
+        from kvdiag.model.load import load_model
 
         had = trace.manifest["model"]
         self.trace = trace

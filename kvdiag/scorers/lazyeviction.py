@@ -7,10 +7,10 @@ from typing import ClassVar
 
 import torch
 
-from kvdiag.errors import check_positive
-from kvdiag.features import group_reduce
+from kvdiag.core.errors import check_positive
 from kvdiag.scorers.base import Scorer
 from kvdiag.scorers.context import ScoreContext
+from kvdiag.scorers.features import group_reduce
 from kvdiag.scorers.registry import register_scorer
 
 
@@ -32,7 +32,7 @@ class LazyEviction(Scorer):
 
     The per-(query head, token) state ``TS`` (last step with attention ``>= alpha``) and ``MRI`` (maximum
     recurrence interval) is replayed over every decode step before ``t`` with that step's single query
-    (:class:`kvdiag.features.Recurrence`), then scored by :func:`lazyeviction_score` at step ``t - prompt_len``.
+    (:class:`kvdiag.scorers.features.Recurrence`), then scored by :func:`lazyeviction_score` at step ``t - prompt_len``.
     The last ``window`` entries are kept (W is both the eviction interval and the protected window). Defaults:
     DeepSeek-R1-Distill-Llama-8B on MATH (the embedded model is Llama): alpha 5e-4, W 52 (Qwen-7B: 1e-4, 175).
     Deviations: the state is per query head on the full (uncompressed) cache and the group's query-head scores

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from scipy.stats import rankdata
 
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
 
 
 def percentile_rank(x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The scorer registry: rules by name (:data:`SCORERS`, a :class:`kvdiag.registry.Registry`), plugins, and instances
+"""The scorer registry: rules by name (:data:`SCORERS`, a :class:`kvdiag.core.registry.Registry`), plugins, and
+instances
 from names and ``--param`` strings (converted to the field types).
 
 ``kvpress:<Press>`` and ``fitted:PATH`` are made on first use by the resolvers their modules register
@@ -17,13 +18,13 @@ import typing
 from collections.abc import Iterable
 from pathlib import Path
 
-from kvdiag.errors import UserError
-from kvdiag.parsing import coerce, parse_params  # noqa: F401  (parse_params: the registry's API)
-from kvdiag.plugin_check import check_plugin_files
-from kvdiag.registry import Registry
-from kvdiag.scorer_fields import check_param_names
-from kvdiag.scorer_names import ENTRY_POINT_GROUP
+from kvdiag.core.errors import UserError
+from kvdiag.core.parsing import coerce, parse_params  # noqa: F401  (parse_params: the registry's API)
+from kvdiag.core.registry import Registry
 from kvdiag.scorers.base import Scorer, blame, where
+from kvdiag.scorers.fields import check_param_names
+from kvdiag.scorers.names import ENTRY_POINT_GROUP
+from kvdiag.scorers.plugin_check import check_plugin_files
 
 SCORERS: Registry[type[Scorer]] = Registry("scorer", ENTRY_POINT_GROUP, "load yours with --plugin")
 
@@ -55,13 +56,20 @@ def register_scorer(name_or_cls: str | type[Scorer], name: str | None = None):
     return add(name_or_cls, name or name_or_cls.name or name_or_cls.__name__.lower())
 
 
+def load_builtins() -> None:
+    """Import every built-in rule (``kvdiag.scorers.zoo``) once: a registry lookup sees the whole zoo, in order."""
+    importlib.import_module("kvdiag.scorers.zoo")
+
+
 def scorer_names() -> list[str]:
     """Every registered name (built-ins, then plugins, in registration order)."""
+    load_builtins()
     return SCORERS.names()
 
 
 def get_scorer(name: str, **params) -> Scorer:
     """An instance of the scorer ``name`` with ``params`` (strings are converted to the field types)."""
+    load_builtins()
     cls = SCORERS.resolve(name)
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
@@ -77,6 +85,7 @@ def load_plugins(modules: Iterable[str] = ()) -> list[str]:
     """Register plugin scorers: every installed entry point of group ``kvdiag.scorers`` (a Scorer class, or a
     module that registers on import), then each of ``modules`` (a module name importable from the current
     directory or ``PYTHONPATH``, or a ``.py`` file). Returns what was loaded."""
+    load_builtins()
 
     def register(name: str, obj: object) -> None:
         if isinstance(obj, type) and issubclass(obj, Scorer):
@@ -91,6 +100,7 @@ def load_plugins(modules: Iterable[str] = ()) -> list[str]:
 
 def load_plugin_rules(module: str) -> list[str]:
     """The scorer names that loading ``module`` (a ``.py`` file or module name) registered (in order)."""
+    load_builtins()
     before = set(SCORERS.names())
     _import_plugin(module)
     return [name for name in SCORERS.names() if name not in before]
@@ -136,6 +146,7 @@ def resolve_scorers(names: str | Iterable[str] = "all", params: dict[str, dict] 
                     plugins: Iterable[str] = ()) -> dict[str, Scorer]:
     """Instances of the named scorers (``"all"``, ``"a,b"`` or a list; group names such as ``kvpress:all`` expand)
     with ``params[name]`` applied."""
+    load_builtins()
     load_plugins(plugins)
     if isinstance(names, str):
         names = [n.strip() for n in names.split(",") if n.strip()]

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdiag.errors import check_choice, check_positive
-from kvdiag.features import max_pool, rkv_redundancy
+from kvdiag.core.errors import check_choice, check_positive
 from kvdiag.scorers.base import QueryWindowScorer
 from kvdiag.scorers.context import ScoreContext
+from kvdiag.scorers.features import max_pool, rkv_redundancy
 from kvdiag.scorers.registry import register_scorer
 
 
@@ -37,7 +37,7 @@ class RKV(QueryWindowScorer):
 
     ``score_j = λ·I_j − (1 − λ)·R_j`` for ``j < t - W``; the last W entries are kept. ``I``: see
     :func:`rkv_importance` (max-logit GQA pooling, softmax over the candidates, mean over the W window queries,
-    max-pool kernel 7). ``R``: :func:`kvdiag.features.rkv_redundancy` over all ``t`` keys (threshold 0.5,
+    max-pool kernel 7). ``R``: :func:`kvdiag.scorers.features.rkv_redundancy` over all ``t`` keys (threshold 0.5,
     retain "last", column mean, softmax over ``t``, then cut to the candidates). Defaults: W = 8, kernel 7,
     λ = 0.1 (CLI/README/paper; the ``R1KV`` class default is 0.07), threshold 0.5 (hard-coded there).
     Deviations: fp32 throughout (R-KV casts to bf16, which creates ties); the model's attention scale is used

@@ -19,15 +19,14 @@ import numpy as np
 import polars as pl
 import torch
 
-from kvdiag.contracts import read_keys
-from kvdiag.errors import UserError
-from kvdiag.features import AttentionHistory, o_proj_weights
-from kvdiag.guard import check_outputs
-from kvdiag.io import write_table
-from kvdiag.parsing import parse_checkpoints, parse_list
-from kvdiag.progress import progress_bar
-from kvdiag.provenance import provenance
-from kvdiag.schema import (
+from kvdiag.core.contracts import read_keys
+from kvdiag.core.errors import UserError
+from kvdiag.core.guard import check_outputs
+from kvdiag.core.io import write_table
+from kvdiag.core.parsing import parse_checkpoints, parse_list
+from kvdiag.core.progress import progress_bar
+from kvdiag.core.provenance import provenance
+from kvdiag.core.schema import (
     GRANULARITIES,
     KEY_SCHEMA,
     KEYS,
@@ -35,12 +34,13 @@ from kvdiag.schema import (
     check_keys,
     default_checkpoints,
 )
-from kvdiag.scorer_fields import MODEL_UNUSED
 from kvdiag.scorers.base import needs_o_proj
 from kvdiag.scorers.context import ScoreContext
+from kvdiag.scorers.features import AttentionHistory, o_proj_weights
+from kvdiag.scorers.fields import MODEL_UNUSED
 from kvdiag.scorers.normalization import AGGREGATIONS, aggregation_values
 from kvdiag.scorers.registry import resolve_scorers
-from kvdiag.token_features import PromptSums, TokenFeatures, features_path
+from kvdiag.scorers.token_features import PromptSums, TokenFeatures, features_path
 
 KEY_COLUMNS = KEYS  # the key columns under their name in kvdiag.scorers
 KEEP_SCORE = "protected entries score max + 1 + |max| of their row's other scores"
@@ -55,7 +55,7 @@ def checkpoint_keys(trace, checkpoints: str | int | Iterable[int] | dict[str, It
                     granularity: Iterable[str] = ("token",)) -> pl.DataFrame:
     """Key rows for every cached entry ``i < t`` at the chosen checkpoints of every prompt.
 
-    ``checkpoints``: a spec of the checkpoint grammar (``kvdiag.parsing.parse_checkpoints``: ``every:K``,
+    ``checkpoints``: a spec of the checkpoint grammar (``kvdiag.core.parsing.parse_checkpoints``: ``every:K``,
     ``default``, ``t1,t2,...``), an interval K (:func:`default_checkpoints` every K generated tokens), positions
     applied to every prompt, or a dict prompt_id -> positions. ``granularity``: any of token, layer (one row per
     layer), head (per layer and KV head).
@@ -116,7 +116,7 @@ def score_trace(
     timings : if given, seconds spent per scorer are added to it (shared features are charged to the first
         scorer that needs them at each checkpoint).
     token_features : if given, the read pressure and value payload of every token row are added to it
-        (``kvdiag.token_features``: what the figures read), from the same layer tensors.
+        (``kvdiag.scorers.token_features``: what the figures read), from the same layer tensors.
 
     Returns the keys with one Float64 column per scorer (rows in the keys' order) and the metadata dict.
     """
@@ -151,7 +151,7 @@ def score_trace(
 
 def load_o_proj(spec: str, trace) -> dict[int, torch.Tensor]:
     """layer -> o_proj weight of the model ``spec``, refused unless it is the Trace's model (same weights hash)."""
-    from kvdiag.models import load_model
+    from kvdiag.model.load import load_model
 
     lm = load_model(spec, dtype=trace.manifest["model"].get("dtype", "float32"))
     lm.check_model_of(trace.manifest["model"], "--model", f"pass {trace.manifest['model']['spec']}")
@@ -165,7 +165,8 @@ def score_files(trace: str | os.PathLike, out: str | os.PathLike, labels: str | 
     """What ``kvdiag score`` runs: score the candidates of ``labels`` (a labels file), or every cached entry at
     ``checkpoints`` (``every:K``, ``default`` or ``t1,t2,...``) in ``granularity`` (``token,layer,head``; default
     token), of the Trace directory ``trace``, and write ``out`` (and beside it the token rows' read pressure and value
-    payload, ``kvdiag.token_features.features_path(out)``, which the figures read). ``model``: the Trace's model, read
+    payload, ``kvdiag.scorers.token_features.features_path(out)``, which the figures read). ``model``: the Trace's
+    model, read
     only for the ``wo_l2`` payload. Every input is checked before the work (and the model load) starts. Returns the
     table and its metadata."""
     from kvdiag.trace import Trace

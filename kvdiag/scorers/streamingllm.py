@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from kvdiag.errors import check_positive
+from kvdiag.core.errors import check_positive
 from kvdiag.scorers.base import Scorer
 from kvdiag.scorers.context import ScoreContext
 from kvdiag.scorers.registry import register_scorer

@@ -7,10 +7,10 @@ from typing import ClassVar
 
 import torch
 
-from kvdiag.errors import UserError, check_choice, check_positive
-from kvdiag.features import THOUGHT_CLASSES, TRANSITION, thought_segments
+from kvdiag.core.errors import UserError, check_choice, check_positive
 from kvdiag.scorers.base import Scorer
 from kvdiag.scorers.context import ScoreContext
+from kvdiag.scorers.features import THOUGHT_CLASSES, TRANSITION, thought_segments
 from kvdiag.scorers.registry import register_scorer
 
 
@@ -22,7 +22,7 @@ class ThinKVProxy(Scorer):
 
     1. Attention sparsity of each decode query (share of its row below ``rel_threshold`` × the row max, mean
        over this layer's query heads) labels each ``segment_len``-step segment Transition / Reasoning /
-       Execution (:func:`kvdiag.features.thought_segments`; ThinKV uses a calibrated layer subset and KDE
+       Execution (:func:`kvdiag.scorers.features.thought_segments`; ThinKV uses a calibrated layer subset and KDE
        thresholds, here: this layer and, by default, the tertiles of the segment sparsities at ``t``).
     2. ``level``: number of Transition segments after the entry's segment (ThinKV demotes every older segment
        one retention level per new transition), capped at ``max_level`` (schedule {64, 32, 16, 8, 4}: five levels).

@@ -7,11 +7,11 @@ from typing import ClassVar
 
 import torch
 
-from kvdiag.adapters import LayerAttention
-from kvdiag.errors import UserError, check_choice, check_positive
-from kvdiag.features import PAYLOADS, avg_pool, group_reduce
+from kvdiag.core.errors import UserError, check_choice, check_positive
+from kvdiag.model.adapters import LayerAttention
 from kvdiag.scorers.base import QueryWindowScorer
 from kvdiag.scorers.context import ScoreContext
+from kvdiag.scorers.features import PAYLOADS, avg_pool, group_reduce
 from kvdiag.scorers.normalization import percentile_rank
 from kvdiag.scorers.registry import register_scorer
 

@@ -7,10 +7,10 @@ from typing import ClassVar
 
 import torch
 
-from kvdiag.errors import check_choice, check_positive
-from kvdiag.features import group_reduce
+from kvdiag.core.errors import check_choice, check_positive
 from kvdiag.scorers.base import Scorer
 from kvdiag.scorers.context import ScoreContext
+from kvdiag.scorers.features import group_reduce
 from kvdiag.scorers.registry import register_scorer
 
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig
 
-from kvdiag.models import LoadedModel
-from kvdiag.prompts import Prompt, encode_prompt
+from kvdiag.model.load import LoadedModel
+from kvdiag.tasks.prompts import Prompt, encode_prompt
 from kvdiag.trace.cost import ModelShape
 from kvdiag.trace.writer import GenerationSettings, trace_prompts
 

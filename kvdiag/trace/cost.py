@@ -38,7 +38,7 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config, name: str = "") -> ModelShape:
-        from kvdiag.adapters import family_of, layer_windows, text_config
+        from kvdiag.model.adapters import family_of, layer_windows, text_config
 
         config = text_config(config)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -166,7 +166,7 @@ class GPU:
     def from_gpu_check(cls, path) -> GPU:
         """The GPU that ``make gpu-check`` measured: its name, its measured bf16 matmul peak as ``tflops`` and the
         token engine's measured MFU at the largest prefix as ``compute_efficiency`` (``results.json``, written by
-        ``kvdiag.gpu_check``)."""
+        ``kvdiag.bench.gpu_check``)."""
         import json
         from pathlib import Path
 
@@ -174,7 +174,7 @@ class GPU:
         peak = res["summary"]["bf16_peak_tflops"]
         mfu = res["summary"]["label_engine_mfu"]
         if not (peak and mfu):
-            from kvdiag.errors import UserError
+            from kvdiag.core.errors import UserError
 
             raise UserError(f"{path}: the gpu check measured no bf16 peak or label MFU (a dry run, or the steps "
                             "failed); run make gpu-check on a CUDA machine")

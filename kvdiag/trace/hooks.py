@@ -5,7 +5,7 @@ architecture that uses the interface works. The function receives post-RoPE (and
 post q/k-norm) queries ``[B, H, q, d]`` and the full cached keys/values ``[B, Hkv, kv, d]``;
 it records the newest rows and then calls the model's own attention implementation (SDPA, or the
 model file's eager function where SDPA cannot express its attention: softcap, sinks; chosen by
-``kvdiag.adapters``), so outputs are unchanged. The generation's cache is the positioned cache
+``kvdiag.model.adapters``), so outputs are unchanged. The generation's cache is the positioned cache
 (``kvdiag.cache.PositionedCache`` with a capacity: blocks allocated once), whose hand-off the function reads.
 Each variant is registered with its own mask builder: without one transformers passes no mask and SDPA would slice
 the keys wrongly when ``q > 1`` over a non-empty cache; eager needs a float additive mask.
@@ -20,9 +20,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-from kvdiag.adapters import check_kwargs, model_attention
-from kvdiag.attention import attention_context, model_eager_attention
 from kvdiag.cache import append_rows, take_handoff
+from kvdiag.model.adapters import check_kwargs, model_attention
+from kvdiag.model.attention import attention_context, model_eager_attention
 
 TRACE_ATTN = "kvdiag_trace"  # records, then runs SDPA
 TRACE_ATTN_EAGER = "kvdiag_trace_eager"  # records, then runs the model file's eager attention
@@ -98,7 +98,7 @@ AttentionMaskInterface.register(TRACE_ATTN_EAGER, eager_mask)
 
 def recording(model, recorder: Recorder):
     """Route ``model``'s attention through the tracing function and record into ``recorder``; the function
-    runs the implementation that reproduces the model (``kvdiag.adapters``: SDPA or eager)."""
+    runs the implementation that reproduces the model (``kvdiag.model.adapters``: SDPA or eager)."""
     ma = model_attention(model)
     recorder.attention = ma
     return attention_context(
@@ -108,5 +108,5 @@ def recording(model, recorder: Recorder):
 
 def attention_scale(model) -> float:
     """The softmax scale of the model's first layer (the manifest's legacy ``scale``; per-layer semantics,
-    windows, softcap and sinks are in the manifest's ``model.attention``, from ``kvdiag.adapters``)."""
+    windows, softcap and sinks are in the manifest's ``model.attention``, from ``kvdiag.model.adapters``)."""
     return model_attention(model).scale

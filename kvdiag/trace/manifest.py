@@ -10,7 +10,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
 
 if TYPE_CHECKING:  # polars loads once the manifest is read: a missing or corrupt one is refused without it
     import polars as pl
@@ -99,9 +99,9 @@ class TraceFiles:
 
     def check_layer_files(self) -> None:
         """Refuse a stored layer file (``tensors/<prompt>/layer_<LLL>.safetensors``) whose header is cut or does not
-        fit its size (``kvdiag.io.safetensors_fault``), without reading its tensors; ``kvdiag.trace.Trace`` reads
+        fit its size (``kvdiag.core.io.safetensors_fault``), without reading its tensors; ``kvdiag.trace.Trace`` reads
         them and refuses any other fault."""
-        from kvdiag.io import safetensors_fault
+        from kvdiag.core.io import safetensors_fault
 
         for pid in self.prompt_ids:
             for path in sorted((self.path / "tensors" / pid).glob("layer_*.safetensors")):

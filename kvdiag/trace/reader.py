@@ -9,9 +9,9 @@ import polars as pl
 import torch
 from safetensors import safe_open
 
-from kvdiag.adapters import LayerAttention, ModelAttention
-from kvdiag.attention import attention_rows
-from kvdiag.errors import UserError
+from kvdiag.core.errors import UserError
+from kvdiag.model.adapters import LayerAttention, ModelAttention
+from kvdiag.model.attention import attention_rows
 from kvdiag.trace.manifest import MANIFEST_KEYS, TraceFiles, read_trace_files  # noqa: F401  (the reader's API)
 from kvdiag.trace.writer import STORAGE_DTYPES, layer_file, stored_names
 
@@ -36,7 +36,7 @@ class Trace(TraceFiles):
     def __init__(self, path: str | Path, model=None):
         super().__init__(path)
         m = self.manifest
-        # per-layer semantics (window, softcap, sinks) recorded from kvdiag.adapters; older Traces: plain causal
+        # per-layer semantics (window, softcap, sinks) recorded from kvdiag.model.adapters; older Traces: plain causal
         self.attention_layers: list[LayerAttention] = ModelAttention.layers_from_info(
             m["model"].get("attention"), self.num_layers, self.scale)
         # a Trace from before --store holds every layer's q/k/v
@@ -103,7 +103,7 @@ class Trace(TraceFiles):
         """The LoadedModel that rebuilds what this Trace does not store: the one given, else the manifest's
         (spec, dtype, revision), loaded once and checked against the recorded weights hash."""
         if self._model is None:
-            from kvdiag.models import check_device, load_model
+            from kvdiag.model.load import check_device, load_model
 
             had = self.manifest["model"]
             device = had.get("device", "cpu")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvdiag.errors import UserError
-from kvdiag.parsing import STORAGE_DTYPE_NAMES, parse_store
-from kvdiag.prompts import DEFAULT_INSTRUCTION
+from kvdiag.core.errors import UserError
+from kvdiag.core.parsing import STORAGE_DTYPE_NAMES, parse_store
+from kvdiag.tasks.prompts import DEFAULT_INSTRUCTION
 
 
 @dataclass

@@ -26,15 +26,15 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.streamers import BaseStreamer
 
 from kvdiag.cache import PositionedCache
-from kvdiag.distributed import Group, parse_shard
-from kvdiag.errors import UserError
-from kvdiag.io import check_writable, write_json
-from kvdiag.models import LoadedModel, check_device, load_model, parse_dtype
-from kvdiag.parsing import STORAGE_DTYPE_NAMES, STORE_WORDS, parse_store, store_spec  # noqa: F401  (the writer's API)
-from kvdiag.parts import PartStore
-from kvdiag.progress import progress_bar
-from kvdiag.prompts import Prompt, encode_prompt
-from kvdiag.provenance import provenance
+from kvdiag.core.distributed import Group, parse_shard
+from kvdiag.core.errors import UserError
+from kvdiag.core.io import check_writable, write_json
+from kvdiag.core.parsing import STORAGE_DTYPE_NAMES, STORE_WORDS, parse_store, store_spec  # noqa: F401  (the writer's API)
+from kvdiag.core.parts import PartStore
+from kvdiag.core.progress import progress_bar
+from kvdiag.core.provenance import provenance
+from kvdiag.model.load import LoadedModel, check_device, load_model, parse_dtype
+from kvdiag.tasks.prompts import Prompt, encode_prompt
 from kvdiag.trace.hooks import TRACE_ATTN, Recorder, attention_scale, recording
 from kvdiag.trace.settings import GenerationSettings  # noqa: F401  (the writer's API)
 

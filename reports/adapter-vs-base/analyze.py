@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from kvdiag.stats import PromptBootstrap, kendall, spearman
+from kvdiag.core.stats import PromptBootstrap, kendall, spearman
 
 HERE = Path(__file__).parent
 RUNS = Path("runs/adapter-vs-base")

@@ -21,8 +21,8 @@ import torch
 import kvdiag.trace.writer as writer
 from kvdiag.cache import PositionedCache, append_rows
 from kvdiag.kernels.bench import cpu_peak_probe, peak_mb
-from kvdiag.models import load_model
-from kvdiag.prompts import load_prompts
+from kvdiag.model.load import load_model
+from kvdiag.tasks.prompts import load_prompts
 from kvdiag.trace import GenerationSettings, Trace, trace_prompts
 
 OLD = "38e8fd5"

@@ -8,7 +8,7 @@ Per checkpoint, on its 48 sampled entries (the exact rows; the fast runs label e
 - **AUROC** of the estimate for the target's top decile (the k = ceil(48 / 10) = 5 largest target labels);
 - **miss rate**: the share of the target's top k that the estimate does not rank in its own top k;
 - **median ratio** estimate / target (only where both are in nats of the same horizon).
-Means over checkpoints, with 95 % cluster-bootstrap CIs over prompts (``kvdiag.stats``, 2,000 resamples, seed 0).
+Means over checkpoints, with 95 % cluster-bootstrap CIs over prompts (``kvdiag.core.stats``, 2,000 resamples, seed 0).
 
 Run from the repository root: .venv/bin/python reports/fast-labels-horizon/analyze.py [inputs]
 """
@@ -24,7 +24,7 @@ import numpy as np
 import polars as pl
 from sklearn.metrics import roc_auc_score
 
-from kvdiag.stats import PromptBootstrap, spearman
+from kvdiag.core.stats import PromptBootstrap, spearman
 
 HERE = Path(__file__).parent
 RUNS = Path("runs/fast-labels-horizon")

@@ -3,7 +3,7 @@ how labels, delayed harm, the rules' AUROC and their joint damage change with th
 derived from the same rows' per-step KL. Every table has a model column; the figure one row of panels per model.
 Run from the repository root; writes reports/horizon-math500/report.md.
 
-Statistics through kvdiag.stats, per model: cluster-bootstrap CIs over prompts (one checkpoint each, so over
+Statistics through kvdiag.core.stats, per model: cluster-bootstrap CIs over prompts (one checkpoint each, so over
 checkpoints: 10 for SmolLM2, 5 for gemma3), exact sign tests for paired comparisons (below 30 clusters), per-cluster
 ratio summaries, Kendall's tau with its exact p between orders of rules.
 """
@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from kvdiag.harm import HarmSpec
-from kvdiag.io import read_table
+from kvdiag.core.harm import HarmSpec
+from kvdiag.core.io import read_table
+from kvdiag.core.stats import PromptBootstrap, compare, format_p, kendall, sign_test, spearman_ci
+from kvdiag.core.tables import ci_text, md_table, number_text
 from kvdiag.rankeval.metrics import auroc
-from kvdiag.stats import PromptBootstrap, compare, format_p, kendall, sign_test, spearman_ci
-from kvdiag.tables import ci_text, md_table, number_text
 
 INPUTS = Path("reports/horizon-math500/inputs")
 OUT = Path("reports/horizon-math500")
@@ -338,7 +338,7 @@ def figure(models: list[Model], out: Path) -> None:
     0.25, against H."""
     from matplotlib.figure import Figure
 
-    from kvdiag.plotting import save_figure, style
+    from kvdiag.core.plotting import save_figure, style
 
     with style():
         fig = Figure(figsize=(12, 3.4 * len(models)), layout="constrained")

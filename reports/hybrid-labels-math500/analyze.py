@@ -10,10 +10,10 @@ from pathlib import Path
 
 import polars as pl
 
-from kvdiag.harm import HarmSpec
-from kvdiag.io import read_table
-from kvdiag.stats import PromptBootstrap, compare, format_p
-from kvdiag.tables import ci_text, md_table, number_text
+from kvdiag.core.harm import HarmSpec
+from kvdiag.core.io import read_table
+from kvdiag.core.stats import PromptBootstrap, compare, format_p
+from kvdiag.core.tables import ci_text, md_table, number_text
 
 D = Path("runs/decisions-math500")
 OUT = Path("reports/hybrid-labels-math500")
@@ -92,7 +92,8 @@ def main(runs: Path = D, out: Path = OUT) -> None:
                 "from hybrid labels against exact labels, paired by checkpoint (one per prompt): the mean difference "
                 "(hybrid - exact, nats) with its CI; the ratio hybrid / exact per checkpoint (geometric mean with its "
                 "CI, median, checkpoints below 1) and the ratio of means; the checkpoints where hybrid does more "
-                "damage and the exact sign test's p over them (`kvdiag.stats.compare`: fewer than 30 checkpoints).\n")
+                "damage and the exact sign test's p over them (`kvdiag.core.stats.compare`: fewer than 30 "
+                "checkpoints).\n")
     text.append(md_table(["setting", "budget", "difference", "ratio: geometric mean", "median", "below 1",
                           "ratio of means", "hybrid worse", "p (exact sign test)"], orow, "llrrrrrrr"))
     out.mkdir(parents=True, exist_ok=True)

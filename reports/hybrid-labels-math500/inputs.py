@@ -17,7 +17,7 @@ from pathlib import Path
 
 import polars as pl
 
-from kvdiag.io import read_table, write_table
+from kvdiag.core.io import read_table, write_table
 
 D = Path("runs/decisions-math500")
 OUT = Path("reports/hybrid-labels-math500/inputs")

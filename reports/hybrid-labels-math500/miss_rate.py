@@ -28,10 +28,10 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from kvdiag.io import read_table
+from kvdiag.core.io import read_table
+from kvdiag.core.stats import PromptBootstrap
+from kvdiag.core.tables import ci_text, md_table, number_text
 from kvdiag.label import adaptive
-from kvdiag.stats import PromptBootstrap
-from kvdiag.tables import ci_text, md_table, number_text
 
 HERE = Path("reports/hybrid-labels-math500")
 HORIZON = Path("reports/fast-labels-horizon")

@@ -9,9 +9,9 @@ import sys
 
 import polars as pl
 
-from kvdiag.errors import UserError
-from kvdiag.io import read_table, write_table
-from kvdiag.schema import KEYS
+from kvdiag.core.errors import UserError
+from kvdiag.core.io import read_table, write_table
+from kvdiag.core.schema import KEYS
 
 
 def merge(rules_path: str, presses_path: str) -> tuple[pl.DataFrame, dict]:

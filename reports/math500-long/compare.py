@@ -3,7 +3,7 @@
 Reads the rank-eval metrics of the short-trace report (reports/math500-smollm2) and of this one and writes
 comparison.md: per rule and metric (macro over checkpoints, 95% cluster-bootstrap CIs as rank-eval gives
 them) the value and the rule's rank in each report, and Kendall's tau between the two orderings with its exact p
-(``kvdiag.stats.kendall``: the permutation distribution of tau over the rules; ranks have no ties).
+(``kvdiag.core.stats.kendall``: the permutation distribution of tau over the rules; ranks have no ties).
 Run from the repository root: .venv/bin/python reports/math500-long/compare.py
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import polars as pl
 
-from kvdiag.stats import format_p, kendall
+from kvdiag.core.stats import format_p, kendall
 
 SHORT = Path("reports/math500-smollm2/rank-eval/metrics.csv")
 LONG = Path("reports/math500-long/rank-eval/metrics.csv")

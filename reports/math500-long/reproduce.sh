@@ -8,7 +8,7 @@ set -euo pipefail
 R=runs/math500-long
 run() {  # run one kvdiag command and record it in $R/commands.json (the report lists them)
     .venv/bin/kvdiag "$@"
-    .venv/bin/python -c 'import sys; from kvdiag.report import record_command; record_command(sys.argv[1], ["kvdiag", *sys.argv[2:]])' "$R" "$@"
+    .venv/bin/python -c 'import sys; from kvdiag.report.run import record_command; record_command(sys.argv[1], ["kvdiag", *sys.argv[2:]])' "$R" "$@"
 }
 run trace --model smollm2 --prompts data/math500-first20.jsonl --limit 3 --sample --temperature 0.6 --top-p 0.95 --min-new-tokens 4000 --max-new-tokens 4600 --out $R/trace
 run label --trace $R/trace --out $R/labels.parquet --checkpoints every:512 --candidates 64 --horizon 16

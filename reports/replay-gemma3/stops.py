@@ -11,8 +11,8 @@ import sys
 
 import polars as pl
 
-from kvdiag.stats import wilson
-from kvdiag.suites import grade, suite_of
+from kvdiag.core.stats import wilson
+from kvdiag.tasks.suites import grade, suite_of
 
 SOURCE = "builtin:recall"
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from kvdiag.stats import format_p, holm, mcnemar
-from kvdiag.suites import SUITES, grade
-from kvdiag.tables import markdown_table
+from kvdiag.core.stats import format_p, holm, mcnemar
+from kvdiag.core.tables import markdown_table
+from kvdiag.tasks.suites import SUITES, grade
 
 HERE = Path(__file__).parent
 

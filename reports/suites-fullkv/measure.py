@@ -11,11 +11,11 @@ from collections import defaultdict
 
 import torch
 
-from kvdiag.models import load_model
-from kvdiag.prompts import encode_prompt, load_prompts
+from kvdiag.core.stats import wilson
+from kvdiag.model.load import load_model
 from kvdiag.replay.decoding import decode_batch
-from kvdiag.stats import wilson
-from kvdiag.suites import check_generation_room, grade, suite_of
+from kvdiag.tasks.prompts import encode_prompt, load_prompts
+from kvdiag.tasks.suites import check_generation_room, grade, suite_of
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,7 +7,7 @@ many of the seeded examples are used (the log records how many).
 
 Data: ``countdown_prompts(1, seed)`` for seeds ``SEED_OFFSET + i`` (the reports use seed 0, whose prompts are never
 drawn here; starts overlap, since a LENGTH-40 start is one of 50 values: the task is a procedure, not a lookup).
-Each example is the prompt exactly as replay formats it (``kvdiag.prompts.encode_prompt``: the chat template with
+Each example is the prompt exactly as replay formats it (``kvdiag.tasks.prompts.encode_prompt``: the chat template with
 the two worked-example shots) followed by its expected answer and the end of turn; the loss is on every assistant
 turn's tokens (the shots' answers are correct countdowns too). LENGTH is drawn from 10..40 to make examples cheaper.
 """
@@ -24,9 +24,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 
-from kvdiag.models import load_model
-from kvdiag.prompts import chat_turns
-from kvdiag.suites import countdown_prompts
+from kvdiag.model.load import load_model
+from kvdiag.tasks.prompts import chat_turns
+from kvdiag.tasks.suites import countdown_prompts
 
 HERE = Path(__file__).parent
 SEED = 0

@@ -1,11 +1,11 @@
 """report.md: do the oracle's labels call the tokens an answer needs harmful, at H = 16 and to the end of the
 generation (rest)? Reads only inputs/ (inputs.py's) and the replay's needed.csv (reports/replay-suites/SUITE).
 
-- **Harmful** (``kvdiag.harm``, the default ``quantile:0.9``): a label above the 0.9-quantile of the labels of the
+- **Harmful** (``kvdiag.core.harm``, the default ``quantile:0.9``): a label above the 0.9-quantile of the labels of the
   checkpoints' seeded uniform samples (``sampled``), at the same horizon, pooled over the suite's checkpoints. Every
   label is analysed (``include_unresolved``): the noise floor is only known at the rows' own horizon.
 - **Percentile**: the share of the same checkpoint's sampled entries whose label at that horizon is below the token's.
-- Shares are means over the needed tokens with 95 % cluster-bootstrap CIs over prompts (``kvdiag.stats``,
+- Shares are means over the needed tokens with 95 % cluster-bootstrap CIs over prompts (``kvdiag.core.stats``,
   2,000 resamples, seed 0); ``n`` is the tokens (prompts) that entered.
 
 Run from the repository root: .venv/bin/python reports/replay-suites/labels/analyze.py
@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from kvdiag.harm import harm_threshold
-from kvdiag.io import read_table
-from kvdiag.schema import HARM
-from kvdiag.stats import PromptBootstrap
+from kvdiag.core.harm import harm_threshold
+from kvdiag.core.io import read_table
+from kvdiag.core.schema import HARM
+from kvdiag.core.stats import PromptBootstrap
 
 HERE = Path(__file__).parent
 INPUTS = HERE / "inputs"

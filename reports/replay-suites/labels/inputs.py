@@ -21,7 +21,7 @@ from pathlib import Path
 
 import polars as pl
 
-from kvdiag.io import read_table, write_table
+from kvdiag.core.io import read_table, write_table
 from kvdiag.label.horizons import at_horizons
 from kvdiag.trace.manifest import TraceFiles
 

@@ -6,7 +6,7 @@ first 10 prompts) and reports/replay-suites/<suite>/generations.parquet (the fre
 - **Teacher-forced success** (``tf_task``, ``kvdiag.replay.tf_task``): fed the full cache's tokens, the policy's top-1
   token is the full cache's at every token where the final line writes what the answer needs. n counts sequences
   compressed at least once whose final line holds the needed texts.
-- **Free-running success**: the suite's task component (``kvdiag.suites.grade``) of the rule's own generation,
+- **Free-running success**: the suite's task component (``kvdiag.tasks.suites.grade``) of the rule's own generation,
   over the compressed generations (the same 10 prompts, and all 50).
 - **Agreement on the needed tokens** (``tf_needed_agree``): the share of the final line's needed tokens where the
   policy's top-1 token is the full cache's, a graded teacher-forced success; top-1 agreement, all steps: the same over
@@ -29,10 +29,10 @@ from pathlib import Path
 
 import polars as pl
 
-from kvdiag.plotting import new_figure, save_figure, style
-from kvdiag.stats import format_p, format_test, mcnemar, sign_test, wilson
-from kvdiag.suites import SUITES, grade
-from kvdiag.tables import markdown_table
+from kvdiag.core.plotting import new_figure, save_figure, style
+from kvdiag.core.stats import format_p, format_test, mcnemar, sign_test, wilson
+from kvdiag.core.tables import markdown_table
+from kvdiag.tasks.suites import SUITES, grade
 
 HERE = Path(__file__).parent
 FREE = HERE.parent

@@ -1,0 +1,158 @@
+"""Parquet tables with provenance: every table says how it was made.
+
+``write_table`` writes atomically (temp file + rename) and stores a JSON dict under the
+Parquet key-value metadata key ``kvdiag``; ``read_table`` returns both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvdiag.core.errors import UserError
+from kvdiag.core.guard import check_creatable as check_writable  # one definition; the old name stays
+
+if TYPE_CHECKING:  # polars and pyarrow load on the first read or write: a missing file is refused without them
+    import polars as pl
+
+META_KEY = "kvdiag"
+_UMASK = os.umask(0)  # read it once (os.umask can only be read by setting it) ...
+os.umask(_UMASK)  # ... and put it back
+
+
+def write_atomically(path: str | os.PathLike, write) -> Path:
+    """Call ``write(tmp)`` on a hidden file beside ``path``, then rename it over ``path``: readers and
+    interrupted runs never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    os.chmod(tmp, 0o666 & ~_UMASK)  # the mode a plain open() would give, not mkstemp's private 0600
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def writable_dir(path: str | os.PathLike, what: str = "--out") -> Path:
+    """Create the directory ``path`` if needed and prove it writable (a probe file); otherwise a ``UserError``."""
+    path = check_writable(path, what, "dir")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".write-probe")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise UserError(
+            f"{what} {path} is not a writable directory ({err.strerror or err}); choose another {what}"
+        ) from err
+    return path
+
+
+def write_table(df: pl.DataFrame, path: str | os.PathLike, meta: dict | None = None) -> Path:
+    """Write ``df`` to ``path`` atomically with ``meta`` (JSON-serializable) in the file metadata."""
+    return write_atomically(
+        path, lambda tmp: df.write_parquet(tmp, metadata={META_KEY: json.dumps(meta or {}, default=str)})
+    )
+
+
+def write_json(path: str | os.PathLike, obj) -> Path:
+    """Write ``obj`` to ``path`` as indented JSON (non-JSON values as ``str``), atomically."""
+    return write_atomically(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2, default=str) + "\n"))
+
+
+def write_csv(df: pl.DataFrame, path: str | os.PathLike) -> Path:
+    """Write ``df`` to ``path`` as CSV, atomically."""
+    return write_atomically(path, df.write_csv)
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path``, atomically."""
+    return write_atomically(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def read_meta(path: str | os.PathLike, what: str = "table") -> dict:
+    """The ``kvdiag`` metadata dict of a Parquet file written by ``write_table`` ({} if none); a missing, truncated
+    or corrupt file (or metadata) is a ``UserError`` naming ``what``."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{what} {path} does not exist: pass the path of a Parquet file written by kvdiag")
+    import pyarrow.parquet as pq
+
+    try:
+        kv = pq.read_metadata(path).metadata or {}  # polars writes file-level key-value metadata
+        raw = kv.get(META_KEY.encode())
+        return json.loads(raw) if raw else {}
+    except Exception as err:  # pyarrow raises many types for corrupt files
+        raise UserError(f"{what} {path} is not a readable Parquet file ({err.__class__.__name__}): regenerate it") \
+            from err
+
+
+def read_table(path: str | os.PathLike, what: str = "table") -> tuple[pl.DataFrame, dict]:
+    """Read a Parquet table and its metadata; a missing or unreadable file is a ``UserError``."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{what} {path} does not exist: pass the path of a Parquet file written by kvdiag")
+    import polars as pl
+
+    try:
+        df = pl.read_parquet(path)
+    except Exception as err:  # pyarrow/polars raise many types for corrupt files
+        raise UserError(
+            f"{what} {path} is not a readable Parquet file ({err.__class__.__name__}): regenerate it"
+        ) from err
+    return df, read_meta(path, what)
+
+
+def check_table(path: str | os.PathLike, what: str = "table") -> dict:
+    """The metadata of a Parquet table whose footer reads, without reading its rows (a cheap check before heavy
+    work); a missing or unreadable file is a ``UserError`` (the same line as :func:`read_table`'s)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{what} {path} does not exist: pass the path of a Parquet file written by kvdiag")
+    return read_meta(path, what)  # its one line for an unreadable file
+
+
+def read_json(path: str | os.PathLike, what: str = "file"):
+    """The JSON value of ``path``; a missing or malformed file is a ``UserError`` naming ``what``."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{what} {path} does not exist: pass a file written by kvdiag")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"{what} {path} is not valid JSON ({err}): regenerate it") from err
+
+
+def safetensors_fault(path: str | os.PathLike) -> str | None:
+    """What makes the safetensors file ``path`` unreadable, told from its header alone (8 bytes of little-endian
+    header length, the JSON header, then the data, whose size must equal the largest ``data_offsets`` end, as
+    safetensors itself requires); None when the header is whole and fits the file."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{size} bytes: shorter than the 8-byte header length"
+        n = int.from_bytes(head, "little")
+        if 8 + n > size:
+            return f"its header claims {n} bytes, the file holds {size - 8} after the length"
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            return f"its header is not JSON ({err})"
+    if not isinstance(header, dict):
+        return "its header is not a JSON object"
+    try:
+        end = max([int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"] + [0])
+    except (TypeError, KeyError, IndexError, ValueError):
+        return "its header lacks data_offsets"
+    if end != size - 8 - n:
+        return f"its header places data up to byte {end}, the file holds {size - 8 - n}"
+    return None

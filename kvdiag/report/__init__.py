@@ -1,0 +1,2 @@
+"""A run directory shown to a reader: ``run`` (``build_report``: report.md and a self-contained report.html) and
+``viewer`` (``build_viewer``: the token-by-token page, with its static files in ``viewer_static/``)."""
