@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "kvdiag"
@@ -217,3 +218,38 @@ def test_old_module_paths_still_import_with_a_warning():
         assert module is importlib.import_module(MOVED[old])
         assert [str(w.message) for w in caught if w.category is DeprecationWarning] == [
             f"{old} moved to {MOVED[old]}; import it from there"]
+
+
+# A second parser of one value, by its telltales: "rest" compared by its spelling, a hand-written range check of a
+# horizon or window, a budget's name ("keep:0.5") split by hand.
+SECOND_PARSERS = {
+    "a horizon compared with 'rest' by its spelling (use REST, parse_horizon)":
+        (re.compile(r"""[=!]= *["']rest["']|["']rest["'] *[=!]="""), {"kvdiag/core/parsing.py"}),
+    "a horizon or window range checked by hand (parse_horizon checks it)":
+        (re.compile(r"\b(\w*horizon\w*|future_window)\b *(<|<=) *[01]\b"), set()),
+    "a budget name split by hand (Budget.parse)":
+        (re.compile(r"""\b(b|budget\w*|name)\.split\(["']:["']\)"""), set()),
+}
+
+
+def second_parsers(files: dict[str, str]) -> list[str]:
+    return sorted(f"{path}:{n}: {what}" for what, (pattern, allowed) in SECOND_PARSERS.items()
+                  for path, text in files.items() if path not in allowed
+                  for n, line in enumerate(text.splitlines(), 1) if pattern.search(line))
+
+
+def test_second_parsers_are_found():
+    assert second_parsers({"kvdiag/a.py": 'if h == "rest":\n    pass\nif horizon < 1:\n    x = b.split(":")[1]\n',
+                           "kvdiag/core/parsing.py": 'if text == "rest":\n'}) == [
+        "kvdiag/a.py:1: a horizon compared with 'rest' by its spelling (use REST, parse_horizon)",
+        "kvdiag/a.py:3: a horizon or window range checked by hand (parse_horizon checks it)",
+        "kvdiag/a.py:4: a budget name split by hand (Budget.parse)",
+    ]
+
+
+def test_horizon_and_budget_are_parsed_in_one_place():
+    """``kvdiag.core.parsing.parse_horizon`` is the one parser of every horizon and window of steps (``--horizon``,
+    ``--future-window``, ``oracle_future.window``; declared once in ``kvdiag.cli.common.FLAGS``) and
+    ``Budget.parse`` the one reader of a budget's name."""
+    files = {str(p.relative_to(ROOT.parent)): p.read_text() for p in ROOT.rglob("*.py")}
+    assert not (found := second_parsers(files)), "\n".join(found)

@@ -10,9 +10,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import typer
 from rich.console import Console
 from rich.table import Table
+
+from kvdiag.cli import common
 
 TARGET = 0.25  # issue #39: a refusal (or --help) in under 1/4 of the torch + transformers import
 
@@ -62,8 +63,8 @@ def _best(cmd: list[str], repeats: int) -> tuple[float, int, bool | None]:
 
 
 def bench_cli(
-    repeats: int = typer.Option(5, "--repeats", min=1, help="fresh interpreters per measurement (best reported)"),
-    out: Path | None = typer.Option(None, "--out", help="also write the result as JSON here"),
+    repeats: int = common.flag("--repeats", 5, "fresh interpreters per measurement (best reported)", min=1),
+    out: Path | None = common.flag("--out", None, "also write the result as JSON here"),
 ) -> None:
     """Time `kvdiag --help` and one bad input per command against importing torch and transformers."""
     with tempfile.TemporaryDirectory() as tmp:

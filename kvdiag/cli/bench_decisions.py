@@ -14,16 +14,16 @@ from kvdiag.core.guard import check_outputs
 
 def bench_decisions(
     model: str = common.Model,
-    prefix: int = typer.Option(640, "--prefix", help="the checkpoint t (a prefix of real text)"),
-    horizon: int = typer.Option(16, "--horizon", help="teacher-forced tokens per joint label"),
-    keep: list[str] = typer.Option(["0.5"], "--keep", help="keep fractions in (0, 1), comma-separated"),
-    scorers: list[str] = typer.Option(["snapkv,tova,h2o,streamingllm,knorm"], "--scorers", help="the rules whose sets "
+    prefix: int = common.flag("--prefix", 640, "the checkpoint t (a prefix of real text)"),
+    horizon: int = common.flag("--horizon", 16, "teacher-forced tokens per joint label", **common.HORIZON_STEPS),
+    keep: list[str] = common.flag("--keep", ["0.5"], "keep fractions in (0, 1), comma-separated"),
+    scorers: list[str] = common.flag("--scorers", ["snapkv,tova,h2o,streamingllm,knorm"], "the rules whose sets "
                                       "are candidates (with fast and future_attention)"),
-    selection: str = typer.Option("per-head", "--selection", help="per-head | per-token"),
-    search_rows: int = typer.Option(512, "--search-rows", help="oracle_search's set rows per budget"),
-    search_seconds: float = typer.Option(120.0, "--search-seconds", help="oracle_search's time per budget (0: none)"),
+    selection: str = common.flag("--selection", "per-head", "per-head | per-token"),
+    search_rows: int = common.flag("--search-rows", 512, "oracle_search's set rows per budget"),
+    search_seconds: float = common.flag("--search-seconds", 120.0, "oracle_search's time per budget (0: none)"),
     scale: int = typer.Option(4, "--scale", help="also search at this multiple of the effort"),
-    out: str = typer.Option(None, "--out", help="also write the result as JSON here"),
+    out: str = common.flag("--out", None, "also write the result as JSON here"),
     dtype: str = common.Dtype,
     device: str = common.Device,
 ) -> None:
@@ -34,8 +34,8 @@ def bench_decisions(
 
     fractions = parsing.parse_list(keep, "--keep", float, low=0, high=1, strict=True, example="0.5,0.25")
     names = parsing.parse_list(scorers, "--scorers", str)
-    if prefix < 2 or horizon < 1 or scale < 1:
-        raise UserError("--prefix >= 2, --horizon >= 1 and --scale >= 1, e.g. --prefix 640 --horizon 16 --scale 4")
+    if prefix < 2 or scale < 1:
+        raise UserError("--prefix >= 2 and --scale >= 1, e.g. --prefix 640 --scale 4")
     cfg = DecisionsConfig(budgets=tuple(Budget("keep", f) for f in fractions), selection=selection, horizon=horizon,
                           search_rows=search_rows, search_seconds=search_seconds)
     if cfg.selection.stochastic:

@@ -8,12 +8,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvdiag.cli import common
 from kvdiag.core.errors import UserError
 
 
 def bench_kernels(
     device: str = typer.Option("cpu", help="cpu, cuda or cuda:N"),
-    n: int = typer.Option(64, "--n", help="candidate rows N of shared_prefix_attention"),
+    n: int = common.flag("--n", 64, "candidate rows N of shared_prefix_attention"),
     prefix: int = typer.Option(512, help="shared prefix length P"),
     window: int = typer.Option(16, help="teacher-forced window W (suffix length)"),
     heads: int = typer.Option(9, help="query heads H"), kv_heads: int = typer.Option(3, help="KV heads Hkv"),

@@ -25,37 +25,38 @@ MAX_REPEATS = 1000  # timed runs; more would only hang
 
 def bench_label(
     model: str = common.Model,
-    prefix: int = typer.Option(512, "--prefix", help="prefix length P (the checkpoint)"),
-    n: int = typer.Option(64, "--n", help="candidate positions N"),
-    horizon: int = typer.Option(16, "--horizon", help="teacher-forced tokens H; exact token rows at H > 16: the engine "
-                                "at H (chunked) against H = 16, time and peak memory per labeled entry"),
-    chunk: int = typer.Option(CHUNK, "--chunk", help="horizon steps per forward (H > 16)"),
-    granularity: str = typer.Option("token", "--granularity", help="token: engine vs naive vs plain; layer | head: "
+    prefix: int = common.flag("--prefix", 512, "prefix length P (the checkpoint)"),
+    n: int = common.flag("--n", 64, "candidate positions N"),
+    horizon: int = common.flag("--horizon", 16, "teacher-forced tokens H; exact token rows at H > 16: the engine "
+                                "at H (chunked) against H = 16, time and peak memory per labeled entry",
+                               **common.HORIZON_STEPS),
+    chunk: int = common.flag("--chunk", CHUNK, "horizon steps per forward (H > 16)"),
+    granularity: str = common.flag("--granularity", "token", "token: engine vs naive vs plain; layer | head: "
                                                                    "layer start vs full depth"),
-    method: str = typer.Option("exact", "--method", help="exact, or fast | fisher | hybrid: its cost per labeled "
+    method: str = common.flag("--method", "exact", "exact, or fast | fisher | hybrid: its cost per labeled "
                                                          "entry vs exact"),
-    samples: int = typer.Option(8, "--fisher-samples", "--samples", help="fisher, hybrid: sampled continuations per "
+    samples: int = common.flag("--fisher-samples", 8, "fisher, hybrid: sampled continuations per "
                                 "horizon step (--samples is the deprecated name)"),
-    exact_top: int = typer.Option(None, "--exact-top", help="hybrid: M entries labeled exactly"),
-    exact_frac: float = typer.Option(None, "--exact-frac", help="hybrid: M as a share of the P entries"),
-    audit: int = typer.Option(32, "--audit", help="hybrid: audit sample labeled exactly"),
-    miss_rate: float = typer.Option(None, "--miss-rate", help="hybrid: the rounds of label --miss-rate R (from "
+    exact_top: int = common.flag("--exact-top", None, "hybrid: M entries labeled exactly"),
+    exact_frac: float = common.flag("--exact-frac", None, "hybrid: M as a share of the P entries"),
+    audit: int = common.flag("--audit", 32, "hybrid: audit sample labeled exactly"),
+    miss_rate: float = common.flag("--miss-rate", None, "hybrid: the rounds of label --miss-rate R (from "
                                     "--exact-frac, with the minimum audit) on --checkpoints windows, against exact "
                                     "labels of every entry, and the Fisher ranking's cost / miss-rate frontier"),
-    checkpoints: int = typer.Option(3, "--checkpoints", help="--miss-rate: windows of P + H + 1 tokens (one "
+    checkpoints: int = common.flag("--checkpoints", 3, "--miss-rate: windows of P + H + 1 tokens (one "
                                     "checkpoint each), pooled"),
     sets: bool = typer.Option(False, "--sets", help="set rows (decisions) vs single rows vs physical deletion"),
-    keep: float = typer.Option(0.5, "--keep", help="--sets: the share of the P entries a set keeps "
+    keep: float = common.flag("--keep", 0.5, "--sets: the share of the P entries a set keeps "
                                                      + common.BUDGET_TERMS),
-    out: str = typer.Option(None, "--out", help="also write the result as JSON here (--method, --sets)"),
-    repeats: int = typer.Option(3, "--repeats", help="timed runs per method, round-robin (best reported)"),
+    out: str = common.flag("--out", None, "also write the result as JSON here (--method, --sets)"),
+    repeats: int = common.flag("--repeats", 3, "timed runs per method, round-robin (best reported)"),
     dtype: str = common.Dtype,
     device: str = common.Device,
-    backend: str = typer.Option("auto", "--backend", help="kernel backend of the engine"),
+    backend: str = common.flag("--backend", "auto", "kernel backend of the engine"),
 ) -> None:
     """Oracle engine throughput: vs the naive loop and the plain forward, layer start, or an approximate method."""
     check_outputs({"--out": out})
-    for flag, value, example in (("--prefix", prefix, 512), ("--n", n, 64), ("--horizon", horizon, 16),
+    for flag, value, example in (("--prefix", prefix, 512), ("--n", n, 64),
                                  ("--repeats", repeats, 3), ("--chunk", chunk, 16)):
         if value < 1:
             raise UserError(f"{flag} {value}: must be a positive integer, e.g. {flag} {example}")

@@ -14,7 +14,7 @@ MAX_SECONDS = 3600.0  # per dtype; a longer timing only hangs the command
 
 def bench_peak(
     device: str = common.Device,
-    dtypes: list[str] = typer.Option(["float32,bfloat16"], "--dtype", help="dtypes to time, comma-separated or "
+    dtypes: list[str] = common.flag("--dtype", ["float32,bfloat16"], "dtypes to time, comma-separated or "
                                                                             "repeated (float32, float16, bfloat16)"),
     size: int = typer.Option(0, "--size", help="matrix size n of the n x n x n product (0: 2048 on CPU, 8192 on "
                                                "CUDA)"),

@@ -15,27 +15,27 @@ from kvdiag.core.guard import check_outputs
 
 def bench_replay(
     model: str = common.Model,
-    prompts: str = typer.Option("builtin:recall:4", "--prompts", help="Prompts of one token length (a builtin suite "
+    prompts: str = common.flag("--prompts", "builtin:recall:4", "Prompts of one token length (a builtin suite "
                                 "has one length)."),
-    scorers: list[str] = typer.Option(["rkv,snapkv,tova,streamingllm"], "--scorers", help="Scorers, comma-separated "
+    scorers: list[str] = common.flag("--scorers", ["rkv,snapkv,tova,streamingllm"], "Scorers, comma-separated "
                                       "and repeatable; full_kv decodes with the full cache."),
-    budget: int = typer.Option(128, "--budget", help="KV budget of every row."),
-    interval: int = typer.Option(32, "--interval", help="Generated tokens between compressions."),
-    selection: str = typer.Option("per-head", "--selection", help="per-head | per-token | stochastic[:TAU]."),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
-    batch_size: int = typer.Option(16, "--batch-size", help="Rows decoded together."),
-    samples: int = typer.Option(1, "--samples", help="Sampled generations per (prompt, scorer): the sweep's rows "
+    budget: int = common.flag("--budget", 128, "KV budget of every row."),
+    interval: int = common.flag("--interval", 32, "Generated tokens between compressions."),
+    selection: str = common.flag("--selection", "per-head", "per-head | per-token | stochastic[:TAU]."),
+    max_new_tokens: int = common.flag("--max-new-tokens", 64),
+    batch_size: int = common.flag("--batch-size", 16, "Rows decoded together."),
+    samples: int = common.flag("--samples", 1, "Sampled generations per (prompt, scorer): the sweep's rows "
                                 "with --samples (needs --temperature)."),
-    temperature: float | None = typer.Option(None, "--temperature", help="Sample at this temperature (default: "
+    temperature: float | None = common.flag("--temperature", None, "Sample at this temperature (default: "
                                              "greedy)."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus of the sampling (needs --temperature)."),
+    top_p: float = common.flag("--top-p", 1.0, "Nucleus of the sampling (needs --temperature)."),
     limit: int | None = common.Limit,
-    param: list[str] | None = typer.Option(None, "--param", help="scorer.key=value, repeatable (as replay's)."),
-    repeats: int = typer.Option(1, "--repeats", help="Alternating runs per method (best reported)."),
+    param: list[str] | None = common.flag("--param", None, "scorer.key=value, repeatable (as replay's)."),
+    repeats: int = common.flag("--repeats", 1, "Alternating runs per method (best reported)."),
     arms: str = typer.Option("alone,batched", "--arms", help="Arms, comma-separated, compared with the batched loop "
                              "(always run): alone (one row at a time), generate (model.generate + EvictingCache, the "
                              "same batches)."),
-    out: Path | None = typer.Option(None, "--out", help="Also write the numbers as JSON here."),
+    out: Path | None = common.flag("--out", None, "Also write the numbers as JSON here."),
     dtype: str = common.Dtype, device: str = common.Device,
 ) -> None:
     """Decode every prompt under every scorer alone, in batches and through model.generate; report seconds,

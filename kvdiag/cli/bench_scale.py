@@ -18,10 +18,10 @@ def bench_scale(
     prompts: str = common.Prompts,
     lengths: list[str] = typer.Option(["1024,2048,4096,8192"], "--lengths", help="trace lengths T, comma-separated "
                                                                                  "(repeatable)"),
-    store: list[str] = typer.Option(["all", "kv", "none"], "--store", help="store mode to trace, repeatable: all | kv "
+    store: list[str] = common.flag("--store", ["all", "kv", "none"], "store mode to trace, repeatable: all | kv "
                                                                            "| none | LAYERS"),
     dtype: str = common.Dtype,
-    out: Path = typer.Option(..., "--out", help="work directory (Traces, steps/, logs/) and its tables scale.md, "
+    out: Path = common.flag("--out", ..., "work directory (Traces, steps/, logs/) and its tables scale.md, "
                                                 "scale.csv"),
 ) -> None:
     """Trace (per store mode), label, score and figures at each length T, each in a process of its own."""

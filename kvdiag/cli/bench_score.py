@@ -4,22 +4,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvdiag.cli import common
 from kvdiag.core.guard import check_outputs
 
 
 def bench_score(
-    trace: Path = typer.Option(..., "--trace", help="Trace directory written by `kvdiag trace`."),
-    scorers: list[str] = typer.Option(["all"], "--scorers", help="'all' or comma-separated scorer names, repeatable."),
-    checkpoints: list[str] = typer.Option(["default"], "--checkpoints", help="'default' (every 128 generated tokens) "
+    trace: Path = common.flag("--trace", ..., "Trace directory written by `kvdiag trace`."),
+    scorers: list[str] = common.flag("--scorers", ["all"], "'all' or comma-separated scorer names, repeatable."),
+    checkpoints: list[str] = common.flag("--checkpoints", ["default"], "'default' (every 128 generated tokens) "
                                                                              "or positions t, repeatable."),
-    param: list[str] | None = typer.Option(None, "--param", help="scorer.key=value, repeatable."),
-    plugin: list[str] | None = typer.Option(None, "--plugin", help="Module (or .py file) registering scorers, "
+    param: list[str] | None = common.flag("--param", None, "scorer.key=value, repeatable."),
+    plugin: list[str] | None = common.flag("--plugin", None, "Module (or .py file) registering scorers, "
                                                                    "repeatable."),
-    out: Path | None = typer.Option(None, "--out", help="Also write the numbers as JSON here."),
+    out: Path | None = common.flag("--out", None, "Also write the numbers as JSON here."),
 ) -> None:
     """Time `kvdiag score` over every checkpoint (token granularity, all cached entries) and report s/checkpoint."""
     check_outputs({"--out": out}, {"--trace": trace, "--plugin": plugin})

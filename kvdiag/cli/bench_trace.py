@@ -3,16 +3,15 @@ achieved matmul FLOP/s and MFU against the matmul peak measured at the model's d
 
 from __future__ import annotations
 
-import typer
 from rich.console import Console
 
 from kvdiag.cli import common
 
 
 def bench_trace(
-    model: str = common.Model, prompts: str = common.Prompts, limit: int = typer.Option(2, "--limit"),
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
-    repeats: int = typer.Option(2, "--repeats", help="alternating runs per method (best reported)"),
+    model: str = common.Model, prompts: str = common.Prompts, limit: int = common.flag("--limit", 2),
+    max_new_tokens: int = common.flag("--max-new-tokens", 128),
+    repeats: int = common.flag("--repeats", 2, "alternating runs per method (best reported)"),
     dtype: str = common.Dtype, device: str = common.Device,
 ) -> None:
     """Time `kvdiag trace` (record + write) against plain `generate` on the same prompts."""

@@ -1,23 +1,138 @@
-"""Options shared by several commands (one definition each)."""
+"""Options shared by several commands (one definition each), and how ``--help`` groups every option.
+
+A flag that several commands take is declared once in :data:`FLAGS` (its names, value syntax and parser) and made
+by :func:`flag` with the command's default and help; options every command shares whole (``--model``, ``--seed``,
+...) are the constants below. :func:`arrange_help` puts each option of every command in a panel (inputs, what to
+compute, outputs, performance; replay's two modes in their own) and drops typer's ``<bool>`` placeholder of flags.
+"""
 
 from __future__ import annotations
+
+from functools import partial
 
 import typer
 
 from kvdiag.core.errors import UserError
+from kvdiag.core.parsing import parse_horizon
 from kvdiag.core.schema import HARM, N_BOOT, NOISE_MULT
 
-Model = typer.Option("smollm2", "--model", help="hub id, local HF dir, file.gguf, smollm2 or gemma3-270m (embedded), "
+# Every flag several commands declare: its names (the first is the flag) and what its value looks like (metavar,
+# parser). A command gives its default and help through flag().
+FLAGS: dict[str, dict] = {
+    "--out": {"metavar": "PATH"},
+    "--trace": {"metavar": "TRACE_DIR"},
+    "--scores": {"metavar": "SCORES.parquet"},
+    "--labels": {"metavar": "LABELS.parquet"},
+    "--model": {"metavar": "MODEL"},
+    "--prompts": {"metavar": "PROMPTS"},
+    "--limit": {"metavar": "K"},
+    "--plugin": {"metavar": "MODULE|FILE.py"},
+    "--dtype": {"metavar": "DTYPE"},
+    # N teacher-forced steps or rest, parsed once here (kvdiag.core.parsing.parse_horizon); HORIZON_STEPS where a
+    # command has no prompt end to run to (a bench's synthetic prefix, replay's labels)
+    "--horizon": {"metavar": "N|rest", "parser": parse_horizon},
+    "--scorers": {"metavar": "NAMES"},
+    "--param": {"metavar": "RULE.KEY=VALUE"},
+    "--selection": {"metavar": "per-head|per-token|stochastic[:TAU]"},
+    "--checkpoints": {"metavar": "SPEC"},
+    "--granularity": {"metavar": "token|layer|head"},
+    "--keep": {"metavar": "F,..."},
+    "--budget": {"metavar": "B,..."},
+    "--interval": {"metavar": "K"},
+    "--max-new-tokens": {"metavar": "N"},
+    "--temperature": {"metavar": "T"},
+    "--top-p": {"metavar": "P"},
+    "--samples": {"metavar": "N"},
+    "--chat": {"names": ("--chat/--no-chat",)},
+    "--instruction": {"metavar": "TEXT"},
+    "--no-instruction": {},
+    "--store": {"metavar": "all|kv|none|LAYERS"},
+    "--candidates": {"metavar": "N|all"},
+    "--w-obs": {"metavar": "W"},
+    "--method": {"metavar": "exact|fast|fisher|hybrid"},
+    "--fisher-samples": {"names": ("--fisher-samples", "--samples"), "metavar": "N"},
+    "--exact-top": {"metavar": "M"},
+    "--exact-frac": {"metavar": "F"},
+    "--audit": {"metavar": "N"},
+    "--miss-rate": {"metavar": "R"},
+    "--search-rows": {"metavar": "N"},
+    "--search-seconds": {"metavar": "S"},
+    "--prefix": {"metavar": "P"},
+    "--n": {"metavar": "N"},
+    "--batch-size": {"metavar": "N"},
+    "--backend": {"metavar": "auto|torch|triton"},
+    "--chunk": {"metavar": "STEPS"},
+    "--shard": {"metavar": "i/n"},
+    "--repeats": {"metavar": "N"},
+}
+HORIZON_STEPS = {"metavar": "N", "parser": partial(parse_horizon, rest=False)}
+
+
+def flag(name: str, default, help: str | None = None, **override):
+    """The option ``name`` of :data:`FLAGS` with this command's ``default`` and ``help`` (``override``: e.g.
+    ``**HORIZON_STEPS``)."""
+    declared = {**FLAGS[name], **override}
+    names = declared.pop("names", (name,))
+    return typer.Option(default, *names, help=help, **declared)
+
+
+# The panels of --help, in order: an option's panel is the first that names its flag, else WHAT; replay's options
+# whose help starts with "Free-running:" / "Teacher-forced:" go to that mode's panel.
+INPUTS, WHAT, OUTPUTS, PERFORMANCE = "Inputs", "What to compute", "Outputs", "Performance"
+PANELS = {
+    INPUTS: {"--trace", "--scores", "--labels", "--model", "--revision", "--trust-remote-code", "--dtype", "--prompts",
+             "--limit", "--plugin", "--chat", "--instruction", "--no-instruction", "--include", "--adapter",
+             "--bench", "--benchmark", "--run", "--teacher-forced", "--force"},
+    OUTPUTS: {"--out", "--quiet", "--overwrite", "--list", "--viewer", "--no-viewer", "--rewrite"},
+    PERFORMANCE: {"--batch-size", "--backend", "--chunk", "--shard", "--device", "--repeats", "--workers", "--threads",
+                  "--search-rows", "--search-seconds"},
+}
+MODES = ("Free-running", "Teacher-forced")
+
+
+def arrange_help(command) -> None:
+    """Put every option of ``command`` and its subcommands in its --help panel, and show flags without typer's
+    ``<bool>`` placeholder (a flag takes no value)."""
+    for sub in getattr(command, "commands", {}).values():
+        arrange_help(sub)
+    make_help = command.get_help_option
+
+    def help_option(ctx, make=make_help):  # click makes --help when help is asked for: a flag too
+        option = make(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+    command.get_help_option = help_option
+    for param in getattr(command, "params", []):
+        if getattr(param, "param_type_name", "") != "option":
+            continue
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+        if getattr(param, "rich_help_panel", None):
+            continue
+        mode = next((m for m in MODES if (param.help or "").startswith(m + ":")), None)
+        if mode is not None:
+            param.help = param.help[len(mode) + 1:].strip()
+            param.help = param.help[:1].upper() + param.help[1:]
+        opts = set(param.opts) | set(param.secondary_opts)
+        param.rich_help_panel = mode or next((panel for panel, flags in PANELS.items() if opts & flags), WHAT)
+    order = [INPUTS, WHAT, *MODES, OUTPUTS, PERFORMANCE]
+    if hasattr(command, "params"):  # panels print in the order of their first option: arguments stay first
+        command.params.sort(key=lambda p: order.index(p.rich_help_panel) + 1
+                            if getattr(p, "param_type_name", "") == "option" and p.rich_help_panel in order else 0)
+
+Model = flag("--model", "smollm2", "hub id, local HF dir, file.gguf, smollm2 or gemma3-270m (embedded), "
                                                 "tiny:FAMILY (random, for tests) or random:NAME[:layers=N] (random "
                                                 "weights at a real model's shape, for benchmarks)")
-Dtype = typer.Option("float32", "--dtype", help="float32 | float16 | bfloat16")
+Dtype = flag("--dtype", "float32", "float32 | float16 | bfloat16")
 Device = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N")
 Revision = typer.Option(None, "--revision", help="hub revision (branch, tag or commit)")
 TrustRemoteCode = typer.Option(False, "--trust-remote-code", help="allow the model repo's own code (off by default)")
-Prompts = typer.Option("builtin:arith", "--prompts", help="file.jsonl (problem/question/prompt, answer, "
+Prompts = flag("--prompts", "builtin:arith", "file.jsonl (problem/question/prompt, answer, "
                                                           "unique_id/id), file.txt, or builtin:<suite>[:N[:LENGTH]] "
                                                           "(arith, recall)")
-Limit = typer.Option(None, "--limit", help="use only the first K prompts")
+Limit = flag("--limit", None, "use only the first K prompts")
 Seed = typer.Option(0, "--seed", min=0, help="random seed (>= 0)")
 Quiet = typer.Option(False, "--quiet", help="no progress bars")
 # which labels are analysed and which are harmful (kvdiag.core.harm.HarmSpec)

@@ -13,33 +13,33 @@ from kvdiag.core.guard import check_outputs
 
 
 def decisions(
-    trace: Path = typer.Option(..., "--trace", help="Trace directory written by kvdiag trace"),
-    scores: Path = typer.Option(..., "--scores", help="scores.parquet with head rows of every cached entry at each "
+    trace: Path = common.flag("--trace", ..., "Trace directory written by kvdiag trace"),
+    scores: Path = common.flag("--scores", ..., "scores.parquet with head rows of every cached entry at each "
                                 "checkpoint (kvdiag score --checkpoints ... --granularity head)"),
-    out: Path = typer.Option(..., "--out", help="output directory (decisions.parquet, summary.md, figure; parts/)"),
-    labels: Path | None = typer.Option(None, "--labels", help="exact single labels of every entry at the same "
+    out: Path = common.flag("--out", ..., "output directory (decisions.parquet, summary.md, figure; parts/)"),
+    labels: Path | None = common.flag("--labels", None, "exact single labels of every entry at the same "
                                        "checkpoints (kvdiag label --candidates all): oracle_single, additivity, pairs"),
-    keep: list[str] | None = typer.Option(None, "--keep", help="keep fractions in (0, 1), comma-separated, repeatable, "
+    keep: list[str] | None = common.flag("--keep", None, "keep fractions in (0, 1), comma-separated, repeatable, "
                                           "e.g. 0.5,0.25,0.125 " + common.BUDGET_TERMS),
-    budget: list[str] | None = typer.Option(None, "--budget", help="or budgets: entries kept per layer and KV head "
+    budget: list[str] | None = common.flag("--budget", None, "or budgets: entries kept per layer and KV head "
                                             + common.BUDGET_TERMS),
-    selection: str = typer.Option("per-head", "--selection", help="per-head (each layer and KV head keeps its own top "
+    selection: str = common.flag("--selection", "per-head", "per-head (each layer and KV head keeps its own top "
                                   "B, as replay), per-token (one keep set) or stochastic[:TAU] (each layer and KV "
                                   "head draws its evictions from softmax(-rank / TAU), beside the per-head set)"),
     draws: int | None = typer.Option(None, "--draws", "--samples", help="stochastic selection: draws per (rule, "
                                      "budget, checkpoint) (default 4; --samples is the deprecated name)"),
-    horizon: str | None = typer.Option(None, "--horizon", help="teacher-forced steps per joint label, N or rest (to "
+    horizon: str | None = common.flag("--horizon", None, "teacher-forced steps per joint label, N or rest (to "
                                        "the end of each prompt; default: the labels' horizon, else 16)"),
-    scorers: list[str] | None = typer.Option(None, "--scorers", help="score columns to grade, comma-separated, "
+    scorers: list[str] | None = common.flag("--scorers", None, "score columns to grade, comma-separated, "
                                              "repeatable (default: all)"),
     references: list[str] | None = typer.Option(None, "--references", help="oracle_single, oracle_greedy, fast, "
                                                 "random, future_attention, oracle_search (default: the first four; "
                                                 "oracle_single only with --labels)"),
     future_window: str | None = typer.Option(None, "--future-window", help="future_attention: the future queries "
                                              "read, N or rest (to the end of the prompt); default: the horizon"),
-    search_rows: int = typer.Option(512, "--search-rows", help="oracle_search: set rows per (checkpoint, budget) "
+    search_rows: int = common.flag("--search-rows", 512, "oracle_search: set rows per (checkpoint, budget) "
                                     "beyond its candidates'"),
-    search_seconds: float = typer.Option(120.0, "--search-seconds", help="oracle_search: no new round after this "
+    search_seconds: float = common.flag("--search-seconds", 120.0, "oracle_search: no new round after this "
                                          "many seconds per (checkpoint, budget) (0: no time bound)"),
     greedy_chunk: float = typer.Option(0.125, "--greedy-chunk", help="oracle_greedy evicts ceil(F * t) entries per "
                                        "step, relabelling the survivors each step"),
@@ -55,10 +55,10 @@ def decisions(
     harm: str = common.Harm,
     noise_mult: float = common.NoiseMult,
     include_unresolved: bool = common.IncludeUnresolved,
-    batch_size: int = typer.Option(16, "--batch-size", help="set rows per forward"),
-    backend: str = typer.Option("auto", "--backend", help="attention kernel: auto | torch | triton"),
-    model: str | None = typer.Option(None, "--model", help="the Trace's model (default: its manifest's)"),
-    dtype: str | None = typer.Option(None, "--dtype", help="default: the Trace's"),
+    batch_size: int = common.flag("--batch-size", 16, "set rows per forward"),
+    backend: str = common.flag("--backend", "auto", "attention kernel: auto | torch | triton"),
+    model: str | None = common.flag("--model", None, "the Trace's model (default: its manifest's)"),
+    dtype: str | None = common.flag("--dtype", None, "default: the Trace's"),
     device: str = common.Device,
     quiet: bool = common.Quiet,
 ) -> None:
@@ -88,7 +88,7 @@ def decisions(
         rules=tuple(parsing.parse_list(scorers, "--scorers", str)) or None, references=tuple(refs),
         greedy_chunk=greedy_chunk, pairs=pairs, pair_candidates=pair_candidates, infeasible=infeasible, seed=seed,
         n_boot=bootstrap, reference=reference, batch_size=batch_size, backend=backend,
-        harm=HarmSpec(harm, noise_mult, include_unresolved), future_window=_window(future_window),
+        harm=HarmSpec(harm, noise_mult, include_unresolved), future_window=future_window,
         search_rows=search_rows, search_seconds=search_seconds,
     )
     parsing.check_backend(backend)
@@ -116,16 +116,4 @@ def decisions(
     Console(stderr=True).print(f"decisions written to {path} (decisions.parquet, summary.md, decisions.png)")
     if not quiet:
         Console().print((path / "summary.md").read_text(), markup=False, highlight=False)
-
-
-def _window(text: str | None) -> int | str | None:
-    """``--future-window N|rest``."""
-    from kvdiag.core.errors import UserError
-
-    if text is None or text.strip() == "rest":
-        return None if text is None else "rest"
-    try:
-        return int(text)
-    except ValueError:
-        raise UserError(f"--future-window {text}: a number of future queries (e.g. 16) or rest") from None
 

@@ -64,13 +64,13 @@ def demo_commands(out: Path, model: str, prompts: str, limit: int, max_new_token
 
 
 def demo(
-    ctx: typer.Context, out: Path = typer.Option(Path("runs/demo"), "--out", help="run directory"),
+    ctx: typer.Context, out: Path = common.flag("--out", Path("runs/demo"), "run directory"),
     model: str = common.Model, prompts: str = common.Prompts,
-    limit: int = typer.Option(6, "--limit", help="prompts to trace"),
-    max_new_tokens: int = typer.Option(384, "--max-new-tokens"),
-    candidates: int = typer.Option(64, "--candidates", help="labeled candidates per checkpoint"),
-    horizon: int = typer.Option(HORIZON, "--horizon"),
-    interval: int = typer.Option(64, "--interval", help="checkpoint every K generated tokens"),
+    limit: int = common.flag("--limit", 6, "prompts to trace"),
+    max_new_tokens: int = common.flag("--max-new-tokens", 384),
+    candidates: int = common.flag("--candidates", 64, "labeled candidates per checkpoint"),
+    horizon: int = common.flag("--horizon", HORIZON, **common.HORIZON_STEPS),
+    interval: int = common.flag("--interval", 64, "checkpoint every K generated tokens"),
     bootstrap: int = common.Bootstrap,
 ) -> None:
     """Run trace -> label -> score -> rank-eval -> figures -> report and print the report's path."""

@@ -16,12 +16,12 @@ _D = FigureParams()
 
 def figures(
     ctx: typer.Context,
-    trace: Path = typer.Option(..., "--trace", help="Trace directory written by kvdiag trace"),
-    labels: Path = typer.Option(..., "--labels", help="labels.parquet written by kvdiag label (token granularity is "
+    trace: Path = common.flag("--trace", ..., "Trace directory written by kvdiag trace"),
+    labels: Path = common.flag("--labels", ..., "labels.parquet written by kvdiag label (token granularity is "
                                                       "used)"),
-    scores: Path = typer.Option(..., "--scores", help="scores.parquet written by kvdiag score (for the component "
+    scores: Path = common.flag("--scores", ..., "scores.parquet written by kvdiag score (for the component "
                                                       "figure)"),
-    out: Path = typer.Option(..., "--out", help="output directory (PNG, PDF, CSV, figures.json)"),
+    out: Path = common.flag("--out", ..., "output directory (PNG, PDF, CSV, figures.json)"),
     rank_eval: Path | None = typer.Option(None, "--rank-eval", help="a kvdiag rank-eval directory: reuse its "
                                                                     "metrics.csv"),
     w_obs: int = typer.Option(_D.w_obs, help="observation window: p's window [t-W, t); (b)'s first window [i+1, "

@@ -13,10 +13,10 @@ from kvdiag.core.guard import check_outputs
 
 
 def fit(
-    trace: Path = typer.Option(..., "--trace", help="Trace directory the labels were made from"),
-    labels: Path = typer.Option(..., "--labels", help="labels.parquet written by kvdiag label (token rows are used)"),
-    out: Path = typer.Option(..., "--out", help="output directory"),
-    scores: Path | None = typer.Option(None, "--scores", help="scores.parquet of the same labels: rank the hand-made "
+    trace: Path = common.flag("--trace", ..., "Trace directory the labels were made from"),
+    labels: Path = common.flag("--labels", ..., "labels.parquet written by kvdiag label (token rows are used)"),
+    out: Path = common.flag("--out", ..., "output directory"),
+    scores: Path | None = common.flag("--scores", None, "scores.parquet of the same labels: rank the hand-made "
                                                               "rules beside the fit"),
     features: list[str] | None = typer.Option(None, "--features", help="features to use, comma-separated, repeatable "
                                                                        "(default: all; see docs/rank-eval.md)"),

@@ -17,13 +17,13 @@ def grade(
     bench: str = typer.Option("math500-smollm2@1", "--bench", help="benchmark NAME@VERSION shipped in "
                               "data/kvdiag-bench (or its directory)"),
     rule: str | None = typer.Option(None, "--rule", help="the rule to grade when the plugin registers several"),
-    param: list[str] | None = typer.Option(None, "--param", help="rule.key=value, repeatable"),
-    out: Path | None = typer.Option(None, "--out", help="output directory (default runs/grade/<rule>)"),
+    param: list[str] | None = common.flag("--param", None, "rule.key=value, repeatable"),
+    out: Path | None = common.flag("--out", None, "output directory (default runs/grade/<rule>)"),
     all_: bool = typer.Option(False, "--all", help="grade every built-in rule and gradable kvpress press: the "
                               "leaderboard (the first run of a benchmark version also stores them in it)"),
     leaderboard: Path | None = typer.Option(None, "--leaderboard", help="with --all: also write the leaderboard "
                                             "Markdown here (e.g. reports/leaderboard.md)"),
-    horizon: str | None = typer.Option(None, "--horizon", help="grade at N teacher-forced steps or rest (to the end "
+    horizon: str | None = common.flag("--horizon", None, "grade at N teacher-forced steps or rest (to the end "
                                        "of each prompt) instead of the benchmark's horizon; no regret or place "
                                        "against its sealed rows then"),
     quiet: bool = common.Quiet,
@@ -31,7 +31,7 @@ def grade(
     """Grade a rule on a shipped benchmark: how it ranks single-entry damage, and the exact joint damage of its
     decisions at the benchmark's budgets, against the oracle and the built-in rules; prints its leaderboard row."""
     from kvdiag.core.errors import UserError
-    from kvdiag.core.parsing import parse_horizon, parse_params
+    from kvdiag.core.parsing import parse_params
     from kvdiag.scorers.names import check_fitted, check_rule_source, is_plugin_spec
     from kvdiag.scorers.plugin_check import check_plugin_files
 
@@ -43,7 +43,6 @@ def grade(
     if rule_spec is not None and is_plugin_spec(rule_spec):
         check_plugin_files([rule_spec])  # what its source shows, before its import pulls in torch
     params = parse_params(param)
-    horizon = None if horizon is None else parse_horizon(horizon)
     check_fitted([rule_spec] if rule_spec else [], params)
     from kvdiag.core.stats import format_test
     from kvdiag.grade.run import RANK_METRICS, grade_files  # the stage, once the arguments are checked

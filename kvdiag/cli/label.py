@@ -16,43 +16,43 @@ from kvdiag.core.schema import CHECKPOINTS, CHUNK, HORIZON, W_OBS
 
 def label(
     ctx: typer.Context,
-    trace: Path = typer.Option(..., "--trace", help="Trace directory from `kvdiag trace`"),
-    out: Path = typer.Option(..., "--out", help="labels.parquet (parts are kept beside it in OUT.parts/)"),
-    checkpoints: list[str] = typer.Option([CHECKPOINTS], "--checkpoints", help="every:K (generated tokens) or "
+    trace: Path = common.flag("--trace", ..., "Trace directory from `kvdiag trace`"),
+    out: Path = common.flag("--out", ..., "labels.parquet (parts are kept beside it in OUT.parts/)"),
+    checkpoints: list[str] = common.flag("--checkpoints", [CHECKPOINTS], "every:K (generated tokens) or "
         "absolute positions t1,t2,... (repeatable)"),
-    horizon: str = typer.Option(str(HORIZON), "--horizon", help="teacher-forced steps H, or rest: each label to the "
+    horizon: str = common.flag("--horizon", HORIZON, "teacher-forced steps H, or rest: each label to the "
                                 "end of its prompt (rows record their H; shorter horizons derive from kl_steps)"),
-    chunk: int = typer.Option(CHUNK, "--chunk", help="horizon steps per forward: memory is one chunk's logits"),
-    candidates: str = typer.Option("64", "--candidates", help="N (seeded sample per checkpoint) or all"),
+    chunk: int = common.flag("--chunk", CHUNK, "horizon steps per forward: memory is one chunk's logits"),
+    candidates: str = common.flag("--candidates", "64", "N (seeded sample per checkpoint) or all"),
     include: Path = typer.Option(None, "--include", help="JSON {prompt_id: [positions]}: label these too at every "
                                  "checkpoint they precede, besides the sample (e.g. the tokens an answer needs)"),
-    granularity: str = typer.Option("token", "--granularity", help="token | layer | head"),
+    granularity: str = common.flag("--granularity", "token", "token | layer | head"),
     layers: list[str] | None = typer.Option(None, "--layers", help="layer/head granularity: comma-separated layers, "
                                                                    "repeatable (default all)"),
-    w_obs: int = typer.Option(W_OBS, "--w-obs", help="every:K starts once W_obs tokens are generated"),
-    batch_size: int = typer.Option(64, "--batch-size", help="candidate rows per forward (at H <= --chunk; fewer at "
+    w_obs: int = common.flag("--w-obs", W_OBS, "every:K starts once W_obs tokens are generated"),
+    batch_size: int = common.flag("--batch-size", 64, "candidate rows per forward (at H <= --chunk; fewer at "
                                    "longer horizons, holding the memory of a batch)"),
-    method: str = typer.Option("exact", "--method", help="exact (the oracle) | fast (the recommended approximate "
+    method: str = common.flag("--method", "exact", "exact (the oracle) | fast (the recommended approximate "
         "method, labels every entry in one pass) | fisher | hybrid (fast for every entry, exact for the top M and an "
         "audit sample; docs/labels.md)"),
-    fisher_samples: int = typer.Option(None, "--fisher-samples", "--samples", help="fisher, hybrid: sampled "
+    fisher_samples: int = common.flag("--fisher-samples", None, "fisher, hybrid: sampled "
                                        "continuations per horizon step (default 8; --samples is the deprecated name)"),
-    exact_top: int = typer.Option(None, "--exact-top", help="hybrid: the M entries per checkpoint with the largest "
+    exact_top: int = common.flag("--exact-top", None, "hybrid: the M entries per checkpoint with the largest "
                                   "fast labels get exact labels"),
-    exact_frac: float = typer.Option(None, "--exact-frac", help="hybrid: M as a share of the checkpoint's candidates"),
-    audit: int = typer.Option(None, "--audit", help="hybrid: a seeded uniform sample of N other entries labeled "
+    exact_frac: float = common.flag("--exact-frac", None, "hybrid: M as a share of the checkpoint's candidates"),
+    audit: int = common.flag("--audit", None, "hybrid: a seeded uniform sample of N other entries labeled "
                               "exactly, to estimate the miss rate (default 32)"),
-    miss_rate: float = typer.Option(None, "--miss-rate", help="hybrid: label exactly down the fast ranking in rounds "
+    miss_rate: float = common.flag("--miss-rate", None, "hybrid: label exactly down the fast ranking in rounds "
                                     "(from --exact-frac) until the audit's 95% upper bound on the top-decile miss "
                                     "rate is below R, e.g. 0.05 (docs/labels.md)"),
     no_miss_rate: bool = typer.Option(False, "--no-miss-rate", help="hybrid: no miss-rate estimate from the audit"),
     seed: int = common.Seed,
-    model: str = typer.Option(None, "--model", help="override the Trace's model (refused if different unless --force)"),
+    model: str = common.flag("--model", None, "override the Trace's model (refused if different unless --force)"),
     force: bool = typer.Option(False, "--force", help="label with a model other than the Trace's"),
-    dtype: str = typer.Option(None, "--dtype", help="default: the Trace's model dtype"),
+    dtype: str = common.flag("--dtype", None, "default: the Trace's model dtype"),
     device: str = common.Device,
-    backend: str = typer.Option("auto", "--backend", help="kernel backend: auto | torch | triton"),
-    shard: str = typer.Option(None, "--shard", help="i/n: label only work items i, i+n, ... (Slurm arrays); merge "
+    backend: str = common.flag("--backend", "auto", "kernel backend: auto | torch | triton"),
+    shard: str = common.flag("--shard", None, "i/n: label only work items i, i+n, ... (Slurm arrays); merge "
                                                     "with a final run without --shard"),
     quiet: bool = common.Quiet,
 ) -> None:

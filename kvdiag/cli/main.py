@@ -51,7 +51,7 @@ def _print_version(value: bool) -> None:
 
 @app.callback()
 def _root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
-                                      help="print kvdiag's version and exit")) -> None:
+                                      help="print kvdiag's version and exit", rich_help_panel="Options")) -> None:
     # the root options (the commands are registered below); the help text is the app's
     del version
 
@@ -95,9 +95,16 @@ for _name, _fn in [
     bench_app.command(_name)(_fn)
 
 
+def root_command():
+    """The click command of ``kvdiag``, every option in its --help panel (:func:`common.arrange_help`)."""
+    command = typer.main.get_command(app)
+    common.arrange_help(command)
+    return command
+
+
 def resolve_command(argv: list[str]):
     """(the (sub)command ``argv`` runs, its names, the index of its first argument)."""
-    return common.resolve_command(typer.main.get_command(app), argv)
+    return common.resolve_command(root_command(), argv)
 
 
 def report_bug(err: BaseException, argv: list[str]) -> Path | None:
@@ -149,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     shown = warnings.showwarning
     warnings.showwarning = _warnings_to(err_console)
     try:
-        code = common.invoke(typer.main.get_command(app), argv)
+        code = common.invoke(root_command(), argv)
     except UserError as err:
         say(err_console, "error:", "bold red", str(err))
         sys.exit(2)

@@ -61,9 +61,9 @@ def _print_summary(result: RankEvalResult, scope: str, out: Path, console: Conso
 
 
 def rank_eval(
-    labels: Path = typer.Option(..., "--labels", help="labels.parquet written by kvdiag label"),
-    scores: Path = typer.Option(..., "--scores", help="scores.parquet written by kvdiag score (one column per scorer)"),
-    out: Path = typer.Option(..., "--out", help="output directory"),
+    labels: Path = common.flag("--labels", ..., "labels.parquet written by kvdiag label"),
+    scores: Path = common.flag("--scores", ..., "scores.parquet written by kvdiag score (one column per scorer)"),
+    out: Path = common.flag("--out", ..., "output directory"),
     harm: str = common.Harm,
     rho: float = typer.Option(RHO, help="eviction fraction: the lowest-scored floor(rho*C) candidates of a checkpoint "
                                         "are evicted " + common.BUDGET_TERMS),

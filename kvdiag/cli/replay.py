@@ -15,33 +15,34 @@ from kvdiag.core.schema import CHECKPOINT_INTERVAL, HORIZON
 
 def replay(
     ctx: typer.Context,
-    scorers: list[str] = typer.Option(..., "--scorers", "--scorer", help="Scorer name(s), comma-separated and "
+    scorers: list[str] = common.flag("--scorers", ..., "Scorer name(s), comma-separated and "
                                       "repeatable, e.g. rkv,attention,avokv_e (--scorer is the deprecated name). "
                                       "Teacher-forced only: oracle (greedy on exact labels, per-token) and "
                                       "oracle_future (per cell, what the full-cache run's next queries attend most; "
-                                      "--param oracle_future.window=N|rest, default interval + horizon)."),
-    budget: list[str] = typer.Option(["256"], "--budget", help="KV budget(s): entries kept per layer and KV head, "
+                                      "--param oracle_future.window=N|rest, default interval + horizon).",
+                                      names=("--scorers", "--scorer")),
+    budget: list[str] = common.flag("--budget", ["256"], "KV budget(s): entries kept per layer and KV head, "
         "comma-separated and repeatable for a sweep, e.g. 128,256 " + common.BUDGET_TERMS + "."),
-    interval: int = typer.Option(CHECKPOINT_INTERVAL, "--interval", help="Generated tokens between compressions "
+    interval: int = common.flag("--interval", CHECKPOINT_INTERVAL, "Generated tokens between compressions "
                                                                          "(R-KV: 128)."),
-    w_obs: int | None = typer.Option(None, "--w-obs", help="Observation window for every scorer's window/w_obs "
+    w_obs: int | None = common.flag("--w-obs", None, "Observation window for every scorer's window/w_obs "
                                                            "(default: each scorer's own)."),
-    selection: str = typer.Option("per-head", "--selection", help="per-head (each layer and KV head keeps its own top "
+    selection: str = common.flag("--selection", "per-head", "per-head (each layer and KV head keeps its own top "
                                   "B, R-KV), per-token (one keep set) or stochastic[:TAU] (each layer and KV head "
                                   "draws its evictions, softmax(-rank/TAU); seeded by --seed)."),
-    max_new_tokens: int = typer.Option(512, "--max-new-tokens", help="Generation cap; stopping there is a max-length "
+    max_new_tokens: int = common.flag("--max-new-tokens", 512, "Generation cap; stopping there is a max-length "
                                                                      "hit."),
     teacher_forced: Path | None = typer.Option(None, "--teacher-forced", help="Trace directory: replay its tokens and "
         "report per-step KL instead of generating."),
-    samples: int = typer.Option(1, "--samples", help="Free-running: generations per prompt (needs --temperature); "
+    samples: int = common.flag("--samples", 1, "Free-running: generations per prompt (needs --temperature); "
                                 "sample s of every policy shares FullKV's random draws."),
-    temperature: float | None = typer.Option(None, "--temperature", help="Free-running: sample at this temperature "
+    temperature: float | None = common.flag("--temperature", None, "Free-running: sample at this temperature "
                                              "(default: greedy)."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Free-running: nucleus of the sampling (needs --temperature)."),
-    batch_size: int = typer.Option(16, "--batch-size", help="Free-running: generations decoded together (rows of one "
+    top_p: float = common.flag("--top-p", 1.0, "Free-running: nucleus of the sampling (needs --temperature)."),
+    batch_size: int = common.flag("--batch-size", 16, "Free-running: generations decoded together (rows of one "
                                    "prompt length and budget); changes no token."),
-    horizon: int = typer.Option(HORIZON, "--horizon", help="Teacher-forced: steps of the exact labels (each "
-                                "compression's joint damage; the oracle policy)."),
+    horizon: int = common.flag("--horizon", HORIZON, "Teacher-forced: steps of the exact labels (each "
+                                "compression's joint damage; the oracle policy).", **common.HORIZON_STEPS),
     outcomes: Path | None = typer.Option(None, "--outcomes", help="Teacher-forced: a free-running replay directory "
                                          "of the same prompts; correlate the joint labels with its fidelity."),
     auroc: tuple[Path, Path] | None = typer.Option(None, "--auroc", help="Teacher-forced: LABELS SCORES (kvdiag label "
@@ -50,30 +51,30 @@ def replay(
                                                    "in-loop KL."),
     joint: bool = typer.Option(True, "--joint/--no-joint", help="Teacher-forced: label each compression's whole "
                                "evicted set exactly (joint_kl)."),
-    out: Path = typer.Option(Path("runs/replay"), "--out", help="Output directory (a rerun with the same settings "
+    out: Path = common.flag("--out", Path("runs/replay"), "Output directory (a rerun with the same settings "
                                                                 "reuses finished parts)."),
-    model: str | None = typer.Option(None, "--model", help="Model (default: smollm2; with --teacher-forced the "
+    model: str | None = common.flag("--model", None, "Model (default: smollm2; with --teacher-forced the "
                                                            "Trace's model)."),
-    prompts: str | None = typer.Option(None, "--prompts", help="file.jsonl, file.txt or builtin:<suite>[:N[:LENGTH]] "
+    prompts: str | None = common.flag("--prompts", None, "file.jsonl, file.txt or builtin:<suite>[:N[:LENGTH]] "
                                        "(arith, the default; recall); not with --teacher-forced."),
     limit: int | None = common.Limit,
     components: str | None = typer.Option(None, "--components", help="Free-running, builtin suites: the components "
                                           "the components table reports beside the task component (default: all)."),
-    param: list[str] | None = typer.Option(None, "--param", help="scorer.key=value, repeatable (e.g. "
+    param: list[str] | None = common.flag("--param", None, "scorer.key=value, repeatable (e.g. "
                                                                  "rkv.mix_lambda=0.07)."),
-    plugin: list[str] | None = typer.Option(None, "--plugin", help="Module (or .py file) whose import registers "
+    plugin: list[str] | None = common.flag("--plugin", None, "Module (or .py file) whose import registers "
                                                                    "scorers, repeatable."),
     full_kv: bool = typer.Option(True, "--full-kv/--no-full-kv", help="Also generate with the full cache (the FullKV "
                                                                       "reference row)."),
     kl: bool = typer.Option(True, "--kl/--no-kl", help="Free-running: KL of each generation against a full-cache "
                                                        "forward of it."),
-    chat: bool = typer.Option(True, "--chat/--no-chat", help="Apply the tokenizer's chat template."),
-    instruction: str | None = typer.Option(None, "--instruction", help="Text appended to each prompt (default: "
+    chat: bool = common.flag("--chat", True, "Apply the tokenizer's chat template."),
+    instruction: str | None = common.flag("--instruction", None, "Text appended to each prompt (default: "
                                                                        "step-by-step + \\boxed{})."),
-    no_instruction: bool = typer.Option(False, "--no-instruction", help="Append nothing to the prompts."),
-    backend: str = typer.Option("auto", "--backend", help="Compaction kernel: auto | torch | triton."),
+    no_instruction: bool = common.flag("--no-instruction", False, "Append nothing to the prompts."),
+    backend: str = common.flag("--backend", "auto", "Compaction kernel: auto | torch | triton."),
     seed: int = common.Seed,
-    dtype: str | None = typer.Option(None, "--dtype", help="float32 (default) | float16 | bfloat16; with "
+    dtype: str | None = common.flag("--dtype", None, "float32 (default) | float16 | bfloat16; with "
                                                            "--teacher-forced the Trace's dtype."),
     device: str = common.Device,
     revision: str | None = common.Revision,

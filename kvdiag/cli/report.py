@@ -7,11 +7,13 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from kvdiag.cli import common
+
 
 def report(
     run: Path = typer.Option(..., "--run", help="run directory: trace/, labels.parquet, scores.parquet, rank-eval/, "
                                                 "figures/, commands.json"),
-    out: Path | None = typer.Option(None, "--out", help="where report.md and report.html go (default: the run "
+    out: Path | None = common.flag("--out", None, "where report.md and report.html go (default: the run "
                                                         "directory)"),
 ) -> None:
     """Write report.md, report.html (images embedded) and viewer.html (the token viewer) describing a run."""

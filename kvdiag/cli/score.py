@@ -12,24 +12,24 @@ from kvdiag.core.errors import UserError
 
 
 def score(
-    trace: Path | None = typer.Option(None, "--trace", help="Trace directory written by `kvdiag trace` (required "
+    trace: Path | None = common.flag("--trace", None, "Trace directory written by `kvdiag trace` (required "
                                                             "unless --list)."),
-    out: Path | None = typer.Option(None, "--out", help="Output scores.parquet (required unless --list)."),
-    labels: Path | None = typer.Option(None, "--labels", help="labels.parquet: score exactly its candidates (same "
+    out: Path | None = common.flag("--out", None, "Output scores.parquet (required unless --list)."),
+    labels: Path | None = common.flag("--labels", None, "labels.parquet: score exactly its candidates (same "
                                                               "keys)."),
-    checkpoints: list[str] | None = typer.Option(
-        None, "--checkpoints", help="Without --labels: every:K (every K generated tokens), 'default' (every:128) or "
-                                    "positions t, e.g. 256,384 (repeatable); every entry < t is scored."),
-    granularity: list[str] | None = typer.Option(None, "--granularity", help="With --checkpoints: token (default), "
+    checkpoints: list[str] | None = common.flag("--checkpoints", None, "Without --labels: every:K (every K generated "
+                                                "tokens), 'default' (every:128) or positions t, e.g. 256,384 "
+                                                "(repeatable); every entry < t is scored."),
+    granularity: list[str] | None = common.flag("--granularity", None, "With --checkpoints: token (default), "
         "layer and/or head, comma-separated, repeatable."),
-    scorers: list[str] = typer.Option(["all"], "--scorers", help="'all' or comma-separated scorer names, repeatable."),
-    param: list[str] | None = typer.Option(None, "--param", help="scorer.key=value, repeatable (e.g. "
+    scorers: list[str] = common.flag("--scorers", ["all"], "'all' or comma-separated scorer names, repeatable."),
+    param: list[str] | None = common.flag("--param", None, "scorer.key=value, repeatable (e.g. "
                                                                  "rkv.mix_lambda=0.07)."),
-    plugin: list[str] | None = typer.Option(None, "--plugin", help="Module (or .py file) whose import registers "
+    plugin: list[str] | None = common.flag("--plugin", None, "Module (or .py file) whose import registers "
                                                                    "scorers, repeatable."),
     aggregation: str = typer.Option("mean_rank", "--aggregation", help="How token/layer rows combine per-(layer, "
                                                                        "head) scores: mean_rank or mean_raw."),
-    model: str | None = typer.Option(None, "--model", help="The Trace's model, only for payload wo_l2 (‖W_O v‖₂): its "
+    model: str | None = common.flag("--model", None, "The Trace's model, only for payload wo_l2 (‖W_O v‖₂): its "
                                                            "o_proj weights are read."),
     list_: bool = typer.Option(False, "--list", help="List every scorer (built-in, plugin, kvpress:<Press>) and "
                                                      "whether it can be graded, then exit."),

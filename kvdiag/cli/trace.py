@@ -13,31 +13,31 @@ from kvdiag.core.guard import check_outputs
 
 def trace(
     ctx: typer.Context,
-    out: Path = typer.Option(..., "--out", help="Trace directory (created; a rerun continues it)"),
+    out: Path = common.flag("--out", ..., "Trace directory (created; a rerun continues it)"),
     model: str = common.Model,
     prompts: str = common.Prompts,
-    max_new_tokens: int = typer.Option(512, "--max-new-tokens"),
+    max_new_tokens: int = common.flag("--max-new-tokens", 512),
     limit: int | None = common.Limit,
     seed: int = common.Seed,
     sample: bool = typer.Option(False, "--sample/--greedy", help="sampling (--temperature, --top-p) or greedy "
                                                                  "decoding"),
-    temperature: float = typer.Option(0.6, "--temperature", help="sampling temperature (with --sample)"),
-    top_p: float = typer.Option(0.95, "--top-p", help="nucleus sampling mass (with --sample)"),
+    temperature: float = common.flag("--temperature", 0.6, "sampling temperature (with --sample)"),
+    top_p: float = common.flag("--top-p", 0.95, "nucleus sampling mass (with --sample)"),
     min_new_tokens: int = typer.Option(0, "--min-new-tokens", help="no end-of-sequence before this many generated "
                                                                    "tokens"),
-    chat: bool = typer.Option(True, "--chat/--no-chat", help="apply the tokenizer's chat template"),
-    instruction: str = typer.Option(None, "--instruction", help="text appended to each prompt (default: step-by-step "
+    chat: bool = common.flag("--chat", True, "apply the tokenizer's chat template"),
+    instruction: str = common.flag("--instruction", None, "text appended to each prompt (default: step-by-step "
                                                                 "+ \\boxed{})"),
-    no_instruction: bool = typer.Option(False, "--no-instruction", help="append nothing to the prompts"),
+    no_instruction: bool = common.flag("--no-instruction", False, "append nothing to the prompts"),
     storage_dtype: str = typer.Option("float16", "--storage-dtype", help="dtype of the stored q/k/v"),
-    store: str = typer.Option("all", "--store", help="tensors written: all (q/k/v), kv (k/v), none (tokens only), or "
+    store: str = common.flag("--store", "all", "tensors written: all (q/k/v), kv (k/v), none (tokens only), or "
                                                      "layers "
         "e.g. 0,15,29 (their q/k/v); the rest are rebuilt on demand by one prefill per prompt"),
     dtype: str = common.Dtype,
     device: str = common.Device,
     revision: str | None = common.Revision,
     trust_remote_code: bool = common.TrustRemoteCode,
-    shard: str | None = typer.Option(None, "--shard", help="i/n: trace only prompts i, i+n, ... (Slurm arrays); merge "
+    shard: str | None = common.flag("--shard", None, "i/n: trace only prompts i, i+n, ... (Slurm arrays); merge "
                                                            "with a final run without --shard"),
     quiet: bool = common.Quiet,
 ) -> None:

@@ -16,9 +16,9 @@ def validate_labels(
     exact: Path = typer.Option(..., "--exact", help="labels.parquet from kvdiag label (exact method)"),
     approx: Path = typer.Option(..., "--approx", help="labels.parquet from kvdiag label --method fast|fisher (a "
                                                       "superset of the exact entries is fine)"),
-    out: Path = typer.Option(..., "--out", help="output directory: validation.md, *.csv, validation.png, "
+    out: Path = common.flag("--out", ..., "output directory: validation.md, *.csv, validation.png, "
                                                 "validation.json"),
-    scores: Path = typer.Option(None, "--scores", help="scores.parquet (kvdiag score) for the attention and payload "
+    scores: Path = common.flag("--scores", None, "scores.parquet (kvdiag score) for the attention and payload "
                                                        "bins"),
     harmful_quantile: float = typer.Option(0.9, "--harmful-quantile", help="exact-harmful: exact kl_mean >= this "
                                                                            "quantile of its checkpoint"),

@@ -103,19 +103,30 @@ def safe_id(raw: str) -> str:
 
 
 REST = "rest"  # a horizon that runs to the end of each prompt's trace
+MAX_STEPS = 1_000_000  # the longest horizon or window: past any trace kvdiag can hold
 
 
-def parse_horizon(spec: str | int, flag: str = "--horizon") -> int | str:
-    """``N`` (teacher-forced steps, a positive integer) or ``rest`` (to the end of each prompt's trace: a label at
-    checkpoint t of a prompt of length T gets T - t steps). Returns the int or ``REST``."""
-    text = str(spec).strip().lower()
+def parse_horizon(spec: str | int, flag: str = "--horizon", rest: bool = True, what: str = "teacher-forced steps",
+                  least: int = 1, short: str = "") -> int | str:
+    """The one parser of a horizon or window of steps: ``N`` (a positive integer, ASCII digits) or, where ``rest``
+    applies, ``rest`` (to the end of each prompt's trace: a label at checkpoint t of a prompt of length T gets
+    T - t steps). Returns the int or ``REST``; an int or ``REST`` passes through (a parsed value is a value).
+    Every ``--horizon``, ``--future-window`` and ``oracle_future.window`` goes through here (tests/test_layout.py
+    greps for a second parser). ``least``: the smallest N the caller allows, ``short`` the reason it names when N
+    falls below it (``--param oracle_future.window=N``: past the next compression plus the label horizon)."""
+    text = str(spec)
+    either = f"a number of {what} (a positive integer, e.g. 16)" + (" or rest (to the end of each prompt)" if rest
+                                                                   else "")
     if text == REST:
-        return REST
-    if not re.fullmatch(r"[+-]?\d+", text):
-        raise UserError(f"{flag} {spec}: use a positive number of teacher-forced steps (e.g. 16) or rest (to the end "
-                        "of each prompt)")
-    if int(text) < 1:
-        raise UserError(f"{flag} {spec}: must be a positive number of teacher-forced steps (e.g. 16) or rest")
+        if rest:
+            return REST
+        raise UserError(f"{flag} {spec}: rest does not apply here; give {either}")
+    if not re.fullmatch(r"-?[0-9]+", text):
+        raise UserError(f"{flag} {spec}: use {either}")
+    if int(text) < least and short:
+        raise UserError(f"{flag}={spec}: {short}")
+    if not max(1, least) <= int(text) <= MAX_STEPS:
+        raise UserError(f"{flag} {spec}: must be {either}, at least {max(1, least)} and at most {MAX_STEPS:,}")
     return int(text)
 
 

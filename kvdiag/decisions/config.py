@@ -30,9 +30,27 @@ class Budget:
     kind: str  # keep | budget
     value: float
 
+    def __post_init__(self):
+        if self.kind not in ("keep", "budget"):
+            raise UserError(f"budget {self.kind}:{self.value:g}: use keep:F or budget:B")
+        if self.kind == "keep" and not 0 < self.value < 1:
+            raise UserError(f"--keep {self.value:g}: a keep fraction lies in (0, 1), e.g. 0.5,0.25,0.125")
+        if self.kind == "budget" and not (self.value >= 1 and float(self.value).is_integer()):
+            raise UserError(f"--budget {self.value:g}: a budget keeps a whole number of entries (at least 1) per "
+                            "layer and KV head")
+
     @property
     def name(self) -> str:
         return f"keep:{self.value:g}" if self.kind == "keep" else f"budget:{int(self.value)}"
+
+    @classmethod
+    def parse(cls, name: str) -> Budget:
+        """The budget a :attr:`name` names (``keep:0.5``, ``budget:64``): the one reader of a budget's name."""
+        kind, sep, value = str(name).partition(":")
+        try:
+            return cls(kind, float(value)) if sep else cls(kind, float("nan"))
+        except ValueError:
+            raise UserError(f"budget {name!r}: use keep:F (0 < F < 1) or budget:B (B >= 1 entries)") from None
 
     def entries(self, t: int) -> int:
         """Entries kept at checkpoint ``t`` (at most ``t``)."""
@@ -46,12 +64,6 @@ def budgets_from(keep: list[float], budget: list[int]) -> tuple[Budget, ...]:
         raise UserError("pass --keep fractions or --budget entry counts, not both")
     if not keep and not budget:
         raise UserError("pass --keep F,... (e.g. 0.5,0.25,0.125) or --budget B,... (entries kept per layer and head)")
-    for f in keep:
-        if not 0 < f < 1:
-            raise UserError(f"--keep {f:g}: a keep fraction lies in (0, 1), e.g. 0.5,0.25,0.125")
-    for b in budget:
-        if b < 1:
-            raise UserError(f"--budget {b}: a budget keeps at least 1 entry per layer and KV head")
     return tuple(Budget("keep", float(f)) for f in keep) + tuple(Budget("budget", float(b)) for b in budget)
 
 
@@ -127,10 +139,9 @@ class DecisionsConfig:
             raise UserError(f"--bootstrap {self.n_boot}: must be >= 0 (0: no CIs)")
         if self.batch_size < 1:
             raise UserError(f"--batch-size {self.batch_size}: must be a positive number of rows, e.g. 16")
-        if isinstance(self.future_window, str) and self.future_window != "rest":
-            raise UserError(f"--future-window {self.future_window}: a number of future queries (e.g. 16) or rest")
-        if isinstance(self.future_window, int) and self.future_window < 1:
-            raise UserError(f"--future-window {self.future_window}: at least 1 future query (e.g. 16), or rest")
+        if self.future_window is not None:
+            object.__setattr__(self, "future_window", parse_horizon(self.future_window, "--future-window",
+                                                                    what="future queries"))
         if self.search_rows < 1:
             raise UserError(f"--search-rows {self.search_rows}: oracle_search needs at least 1 set row per "
                             "(checkpoint, budget), e.g. 512")
@@ -139,7 +150,7 @@ class DecisionsConfig:
 
     def window(self, t: int, length: int) -> int:
         """``future_attention``'s number of future queries at checkpoint ``t`` of a prompt of ``length`` tokens."""
-        if self.future_window == "rest":
+        if self.future_window == REST:
             return length - t
         return horizon_steps(self.horizon, t, length) if self.future_window is None else int(self.future_window)
 

@@ -26,7 +26,7 @@ from kvdiag.core.io import read_json, read_table, write_csv, write_json, write_t
 from kvdiag.core.schema import KEYS
 from kvdiag.core.stats import TEST_NAMES, PromptBootstrap, compare, format_p, format_test, spearman
 from kvdiag.core.tables import md_table, number_text
-from kvdiag.decisions.config import RANDOM_REFERENCE
+from kvdiag.decisions.config import RANDOM_REFERENCE, Budget
 from kvdiag.decisions.interactions import NEAR_DUPLICATE
 
 ORACLES = ("oracle_single", "oracle_greedy", "fast", "future_attention", "oracle_search")
@@ -475,7 +475,7 @@ def figure(table: pl.DataFrame, out: Path) -> list[Path]:
     from kvdiag.core.plotting import new_figure, save_figure, style
 
     budgets = table["budget"].unique(maintain_order=True).to_list()
-    x = {b: float(b.split(":")[1]) for b in budgets}
+    x = {b: Budget.parse(b).value for b in budgets}
     with style():
         fig, (ax,) = new_figure(1, 7.5, 4.5)
         for name in table["decision"].unique(maintain_order=True).to_list():

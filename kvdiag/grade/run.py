@@ -226,8 +226,7 @@ def ranking_rules(token: pl.DataFrame, labels: pl.DataFrame, names: list[str]) -
 def _budget(name: str):
     from kvdiag.decisions import Budget
 
-    kind, value = name.split(":")
-    return Budget(kind, float(value))
+    return Budget.parse(name)
 
 
 def _mean_ci(boot, df: pl.DataFrame) -> tuple[float, float, float]:

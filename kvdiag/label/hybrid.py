@@ -23,7 +23,7 @@ import polars as pl
 import torch
 
 from kvdiag.core.errors import UserError
-from kvdiag.core.harm import HarmSpec
+from kvdiag.core.harm import HarmSpec, parse_harm
 from kvdiag.core.schema import CHUNK
 from kvdiag.core.stats import percentile_ci, prompt_multiplicities
 from kvdiag.label.config import HybridParams  # noqa: F401  (hybrid's API)
@@ -135,7 +135,7 @@ def miss_rate(labels: pl.DataFrame, harm: HarmSpec | None = None, n_boot: int = 
     w = _weights(labels)
     if w.filter(pl.col("method") == "exact-audit").height == 0:
         raise UserError("a miss-rate estimate needs an audit: label with --audit N > 0")
-    kind, value = harm.harm.split(":")[0], float(harm.harm.split(":")[1])
+    kind, value = parse_harm(harm.harm)
     prompts = sorted(w["prompt_id"].unique().to_list())
     index = {p: i for i, p in enumerate(prompts)}
     x = w["kl_mean"].to_numpy()

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvdiag.core.parsing import REST
 from kvdiag.core.schema import HORIZON
 from kvdiag.label.engine import OracleEngine
 from kvdiag.model.load import LoadedModel
@@ -77,7 +78,7 @@ class FutureRule:
 
     def steps(self, t: int, length: int) -> int:
         """Future queries at checkpoint ``t`` of a sequence of ``length`` tokens: the window, cut at the end."""
-        return length - t if self.window == "rest" else min(int(self.window), length - t)
+        return length - t if self.window == REST else min(int(self.window), length - t)
 
 
 @dataclass

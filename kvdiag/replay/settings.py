@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvdiag.core.errors import UserError
-from kvdiag.core.parsing import Selection
+from kvdiag.core.parsing import Selection, parse_horizon
 from kvdiag.core.schema import CHECKPOINT_INTERVAL, HORIZON
 from kvdiag.replay.sampling import Sampling
 from kvdiag.scorers.names import ORACLE, ORACLE_FUTURE, REPLAY_ONLY
@@ -130,8 +130,7 @@ def check_options(settings: ReplaySettings, mode: str) -> None:
         raise UserError(f"--samples {settings.samples}: must be a positive number of generations per prompt")
     check_samples(settings.samples, settings.sampling)  # the sampling checks its temperature and top-p
     MODE_CHECKS[mode](settings)
-    if settings.horizon < 1:
-        raise UserError(f"--horizon {settings.horizon}: must be a positive number of steps")
+    parse_horizon(settings.horizon, rest=False)  # a ReplaySettings built in Python: the CLI's option parsed it
     check_params(settings.params, settings.scorers)
     if ORACLE in settings.scorers and ORACLE in settings.params:
         raise UserError(f"--param {ORACLE}.…: the oracle's only setting is its label horizon; use --horizon")
@@ -145,23 +144,15 @@ def future_window(settings: ReplaySettings) -> int | str:
     the policy keeps at ``t`` is judged by every query up to the next compression and the label of that one
     (bad input: UserError). ``rest``: every query to the end of the Trace (Belady)."""
     given = dict(settings.params.get(ORACLE_FUTURE) or {})
-    text = str(given.pop("window", settings.interval + settings.horizon))
+    window = given.pop("window", settings.interval + settings.horizon)
     if given:
         raise UserError(f"--param {ORACLE_FUTURE}.{next(iter(given))}: {ORACLE_FUTURE}'s only setting is its window "
                         f"(--param {ORACLE_FUTURE}.window=N|rest)")
-    if text == "rest":
-        return text
-    try:
-        window = int(text)
-    except ValueError:
-        raise UserError(f"--param {ORACLE_FUTURE}.window={text}: a number of future queries (e.g. "
-                        f"{settings.interval + settings.horizon}) or rest") from None
     least = settings.interval + settings.horizon
-    if window < least:
-        raise UserError(f"--param {ORACLE_FUTURE}.window={window}: the window must reach past the next compression "
-                        f"plus the label horizon (--interval {settings.interval} + --horizon {settings.horizon} = "
-                        f"{least} queries); use {least} or more, or rest")
-    return window
+    return parse_horizon(window, f"--param {ORACLE_FUTURE}.window", what="future queries", least=least,
+                         short=f"the window must reach past the next compression plus the label horizon (--interval "
+                               f"{settings.interval} + --horizon {settings.horizon} = {least} queries); use {least} or "
+                               "more, or rest")
 
 
 def check_budgets(settings: ReplaySettings, windows: list[int | None] | None) -> None:
