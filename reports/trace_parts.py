@@ -22,8 +22,8 @@ from pathlib import Path
 import polars as pl
 
 from kvdiag.core.io import read_json, write_table
+from kvdiag.figures.config import FigureParams
 from kvdiag.figures.delayed_reads import read_settings
-from kvdiag.figures.params import FigureParams
 from kvdiag.figures.registry import READS_SCHEMA
 from kvdiag.scorers.token_features import SCHEMA as FEATURES_SCHEMA
 

@@ -317,8 +317,8 @@ def test_the_stage_refuses_what_the_cli_refused(tiny_llama, source, max_new, nee
     loaded model's tokenizer and config (FreeRunning.items): one check_room, two counters that agree."""
     from kvdiag.cli.main import main
     from kvdiag.core.errors import UserError
+    from kvdiag.replay.config import ReplaySettings
     from kvdiag.replay.free_running import FreeRunning
-    from kvdiag.replay.settings import ReplaySettings
     from kvdiag.tasks.prompts import load_prompts
 
     with pytest.raises(SystemExit):

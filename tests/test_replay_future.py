@@ -12,8 +12,8 @@ from scipy.stats import binomtest
 
 from kvdiag.model.attention import future_attention
 from kvdiag.replay import Policy, ReplaySettings, replay, teacher_force
+from kvdiag.replay.config import future_window
 from kvdiag.replay.oracle import FutureRule, LiveLabels
-from kvdiag.replay.settings import future_window
 
 H, INTERVAL, BUDGET = 4, 8, 12
 

@@ -19,7 +19,7 @@ from kvdiag.core.errors import UserError
 from kvdiag.core.io import write_table
 from kvdiag.figures import FigureParams, make_figures
 from kvdiag.rankeval import KEYS
-from kvdiag.report.run import build_report, label_statistics, record_command
+from kvdiag.report.run import label_statistics, record_command, report_files
 from tests.conftest import synthetic_labels as shared_synthetic_labels
 
 
@@ -60,7 +60,7 @@ def run(tiny_trace, tmp_path_factory):
         tiny_trace, labels, scores, root / "figures", FigureParams(w_obs=8, w_delay=64, n_boot=20), command=fig_argv
     )
     record_command(root, fig_argv)
-    md_path, html_path = build_report(root)
+    md_path, html_path = report_files(root)
     return {
         "root": root, "labels": labels, "md": md_path.read_text(), "html": html_path.read_text(),
         "paths": (md_path, html_path),
@@ -147,7 +147,7 @@ def test_missing_pieces_are_listed(run, tmp_path):
     partial.mkdir()
     shutil.copy(run["root"] / "labels.parquet", partial / "labels.parquet")
     (partial / "figures").mkdir()  # started but unfinished: no figures.json
-    md = build_report(partial)[0].read_text()
+    md = report_files(partial)[0].read_text()
     assert table_value(md, "`labels.parquet`") == "present"
     assert table_value(md, "`trace`") == "**missing**"
     assert table_value(md, "`figures`").startswith("**unreadable: figures.json is missing")
@@ -161,21 +161,21 @@ def test_pieces_from_different_traces_are_flagged(run, tmp_path):
     info = json.loads((other / "figures" / "figures.json").read_text())
     info["inputs"]["trace"]["fingerprint"] = "feedfacefeedface"
     (other / "figures" / "figures.json").write_text(json.dumps(info))
-    md = build_report(other, tmp_path / "elsewhere")[0].read_text()
+    md = report_files(other, tmp_path / "elsewhere")[0].read_text()
     assert "Warning: the pieces come from different Traces" in md and "figures: `feedfacefeedface`" in md
     assert "](../other/figures/blind_spot.png)" in md  # images relative to the report's own directory
 
 
 def test_bad_run_directory(tmp_path, capsys, run):
     with pytest.raises(UserError, match="not a directory"):
-        build_report(tmp_path / "nope")
+        report_files(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="holds no kvdiag run piece"):
-        build_report(tmp_path / "empty")
+        report_files(tmp_path / "empty")
     blocker = tmp_path / "file"
     blocker.write_text("")
     with pytest.raises(UserError, match="not a writable directory"):
-        build_report(run["root"], blocker / "out")
+        report_files(run["root"], blocker / "out")
     with pytest.raises(SystemExit) as err:
         kvdiag.cli.main.main(["report", "--run", str(tmp_path / "empty")])
     assert err.value.code == 2 and "holds no kvdiag run piece" in capsys.readouterr().err

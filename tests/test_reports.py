@@ -261,7 +261,7 @@ def test_figures_without_trace(report, tmp_path):
     ``kvdiag figures --rank-eval``), the read pressure and payload of the analysed labels and the entries' first
     reads: the Trace's part, which reports/trace_parts.py took column for column from the run's CSVs (checked here:
     those columns are compared as copies; every other column, and each statistic, is computed again)."""
-    from kvdiag.figures.params import FigureParams
+    from kvdiag.figures.config import FigureParams
     from kvdiag.figures.run import make_figures
     from kvdiag.rankeval.run import load_metrics
 
@@ -372,15 +372,15 @@ def _without_trace(text: str) -> str:
 
 @pytest.mark.parametrize("report", list(REPORT))
 def test_report(report, tmp_path):
-    """``kvdiag report`` (``build_report``) of a run directory holding the report's committed pieces, no Trace."""
-    from kvdiag.report.run import build_report
+    """``kvdiag report`` (``report_files``) of a run directory holding the report's committed pieces, no Trace."""
+    from kvdiag.report.run import report_files
 
     name, pieces = REPORT[report]
     run = tmp_path / name
     run.mkdir()
     for piece in pieces:
         (run / piece).symlink_to(REPORTS / report / piece)
-    md, _ = build_report(run, None)
+    md, _ = report_files(run, None)
     want = (REPORTS / report / "report.md").read_text()
     assert TRACE_SECTION in want and "Missing or unreadable: trace" in md.read_text()
     assert_same_text(_without_trace(md.read_text()), _without_trace(want), f"reports/{report}/report.md")

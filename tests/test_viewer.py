@@ -24,7 +24,7 @@ from kvdiag.core.errors import UserError
 from kvdiag.core.io import write_table
 from kvdiag.rankeval import KEYS, harm_threshold
 from kvdiag.rankeval.metrics import eviction_counts, n_evicted
-from kvdiag.report.run import build_report
+from kvdiag.report.run import report_files
 from kvdiag.report.viewer import ViewerSettings, build_viewer, viewer_data, viewer_html
 from tests.conftest import synthetic_labels as shared_synthetic_labels
 
@@ -72,7 +72,7 @@ def run(tiny_trace, tmp_path_factory):
         }
     ).write_csv(root / "figures" / "blind_spot_points.csv")
     (root / "figures" / "figures.json").write_text(json.dumps({"params": {"harm": "quantile:0.8"}}))
-    md, _ = build_report(root)
+    md, _ = report_files(root)
     return {
         "root": root, "labels": labels, "scores": scores, "md": md.read_text(),
         "html": (root / "viewer.html").read_text(), "trace": tiny_trace,
@@ -156,7 +156,7 @@ def test_bad_input(run, tmp_path):
     # a run without labels still gets its report; the report says why there is no viewer
     root = tmp_path / "run"
     shutil.copytree(trace.path, root / "trace")
-    md, _ = build_report(root)
+    md, _ = report_files(root)
     assert not (root / "viewer.html").exists() and "needs the labels" in md.read_text()
 
 

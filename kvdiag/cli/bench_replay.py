@@ -43,8 +43,8 @@ def bench_replay(
     check_outputs({"--out": out}, {"--prompts": prompts})
     from kvdiag.core.errors import UserError
     from kvdiag.core.parsing import Selection
+    from kvdiag.replay.config import check_params, check_samples
     from kvdiag.replay.sampling import Sampling
-    from kvdiag.replay.settings import check_params, check_samples
 
     # the arguments, before torch is imported
     names = parsing.parse_list(scorers, "--scorers", str)

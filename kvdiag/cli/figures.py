@@ -9,7 +9,7 @@ from rich.console import Console
 
 from kvdiag.cli import common
 from kvdiag.core.guard import check_outputs
-from kvdiag.figures.params import FigureParams
+from kvdiag.figures.config import FigureParams
 
 _D = FigureParams()
 

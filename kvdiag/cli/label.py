@@ -98,9 +98,9 @@ def label(
     work_items(trace_files, cfg)  # the settings against the Trace's prompts and model shape
     if model is not None and not force:  # another model than the Trace's, told from names and configs before it loads
         check_trace_model(model, trace_files.manifest["model"], "drop --model or pass --force")
-    from kvdiag.label.run import run_label  # the engine: torch and the model, once the arguments are checked
+    from kvdiag.label.run import label_files  # the engine: torch and the model, once the arguments are checked
 
     common.quiet_transformers()
-    path = run_label(trace, out, cfg, model=model, force=force, dtype=dtype, device=device, shard=shard, quiet=quiet)
+    path = label_files(trace, out, cfg, model=model, force=force, dtype=dtype, device=device, shard=shard, quiet=quiet)
     if path is not None:
         Console().print(f"labels written to [bold]{path}[/]")

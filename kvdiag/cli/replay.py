@@ -88,7 +88,7 @@ def replay(
     from kvdiag.core.io import check_table
     from kvdiag.model.specs import DEFAULT_MODEL, check_model_spec, context_of, spec_windows
     from kvdiag.model.token_count import light_counter
-    from kvdiag.replay.settings import ReplaySettings, check_budgets, check_options, check_outcomes, replayed_prompts
+    from kvdiag.replay.config import ReplaySettings, check_budgets, check_options, check_outcomes, replayed_prompts
     from kvdiag.scorers.fields import check_live_names, check_params
     from kvdiag.scorers.names import ORACLE, REPLAY_ONLY, check_scorer_names
     from kvdiag.scorers.plugin_check import check_plugin_files
@@ -150,12 +150,12 @@ def replay(
             counter.check_room(items, max_new_tokens, context_of(spec, revision), source, chat, settings.instruction)
         if components is not None:
             components = select_components(source, parsing.parse_list(components, "--components", str))
-    from kvdiag.replay.run import replay_sweep  # the stage: torch, once the arguments are checked
+    from kvdiag.replay.run import replay_files  # the stage: torch, once the arguments are checked
     from kvdiag.scorers import load_plugins
 
     common.quiet_transformers()
     load_plugins(plugin or ())
-    path = replay_sweep(
+    path = replay_files(
         settings, out, teacher_forced=teacher_forced, prompts=prompts, limit=limit, model=model, seed=seed, dtype=dtype,
         device=device, revision=revision, trust_remote_code=trust_remote_code, show_progress=not quiet,
         outcomes=outcomes, auroc=auroc, components=components,

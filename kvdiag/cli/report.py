@@ -20,10 +20,10 @@ def report(
     from kvdiag.core.io import check_writable
     from kvdiag.core.run_layout import check_run_dir
 
-    check_run_dir(run)  # before matplotlib and torch (build_report reads the run's pieces)
+    check_run_dir(run)  # before matplotlib and torch (report_files reads the run's pieces)
     if out is not None:
         check_writable(out, "--out", "dir")
-    from kvdiag.report.run import build_report
+    from kvdiag.report.run import report_files
 
-    md, html = build_report(run, out)
+    md, html = report_files(run, out)
     Console().print(f"wrote {md}, {html} and {md.with_name('viewer.html')}", highlight=False)

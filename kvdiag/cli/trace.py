@@ -64,17 +64,17 @@ def trace(
         if shape["num_hidden_layers"]:
             parsing.store_spec(store, shape["num_hidden_layers"])
         context = shape["max_position_embeddings"]
-        if context and max_new_tokens >= context:  # a prompt has a token at least (run_trace counts each prompt's)
+        if context and max_new_tokens >= context:  # a prompt has a token at least (trace_files counts each prompt's)
             raise UserError(f"--max-new-tokens {max_new_tokens}: a trace holds its prompt too, so it would exceed the "
                             f"model's context of {context}; use --max-new-tokens {context - 1} or less (less for "
                             "long prompts)")
     parsing.check_dtype(dtype)
     parsing.check_device_name(device)
     parsing.parse_shard(shard)
-    from kvdiag.trace.writer import run_trace  # the stage: torch and the model, once the arguments are checked
+    from kvdiag.trace.writer import trace_files  # the stage: torch and the model, once the arguments are checked
 
     common.quiet_transformers()
-    root = run_trace(items, out, settings, model=model, dtype=dtype, device=device, revision=revision,
+    root = trace_files(items, out, settings, model=model, dtype=dtype, device=device, revision=revision,
                      trust_remote_code=trust_remote_code, prompts_source=prompts, shard=shard, quiet=quiet)
     if root is not None:
         Console().print(f"Trace written to [bold]{root}[/] ({len(items)} prompts)")

@@ -3,7 +3,7 @@
 Under ``torchrun`` every rank does the items ``i`` with ``i % world_size == rank`` on its own device
 (``cuda:LOCAL_RANK``, or the CPU), each item written as its own part; after a barrier rank 0 merges.
 A rerun redoes only missing items. ``kvdiag label`` splits (prompt, checkpoint) items, ``kvdiag trace``
-prompts (``kvdiag.label.run.run_label``, ``kvdiag.trace.writer.run_trace``). With ``--shard i/n`` (no torchrun) a
+prompts (``kvdiag.label.run.label_files``, ``kvdiag.trace.writer.trace_files``). With ``--shard i/n`` (no torchrun) a
 process does its share without merging; a later run
 without ``--shard`` merges (and does whatever is still missing).
 """

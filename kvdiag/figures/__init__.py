@@ -10,7 +10,7 @@ registered by name (``register_figure``, ``FIGURES``); adding one: docs/extendin
 from __future__ import annotations
 
 from kvdiag.core.lazy import lazy_exports
-from kvdiag.figures.params import FigureParams
+from kvdiag.figures.config import FigureParams
 
 # the submodule that defines each exported name
 _HOME = {

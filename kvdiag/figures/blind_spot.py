@@ -33,7 +33,7 @@ from kvdiag.core.plotting import (
     write_stats,
 )
 from kvdiag.core.stats import fisher_greater, mann_whitney, stat
-from kvdiag.figures.params import FigureParams
+from kvdiag.figures.config import FigureParams
 from kvdiag.figures.registry import Drawn, FigureContext, register_figure
 
 POINT_COLUMNS = [

@@ -15,7 +15,7 @@ import seaborn as sns
 
 from kvdiag.core.errors import UserError
 from kvdiag.core.plotting import new_figure, note_on, save_figure, style
-from kvdiag.figures.params import FigureParams
+from kvdiag.figures.config import FigureParams
 from kvdiag.figures.registry import Drawn, FigureContext, register_figure
 from kvdiag.rankeval import metrics_where, rank_eval
 

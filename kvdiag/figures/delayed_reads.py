@@ -37,7 +37,7 @@ from matplotlib import MatplotlibDeprecationWarning
 from kvdiag.core import plotting as common
 from kvdiag.core.io import write_table
 from kvdiag.core.stats import mann_whitney, stat
-from kvdiag.figures.params import FigureParams
+from kvdiag.figures.config import FigureParams
 from kvdiag.figures.registry import Drawn, FigureContext, register_figure
 
 CLASSES = ("early", "delayed", "never", "unobserved")

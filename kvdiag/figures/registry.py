@@ -22,8 +22,8 @@ import polars as pl
 from kvdiag.core.errors import UserError
 from kvdiag.core.registry import Registry
 from kvdiag.core.schema import KEYS
+from kvdiag.figures.config import FigureParams
 from kvdiag.figures.features import trace_first_reads, trace_pressure_payload
-from kvdiag.figures.params import FigureParams
 from kvdiag.scorers.token_features import NO_FILE
 
 

@@ -18,7 +18,7 @@ from kvdiag.core.io import check_writable, read_json, writable_dir, write_json
 from kvdiag.core.progress import progress_bar
 from kvdiag.core.provenance import provenance
 from kvdiag.core.schema import KEYS, check_keys, keyed
-from kvdiag.figures.params import FigureParams
+from kvdiag.figures.config import FigureParams
 from kvdiag.figures.registry import FIGURES, FigureContext
 from kvdiag.rankeval import check_inputs
 from kvdiag.scorers.token_features import read_token_features, usable_features

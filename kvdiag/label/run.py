@@ -290,7 +290,7 @@ def _stamp_parts(parts: PartStore, meta: dict) -> None:
     parts.stamp("config.json", want, same)
 
 
-def run_label(
+def label_files(
     trace_dir: Path, out: Path, cfg: LabelConfig, *, model: str | None, force: bool, dtype: str | None, device: str,
     shard: str | None, quiet: bool,
 ) -> Path | None:

@@ -6,7 +6,7 @@ Flat API::
 
 The bounded cache, its policy and the live scoring live in ``kvdiag.generate`` (one cache for replay and
 ``model.generate``). Modules: ``decoding``
-(free-running and teacher-forced decoding, the full-cache reference, KL), ``settings`` (the sweep's settings and
+(free-running and teacher-forced decoding, the full-cache reference, KL), ``config`` (the sweep's settings and
 checks), ``units`` (its work items and their part fingerprints), ``free_running`` and ``teacher_forced`` (the two
 modes: items, fingerprints, runner), ``run`` (the sweep).
 """
@@ -27,7 +27,7 @@ _HOME = {
     "teacher_force": "decoding",
     "FreeRunning": "free_running", "check_answer": "free_running",
     "FULL_KV": "run", "replay": "run",
-    "ReplaySettings": "settings", "check_settings": "settings",
+    "ReplaySettings": "config", "check_settings": "config",
     "TeacherForced": "teacher_forced",
 }
 __all__ = ["Selection", *_HOME]

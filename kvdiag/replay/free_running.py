@@ -12,8 +12,8 @@ import kvdiag.replay.generating as generating  # by module: tests/test_faults ki
 from kvdiag.model.adapters import text_config
 from kvdiag.model.load import LoadedModel
 from kvdiag.model.token_count import check_room
+from kvdiag.replay.config import ReplaySettings
 from kvdiag.replay.decoding import Decoded, batches, full_logprobs, kl_steps
-from kvdiag.replay.settings import ReplaySettings
 from kvdiag.replay.units import Item, Unit, common_key, make_unit
 from kvdiag.tasks.needed import (
     decoded_ends,

@@ -18,7 +18,7 @@ The **future-attention oracle** (``oracle_future``, :class:`FutureRule`) reads n
 (layer, KV head), it keeps the ``budget`` live entries that the full-cache run's queries at ``t .. t + W - 1`` attend
 most (``kvdiag.model.attention.future_attention`` on the Trace, as ``kvdiag decisions``' ``future_attention``
 reference),
-W reaching past the next compression plus the label horizon (``kvdiag.replay.settings.future_window``). It chooses
+W reaching past the next compression plus the label horizon (``kvdiag.replay.config.future_window``). It chooses
 in the rules' own per-head action space (or per token under ``--selection per-token``) and costs one attention
 recomputation per compression (no set row).
 

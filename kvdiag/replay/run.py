@@ -23,11 +23,7 @@ from kvdiag.generate.live import check_live_scorer, make_scorer
 from kvdiag.generate.policy import Policy
 from kvdiag.model.load import LoadedModel, load_model
 from kvdiag.model.specs import DEFAULT_MODEL
-from kvdiag.replay.decoding import Decoded
-from kvdiag.replay.free_running import FreeRunning
-from kvdiag.replay.oracle import ORACLE, ORACLE_FUTURE, FutureRule, OracleRule
-from kvdiag.replay.predict import SingleLabelAUROC, single_label_auroc
-from kvdiag.replay.settings import (
+from kvdiag.replay.config import (
     ReplaySettings,
     check_outcomes,
     check_settings,
@@ -35,6 +31,10 @@ from kvdiag.replay.settings import (
     read_outcomes,
     replayed_prompts,
 )
+from kvdiag.replay.decoding import Decoded
+from kvdiag.replay.free_running import FreeRunning
+from kvdiag.replay.oracle import ORACLE, ORACLE_FUTURE, FutureRule, OracleRule
+from kvdiag.replay.predict import SingleLabelAUROC, single_label_auroc
 from kvdiag.replay.teacher_forced import TeacherForced
 from kvdiag.replay.units import Unit
 from kvdiag.scorers.base import needs_o_proj
@@ -71,7 +71,7 @@ def build_policies(lm: LoadedModel, settings: ReplaySettings,
     return policies
 
 
-def replay_sweep(
+def replay_files(
     settings: ReplaySettings, out: str | os.PathLike, teacher_forced: str | os.PathLike | None = None,
     prompts: str | None = None, limit: int | None = None, model: str | None = None, seed: int = 0,
     dtype: str | None = None, device: str = "cpu", revision: str | None = None, trust_remote_code: bool = False,

@@ -14,10 +14,10 @@ import torch
 from kvdiag.core.errors import UserError
 from kvdiag.model.attention import future_attention
 from kvdiag.model.load import LoadedModel
+from kvdiag.replay.config import ReplaySettings
 from kvdiag.replay.decoding import Decoded, full_logprobs, kl_steps, teacher_force
 from kvdiag.replay.free_running import needed_columns
 from kvdiag.replay.oracle import LiveLabels
-from kvdiag.replay.settings import ReplaySettings
 from kvdiag.replay.units import Item, Unit, common_key, make_unit
 from kvdiag.scorers.names import ORACLE_FUTURE, REPLAY_ONLY
 from kvdiag.tasks.needed import decoded_ends, final_line_positions, needed_texts, prompt_positions

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from kvdiag.core.parts import part_name
 from kvdiag.generate.policy import Policy
-from kvdiag.replay.settings import ReplaySettings
+from kvdiag.replay.config import ReplaySettings
 
 # settings that change no unit's tokens (the sweep's axes are in each unit's own key; the batch changes no token:
 # tests/test_replay_batch), never in a fingerprint

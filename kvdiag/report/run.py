@@ -1,4 +1,4 @@
-"""``build_report``: one Markdown report and one self-contained HTML page (images embedded) of a run directory.
+"""``report_files``: one Markdown report and one self-contained HTML page (images embedded) of a run directory.
 
 Run directory layout (every piece optional; the report lists the missing ones and the command that makes each)::
 
@@ -488,7 +488,7 @@ def markdown_to_html(markdown: str, base: Path, title: str) -> str:
             f"<style>\n{HTML_STYLE}\n</style>\n</head>\n<body>\n{body}</body>\n</html>\n")
 
 
-def build_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> tuple[Path, Path]:
+def report_files(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> tuple[Path, Path]:
     """Write ``report.md``, ``report.html`` (self-contained) and ``viewer.html`` (kvdiag.report.viewer) for the run
     directory
     ``run_dir`` (layout: module docstring) into ``out_dir`` (default: the run directory). Returns ``(md_path,

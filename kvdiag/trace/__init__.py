@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from kvdiag.core.lazy import lazy_exports
-from kvdiag.trace.settings import GenerationSettings
+from kvdiag.trace.config import GenerationSettings
 
 # the submodule that defines each exported name
 _HOME = {"LayerQKV": "reader", "Trace": "reader", "trace_prompts": "writer"}

@@ -35,8 +35,8 @@ from kvdiag.core.progress import progress_bar
 from kvdiag.core.provenance import provenance
 from kvdiag.model.load import LoadedModel, check_device, load_model, parse_dtype
 from kvdiag.tasks.prompts import Prompt, encode_prompt
+from kvdiag.trace.config import GenerationSettings  # noqa: F401  (the writer's API)
 from kvdiag.trace.hooks import TRACE_ATTN, Recorder, attention_scale, recording
-from kvdiag.trace.settings import GenerationSettings  # noqa: F401  (the writer's API)
 
 FORMAT_VERSION = 1
 STORAGE_DTYPES = {name: getattr(torch, name) for name in STORAGE_DTYPE_NAMES}
@@ -180,7 +180,7 @@ def trace_prompts(
     return root
 
 
-def run_trace(
+def trace_files(
     prompts: list[Prompt], out: Path, settings: GenerationSettings, *, model: str, dtype: str, device: str,
     revision: str | None, trust_remote_code: bool, prompts_source: str, shard: str | None, quiet: bool,
 ) -> Path | None:
