@@ -795,6 +795,45 @@ CASES: list[tuple[str, list[str], str]] = [
                                               "--budget", "7", "--out", "{out}"], "evicts nothing"),
     ("replay-sliding-per-token", ["replay", "--scorer", "rkv", "--model", "tiny:gemma3", "--budget", "32",
                                   "--selection", "per-token", "--out", "{out}"], "per-token keeps one set"),
+    # ---- #55 numbers: ASCII digits, every numeric option bounded (kvdiag.cli.common.BOUNDS, parse_list's MAX_INT)
+    ("label-candidates-unicode", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", *FITS, "--candidates",
+                                  "\u00b2"], "--candidates \u00b2"),
+    ("label-checkpoints-unicode", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", "--checkpoints",
+                                   "every:\u00b2", "--w-obs", "8", "--horizon", "4"], "every:\u00b2"),
+    ("replay-builtin-unicode", ["replay", "--scorer", "rkv", "--prompts", "builtin:recall:\u2460", "--out", "{out}"],
+     "builtin:recall:\u2460"),
+    ("trace-max-new-arabic-digit", ["trace", "--max-new-tokens", "\u0663", "--out", "{out}"], "ASCII digits"),
+    ("replay-budget-arabic-digit", ["replay", "--scorer", "rkv", "--budget", "\u0663\u0662", "--out", "{out}"],
+     "ASCII digits"),
+    ("trace-seed-2-64", ["trace", "--seed", str(2**64), "--out", "{out}"], "--seed 18446744073709551616"),
+    ("rank-eval-bootstrap-huge", ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--bootstrap",
+                                  str(10**12), "--out", "{out}"], "--bootstrap 1000000000000: must be at most"),
+    ("label-miss-rate-tiny", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", *FITS, "--method", "hybrid",
+                              "--exact-frac", "0.1", "--miss-rate", "1e-300"], "--miss-rate 1e-300"),
+    ("decisions-search-seconds-inf", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5",
+                                      "--search-seconds", "inf", "--out", "{out}"], "--search-seconds inf"),
+    ("decisions-search-rows-huge", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5",
+                                    "--search-rows", str(10**12), "--out", "{out}"], "--search-rows"),
+    ("decisions-draws-huge", ["decisions", "--trace", "{trace}", "--scores", "{scores}", "--keep", "0.5",
+                              "--selection", "stochastic", "--draws", str(10**9), "--out", "{out}"], "--draws"),
+    ("replay-samples-huge", ["replay", "--scorer", "rkv", "--samples", str(10**9), "--out", "{out}"], "--samples"),
+    ("replay-budget-huge", ["replay", "--scorer", "rkv", "--budget", str(2**64), "--out", "{out}"], "--budget"),
+    ("replay-interval-huge", ["replay", "--scorer", "rkv", "--interval", str(10**9), "--out", "{out}"],
+     "--interval"),
+    ("bench-peak-size-huge", ["bench", "peak", "--size", str(10**6)], "--size 1000000"),
+    ("label-backend-triton-cpu", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", *FITS, "--backend",
+                                  "triton"], "--backend triton needs a CUDA device"),
+    ("label-horizon-upper", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", "--checkpoints", "every:16",
+                             "--w-obs", "8", "--horizon", "REST"], "--horizon REST"),
+    ("label-horizon-space", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", "--checkpoints", "every:16",
+                             "--w-obs", "8", "--horizon", " 3"], "--horizon 3: use a number"),
+    # ---- #55 paths: empty, existing outputs of another kind (see test_the_output_guard_resolves_paths for links)
+    ("trace-out-empty", ["trace", "--model", "tiny:llama", "--out", ""], "--out is empty"),
+    ("label-trace-empty", ["label", "--trace", "", "--out", "{out}/l.parquet"], "--trace is empty"),
+    ("label-out-other-table", ["label", "--trace", "{trace}", "--out", "{scores}", *FITS],
+     "holds a kvdiag scores table, not labels"),
+    ("label-out-not-a-table", ["label", "--trace", "{trace}", "--out", "{file}", *FITS],
+     "holds no kvdiag table, not labels"),
 ]
 
 PLUGINS = {  # file name -> source; line numbers matter (the messages name them)
@@ -823,8 +862,7 @@ PLUGIN_FILES = {"import": "import_error"}  # a plugin file named import.py would
 # transformers is imported (test_refused_before_torch). Two remain, both a fault inside a plugin's score(): what the
 # plugin's source shows (syntax, the scorer contract, a taken name, a missing import, an exit at import) is refused
 # before torch (kvdiag.scorers.plugin_check), but a score() that raises or returns a list shows it only when it runs,
-# on a
-# Trace's tensors (torch). These are not argument checks: the plugin's own code must run. Each is still refused
+# on a Trace's tensors (torch). These are not argument checks: the plugin's own code must run. Each is still refused
 # before any model loads or any output is written (test_plugin_rows_are_refused_before_a_model_or_an_output).
 RUNS_SCORE = "the fault is in its score(), which shows only when it runs on a Trace's tensors (torch)"
 HEAVY: dict[str, str] = {
@@ -1386,3 +1424,35 @@ def test_the_output_guard(inputs, tmp_path):
     before = sorted(tmp_path.iterdir())
     check_outputs({"--out": tmp_path / "new" / "s.parquet"}, {"--labels": labels, "--trace": trace})
     assert sorted(tmp_path.iterdir()) == before
+
+
+def test_the_output_guard_resolves_paths(inputs, tmp_path, capsys):
+    """#55: an --out that reaches an input through a symlinked directory and ``..``, a hard link of an input, or a
+    FIFO is refused (exit 2, one line) and the inputs stay byte for byte; paths with glob and markup characters are
+    used and printed literally; an existing scores table is this command's own output (replaced, no --overwrite)."""
+    run = Path(inputs["run"])
+    before = {f: f.read_bytes() for f in run.rglob("*") if f.is_file()}
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "sub").symlink_to(Path(inputs["trace"]))  # sub/.. is the run directory, not d
+    os.link(inputs["labels"], tmp_path / "hard.parquet")
+    os.mkfifo(tmp_path / "fifo")
+    score = ["score", "--trace", inputs["trace"], "--labels", inputs["labels"], "--scorers", "knorm", "--out"]
+    for out, needle in [(tmp_path / "d" / "sub" / ".." / "labels.parquet", "is the input --labels"),
+                        (tmp_path / "hard.parquet", "is the input --labels"),
+                        (tmp_path / "fifo", "not a regular file or directory")]:
+        code, err = _run([*score, str(out)], capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+        assert str(out) in err  # printed verbatim
+    assert {f: f.read_bytes() for f in run.rglob("*") if f.is_file()} == before
+    # glob and markup characters: the file of that very name, and the line names it as given
+    literal = tmp_path / "x[1]" / "[red]s.parquet"
+    literal.parent.mkdir()
+    (tmp_path / "x1").mkdir()  # what the pattern x[1] would match
+    for _ in range(2):  # the second run replaces its own scores table
+        code, err = _run([*score, str(literal)], capsys)
+        assert code == 0, err
+        assert f"to {literal}" in err
+    assert literal.is_file() and not any((tmp_path / "x1").iterdir())
+    code, err = _run(["rank-eval", "--labels", inputs["labels"], "--scores", str(literal), "--bootstrap", "0",
+                      "--out", str(tmp_path / "re[1]")], capsys)
+    assert code == 0, err

@@ -10,10 +10,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from kvdiag.cli import common
+from kvdiag.core.progress import plain_console
 
 TARGET = 0.25  # issue #39: a refusal (or --help) in under 1/4 of the torch + transformers import
 
@@ -79,9 +79,9 @@ def bench_cli(
         table.add_column(col, justify="left" if col == "command" else "right")
     for name, s, code, torch_in in rows:
         table.add_row(name, f"{s:.3f}", f"{s / base:.3f}", str(code), "?" if torch_in is None else str(torch_in))
-    Console().print(table)
+    plain_console().print(table)
     ratios = [s / base for _, s, _, _ in rows]
-    Console().print(f"worst ratio {max(ratios):.3f}, median {sorted(ratios)[len(ratios) // 2]:.3f} "
+    plain_console().print(f"worst ratio {max(ratios):.3f}, median {sorted(ratios)[len(ratios) // 2]:.3f} "
                     f"({sum(r < TARGET for r in ratios)}/{len(ratios)} under {TARGET})", highlight=False)
     if out is not None:
         from kvdiag.core.io import write_json

@@ -4,12 +4,12 @@ candidate set, at the effort and at ``--scale`` times it (is the search converge
 from __future__ import annotations
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from kvdiag.cli import common
 from kvdiag.core import parsing
 from kvdiag.core.guard import check_outputs
+from kvdiag.core.progress import plain_console
 
 
 def bench_decisions(
@@ -58,7 +58,7 @@ def bench_decisions(
         table.add_row(f"{r['keep']:g}", f"{r['effort']}x", str(r["rows"]), f"{r['seconds']:.1f}", r["start"],
                       f"{r['start_kl']:.4g}", f"{r['kl']:.4g}", f"{r['improvement']:.3g}", f"{r['relative']:.1%}",
                       *(f"{r['moves'][m]['rows']}, {r['moves'][m]['gain']:.3g}" for m in ("recombine", "swaps")))
-    Console().print(table)
+    plain_console().print(table)
     if out is not None:
         from pathlib import Path
 

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from kvdiag.cli import common
 from kvdiag.core.errors import UserError
+from kvdiag.core.progress import plain_console
 
 
 def bench_kernels(
@@ -68,7 +69,7 @@ def bench_kernels(
             "-" if r.bytes is None else f"{r.bytes / s / 1e9:,.1f}",
             "n/a" if r.peak_mb is None else f"{r.peak_mb:.1f}", mem_ratio, f"{r.max_err:.1e}",
         )
-    console = Console(width=max(140, Console().width))  # piped output defaults to 80 columns
+    console = plain_console(width=max(140, Console().width))  # piped output defaults to 80 columns
     console.print(table)
     console.print(f"matmul peak, measured in this run: {peak.gflops:,.1f} GFLOP/s (F.linear {peak.size}^3, {dtype}); "
                   "MFU: the attention's QK + PV FLOPs / that peak; GB/s: the kept entries read and written")

@@ -18,6 +18,7 @@ from kvdiag.cli import common
 from kvdiag.core import parsing
 from kvdiag.core.errors import UserError, check_number
 from kvdiag.core.guard import check_outputs
+from kvdiag.core.progress import plain_console
 from kvdiag.core.schema import CHUNK, HORIZON
 
 MAX_REPEATS = 1000  # timed runs; more would only hang
@@ -93,7 +94,7 @@ def bench_label(
         raise UserError(f"--out: written for --method, --sets and --horizon above {HORIZON} only; drop it")
     parsing.check_dtype(dtype)
     parsing.check_device_name(device)
-    parsing.check_backend(backend)
+    parsing.check_backend(backend, device)
     from kvdiag.model.specs import check_model_spec, context_of
 
     _check_context(prefix, horizon, model, context_of(check_model_spec(model)))  # from its config, before the load
@@ -108,7 +109,7 @@ def bench_label(
     _check_context(prefix, horizon, model, getattr(lm.model.config, "max_position_embeddings", None))
     weights = " (random weights)" if lm.random else ""
     title = f"bench label: {model}{weights} {dtype} on {device}, P={prefix}, N={n}, H={horizon}"
-    console = Console(width=max(120, Console().width))  # piped output defaults to 80 columns
+    console = plain_console(width=max(120, Console().width))  # piped output defaults to 80 columns
     if sets:
         _bench_sets(console, title, lm, prefix, n, horizon, keep, repeats, backend, out)
         return

@@ -8,6 +8,7 @@ from rich.table import Table
 
 from kvdiag.cli import common
 from kvdiag.core import parsing
+from kvdiag.core.progress import plain_console
 
 MAX_SECONDS = 3600.0  # per dtype; a longer timing only hangs the command
 
@@ -42,4 +43,4 @@ def bench_peak(
         table.add_column(col, justify="left" if col == "dtype" else "right")
     for p in peaks:
         table.add_row(p.dtype, str(p.size), str(p.calls), f"{p.gflops:,.1f}", f"{p.gflops / peaks[0].gflops:.2f}x")
-    Console(width=max(100, Console().width)).print(table)
+    plain_console(width=max(100, Console().width)).print(table)

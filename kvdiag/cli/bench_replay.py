@@ -11,6 +11,7 @@ from rich.console import Console
 from kvdiag.cli import common
 from kvdiag.core import parsing
 from kvdiag.core.guard import check_outputs
+from kvdiag.core.progress import plain_console
 
 
 def bench_replay(
@@ -101,7 +102,7 @@ def bench_replay(
         parts = ", ".join(f"{k} {v:.2f} s" for k, v in r.compaction_s.items())
         lines.append(f"  generate throughput / batched loop's: {r.generate_ratio:.2f}x; its checkpoints: "
                      f"{r.compaction_share:.1%} of its time ({parts}; the compaction itself {r.compact_share:.1%})")
-    Console(width=max(120, Console().width)).print(
+    plain_console(width=max(120, Console().width)).print(
         f"bench replay: {model} {dtype} on {device} ({torch.get_num_threads()} threads), {len(items)} prompts x "
         f"{', '.join(names)}"
         + (f" x {samples} samples (temperature {temperature}, top-p {top_p})" if samples > 1 else "")

@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from kvdiag.cli import common
 from kvdiag.core import parsing
 from kvdiag.core.guard import check_outputs
+from kvdiag.core.progress import plain_console
 from kvdiag.model.specs import check_model_spec, known_shape
 
 
@@ -38,7 +38,7 @@ def bench_scale(
 
     common.quiet_transformers()
     plan = scale.ScalePlan(model, prompts, lengths, stores, out, dtype)
-    console = Console()
+    console = plain_console()
     text = scale.bench_scale(plan, lambda s: console.print(
         f"{s.name}: {s.seconds:.1f} s, peak {s.peak_rss_mb:.0f} MB"
         + (f" (after the load {s.work_peak_mb:.0f} MB)" if s.work_peak_mb is not None else "") + (f", {s.disk_mb:.1f} "

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from kvdiag.cli import common
 from kvdiag.core.guard import check_outputs
+from kvdiag.core.progress import plain_console
 
 
 def bench_score(
@@ -41,8 +41,8 @@ def bench_score(
     table.add_column("share", justify="right")
     for name, sec in r.scorer_seconds.items():
         table.add_row(name, f"{sec / n_cp:.4f}", f"{sec / r.seconds:.0%}")
-    table.add_row("[bold]total (incl. reading)", f"[bold]{r.seconds / n_cp:.4f}", "100%")
-    console = Console()
+    table.add_row("total (incl. reading)", f"{r.seconds / n_cp:.4f}", "100%")
+    console = plain_console()
     console.print(table)
     console.print(f"peak RSS {r.peak_rss_mib:.0f} MiB; shared features are charged to the first scorer that needs them")
     if out is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from rich.console import Console
 
 from kvdiag.cli import common
+from kvdiag.core.progress import plain_console
 
 
 def bench_trace(
@@ -41,7 +42,7 @@ def bench_trace(
         return f"{r.flops / s / 1e9:,.2f} GFLOP/s, MFU {peak.mfu(r.flops, s):.1%}"
 
     weights = " (random weights)" if lm.random else ""
-    Console(width=max(120, Console().width)).print(
+    plain_console(width=max(120, Console().width)).print(
         f"bench trace: {model}{weights} {dtype} on {device}, {len(items)} prompts, {r.tokens} tokens, "
         f"{r.flops / 1e9:,.1f} GFLOP of matmuls per run (kvdiag.trace.cost)\n"
         f"  plain generate (sdpa): {r.plain_s:.2f} s ({rate(r.plain_s)})\n"

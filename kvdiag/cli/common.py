@@ -8,7 +8,11 @@ compute, outputs, performance; replay's two modes in their own) and drops typer'
 
 from __future__ import annotations
 
+import math
+import re
+import typing
 from functools import partial
+from pathlib import Path
 
 import typer
 
@@ -16,13 +20,22 @@ from kvdiag.core.errors import UserError
 from kvdiag.core.parsing import parse_horizon
 from kvdiag.core.schema import HARM, N_BOOT, NOISE_MULT
 
+
+def path_arg(text: str, flag: str = "a path option") -> Path:
+    """A path option's value, used literally: an empty one is refused (``Path("")`` would be the current directory,
+    where a command would then read or write)."""
+    if text == "":
+        raise UserError(f"{flag} is empty: give a path (an empty one would mean the current directory)")
+    return Path(text)
+
+
 # Every flag several commands declare: its names (the first is the flag) and what its value looks like (metavar,
 # parser). A command gives its default and help through flag().
 FLAGS: dict[str, dict] = {
-    "--out": {"metavar": "PATH"},
-    "--trace": {"metavar": "TRACE_DIR"},
-    "--scores": {"metavar": "SCORES.parquet"},
-    "--labels": {"metavar": "LABELS.parquet"},
+    "--out": {"metavar": "PATH", "parser": path_arg},
+    "--trace": {"metavar": "TRACE_DIR", "parser": path_arg},
+    "--scores": {"metavar": "SCORES.parquet", "parser": path_arg},
+    "--labels": {"metavar": "LABELS.parquet", "parser": path_arg},
     "--model": {"metavar": "MODEL"},
     "--prompts": {"metavar": "PROMPTS"},
     "--limit": {"metavar": "K"},
@@ -64,6 +77,7 @@ FLAGS: dict[str, dict] = {
     "--chunk": {"metavar": "STEPS"},
     "--shard": {"metavar": "i/n"},
     "--repeats": {"metavar": "N"},
+    "--overwrite": {},  # an existing output that is not this command's own: replace it (kvdiag.core.guard)
 }
 HORIZON_STEPS = {"metavar": "N", "parser": partial(parse_horizon, rest=False)}
 
@@ -73,6 +87,8 @@ def flag(name: str, default, help: str | None = None, **override):
     ``**HORIZON_STEPS``)."""
     declared = {**FLAGS[name], **override}
     names = declared.pop("names", (name,))
+    if "parser" in declared:  # its refusals name the flag
+        declared["parser"] = partial(declared["parser"], flag=name)
     return typer.Option(default, *names, help=help, **declared)
 
 
@@ -178,9 +194,62 @@ def resolve_command(root, argv: list[str]):
     return cmd, names, i
 
 
-def refuse_repeated_options(root, argv: list[str]) -> None:
-    """A single-valued option given twice would silently keep the last value: refuse it (list-valued options
-    are declared repeatable and accumulate)."""
+# The largest value of every numeric option (inclusive; floats are finite too), so that no number a user types
+# makes memory or time grow without bound; a stage checks its own lower bounds and relations with one line each.
+# (low, high): low None where the stage's own check names the fix. tests/test_cli_help.py: every numeric option
+# of every command is here.
+MAX_ENTRIES = 10**7  # budgets, prefixes, ages, positions: beyond any context kvdiag can hold
+BOUNDS: dict[str, tuple[float | None, float]] = {
+    "--audit": (None, 10**6), "--batch-size": (None, 65536), "--bins": (None, 10**4), "--bootstrap": (None, 10**6),
+    "--budget": (None, MAX_ENTRIES), "--candidates": (None, MAX_ENTRIES), "--checkpoints": (None, 10**4),
+    "--chunk": (None, 65536), "--draws": (None, 10**4), "--exact-frac": (None, 1.0), "--exact-top": (None, MAX_ENTRIES),
+    "--exclude": (None, MAX_ENTRIES), "--fisher-samples": (None, 4096), "--folds": (None, 1000),
+    "--greedy-chunk": (None, 1.0), "--harmful-quantile": (None, 1.0), "--head-dim": (None, 65536),
+    "--heads": (None, 4096), "--interval": (None, MAX_ENTRIES), "--keep": (None, 1.0), "--keep-fraction": (None, 1.0),
+    "--kv-heads": (None, 4096), "--large-payload-quantile": (None, 1.0), "--level": (None, 1.0),
+    "--limit": (None, MAX_ENTRIES), "--low-attention-quantile": (None, 1.0), "--max-age": (None, MAX_ENTRIES),
+    "--max-new-tokens": (None, 10**6), "--min-age": (None, MAX_ENTRIES), "--min-group": (None, MAX_ENTRIES),
+    "--min-new-tokens": (None, 10**6), "--miss-rate": (1e-3, 1.0), "--n": (None, 10**6), "--noise-mult": (None, 1e6),
+    "--pair-candidates": (None, 10**5), "--pairs": (None, 10**6), "--prefix": (None, MAX_ENTRIES),
+    "--repeats": (None, 1000), "--rho": (None, 1.0), "--samples": (None, 10**4), "--scale": (None, 1000),
+    "--search-rows": (None, 10**7), "--search-seconds": (None, 10**6), "--seconds": (None, 3600),
+    "--seed": (None, 2**32 - 1), "--size": (None, 16384), "--strong-read-mult": (None, 1e6),
+    "--temperature": (None, 100.0), "--top-k": (None, MAX_ENTRIES), "--top-p": (None, 1.0),
+    "--trace-len": (None, MAX_ENTRIES), "--w-delay": (None, MAX_ENTRIES), "--w-obs": (None, MAX_ENTRIES),
+    "--window": (None, MAX_ENTRIES),
+}
+NUMBER = {int: re.compile(r"[-+]?[0-9]+"), float: re.compile(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?")}
+
+
+def numeric(param) -> type | None:
+    """``int`` or ``float`` when the typer option ``param`` takes one number (optional or not), else None."""
+    descriptor = getattr(param, "type_descriptor", None)
+    if descriptor is None or getattr(descriptor.parameter_info, "parser", None) is not None:
+        return None  # a parser of its own (parse_horizon) reads it
+    kinds = [a for a in (typing.get_args(descriptor.annotation) or (descriptor.annotation,)) if a is not type(None)]
+    return kinds[0] if len(kinds) == 1 and kinds[0] in (int, float) else None
+
+
+def check_number(flag: str, text: str, kind: type) -> None:
+    """``text`` is a number of ``kind`` in ASCII digits within :data:`BOUNDS` of ``flag`` (one line otherwise)."""
+    if not NUMBER[kind].fullmatch(text):
+        raise UserError(f"{flag} {text}: use {'an integer' if kind is int else 'a number'} in ASCII digits, e.g. "
+                        f"{flag} 8")
+    low, high = BOUNDS[flag]
+    value = kind(text)
+    if not math.isfinite(value) or value > high or (low is not None and value < low):
+        span = f"at most {_n(high)}" if low is None else f"in [{_n(low)}, {_n(high)}]"
+        raise UserError(f"{flag} {text}: must be {span}")
+
+
+def _n(x: float) -> str:
+    return f"{int(x):,}" if float(x).is_integer() else f"{x:g}"
+
+
+def check_argv(root, argv: list[str]) -> None:
+    """What the command line alone says is wrong, before click converts it: a single-valued option given twice (it
+    would silently keep the last value; list-valued options are declared repeatable and accumulate), and a number
+    that is not ASCII digits or lies outside its option's :data:`BOUNDS`."""
     cmd, _, i = resolve_command(root, argv)
     options = {opt: p for p in getattr(cmd, "params", []) if getattr(p, "param_type_name", "") == "option"
                for opt in p.opts + p.secondary_opts}
@@ -191,6 +260,9 @@ def refuse_repeated_options(root, argv: list[str]) -> None:
         flag, has_value = args[j].split("=", 1)[0], "=" in args[j]
         p = options.get(flag) if flag.startswith("-") else None
         if p is not None:
+            value = args[j].split("=", 1)[1] if has_value else (args[j + 1] if j + 1 < len(args) else None)
+            if value is not None and (kind := numeric(p)) is not None:
+                check_number(flag, value, kind)
             if not p.is_flag and not has_value:
                 j += 1  # skip the option's value
             if not p.multiple:
@@ -206,5 +278,5 @@ def invoke(root, argv: list[str]):
     """Run ``argv`` through the click group ``root`` as the ``kvdiag`` console script does, repeated options refused;
     exceptions propagate (``kvdiag.cli.main.main`` turns them into one line and an exit code). ``kvdiag demo`` runs its
     stages through this, with the root it is given by click."""
-    refuse_repeated_options(root, argv)
+    check_argv(root, argv)
     return root.main(args=argv, prog_name="kvdiag", standalone_mode=False)

@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from kvdiag.cli import common
 from kvdiag.core import parsing
 from kvdiag.core.guard import check_outputs
+from kvdiag.core.progress import plain_console
 
 
 def decisions(
@@ -91,7 +91,7 @@ def decisions(
         harm=HarmSpec(harm, noise_mult, include_unresolved), future_window=future_window,
         search_rows=search_rows, search_seconds=search_seconds,
     )
-    parsing.check_backend(backend)
+    parsing.check_backend(backend, device)
     parsing.check_device_name(device)
     if dtype is not None:
         parsing.check_dtype(dtype)
@@ -113,7 +113,7 @@ def decisions(
     common.quiet_transformers()
     path = decisions_files(trace, scores, out, cfg, labels=labels, model=model, dtype=dtype, device=device,
                            show_progress=not quiet)
-    Console(stderr=True).print(f"decisions written to {path} (decisions.parquet, summary.md, decisions.png)")
+    plain_console(stderr=True).print(f"decisions written to {path} (decisions.parquet, summary.md, decisions.png)")
     if not quiet:
-        Console().print((path / "summary.md").read_text(), markup=False, highlight=False)
+        plain_console().print((path / "summary.md").read_text(), markup=False, highlight=False)
 

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from kvdiag.cli import common
+from kvdiag.core.progress import plain_console
 from kvdiag.core.schema import HORIZON
 
 
@@ -81,7 +81,7 @@ def demo(
     check_model_spec(model)
     from kvdiag.report.run import record_command  # matplotlib and torch, once the arguments are checked
 
-    console = Console()
+    console = plain_console()
     out.mkdir(parents=True, exist_ok=True)
     stages = demo_commands(out, model, prompts, limit, max_new_tokens, candidates, horizon, interval, bootstrap)
     start = time.perf_counter()
@@ -91,10 +91,10 @@ def demo(
             console.rule(f"[{i}/{len(stages)}] {stage}: done before, skipped")
             continue
         console.rule(f"[{i}/{len(stages)}] {stage}")
-        console.print(f"[dim]$ {line}[/]", highlight=False)
+        console.print(f"$ {line}", highlight=False)
         common.invoke(ctx.find_root().command, argv)  # as typed: repeated options refused
         record_command(out, ["kvdiag", *argv])
     minutes = (time.perf_counter() - start) / 60
     console.rule()
-    console.print(f"demo finished in {minutes:.1f} min; report: [bold]{out / 'report.md'}[/] (and "
+    console.print(f"demo finished in {minutes:.1f} min; report: {out / 'report.md'} (and "
                   f"{out / 'report.html'})")

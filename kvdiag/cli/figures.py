@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from kvdiag.cli import common
 from kvdiag.core.guard import check_outputs
+from kvdiag.core.progress import plain_console
 from kvdiag.figures.config import FigureParams
 
 _D = FigureParams()
@@ -76,19 +76,19 @@ def figures(
         load_metrics(rank_eval)
     from kvdiag.figures.run import figures_files
     result = figures_files(trace, labels, scores, out, params, rank_eval, command=invocation(ctx))
-    console = Console()
+    console = plain_console()
     a, b = result["blind_spot"], result["delayed_reads"]
-    console.print(f"[bold]blind spot[/]: {a['n_blind_spot']:.0f} of {a['n_low_attention']:.0f} low-attention "
+    console.print(f"blind spot: {a['n_blind_spot']:.0f} of {a['n_low_attention']:.0f} low-attention "
                   "candidates have large "
                   f"payloads, {a['n_blind_spot_high_damage']:.0f} high-damage; Fisher p = {a['fisher_p']:.3g}, "
                   f"rank-biserial r = {a['rank_biserial']:.3g}", highlight=False)
-    console.print(f"[bold]delayed reads[/]: {b['n_delayed']:.0f} delayed, {b['n_never']:.0f} never read, "
+    console.print(f"delayed reads: {b['n_delayed']:.0f} delayed, {b['n_never']:.0f} never read, "
                   f"{b['n_early']:.0f} early; "
                   f"share evicted before the read {b['share_evicted_before_read']:.3g}; KL delayed vs never r = "
                   f"{b['rank_biserial']:.3g}",
                   highlight=False)
     for note in result["notes"]:
-        console.print(f"[yellow]note:[/] {note}", highlight=False)
+        console.print(f"note: {note}", highlight=False)
     console.print(f"wrote {len(result['files'])} files to {out}", highlight=False)
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from kvdiag.cli import common
 from kvdiag.core import parsing
 from kvdiag.core.guard import check_outputs
+from kvdiag.core.progress import plain_console
 
 
 def fit(
@@ -38,7 +38,7 @@ def fit(
     check_config(cfg)  # before the stage's numpy, polars and torch
     from kvdiag.fit import fit_files
     res = fit_files(trace, labels, scores, out, cfg)
-    console = Console()
+    console = plain_console()
     s = res["summary"]
     console.print(f"fit on {s['n']:,} entries ({s['n_harmful']} harmful, {s['prompts']} prompts, {s['folds']} grouped "
                   f"folds); out-of-fold metrics with rank-eval:", highlight=False)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from kvdiag.cli import common
+from kvdiag.core.progress import plain_console
 
 
 def grade(
@@ -70,7 +70,7 @@ def grade(
     for row in res["rows"]:
         table.add_row(row["rule"], *(cell(row, m) for m in RANK_METRICS),
                       *(f"{cell(row, f'joint@{b}')} ({row.get(f'decided@{b}')})" for b in budgets))
-    console = Console()
+    console = plain_console()
     console.print(table)
     for row in res["rows"] if not all_ else []:
         for b in budgets:

@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from kvdiag.cli import common
 from kvdiag.core import parsing
 from kvdiag.core.errors import UserError
 from kvdiag.core.guard import check_outputs
+from kvdiag.core.progress import plain_console
 from kvdiag.core.schema import CHECKPOINTS, CHUNK, HORIZON, W_OBS
 
 
@@ -55,12 +55,16 @@ def label(
     shard: str = common.flag("--shard", None, "i/n: label only work items i, i+n, ... (Slurm arrays); merge "
                                                     "with a final run without --shard"),
     quiet: bool = common.Quiet,
+    overwrite: bool = common.flag("--overwrite", False, "replace an existing --out that is not labels of this Trace"),
 ) -> None:
     """Evict single cache entries at checkpoints and measure the KL damage to the next H predictions."""
-    check_outputs({"--out": out, "--out (its parts)": (out.with_name(out.name + ".parts"), "dir")}, {"--trace": trace})
+    from kvdiag.trace.manifest import TraceFiles
+
+    ours = TraceFiles(trace).fingerprint if Path(out).is_file() and not overwrite else None  # what --out may hold
+    check_outputs({"--out": (out, "file", "labels"), "--out (its parts)": (out.with_name(out.name + ".parts"), "dir")},
+                  {"--trace": trace}, overwrite=overwrite, trace_fingerprint=ours)
     from kvdiag.label.config import LabelConfig, work_items  # light: the config, not the engine
     from kvdiag.model.specs import check_model_spec, check_trace_model
-    from kvdiag.trace.manifest import TraceFiles
 
     if model is None:
         common.refuse_given(ctx, ["force"], "without --model (the Trace's own model is used)")
@@ -90,6 +94,7 @@ def label(
     )
     parsing.parse_shard(shard)
     parsing.check_device_name(device)
+    parsing.check_backend(backend, device)
     if dtype is not None:
         parsing.check_dtype(dtype)
     if model is not None:
@@ -103,4 +108,4 @@ def label(
     common.quiet_transformers()
     path = label_files(trace, out, cfg, model=model, force=force, dtype=dtype, device=device, shard=shard, quiet=quiet)
     if path is not None:
-        Console().print(f"labels written to [bold]{path}[/]")
+        plain_console().print(f"labels written to {path}")

@@ -28,6 +28,7 @@ from rich.text import Text
 from kvdiag.cli import common
 from kvdiag.core.allocator import reuse_freed_memory
 from kvdiag.core.errors import UserError
+from kvdiag.core.progress import plain_console
 
 DEBUG_FLAG = "--debug"
 
@@ -128,9 +129,9 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def plain_console(stderr: bool = True) -> Console:
-    """A console that prints strings as given: no markup, emoji codes or highlighting."""
-    return Console(stderr=stderr, soft_wrap=True, markup=False, emoji=False, highlight=False)
+def error_console() -> Console:
+    """The console of the one-line errors and warnings (kvdiag.core.progress.plain_console, on stderr)."""
+    return plain_console(stderr=True, soft_wrap=True)
 
 
 def say(console: Console, tag: str, style: str, text: str) -> None:
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = DEBUG_FLAG in argv
     argv = [a for a in argv if a != DEBUG_FLAG]
-    err_console = plain_console()
+    err_console = error_console()
     reuse_freed_memory()
     shown = warnings.showwarning
     warnings.showwarning = _warnings_to(err_console)
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except typer.TyperException as err:  # usage errors: unknown or missing options, wrong value types
         if type(err).__name__ == "NoArgsIsHelpError":  # `kvdiag` or `kvdiag bench` alone: the help
-            Console().print(err.ctx.get_help() if getattr(err, "ctx", None) else "", highlight=False)
+            Console().print(err.ctx.get_help() if getattr(err, "ctx", None) else "", highlight=False)  # rich help
             sys.exit(0)
         message = err.format_message() if hasattr(err, "format_message") else str(err)
         say(err_console, "error:", "bold red",

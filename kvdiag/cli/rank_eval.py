@@ -13,6 +13,7 @@ from rich.table import Table
 from kvdiag.cli import common
 from kvdiag.core import parsing
 from kvdiag.core.guard import check_outputs
+from kvdiag.core.progress import plain_console
 from kvdiag.core.schema import RHO
 
 if TYPE_CHECKING:  # the stage (polars, pyarrow, numpy) loads when the command runs, not at the CLI's start-up
@@ -27,7 +28,7 @@ def _print_summary(result: RankEvalResult, scope: str, out: Path, console: Conso
 
     s, c = result.summary, result.config
     console.print(
-        f"[bold]rank-eval[/]: {s['n_evaluated']:,} candidates, {s['n_prompts']} prompts, {s['n_checkpoints']} "
+        f"rank-eval: {s['n_evaluated']:,} candidates, {s['n_prompts']} prompts, {s['n_checkpoints']} "
         f"checkpoints ({s['granularity']}); harmful: kl_mean > {s['harm_threshold']:.4g} ({c.harm}), prevalence "
         f"{s['prevalence']:.3f}; "
         f"unresolved: {s['n_unresolved']} ({'excluded' if s['unresolved_excluded'] else 'included'}); candidates: "
@@ -37,7 +38,7 @@ def _print_summary(result: RankEvalResult, scope: str, out: Path, console: Conso
     if "reference_note" in s:
         console.print(s["reference_note"], highlight=False)
     for warning in s["warnings"]:
-        console.print(f"[bold yellow]warning:[/] {warning}", highlight=False)
+        console.print(f"warning: {warning}", highlight=False)
     table = Table(title=f"{scope} metrics, FSR at rho = {c.rho:g}, {c.ci_level:.0%} CI over prompts (B = {c.n_boot})")
     table.add_column("Score")
     for m in metrics_where("table"):
@@ -50,11 +51,11 @@ def _print_summary(result: RankEvalResult, scope: str, out: Path, console: Conso
         for m in metrics_where("table"):
             r = rows[(name, m.name)]
             if math.isnan(r["value"]):
-                cells.append("[red]n/a[/]")
+                cells.append("n/a")
             elif math.isnan(r["ci_low"]):
                 cells.append(f"{r['value']:.3f}")
             else:
-                cells.append(f"{r['value']:.3f} [dim][{r['ci_low']:.3f}, {r['ci_high']:.3f}][/]")
+                cells.append(f"{r['value']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]")
         table.add_row(name + (" (ref)" if name == c.reference else ""), *cells)
     console.print(table)
     console.print(f"wrote {', '.join(OUTPUTS)} to {out}", highlight=False)
@@ -114,4 +115,4 @@ def rank_eval(
         **({"rho_grid": tuple(parsing.parse_list(rho_grid, "--rho-grid", float, low=0, high=1, strict=True,
                                                  example="0.1,0.25,0.5"))} if rho_grid else {}),
     )
-    _print_summary(result, table_scope, out, Console())
+    _print_summary(result, table_scope, out, plain_console())

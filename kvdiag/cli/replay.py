@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from kvdiag.cli import common
 from kvdiag.core import parsing
 from kvdiag.core.guard import check_outputs
+from kvdiag.core.progress import plain_console
 from kvdiag.core.schema import CHECKPOINT_INTERVAL, HORIZON
 
 
@@ -110,7 +110,7 @@ def replay(
     # the checks that need no scorer class, model or tensor, before torch is imported (the rest: check_settings)
     settings = ReplaySettings(
         scorers=parsing.parse_list(scorers, "--scorers", str), interval=interval,
-        budgets=parsing.parse_list(budget, "--budget", int, low=1, example="128,256"),
+        budgets=parsing.parse_list(budget, "--budget", int, low=1, high=common.MAX_ENTRIES, example="128,256"),
         w_obs=w_obs, selection=selection, max_new_tokens=max_new_tokens, full_kv=full_kv,
         kl=kl, chat=chat, instruction=None if no_instruction else (instruction or DEFAULT_INSTRUCTION),
         params=parsing.parse_params(param), backend=backend, seed=seed, samples=samples, temperature=temperature,
@@ -127,7 +127,7 @@ def replay(
     if dtype is not None:
         parsing.check_dtype(dtype)
     parsing.check_device_name(device)
-    parsing.check_backend(backend)
+    parsing.check_backend(backend, device)
     if teacher_forced is not None:
         trace_files = TraceFiles(teacher_forced)
         recorded = trace_files.manifest["model"].get("attention") or {}
@@ -160,6 +160,6 @@ def replay(
         device=device, revision=revision, trust_remote_code=trust_remote_code, show_progress=not quiet,
         outcomes=outcomes, auroc=auroc, components=components,
     )
-    Console(stderr=True).print(f"replay written to {path} (generations.parquet, summary.md, budget.png)")
+    plain_console(stderr=True).print(f"replay written to {path} (generations.parquet, summary.md, budget.png)")
     if not quiet:
-        Console().print((path / "summary.md").read_text())
+        plain_console().print((path / "summary.md").read_text())

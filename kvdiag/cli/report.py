@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from kvdiag.cli import common
+from kvdiag.core.progress import plain_console
 
 
 def report(
@@ -26,4 +26,4 @@ def report(
     from kvdiag.report.run import report_files
 
     md, html = report_files(run, out)
-    Console().print(f"wrote {md}, {html} and {md.with_name('viewer.html')}", highlight=False)
+    plain_console().print(f"wrote {md}, {html} and {md.with_name('viewer.html')}", highlight=False)

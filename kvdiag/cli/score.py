@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from kvdiag.cli import common
 from kvdiag.core.errors import UserError
+from kvdiag.core.progress import plain_console
+from kvdiag.core.run_layout import features_path
 
 
 def score(
@@ -34,6 +35,7 @@ def score(
     list_: bool = typer.Option(False, "--list", help="List every scorer (built-in, plugin, kvpress:<Press>) and "
                                                      "whether it can be graded, then exit."),
     quiet: bool = common.Quiet,
+    overwrite: bool = common.flag("--overwrite", False, "replace an existing --out that is not a scores table"),
 ) -> None:
     """Score candidates of a Trace with the scorer zoo (higher = keep) and write scores.parquet."""
     from kvdiag.core import parsing
@@ -63,7 +65,9 @@ def score(
         raise UserError(f"--aggregation {aggregation}: use one of {', '.join(AGGREGATIONS)}")
     if not plugin:
         check_scorer_names(parse_list(scorers, "--scorers", str))
-    check_outputs({"--out": out}, {"--trace": trace, "--labels": labels, "--plugin": plugin})
+    check_outputs({"--out": (out, "file", "scores"),
+                   "--out (its features)": (features_path(out), "file", "token_features")},
+                  {"--trace": trace, "--labels": labels, "--plugin": plugin}, overwrite=overwrite)
     check_plugin_files(plugin)
     trace_files = TraceFiles(trace)
     trace_files.check_layer_files()
@@ -89,8 +93,8 @@ def score(
     from kvdiag.scorers.run import score_files  # the scorers: torch, once the arguments are checked
     df, meta = score_files(trace, out, labels, joined(checkpoints), joined(granularity),
                            parse_list(scorers, "--scorers", str), params, plugin or (), aggregation, model,
-                           progress=not quiet)
-    Console(stderr=True).print(f"wrote {df.height} rows × {len(meta['scorers'])} scorers to {out}")
+                           progress=not quiet, overwrite=overwrite)
+    plain_console(stderr=True).print(f"wrote {df.height} rows × {len(meta['scorers'])} scorers to {out}")
 
 
 def list_scorers(plugins) -> None:

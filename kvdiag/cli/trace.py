@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from kvdiag.cli import common
 from kvdiag.core.guard import check_outputs
+from kvdiag.core.progress import plain_console
 
 
 def trace(
@@ -77,6 +77,6 @@ def trace(
     root = trace_files(items, out, settings, model=model, dtype=dtype, device=device, revision=revision,
                      trust_remote_code=trust_remote_code, prompts_source=prompts, shard=shard, quiet=quiet)
     if root is not None:
-        Console().print(f"Trace written to [bold]{root}[/] ({len(items)} prompts)")
+        plain_console().print(f"Trace written to {root} ({len(items)} prompts)")
     elif shard is not None:
-        Console().print(f"shard {shard} traced into {out}/parts; run once more without --shard to merge")
+        plain_console().print(f"shard {shard} traced into {out}/parts; run once more without --shard to merge")

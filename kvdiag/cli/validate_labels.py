@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from kvdiag.cli import common
 from kvdiag.core.guard import check_outputs
+from kvdiag.core.progress import plain_console
 
 
 def validate_labels(
@@ -46,5 +46,5 @@ def validate_labels(
             check_table(path, flag)
     from kvdiag.label.validate import run_validation
     paths = run_validation(exact, approx, out, cfg, scores)
-    Console().print((out / "validation.md").read_text(), markup=False, highlight=False)
-    Console().print(f"wrote {', '.join(p.name for p in paths)} to {out}", highlight=False)
+    plain_console().print((out / "validation.md").read_text(), markup=False, highlight=False)
+    plain_console().print(f"wrote {', '.join(p.name for p in paths)} to {out}", highlight=False)

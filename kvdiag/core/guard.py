@@ -36,12 +36,34 @@ def is_trace_dir(path: PathLike) -> bool:
 
 
 def _real(path: PathLike) -> Path:
-    """The absolute path with every symlink of its existing part resolved (``..`` folded)."""
-    return Path(os.path.realpath(os.path.abspath(os.fspath(path))))
+    """The path the operating system opens: every symlink of its existing part resolved before the ``..`` after it
+    (``DIR/link/../x`` is ``x`` beside the link's target, not ``DIR/x``), absolute."""
+    return Path(os.path.realpath(os.fspath(path)))
 
 
 def _inside(a: Path, b: Path) -> bool:
     return a != b and b in a.parents
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """The same file by device and inode (a hard link, a bind mount), for two existing paths."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _table_meta(path: Path) -> dict | None:
+    """The kvdiag metadata of a Parquet table (its ``kind``, its Trace), or None when ``path`` is no kvdiag table."""
+    import json
+
+    try:
+        import pyarrow.parquet as pq  # only for an output that already exists
+
+        raw = (pq.read_metadata(path).metadata or {}).get(b"kvdiag")  # kvdiag.core.io.write_table's key
+        return json.loads(raw) if raw else None
+    except Exception:  # not Parquet, truncated, unreadable: not a kvdiag table
+        return None
 
 
 def _flatten(inputs: Mapping[str, PathLike | Iterable[PathLike] | None]) -> list[tuple[str, Path]]:
@@ -55,20 +77,33 @@ def _flatten(inputs: Mapping[str, PathLike | Iterable[PathLike] | None]) -> list
     return out
 
 
-def check_outputs(outputs: Mapping[str, PathLike | tuple[PathLike, str] | None],
+def check_outputs(outputs: Mapping[str, PathLike | tuple | None],
                   inputs: Mapping[str, PathLike | Iterable[PathLike] | None] | None = None,
-                  writes_trace: bool = False) -> None:
+                  writes_trace: bool = False, overwrite: bool = False, trace_fingerprint: str | None = None) -> None:
     """Refuse (``UserError``, one line naming both flags) an output that would overwrite or write into what the user
-    owns. ``outputs``: flag -> path or (path, kind) with kind ``file`` (default) or ``dir``; None entries are not
+    owns. ``outputs``: flag -> path or (path, kind) or (path, kind, table) with kind ``file`` (default) or ``dir``
+    and ``table`` the kvdiag table kind the command writes there (``labels``, ``scores``, ...); None entries are not
     written. ``inputs``: flag -> path (or paths) read by the command; plugin modules that are not paths are skipped.
     ``writes_trace``: the command's output kind is a Trace directory (``kvdiag trace``), which it may continue.
-    Then each output must be creatable: see :func:`check_creatable`."""
-    given = {flag: (v if isinstance(v, tuple) else (v, "file")) for flag, v in outputs.items() if v is not None}
+
+    Paths are compared as the operating system opens them (symlinks resolved before ``..``) and existing files by
+    device and inode (hard links). An output may not be empty, nor an existing FIFO, device or socket; an existing
+    output file of a ``table`` kind must be such a table (of ``trace_fingerprint``'s Trace, when given): this
+    command's own output, which it replaces or continues; anything else is refused unless ``overwrite``. Then each
+    output must be creatable: see :func:`check_creatable`."""
+    given = {}
+    for flag, value in outputs.items():
+        if value is None:
+            continue
+        path, kind, table = (*value, None, None)[:3] if isinstance(value, tuple) else (value, "file", None)
+        if os.fspath(path) == "":
+            raise UserError(f"{flag} is empty: give a path")
+        given[flag] = (path, kind, table)
     ins = [(flag, p, _real(p)) for flag, p in _flatten(inputs or {}) if p.exists()]
-    for flag, (path, _kind) in given.items():
+    for flag, (path, _kind, table) in given.items():
         out = _real(path)
         for in_flag, given_in, inp in ins:
-            if out == inp:
+            if out == inp or _same_file(out, inp):
                 raise UserError(f"{flag} {path} is the input {in_flag} {given_in}: it would be overwritten; choose "
                                 f"another {flag}")
             if _inside(out, inp):
@@ -82,7 +117,20 @@ def check_outputs(outputs: Mapping[str, PathLike | tuple[PathLike, str] | None],
             if trace is not None:
                 raise UserError(f"{flag} {path} {'is' if trace == out else 'lies inside'} the Trace directory "
                                 f"{trace}: writing there would corrupt the Trace; choose another {flag}")
-    for flag, (path, kind) in given.items():
+        if os.path.lexists(out) and not (out.is_file() or out.is_dir()):
+            raise UserError(f"{flag} {path} exists and is not a regular file or directory (a FIFO, device or "
+                            f"socket); choose a path to a file")
+        if table is not None and out.is_file() and not overwrite:
+            meta = _table_meta(out)
+            found = "no kvdiag table" if meta is None else f"a kvdiag {meta.get('kind')} table"
+            if meta is None or meta.get("kind") != table:
+                raise UserError(f"{flag} {path} exists and holds {found}, not {table}: choose another {flag}, or "
+                                "pass --overwrite to replace it")
+            theirs = (meta.get("trace") or {}).get("fingerprint")
+            if trace_fingerprint is not None and theirs != trace_fingerprint:
+                raise UserError(f"{flag} {path} holds the {table} of another Trace (fingerprint {theirs}, this one's "
+                                f"{trace_fingerprint}): choose another {flag}, or pass --overwrite to replace it")
+    for flag, (path, kind, _table) in given.items():
         check_creatable(path, flag, kind)
 
 
@@ -93,7 +141,7 @@ def check_creatable(path: PathLike, what: str = "--out", kind: str = "file") -> 
     import tempfile
 
     path = Path(path)
-    absolute = Path(os.path.abspath(path))
+    absolute = _real(path)
     existing = next(p for p in [absolute, *absolute.parents] if p.exists())
     if existing == absolute:
         if kind == "dir" and not existing.is_dir():

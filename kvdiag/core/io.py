@@ -102,7 +102,7 @@ def read_table(path: str | os.PathLike, what: str = "table") -> tuple[pl.DataFra
     import polars as pl
 
     try:
-        df = pl.read_parquet(path)
+        df = pl.read_parquet(path, glob=False)
     except Exception as err:  # pyarrow/polars raise many types for corrupt files
         raise UserError(
             f"{what} {path} is not a readable Parquet file ({err.__class__.__name__}): regenerate it"

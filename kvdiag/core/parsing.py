@@ -28,6 +28,9 @@ def joined(values: list[str] | None) -> str | None:
     return ",".join(items) if items else None
 
 
+MAX_INT = 10**9  # the largest integer a list option takes (every number is bounded)
+
+
 def parse_list(values: str | Iterable[str] | None, flag: str, kind: type = int, *, low: float | None = None,
                high: float | None = None, strict: bool = False, choices: Iterable[str] | None = None,
                unique: bool = True, example: str = "") -> list:
@@ -49,11 +52,15 @@ def parse_list(values: str | Iterable[str] | None, flag: str, kind: type = int, 
         hi = "" if high is None else f" {'<' if strict else '<='} {high:g}"
         what += f" with {lo}x{hi}"
     fix = f"use comma-separated {what}" + (f", e.g. {flag} {example}" if example else "")
+    if kind in (int, float) and not all(item.isascii() for item in items):
+        raise UserError(f"{flag} {text}: {fix} (ASCII digits)")
     try:
         out = [kind(item) for item in items]
     except ValueError:
         raise UserError(f"{flag} {text}: {fix}") from None
     for value, item in zip(out, items, strict=True):
+        if kind is int and abs(value) > MAX_INT:
+            raise UserError(f"{flag} {item}: at most {MAX_INT:,}")
         if choices is not None and value not in choices:
             raise UserError(f"{flag} {item}: {fix}")
         if kind in (int, float) and not math.isfinite(value):
@@ -84,10 +91,10 @@ def parse_checkpoints(spec: str, flag: str = "--checkpoints") -> int | list[int]
     fix = f"use {CHECKPOINT_GRAMMAR}, e.g. every:128 or 256,384"
     if text.startswith("every:"):
         interval = text[len("every:"):]
-        if not interval.isdigit() or int(interval) < 1:
+        if not (interval.isascii() and interval.isdigit()) or int(interval) < 1:
             raise UserError(f"{flag} {spec}: the interval K of every:K must be a positive integer; {fix}")
         return int(interval)
-    if not text or not all(part.strip().lstrip("-").isdigit() for part in text.split(",")):
+    if not text or not all(re.fullmatch(r"-?[0-9]+", part.strip()) for part in text.split(",")):
         raise UserError(f"{flag} {spec or repr(spec)}: {fix}")
     positions = parse_list(text, flag, int, example="256,384")
     if min(positions) < 1:
@@ -310,9 +317,17 @@ STORAGE_DTYPE_NAMES = ("float16", "bfloat16", "float32")  # kvdiag.trace.writer.
 BACKENDS = ("auto", "torch", "triton")  # attention kernels (kvdiag.kernels)
 
 
-def check_backend(backend: str) -> str:
+def check_backend(backend: str, device: str | None = None) -> str:
+    """``backend`` is one of BACKENDS, and ``triton`` runs on ``device`` (when given): a CUDA device, or the CPU
+    under Triton's interpreter (``TRITON_INTERPRET=1``); ``kvdiag.kernels.resolve_backend`` checks it again on the
+    loaded tensors."""
+    import os
+
     if backend not in BACKENDS:
         raise UserError(f"--backend {backend}: use one of {', '.join(BACKENDS)}")
+    if backend == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise UserError("--backend triton needs a CUDA device (--device cpu); use --backend torch or auto, or "
+                        "--device cuda")
     return backend
 
 

@@ -84,7 +84,7 @@ class PartStore:
         if missing:
             raise UserError(f"{len(missing)} of {len(names)} work items are not finished yet (e.g. {missing[0]}); "
                             "rerun the same command to finish them")
-        frames = [pl.read_parquet(self.path(name)) for name in names]
+        frames = [pl.read_parquet(self.path(name), glob=False) for name in names]
         df = pl.concat(frames) if frames else pl.DataFrame(schema=schema)
         df = df.sort(sort) if sort else df
         write_table(df, out, meta)

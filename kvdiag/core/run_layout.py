@@ -30,3 +30,10 @@ def check_run_dir(run: str | os.PathLike) -> Path:
         expected = ", ".join(rel for rel, _ in LAYOUT.values())
         raise UserError(f"--run {run} holds no kvdiag run piece (expected some of {expected}); pass the run directory")
     return run
+
+
+def features_path(scores: str | os.PathLike) -> Path:
+    """``scores.parquet`` -> ``scores.features.parquet`` (beside it: the token rows' read pressure and value payload
+    that ``kvdiag score`` writes and the figures read, ``kvdiag.scorers.token_features``)."""
+    scores = Path(scores)
+    return scores.with_name(f"{scores.stem}.features{scores.suffix or '.parquet'}")

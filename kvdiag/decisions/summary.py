@@ -510,7 +510,7 @@ def summarize_files(out: str | os.PathLike, labels: str | os.PathLike | None = N
     read it from there when present (a committed report ships those, not the labels and scores)."""
     out = Path(out)
     decisions, meta = read_table(out / "decisions.parquet", "decisions")
-    pairs = pl.read_parquet(out / "pairs.parquet") if (out / "pairs.parquet").is_file() else None
+    pairs = pl.read_parquet(out / "pairs.parquet", glob=False) if (out / "pairs.parquet").is_file() else None
     label_df = read_table(labels, "--labels")[0] if labels is not None else None
     score_df = read_table(scores, "--scores")[0] if scores is not None else None
     shipped = {name: out / INPUTS[name] for name in INPUTS}

@@ -219,4 +219,4 @@ def load_summary(path: str | Path) -> dict:
     if missing:
         raise UserError(f"{', '.join(missing)} missing (kvdiag fit did not finish)")
     return {"config": read_json(path / "config.json", "config.json"), "table.md": (path / "table.md").read_text(),
-            "importances": pl.read_csv(path / "importances.csv")}
+            "importances": pl.read_csv(path / "importances.csv", glob=False)}

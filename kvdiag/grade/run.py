@@ -145,7 +145,7 @@ def horizon_plan(b: bench_mod.Benchmark, horizon: int | str | None) -> dict | No
     from kvdiag.trace.manifest import TraceFiles
 
     tf = TraceFiles(b.file("trace"))
-    have = pl.read_parquet(b.file("labels.parquet"), columns=["prompt_id", "checkpoint", "horizon"]).unique(
+    have = pl.read_parquet(b.file("labels.parquet"), columns=["prompt_id", "checkpoint", "horizon"], glob=False).unique(
         ["prompt_id", "checkpoint"])
     room = min((tf.length(pid) - t, pid, t) for pid, t in have.select("prompt_id", "checkpoint").iter_rows())
     if horizon != REST and horizon > room[0]:
@@ -400,7 +400,7 @@ def rewrite_leaderboard(bench: str, path: str | os.PathLike, scores: str | os.Pa
     if not b.has_builtins:
         raise UserError(f"--bench {bench}: no builtins.parquet yet; grade it with kvdiag grade --all first")
     path = Path(path)
-    old = pl.read_csv(path.with_suffix(".csv"), infer_schema_length=None)
+    old = pl.read_csv(path.with_suffix(".csv"), infer_schema_length=None, glob=False)
     s = b.settings
     labels = read_table(b.file("labels.parquet"), "benchmark labels")[0]
     refs = read_table(b.file("references.parquet"), "benchmark references")[0]

@@ -191,7 +191,8 @@ class LabelConfig:
         parse_horizon(self.horizon)
         if self.chunk < 1:
             raise UserError(f"--chunk {self.chunk}: must be a positive number of horizon steps per forward, e.g. 16")
-        if self.candidates != "all" and not (self.candidates.isdigit() and int(self.candidates) > 0):
+        count = self.candidates.isascii() and self.candidates.isdigit() and int(self.candidates) > 0
+        if self.candidates != "all" and not count:
             raise UserError(f"--candidates {self.candidates}: use a positive number (a seeded sample per checkpoint) "
                             "or all")
         if self.granularity not in GRANULARITIES:

@@ -21,7 +21,7 @@ from kvdiag.core.distributed import Group, parse_shard
 from kvdiag.core.errors import UserError
 from kvdiag.core.io import check_writable, write_table
 from kvdiag.core.parts import PartStore, part_name
-from kvdiag.core.progress import progress_bar
+from kvdiag.core.progress import plain_console, progress_bar
 from kvdiag.core.provenance import provenance
 from kvdiag.label.config import (  # noqa: F401  (run's API)
     HYBRID,
@@ -190,11 +190,9 @@ def label_trace(
         )
         if cfg.method == HYBRID and cfg.miss_rate:  # the audit's estimate, into the metadata
             write_table(merged, out, {**meta, "miss_rate": miss_rate(merged, seed=cfg.seed)})
-        warning = noise_floor_warning(pl.read_parquet(out, columns=["kl_mean", "noise_floor"]), lm.dtype)
+        warning = noise_floor_warning(pl.read_parquet(out, columns=["kl_mean", "noise_floor"], glob=False), lm.dtype)
         if warning:
-            from rich.console import Console
-
-            Console(stderr=True, soft_wrap=True).print(f"[bold yellow]warning:[/] {warning}", highlight=False)
+            plain_console(stderr=True, soft_wrap=True).print(f"warning: {warning}")
     return out
 
 
@@ -209,7 +207,7 @@ def miss_rate_rounds(trace: Trace, lm: LoadedModel, parts: PartStore, items: lis
     from kvdiag.label import adaptive
 
     hybrid = HybridParams(**cfg.params)
-    frames = [pl.read_parquet(parts.path(checkpoint_part(*it))).sort("position") for it in items]
+    frames = [pl.read_parquet(parts.path(checkpoint_part(*it)), glob=False).sort("position") for it in items]
     ckpts = [adaptive.Checkpoint(
         fast=df["fast_kl_mean"].to_numpy().astype(float),
         exact=np.where(df["method"].to_numpy() != "fast", df["kl_mean"].to_numpy(), np.nan),

@@ -404,7 +404,7 @@ def parse_random_spec(spec: str, seed: int = 0) -> RandomSpec:
     given: dict[str, int] = {}
     for item in parts[2].split(",") if len(parts) == 3 else []:
         key, eq, value = item.partition("=")
-        if key not in RANDOM_OPTIONS or not eq or not value.isdigit() or key in given:
+        if key not in RANDOM_OPTIONS or not eq or not (value.isascii() and value.isdigit()) or key in given:
             raise UserError(f"--model {spec}: option {item!r} is not one of layers=N, vocab=V, seed=S (each at most "
                             f"once, comma-separated; {example})")
         given[key] = int(value)

@@ -73,4 +73,4 @@ def load_metrics(path: str | os.PathLike, what: str = "--rank-eval") -> pl.DataF
     metrics = Path(path) / "metrics.csv"
     if not metrics.is_file():
         raise UserError(f"{what} {path} has no metrics.csv: pass a directory written by kvdiag rank-eval")
-    return pl.read_csv(metrics, schema_overrides={"note": pl.String})
+    return pl.read_csv(metrics, schema_overrides={"note": pl.String}, glob=False)

@@ -147,6 +147,8 @@ def paired_tests(out: pl.DataFrame, n_boot: int = 2000, seed: int = 0, level: fl
     for (budget,), g in rules.group_by("budget", maintain_order=True):
         fid = (g.filter(pl.col("compressed")).group_by("scorer").agg(pl.col("fidelity").cast(pl.Float64).mean())
                .sort("fidelity", "scorer", descending=[True, False], nulls_last=True))
+        if fid.height == 0:  # no rule compressed at this budget (it holds every prompt whole): nothing to compare
+            continue
         best = fid["scorer"][0]
         wide = g.pivot(on="scorer", index=["prompt_id", "sample"], values="fidelity")
         comp = g.pivot(on="scorer", index=["prompt_id", "sample"], values="compressed")

@@ -332,7 +332,7 @@ def _ceiling_section(r: _Run) -> str:
 
 
 def _stats_table(path: Path) -> str:
-    df = pl.read_csv(path, schema_overrides={"value": pl.Float64, "note": pl.String})
+    df = pl.read_csv(path, schema_overrides={"value": pl.Float64, "note": pl.String}, glob=False)
     return md_table(
         ["statistic", "value", "note"],
         [[r["statistic"], r["value"], r["note"] or ""] for r in df.iter_rows(named=True)], "lrl",
@@ -344,8 +344,8 @@ def _components_table(path: Path) -> str:
     from kvdiag.rankeval import metrics_where
 
     df = pl.read_csv(
-        path, schema_overrides={"value": pl.Float64, "ci_low": pl.Float64, "ci_high": pl.Float64, "note": pl.String}
-    )
+        path, schema_overrides={"value": pl.Float64, "ci_low": pl.Float64, "ci_high": pl.Float64, "note": pl.String},
+        glob=False)
     cells = {(r["variant"], r["metric"]): r for r in df.filter(pl.col("scorer") != RANDOM_SCORER).iter_rows(named=True)}
 
     def cell(r: dict | None) -> str:

@@ -79,14 +79,14 @@ def _figure_marks(figures_dir: Path | None) -> tuple[dict, dict, list[str]]:
     entries, points = figures_dir / "delayed_reads_entries.csv", figures_dir / "blind_spot_points.csv"
     try:
         if entries.is_file():
-            df = pl.read_csv(entries).filter(pl.col("read_class") == "delayed")
+            df = pl.read_csv(entries, glob=False).filter(pl.col("read_class") == "delayed")
             for r in df.iter_rows(named=True):
                 delayed.setdefault(r["prompt_id"], {})[int(r["position"])] = [
                     int(r["first_strong_read"]), int(r["delay"]), bool(r["evicted_before_read"])]
         else:
             notes.append(f"{entries.name} is missing: no delayed-read marks")
         if points.is_file():
-            df = pl.read_csv(points).filter(pl.col("blind_spot"))
+            df = pl.read_csv(points, glob=False).filter(pl.col("blind_spot"))
             for r in df.iter_rows(named=True):
                 blind.setdefault(r["prompt_id"], {}).setdefault(int(r["checkpoint"]), []).append(
                     [int(r["position"]), *_round(np.array([r["read_pressure"], r["value_payload"]]))])

@@ -161,7 +161,8 @@ def load_o_proj(spec: str, trace) -> dict[int, torch.Tensor]:
 def score_files(trace: str | os.PathLike, out: str | os.PathLike, labels: str | os.PathLike | None = None,
                 checkpoints: str | None = None, granularity: str | None = None, scorers: str = "all",
                 params: dict[str, dict] | None = None, plugins: Iterable[str] = (), aggregation: str = "mean_rank",
-                model: str | None = None, progress: bool = True) -> tuple[pl.DataFrame, dict]:
+                model: str | None = None, progress: bool = True, overwrite: bool = False
+                ) -> tuple[pl.DataFrame, dict]:
     """What ``kvdiag score`` runs: score the candidates of ``labels`` (a labels file), or every cached entry at
     ``checkpoints`` (``every:K``, ``default`` or ``t1,t2,...``) in ``granularity`` (``token,layer,head``; default
     token), of the Trace directory ``trace``, and write ``out`` (and beside it the token rows' read pressure and value
@@ -176,8 +177,10 @@ def score_files(trace: str | os.PathLike, out: str | os.PathLike, labels: str | 
     if labels is not None and granularity is not None:
         raise UserError("--granularity does not apply with --labels (its rows are scored at their own granularity); "
                         "drop it")
-    check_outputs({"--out": out, "--out (its features)": features_path(out)},
-                  {"--trace": trace, "--labels": labels, "--plugin": [p for p in plugins if str(p).endswith(".py")]})
+    check_outputs({"--out": (out, "file", "scores"),
+                   "--out (its features)": (features_path(out), "file", "token_features")},
+                  {"--trace": trace, "--labels": labels, "--plugin": [p for p in plugins if str(p).endswith(".py")]},
+                  overwrite=overwrite)
     check_aggregation(aggregation)
     selected = resolve_scorers(scorers, params, plugins)
     if model and not any(needs_o_proj(s) for s in selected.values()):

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
 import polars as pl
 import torch
 
 from kvdiag.core.io import read_table
+from kvdiag.core.run_layout import features_path  # noqa: F401  (the module's API: where the features lie)
 from kvdiag.core.schema import W_DELAY, W_OBS
 from kvdiag.model.adapters import LayerAttention
 from kvdiag.scorers import features
@@ -105,12 +105,6 @@ class TokenFeatures:
     def meta(self, trace_provenance: dict) -> dict:
         return {"kind": "token_features", "trace": trace_provenance, "params": asdict(self.params),
                 "definition": __doc__.split("\n\n", 1)[1].strip()}
-
-
-def features_path(scores: str | os.PathLike) -> Path:
-    """``scores.parquet`` -> ``scores.features.parquet`` (beside it)."""
-    scores = Path(scores)
-    return scores.with_name(f"{scores.stem}.features{scores.suffix or '.parquet'}")
 
 
 def read_token_features(scores: str | os.PathLike) -> tuple[pl.DataFrame, dict] | None:

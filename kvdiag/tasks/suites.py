@@ -306,7 +306,7 @@ def load_builtin(source: str, limit: int | None = None, seed: int = 0) -> list[P
     usage = "builtin:<suite>[:N[:LENGTH]], e.g. builtin:recall:50:20"
     if name not in SUITES:
         raise UserError(f"--prompts {source}: unknown builtin suite {name!r}; use one of {', '.join(SUITES)} ({usage})")
-    if len(rest) > 2 or not all(r.isdigit() and int(r) > 0 for r in rest):
+    if len(rest) > 2 or not all(r.isascii() and r.isdigit() and int(r) > 0 for r in rest):
         raise UserError(f"--prompts {source}: N and LENGTH must be positive integers ({usage})")
     count = int(rest[0]) if rest else (limit or 20)
     if count > MAX_BUILTIN:

@@ -43,7 +43,7 @@ def read_trace_files(path: str | Path) -> tuple[dict, pl.DataFrame]:
     import polars as pl
 
     try:
-        tokens_df: pl.DataFrame = pl.read_parquet(tokens)
+        tokens_df: pl.DataFrame = pl.read_parquet(tokens, glob=False)
     except Exception as err:  # polars raises many types for corrupt files
         raise UserError(f"--trace {path}: tokens.parquet is unreadable ({type(err).__name__}); re-run "
                         "`kvdiag trace` with the same --out to rebuild it") from err
