@@ -57,3 +57,22 @@ def test_every_option_is_in_a_panel_and_flags_show_no_placeholder():
     assert seen >= 20
     replay = CliRunner().invoke(root, ["replay", "--help"], terminal_width=200).output
     assert "─ Free-running ─" in replay and "─ Teacher-forced ─" in replay and "─ Inputs ─" in replay
+
+
+def test_every_numeric_option_is_bounded():
+    """#55: each option that takes one number has its range in ``common.BOUNDS`` (checked on the command line for
+    ASCII digits and the range, before click converts it), and the check refuses what it should."""
+    import pytest
+
+    from kvdiag.core.errors import UserError
+
+    numeric = {p.opts[0] for _, command in commands(root_command()) for p in command.params
+               if p.param_type_name == "option" and common.numeric(p) is not None}
+    assert {"--seed", "--bootstrap", "--batch-size"} <= numeric
+    assert sorted(numeric - set(common.BOUNDS)) == []
+    common.check_number("--seed", "7", int)
+    common.check_number("--top-p", "0.9", float)
+    for flag, text, kind in [("--seed", str(2**64), int), ("--seed", "\u0663", int), ("--seed", "1.5", int),
+                             ("--top-p", "nan", float), ("--search-seconds", "inf", float), ("--top-p", "2", float)]:
+        with pytest.raises(UserError, match=flag):
+            common.check_number(flag, text, kind)
