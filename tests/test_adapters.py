@@ -3,14 +3,16 @@ adapted model, and the shipped countdown adapter is what its provenance says."""
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvdiag.core.errors import UserError
+from kvdiag.core.safetensors_header import safetensors_shapes
 from kvdiag.model.load import load_model
-from kvdiag.model.specs import check_model_spec, safetensors_shapes, spec_config, split_adapter
+from kvdiag.model.specs import check_model_spec, spec_config, split_adapter
 
 SHIPPED = Path(__file__).parent.parent / "data" / "adapters" / "smollm2-countdown"
 
@@ -96,3 +98,35 @@ def test_shipped_adapter_is_small_safetensors_lora():
     assert (SHIPPED / "adapter_model.safetensors").stat().st_size <= 5_000_000
     assert not list(SHIPPED.glob("*.bin"))
     check_model_spec(f"smollm2+{SHIPPED}")
+
+
+def _copy_with(src: Path, dst: Path, change) -> Path:
+    """A copy of the adapter directory ``src`` whose weights are ``change(tensors)``."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(src / "adapter_model.safetensors")
+    save_file(change(tensors), dst / "adapter_model.safetensors")
+    return dst
+
+
+def test_an_adapter_that_does_not_fit_is_refused(tiny_adapter, tmp_path):
+    """#55: NaN weights (an all-NaN model, exit 0 before), a module the base lacks (peft only warned and left that
+    factor random) and a truncated weights file are each one UserError, before any output; the good adapter loads."""
+    from safetensors.torch import load_file
+
+    path = tiny_adapter[0]
+    first = next(iter(load_file(path / "adapter_model.safetensors")))
+    nan = _copy_with(path, tmp_path / "nan", lambda t: {k: v.fill_(float("nan")) if k == first else v
+                                                       for k, v in t.items()})
+    module, factor = first.rsplit(".lora_", 1)  # a factor of a module the base does not have: <module>_typo
+    stray = _copy_with(path, tmp_path / "stray", lambda t: {**t, f"{module}_typo.lora_{factor}": t[first].clone()})
+    cut = tmp_path / "cut"
+    shutil.copytree(path, cut)
+    data = (cut / "adapter_model.safetensors").read_bytes()
+    (cut / "adapter_model.safetensors").write_bytes(data[: len(data) - 16])
+    for adapter, needle in [(nan, "NaN or infinite"), (stray, "the base model lacks"),
+                            (cut, "truncated or corrupt")]:
+        with pytest.raises(UserError, match=needle):
+            load_model(f"tiny:llama+{adapter}")
+    assert load_model(f"tiny:llama+{path}").adapter is not None

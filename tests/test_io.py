@@ -23,14 +23,13 @@ def test_writers_leave_whole_files_with_the_usual_mode(tmp_path):
 
 
 def test_safetensors_fault_agrees_with_safetensors(tmp_path):
-    """kvdiag.core.io.safetensors_fault (the header read without torch) says a file is unreadable exactly when
-    safetensors
-    refuses it: whole, cut at each of several points, and with a byte appended."""
+    """kvdiag.core.safetensors_header.safetensors_fault (the header read without torch) says a file is unreadable
+    exactly when safetensors refuses it: whole, cut at each of several points, and with a byte appended."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from kvdiag.core.io import safetensors_fault
+    from kvdiag.core.safetensors_header import safetensors_fault
 
     path = tmp_path / "layer_000.safetensors"
     save_file({"k": torch.randn(3, 4), "v": torch.randn(2)}, str(path), metadata={"layer": "0"})

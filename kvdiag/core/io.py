@@ -128,31 +128,3 @@ def read_json(path: str | os.PathLike, what: str = "file"):
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise UserError(f"{what} {path} is not valid JSON ({err}): regenerate it") from err
-
-
-def safetensors_fault(path: str | os.PathLike) -> str | None:
-    """What makes the safetensors file ``path`` unreadable, told from its header alone (8 bytes of little-endian
-    header length, the JSON header, then the data, whose size must equal the largest ``data_offsets`` end, as
-    safetensors itself requires); None when the header is whole and fits the file."""
-    path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            return f"{size} bytes: shorter than the 8-byte header length"
-        n = int.from_bytes(head, "little")
-        if 8 + n > size:
-            return f"its header claims {n} bytes, the file holds {size - 8} after the length"
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            return f"its header is not JSON ({err})"
-    if not isinstance(header, dict):
-        return "its header is not a JSON object"
-    try:
-        end = max([int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"] + [0])
-    except (TypeError, KeyError, IndexError, ValueError):
-        return "its header lacks data_offsets"
-    if end != size - 8 - n:
-        return f"its header places data up to byte {end}, the file holds {size - 8 - n}"
-    return None

@@ -33,6 +33,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,6 +122,8 @@ def load_model(
     device = check_device(device)
     rnd = None
     base, adapter = split_adapter(check_model_spec(spec))
+    if adapter is not None:
+        check_adapter_values(spec, adapter)  # before the base loads: a NaN adapter would make an all-NaN model
     if base.startswith("tiny:"):
         model, tok = _tiny(base.split(":", 1)[1], seed)
     elif base.startswith("random:"):
@@ -143,18 +146,41 @@ def load_model(
     return loaded
 
 
+LORA_KEY = re.compile(r"\.lora_(A|B|embedding_A|embedding_B)(\.\w+)?\.weight$")  # a LoRA factor's name -> its module
+
+
 def merge_adapter(model, spec: str, adapter: str):
     """``model`` with the LoRA adapter in directory ``adapter`` merged into its weights (peft's ``merge_and_unload``:
     plain Linear layers again, so every kvdiag attention path and kernel sees an ordinary model; the weights hash
     covers the adapter). A base whose module names the adapter does not target is refused."""
     from peft import PeftModel
+    from safetensors import safe_open
 
+    # peft only warns about a module the base lacks and leaves that LoRA factor randomly initialised: a silently
+    # wrong model. Every module the adapter's weights name must be one of the base's.
+    with safe_open(Path(adapter).expanduser() / "adapter_model.safetensors", "pt") as f:
+        targets = {LORA_KEY.sub("", k).removeprefix("base_model.model.") for k in f.keys()}
+    have = {name for name, _ in model.named_modules()}
+    if missing := sorted(targets - have):
+        raise UserError(f"--model {spec}: the adapter names {len(missing)} module(s) the base model lacks (e.g. "
+                        f"{missing[0]}); pass the base model the adapter was trained on")
     try:
         merged = PeftModel.from_pretrained(model, adapter, is_trainable=False).merge_and_unload()
     except (ValueError, KeyError, RuntimeError) as err:
         raise UserError(f"--model {spec}: the adapter does not fit this base model ({str(err).splitlines()[0][:160]});"
                         " pass the base model the adapter was trained on") from err
     return merged
+
+
+def check_adapter_values(spec: str, adapter: str) -> None:
+    """Refuse an adapter whose weights hold NaN or infinity (merged, they would make every logit NaN)."""
+    from safetensors import safe_open
+
+    with safe_open(Path(adapter).expanduser() / "adapter_model.safetensors", "pt") as f:
+        for name in f.keys():
+            if not torch.isfinite(f.get_tensor(name)).all():
+                raise UserError(f"--model {spec}: the adapter's {name} holds NaN or infinite values; retrain or "
+                                "re-save the adapter")
 
 
 def adapter_info(adapter: str) -> dict:

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 from kvdiag.core.errors import UserError
+from kvdiag.core.safetensors_header import safetensors_fault, safetensors_shapes
 
 DEFAULT_MODEL = "smollm2"  # the model a command loads when --model is not given
 
@@ -159,16 +160,6 @@ LORA_DIMS = {"q_proj": ("hidden", "q"), "k_proj": ("hidden", "kv"), "v_proj": ("
              "down_proj": ("inter", "hidden")}
 
 
-def safetensors_shapes(file: Path) -> dict[str, list[int]]:
-    """Tensor name -> shape from a safetensors file's header (8-byte little-endian length, then JSON): no torch."""
-    with open(file, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(size)) if 0 < size <= 100_000_000 else None
-    if not isinstance(header, dict):
-        raise ValueError("not a safetensors header")
-    return {k: v["shape"] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
-
-
 def check_adapter_base(spec: str, path: Path, config: dict) -> None:
     """Refuse, before torch, an adapter made for another base than ``--model spec``'s: its recorded base
     (``base_model_name_or_path``) another built-in model, a layer the base does not have, or a LoRA factor whose
@@ -179,11 +170,14 @@ def check_adapter_base(spec: str, path: Path, config: dict) -> None:
     if isinstance(recorded, str) and is_builtin(recorded) and is_builtin(base) and recorded != base:
         raise UserError(f"--model {spec}: the adapter was made for {recorded}, not {base}; pass "
                         f"{recorded}{ADAPTER_SEP}{path}")
+    weights = path / "adapter_model.safetensors"
     try:
-        shapes = safetensors_shapes(path / "adapter_model.safetensors")
+        shapes, fault = safetensors_shapes(weights), safetensors_fault(weights)
     except (OSError, ValueError, UnicodeDecodeError, KeyError, TypeError) as err:
-        raise UserError(f"--model {spec}: {path}/adapter_model.safetensors is not a readable safetensors file "
-                        f"({type(err).__name__}); save the adapter with safe_serialization=True") from err
+        raise UserError(f"--model {spec}: {weights} is not a readable safetensors file ({type(err).__name__}); save "
+                        "the adapter with safe_serialization=True") from err
+    if fault:
+        raise UserError(f"--model {spec}: {weights} is truncated or corrupt ({fault}); save the adapter again")
     try:
         base_config = spec_config(base)
     except UserError:

@@ -99,9 +99,9 @@ class TraceFiles:
 
     def check_layer_files(self) -> None:
         """Refuse a stored layer file (``tensors/<prompt>/layer_<LLL>.safetensors``) whose header is cut or does not
-        fit its size (``kvdiag.core.io.safetensors_fault``), without reading its tensors; ``kvdiag.trace.Trace`` reads
-        them and refuses any other fault."""
-        from kvdiag.core.io import safetensors_fault
+        fit its size (``kvdiag.core.safetensors_header.safetensors_fault``), without reading its tensors;
+        ``kvdiag.trace.Trace`` reads them and refuses any other fault."""
+        from kvdiag.core.safetensors_header import safetensors_fault
 
         for pid in self.prompt_ids:
             for path in sorted((self.path / "tensors" / pid).glob("layer_*.safetensors")):
