@@ -827,6 +827,10 @@ CASES: list[tuple[str, list[str], str]] = [
                              "--w-obs", "8", "--horizon", "REST"], "--horizon REST"),
     ("label-horizon-space", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", "--checkpoints", "every:16",
                              "--w-obs", "8", "--horizon", " 3"], "--horizon 3: use a number"),
+    ("trace-prompts-latin1", ["trace", "--model", "tiny:llama", "--prompts", "{latin1_jsonl}", "--out", "{out}"],
+     "not UTF-8 text (byte 0xe9 at offset 16)"),
+    ("replay-prompts-latin1", ["replay", "--scorer", "rkv", "--prompts", "{latin1_txt}", "--out", "{out}"],
+     "not UTF-8 text (byte 0xe9 at offset 3)"),
     # ---- #55 paths: empty, existing outputs of another kind (see test_the_output_guard_resolves_paths for links)
     ("trace-out-empty", ["trace", "--model", "tiny:llama", "--out", ""], "--out is empty"),
     ("label-trace-empty", ["label", "--trace", "", "--out", "{out}/l.parquet"], "--trace is empty"),
@@ -998,6 +1002,9 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
         (root / f"include-{name}.json").write_text(json.dumps(positions))
         p[f"include_{name}"] = str(root / f"include-{name}.json")
     (root / "number.jsonl").write_text('{"problem": 42}\n')
+    (root / "latin1.jsonl").write_bytes('{"problem": "caf\u00e9 1+1?"}\n'.encode("latin-1"))
+    (root / "latin1.txt").write_bytes("caf\u00e9\n".encode("latin-1"))
+    p["latin1_jsonl"], p["latin1_txt"] = str(root / "latin1.jsonl"), str(root / "latin1.txt")
     p["number_jsonl"] = str(root / "number.jsonl")
     for kind, peft_type, weights in (("ia3", "IA3", "adapter_model.safetensors"), ("bin", "LORA", "adapter_model.bin")):
         (root / f"adapter-{kind}").mkdir()
@@ -1456,3 +1463,36 @@ def test_the_output_guard_resolves_paths(inputs, tmp_path, capsys):
     code, err = _run(["rank-eval", "--labels", inputs["labels"], "--scores", str(literal), "--bootstrap", "0",
                       "--out", str(tmp_path / "re[1]")], capsys)
     assert code == 0, err
+
+
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, tmp_path, capsys):
+    """#55: Ctrl-C inside a stage (typer turns KeyboardInterrupt into Exit(130) before kvdiag's handler sees it) says
+    so in one line and exits 130; the finished parts are kept (tests/test_faults.py kills real runs)."""
+    import kvdiag.trace.writer
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kvdiag.trace.writer, "trace_files", interrupted)
+    code, err = _run(["trace", "--model", "tiny:llama", "--out", str(tmp_path / "t")], capsys)
+    assert code == 130 and err.strip().splitlines() == [
+        "interrupted: finished parts are kept; rerun the same command to continue"]
+
+
+def test_continuing_a_trace_with_another_model_is_refused_before_it_loads(inputs, tmp_path, capsys, monkeypatch):
+    """#55: another --model, or other generation settings, than the Trace in --out was made with: one line before
+    any model loads (it was refused only after the load)."""
+    import kvdiag.model.load
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(kvdiag.model.load, "load_model", no_load)
+    out = tmp_path / "trace"
+    shutil.copytree(inputs["trace"], out)
+    code, err = _run(["trace", "--model", "tiny:qwen3", "--prompts", "builtin:arith:2", "--max-new-tokens", "40",
+                      "--out", str(out)], capsys)
+    assert code == 2 and "is not the Trace's model (tiny:llama)" in err, err
+    code, err = _run(["trace", "--model", "tiny:llama", "--prompts", "builtin:arith:2", "--max-new-tokens", "41",
+                      "--out", str(out)], capsys)
+    assert code == 2 and "other generation settings" in err, err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import polars as pl
 
@@ -49,3 +50,34 @@ def test_safetensors_fault_agrees_with_safetensors(tmp_path):
         path.write_bytes(data)
         verdicts.append((safetensors_fault(path) is None, readable()))
     assert verdicts == [(True, True)] + [(False, False)] * (len(variants) - 1)
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    """#55: a write that fails for want of space (ENOSPC) is a UserError naming the file (exit 2 through the CLI,
+    not 'a bug in kvdiag'), and neither the final name nor the temporary file is left behind."""
+    import errno
+
+    import pytest
+
+    from kvdiag.core.errors import UserError
+    from kvdiag.core.io import write_atomically
+
+    def full(tmp):
+        Path(tmp).write_bytes(b"half a file")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(UserError, match="out.parquet: No space left on device"):
+        write_atomically(tmp_path / "out.parquet", full)
+    assert list(tmp_path.iterdir()) == []
+    # through the CLI, a write outside kvdiag.core.io (a stage's own) on a full disk is exit 2 as well
+    import kvdiag.trace.writer
+    from kvdiag.cli.main import main
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(kvdiag.trace.writer, "trace_files", no_space)
+    with pytest.raises(SystemExit) as exc:
+        main(["trace", "--model", "tiny:llama", "--out", str(tmp_path / "t")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and err[0].startswith("error: No space left on device"), err

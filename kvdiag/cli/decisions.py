@@ -96,11 +96,12 @@ def decisions(
     if dtype is not None:
         parsing.check_dtype(dtype)
     trace_files = TraceFiles(trace)
-    from kvdiag.core.contracts import belongs, read_scores  # polars and pyarrow: only now
-    # the scores contract (readable, keyed, finite, unique keys) and the Trace of each table, before torch
+    from kvdiag.core.contracts import belongs, read_labels, read_scores  # polars and pyarrow: only now
+    # the scores' and labels' contracts (readable, keyed, finite, unique keys) and the Trace of each, before torch
     score_df, score_meta = read_scores(scores)
     belongs(trace_files, score_meta, f"--scores {scores}")
     if labels is not None:
+        read_labels(labels)
         belongs(trace_files, label_meta, f"--labels {labels}")
     check_reference(cfg, rule_columns(score_df, cfg.rules))
     if model is not None:  # another model than the Trace's, told from names and configs before anything loads

@@ -28,9 +28,11 @@ from rich.text import Text
 from kvdiag.cli import common
 from kvdiag.core.allocator import reuse_freed_memory
 from kvdiag.core.errors import UserError
+from kvdiag.core.io import FULL
 from kvdiag.core.progress import plain_console
 
 DEBUG_FLAG = "--debug"
+INTERRUPTED = 130  # the exit code of a run stopped by Ctrl-C (128 + SIGINT)
 
 app = typer.Typer(
     name="kvdiag",
@@ -148,6 +150,17 @@ def _warnings_to(console: Console):
     return show
 
 
+def handle_bug(err: BaseException, argv: list[str], debug: bool, console: Console) -> None:
+    """A bug, not bad input: one line naming the log file that holds the traceback, exit 1 (``--debug``: raise)."""
+    if debug:
+        raise err
+    log = report_bug(err, argv)
+    where = f"the traceback is in {log}" if log else "no log file could be written"
+    say(console, "internal error", "bold red", f"(a bug in kvdiag, not your input): {type(err).__name__}: "
+        f"{_one_line(err)[:300]}; {where}; rerun with {DEBUG_FLAG} to print it")
+    sys.exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = DEBUG_FLAG in argv
@@ -158,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     warnings.showwarning = _warnings_to(err_console)
     try:
         code = common.invoke(root_command(), argv)
+        if code == INTERRUPTED:  # typer turns Ctrl-C into Exit(130), which click returns: no command returns 130
+            raise KeyboardInterrupt
     except UserError as err:
         say(err_console, "error:", "bold red", str(err))
         sys.exit(2)
@@ -171,15 +186,15 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except (KeyboardInterrupt, typer.Abort):
         say(err_console, "interrupted:", "bold red", "finished parts are kept; rerun the same command to continue")
-        sys.exit(130)
+        sys.exit(INTERRUPTED)
+    except OSError as err:
+        if err.errno not in FULL or debug:  # a write outside kvdiag.core.io on a full disk is no bug either
+            handle_bug(err, argv, debug, err_console)
+        say(err_console, "error:", "bold red", f"{os.strerror(err.errno)} ({_one_line(err)[:300]}); free space "
+            "and rerun the same command to continue")
+        sys.exit(2)
     except Exception as err:  # a bug, not bad input
-        if debug:
-            raise
-        log = report_bug(err, argv)
-        where = f"the traceback is in {log}" if log else "no log file could be written"
-        say(err_console, "internal error", "bold red", f"(a bug in kvdiag, not your input): {type(err).__name__}: "
-            f"{_one_line(err)[:300]}; {where}; rerun with {DEBUG_FLAG} to print it")
-        sys.exit(1)
+        handle_bug(err, argv, debug, err_console)
     finally:
         warnings.showwarning = shown
     sys.exit(code if isinstance(code, int) else 0)

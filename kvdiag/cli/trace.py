@@ -71,6 +71,9 @@ def trace(
     parsing.check_dtype(dtype)
     parsing.check_device_name(device)
     parsing.parse_shard(shard)
+    from kvdiag.trace.manifest import check_continuation
+
+    check_continuation(out, model, settings)
     from kvdiag.trace.writer import trace_files  # the stage: torch and the model, once the arguments are checked
 
     common.quiet_transformers()

@@ -6,6 +6,7 @@ Parquet key-value metadata key ``kvdiag``; ``read_table`` returns both.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -23,6 +24,9 @@ _UMASK = os.umask(0)  # read it once (os.umask can only be read by setting it) .
 os.umask(_UMASK)  # ... and put it back
 
 
+FULL = (errno.ENOSPC, errno.EDQUOT)  # a full disk or quota
+
+
 def write_atomically(path: str | os.PathLike, write) -> Path:
     """Call ``write(tmp)`` on a hidden file beside ``path``, then rename it over ``path``: readers and
     interrupted runs never see half a file."""
@@ -34,6 +38,11 @@ def write_atomically(path: str | os.PathLike, write) -> Path:
     try:
         write(tmp)
         os.replace(tmp, path)
+    except OSError as err:
+        if err.errno in FULL:  # the machine's, not kvdiag's fault: one line, nothing under the final name
+            raise UserError(f"writing {path}: {os.strerror(err.errno)}; free space or choose another output") \
+                from err
+        raise
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -128,3 +137,14 @@ def read_json(path: str | os.PathLike, what: str = "file"):
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise UserError(f"{what} {path} is not valid JSON ({err}): regenerate it") from err
+
+
+def read_utf8(path: str | os.PathLike, what: str) -> str:
+    """The text of a user's file ``path`` (``what``: its flag), decoded as UTF-8; a file that is not is one
+    ``UserError`` naming the file and the offset of its first bad byte."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"{what} {path}: not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); save "
+                        "it as UTF-8") from None

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from kvdiag.core.errors import UserError
+from kvdiag.core.io import read_utf8
 from kvdiag.core.parsing import safe_id
 from kvdiag.tasks.suites import SUITES, Prompt, arith_prompts, load_builtin, recall_prompts
 
@@ -46,7 +47,7 @@ def load_prompts(source: str, limit: int | None = None, seed: int = 0) -> list[P
 
 def _jsonl(path: Path) -> list[Prompt]:
     prompts = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for lineno, line in enumerate(read_utf8(path, "--prompts").splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -71,7 +72,7 @@ def _jsonl(path: Path) -> list[Prompt]:
 
 
 def _text(path: Path) -> list[Prompt]:
-    lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
+    lines = [ln.strip() for ln in read_utf8(path, "--prompts").splitlines()]
     return [Prompt(f"p{i:04d}", ln, None, None) for i, ln in enumerate(l for l in lines if l)]
 
 

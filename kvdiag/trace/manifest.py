@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -108,3 +109,27 @@ class TraceFiles:
                 if fault := safetensors_fault(path):
                     raise UserError(f"--trace {self.path}: {path.name} of {pid} is unreadable ({fault}); re-run "
                                     "`kvdiag trace`")
+
+
+def check_continuation(out: str | os.PathLike, model: str, settings) -> None:
+    """Before the model loads: refuse to continue the (possibly partial) Trace in ``out`` with another ``--model``
+    (``kvdiag.model.specs.check_trace_model``: names and configs) or other generation ``settings`` (a
+    ``GenerationSettings``); the writer checks the loaded model's weights against it again."""
+    from dataclasses import asdict
+
+    from kvdiag.model.specs import check_trace_model
+
+    out = Path(out)
+    header = next((p for p in (out / "manifest.json", out / "parts" / "_header.json") if p.is_file()), None)
+    if header is None:
+        return
+    try:
+        existing = json.loads(header.read_text())
+        recorded, generation = existing["model"], existing["generation"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # not a Trace's header: the output guard and the writer say so
+    fix = "choose a new output directory, or the Trace's model"
+    check_trace_model(model, recorded, fix=fix)
+    if {"store": "all", **generation} != asdict(settings):  # a Trace from before --store has every tensor
+        raise UserError(f"--out {out} holds a Trace made with other generation settings; choose a new output "
+                        "directory or the same settings")
