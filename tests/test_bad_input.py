@@ -831,6 +831,13 @@ CASES: list[tuple[str, list[str], str]] = [
      "not UTF-8 text (byte 0xe9 at offset 16)"),
     ("replay-prompts-latin1", ["replay", "--scorer", "rkv", "--prompts", "{latin1_txt}", "--out", "{out}"],
      "not UTF-8 text (byte 0xe9 at offset 3)"),
+    # found by tests/test_fuzz_cli.py: a FIFO input blocked its read forever
+    ("label-include-fifo", ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", *FITS, "--include", "{fifo}"],
+     "fifo is not a regular file or directory (a FIFO"),
+    ("rank-eval-labels-fifo", ["rank-eval", "--labels", "{fifo}", "--scores", "{scores}", "--out", "{out}"],
+     "fifo is not a regular file or directory (a FIFO"),
+    ("score-plugin-fifo", ["score", "--trace", "{trace}", "--labels", "{labels}", "--plugin", "{fifo}", "--out",
+                           "{out}/s.parquet"], "fifo is not a regular file or directory (a FIFO"),
     # ---- #55 paths: empty, existing outputs of another kind (see test_the_output_guard_resolves_paths for links)
     ("trace-out-empty", ["trace", "--model", "tiny:llama", "--out", ""], "--out is empty"),
     ("label-trace-empty", ["label", "--trace", "", "--out", "{out}/l.parquet"], "--trace is empty"),
@@ -1005,6 +1012,8 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
     (root / "latin1.jsonl").write_bytes('{"problem": "caf\u00e9 1+1?"}\n'.encode("latin-1"))
     (root / "latin1.txt").write_bytes("caf\u00e9\n".encode("latin-1"))
     p["latin1_jsonl"], p["latin1_txt"] = str(root / "latin1.jsonl"), str(root / "latin1.txt")
+    os.mkfifo(root / "fifo")  # an input FIFO: reading it would block forever (found by tests/test_fuzz_cli.py)
+    p["fifo"] = str(root / "fifo")
     p["number_jsonl"] = str(root / "number.jsonl")
     for kind, peft_type, weights in (("ia3", "IA3", "adapter_model.safetensors"), ("bin", "LORA", "adapter_model.bin")):
         (root / f"adapter-{kind}").mkdir()

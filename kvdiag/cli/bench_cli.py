@@ -67,6 +67,9 @@ def bench_cli(
     out: Path | None = common.flag("--out", None, "also write the result as JSON here"),
 ) -> None:
     """Time `kvdiag --help` and one bad input per command against importing torch and transformers."""
+    from kvdiag.core.guard import check_outputs
+
+    check_outputs({"--out": out})
     with tempfile.TemporaryDirectory() as tmp:
         base, _, _ = _best([sys.executable, "-c", "import torch, transformers"], repeats)
         rows = [("--help", *_best([sys.executable, "-c", RUN, json.dumps(["--help"])], repeats))]

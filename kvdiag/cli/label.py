@@ -62,7 +62,7 @@ def label(
 
     ours = TraceFiles(trace).fingerprint if Path(out).is_file() and not overwrite else None  # what --out may hold
     check_outputs({"--out": (out, "file", "labels"), "--out (its parts)": (out.with_name(out.name + ".parts"), "dir")},
-                  {"--trace": trace}, overwrite=overwrite, trace_fingerprint=ours)
+                  {"--trace": trace, "--include": include}, overwrite=overwrite, trace_fingerprint=ours)
     from kvdiag.label.config import LabelConfig, work_items  # light: the config, not the engine
     from kvdiag.model.specs import check_model_spec, check_trace_model
 

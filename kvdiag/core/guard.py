@@ -86,7 +86,8 @@ def check_outputs(outputs: Mapping[str, PathLike | tuple | None],
     written. ``inputs``: flag -> path (or paths) read by the command; plugin modules that are not paths are skipped.
     ``writes_trace``: the command's output kind is a Trace directory (``kvdiag trace``), which it may continue.
 
-    Paths are compared as the operating system opens them (symlinks resolved before ``..``) and existing files by
+    An input that is a FIFO, device or socket is refused (reading a FIFO would wait forever). Paths are compared as
+    the operating system opens them (symlinks resolved before ``..``) and existing files by
     device and inode (hard links). An output may not be empty, nor an existing FIFO, device or socket; an existing
     output file of a ``table`` kind must be such a table (of ``trace_fingerprint``'s Trace, when given): this
     command's own output, which it replaces or continues; anything else is refused unless ``overwrite``. Then each
@@ -100,6 +101,10 @@ def check_outputs(outputs: Mapping[str, PathLike | tuple | None],
             raise UserError(f"{flag} is empty: give a path")
         given[flag] = (path, kind, table)
     ins = [(flag, p, _real(p)) for flag, p in _flatten(inputs or {}) if p.exists()]
+    for flag, given_in, inp in ins:  # a FIFO would block the first read forever; a device is no input file
+        if not (inp.is_file() or inp.is_dir()):
+            raise UserError(f"{flag} {given_in} is not a regular file or directory (a FIFO, device or socket); pass "
+                            "the file itself")
     for flag, (path, _kind, table) in given.items():
         out = _real(path)
         for in_flag, given_in, inp in ins:

@@ -139,10 +139,26 @@ def read_json(path: str | os.PathLike, what: str = "file"):
         raise UserError(f"{what} {path} is not valid JSON ({err}): regenerate it") from err
 
 
+def read_input(path: str | os.PathLike, what: str) -> bytes:
+    """The bytes of a user's input file ``path`` (``what``: its flag): a regular file, else one ``UserError`` (a FIFO
+    would block the read forever; a directory or device is no input file)."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise UserError(f"{what} {path}: no such file") from None
+    except OSError as err:
+        raise UserError(f"{what} {path}: cannot be read ({err.strerror or err})") from None
+    if not stat.S_ISREG(mode):
+        raise UserError(f"{what} {path} is not a regular file (a directory, FIFO, device or socket); pass the file")
+    return Path(path).read_bytes()
+
+
 def read_utf8(path: str | os.PathLike, what: str) -> str:
     """The text of a user's file ``path`` (``what``: its flag), decoded as UTF-8; a file that is not is one
     ``UserError`` naming the file and the offset of its first bad byte."""
-    data = Path(path).read_bytes()
+    data = read_input(path, what)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:

@@ -153,11 +153,13 @@ def read_positions(path, flag: str = "--include") -> dict[str, list[int]]:
     import json
     from pathlib import Path
 
+    from kvdiag.core.io import read_utf8
+
+    if not Path(path).exists():
+        raise UserError(f"{flag} {path}: no such file; give a JSON file {{prompt_id: [position, ...]}}")
     try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise UserError(f"{flag} {path}: no such file; give a JSON file {{prompt_id: [position, ...]}}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        data = json.loads(read_utf8(path, flag))
+    except json.JSONDecodeError as e:
         raise UserError(f"{flag} {path}: not a readable JSON file ({e}); give {{prompt_id: [position, ...]}}") from None
     if not isinstance(data, dict) or not all(
             isinstance(v, list) and all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in v)

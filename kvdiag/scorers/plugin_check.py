@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 
 from kvdiag.core.errors import UserError
+from kvdiag.core.io import read_input
 from kvdiag.scorers.names import BUILTIN_SCORERS
 
 
@@ -42,7 +43,7 @@ def check_plugin_source(module: str) -> None:
     label = f"--plugin {module}"
     path = Path(module)
     try:
-        tree = ast.parse(path.read_bytes(), filename=str(path))
+        tree = ast.parse(read_input(path, "--plugin"), filename=str(path))
     except SyntaxError as err:
         raise UserError(f"{label}: syntax error in {err.filename} line {err.lineno}: {err.msg}; fix the file"
                         ) from None

@@ -1,0 +1,228 @@
+"""A generated fuzz suite of the command line (#55): for every command and every option, hostile values drawn by
+Hypothesis (Unicode digits, huge, negative, NaN, infinite, empty, markup, glob characters, long text; symlinked,
+hard-linked, special and truncated files) must give exit 0 with the inputs unchanged, or exit 2 with one line,
+within a time bound; never exit 1 ("a bug in kvdiag"), never a changed input.
+
+What runs: the console script's ``main`` in this process, on a valid command line of a tiny run (trace, labels,
+scores) with one option replaced by the drawn value. Every check a command makes of its arguments and input files
+runs for real; the stage itself (what loads a model and computes) is replaced by a stub that ends the run as
+"accepted", so that a thousand draws fit in CI's minutes. What an accepted value then does inside a stage is bounded
+by the same checks (every number's range: ``kvdiag.cli.common.BOUNDS``) and is the business of the stage's own
+tests. Draws are derandomized (the same examples on every run); a failing one is kept as an explicit row of
+tests/test_bad_input.py (``KEPT`` below lists them).
+
+Not drawn: a NUL byte (no shell passes one to a process) and absolute paths from free text (the scratch directory
+is the current directory; drawn paths are built there).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvdiag.cli.main import main, root_command
+from tests.test_bad_input import inputs  # noqa: F401  (the fixture: a tiny run and broken copies of its files)
+
+# a valid command line per command; {trace} {labels} {scores} {run} {out} are filled from the fixture
+FITS = ["--checkpoints", "every:16", "--w-obs", "8", "--horizon", "4"]
+BASE: dict[str, list[str]] = {
+    "trace": ["trace", "--model", "tiny:llama", "--prompts", "builtin:arith:1", "--max-new-tokens", "8", "--out",
+              "{out}"],
+    "label": ["label", "--trace", "{trace}", "--out", "{out}/l.parquet", *FITS, "--candidates", "4"],
+    "score": ["score", "--trace", "{trace}", "--labels", "{labels}", "--scorers", "knorm", "--out", "{out}/s.parquet"],
+    "rank-eval": ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--bootstrap", "0", "--out", "{out}"],
+    "figures": ["figures", "--trace", "{trace}", "--labels", "{labels}", "--scores", "{scores}", "--out", "{out}"],
+    "report": ["report", "--run", "{run}", "--out", "{out}"],
+    "replay": ["replay", "--model", "tiny:llama", "--prompts", "builtin:arith:1", "--scorers", "knorm", "--budget",
+               "16", "--interval", "8", "--max-new-tokens", "8", "--out", "{out}"],
+    "decisions": ["decisions", "--trace", "{trace}", "--scores", "{head_scores}", "--keep", "0.5", "--out", "{out}"],
+    "grade": ["grade", "knorm", "--out", "{out}"],
+    "fit": ["fit", "--trace", "{trace}", "--labels", "{labels}", "--out", "{out}"],
+    "demo": ["demo", "--model", "tiny:llama", "--limit", "1", "--out", "{out}"],
+    "validate-labels": ["validate-labels", "--exact", "{labels}", "--approx", "{labels}", "--out", "{out}"],
+    "bench trace": ["bench", "trace", "--model", "tiny:llama"],
+    "bench label": ["bench", "label", "--model", "tiny:llama"],
+    "bench score": ["bench", "score", "--trace", "{trace}"],
+    "bench kernels": ["bench", "kernels"],
+    "bench scale": ["bench", "scale", "--out", "{out}"],
+    "bench peak": ["bench", "peak"],
+    "bench replay": ["bench", "replay", "--model", "tiny:llama"],
+    "bench cli": ["bench", "cli", "--repeats", "1"],
+    "bench decisions": ["bench", "decisions", "--model", "tiny:llama"],
+}
+# where each command's work starts (after every argument check): replaced by a stub that ends the run as accepted
+STAGES = [
+    ("kvdiag.trace.writer", "trace_files"), ("kvdiag.label.run", "label_files"),
+    ("kvdiag.scorers.run", "score_files"), ("kvdiag.rankeval.run", "rank_eval_files"),
+    ("kvdiag.figures.run", "figures_files"), ("kvdiag.report.run", "report_files"),
+    ("kvdiag.replay.run", "replay_files"), ("kvdiag.decisions.run", "decisions_files"),
+    ("kvdiag.grade.run", "grade_files"), ("kvdiag.fit.run", "fit_files"),
+    ("kvdiag.label.validate", "run_validation"), ("kvdiag.model.load", "load_model"),
+    ("kvdiag.scorers.bench", "run_score_bench"), ("kvdiag.kernels.bench", "run_kernel_bench"),
+    ("kvdiag.kernels.peak", "matmul_peak"), ("kvdiag.bench.scale", "bench_scale"), ("kvdiag.cli.bench_cli", "_best"),
+]
+EXAMPLES = int(os.environ.get("KVDIAG_FUZZ_EXAMPLES", 3))  # draws per option in CI; more for a longer hunt
+SECONDS = 60  # the time bound of one run: its checks read small files, nothing heavier
+# what the fuzz found, kept as explicit rows of tests/test_bad_input.py (CASES): a FIFO given as an input file blocked
+# its first read forever (the output guard now refuses a FIFO, device or socket among the inputs)
+KEPT = ["label-include-fifo", "rank-eval-labels-fifo", "score-plugin-fifo"]
+
+
+class StageReached(BaseException):
+    """Raised by the stubbed stages: every argument check passed (main lets a BaseException through)."""
+
+
+class Hung(BaseException):
+    """Raised by the alarm of a run that took over SECONDS (a read of a FIFO blocks forever, for one)."""
+
+
+def alarm(signum, frame):
+    raise Hung
+
+
+def options() -> list[tuple[str, str, bool]]:
+    """(command, option, is a flag) for every option of every command (--help aside)."""
+    found = []
+
+    def walk(command, names=()):
+        for name, sub in getattr(command, "commands", {}).items():
+            walk(sub, (*names, name))
+        if not hasattr(command, "commands"):
+            found.extend((" ".join(names), p.opts[0], bool(p.is_flag)) for p in command.params
+                         if p.param_type_name == "option")
+
+    walk(root_command())
+    return sorted(found)
+
+
+OPTIONS = options()
+DIGITS = "\u00b2\u2460\u0663\u0966\uff13\u00bd"  # superscript two, circled one, Arabic-Indic 3, Devanagari 0, ...
+HOSTILE = ["", " ", "-1", "0", "1e9", "1e999", "nan", "-nan", "inf", "-inf", "2.5", str(2**64), str(-2**63),
+           "9" * 40, "REST", "rest ", "all", "[red]x[/red]", "x[1]*?", "*", "..", ".", "-", "--", "a,b,,c",
+           "every:", "every:0", "every:-3", "keep:x", "tiny:", "builtin:", "builtin:recall:0", "\u00e9\u00e8", "\n",
+           "x" * 300, *DIGITS, f"every:{DIGITS[0]}", f"{DIGITS[2]}{DIGITS[2]}"]
+FILES = ["@labels", "@trace", "@link_labels", "@hard_labels", "@dotdot_labels", "@fifo", "@dir", "@missing",
+         "@truncated", "@devnull", "@empty_file"]
+
+text = st.text(st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)), max_size=12).filter(
+    lambda s: not s.startswith(("/", "~")))
+values = st.one_of(st.sampled_from(HOSTILE), st.sampled_from(FILES), text,
+                   st.integers(-2**70, 2**70).map(str),
+                   st.floats(allow_nan=True, allow_infinity=True).map(str))
+
+
+def digest(root: Path) -> dict[str, str]:
+    return {str(f): hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(root.rglob("*")) if f.is_file()}
+
+
+@pytest.fixture(scope="module")
+def run(inputs, tmp_path_factory):  # noqa: F811  (the imported fixture, requested)
+    """The tiny run every command line points at (tests/test_bad_input.py's), and the special files the path
+    strategies draw."""
+    paths = inputs
+    root = Path(tmp_path_factory.mktemp("fuzz-files"))
+    (root / "link").symlink_to(paths["labels"])
+    os.link(paths["labels"], root / "hard.parquet")
+    (root / "sub").symlink_to(paths["trace"])
+    os.mkfifo(root / "fifo")
+    (root / "dir").mkdir()
+    (root / "empty").write_bytes(b"")
+    data = Path(paths["labels"]).read_bytes()
+    (root / "cut.parquet").write_bytes(data[: len(data) // 3])
+    files = {"@labels": paths["labels"], "@trace": paths["trace"], "@link_labels": str(root / "link"),
+             "@hard_labels": str(root / "hard.parquet"),
+             "@dotdot_labels": str(root / "sub" / ".." / Path(paths["labels"]).name), "@fifo": str(root / "fifo"),
+             "@dir": str(root / "dir"), "@missing": str(root / "missing.parquet"),
+             "@truncated": str(root / "cut.parquet"), "@devnull": "/dev/null", "@empty_file": str(root / "empty")}
+    return paths, files
+
+
+@pytest.fixture
+def stubbed(monkeypatch):
+    import importlib
+
+    def stage(*args, **kwargs):
+        raise StageReached
+
+    for module, name in STAGES:
+        monkeypatch.setattr(importlib.import_module(module), name, stage)
+
+
+def command_line(command: str, option: str, flag: bool, value: str, paths: dict, files: dict, out: Path) -> list[str]:
+    argv = [a.format(out=out, **paths) for a in BASE[command]]
+    if flag:
+        return argv + [option]
+    value = files.get(value, value)
+    if option in argv:  # replace the base's value
+        i = argv.index(option)
+        return argv[:i + 1] + [value] + argv[i + 2:]
+    return argv + [option, value]
+
+
+def test_the_kept_examples_are_rows():
+    from tests.test_bad_input import CASES
+
+    assert set(KEPT) <= {name for name, _, _ in CASES}
+
+
+def test_every_command_has_a_base_line_that_is_accepted(run, stubbed, tmp_path, capsys, monkeypatch):
+    """The base lines pass every check (so a refusal in the fuzz is the drawn value's doing)."""
+    assert sorted({c for c, _, _ in OPTIONS}) == sorted(BASE)
+    assert len(OPTIONS) > 250
+    paths, _ = run
+    monkeypatch.chdir(tmp_path)
+    for command, line in BASE.items():
+        with pytest.raises(StageReached):
+            main([a.format(out=tmp_path / command.replace(" ", "-"), **paths) for a in line])
+        assert capsys.readouterr().err.count("error:") == 0, command
+
+
+@pytest.mark.parametrize("command, option, flag", OPTIONS, ids=[f"{c}:{o}" for c, o, _ in OPTIONS])
+def test_hostile_values(command, option, flag, run, stubbed, tmp_path_factory, capsys, monkeypatch):
+    paths, files = run
+    scratch = tmp_path_factory.mktemp("cwd")
+    monkeypatch.chdir(scratch)
+    watched = Path(paths["run"])
+    before = digest(watched)
+    count = [0]
+
+    @settings(max_examples=1 if flag else EXAMPLES, derandomize=True, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(value=values)
+    def check(value):
+        count[0] += 1
+        argv = command_line(command, option, flag, value, paths, files, scratch / f"out{count[0]}")
+        start = time.monotonic()
+        previous = signal.signal(signal.SIGALRM, alarm)
+        # aimed at this thread: a process-wide alarm may land on one of polars' threads and leave a blocked read here
+        timer = threading.Timer(SECONDS, signal.pthread_kill, (threading.main_thread().ident, signal.SIGALRM))
+        timer.start()
+        try:
+            main(argv)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code
+        except StageReached:
+            code = 0
+        except Hung:
+            code = "hung"
+        finally:
+            timer.cancel()
+            signal.signal(signal.SIGALRM, previous)
+        seconds = time.monotonic() - start
+        err = capsys.readouterr().err.strip().splitlines()
+        assert seconds < SECONDS, (argv, seconds)
+        assert code in (0, 2), (argv, code, err)
+        if code == 2:
+            assert len(err) == 1 and err[0].startswith("error:"), (argv, err)
+        assert digest(watched) == before, (argv, "an input changed")
+
+    check()
