@@ -105,15 +105,6 @@ def test_bad_input_is_one_line_before_generation(tiny_llama):
         EvictingCache(load_model("tiny:gemma3").model, "rkv", budget=12, selection="per-token")
 
 
-def test_padded_batches_are_refused(tiny_llama):
-    cache = EvictingCache(tiny_llama.model, "rkv", budget=64, interval=8)
-    ids = torch.tensor([[0] + PROMPT[:-1], PROMPT])
-    mask = torch.ones_like(ids)
-    mask[0, 0] = 0  # left padding: row 0 starts one position later
-    with pytest.raises(UserError, match="without padding"):
-        tiny_llama.model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=3, pad_token_id=0)
-
-
 # --------------------------------------------------------------------------- sliding windows
 
 

@@ -1,4 +1,4 @@
-"""The README's ``model.generate`` example (``past_key_values=EvictingCache(...)`` on the embedded SmolLM2), executed
+"""The README's ``model.generate`` example (``cache=EvictingCache(...)`` on the embedded SmolLM2), executed
 as printed and compared token for token with ``kvdiag replay``'s free-running decode of the same prompt and rule."""
 
 from __future__ import annotations
@@ -17,15 +17,16 @@ def readme_example() -> str:
     """The README's python block that calls ``model.generate`` with an EvictingCache, dedented."""
     blocks = re.findall(r"^( *)```python\n(.*?)^\1```", README.read_text(), re.DOTALL | re.MULTILINE)
     found = [re.sub(rf"^{indent}", "", code, flags=re.MULTILINE) for indent, code in blocks
-             if "past_key_values=cache" in code]
+             if "cache=cache" in code]
     assert len(found) == 1, "the README shows one model.generate example with an EvictingCache"
     return found[0]
 
 
-def test_the_readme_example_uses_past_key_values_and_the_embedded_model():
+def test_the_readme_example_uses_cache_and_the_embedded_model():
+    """``cache=``: the name transformers 5.2x's generate takes without a warning (``past_key_values=`` warns)."""
     code = readme_example()
     assert 'load_model("smollm2")' in code and "EvictingCache(lm.model" in code
-    assert re.search(r"\.generate\(.*past_key_values=cache", code)
+    assert re.search(r"\.generate\(.*\bcache=cache", code) and "past_key_values" not in code
 
 
 @pytest.mark.slow

@@ -52,16 +52,22 @@ class QueryWindow:
         self.rows = [None if r is None else r[rows.to(r.device)] for r in self.rows]
 
 
-def position_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None, heads: int) -> torch.Tensor:
+def position_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None, heads: int,
+                  padded: bool = False) -> torch.Tensor:
     """bool [b, H or 1, c, n] (True: attend) from query positions [b, c] and key positions [b, Hkv, n].
 
     Query ``q`` sees key ``k`` iff ``k <= q`` and, with a sliding ``window`` W, ``q - k < W`` (transformers'
-    ``sliding_window_overlay``). Keys shared by every KV head give one mask row for all heads; else KV head ``h``'s
-    row serves its ``H / Hkv`` query heads (transformers' ``repeat_kv`` order)."""
+    ``sliding_window_overlay``). ``padded``: negative positions are left padding (``PositionedLayer.offsets``), which
+    no real query sees; a padding query sees the padding before it (its output is never read, but a row with nothing
+    to attend would be NaN, and NaN values times a zero weight would reach the real rows). Keys shared by every KV
+    head give one mask row for all heads; else KV head ``h``'s row serves its ``H / Hkv`` query heads (transformers'
+    ``repeat_kv`` order)."""
     shared = bool((key_pos == key_pos[:, :1]).all())
     keys = key_pos[:, :1] if shared else key_pos
     q, k = query_pos[:, None, :, None], keys[:, :, None, :]
     visible = k <= q
+    if padded:
+        visible &= (k >= 0) | (q < 0)
     if window is not None:
         visible &= q - k < window
     return visible if shared else visible.repeat_interleave(heads // key_pos.shape[1], dim=1)
@@ -83,10 +89,11 @@ def _take(module, query: torch.Tensor, attention_mask, kwargs: dict, eager: bool
     layer, query_pos, queries = handoff
     if queries is not None:
         queries.add(module.layer_idx, query)
-    if layer.sliding_window is None:
+    padded = layer.offsets is not None  # transformers' padding mask indexes slots, which a compaction moved
+    if layer.sliding_window is None and not padded:
         return attention_mask
     mask = position_mask(query_pos.to(query.device), layer.visible_positions.to(query.device), layer.sliding_window,
-                         query.shape[1])
+                         query.shape[1], padded)
     if eager:  # the model file's eager attention adds its mask
         return torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
             ~mask, torch.finfo(query.dtype).min)

@@ -8,8 +8,11 @@ so a forward without ``position_ids`` (and ``model.generate``) numbers new token
 slots stays exact after a compaction. A sliding layer drops the entries no future query can see (as transformers'
 ``DynamicSlidingWindowLayer`` does) and its mask comes from positions (``kvdiag.cache.attend``).
 
-Every row of a batch holds the same number of entries per layer: rows share their prompt length and schedule and
-are compacted at the same steps (each keeps its own entries). Positions live on the CPU (a few integers per entry).
+Every row of a batch holds the same number of entries per layer (each keeps its own entries). Rows share their
+prompt length, unless the batch is left-padded: a layer's ``offsets`` then says how many padding slots open each row,
+its slot ``s`` holds position ``s - offsets[r]``, and padding has negative positions, which no real query sees
+(``kvdiag.cache.attend`` masks by position on every layer then). Positions live on the CPU (a few integers per
+entry).
 
 Storage: by default each step concatenates (``torch.cat``: a compacted cache stays small). With ``capacity`` (the
 Trace recorder: the trace's longest possible length, never compacted) a layer writes each step's rows into blocks
@@ -35,6 +38,8 @@ class PositionedLayer(DynamicLayer):
     sliding_window : W of a sliding layer (query ``q`` sees ``q - W < k <= q``), None for full attention.
     queries : the cache's query window, filled by the attention call this layer hands itself to.
     capacity : entries per (row, KV head) to allocate blocks for (None: concatenate each step; see the module).
+    offsets : [b] the left padding of each row (``EvictingCache`` sets it from the attention mask), or None: none.
+        Row ``r``'s slot ``s`` (tokens fed) is position ``s - offsets[r]``; padding has negative positions.
     """
 
     is_croppable = False  # a compacted cache cannot be rolled back
@@ -50,7 +55,8 @@ class PositionedLayer(DynamicLayer):
         self.start = self.end = 0  # the held entries are slots [start, end) of the blocks
         self.positions = torch.empty(0, 0, 0, dtype=torch.long)
         self.visible_positions = self.positions  # of the keys the current attention call reads
-        self.seen = 0  # tokens fed: the next token's position
+        self.seen = 0  # tokens fed: the next token's position (its slot in a left-padded batch)
+        self.offsets: torch.Tensor | None = None
 
     def __len__(self) -> int:
         """n: entries held per (row, KV head)."""
@@ -69,6 +75,8 @@ class PositionedLayer(DynamicLayer):
         if self.positions.numel() == 0:
             self.positions = torch.empty(b, Hkv, 0, dtype=torch.long)
         query_pos = torch.arange(self.seen, self.seen + c).expand(b, c)
+        if self.offsets is not None:  # left padding: each row's positions start after its own padding
+            query_pos = query_pos - self.offsets[:, None]
         new_pos = query_pos[:, None, :].expand(b, Hkv, c)
         if self.capacity is None:
             keys = torch.cat([self.keys, key_states], dim=-2)
@@ -81,7 +89,10 @@ class PositionedLayer(DynamicLayer):
         HANDOFF.set((self, query_pos, self.queries))
         drop = 0
         if self.sliding_window is not None:  # entries at or before seen - W are out of every later query's window
-            drop = int((positions <= self.seen - self.sliding_window).sum(-1).min())
+            limit = self.seen - self.sliding_window
+            if self.offsets is not None:  # each row's next position is its own
+                limit = (limit - self.offsets)[:, None, None]
+            drop = int((positions <= limit).sum(-1).min())
         self.start += drop if self.capacity is not None else 0
         self.keys, self.values, self.positions = keys[:, :, drop:], values[:, :, drop:], positions[..., drop:]
         return keys, values
@@ -128,6 +139,8 @@ class PositionedLayer(DynamicLayer):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Make batch row ``i`` the current row ``indices[i]``."""
+        if self.offsets is not None:
+            self.offsets = self.offsets[indices.cpu()]
         if not self.is_initialized:
             return
         if self.capacity is not None:
@@ -146,6 +159,7 @@ class PositionedLayer(DynamicLayer):
         self.blocks, self.start, self.end = [None, None, None], 0, 0
         self.positions = self.visible_positions = torch.empty(0, 0, 0, dtype=torch.long)
         self.seen = 0
+        self.offsets = None
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a positioned cache cannot be cropped (its entries may have been compacted)")
@@ -189,15 +203,22 @@ class PositionedCache(Cache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def check_positions(self, b: int, c: int, kwargs: dict) -> None:
-        """The forward's ``position_ids`` must be the next ``c`` positions of every row (no padding, no reuse)."""
+        """The forward's ``position_ids`` must be the next ``c`` positions of every row (no reuse): the next slots,
+        less each row's left padding when the layers have ``offsets`` (padding slots may say anything)."""
         given = kwargs.get("position_ids")
         if given is None:
             return
-        start = self.layers[0].seen
-        if given.dim() != 2 or not bool((given.cpu() == torch.arange(start, start + c)).all()):
+        start, offsets = self.layers[0].seen, self.layers[0].offsets
+        want = torch.arange(start, start + c).expand(b, c)
+        if offsets is not None:
+            want = want - offsets[:, None]
+        ok = given.dim() == 2 and given.shape[-1] == c and given.shape[0] in (1, b)
+        if ok:
+            ok = bool(((given.cpu().expand(b, c) == want) | (want < 0)).all())
+        if not ok:
             raise UserError(f"positions {given.flatten()[:4].tolist()}… fed to a positioned cache that holds {start} "
-                            "tokens: every row must continue at the next position (batch prompts of one length, "
-                            "without padding)")
+                            "tokens: every row must continue at its next position (prompts of one length, or "
+                            "left-padded with their attention_mask given to an EvictingCache)")
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         """Physical entries of ``layer_idx``: where the new queries' slots start (the causal mask is over slots)."""

@@ -19,6 +19,9 @@ from kvdiag.model.adapters import ModelAttention
 from kvdiag.model.families import check_windows
 from kvdiag.scorers import Scorer
 
+# how a prompt is compacted (Policy.prefill): replay's chunks, or kvpress's one compaction after a one-forward prefill
+PREFILLS = ("chunked", "once")
+
 
 @dataclass
 class Policy:
@@ -38,6 +41,10 @@ class Policy:
         spec string is parsed here).
     backend : kernel backend of the compaction (``auto``, ``torch``, ``triton``).
     seed : seed of stochastic selection (each compaction draws from ``crc32(seed:prompt:t)``).
+    prefill : how the prompt is fed and compacted. ``chunked`` (replay's, R-KV's): ``budget + interval`` tokens, then
+        ``interval`` at a time, a checkpoint after each chunk, so no forward holds more than ``budget + interval``
+        entries. ``once`` (kvpress's): the whole prompt in one forward, one checkpoint at its end (the cache holds the
+        whole prompt until then). Both then compact every ``interval`` generated tokens.
     """
 
     scorer: Scorer
@@ -46,12 +53,15 @@ class Policy:
     selection: Selection | str = "per-head"
     backend: str = "auto"
     seed: int = 0
+    prefill: str = "chunked"
 
     def __post_init__(self):
         if self.budget < 1:
             raise UserError(f"--budget {self.budget}: must be a positive number of cache entries")
         if self.interval < 1:
             raise UserError(f"--interval {self.interval}: must be a positive number of tokens between compressions")
+        if self.prefill not in PREFILLS:
+            raise UserError(f"prefill={self.prefill!r} is not valid: use one of {', '.join(PREFILLS)}")
         self.selection = Selection.parse(self.selection)
 
     @property
@@ -65,9 +75,10 @@ class Policy:
 
 
 def prompt_chunks(prompt_len: int, policy: Policy | None) -> list[tuple[int, int]]:
-    """``(start, end)`` of each prefill forward: the whole prompt when it fits ``budget + interval`` entries,
-    else ``budget + interval`` tokens and then ``interval`` at a time (a checkpoint follows each chunk)."""
-    if policy is None:
+    """``(start, end)`` of each prefill forward: the whole prompt when it fits ``budget + interval`` entries or the
+    policy prefills ``once``, else ``budget + interval`` tokens and then ``interval`` at a time (a checkpoint follows
+    each chunk)."""
+    if policy is None or policy.prefill == "once":
         return [(0, prompt_len)]
     first = min(prompt_len, policy.budget + policy.interval)
     return [(0, first)] + [(s, min(s + policy.interval, prompt_len)) for s in range(first, prompt_len, policy.interval)]

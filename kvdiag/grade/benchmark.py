@@ -28,7 +28,18 @@ from pathlib import Path
 from kvdiag.core.errors import UserError
 from kvdiag.core.io import read_json, write_json
 
-BENCH_ROOT = Path(__file__).resolve().parents[2] / "data" / "kvdiag-bench"
+
+def _bench_root() -> Path:
+    """Where the shipped benchmarks are: ``kvdiag/grade/kvdiag-bench``, package data in an installed wheel and, in a
+    checkout, a symlink to ``data/kvdiag-bench`` (resolved, so a checkout names the same directory as always); the
+    checkout's directory itself where the link did not survive (a copy without symlinks)."""
+    packaged = Path(__file__).resolve().parent / "kvdiag-bench"
+    if packaged.is_dir():
+        return packaged.resolve()
+    return Path(__file__).resolve().parents[2] / "data" / "kvdiag-bench"
+
+
+BENCH_ROOT = _bench_root()
 FILES = ("trace/manifest.json", "trace/tokens.parquet", "labels.parquet", "references.parquet")  # every benchmark's
 BUILTINS = "builtins.parquet"
 # NAME@VERSION -> the sha256 of its MANIFEST.json as shipped (which holds the sha256 of each of its files)
