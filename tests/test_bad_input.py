@@ -838,6 +838,13 @@ CASES: list[tuple[str, list[str], str]] = [
      "fifo is not a regular file or directory (a FIFO"),
     ("score-plugin-fifo", ["score", "--trace", "{trace}", "--labels", "{labels}", "--plugin", "{fifo}", "--out",
                            "{out}/s.parquet"], "fifo is not a regular file or directory (a FIFO"),
+    ("decisions-search-without-oracle", ["decisions", "--trace", "{trace}", "--scores", "{head_scores}", "--keep",
+                                         "0.5", "--search-rows", "64", "--out", "{out}"],
+     "--search-rows does not apply without oracle_search"),
+    ("decisions-scores-string-column", ["decisions", "--trace", "{trace}", "--scores", "{scores_str}", "--keep", "0.5",
+                                        "--out", "{out}"], "neither keys nor numeric scores: note (String)"),
+    ("decisions-labels-keyless", ["decisions", "--trace", "{trace}", "--scores", "{head_scores}", "--labels",
+                                  "{keyless_parquet}", "--keep", "0.5", "--out", "{out}"], "keyless.parquet"),
     # ---- #55 paths: empty, existing outputs of another kind (see test_the_output_guard_resolves_paths for links)
     ("trace-out-empty", ["trace", "--model", "tiny:llama", "--out", ""], "--out is empty"),
     ("label-trace-empty", ["label", "--trace", "", "--out", "{out}/l.parquet"], "--trace is empty"),
@@ -943,6 +950,7 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
         ("null", sdf.with_columns(pl.when(first).then(None).otherwise(pl.col("knorm")).alias("knorm")), smeta),
         ("dup", pl.concat([sdf, sdf.head(1)]), smeta),
         ("nometa", sdf, {}),
+        ("str", sdf.with_columns(note=pl.lit("x")), smeta),  # a score column of text: no score, refused
     ]:
         write_table(broken, root / f"scores-{name}.parquet", broken_meta)
         p[f"scores_{name}"] = str(root / f"scores-{name}.parquet")
@@ -1505,3 +1513,17 @@ def test_continuing_a_trace_with_another_model_is_refused_before_it_loads(inputs
     code, err = _run(["trace", "--model", "tiny:llama", "--prompts", "builtin:arith:2", "--max-new-tokens", "41",
                       "--out", str(out)], capsys)
     assert code == 2 and "other generation settings" in err, err
+
+
+def test_a_plugin_that_exits_through_another_name_is_one_line(inputs, tmp_path):
+    """#55: ``from os import _exit as bye; bye(0)`` at import (no static check sees it) ended the process with exit 0
+    and nothing written; while a plugin imports, os._exit raises SystemExit, which the import's guard words."""
+    plugin = tmp_path / "bye.py"
+    plugin.write_text("from os import _exit as bye\n\nbye(0)\n")
+    proc = subprocess.run([sys.executable, "-m", "kvdiag", "score", "--trace", inputs["trace"], "--labels",
+                           inputs["labels"], "--plugin", str(plugin), "--out", str(tmp_path / "s.parquet")],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: --plugin {plugin}: it exits at import (SystemExit(0) at {plugin}:3); a plugin must only define and "
+        "register scorers"], proc.stderr
+    assert not (tmp_path / "s.parquet").exists()

@@ -43,4 +43,4 @@ def test_out_dir_of_another_model_is_refused(tmp_path, capsys):
         main([*main_args, "--model", "tiny:llama"])
     assert exc.value.code == 0
     code, err = run([*main_args, "--model", "tiny:qwen3"], capsys)
-    assert code == 2 and "another model" in err
+    assert code == 2 and "holds a Trace of another model" in err

@@ -435,7 +435,9 @@ def test_cli_writes_the_figures_and_exits_2_on_bad_input(run, tmp_path, capsys):
     assert "was made from another Trace" in exits_2(
         "figures", "--trace", str(tr.path), "--labels", str(foreign), "--scores", str(sp), "--out", str(out)
     )
-    assert "low_attention_quantile" in exits_2(*base, "--out", str(out), "--low-attention-quantile", "1.5")
+    # refused on the command line (kvdiag.cli.common.BOUNDS), before the figures' own check of low_attention_quantile
+    assert "--low-attention-quantile 1.5: must be at most 1" in exits_2(*base, "--out", str(out),
+                                                                        "--low-attention-quantile", "1.5")
 
 
 def test_figures_read_the_features_that_score_wrote(run, tmp_path, monkeypatch):

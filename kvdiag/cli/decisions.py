@@ -13,6 +13,7 @@ from kvdiag.core.progress import plain_console
 
 
 def decisions(
+    ctx: typer.Context,
     trace: Path = common.flag("--trace", ..., "Trace directory written by kvdiag trace"),
     scores: Path = common.flag("--scores", ..., "scores.parquet with head rows of every cached entry at each "
                                 "checkpoint (kvdiag score --checkpoints ... --granularity head)"),
@@ -80,6 +81,8 @@ def decisions(
     refs = parsing.parse_list(references, "--references", str, choices=REFERENCES) or list(DEFAULT_REFERENCES)
     if labels is None and references is None:
         refs = [r for r in refs if r != "oracle_single"]  # by default it joins only when labels can define it
+    if "oracle_search" not in refs:
+        common.refuse_given(ctx, ["search_rows", "search_seconds"], "without oracle_search in --references")
     label_meta = check_table(labels, "--labels") if labels is not None else {}
     if horizon is None:
         horizon = (label_meta.get("config") or {}).get("horizon")

@@ -66,6 +66,9 @@ def read_scores(path: str | os.PathLike, what: str = "--scores") -> tuple[pl.Dat
     columns = score_columns(df)
     if not columns:
         raise UserError(f"{what} has no score column: {fix}")
+    # a score column of another type would be left out of every ranking without a word: refuse it
+    if other := [f"{c} ({df.schema[c]})" for c in df.columns if c not in KEYS and c not in columns]:
+        raise UserError(f"{what} has columns that are neither keys nor numeric scores: {', '.join(other)}; {fix}")
     check_finite(df, columns, what, fix)
     return df, meta
 

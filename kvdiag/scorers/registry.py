@@ -9,6 +9,7 @@ from the entry-point group ``kvdiag.scorers``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -113,19 +114,8 @@ def _import_plugin(module: str) -> None:
     label = f"--plugin {module}"
     check_plugin_files([module])  # missing, and the faults its source shows: their own lines, before it runs
     try:
-        if module.endswith(".py"):
-            spec = importlib.util.spec_from_file_location(f"kvdiag_plugin_{path.stem}", path)
-            mod = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = mod
-            try:
-                spec.loader.exec_module(mod)
-            except BaseException:
-                del sys.modules[spec.name]  # a half-imported plugin must not be found by a retry
-                raise
-        else:
-            if os.getcwd() not in sys.path:  # console scripts do not put the working directory on sys.path
-                sys.path.append(os.getcwd())
-            importlib.import_module(module)
+        with no_hard_exit():
+            _exec_plugin(module, path)
     except SyntaxError as err:
         raise UserError(f"{label}: syntax error in {err.filename} line {err.lineno}: {err.msg}; fix the file"
                         ) from None
@@ -140,6 +130,43 @@ def _import_plugin(module: str) -> None:
     except Exception as err:
         raise UserError(f"{label}: importing it raised {type(err).__name__}: {err} at {blame(err, module)}; fix "
                         "the plugin") from None
+
+
+def _exec_plugin(module: str, path: Path) -> None:
+    """Run the plugin: a ``.py`` file by its path, else a module importable from PYTHONPATH or the working directory."""
+    if module.endswith(".py"):
+        spec = importlib.util.spec_from_file_location(f"kvdiag_plugin_{path.stem}", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        try:
+            spec.loader.exec_module(mod)
+        except BaseException:
+            del sys.modules[spec.name]  # a half-imported plugin must not be found by a retry
+            raise
+    else:
+        if os.getcwd() not in sys.path:  # console scripts do not put the working directory on sys.path
+            sys.path.append(os.getcwd())
+        importlib.import_module(module)
+
+
+@contextlib.contextmanager
+def no_hard_exit():
+    """While a plugin imports, ``os._exit`` and ``os.abort`` raise ``SystemExit`` instead of ending the process with
+    nothing written and no word (exit 0 for ``os._exit(0)``): the import's guard then says so in one line. A plugin
+    that binds them at import (``from os import _exit``) binds the guarded ones."""
+    saved = os._exit, os.abort
+
+    def hard_exit(code=0):
+        raise SystemExit(code)
+
+    def abort():
+        raise SystemExit("abort")
+
+    os._exit, os.abort = hard_exit, abort
+    try:
+        yield
+    finally:
+        os._exit, os.abort = saved
 
 
 def resolve_scorers(names: str | Iterable[str] = "all", params: dict[str, dict] | None = None,

@@ -128,8 +128,10 @@ def check_continuation(out: str | os.PathLike, model: str, settings) -> None:
         recorded, generation = existing["model"], existing["generation"]
     except (OSError, ValueError, KeyError, TypeError):
         return  # not a Trace's header: the output guard and the writer say so
-    fix = "choose a new output directory, or the Trace's model"
-    check_trace_model(model, recorded, fix=fix)
+    try:
+        check_trace_model(model, recorded, fix="choose a new output directory, or the Trace's model")
+    except UserError as err:
+        raise UserError(f"--out {out} holds a Trace of another model: {err}") from None
     if {"store": "all", **generation} != asdict(settings):  # a Trace from before --store has every tensor
         raise UserError(f"--out {out} holds a Trace made with other generation settings; choose a new output "
                         "directory or the same settings")
