@@ -1527,3 +1527,17 @@ def test_a_plugin_that_exits_through_another_name_is_one_line(inputs, tmp_path):
         f"error: --plugin {plugin}: it exits at import (SystemExit(0) at {plugin}:3); a plugin must only define and "
         "register scorers"], proc.stderr
     assert not (tmp_path / "s.parquet").exists()
+
+
+@pytest.mark.parametrize("entry, value", [("model", "smollm2"), ("settings", "default"), ("name", 7)])
+def test_a_user_built_benchmark_with_an_entry_of_another_type_is_refused(tmp_path, entry, value):
+    """#55: a user-built benchmark whose model or settings entry is a string failed deep in grading (exit 1); its
+    manifest's entries are read through their types: one UserError naming the entry."""
+    from kvdiag.core.errors import UserError
+    from kvdiag.grade import benchmark
+
+    copy = tmp_path / "mine@1"
+    shutil.copytree(SHIPPED, copy)
+    benchmark.seal(copy, {**json.loads((copy / "MANIFEST.json").read_text()), "name": "mine", entry: value})
+    with pytest.raises(UserError, match=f"MANIFEST.json's {entry} is not what a benchmark holds"):
+        benchmark.load(str(copy))

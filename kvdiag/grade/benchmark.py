@@ -119,6 +119,16 @@ def load(spec: str, root: Path = BENCH_ROOT) -> Benchmark:
     missing = [k for k in ("name", "version", "model", "settings") if k not in manifest]
     if missing:
         raise UserError(f"benchmark {spec}: MANIFEST.json lacks {', '.join(missing)}; {restore}")
+    # the entries' types: a user-built benchmark whose model or settings is a string failed deep in grading (exit 1)
+    model = manifest["model"]
+    kinds = {"name": isinstance(manifest["name"], str), "version": isinstance(manifest["version"], (str, int)),
+             "model": isinstance(model, dict) and all(isinstance(model.get(k), str) for k in ("spec", "weights_hash")),
+             "settings": isinstance(manifest["settings"], dict),
+             "files": all(isinstance(k, str) and isinstance(v, str) for k, v in manifest["files"].items())}
+    if bad := [k for k, ok in kinds.items() if not ok]:
+        raise UserError(f"benchmark {spec}: MANIFEST.json's {bad[0]} is not what a benchmark holds (name: a string, "
+                        "model: {spec, weights_hash, ...}, settings: an object, files: path -> sha256); rebuild it "
+                        "with kvdiag.grade.benchmark.make")
     name = f"{manifest['name']}@{manifest['version']}"
     if name in SHIPPED and sha256(path / "MANIFEST.json") != SHIPPED[name]:
         raise UserError(f"benchmark {spec}: its MANIFEST.json is not the one kvdiag shipped as {name} (sha256 "
