@@ -96,6 +96,27 @@ def test_report_describes_the_whole_run(run, tiny_trace):
     assert '"w_obs": 8' in md  # the figures' configuration
 
 
+def test_headline_leads_with_the_findings_of_the_tables_below(run):
+    """The report opens with what was found (before set-up and provenance), and every figure it states is the one a
+    table further down shows: the best rule by AUROC is found here from the Table-3 rows, not from the headline."""
+    md, page = run["md"], run["html"]
+    assert re.findall(r"^## (.+)$", md, re.MULTILINE)[:2] == ["Findings", "Contents of the run"]
+    assert page.index("<h2>Findings</h2>") < page.index("<h2>Contents of the run</h2>") < page.index("<h2>Labels</h2>")
+    head, rest = md.split("## Findings", 1)[1].split("## Contents of the run", 1)
+    table = rest.split("## Ranking metrics (Table 3)", 1)[1]
+    auroc = dict(re.findall(r"^\| (\w+) \| (\d\.\d{3} \[\d\.\d{3}, \d\.\d{3}\]) \|", table, re.MULTILINE))
+    assert len(auroc) == 4  # the four scored rules, each with its CI
+    ranked = sorted(auroc, key=lambda name: float(auroc[name].split()[0]), reverse=True)
+    assert f"the best rule by AUROC is `{ranked[0]}` {auroc[ranked[0]]} (95% cluster-bootstrap CI" in head
+    assert f"next `{ranked[1]}` {auroc[ranked[1]]}" in head and "of 4 rules" in head
+    n = int(re.search(r"n = ([\d,]+) candidates", head).group(1).replace(",", ""))
+    assert f"on {n:,} candidates" in table  # the n of table.md's caption
+    stats = {name: table_value(rest, name) for name in ("harmful", "rows", "prompts", "prevalence", "harm threshold")}
+    assert f"{stats['harmful']} harmful of {stats['rows']} labels over {stats['prompts']} prompts" in head
+    assert f"prevalence {stats['prevalence']} " in head and f"harm threshold {stats['harm threshold']} nats" in head
+    assert int(stats["harmful"]) > 0  # a headline of zeros would match the table trivially
+
+
 def test_label_statistics_match_an_independent_computation(run):
     md, labels = run["md"], run["labels"]
     kl = labels["kl_mean"].to_numpy()
@@ -152,6 +173,8 @@ def test_missing_pieces_are_listed(run, tmp_path):
     assert table_value(md, "`trace`") == "**missing**"
     assert table_value(md, "`figures`").startswith("**unreadable: figures.json is missing")
     assert "kvdiag rank-eval --labels RUN/labels.parquet" in md and "commands were not recorded" in md
+    head = md.split("## Contents of the run", 1)[0]
+    assert "rank-eval is missing, so no rule is ranked yet" in head and "**Labels:**" in head  # found: what is there
     assert as_float(table_value(md, "rows")) == run["labels"].height
 
 

@@ -629,6 +629,17 @@ def test_horizon_study(tmp_path):
     assert_same_tables(out, REPORTS / report, [name])
 
 
+RATIO = compared("replay-suites", ("ratio.md", "ratio.csv"))
+
+
+def test_suites_accuracy_against_compression_ratio(tmp_path):
+    """ratio.py: the suites' task accuracy against kvpress's compression ratio, from the committed generations."""
+    _script("reports/replay-suites/ratio.py").main(REPORTS / "replay-suites", tmp_path)
+    assert_same_tables(tmp_path, REPORTS / "replay-suites", RATIO[1])
+    full = pl.read_csv(tmp_path / "ratio.csv").filter(pl.col("scorer") == "full_kv")
+    assert full.height == 3 and (full["ratio_max"].abs() < 1e-9).all()  # the definition: FullKV removes nothing
+
+
 INTERVAL = compared("replay-suites", ("interval.md",))
 
 

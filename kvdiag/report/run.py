@@ -35,7 +35,7 @@ from kvdiag.core.harm import HarmSpec
 from kvdiag.core.io import write_json
 from kvdiag.core.provenance import timestamp
 from kvdiag.core.run_layout import LAYOUT, REPORT_FILES, check_run_dir
-from kvdiag.core.tables import md_table
+from kvdiag.core.tables import cell_text, md_table
 from kvdiag.figures.run import load_summary as figures_summary
 from kvdiag.fit import load_summary as fit_summary
 from kvdiag.rankeval.run import load_summary as rank_eval_summary
@@ -246,6 +246,107 @@ def label_statistics(labels: pl.DataFrame, spec: HarmSpec | None = None) -> dict
     return out
 
 
+def _label_stats(r: _Run) -> tuple[dict[str, dict] | None, str]:
+    """``label_statistics`` of the run's labels under its harm settings (once: the headline and the Labels section
+    both show it), or None and why not."""
+    if "label_stats" not in r.__dict__:
+        spec, _ = _harm(r)
+        try:
+            r.label_stats = (label_statistics(r.labels[0], spec), "")
+        except UserError as err:  # labels the harm settings cannot analyse (no noise floor, NaN kl_mean)
+            r.label_stats = (None, str(err))
+    return r.label_stats
+
+
+# a random scorer is the chance reference of the ranking, not a rule: never the headline's best rule
+_REFERENCE = pl.col("scorer").str.starts_with("random")
+
+
+def _ranking_finding(r: _Run) -> str | None:
+    """The best-ranking rule by AUROC (rank-eval's metrics.csv, in the scope of its table.md), with its CI and n, the
+    runner-up, the random reference and the paired difference against rank-eval's reference rule: the same numbers,
+    formatted the same way, as the Ranking metrics section's table below."""
+    from kvdiag.core.stats import format_p
+    from kvdiag.rankeval.run import load_metrics
+    from kvdiag.rankeval.tables import _fmt
+
+    cfg = r.rank_eval["config"].get("config", {})
+    scope = cfg.get("table_scope", "pooled")
+    try:
+        metrics = load_metrics(r.run / LAYOUT["rank-eval"][0])
+    except (UserError, OSError, ValueError) as err:
+        return f"- **Ranking:** rank-eval's metrics.csv cannot be read ({err})."
+    auroc = metrics.filter((pl.col("metric") == "auroc") & (pl.col("scope") == scope) & pl.col("value").is_not_nan())
+    rules = auroc.filter(~_REFERENCE)
+    if rules.is_empty():
+        return "- **Ranking:** no rule has a defined AUROC (metrics.csv's note column says why)."
+    ranked = rules.sort("value", descending=True, maintain_order=True).to_dicts()
+    best = ranked[0]
+
+    def shown(row: dict) -> str:
+        return f"`{row['scorer']}` {_fmt(row['value'], row['ci_low'], row['ci_high'])}"
+
+    ci = f"{cfg['ci_level']:.0%} cluster-bootstrap CI over prompts" if cfg.get("n_boot") else "no CI (no bootstrap)"
+    out = (f"- **Ranking (rank-eval, {scope}):** the best rule by AUROC is {shown(best)} ({ci}; n = {best['n']:,} "
+           f"{'candidates' if scope == 'pooled' else 'checkpoints'}) of {len(ranked)} rules")
+    if len(ranked) > 1:
+        out += f"; next {shown(ranked[1])}"
+        if not math.isnan(best["ci_low"]) and best["ci_low"] <= ranked[1]["value"]:  # a top that is not separated
+            out += " (the best rule's CI covers the next rule's AUROC: their order is not resolved)"
+    reference = auroc.filter(_REFERENCE).to_dicts()
+    if reference:
+        out += f"; the random reference {shown(reference[0])}"
+    out += "."
+    paired = r.run / LAYOUT["rank-eval"][0] / "paired.csv"
+    if paired.is_file():  # the paired difference rank-eval already tested: best rule against its reference rule
+        p = pl.read_csv(paired, schema_overrides={"note": pl.String}, infer_schema_length=None, glob=False).filter(
+            (pl.col("scorer") == best["scorer"]) & (pl.col("metric") == "auroc") & (pl.col("scope") == scope))
+        if p.height:
+            d = p.row(0, named=True)
+            p_text = ("" if d["p_value"] is None else
+                      f", p = {format_p(d['p_value'])} ({d['test']} test; Holm {format_p(d['p_holm'])})")
+            out += (f" Against the reference rule `{d['reference']}` ({_fmt(d['reference_value'], math.nan, math.nan)}"
+                    f"): ΔAUROC {_fmt(d['diff'], d['ci_low'], d['ci_high'])}{p_text}, over {d['prompts']} prompts "
+                    "(`rank-eval/paired.csv`).")
+    return out
+
+
+def _labels_finding(r: _Run) -> str | None:
+    """How many labels, how many harmful and the threshold: the Labels section's statistics, formatted as its table
+    formats them."""
+    stats, why = _label_stats(r)
+    if stats is None:
+        return f"- **Labels:** the label statistics cannot be computed: {why}."
+    parts = []
+    for gran, s in stats.items():
+        c = {k: cell_text(v) for k, v in s.items()}
+        parts.append(f"{gran}: {c['harmful']} harmful of {c['rows']} labels over {c['prompts']} prompts and "
+                     f"{c['checkpoints']} checkpoints (prevalence {c['prevalence']} of the analysed labels; harm "
+                     f"threshold {c['harm threshold']} nats; {c['unresolved']} unresolved)")
+    return "- **Labels:** " + "; ".join(parts) + "."
+
+
+def _headline(r: _Run) -> str:
+    """What the run found, before how it was set up: the figures below that answer the question (best rule by AUROC
+    with its CI and n, the label statistics), each stated as the section it comes from states it."""
+    lines = []
+    if r.rank_eval is not None:
+        lines.append(_ranking_finding(r))
+    else:
+        lines.append(f"- **Ranking:** rank-eval is {r.status['rank-eval']}, so no rule is ranked yet "
+                     f"(`{LAYOUT['rank-eval'][1]}`).")
+    if r.labels is not None:
+        lines.append(_labels_finding(r))
+    fit = r.optional("fit", fit_summary)
+    if fit is not None:
+        s = fit["config"]["summary"]
+        lines.append(f"- **Fitted ceiling:** `kvdiag fit` on {len(s['features'])} features, {s['n']:,} entries "
+                     f"({s['n_harmful']} harmful), {s['folds']} folds grouped by prompt; its AUROCs are in the fitted "
+                     "ceiling table below.")
+    return ("## Findings\n\nWhat this run found; each figure is the one its section below states (set-up and "
+            "provenance follow).\n\n" + "\n".join(lines) + "\n")
+
+
 def _labels_section(r: _Run) -> str:
     out = "## Labels\n\n"
     if r.labels is None:
@@ -257,10 +358,9 @@ def _labels_section(r: _Run) -> str:
     if cfg:
         out += "Settings: " + ", ".join(f"{k} = {v}" for k, v in cfg.items()) + ".\n\n"
     spec, source = _harm(r)
-    try:
-        stats = label_statistics(df, spec)
-    except UserError as err:  # labels the harm settings cannot analyse (no noise floor, NaN kl_mean)
-        return out + f"The label statistics cannot be computed: {err}.\n"
+    stats, why = _label_stats(r)
+    if stats is None:
+        return out + f"The label statistics cannot be computed: {why}.\n"
     grans = list(stats)
     names = list(next(iter(stats.values()))) if stats else []
     out += md_table(["statistic", *grans], [[n, *(stats[g][n] for g in grans)] for n in names], "l" + "r" * len(grans))
@@ -517,6 +617,7 @@ def report_files(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
         # relative, so a committed report names no path of the machine that made it
         f"Run directory `{rel}` (relative to this report); report made {time.strftime('%Y-%m-%d %H:%M:%S %Z')} by "
         f"kvdiag {__version__}.\n",
+        _headline(r),  # what was found first; set-up and provenance after
         _contents(r), _trace_section(r), _labels_section(r), _scores_section(r), _rank_eval_section(r, rel),
         _figures_section(r, rel), _decisions_section(r, rel), _viewer_section(r, out), _commands_section(r),
     ] if section)  # an optional section that is absent adds nothing

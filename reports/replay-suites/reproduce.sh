@@ -29,3 +29,4 @@ for run in ${SUITES:-keys countdown recall keys-interval128}; do
         paired.csv components.md components.csv components_paired.csv needed.md needed.csv config.json \
         generations.parquet; do cp "runs/replay-suites-$run/$f" "reports/replay-suites/$run/"; done
 done
+.venv/bin/python reports/replay-suites/ratio.py  # ratio.md, ratio.csv: accuracy against the compression ratio
