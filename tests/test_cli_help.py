@@ -76,3 +76,15 @@ def test_every_numeric_option_is_bounded():
                              ("--top-p", "nan", float), ("--search-seconds", "inf", float), ("--top-p", "2", float)]:
         with pytest.raises(UserError, match=flag):
             common.check_number(flag, text, kind)
+
+
+def test_every_demo_option_reaches_its_stages(tmp_path):
+    """#58: the demo's options reach every stage that takes them (--bootstrap did not reach figures)."""
+    from kvdiag.cli.demo import demo_commands
+
+    stages = {name: argv for name, _, argv in demo_commands(tmp_path, "tiny:llama", "builtin:arith", 2, 64, 16, 8,
+                                                            32, 123)}
+    for name in ("rank-eval", "figures"):
+        i = stages[name].index("--bootstrap")
+        assert stages[name][i + 1] == "123", name
+    assert stages["label"][stages["label"].index("--horizon") + 1] == "8"

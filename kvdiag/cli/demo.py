@@ -56,7 +56,7 @@ def demo_commands(out: Path, model: str, prompts: str, limit: int, max_new_token
             out / "figures" / "figures.json",
             [
                 "figures", "--trace", str(trace), "--labels", str(labels), "--scores", str(scores), "--out",
-                str(out / "figures"), "--rank-eval", str(out / "rank-eval"),
+                str(out / "figures"), "--rank-eval", str(out / "rank-eval"), "--bootstrap", str(bootstrap),
             ],
         ),
         ("report", out / "report.md", ["report", "--run", str(out)]),
