@@ -8,6 +8,8 @@ import polars as pl
 
 from kvdiag.rankeval.registry import metrics_where
 
+MARKERS = (".", "x", "^", "s")  # rules 0-19, 20-39, ...: with the colour, one pair per rule
+
 
 def budget_curves_figure(curves: pl.DataFrame, out_dir: Path, candidates: str) -> list[Path]:
     """``budget_curves.png``/``.pdf`` from ``RankEvalResult.budget_curves``: one panel per metric with a ``curve``
@@ -21,7 +23,11 @@ def budget_curves_figure(curves: pl.DataFrame, out_dir: Path, candidates: str) -
     )
 
     rules = [n for n in curves["scorer"].unique(maintain_order=True) if not n.startswith("random (")]
-    colors = dict(zip(rules, sns.color_palette("tab20", len(rules)), strict=True))  # 20 distinct colours: one per rule
+    # tab20 has 20 colours and the zoo more rules (22 built-ins): past 20 the colours repeat, so each rule's
+    # (colour, marker) pair is its own: colour i % 20, marker i // 20
+    palette = sns.color_palette("tab20", 20)
+    colors = {name: palette[i % 20] for i, name in enumerate(rules)}
+    markers = {name: MARKERS[i // 20 % len(MARKERS)] for i, name in enumerate(rules)}
     with style():
         metrics = metrics_where("curve")
         fig, axes = new_figure(len(metrics), 5.0 * len(metrics), 4.2)
@@ -32,7 +38,7 @@ def budget_curves_figure(curves: pl.DataFrame, out_dir: Path, candidates: str) -
                 random = name.startswith("random (")
                 ax.plot(
                     r["rho"], r["value"], linestyle="--" if random else "-", color="black" if random else colors[name],
-                    linewidth=1.0, marker=None if random else ".", label=name,
+                    linewidth=1.0, marker=None if random else markers[name], markersize=4, label=name,
                 )
                 if not random:
                     ax.fill_between(r["rho"], r["ci_low"], r["ci_high"], alpha=0.08, color=colors[name])
