@@ -26,6 +26,8 @@ def grade(
     horizon: str | None = common.flag("--horizon", None, "grade at N teacher-forced steps or rest (to the end "
                                        "of each prompt) instead of the benchmark's horizon; no regret or place "
                                        "against its sealed rows then"),
+    no_cache: bool = typer.Option(False, "--no-cache", help="rebuild q/k/v by a prefill instead of reading (and "
+                                  "writing) the rule-independent cache under $KVDIAG_CACHE"),
     quiet: bool = common.Quiet,
 ) -> None:
     """Grade a rule on a shipped benchmark: how it ranks single-entry damage, and the exact joint damage of its
@@ -55,7 +57,8 @@ def grade(
     common.quiet_transformers()
     name = "all" if all_ else Path(rule_spec).stem
     res = grade_files(rule_spec, bench, out or Path("runs/grade") / name, rule=rule, params=params,
-                      everything=all_, leaderboard=leaderboard, show_progress=not quiet, horizon=horizon)
+                      everything=all_, leaderboard=leaderboard, show_progress=not quiet, horizon=horizon,
+                      cache=not no_cache)
     budgets = [k.split("@", 1)[1] for k in res["rows"][0] if k.startswith("joint@") and not k.endswith("_ci")]
     table = Table(title=f"kvdiag grade on {res['rows'][0]['bench']}")
     for col in ["rule", *RANK_METRICS, *(f"joint @ {b}" for b in budgets)]:

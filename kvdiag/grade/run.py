@@ -20,11 +20,19 @@ labeled that far, else labeled exactly at N (every entry of each checkpoint, ``k
 past the end of a prompt's trace is refused before the model loads. The sealed references and built-in rows measure
 the benchmark's horizon, so at another one a row has no regret against ``oracle_greedy``, no place and no paired test
 (it says so), and ``--all`` never stores its rows in the benchmark.
+
+The rebuilt q/k/v are the same for every rule, so they are cached (:func:`qkv_cache`) under kvdiag's user cache
+(``$KVDIAG_CACHE``), content-addressed by the benchmark's MANIFEST.json, the model and the storage format: a second
+grade skips the prefill and reads the same tensors bitwise.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -82,10 +90,147 @@ def _token_scores(head: pl.DataFrame, rules: list[str]) -> pl.DataFrame:
                               kv_head=pl.lit(-1, pl.Int64)).select(*KEYS, *rules)
 
 
+# --------------------------------------------------------------------------- the rule-independent cache
+
+# bump when what an entry holds or how it is laid out changes: an old entry then has another key and is not read
+QKV_CACHE_FORMAT = 1
+
+
+def qkv_cache_key(bench: bench_mod.Benchmark, tr, lm) -> dict:
+    """Everything the rebuilt q/k/v of ``bench``'s Trace depend on: the sealed benchmark (its MANIFEST.json's sha256
+    covers every file's), the model's weights and compute dtype, the storage dtype and prefill chunking of the
+    rebuild, the device and the torch and kvdiag versions (another build can round the prefill differently). The
+    horizon is not in it: q/k/v are the prefill's, whatever the labels' horizon."""
+    import torch
+
+    import kvdiag
+
+    return {"format": QKV_CACHE_FORMAT, "kvdiag": kvdiag.__version__, "torch": torch.__version__,
+            "manifest_sha256": bench_mod.sha256(bench.file("MANIFEST.json")),
+            "weights_hash": lm.info["weights_hash"], "model_dtype": str(lm.dtype), "device": str(lm.device),
+            "storage_dtype": str(tr.storage_dtype), "rebuild_chunk": int(tr.rebuild_chunk),
+            "trace_fingerprint": tr.fingerprint}
+
+
+def qkv_cache_dir(bench: bench_mod.Benchmark, key: dict) -> Path:
+    """The entry of ``key``: ``CACHE/grade/NAME@VERSION/<sha256 of the key>`` (one folder per benchmark version)."""
+    from kvdiag.model.embedded import cache_dir
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    m = bench.manifest
+    return cache_dir() / "grade" / f"{m['name']}@{m['version']}" / digest
+
+
+ENTRY = "entry.json"
+
+
+def _read_entry(path: Path, key: dict) -> dict | None:
+    """pid -> file of a complete entry whose key is ``key`` and whose every file matches the sha256 its entry.json
+    records; None when there is none or it fails a check (a flipped byte, a truncated file)."""
+    try:
+        entry = json.loads((path / ENTRY).read_text())
+        if entry.get("key") != key:
+            return None
+        files = entry["prompts"]
+        for f in files.values():
+            if bench_mod.sha256(path / f["file"]) != f["sha256"]:
+                return None
+        return {pid: path / f["file"] for pid, f in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _build_entry(path: Path, key: dict, tr, lm, show_progress: bool) -> None:
+    """Rebuild every prompt's q/k/v (one prefill each) into a temporary folder beside ``path``, then rename it to
+    ``path`` in one step: a concurrent grade sees no entry or a whole one, never half."""
+    from safetensors.torch import save_file
+
+    from kvdiag.core.progress import progress_bar
+    from kvdiag.trace.reader import rebuild_layers
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    try:
+        prompts = {}
+        with progress_bar(show_progress) as bar:
+            task = bar.add_task("rebuild q/k/v (cached for the next grade)", total=len(tr.prompt_ids))
+            for i, pid in enumerate(tr.prompt_ids):
+                layers = rebuild_layers(lm, tr.token_ids(pid), tr.storage_dtype, tr.rebuild_chunk)
+                name = f"prompt-{i:04d}.safetensors"  # by index: a prompt id need not be a file name
+                save_file({f"{l}.{n}": t.contiguous() for l, qkv in enumerate(layers) for n, t in qkv.items()},
+                          str(tmp / name))
+                prompts[pid] = {"file": name, "sha256": bench_mod.sha256(tmp / name)}
+                bar.advance(task)
+        (tmp / ENTRY).write_text(json.dumps({"key": key, "prompts": prompts}, indent=1, sort_keys=True))
+        try:
+            os.replace(tmp, path)
+        except OSError:  # another grade placed its (equal) entry first, or a bad one is in the way: try once more
+            if path.exists():
+                _discard(path)
+            try:
+                os.replace(tmp, path)
+            except OSError:
+                pass  # still taken: a concurrent grade wrote it; ours is removed below, theirs is checked on read
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _discard(path: Path) -> None:
+    """Remove an entry that failed its checks: renamed away first, so a reader never opens it half-deleted."""
+    gone = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.bad")
+    try:
+        os.replace(path, gone)
+    except OSError:
+        return
+    shutil.rmtree(gone, ignore_errors=True)
+
+
+def qkv_cache(bench: bench_mod.Benchmark, tr, lm, show_progress: bool = True) -> tuple[dict[str, Path], str]:
+    """pid -> the verified safetensors of its rebuilt q/k/v (``{layer}.{q|k|v}``), building the entry when it is
+    missing or fails its checks (then rebuilt, never used); and what happened (hit, built, rebuilt)."""
+    key = qkv_cache_key(bench, tr, lm)
+    path = qkv_cache_dir(bench, key)
+    found = _read_entry(path, key)
+    if found is not None and set(found) == set(tr.prompt_ids):
+        return found, "hit"
+    how = "built"
+    if path.exists():
+        _discard(path)
+        how = "rebuilt (the entry failed its sha256 checks)"
+    _build_entry(path, key, tr, lm, show_progress)
+    found = _read_entry(path, key)
+    if found is None:  # placed by a concurrent grade and already broken, or an unwritable cache: cannot trust it
+        raise UserError(f"the grade cache {path} could not be written and verified; set KVDIAG_CACHE to a writable "
+                        "folder or pass --no-cache")
+    return found, how
+
+
+def cached_trace(path: Path, lm, files: dict[str, Path]):
+    """A Trace whose rebuilt q/k/v come from the cache's ``files`` (pid -> safetensors) instead of a prefill."""
+    from safetensors import safe_open
+
+    from kvdiag.trace import Trace
+
+    class CachedTrace(Trace):
+        def _rebuild(self, pid: str, layer: int, names: list[str]):
+            if self._rebuilt is None or self._rebuilt[0] != pid:
+                self._rebuilt = None  # as Trace: one prompt's tensors held at a time
+                with safe_open(str(files[pid]), framework="pt") as f:
+                    layers = [{n: f.get_tensor(f"{l}.{n}") for n in "qkv"} for l in range(self.num_layers)]
+                self._rebuilt = (pid, layers)
+            return {name: self._rebuilt[1][layer][name] for name in names}
+
+    return CachedTrace(path, model=lm)
+
+
+# --------------------------------------------------------------------------- grading
+
+
 def grade(bench: bench_mod.Benchmark, rules: dict, lm, out: Path, show_progress: bool = True,
-          horizon: int | str | None = None) -> dict:
+          horizon: int | str | None = None, cache: bool = True) -> dict:
     """Grade ``rules`` on ``bench`` (at ``horizon``: :func:`horizon_plan`; None: the benchmark's); writes ``out/``
-    (scores, rank-eval metrics, decisions) and returns the rows, the per-checkpoint joint damages and the timings."""
+    (scores, rank-eval metrics, decisions) and returns the rows, the per-checkpoint joint damages and the timings.
+    ``cache``: read the rebuilt q/k/v from :func:`qkv_cache` (built on first use) rather than a prefill per prompt."""
     from kvdiag.core.contracts import read_labels
     from kvdiag.core.harm import HarmSpec
     from kvdiag.core.stats import PromptBootstrap
@@ -96,6 +241,12 @@ def grade(bench: bench_mod.Benchmark, rules: dict, lm, out: Path, show_progress:
     timings: dict[str, float] = {}
     s = bench.settings
     tr = Trace(bench.file("trace"), model=lm)
+    cache_note = "off"
+    if cache and tr.store.get("mode") == "none":  # a Trace that stores its tensors has nothing to rebuild
+        start = time.perf_counter()
+        files, cache_note = qkv_cache(bench, tr, lm, show_progress)
+        timings[f"q/k/v cache ({cache_note})"] = time.perf_counter() - start
+        tr = cached_trace(bench.file("trace"), lm, files)
     labels, labels_meta = read_labels(bench.file("labels.parquet"), "benchmark labels")
     refs = read_table(bench.file("references.parquet"), "benchmark references")[0]
     cps = {pid: sorted(g["checkpoint"].unique().to_list()) for (pid,), g in labels.group_by("prompt_id")}
@@ -133,7 +284,7 @@ def grade(bench: bench_mod.Benchmark, rules: dict, lm, out: Path, show_progress:
     rows = [{**_rank_part(name, rules[name].params, result, ranks[name]),
              **_decision_part(name, dec, refs, builtins, boot, [b.name for b in budgets]),
              "bench": bench.name, **at} for name in names]  # a user-built benchmark's rows say so
-    return {"rows": rows, "decisions": dec, "timings": timings}
+    return {"rows": rows, "decisions": dec, "timings": timings, "cache": cache_note}
 
 
 def horizon_plan(b: bench_mod.Benchmark, horizon: int | str | None) -> dict | None:
@@ -378,6 +529,18 @@ def leaderboard_markdown(b: bench_mod.Benchmark, rows: list[dict]) -> str:
     return text + "\n"
 
 
+ROW_MD = "leaderboard-row.md"
+
+
+def leaderboard_rows_markdown(b: bench_mod.Benchmark, rows: list[dict]) -> str:
+    """``rows`` as a Markdown table with reports/leaderboard.md's columns and cells (:func:`leaderboard_table`), in
+    its order, to paste into it; no intro (the leaderboard has it)."""
+    budgets = list(b.settings["budgets"])
+    ranked, rest = leaderboard_order(rows, budgets)
+    headers, table = leaderboard_table(ranked + rest, budgets)
+    return md_table(headers, table, "l" + "r" * (len(headers) - 1)).rstrip("\n") + "\n"
+
+
 def write_leaderboard(b: bench_mod.Benchmark, rows: list[dict], paths: list[Path]) -> None:
     """leaderboard.md and leaderboard.csv (one flat row per rule, in the markdown's order) at each of ``paths``."""
     ranked, rest = leaderboard_order(rows, list(b.settings["budgets"]))
@@ -434,9 +597,10 @@ def rewrite_leaderboard(bench: str, path: str | os.PathLike, scores: str | os.Pa
 
 def grade_files(spec: str | None, bench: str, out: str | os.PathLike, rule: str | None = None,
                 params: dict | None = None, everything: bool = False, leaderboard: str | os.PathLike | None = None,
-                show_progress: bool = True, horizon: int | str | None = None) -> dict:
+                show_progress: bool = True, horizon: int | str | None = None, cache: bool = True) -> dict:
     """What ``kvdiag grade`` runs: every input checked before the model loads, then :func:`grade` (at ``horizon``:
-    :func:`horizon_plan`)."""
+    :func:`horizon_plan`; ``cache``: :func:`qkv_cache`). Writes ``out/rows.json``, the metrics' CSV and
+    ``out/leaderboard-row.md``: the rows in the leaderboard's Markdown format."""
     from kvdiag.core.guard import check_outputs
 
     check_outputs({"--out": (out, "dir"), "--leaderboard": leaderboard,
@@ -450,9 +614,10 @@ def grade_files(spec: str | None, bench: str, out: str | os.PathLike, rule: str 
     lm = load_model(b.manifest["model"]["spec"], dtype=b.manifest["model"].get("dtype", "float32"))
     bench_mod.check_model(b, lm)
     load_s = time.perf_counter() - start
-    res = grade(b, rules, lm, Path(out), show_progress, None if plan is None else plan["horizon"])
+    res = grade(b, rules, lm, Path(out), show_progress, None if plan is None else plan["horizon"], cache)
     res["timings"] = {"model load": load_s, **res["timings"]}
     write_json(Path(out) / "rows.json", {"bench": b.name, "rows": res["rows"], "timings": res["timings"]})
+    write_text(Path(out) / ROW_MD, leaderboard_rows_markdown(b, res["rows"]))
     if everything:
         joint = res["decisions"].rename({"decision": "rule"})
         if not b.has_builtins and plan is None:  # the first --all of a version completes it (at its own horizon)
@@ -477,5 +642,5 @@ def _flat(row: dict) -> dict:
     return out
 
 
-__all__ = ["RANK_METRICS", "grade", "grade_files", "leaderboard_table", "rank_half", "resolve_rules",
-           "rewrite_leaderboard"]
+__all__ = ["RANK_METRICS", "ROW_MD", "grade", "grade_files", "leaderboard_rows_markdown", "leaderboard_table",
+           "qkv_cache", "rank_half", "resolve_rules", "rewrite_leaderboard"]

@@ -1,0 +1,121 @@
+"""The grade cache of rule-independent inputs (the rebuilt q/k/v of a ``--store none`` benchmark Trace): a cached grade
+gives the uncached row exactly, a corrupt entry is rebuilt, the key follows the benchmark's manifest; and the
+Markdown row ``kvdiag grade`` writes beside rows.json has the leaderboard's columns."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+import kvdiag.cli.main
+from kvdiag.core.io import read_table
+from kvdiag.decisions import Budget, DecisionsConfig, decide
+from kvdiag.grade import benchmark
+from kvdiag.grade import run as grade_run
+from kvdiag.label import LabelConfig, label_trace
+from kvdiag.scorers import SCORERS, checkpoint_keys, score_trace
+from kvdiag.trace import Trace
+from tests.conftest import make_trace
+
+
+@pytest.fixture(scope="module")
+def bench(tiny_llama, tmp_path_factory):
+    """A tiny benchmark built as the shipped ones are (tests/test_grade.py's), its Trace stored as tokens only."""
+    root = tmp_path_factory.mktemp("bench")
+    trace = make_trace(tiny_llama, root / "trace", n_prompts=2, max_new_tokens=40)
+    labels = label_trace(trace, tiny_llama, root / "labels.parquet",
+                         LabelConfig(checkpoints="every:16", horizon=4, candidates="all", w_obs=0), show_progress=False)
+    lab = read_table(labels)[0]
+    cps = {pid: sorted(g["checkpoint"].unique().to_list()) for (pid,), g in lab.group_by("prompt_id")}
+    scores, meta = score_trace(trace, keys=checkpoint_keys(trace, cps, ["head"]), scorers=["random"])
+    cfg = DecisionsConfig(budgets=(Budget("keep", 0.5), Budget("keep", 0.25)), horizon=4, pairs=0, n_boot=50,
+                          greedy_chunk=0.25, infeasible="skip")
+    decide(trace, tiny_llama, scores, meta, root / "decisions", cfg, *read_table(labels), show_progress=False)
+    return benchmark.make("tiny", 1, root / "trace", labels, root / "decisions", root=root / "shipped",
+                          licence="random weights").parent
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVDIAG_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _grade(b, lm, out, cache_on):
+    rules = grade_run.resolve_rules("knorm", None, {})
+    return grade_run.grade(b, rules, lm, out, show_progress=False, cache=cache_on)
+
+
+def test_a_cached_grade_gives_the_uncached_row_exactly(bench, tiny_llama, cache, tmp_path):
+    """Same code path after the q/k/v (the cache holds the prefill's tensors bitwise), so the rows are equal exactly,
+    not within a tolerance: compared as JSON text (NaN included)."""
+    b = benchmark.load(str(bench))
+    plain = _grade(b, tiny_llama, tmp_path / "plain", False)
+    first = _grade(b, tiny_llama, tmp_path / "first", True)
+    second = _grade(b, tiny_llama, tmp_path / "second", True)
+    assert (plain["cache"], first["cache"], second["cache"]) == ("off", "built", "hit")
+    want = json.dumps(plain["rows"], sort_keys=True)
+    assert json.dumps(first["rows"], sort_keys=True) == want
+    assert json.dumps(second["rows"], sort_keys=True) == want
+    assert second["decisions"].equals(plain["decisions"])
+    tr = Trace(b.file("trace"), model=tiny_llama)
+    files, _ = grade_run.qkv_cache(b, tr, tiny_llama, False)
+    assert files.keys() == set(tr.prompt_ids) and all(f.is_relative_to(cache) for f in files.values())
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_corrupt_entry_is_detected_and_rebuilt(bench, tiny_llama, cache, damage):
+    b = benchmark.load(str(bench))
+    tr = Trace(b.file("trace"), model=tiny_llama)
+    files, how = grade_run.qkv_cache(b, tr, tiny_llama, False)
+    assert how == "built"
+    victim = next(iter(files.values()))
+    good = victim.read_bytes()
+    if damage == "flip":
+        bad = bytearray(good)
+        bad[len(bad) - 5] ^= 0x01  # a byte of tensor data: the file still parses, only its sha256 tells
+        victim.write_bytes(bytes(bad))
+    else:
+        victim.write_bytes(good[: len(good) // 2])
+    files, how = grade_run.qkv_cache(b, tr, tiny_llama, False)
+    assert how.startswith("rebuilt")
+    assert files[next(iter(files))].read_bytes() == good  # the same prefill, the same bytes
+    assert grade_run.qkv_cache(b, tr, tiny_llama, False)[1] == "hit"
+
+
+def test_the_cache_key_follows_the_manifest_sha256(bench, tiny_llama, tmp_path):
+    b = benchmark.load(str(bench))
+    copy = tmp_path / "tiny@1"
+    shutil.copytree(bench, copy)
+    manifest = json.loads((copy / "MANIFEST.json").read_text())
+    manifest["licence"] = "another licence"  # the sealed files unchanged: only MANIFEST.json's sha256 moves
+    (copy / "MANIFEST.json").write_text(json.dumps(manifest))
+    other = benchmark.load(str(copy))
+    tr = Trace(b.file("trace"), model=tiny_llama)
+    key, key2 = grade_run.qkv_cache_key(b, tr, tiny_llama), grade_run.qkv_cache_key(other, tr, tiny_llama)
+    assert key["manifest_sha256"] != key2["manifest_sha256"]
+    assert {k for k in key if key[k] != key2[k]} == {"manifest_sha256"}
+    assert grade_run.qkv_cache_dir(b, key) != grade_run.qkv_cache_dir(other, key2)
+
+
+def test_grade_writes_the_leaderboard_row_and_prints_full_width(bench, cache, tmp_path, capsys):
+    before = dict(SCORERS)
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            kvdiag.cli.main.main(["grade", "knorm", "--bench", str(bench), "--out", str(tmp_path / "g"), "--quiet"])
+    finally:
+        SCORERS.clear()
+        SCORERS.update(before)
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out  # captured: not a terminal, so the table must not be cut at 80 columns
+    assert "joint @ keep:0.25" in out and max(len(line) for line in out.splitlines()) > 80
+    b = benchmark.load(str(bench))
+    rows = json.loads((tmp_path / "g" / "rows.json").read_text())["rows"]
+    text = (tmp_path / "g" / grade_run.ROW_MD).read_text()
+    lines = text.splitlines()
+    board = grade_run.leaderboard_markdown(b, rows).splitlines()
+    header = next(i for i, line in enumerate(board) if line.startswith("| rule"))
+    assert lines[:2] == board[header:header + 2]  # the leaderboard's header and alignment row
+    assert len(lines) == 3 and lines[2].startswith("| knorm |") and lines[2] == board[header + 2]
