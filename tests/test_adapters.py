@@ -3,6 +3,7 @@ adapted model, and the shipped countdown adapter is what its provenance says."""
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -130,3 +131,16 @@ def test_an_adapter_that_does_not_fit_is_refused(tiny_adapter, tmp_path):
         with pytest.raises(UserError, match=needle):
             load_model(f"tiny:llama+{adapter}")
     assert load_model(f"tiny:llama+{path}").adapter is not None
+
+
+@pytest.mark.parametrize("kwargs, error, needle", [
+    ({"spec": None}, TypeError, "spec=None"), ({"spec": 42}, TypeError, "spec=42"),
+    ({"spec": "tiny:llama", "device": 3}, TypeError, "device=3"), ({"spec": "tiny:llama", "seed": "x"}, TypeError,
+                                                                   "seed='x'"),
+    ({"spec": "tiny:llama", "seed": 2**64}, ValueError, "seed="), ({"spec": "tiny:llama", "dtype": None}, TypeError,
+                                                                  "dtype=None"),
+])
+def test_load_model_names_a_bad_argument(kwargs, error, needle):
+    """#55: the Python API refuses an argument of the wrong type in one error naming it (AttributeError before)."""
+    with pytest.raises(error, match=re.escape(needle)):
+        load_model(**kwargs)

@@ -117,7 +117,16 @@ def load_model(
     spec: str = DEFAULT_MODEL, dtype: str = "float32", device: str = "cpu", revision: str | None = None,
     trust_remote_code: bool = False, seed: int = 0,
 ) -> LoadedModel:
-    """Load ``spec`` (see module docstring) in eval mode on ``device``."""
+    """Load ``spec`` (see module docstring) in eval mode on ``device``. An argument of the wrong type is one
+    ``TypeError`` naming it (the Python API's refusal; a bad value of the right type is a ``UserError``)."""
+    for name, value, kinds in (("spec", spec, str), ("dtype", dtype, str), ("device", device, str),
+                               ("revision", revision, (str, type(None))),
+                               ("trust_remote_code", trust_remote_code, bool), ("seed", seed, int)):
+        if not isinstance(value, kinds) or (name == "seed" and isinstance(value, bool)):
+            raise TypeError(f"load_model: {name}={value!r} is a {type(value).__name__}; give a "
+                            f"{kinds.__name__ if isinstance(kinds, type) else 'str or None'}")
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"load_model: seed={seed} must be in [0, 2**32)")
     torch_dtype = parse_dtype(dtype)
     device = check_device(device)
     rnd = None
