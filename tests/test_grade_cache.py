@@ -48,13 +48,22 @@ def _grade(b, lm, out, cache_on):
     return grade_run.grade(b, rules, lm, out, show_progress=False, cache=cache_on)
 
 
-def test_a_cached_grade_gives_the_uncached_row_exactly(bench, tiny_llama, cache, tmp_path):
-    """Same code path after the q/k/v (the cache holds the prefill's tensors bitwise), so the rows are equal exactly,
-    not within a tolerance: compared as JSON text (NaN included)."""
+def test_a_cached_grade_gives_the_uncached_row_exactly(bench, tiny_llama, cache, tmp_path, monkeypatch):
+    """Same code path after the q/k/v (the cache holds the prefill's tensors bitwise) and the stored full-cache runs
+    (kvdiag.label.golden_store: fp32, the first cached run's own), so the rows are equal exactly, not within a
+    tolerance: compared as JSON text (NaN included). The second cached run reads every prompt's golden runs."""
+    from kvdiag.label.golden_store import GoldenStore
+
+    served = []
+    load = GoldenStore.load
+    monkeypatch.setattr(GoldenStore, "load", lambda self, pid, ts: served.append(load(self, pid, ts)) or served[-1])
     b = benchmark.load(str(bench))
     plain = _grade(b, tiny_llama, tmp_path / "plain", False)
     first = _grade(b, tiny_llama, tmp_path / "first", True)
+    assert served and all(s is None for s in served)  # nothing stored yet: computed and kept
+    served.clear()
     second = _grade(b, tiny_llama, tmp_path / "second", True)
+    assert served and all(s is not None for s in served)  # every prompt's golden runs read back
     assert (plain["cache"], first["cache"], second["cache"]) == ("off", "built", "hit")
     want = json.dumps(plain["rows"], sort_keys=True)
     assert json.dumps(first["rows"], sort_keys=True) == want
@@ -119,3 +128,29 @@ def test_grade_writes_the_leaderboard_row_and_prints_full_width(bench, cache, tm
     header = next(i for i, line in enumerate(board) if line.startswith("| rule"))
     assert lines[:2] == board[header:header + 2]  # the leaderboard's header and alignment row
     assert len(lines) == 3 and lines[2].startswith("| knorm |") and lines[2] == board[header + 2]
+
+
+def test_a_golden_store_serves_whole_prompts_only_and_refuses_a_changed_file(tmp_path):
+    """kvdiag.label.golden_store: runs come back bit for bit; a prompt missing one of the asked checkpoints, another
+    key, or a file with a flipped byte is not served (None: the engine computes its own)."""
+    import torch
+
+    from kvdiag.label.golden_store import GoldenStore
+
+    runs = {t: ([(torch.randn(2, t, 4), torch.randn(2, t, 4)) for _ in range(3)], torch.randn(5, 11))
+            for t in (6, 9)}
+    store = GoldenStore(tmp_path, {"k": 1})
+    writer = store.writer("p/0")  # a prompt id with a slash: stored under a hash
+    for t, run in runs.items():
+        writer.add(t, run)
+    writer.commit()
+    got = store.load("p/0", [6, 9])
+    for t, (prefix, logp) in runs.items():
+        assert torch.equal(got[t][1], logp)
+        assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(got[t][0], prefix, strict=True))
+    assert store.load("p/0", [6, 9, 12]) is None and GoldenStore(tmp_path, {"k": 2}).load("p/0", [6]) is None
+    file = next(tmp_path.rglob("t0000009.safetensors"))
+    data = bytearray(file.read_bytes())
+    data[-1] ^= 1
+    file.write_bytes(bytes(data))
+    assert store.load("p/0", [6, 9]) is None and store.load("p/0", [6]) is not None

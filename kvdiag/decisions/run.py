@@ -248,10 +248,26 @@ def _decide_checkpoint(engine, fisher, lm, pid: str, t: int, scores: dict[str, t
 # --------------------------------------------------------------------------- the run
 
 
+def _keep(writer, engine, t: int):
+    """Hand the golden run checkpoint ``t`` used to ``writer``; a checkpoint that ran none (no set was labeled)
+    leaves the prompt unstored (running it now would change the rounding of the later checkpoints)."""
+    if writer is None:
+        return None
+    run = engine.stored_golden(t)
+    if run is None:
+        writer.discard()
+        return None
+    writer.add(t, run)
+    return writer
+
+
 def decide(trace, lm, scores: pl.DataFrame, scores_meta: dict, out: str | os.PathLike, cfg: DecisionsConfig,
-           labels: pl.DataFrame | None = None, labels_meta: dict | None = None, show_progress: bool = True) -> Path:
+           labels: pl.DataFrame | None = None, labels_meta: dict | None = None, show_progress: bool = True,
+           golden=None) -> Path:
     """Grade every rule's decisions at every checkpoint of ``scores`` and write ``OUT/decisions.parquet`` and
-    ``OUT/pairs.parquet`` (parts in ``OUT/parts``; a rerun continues). Inputs are checked before any work."""
+    ``OUT/pairs.parquet`` (parts in ``OUT/parts``; a rerun continues). Inputs are checked before any work.
+    ``golden``: a ``kvdiag.label.golden_store.GoldenStore`` whose stored full-cache runs replace the engine's own
+    (``kvdiag grade``: they do not depend on the rule graded), and which keeps the runs it did not have."""
     from kvdiag.label.engine import OracleEngine
     from kvdiag.label.fast import FisherLabeler, FisherParams
 
@@ -298,10 +314,15 @@ def decide(trace, lm, scores: pl.DataFrame, scores_meta: dict, out: str | os.Pat
             ids = trace.token_ids(pid)
             engine = OracleEngine(lm, ids, cfg.horizon, cfg.batch_size, cfg.backend)
             fisher = FisherLabeler(lm, ids, cfg.horizon, FisherParams(), cfg.seed) if "fast" in cfg.references else None
+            stored = golden.load(pid, ts) if golden is not None else None
+            writer = golden.writer(pid) if golden is not None and stored is None else None
             for t in ts:
+                if stored is not None:
+                    engine.use_golden(t, *stored[t])
                 if t not in todo[pid]:
                     # extend the caches in the same steps as an uninterrupted run: the same rounding, the same labels
                     engine.golden(t)
+                    writer = _keep(writer, engine, t)
                     if fisher is not None:
                         fisher.golden(t)
                     continue
@@ -314,6 +335,9 @@ def decide(trace, lm, scores: pl.DataFrame, scores_meta: dict, out: str | os.Pat
                 parts.write(part_name(pid, "pairs", f"{t:07d}"), pairs, meta)  # the pairs first: the table marks done
                 parts.write(part_name(pid, f"{t:07d}"), table, meta)
                 bar.advance(task)
+                writer = _keep(writer, engine, t)
+            if writer is not None:
+                writer.commit()
     names_done = [part_name(pid, f"{t:07d}") for pid, t in all_items]
     parts.merge(names_done, out / "decisions.parquet", meta, sort=["prompt_id", "checkpoint", "decision", "budget"],
                 schema=DECISION_SCHEMA)

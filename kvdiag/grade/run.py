@@ -274,7 +274,14 @@ def grade(bench: bench_mod.Benchmark, rules: dict, lm, out: Path, show_progress:
                           pairs=0, infeasible="skip", seed=int(s["seed"]), n_boot=int(s.get("n_boot", 1000)),
                           harm=HarmSpec.from_config(harm))
     start = time.perf_counter()
-    decide(tr, lm, head, meta, out / "decisions", cfg, labels, labels_meta, show_progress)
+    golden = None
+    if cache:  # each prompt's full-cache runs: the same for every rule graded on this benchmark
+        from kvdiag.label.golden_store import GoldenStore
+
+        key = {**qkv_cache_key(bench, tr, lm), "golden": {"horizon": cfg.horizon, "batch_size": cfg.batch_size,
+                                                          "backend": cfg.backend}}
+        golden = GoldenStore(qkv_cache_dir(bench, key), key)
+    decide(tr, lm, head, meta, out / "decisions", cfg, labels, labels_meta, show_progress, golden=golden)
     timings["decisions (set rows)"] = time.perf_counter() - start
     dec = read_table(out / "decisions" / "decisions.parquet")[0].select(
         "prompt_id", "checkpoint", "decision", "budget", "status", "kl_mean")

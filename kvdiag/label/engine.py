@@ -249,6 +249,16 @@ class OracleEngine:
         self._golden = (t, prefix, torch.cat(logp) if len(logp) > 1 else logp[0])
         return prefix, self._golden[2]
 
+    def stored_golden(self, t: int):
+        """The full-cache run of checkpoint ``t`` as :meth:`golden` last returned it (None if it was another one):
+        what ``kvdiag.label.golden_store`` keeps."""
+        return (self._golden[1], self._golden[2]) if self._golden is not None and self._golden[0] == t else None
+
+    def use_golden(self, t: int, prefix: list[tuple[torch.Tensor, torch.Tensor]], logp_full: torch.Tensor) -> None:
+        """Make ``golden(t)`` return a stored run of this engine's computation (``kvdiag.label.golden_store``: all
+        of a prompt's checkpoints or none, so no checkpoint is computed apart from its neighbours)."""
+        self._golden = (t, prefix, logp_full)
+
     def _check_finite(self, values: torch.Tensor, t: int) -> None:
         if not torch.isfinite(values.sum()):  # one reduction: any inf/nan makes the sum non-finite
             raise UserError(f"non-finite logits at checkpoint {t}: the model overflows in {self.lm.dtype}; rerun with "
