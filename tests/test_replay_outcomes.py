@@ -113,3 +113,13 @@ def test_generations_without_compressions_are_refused():
 
     with pytest.raises(UserError, match="no compressions column"):
         outcome_rows(_frame().drop("compressions"))
+
+
+def test_a_budget_no_rule_compressed_at_has_no_paired_test():
+    """#55: a budget that holds every prompt whole (no rule compressed there) has nothing to compare: its rows are
+    left out of the paired tests (an IndexError, exit 1, before), the other budget's test is unchanged."""
+    out = outcome_rows(_frame())
+    whole = out.filter(pl.col("scorer") != "full_kv").with_columns(budget=pl.lit(4096, pl.Int64),
+                                                                   compressed=pl.lit(False))
+    both = pl.concat([out, whole.select(out.columns)])
+    assert paired_tests(both, n_boot=200).equals(paired_tests(out, n_boot=200))
