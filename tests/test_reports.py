@@ -43,7 +43,7 @@ NOT_REGENERATED = {
     **{f"bench/{f}": "a measurement: seconds and memory of runs of the model on this machine"
        for f in ("cpu-mfu.md", "kernels.txt", "label-fast.txt", "label-layer.txt", "label.txt", "scale.csv",
                  "score.txt", "trace.txt", "hybrid-miss-rate-h16.txt", "hybrid-miss-rate-h128.txt",
-                 "label-horizon.txt")},
+                 "label-horizon.txt", "evicting-padded.txt")},
     **{f"fast-labels-horizon/bench-h{h}.txt": "a measurement: kvdiag bench label --method fast (seconds on this "
        "machine); report.md's cost table reads the JSON beside it" for h in (16, 128)},
 }
