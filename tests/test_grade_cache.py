@@ -10,31 +10,11 @@ import shutil
 import pytest
 
 import kvdiag.cli.main
-from kvdiag.core.io import read_table
-from kvdiag.decisions import Budget, DecisionsConfig, decide
 from kvdiag.grade import benchmark
 from kvdiag.grade import run as grade_run
-from kvdiag.label import LabelConfig, label_trace
-from kvdiag.scorers import SCORERS, checkpoint_keys, score_trace
+from kvdiag.scorers import SCORERS
 from kvdiag.trace import Trace
-from tests.conftest import make_trace
-
-
-@pytest.fixture(scope="module")
-def bench(tiny_llama, tmp_path_factory):
-    """A tiny benchmark built as the shipped ones are (tests/test_grade.py's), its Trace stored as tokens only."""
-    root = tmp_path_factory.mktemp("bench")
-    trace = make_trace(tiny_llama, root / "trace", n_prompts=2, max_new_tokens=40)
-    labels = label_trace(trace, tiny_llama, root / "labels.parquet",
-                         LabelConfig(checkpoints="every:16", horizon=4, candidates="all", w_obs=0), show_progress=False)
-    lab = read_table(labels)[0]
-    cps = {pid: sorted(g["checkpoint"].unique().to_list()) for (pid,), g in lab.group_by("prompt_id")}
-    scores, meta = score_trace(trace, keys=checkpoint_keys(trace, cps, ["head"]), scorers=["random"])
-    cfg = DecisionsConfig(budgets=(Budget("keep", 0.5), Budget("keep", 0.25)), horizon=4, pairs=0, n_boot=50,
-                          greedy_chunk=0.25, infeasible="skip")
-    decide(trace, tiny_llama, scores, meta, root / "decisions", cfg, *read_table(labels), show_progress=False)
-    return benchmark.make("tiny", 1, root / "trace", labels, root / "decisions", root=root / "shipped",
-                          licence="random weights").parent
+from tests.test_grade import bench  # noqa: F401  (the fixture: a tiny benchmark built as the shipped ones are)
 
 
 @pytest.fixture
@@ -48,7 +28,7 @@ def _grade(b, lm, out, cache_on):
     return grade_run.grade(b, rules, lm, out, show_progress=False, cache=cache_on)
 
 
-def test_a_cached_grade_gives_the_uncached_row_exactly(bench, tiny_llama, cache, tmp_path, monkeypatch):
+def test_a_cached_grade_gives_the_uncached_row_exactly(bench, tiny_llama, cache, tmp_path, monkeypatch):  # noqa: F811  (the imported fixture)
     """Same code path after the q/k/v (the cache holds the prefill's tensors bitwise) and the stored full-cache runs
     (kvdiag.label.golden_store: fp32, the first cached run's own), so the rows are equal exactly, not within a
     tolerance: compared as JSON text (NaN included). The second cached run reads every prompt's golden runs."""
@@ -57,7 +37,7 @@ def test_a_cached_grade_gives_the_uncached_row_exactly(bench, tiny_llama, cache,
     served = []
     load = GoldenStore.load
     monkeypatch.setattr(GoldenStore, "load", lambda self, pid, ts: served.append(load(self, pid, ts)) or served[-1])
-    b = benchmark.load(str(bench))
+    b = benchmark.load(str(bench["dir"]))
     plain = _grade(b, tiny_llama, tmp_path / "plain", False)
     first = _grade(b, tiny_llama, tmp_path / "first", True)
     assert served and all(s is None for s in served)  # nothing stored yet: computed and kept
@@ -75,8 +55,8 @@ def test_a_cached_grade_gives_the_uncached_row_exactly(bench, tiny_llama, cache,
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_a_corrupt_entry_is_detected_and_rebuilt(bench, tiny_llama, cache, damage):
-    b = benchmark.load(str(bench))
+def test_a_corrupt_entry_is_detected_and_rebuilt(bench, tiny_llama, cache, damage):  # noqa: F811  (the imported fixture)
+    b = benchmark.load(str(bench["dir"]))
     tr = Trace(b.file("trace"), model=tiny_llama)
     files, how = grade_run.qkv_cache(b, tr, tiny_llama, False)
     assert how == "built"
@@ -94,10 +74,10 @@ def test_a_corrupt_entry_is_detected_and_rebuilt(bench, tiny_llama, cache, damag
     assert grade_run.qkv_cache(b, tr, tiny_llama, False)[1] == "hit"
 
 
-def test_the_cache_key_follows_the_manifest_sha256(bench, tiny_llama, tmp_path):
-    b = benchmark.load(str(bench))
+def test_the_cache_key_follows_the_manifest_sha256(bench, tiny_llama, tmp_path):  # noqa: F811  (the imported fixture)
+    b = benchmark.load(str(bench["dir"]))
     copy = tmp_path / "tiny@1"
-    shutil.copytree(bench, copy)
+    shutil.copytree(bench["dir"], copy)
     manifest = json.loads((copy / "MANIFEST.json").read_text())
     manifest["licence"] = "another licence"  # the sealed files unchanged: only MANIFEST.json's sha256 moves
     (copy / "MANIFEST.json").write_text(json.dumps(manifest))
@@ -109,18 +89,19 @@ def test_the_cache_key_follows_the_manifest_sha256(bench, tiny_llama, tmp_path):
     assert grade_run.qkv_cache_dir(b, key) != grade_run.qkv_cache_dir(other, key2)
 
 
-def test_grade_writes_the_leaderboard_row_and_prints_full_width(bench, cache, tmp_path, capsys):
+def test_grade_writes_the_leaderboard_row_and_prints_full_width(bench, cache, tmp_path, capsys):  # noqa: F811  (the imported fixture)
     before = dict(SCORERS)
     try:
         with pytest.raises(SystemExit) as exit_:
-            kvdiag.cli.main.main(["grade", "knorm", "--bench", str(bench), "--out", str(tmp_path / "g"), "--quiet"])
+            kvdiag.cli.main.main(["grade", "knorm", "--bench", str(bench["dir"]), "--out", str(tmp_path / "g"),
+                                  "--quiet"])
     finally:
         SCORERS.clear()
         SCORERS.update(before)
     assert exit_.value.code == 0
     out = capsys.readouterr().out  # captured: not a terminal, so the table must not be cut at 80 columns
     assert "joint @ keep:0.25" in out and max(len(line) for line in out.splitlines()) > 80
-    b = benchmark.load(str(bench))
+    b = benchmark.load(str(bench["dir"]))
     rows = json.loads((tmp_path / "g" / "rows.json").read_text())["rows"]
     text = (tmp_path / "g" / grade_run.ROW_MD).read_text()
     lines = text.splitlines()
