@@ -116,8 +116,14 @@ def pipeline_answer(pipe, lm, rule, budget, interval, max_new, monkeypatch) -> t
 def greedy(lm, cache, context_ids, question_ids, max_new: int) -> list[int]:
     """The pipeline's decoding loop (``generate_answer``) over ``cache``: the context, the question in one forward,
     then one token per forward with explicit positions, up to EOS or ``max_new`` tokens."""
-    C = context_ids.shape[1]
     lm.model(input_ids=context_ids, cache=cache, use_cache=True, logits_to_keep=1)
+    return answer(lm, cache, context_ids.shape[1], question_ids, max_new)
+
+
+@torch.no_grad()
+def answer(lm, cache, C: int, question_ids, max_new: int) -> list[int]:
+    """The rest of the pipeline's loop once ``cache`` holds the C context tokens: the question in one forward, then
+    one token per forward with explicit positions, up to EOS or ``max_new`` tokens (test_press_pipeline's too)."""
     q = question_ids.shape[1]
     logits = lm.model(input_ids=question_ids, cache=cache, use_cache=True,
                       position_ids=torch.arange(C, C + q)[None]).logits

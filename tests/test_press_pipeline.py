@@ -19,6 +19,7 @@ kvpress = pytest.importorskip("kvpress")
 from kvpress import KVPressTextGenerationPipeline  # noqa: E402
 
 from kvdiag.generate.kvpress_export import as_press  # noqa: E402
+from tests.test_kvpress_export import answer  # noqa: E402  (the pipeline's loop after the context)
 
 CONTEXT = ("The garden behind the old library has three apple trees, a stone bench and a narrow path to a pond. "
            "Ducks swim there every morning; the gardener counts them at noon, writes the number on a slate by the "
@@ -76,7 +77,7 @@ def pipeline_answer(pipe, lm, press, monkeypatch) -> list[int]:
 def greedy(lm, cache, context_ids, question_ids, prefill: str) -> list[int]:
     """The pipeline's decoding loop (``generate_answer``) over ``cache``: the context in one forward (EvictingCache
     feeds it in chunks itself through ``prefill``), the question in one forward, then one token per forward."""
-    C, q = context_ids.shape[1], question_ids.shape[1]
+    C = context_ids.shape[1]
     if prefill == "chunked":
         cache.prefill(context_ids)
         start = prompt_chunks(C, cache.policy)[-1][0]
@@ -84,17 +85,7 @@ def greedy(lm, cache, context_ids, question_ids, prefill: str) -> list[int]:
                  position_ids=torch.arange(start, C)[None])
     else:
         lm.model(input_ids=context_ids, cache=cache, use_cache=True, logits_to_keep=1)
-    logits = lm.model(input_ids=question_ids, cache=cache, use_cache=True,
-                      position_ids=torch.arange(C, C + q)[None]).logits
-    eos, out = lm.model.generation_config.eos_token_id, [int(logits[0, -1].argmax())]
-    eos = set(eos) if isinstance(eos, list) else {eos}
-    for i in range(G - 1):
-        if out[-1] in eos:
-            break
-        logits = lm.model(input_ids=torch.tensor([[out[-1]]]), cache=cache, use_cache=True,
-                          position_ids=torch.tensor([[C + q + i]])).logits
-        out.append(int(logits[0, -1].argmax()))
-    return out
+    return answer(lm, cache, C, question_ids, G)
 
 
 def reference(lm, rule, inputs, prefill: str, **budget):
