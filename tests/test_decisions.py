@@ -219,6 +219,42 @@ def test_bad_input_is_refused_before_work(run, capsys, tmp_path):
     labels = ["--labels", run["labels_path"]]
     err = exits_2(capsys, *base[:-1], "8", *labels, "--keep", "0.5")
     assert "--horizon 8 differs from the labels' horizon 4" in err
+    err = exits_2(capsys, *base[:-1], "6", "--read-window", "3", *labels, "--keep", "0.5")
+    assert "--read-window 3 differs from the labels' horizon 4" in err
+
+
+def test_oracle_single_and_greedy_read_the_labels_window_and_are_judged_past_it(run, tmp_path):
+    """--read-window 4 (the labels' horizon) of a judged window of 6: oracle_single ranks by the 4-step labels,
+    oracle_greedy searches the 4 steps, both are judged on 6; the 2 steps they did not read equal physical deletion
+    (rtol 1e-4, atol 1e-6 nats, fp32, two attention paths); the additivity ratio compares the sum of singles with
+    the joint damage over the labels' 4 steps."""
+    from kvdiag.decisions.summary import windows
+
+    judged = HORIZON + 2
+    out = tmp_path / "read"
+    decide(run["trace"], run["lm"], run["scores"], run["scores_meta"], out,
+           config(selection="per-token", horizon=judged, read_window=HORIZON, pairs=0),
+           run["labels"], run["labels_meta"], show_progress=False)
+    df = read_table(out / "decisions.parquet")[0].filter(pl.col("status") == "ok")
+    trace, lm = run["trace"], run["lm"]
+    refs = df.filter(pl.col("decision").is_in(["oracle_single", "oracle_greedy"]))
+    assert refs.height and set(refs["read_steps"]) == {HORIZON} and set(refs["kl_steps"].list.len()) == {judged}
+    for pid in trace.prompt_ids:
+        eng = OracleEngine(run["lm"], trace.token_ids(pid), judged)
+        for row in refs.filter(pl.col("prompt_id") == pid).iter_rows(named=True):
+            t = row["checkpoint"]
+            prefix, logp_full = eng.golden(t)
+            ref = reference_set_logprobs(lm.model, eng.ids, t, judged, prefix, torch.tensor(row["evicted_positions"]))
+            want = divergences(logp_full, ref[None], eng.ids[t + 1 : t + judged + 1])["kl"][0].double()
+            torch.testing.assert_close(torch.tensor(row["kl_steps"][HORIZON:], dtype=torch.float64), want[HORIZON:],
+                                       rtol=1e-4, atol=1e-6)
+            single = run["labels"].filter((pl.col("prompt_id") == pid) & (pl.col("checkpoint") == t))
+            if row["decision"] == "oracle_single":  # the set is the largest 4-step single labels' complement
+                kept = single.sort("kl_mean", descending=True).head(row["kept"])["position"].sort().to_list()
+                assert sorted(set(range(t)) - set(row["evicted_positions"])) == kept
+    split = windows(df, HORIZON)
+    assert split["kl_single_window"].to_list() == pytest.approx(split["kl_steps"].list.head(HORIZON).list.mean()
+                                                                .to_list(), rel=1e-12)
 
 
 def test_infeasible_skip_records_undefined_decisions_and_big_budgets_evict_nothing(run, tmp_path):

@@ -3,6 +3,7 @@ on tiny random models, Gemma 3's sliding layers included: every stored set equal
 
 from __future__ import annotations
 
+import numpy as np
 import polars as pl
 import pytest
 import torch
@@ -331,3 +332,48 @@ def test_cli_horizon_rest_with_both_references(decided):
         assert sorted(set(refs["decision"])) == ["future_attention", "oracle_search"]
         masks[name] = refs.filter(pl.col("decision") == "future_attention").sort("checkpoint")["evicted_mask"]
     assert masks["rest"].to_list() == masks["window"].to_list()
+
+
+def test_a_read_window_is_judged_on_the_steps_it_did_not_read(decided):
+    """--read-window 2 of a judged window of 4: the references choose on steps 0-1 (oracle_search searches there,
+    fast and future_attention read there), every set is judged on all 4 steps, and the steps 2-3 it did not read
+    equal physical deletion (rtol 1e-4, atol 1e-6 nats, as above) — on each model, Gemma 3's sliding layers
+    included. The summary's held-out table is those steps' means, per prompt."""
+    from kvdiag.decisions.summary import held_out_pairs, summarize_files, windows
+
+    lm, trace = decided["lm"], decided["trace"]
+    read = 2
+    out = decide(trace, lm, decided["scores"], decided["meta"], decided["root"] / "read2", config(read_window=read),
+                 show_progress=False)
+    df = read_table(out / "decisions.parquet")[0].filter(pl.col("status") == "ok")
+    refs = ("fast", "future_attention", "oracle_search")
+    assert set(df.filter(pl.col("decision").is_in(refs))["read_steps"]) == {read}
+    assert set(df.filter(~pl.col("decision").is_in(refs))["read_steps"]) == {0}  # rules and random read the past
+    assert set(df["kl_steps"].list.len()) == {HORIZON}
+    pid = trace.prompt_ids[0]
+    L, Hkv = trace.num_layers, trace.num_kv_heads
+    eng = OracleEngine(lm, trace.token_ids(pid), HORIZON)
+    for row in df.filter(pl.col("decision").is_in(refs)).iter_rows(named=True):
+        t = row["checkpoint"]
+        prefix, logp_full = eng.golden(t)
+        mask = unpack_set(row["evicted_mask"], L, Hkv, t)
+        ref = reference_set_logprobs(lm.model, eng.ids, t, HORIZON, prefix, mask_set(mask))
+        want = divergences(logp_full, ref[None], eng.ids[t + 1 : t + HORIZON + 1])["kl"][0].double()
+        torch.testing.assert_close(torch.tensor(row["kl_steps"][read:], dtype=torch.float64), want[read:],
+                                   rtol=1e-4, atol=1e-6)
+    # on the steps it read, the search is at most every candidate (it searched there; its set was relabelled on the
+    # whole window, so the first steps are compared within the relabelling's rounding: rtol 1e-5, atol 1e-9)
+    split = windows(df)
+    for (t, b), g in split.group_by("checkpoint", "budget"):
+        found = g.filter(pl.col("decision") == "oracle_search")["kl_read"].item()
+        assert found <= g["kl_steps"].list.head(read).list.mean().min() * (1 + 1e-5) + 1e-9, (t, b)
+    res = summarize_files(out)
+    held = res["held_out"]
+    assert held.height and set(held["reference"]) == set(refs)
+    row = held.filter((pl.col("reference") == "oracle_search") & (pl.col("budget") == "keep:0.5")
+                      & (pl.col("rule") == "h2o")).row(0, named=True)
+    p = held_out_pairs(windows(df), "h2o", "oracle_search", "keep:0.5")
+    ratio = (p["x_held"] / p["y_held"]).log().mean()  # one prompt: the geometric mean of its checkpoints' ratios
+    assert row["held_out_ratio_geomean"] == pytest.approx(float(np.exp(ratio)), rel=1e-9)
+    assert row["n"] == p.height == 2 and row["read_steps_median"] == read
+    assert "## In-window and held out" in (out / "summary.md").read_text()

@@ -36,8 +36,13 @@ def decisions(
     references: list[str] | None = typer.Option(None, "--references", help="oracle_single, oracle_greedy, fast, "
                                                 "random, future_attention, oracle_search (default: the first four; "
                                                 "oracle_single only with --labels)"),
+    read_window: str | None = typer.Option(None, "--read-window", help="the first N steps of the judged window "
+                                           "(--horizon) the references that read the future (oracle_single's labels, "
+                                           "fast, oracle_greedy, oracle_search, future_attention) choose on; the "
+                                           "steps after them are held out; N or rest (with --horizon rest); default: "
+                                           "the whole judged window"),
     future_window: str | None = typer.Option(None, "--future-window", help="future_attention: the future queries "
-                                             "read, N or rest (to the end of the prompt); default: the horizon"),
+                                             "read, N or rest (to the end of the prompt); default: --read-window"),
     search_rows: int = common.flag("--search-rows", 512, "oracle_search: set rows per (checkpoint, budget) "
                                     "beyond its candidates'"),
     search_seconds: float = common.flag("--search-seconds", 120.0, "oracle_search: no new round after this "
@@ -84,14 +89,14 @@ def decisions(
     if "oracle_search" not in refs:
         common.refuse_given(ctx, ["search_rows", "search_seconds"], "without oracle_search in --references")
     label_meta = check_table(labels, "--labels") if labels is not None else {}
-    if horizon is None:
+    if horizon is None and read_window is None:
         horizon = (label_meta.get("config") or {}).get("horizon")
     cfg = DecisionsConfig(
         budgets=budgets, selection=selection, samples=4 if draws is None else draws, horizon=horizon or HORIZON,
         rules=tuple(parsing.parse_list(scorers, "--scorers", str)) or None, references=tuple(refs),
         greedy_chunk=greedy_chunk, pairs=pairs, pair_candidates=pair_candidates, infeasible=infeasible, seed=seed,
         n_boot=bootstrap, reference=reference, batch_size=batch_size, backend=backend,
-        harm=HarmSpec(harm, noise_mult, include_unresolved), future_window=future_window,
+        harm=HarmSpec(harm, noise_mult, include_unresolved), read_window=read_window, future_window=future_window,
         search_rows=search_rows, search_seconds=search_seconds,
     )
     parsing.check_backend(backend, device)

@@ -92,8 +92,13 @@ class DecisionsConfig:
         rule or reference name, or ``none``.
     batch_size : set rows per forward.
     harm : which single labels are harmless (a superadditive pair's members) and harmful (``kvdiag.core.harm``).
-    future_window : ``future_attention`` sums the attention of the queries ``t .. t + W - 1``: W (None: the horizon's
-        steps) or ``"rest"`` (to the end of the prompt).
+    read_window : the judged window's first steps the references that read the future choose their sets on
+        (``oracle_greedy``, ``oracle_search`` and ``fast``; ``future_attention`` by default; ``oracle_single``'s labels
+        must have this horizon): N (at most the judged window) or ``"rest"`` (only with ``horizon="rest"``); None: the
+        whole judged window. Every set is judged on the whole window (``horizon``), so the steps after its read window
+        are held out: the summary reports each reference's damage there beside the damage on what it read.
+    future_window : ``future_attention`` sums the attention of the queries ``t .. t + W - 1``: W (None: the read
+        window's steps) or ``"rest"`` (to the end of the prompt).
     search_rows, search_seconds : ``oracle_search``'s effort per (checkpoint, budget): at most this many set rows
         beyond its candidates', and it starts no new round after this many seconds (0: no time bound).
     """
@@ -115,6 +120,7 @@ class DecisionsConfig:
     batch_size: int = 16
     backend: str = "auto"
     harm: HarmSpec = field(default_factory=HarmSpec)
+    read_window: int | str | None = None
     future_window: int | str | None = None
     search_rows: int = 512
     search_seconds: float = 120.0
@@ -139,6 +145,15 @@ class DecisionsConfig:
             raise UserError(f"--bootstrap {self.n_boot}: must be >= 0 (0: no CIs)")
         if self.batch_size < 1:
             raise UserError(f"--batch-size {self.batch_size}: must be a positive number of rows, e.g. 16")
+        if self.read_window is not None:
+            read = parse_horizon(self.read_window, "--read-window", what="steps the references read")
+            object.__setattr__(self, "read_window", read)
+            if read == REST and self.horizon != REST:
+                raise UserError(f"--read-window rest reads to the end of each prompt, past the judged window "
+                                f"(--horizon {self.horizon}): give at most {self.horizon} steps, or --horizon rest")
+            if read != REST and self.horizon != REST and read > self.horizon:
+                raise UserError(f"--read-window {read} is longer than the judged window (--horizon {self.horizon}): a "
+                                f"reference is judged on every step it reads; give at most {self.horizon}")
         if self.future_window is not None:
             object.__setattr__(self, "future_window", parse_horizon(self.future_window, "--future-window",
                                                                     what="future queries"))
@@ -148,11 +163,20 @@ class DecisionsConfig:
         if not self.search_seconds >= 0:
             raise UserError(f"--search-seconds {self.search_seconds:g}: must be >= 0 (0: no time bound), e.g. 120")
 
+    @property
+    def read_horizon(self) -> int | str:
+        """The window the references that read the future read (N or rest): ``read_window``, else the judged one."""
+        return self.horizon if self.read_window is None else self.read_window
+
+    def read_steps(self, t: int, length: int) -> int:
+        """Steps read at checkpoint ``t`` of a prompt of ``length`` tokens (at most the judged window's)."""
+        return min(horizon_steps(self.read_horizon, t, length), horizon_steps(self.horizon, t, length))
+
     def window(self, t: int, length: int) -> int:
         """``future_attention``'s number of future queries at checkpoint ``t`` of a prompt of ``length`` tokens."""
         if self.future_window == REST:
             return length - t
-        return horizon_steps(self.horizon, t, length) if self.future_window is None else int(self.future_window)
+        return self.read_steps(t, length) if self.future_window is None else int(self.future_window)
 
     def check_future(self, manifest: dict, checkpoints: dict[str, list[int]]) -> None:
         """``future_attention`` needs the Trace's stored queries of every layer (``manifest``: the Trace's) and a
@@ -171,6 +195,7 @@ class DecisionsConfig:
                 if t + self.window(t, length) > length:
                     raise UserError(f"--future-window {self.future_window}: checkpoint {t} of {pid!r} has only "
                                     f"{length - t} later tokens; use a smaller window or rest")
+
     def settings(self) -> dict:
         """What changes a part's content (the parts' stamp)."""
         return {"budgets": [b.name for b in self.budgets], "selection": str(self.selection), "samples": self.samples,
@@ -178,7 +203,9 @@ class DecisionsConfig:
                 "references": list(self.references), "greedy_chunk": self.greedy_chunk, "pairs": self.pairs,
                 "pair_candidates": self.pair_candidates, "infeasible": self.infeasible, "seed": self.seed,
                 "harm": self.harm.to_config(), "future_window": self.future_window, "search_rows": self.search_rows,
-                "search_seconds": self.search_seconds}
+                "search_seconds": self.search_seconds,
+                # only when set: a run without it keeps the stamp its parts were written with
+                **({"read_window": self.read_window} if self.read_window is not None else {})}
 
 
 # --------------------------------------------------------------------------- the inputs, read without torch
@@ -233,11 +260,13 @@ def checkpoints_of(scores: pl.DataFrame, trace, cfg: DecisionsConfig
             raise UserError(f"the scores file holds {n} head rows at checkpoint {t} of {pid!r}, not every entry of "
                             f"every layer and KV head ({L} x {Hkv} x {t}); score every entry: kvdiag score "
                             "--checkpoints ... --granularity head")
-        if t + (1 if cfg.horizon == REST else cfg.horizon) > trace.length(pid):  # rest: at least one step
+        need = [1 if w == REST else w for w in (cfg.horizon, cfg.read_horizon)]  # rest: at least one step
+        if t + max(need) > trace.length(pid):
             short.append((pid, int(t)))
             continue
         out.setdefault(pid, []).append(int(t))
     if not out:
-        raise UserError(f"no checkpoint of the scores file leaves room for --horizon {cfg.horizon} before the end of "
-                        "its prompt: use a shorter --horizon or earlier checkpoints")
+        read = "" if cfg.read_window is None else f" and --read-window {cfg.read_window}"
+        raise UserError(f"no checkpoint of the scores file leaves room for --horizon {cfg.horizon}{read} before the "
+                        "end of its prompt: use a shorter --horizon or earlier checkpoints")
     return out, short

@@ -53,7 +53,7 @@ DECISION_SCHEMA = {
     "js_mean": pl.Float64, "nll_delta": pl.Float64, "top1_flips": pl.Int64, "noise_floor": pl.Float64,
     "sum_single": pl.Float64, "evicted_positions": pl.List(pl.Int64), "evicted_heads": pl.List(pl.Int64),
     "cost_rows": pl.Int64, "cost_seconds": pl.Float64, "sample": pl.Int64, "draw_seed": pl.Int64,
-    "evicted_mask": pl.Binary, "search_start": pl.String, "search_improvement": pl.Float64,
+    "evicted_mask": pl.Binary, "search_start": pl.String, "search_improvement": pl.Float64, "read_steps": pl.Int64,
 }
 STATUS = {"ok": "labeled", "nothing_evicted": "the budget keeps every entry: nothing is evicted (label 0)",
           "over_budget": "the rule protects more entries than the budget keeps: no decision (--infeasible skip)",
@@ -136,10 +136,13 @@ def check_protection(rules: dict, items: dict[str, list[int]], cfg: DecisionsCon
 # --------------------------------------------------------------------------- one checkpoint
 
 
-def _decide_checkpoint(engine, fisher, lm, pid: str, t: int, scores: dict[str, torch.Tensor], rules: dict,
+def _decide_checkpoint(engine, reader, fisher, lm, pid: str, t: int, scores: dict[str, torch.Tensor], rules: dict,
                        singles: torch.Tensor | None, cfg: DecisionsConfig, harm_threshold: float,
                        progress, future: torch.Tensor | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """One checkpoint's set rows, judged by ``engine`` (the judged window); ``reader``: the engine of the window the
+    references that read the future choose on (``engine`` itself when the two are one window)."""
     L, Hkv = engine.num_layers, engine.num_kv_heads
+    read = reader.steps(t)  # steps oracle_single's labels, fast, oracle_greedy and oracle_search read
     kept = {b.name: b.entries(t) for b in cfg.budgets}
     stochastic = cfg.selection.stochastic
     deterministic = cfg.selection.deterministic  # what the references and the comparison use
@@ -166,7 +169,7 @@ def _decide_checkpoint(engine, fisher, lm, pid: str, t: int, scores: dict[str, t
         for b, k in kept.items():
             decisions.append(dict(decision="oracle_single", kind="reference", budget=b, kept=k, protected=0,
                                   status="ok" if k < t else "nothing_evicted", set=label_set(singles, k),
-                                  sample=None, draw_seed=None))
+                                  sample=None, draw_seed=None, read_steps=read))
     if "fast" in refs:
         a, _ = fisher.effects(t)  # [K, L, Hkv, t] linearized effects on the sampled log-likelihoods
         for b, k in kept.items():
@@ -176,13 +179,16 @@ def _decide_checkpoint(engine, fisher, lm, pid: str, t: int, scores: dict[str, t
             else:
                 evict = head_label_set(a.double().pow(2).mean(0), k, window)  # [L, Hkv, t]: each cell's own
             decisions.append(dict(decision="fast", kind="reference", budget=b, kept=k, protected=0,
-                                  status="ok" if k < t else "nothing_evicted", set=evict, sample=None, draw_seed=None))
+                                  status="ok" if k < t else "nothing_evicted", set=evict, sample=None, draw_seed=None,
+                                  read_steps=fisher.steps(t)))
     if future is not None:  # [L, Hkv, t]: keep what the future queries read most
+        future_steps = cfg.window(t, engine.T)
         for b, k in kept.items():
             evict = (label_set(future.sum((0, 1)), k) if deterministic.per_token
                      else head_label_set(future, k, window))
             decisions.append(dict(decision="future_attention", kind="reference", budget=b, kept=k, protected=0,
-                                  status="ok" if k < t else "nothing_evicted", set=evict, sample=None, draw_seed=None))
+                                  status="ok" if k < t else "nothing_evicted", set=evict, sample=None, draw_seed=None,
+                                  read_steps=future_steps))
     if "random" in refs:
         for b, k in kept.items():
             evict = random_set(t, k, deterministic, L, Hkv, cfg.seed, pid, window)
@@ -190,33 +196,45 @@ def _decide_checkpoint(engine, fisher, lm, pid: str, t: int, scores: dict[str, t
                                   status="ok" if k < t else "nothing_evicted", set=evict, sample=None, draw_seed=None))
     greedy_cost = None
     if "oracle_greedy" in refs:
-        greedy, greedy_cost = greedy_sets(engine, t, list(kept.values()), cfg.greedy_chunk, progress)
+        greedy, greedy_cost = greedy_sets(reader, t, list(kept.values()), cfg.greedy_chunk, progress)
         for b, k in kept.items():
             decisions.append(dict(decision="oracle_greedy", kind="reference", budget=b, kept=k, protected=0,
                                   status="ok" if k < t else "nothing_evicted", set=greedy[k], sample=None,
-                                  draw_seed=None))
+                                  draw_seed=None, read_steps=read))
     todo = [d for d in decisions if d["set"] is not None]
     res, noise = engine.label_sets(t, [d["set"] for d in todo], progress)
     for j, d in enumerate(todo):
         d["label"] = {key: val[j] for key, val in res.items()}
     if "oracle_search" in refs:  # from the best labeled set of each budget, in the deterministic action space
+        starts = [d for d in todo if d["sample"] is None]
+        if reader is engine:
+            read_labels = [d["label"] for d in starts]
+        else:  # the search reads only its window: its candidates are labeled there too
+            got, _ = reader.label_sets(t, [d["set"] for d in starts], progress)
+            read_labels = [{key: val[j] for key, val in got.items()} for j in range(len(starts))]
         for b, k in kept.items():
-            cands = [candidate(d["decision"], d["set"], d["label"], L, Hkv, t) for d in todo
-                     if d["budget"] == b and d["sample"] is None]
+            cands = [candidate(d["decision"], d["set"], lab, L, Hkv, t) for d, lab in zip(starts, read_labels,
+                                                                                          strict=True)
+                     if d["budget"] == b]
             if not cands:
                 decisions.append(dict(decision="oracle_search", kind="reference", budget=b, kept=k, protected=0,
                                       status="no_candidate", set=None, sample=None, draw_seed=None))
                 continue
-            found = search(engine, t, cands, deterministic.per_token, cfg.search_rows, cfg.search_seconds, visible)
+            found = search(reader, t, cands, deterministic.per_token, cfg.search_rows, cfg.search_seconds, visible)
             evict = found.mask[0, 0].nonzero()[:, 0] if deterministic.per_token else mask_set(found.mask)
+            label = found.label
+            if reader is not engine:  # judged on the whole window, the steps it did not read included
+                got, _ = engine.label_sets(t, [evict])
+                label = {key: val[0] for key, val in got.items()}
             decisions.append(dict(decision="oracle_search", kind="reference", budget=b, kept=k, protected=0,
                                   status="ok" if k < t else "nothing_evicted", set=evict, sample=None,
-                                  draw_seed=None, label=found.label, cost_rows=found.rows,
+                                  draw_seed=None, label=label, read_steps=read, cost_rows=found.rows,
                                   cost_seconds=found.seconds, search_start=found.start,
                                   search_improvement=found.improvement))
     rows = []
     for d in decisions:
         evict, label = d.pop("set"), d.pop("label", None)
+        d.setdefault("read_steps", 0)  # the rules and random read no step after the checkpoint
         if label is not None:
             kl = label["kl"].double()
             d.update(kl_mean=float(kl.mean()), kl_max=float(kl.max()), kl_steps=kl.tolist(),
@@ -313,7 +331,10 @@ def decide(trace, lm, scores: pl.DataFrame, scores_meta: dict, out: str | os.Pat
                 continue
             ids = trace.token_ids(pid)
             engine = OracleEngine(lm, ids, cfg.horizon, cfg.batch_size, cfg.backend)
-            fisher = FisherLabeler(lm, ids, cfg.horizon, FisherParams(), cfg.seed) if "fast" in cfg.references else None
+            reader = (engine if cfg.read_horizon == cfg.horizon
+                      else OracleEngine(lm, ids, cfg.read_horizon, cfg.batch_size, cfg.backend))
+            fisher = (FisherLabeler(lm, ids, cfg.read_horizon, FisherParams(), cfg.seed)
+                      if "fast" in cfg.references else None)
             stored = golden.load(pid, ts) if golden is not None else None
             writer = golden.writer(pid) if golden is not None and stored is None else None
             for t in ts:
@@ -322,6 +343,8 @@ def decide(trace, lm, scores: pl.DataFrame, scores_meta: dict, out: str | os.Pat
                 if t not in todo[pid]:
                     # extend the caches in the same steps as an uninterrupted run: the same rounding, the same labels
                     engine.golden(t)
+                    if reader is not engine:
+                        reader.golden(t)
                     writer = _keep(writer, engine, t)
                     if fisher is not None:
                         fisher.golden(t)
@@ -330,7 +353,7 @@ def decide(trace, lm, scores: pl.DataFrame, scores_meta: dict, out: str | os.Pat
                 future = (future_attention(trace, pid, t, cfg.window(t, trace.length(pid)))
                           if "future_attention" in cfg.references else None)
                 table, pairs = _decide_checkpoint(
-                    engine, fisher, lm, pid, t, head_scores(scores, names, pid, t, L, Hkv), rules,
+                    engine, reader, fisher, lm, pid, t, head_scores(scores, names, pid, t, L, Hkv), rules,
                     single_labels(labels, pid, t), cfg, threshold, lambda k: bar.advance(rows_task, k), future)
                 parts.write(part_name(pid, "pairs", f"{t:07d}"), pairs, meta)  # the pairs first: the table marks done
                 parts.write(part_name(pid, f"{t:07d}"), table, meta)
@@ -363,10 +386,11 @@ def decisions_files(trace: str | os.PathLike, scores: str | os.PathLike, out: st
     label_df, label_meta = read_labels(labels) if labels is not None else (None, None)
     if label_meta is not None:
         label_horizon = (label_meta.get("config") or {}).get("horizon")
-        if label_horizon is not None and label_horizon != cfg.horizon:
-            raise UserError(f"--horizon {cfg.horizon} differs from the labels' horizon {label_horizon}: joint and "
-                            "single "
-                            f"labels must measure the same steps; pass --horizon {label_horizon}")
+        if label_horizon is not None and label_horizon != cfg.read_horizon:
+            flag = "--horizon" if cfg.read_window is None else "--read-window"
+            raise UserError(f"{flag} {cfg.read_horizon} differs from the labels' horizon {label_horizon}: "
+                            "oracle_single reads the labels and is judged against the joint labels of the same "
+                            f"steps; pass {flag} {label_horizon}")
     # every check that needs no model, before it loads
     belongs(tr, score_meta, f"--scores {scores}")
     if label_meta is not None:

@@ -23,6 +23,7 @@ import polars as pl
 
 from kvdiag.core.errors import UserError
 from kvdiag.core.io import read_json, read_table, write_csv, write_json, write_table, write_text
+from kvdiag.core.parsing import REST
 from kvdiag.core.schema import KEYS
 from kvdiag.core.stats import TEST_NAMES, PromptBootstrap, compare, format_p, format_test, spearman
 from kvdiag.core.tables import md_table, number_text
@@ -93,6 +94,7 @@ def summarize(decisions: pl.DataFrame, meta: dict, pairs: pl.DataFrame | None = 
     decisions = distinct_names(decisions)
     decisions, stochastic = _stochastic_means(decisions if "sample" in decisions.columns
                                               else decisions.with_columns(sample=pl.lit(None, pl.Int64)))
+    decisions = windows(decisions, cfg.get("read_window"))
     labeled = decisions.filter(pl.col("kl_mean").is_not_null())
     rules = [d for d in cfg.get("rules", []) if d in set(decisions["decision"])]
     rules += [f"{d} (stochastic)" for d in rules if f"{d} (stochastic)" in set(decisions["decision"])]
@@ -109,11 +111,20 @@ def summarize(decisions: pl.DataFrame, meta: dict, pairs: pl.DataFrame | None = 
             value, r = boot.mean(sel["kl_mean"].to_numpy(), sel["prompt_id"].to_numpy())
             reps[(name, budget)] = r
             low, high = boot.ci(r)
-            ratio = sel.filter(pl.col("sum_single") > 0).select(pl.col("kl_mean") / pl.col("sum_single"))
+            held = sel.filter(pl.col("kl_held_out").is_not_null())
+            held_value, held_r = boot.mean(held["kl_held_out"].to_numpy(), held["prompt_id"].to_numpy())
+            read = sel.filter(pl.col("kl_read").is_not_null())
+            read_value, read_r = boot.mean(read["kl_read"].to_numpy(), read["prompt_id"].to_numpy())
+            ratio = sel.filter(pl.col("sum_single") > 0).select(pl.col("kl_single_window") / pl.col("sum_single"))
             ratio = ratio.to_series().to_numpy() if ratio.height else np.empty(0)
             rows.append({"decision": name, "kind": "rule" if name in rules else "reference", "budget": budget,
                          "space": _space(decisions.filter(pl.col("decision") == name)),
                          "mean_kl": value, "ci_low": low, "ci_high": high, "n": sel.height, "n_total": total,
+                         "read_steps_median": sel["read_steps"].median(),
+                         "mean_kl_read": read_value, "read_ci_low": boot.ci(read_r)[0],
+                         "read_ci_high": boot.ci(read_r)[1], "n_read": read.height,
+                         "mean_kl_held_out": held_value, "held_out_ci_low": boot.ci(held_r)[0],
+                         "held_out_ci_high": boot.ci(held_r)[1], "n_held_out": held.height,
                          "mean_evicted": float(sel["evicted"].mean()) if sel.height else None,
                          "additivity_median": float(np.median(ratio)) if len(ratio) else None,
                          "additivity_q25": float(np.quantile(ratio, 0.25)) if len(ratio) else None,
@@ -163,9 +174,78 @@ def summarize(decisions: pl.DataFrame, meta: dict, pairs: pl.DataFrame | None = 
                              "mean_spread": float(spread.mean()) if spread.len() else None, "n": c["n"]})
     inputs = token_inputs(labels, scores, rules) if labels is not None and scores is not None else None
     spearman = _auroc_spearman(labeled, rules, budgets, reps, boot, inputs, meta)
+    held_out = _held_out(labeled, boot, budgets, best, [r for r in rules if not r.endswith(" (stochastic)")])
     return {"summary": table, "inputs": inputs, "paired": paired, "spearman": spearman, "headline": headline,
+            "held_out": held_out,
             "stochastic": pl.DataFrame(sto_rows), "headroom": headroom, "search": _search_cost(decisions, budgets),
             "pairs": pair_summary(pairs) if pairs is not None and pairs.height else pl.DataFrame()}
+
+
+def windows(decisions: pl.DataFrame, single_window: int | str | None = None) -> pl.DataFrame:
+    """``decisions`` with each row's damage split by the window its decision read (``read_steps``: 0 for a rule,
+    which reads no step after the checkpoint): ``kl_read``, the mean per-step KL over the steps it read (null when
+    none), and ``kl_held_out``, over the judged steps after them (null when it read them all); and
+    ``kl_single_window``, the mean over the single labels' window (``single_window`` steps: the run's read window;
+    None or rest: the whole judged window), what a set's sum of single labels is compared with. Files from before
+    ``read_steps`` was stored hold no split (nulls)."""
+    if "read_steps" not in decisions.columns:
+        decisions = decisions.with_columns(read_steps=pl.lit(None, pl.Int64))
+    steps, read = pl.col("kl_steps"), pl.col("read_steps")
+    single = (pl.col("kl_mean") if single_window is None or single_window == REST
+              else steps.list.head(int(single_window)).list.mean())
+    return decisions.with_columns(
+        kl_read=pl.when(read > 0).then(steps.list.head(read).list.mean()),
+        kl_held_out=pl.when(read < steps.list.len()).then(steps.list.slice(read).list.mean()),
+        kl_single_window=single)
+
+
+def held_out_pairs(labeled: pl.DataFrame, rule: str, reference: str, budget: str) -> pl.DataFrame:
+    """``rule`` against a ``reference`` that read the future, at ``budget``, split at the steps the reference read:
+    prompt_id, checkpoint, read (its steps), and the two damages on the steps it read (``x_read``: the rule,
+    ``y_read``: the reference) and on the judged steps after them (``x_held``, ``y_held``); the checkpoints where it
+    left steps unread."""
+    sel = labeled.filter(pl.col("budget") == budget)
+    x = sel.filter(pl.col("decision") == rule).select("prompt_id", "checkpoint", x_steps="kl_steps")
+    y = sel.filter((pl.col("decision") == reference) & (pl.col("read_steps") > 0)
+                   & (pl.col("read_steps") < pl.col("kl_steps").list.len()))
+    y = y.select("prompt_id", "checkpoint", read="read_steps", y_read="kl_read", y_held="kl_held_out")
+    both = y.join(x, on=["prompt_id", "checkpoint"])
+    return both.with_columns(x_read=pl.col("x_steps").list.head(pl.col("read")).list.mean(),
+                             x_held=pl.col("x_steps").list.slice(pl.col("read")).list.mean()).drop("x_steps")
+
+
+def _held_out(labeled: pl.DataFrame, boot: PromptBootstrap, budgets: list[str], best: dict,
+              rules: list[str]) -> pl.DataFrame:
+    """Per budget, reference that read the future and rule: the rule / the reference on the steps the reference read
+    (in-window: what it chose its set on) and on the judged steps after them (held out), each per prompt (the
+    geometric mean over prompts of each prompt's geometric mean over checkpoints, with its CI; the plain median of
+    the prompts' ratios; the prompts where the rule does less damage, its wins) with the exact paired test of the
+    differences (sign test below 30 prompts)."""
+    if "read_steps" not in labeled.columns:
+        return pl.DataFrame()
+    present = set(labeled["decision"])
+    rows = []
+    for budget in budgets:
+        for ref in [o for o in ORACLES if o in present]:
+            for rule in rules:
+                p = held_out_pairs(labeled, rule, ref, budget)
+                if not p.height:
+                    continue
+                row = {"budget": budget, "reference": ref, "rule": rule, "best": rule == best.get(budget),
+                       "read_steps_median": float(p["read"].median()), "n": p.height}
+                for part, (x, y) in {"read": ("x_read", "y_read"), "held_out": ("x_held", "y_held")}.items():
+                    c = compare(boot, p[x].to_numpy(), p[y].to_numpy(), p["prompt_id"].to_numpy())
+                    r = c["ratios"]
+                    row.update({f"{part}_ratio_geomean": r["geomean"], f"{part}_ratio_low": r["geomean_ci"][0],
+                                f"{part}_ratio_high": r["geomean_ci"][1], f"{part}_ratio_median": r["median"],
+                                f"{part}_rule_wins": r["below"], f"{part}_prompts": r["n"],
+                                f"{part}_test": c["test"].test, f"{part}_p_value": c["p_value"],
+                                f"{part}_p_resolution": c["test"].resolution})
+                rows.append(row)
+    if not rows:
+        return pl.DataFrame()
+    order = pl.col("budget").replace_strict(budgets, list(range(len(budgets))), return_dtype=pl.Int64)
+    return pl.DataFrame(rows).sort(order, "reference", "held_out_ratio_geomean")
 
 
 def _space(rows: pl.DataFrame) -> str:
@@ -357,6 +437,7 @@ def to_markdown(res: dict, meta: dict) -> str:
                           "headroom per prompt: geometric mean [CI], median, below 1, p",
                           "oracle_greedy − oracle_single", "oracle_greedy − best rule"], rows, "lllrrrr") + "\n"
     text += _search_markdown(res, heads)
+    text += _held_out_markdown(res)
     for budget in table["budget"].unique(maintain_order=True).to_list():
         rows = []
         sub = table.filter(pl.col("budget") == budget).sort("mean_kl", nulls_last=True)
@@ -452,6 +533,32 @@ def _search_markdown(res: dict, heads: dict) -> str:
     return text
 
 
+def _held_out_markdown(res: dict) -> str:
+    """The best rule against each reference that read the future, on the steps it read and on those it did not."""
+    h = res.get("held_out")
+    if h is None or not h.height:
+        return ""
+    text = ("## In-window and held out\n\nEach reference that reads the future (`oracle_single`'s labels, `fast`, "
+            "`oracle_greedy`, `oracle_search`, `future_attention`) chose its set on the first steps of the judged "
+            "window (read: their median number); every set is judged on the whole window. Best rule / reference "
+            "on the steps the reference read (in-window, where it chose) and on the judged steps after them (held "
+            "out, where it did not): per prompt, the geometric mean of the prompts' ratios [cluster-bootstrap CI], "
+            "their plain median, the prompts where the rule did less damage (wins) and the exact sign test of the "
+            "paired differences (below 30 prompts). The best rule is the least mean damage on the whole judged "
+            "window, chosen on these same checkpoints; every rule's ratios are in `held_out.csv`.\n\n")
+    rows = []
+    for r in h.filter(pl.col("best")).iter_rows(named=True):
+        cells = []
+        for part in ("read", "held_out"):
+            cells += [_fmt_ci(r[f"{part}_ratio_geomean"], r[f"{part}_ratio_low"], r[f"{part}_ratio_high"], 3),
+                      number_text(r[f"{part}_ratio_median"], 3), f"{r[f'{part}_rule_wins']}/{r[f'{part}_prompts']}",
+                      format_p(r[f"{part}_p_value"], r[f"{part}_p_resolution"])]
+        rows.append([r["budget"], r["rule"], r["reference"], number_text(r["read_steps_median"], 4), *cells])
+    text += md_table(["budget", "best rule", "reference", "read", "in-window: rule / reference", "median", "wins",
+                      "p", "held out: rule / reference", "median", "wins", "p"], rows, "lllrrrrrrrrr") + "\n"
+    return text
+
+
 def _greedy_ratio(g: dict | None) -> str:
     """A paired row's ratio to oracle_greedy as a cell: the per-checkpoint geometric mean [CI] (the ratio of means)."""
     if not g:
@@ -471,33 +578,42 @@ def _per_prompt(c: dict | None) -> str:
 
 
 def figure(table: pl.DataFrame, out: Path) -> list[Path]:
-    """decisions.png/.pdf: joint damage against the budget per decision, log y; the oracles dotted."""
+    """decisions.png/.pdf: joint damage against the budget per decision on the judged window, log y, the oracles
+    dotted; beside it, when some reference read only part of the window, each decision's damage on the judged steps
+    after the ones it read (``mean_kl_held_out``: a rule reads none, so its held-out damage is its whole window's)."""
     from kvdiag.core.plotting import new_figure, save_figure, style
 
     budgets = table["budget"].unique(maintain_order=True).to_list()
     x = {b: Budget.parse(b).value for b in budgets}
+    held = "mean_kl_held_out" in table.columns and table.filter(
+        (pl.col("kind") == "reference") & (pl.col("n_held_out") > 0) & (pl.col("read_steps_median") > 0)).height > 0
+    panels = [("mean_kl", "judged window")] + ([("mean_kl_held_out", "held out: steps after what each read")]
+                                               if held else [])
     with style():
-        fig, (ax,) = new_figure(1, 7.5, 4.5)
-        for name in table["decision"].unique(maintain_order=True).to_list():
-            sub = table.filter((pl.col("decision") == name) & pl.col("mean_kl").is_not_nan()).sort("budget")
-            if not sub.height:
-                continue
-            xs = [x[b] for b in sub["budget"]]
-            order = np.argsort(xs)
-            ys = np.maximum(sub["mean_kl"].to_numpy(), 1e-9)[order]
-            ref = name in ORACLES or name.startswith("random")
-            ax.plot(np.array(xs)[order], ys, ls=":" if ref else "-", marker="o", ms=3, lw=1.6 if ref else 1,
-                    color="black" if name in ORACLES else ("grey" if name.startswith("random") else None), label=name)
-        ax.set(yscale="log", xlabel="keep fraction" if budgets[0].startswith("keep") else "budget (entries)",
-               ylabel="joint damage (mean KL, nats)")
-        if budgets[0].startswith("keep"):
-            ax.set_xscale("log", base=2)
-        ax.legend(fontsize=6, ncol=2, loc="best")
+        fig, axes = new_figure(len(panels), 7.5 if len(panels) == 1 else 12, 4.5)
+        for ax, (column, title) in zip(axes, panels, strict=True):
+            for name in table["decision"].unique(maintain_order=True).to_list():
+                sub = table.filter((pl.col("decision") == name) & pl.col(column).is_not_nan()
+                                   & pl.col(column).is_not_null()).sort("budget")
+                if not sub.height:
+                    continue
+                xs = [x[b] for b in sub["budget"]]
+                order = np.argsort(xs)
+                ys = np.maximum(sub[column].to_numpy(), 1e-9)[order]
+                ref = name in ORACLES or name.startswith("random")
+                ax.plot(np.array(xs)[order], ys, ls=":" if ref else "-", marker="o", ms=3, lw=1.6 if ref else 1,
+                        color="black" if name in ORACLES else ("grey" if name.startswith("random") else None),
+                        label=name)
+            ax.set(yscale="log", xlabel="keep fraction" if budgets[0].startswith("keep") else "budget (entries)",
+                   ylabel="joint damage (mean KL, nats)", title=title if held else None)
+            if budgets[0].startswith("keep"):
+                ax.set_xscale("log", base=2)
+        axes[0].legend(fontsize=6, ncol=2, loc="best")
         return save_figure(fig, out, "decisions")
 
 
 OUTPUTS = ("summary.csv", "paired.csv", "spearman.csv", "pairs_summary.csv", "stochastic.csv", "headroom.csv",
-           "search.csv", "summary.md",
+           "search.csv", "held_out.csv", "summary.md",
            "summary.json",
            "decisions.png", "decisions.pdf")
 INPUTS = {"token_scores": "inputs/token_scores.parquet", "token_labels": "inputs/token_labels.parquet"}
@@ -527,6 +643,7 @@ def summarize_files(out: str | os.PathLike, labels: str | os.PathLike | None = N
     write_csv(res["stochastic"], out / "stochastic.csv")
     write_csv(res["headroom"], out / "headroom.csv")
     write_csv(res["search"], out / "search.csv")
+    write_csv(res["held_out"], out / "held_out.csv")
     write_text(out / "summary.md", to_markdown(res, meta))
     write_json(out / "summary.json", {"headline": res["headline"], "over_budget": meta.get("over_budget")})
     figure(res["summary"], out)
