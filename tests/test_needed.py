@@ -109,7 +109,41 @@ def test_needed_rows_read_the_compaction_before_the_final_line():
     assert needed_rows(rows, SUITES["recall"], share=0.6).sort("scorer")["kept"].to_list() == [False, False, True]
     pooled = needed_summary(got, n_boot=50).filter(pl.col("scorer") == "all rules").row(0, named=True)
     assert (pooled["kept_success"], pooled["kept_n"], pooled["lost_success"], pooled["lost_n"]) == (2, 2, 0, 1)
-    assert pooled["fisher_p"] == pytest.approx(1 / 3)
+    # no pooled test (one prompt's rules are not independent); each rule's one generation cannot vary: no family
+    assert pooled["fisher_p"] is None and pooled["holm_p"] is None and pooled["rules_tested"] == 0
+
+
+def test_needed_summary_tests_each_rule_and_holm_adjusts_the_budget():
+    """Per rule (one generation per prompt) Fisher's exact test of success against kept, Holm over the rules of a
+    budget; a rule whose table cannot vary (no success) or with two generations of a prompt is not tested and not
+    counted in the family; the pooled row has counts, no Fisher p, and the family's smallest Holm p."""
+    import polars as pl
+    from scipy.stats import fisher_exact
+
+    from kvdiag.core.stats import holm
+    from kvdiag.replay.kept_needed import ALL_RULES, needed_summary
+
+    def rule(name, kept, success, prompts=None, budget=64):
+        prompts = prompts or [f"p{i}" for i in range(len(kept))]
+        return [{"prompt_id": p, "sample": 0, "scorer": name, "budget": budget, "success": s, "kept_prompt": 0.5,
+                 "kept_answer": None, "wrote_needed": False, "kept": k}
+                for p, k, s in zip(prompts, kept, success, strict=True)]
+
+    kept = [True] * 6 + [False] * 6
+    rows = pl.DataFrame(rule("a", kept, [True] * 5 + [False] * 7) + rule("b", kept, [True, False] * 3 + [False] * 6)
+                        + rule("none", kept, [False] * 12)  # no success: cannot vary
+                        + rule("twice", kept, [True] * 6 + [False] * 6, ["p0"] * 12)  # one prompt twelve times
+                        + rule("a", kept, [True] * 5 + [False] * 7, budget=128))
+    got = {(r["scorer"], r["budget"]): r for r in needed_summary(rows, n_boot=20).iter_rows(named=True)}
+    want = [fisher_exact([[5, 1], [0, 6]]).pvalue, fisher_exact([[3, 3], [0, 6]]).pvalue]
+    assert [got["a", 64]["fisher_p"], got["b", 64]["fisher_p"]] == pytest.approx(want)
+    assert [got["a", 64]["holm_p"], got["b", 64]["holm_p"]] == pytest.approx(list(holm(want)))
+    for name in ("none", "twice"):
+        assert got[name, 64]["fisher_p"] is None and got[name, 64]["holm_p"] is None
+    pooled = got[ALL_RULES, 64]
+    assert pooled["n"] == 48 and pooled["prompts"] == 12 and pooled["fisher_p"] is None
+    assert pooled["holm_p"] == pytest.approx(min(holm(want))) and pooled["rules_tested"] == 2
+    assert got["a", 128]["holm_p"] == pytest.approx(want[0]) and got[ALL_RULES, 128]["rules_tested"] == 1
 
 
 def test_replay_records_the_shares_the_loop_kept(tiny_llama, tmp_path):

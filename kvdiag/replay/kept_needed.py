@@ -7,7 +7,16 @@ cache held when the answer was read), the mean share of (layer, KV head) slots t
 prompt's copy and for the generation's own copy (a token written after that compaction is held whole: share 1);
 ``kept``: every needed token of the prompt's copy, or every one of the generation's copy, held in at least
 ``KEPT_SHARE`` of its slots. Then per (rule, budget) and pooled per budget: the task component's success among
-generations that kept and among those that did not (Wilson CIs, Fisher's exact test).
+generations that kept and among those that did not (Wilson CIs).
+
+The test is per rule: within one rule at one budget each prompt enters once (one generation per prompt), so its
+units are independent across prompts, and Fisher's exact test (two-sided) of success against kept applies; the
+rules of a budget are one family, Holm-adjusted (valid however their tests depend on each other: they share the
+prompts). The pooled row ("all rules") is counts only: its generations of one prompt are not independent, so no
+test pools them; its Holm p is the family's smallest (Holm's first step: Bonferroni's test that no rule's success
+depends on kept). A rule's table that cannot vary given its margins (every generation kept, or every one lost, or
+no success, or every one a success) has a one-point conditional distribution (p = 1 whatever happened): it has no
+test and stays out of the family; so does a rule with more than one generation of a prompt (sampled generations).
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ import polars as pl
 
 from kvdiag.core.contracts import FULL_KV
 from kvdiag.core.io import write_csv, write_text
-from kvdiag.core.stats import PromptBootstrap, fisher_two_sided, format_p, wilson
+from kvdiag.core.stats import PromptBootstrap, fisher_two_sided, format_p, holm, wilson
 from kvdiag.core.tables import markdown_table
 from kvdiag.tasks.needed import KEPT_SHARE
 from kvdiag.tasks.suites import Suite, grade
@@ -52,8 +61,9 @@ def needed_rows(df: pl.DataFrame, suite: Suite, share: float = KEPT_SHARE) -> pl
     return pl.DataFrame(rows, infer_schema_length=None)
 
 
-def _rates(g: pl.DataFrame, level: float) -> dict:
-    """Success among kept and not kept (counts, rates, Wilson CIs) and Fisher's exact p."""
+def _rates(g: pl.DataFrame, level: float, test: bool) -> dict:
+    """Success among kept and not kept (counts, rates, Wilson CIs) and, when ``test`` (one rule's generations, one
+    per prompt) and the 2x2 table can vary given its margins, Fisher's exact p (else None; module docstring)."""
     out = {}
     table = []
     for name, sub in (("kept", g.filter(pl.col("kept"))), ("lost", g.filter(~pl.col("kept")))):
@@ -62,13 +72,17 @@ def _rates(g: pl.DataFrame, level: float) -> dict:
         out.update({f"{name}_n": n, f"{name}_success": k, f"{name}_rate": k / n if n else None,
                     f"{name}_lo": lo, f"{name}_hi": hi})
         table.append([k, n - k])
-    out["fisher_p"] = fisher_two_sided(np.array(table)) if all(sum(t) for t in table) else None
+    table = np.array(table)
+    varies = table.sum(1).all() and table.sum(0).all()  # both groups and both outcomes present
+    out["fisher_p"] = fisher_two_sided(table) if test and varies else None
     return out
 
 
 def needed_summary(rows: pl.DataFrame, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> pl.DataFrame:
-    """Per (rule, budget), then pooled per budget: n, the mean kept shares with cluster-bootstrap CIs over prompts,
-    the share that kept, and the task's success among kept and not kept (:func:`_rates`)."""
+    """Per (rule, budget), then pooled per budget: n (generations that entered), prompts, the mean kept shares with
+    cluster-bootstrap CIs over prompts, the share that kept, the task's success among kept and not kept
+    (:func:`_rates`), and per budget the family of per-rule Fisher tests: ``holm_p`` (Holm over the rules tested at
+    that budget; on the pooled row the smallest of them) and ``rules_tested`` (the family's size)."""
     boot = PromptBootstrap(rows["prompt_id"].unique().to_list(), n_boot, seed, level)
     out = []
     groups = [((s, b), g) for (s, b), g in rows.group_by("scorer", "budget", maintain_order=True)]
@@ -86,14 +100,29 @@ def needed_summary(rows: pl.DataFrame, n_boot: int = 2000, seed: int = 0, level:
             row.update({col: mean, f"{col}_lo": lo, f"{col}_hi": hi})
         k = int(g["kept"].sum())
         lo, hi = wilson(k, g.height, level)
+        one_per_prompt = scorer != ALL_RULES and row["prompts"] == g.height
         row.update({"kept_n": k, "kept_share": k / g.height, "kept_share_lo": lo, "kept_share_hi": hi,
-                    **_rates(g, level)})
+                    **_rates(g, level, one_per_prompt)})
         out.append(row)
+    for budget in dict.fromkeys(r["budget"] for r in out):  # Holm over the rules of a budget with a test
+        rows_b = [r for r in out if r["budget"] == budget]
+        tested = [r for r in rows_b if r["scorer"] != ALL_RULES and r["fisher_p"] is not None]
+        adjusted = dict(zip(map(id, tested), holm(np.array([r["fisher_p"] for r in tested], dtype=float)),
+                            strict=True))
+        for r in rows_b:
+            q = (min(adjusted.values(), default=None) if r["scorer"] == ALL_RULES else adjusted.get(id(r)))
+            r.update(holm_p=None if q is None else float(q), rules_tested=len(tested))
     return pl.DataFrame(out, infer_schema_length=None).sort("budget", maintain_order=True)
 
 
 def _pct(v, lo, hi) -> str:
     return "–" if v is None else f"{100 * v:.0f} % [{100 * lo:.0f}, {100 * hi:.0f}]"
+
+
+def _holm_cell(r: dict) -> str:
+    if r["holm_p"] is None:
+        return "–"
+    return format_p(r["holm_p"]) + (f" (smallest of {r['rules_tested']})" if r["scorer"] == ALL_RULES else "")
 
 
 def write_needed(df: pl.DataFrame, suite: Suite, out_dir, n_boot: int = 2000, seed: int = 0,
@@ -107,7 +136,7 @@ def write_needed(df: pl.DataFrame, suite: Suite, out_dir, n_boot: int = 2000, se
     summary = needed_summary(rows, n_boot, seed, level)
     write_csv(summary, out_dir / "needed.csv")
     head = ["rule", "budget", "n", "prompt copy kept", "own copy kept", "kept", f"{suite.task.name} if kept",
-            f"{suite.task.name} if lost", "Fisher p"]
+            f"{suite.task.name} if lost", "Fisher p", "Holm p"]
     table = []
     for r in summary.iter_rows(named=True):
         table.append([r["scorer"], str(r["budget"]), str(r["n"]),
@@ -118,7 +147,7 @@ def write_needed(df: pl.DataFrame, suite: Suite, out_dir, n_boot: int = 2000, se
                       + _pct(r["kept_rate"], r["kept_lo"], r["kept_hi"]),
                       "–" if not r["lost_n"] else f"{r['lost_success']}/{r['lost_n']} "
                       + _pct(r["lost_rate"], r["lost_lo"], r["lost_hi"]),
-                      "–" if r["fisher_p"] is None else format_p(r["fisher_p"])])
+                      "–" if r["fisher_p"] is None else format_p(r["fisher_p"]), _holm_cell(r)])
     text = (f"What each rule kept of the tokens builtin:{suite.name}'s answer needs (needed.csv), over its compressed "
             f"generations (n), when the final line was read: the cache after the last compaction before that line.\n\n"
             + markdown_table(head, table, "l" * len(head)) + "\n"
@@ -128,7 +157,14 @@ def write_needed(df: pl.DataFrame, suite: Suite, out_dir, n_boot: int = 2000, se
             "that compaction counts as held.\n"
             f"- kept: every needed token of one copy held in at least {share:.0%} of its slots.\n"
             f"- {suite.task.name} if kept / lost: the task component's success among generations that kept / did not, "
-            f"Wilson {level:.0%} CIs; Fisher p: Fisher's exact test, two-sided, of success against kept.\n"
-            f"- {ALL_RULES}: every rule's generations at that budget pooled.\n")
+            f"Wilson {level:.0%} CIs.\n"
+            "- Fisher p: Fisher's exact test, two-sided, of success against kept within one rule at one budget: one "
+            "generation per prompt, so its units are independent across prompts. – where the rule's table cannot "
+            "vary given its margins (every generation kept, or every one lost, or no success, or every one a "
+            "success: p = 1 whatever happened); such a rule is not tested. Holm p: Holm's adjustment over the rules "
+            "tested at that budget (valid however their tests depend on each other: they share the prompts).\n"
+            f"- {ALL_RULES}: every rule's generations at that budget pooled, counts only (n generations of "
+            "the same prompts, so not independent: no test pools them); its Holm p is the smallest of the budget's, "
+            "of the rules tested (Holm's first step: Bonferroni's test that no rule's success depends on kept).\n")
     write_text(out_dir / "needed.md", text)
     return summary
