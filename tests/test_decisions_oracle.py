@@ -377,3 +377,39 @@ def test_a_read_window_is_judged_on_the_steps_it_did_not_read(decided):
     assert row["held_out_ratio_geomean"] == pytest.approx(float(np.exp(ratio)), rel=1e-9)
     assert row["n"] == p.height == 2 and row["read_steps_median"] == read
     assert "## In-window and held out" in (out / "summary.md").read_text()
+
+
+def test_the_search_stops_once_4x_the_rows_gain_under_1_percent():
+    """``_Judge``: after each batch of swaps, converged when the label at a quarter of the rows spent, less the label
+    now, is under 1 % of it; with ``stop`` it then allows no more rows, without it (the bench's scaled run) it goes on."""
+    from kvdiag.decisions.search import CONVERGED, Candidate, _Judge
+
+    class Engine:  # labels each batch of masks with the next values of a script
+        batch_size = 2
+
+        def __init__(self, script):
+            self.script = iter(script)
+
+        def label_sets(self, t, sets):
+            kl = torch.tensor(next(self.script), dtype=torch.float64)[:, None]
+            return {"kl": kl, "js": kl, "nll_delta": kl, "flips": torch.zeros(len(sets))}, 0.0
+
+    mask = torch.zeros(1, 1, 4, dtype=torch.bool)
+    start = Candidate("rule", mask, {"kl": torch.tensor([1.0])})
+    # 2 rows per batch; a 10 % gain at rows 2, then 0.5 % in all until rows 10: at rows 8 the label at rows 2 (0.9)
+    # less now (0.8955) is 0.5 %: converged
+    script = [[0.9, 1.0], [0.899, 1.0], [0.8975, 1.0], [0.8955, 1.0], [0.895, 1.0]]
+    for stop in (True, False):
+        judge = _Judge(Engine(script), 4, start, True, rows=100, seconds=0, stop=stop)
+        for _ in range(4):
+            judge.label([mask, mask], "swaps")
+        assert judge.converged and (0.9 - 0.8955) < CONVERGED * 0.9
+        assert judge.left() == (0 if stop else 100 - 8)
+    judge = _Judge(Engine(script), 4, start, True, rows=100, seconds=0)
+    for _ in range(3):  # 6 rows: below 4 x batch = 8, never judged converged
+        judge.label([mask, mask], "swaps")
+    assert not judge.converged and judge.left() == 94
+    judge = _Judge(Engine([[0.5, 1.0]] + [[0.5, 1.0]] * 3), 4, start, True, rows=100, seconds=0)
+    for _ in range(4):  # recombination's rows count toward the effort but never stop it
+        judge.label([mask, mask], "recombine")
+    assert not judge.converged

@@ -54,6 +54,7 @@ DECISION_SCHEMA = {
     "sum_single": pl.Float64, "evicted_positions": pl.List(pl.Int64), "evicted_heads": pl.List(pl.Int64),
     "cost_rows": pl.Int64, "cost_seconds": pl.Float64, "sample": pl.Int64, "draw_seed": pl.Int64,
     "evicted_mask": pl.Binary, "search_start": pl.String, "search_improvement": pl.Float64, "read_steps": pl.Int64,
+    "search_converged": pl.Boolean,
 }
 STATUS = {"ok": "labeled", "nothing_evicted": "the budget keeps every entry: nothing is evicted (label 0)",
           "over_budget": "the rule protects more entries than the budget keeps: no decision (--infeasible skip)",
@@ -230,6 +231,7 @@ def _decide_checkpoint(engine, reader, fisher, lm, pid: str, t: int, scores: dic
                                   status="ok" if k < t else "nothing_evicted", set=evict, sample=None,
                                   draw_seed=None, label=label, read_steps=read, cost_rows=found.rows,
                                   cost_seconds=found.seconds, search_start=found.start,
+                                  search_converged=found.converged,
                                   search_improvement=found.improvement))
     rows = []
     for d in decisions:

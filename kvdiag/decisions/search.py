@@ -15,7 +15,9 @@ At one (checkpoint ``t``, budget) it starts from the best (lowest exact joint ``
 Every move keeps each cell's number of evicted entries, and only entries a cell's queries can see (``visible``:
 a sliding layer's window) are swapped. The result is never worse than any candidate: it starts at the best and
 accepts only rows with a lower exact label (by more than ``1e-6`` relative and ``1e-9`` nats, so batch rounding is
-never taken for progress). Effort: ``rows`` set rows and ``seconds`` (no new round after it).
+never taken for progress). Effort: ``rows`` set rows and ``seconds`` (no new round after it), and it stops earlier
+once converged: when the rows since it had spent a quarter of them (4x more effort) took less than
+``CONVERGED`` (1 %) off the label it had then (checked after each batch of swaps, from ``4 x batch`` rows on).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from kvdiag.model.attention import attention_context
 
 SOFT_MASK_ATTN = "kvdiag_soft_mask"
 ACCEPT_REL, ACCEPT_ABS = 1e-6, 1e-9  # a move must lower the exact label by more than this (batch rounding is not)
+CONVERGED = 0.01  # 4x more rows took less than this share off the label: converged
 
 
 @dataclass
@@ -127,6 +130,7 @@ class Searched:
     rows: int
     seconds: float
     moves: dict  # move -> {"rows": set rows it labeled, "gain": nats of kl_mean it took off}
+    converged: bool = False  # it stopped because 4x more rows gained under CONVERGED (not at its row or time bound)
 
     @property
     def improvement(self) -> float:
@@ -136,18 +140,30 @@ class Searched:
 class _Judge:
     """Labels batches of masks exactly and keeps the best; counts rows and time."""
 
-    def __init__(self, engine, t: int, start: Candidate, per_token: bool, rows: int, seconds: float):
+    def __init__(self, engine, t: int, start: Candidate, per_token: bool, rows: int, seconds: float,
+                 stop: bool = True):
         self.engine, self.t, self.per_token = engine, t, per_token
         self.best = start
         self.kl = float(start.label["kl"].double().mean())
         self.rows, self.max_rows, self.began, self.max_seconds = 0, rows, time.perf_counter(), seconds
         self.moves = {"recombine": {"rows": 0, "gain": 0.0}, "swaps": {"rows": 0, "gain": 0.0}}
+        self.history = [(0, self.kl)]  # (rows spent, best label then), after each batch
+        self.converged, self.stop = False, stop
 
     def left(self) -> int:
-        """Rows still allowed (0 once the time is up)."""
-        if self.max_seconds and time.perf_counter() - self.began >= self.max_seconds:
+        """Rows still allowed (0 once the time is up or the search has converged)."""
+        timed_out = self.max_seconds and time.perf_counter() - self.began >= self.max_seconds
+        if (self.converged and self.stop) or timed_out:
             return 0
         return self.max_rows - self.rows
+
+    def _check_converged(self) -> None:
+        """Converged: from ``4 x batch`` rows on, the label at a quarter of the rows spent, less today's, is under
+        ``CONVERGED`` of it (4x the effort gained under 1 %)."""
+        if self.rows < 4 * self.engine.batch_size:
+            return
+        then = min(kl for rows, kl in self.history if rows <= self.rows / 4)
+        self.converged = self.converged or then - self.kl < CONVERGED * then
 
     def label(self, masks: list[torch.Tensor], move: str) -> torch.Tensor:
         """[N] exact joint kl_mean of ``masks`` (rows of ``move``); the best replaces the current set if lower."""
@@ -161,24 +177,28 @@ class _Judge:
             self.best = Candidate("oracle_search", masks[j], {key: val[j] for key, val in res.items()})
             self.moves[move]["gain"] += self.kl - float(kl[j])
             self.kl = float(kl[j])
+        self.history.append((self.rows, self.kl))
+        if move == "swaps":  # stopped only in the last move: recombination's rows count, but it always runs
+            self._check_converged()
         return kl
 
 
 def search(engine, t: int, candidates: list[Candidate], per_token: bool, rows: int, seconds: float,
-           visible: torch.Tensor | None = None) -> Searched:
+           visible: torch.Tensor | None = None, stop: bool = True) -> Searched:
     """``oracle_search`` at checkpoint ``t`` and one budget (module docstring): ``candidates`` labeled sets of the
     same budget (per-token: token sets, the same mask in every cell); ``rows``/``seconds`` its effort; ``visible``
-    [L, t] the entries each layer can see (default: :func:`visible_entries`)."""
+    [L, t] the entries each layer can see (default: :func:`visible_entries`); ``stop``: stop once converged (False:
+    spend the whole effort, what ``kvdiag bench decisions`` checks convergence with)."""
     began = time.perf_counter()
     ranked = sorted(candidates, key=lambda c: (float(c.label["kl"].double().mean()), c.name))
     start = ranked[0]
     visible = visible_entries(engine, t) if visible is None else visible
-    judge = _Judge(engine, t, start, per_token, rows, seconds)
+    judge = _Judge(engine, t, start, per_token, rows, seconds, stop)
     if not per_token:
         _recombine(judge, ranked[1:])
     _swaps(judge, visible)
     return Searched(judge.best.mask, judge.best.label, start.name, float(start.label["kl"].double().mean()),
-                    judge.rows, round(time.perf_counter() - began, 3), judge.moves)
+                    judge.rows, round(time.perf_counter() - began, 3), judge.moves, judge.converged)
 
 
 def _recombine(judge: _Judge, others: list[Candidate]) -> None:

@@ -295,6 +295,7 @@ def _search_cost(decisions: pl.DataFrame, budgets: list[str]) -> pl.DataFrame:
                      "seconds_median": float(g["cost_seconds"].median()),
                      "improvement_median": float(g["search_improvement"].median()),
                      "improved": int((g["search_improvement"] > 0).sum()),
+                     "converged": int(g["search_converged"].sum()) if "search_converged" in g.columns else None,
                      "relative_improvement_median": float((g["search_improvement"]
                                                            / (g["kl_mean"] + g["search_improvement"])).median()),
                      "starts": ", ".join(f"{s} {n}" for s, n in starts.iter_rows())})
@@ -523,13 +524,15 @@ def _search_markdown(res: dict, heads: dict) -> str:
     cost = res.get("search")
     if cost is not None and cost.height:
         text += ("oracle_search's effort per (checkpoint, budget): set rows and seconds (medians), its improvement "
-                 "over its starting candidate (median, nats and relative; checkpoints improved) and where it "
-                 "started:\n\n")
+                 "over its starting candidate (median, nats and relative; checkpoints improved), the checkpoints "
+                 "where it stopped converged (4x more rows had taken under 1 % off its label) rather than at its "
+                 "row or time bound, and where it started:\n\n")
         rows = [[r["budget"], number_text(r["rows_median"], 4), number_text(r["seconds_median"], 3),
                  number_text(r["improvement_median"], 3), number_text(r["relative_improvement_median"], 3),
-                 f"{r['improved']}/{r['n']}", r["starts"]] for r in cost.iter_rows(named=True)]
-        text += md_table(["budget", "rows", "seconds", "improvement", "relative", "improved", "starts"], rows,
-                         "lrrrrrl") + "\n"
+                 f"{r['improved']}/{r['n']}", "n/a" if r.get("converged") is None else f"{r['converged']}/{r['n']}",
+                 r["starts"]] for r in cost.iter_rows(named=True)]
+        text += md_table(["budget", "rows", "seconds", "improvement", "relative", "improved", "converged", "starts"],
+                         rows, "lrrrrrrl") + "\n"
     return text
 
 
