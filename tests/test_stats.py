@@ -87,7 +87,8 @@ def test_ratio_summary_is_per_cluster():
     boot = PromptBootstrap(["a", "b", "c"], 400, 0, 0.95)
     r = ratio_summary(boot, x, y, prompts)
     assert r["geomean"] == pytest.approx(math.sqrt(4 * 0.5), rel=1e-12)
-    assert r["median"] == pytest.approx(math.sqrt(4 * 0.5), rel=1e-12)  # the median of two clusters: their midpoint
+    # the plain median of two clusters' ratios (4 and 0.5): their midpoint, not the geometric mean's sqrt(2)
+    assert r["median"] == pytest.approx((4 + 0.5) / 2, rel=1e-12)
     assert (r["below"], r["n"], r["dropped"]) == (1, 2, 1)
     assert 0.5 - 1e-9 <= r["geomean_ci"][0] <= r["geomean"] <= r["geomean_ci"][1] <= 4 + 1e-9
 
