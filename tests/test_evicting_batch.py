@@ -109,6 +109,39 @@ def test_left_padded_short_prompts_need_no_prefill(tiny_llama):
     assert cache.row_compressions[0][0] == 22 and cache.row_compressions[2][0] == 17 and cache.compressions[0] == 22
 
 
+def test_left_padded_decoding_is_masked_only_while_padding_or_filler_is_held(tiny_llama, monkeypatch):
+    """#58: a left-padded batch's one-token forward runs attention unmasked (as unpadded decoding) once a layer holds
+    no padding or filler slot, and masked by position while it does; the prompt's forward is always masked. Row 1
+    (40 tokens, under the budget of 48) is not compacted at step 96, so row 0's compaction tops it up with filler
+    until both compact at step 112; each row still writes its tokens alone."""
+    import kvdiag.cache.attend as attend
+
+    calls, handed = [], []
+    take, sdpa = attend.take_handoff, attend.sdpa_attention_forward
+
+    def take_handoff():
+        handoff = take()
+        handed.append(None if handoff is None else int(handoff[0].visible_positions.min()))
+        return handoff
+
+    def recording_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
+        calls.append((query.shape[2], handed[-1], attention_mask is None))
+        return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
+
+    monkeypatch.setattr(attend, "take_handoff", take_handoff)
+    monkeypatch.setattr(attend, "sdpa_attention_forward", recording_sdpa)
+    prompts = [list(range(3, 99)), list(range(100, 140))]
+    out, cache = batched(tiny_llama, prompts, "rkv", budget=48, interval=16, prefill="once")
+    assert all((q == 1 and low >= 0) == unmasked for q, low, unmasked in calls), calls
+    decoding = [unmasked for q, _, unmasked in calls if q == 1]
+    assert not all(decoding) and any(decoding) and decoding == sorted(decoding)  # masked, then unmasked
+    assert cache.row_compressions[1][:1] == [56]  # step 112
+    monkeypatch.undo()
+    for r, prompt in enumerate(prompts):
+        assert until_eos(tiny_llama, out[r]) == alone(tiny_llama, prompt, "rkv", f"p{r}", budget=48, interval=16,
+                                                      prefill="once")[0], r
+
+
 def test_padding_that_is_not_on_the_left_is_refused(tiny_llama):
     ids = torch.tensor([PROMPTS[0][:10], PROMPTS[1][:10]])
     mask = torch.ones_like(ids)

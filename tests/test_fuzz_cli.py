@@ -57,6 +57,7 @@ BASE: dict[str, list[str]] = {
     "bench replay": ["bench", "replay", "--model", "tiny:llama"],
     "bench cli": ["bench", "cli", "--repeats", "1"],
     "bench decisions": ["bench", "decisions", "--model", "tiny:llama"],
+    "bench padded": ["bench", "padded", "--model", "tiny:llama"],
 }
 # where each command's work starts (after every argument check): replaced by a stub that ends the run as accepted
 STAGES = [

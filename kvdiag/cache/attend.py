@@ -7,6 +7,10 @@ queries into the cache's :class:`QueryWindow` and, for a sliding layer, replaces
 one from positions (query ``q`` sees key ``k`` iff ``q - W < k <= q``: a window is a position distance). Full layers
 keep transformers' own causal mask, which is exact on a compacted cache (kept entries precede the new ones and
 ``PositionedCache.get_query_offset`` is the physical length), so their kernel path is the one plain decoding takes.
+In a left-padded batch every layer is masked by position (transformers' padding mask indexes slots, which a
+compaction moves), except a full layer's one-token forward once it holds no padding or filler slot (no negative
+position): that query sees every key, and runs unmasked, as unpadded decoding does (#58: the mask cost ~1% of a
+padded batch's decoding).
 A hand-off left unread means the model ran another attention function: the next ``update`` refuses to continue.
 The Trace recorder's attention function (``kvdiag.trace.hooks``) reads the hand-off too (:func:`take_handoff`).
 """
@@ -92,6 +96,8 @@ def _take(module, query: torch.Tensor, attention_mask, kwargs: dict, eager: bool
     padded = layer.offsets is not None  # transformers' padding mask indexes slots, which a compaction moved
     if layer.sliding_window is None and not padded:
         return attention_mask
+    if layer.sliding_window is None and query.shape[2] == 1 and not bool((layer.visible_positions < 0).any()):
+        return None  # one query per row and no padding or filler held: every key is visible, as unpadded decoding
     mask = position_mask(query_pos.to(query.device), layer.visible_positions.to(query.device), layer.sliding_window,
                          query.shape[1], padded)
     if eager:  # the model file's eager attention adds its mask

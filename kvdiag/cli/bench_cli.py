@@ -42,6 +42,7 @@ REFUSALS: dict[str, list[str]] = {
     "bench peak": ["bench", "peak", "--seconds", "nan"],
     "bench replay": ["bench", "replay", "--samples", "2"],
     "bench cli": ["bench", "cli", "--repeats", "0"],
+    "bench padded": ["bench", "padded", "--repeats", "0"],
 }
 RUN = ("import json, sys\nfrom kvdiag.cli.main import main\ntry:\n    main(json.loads(sys.argv[1]))\n"
        "except SystemExit as exc:\n"

@@ -45,6 +45,7 @@ FLAGS: dict[str, dict] = {
     # command has no prompt end to run to (a bench's synthetic prefix, replay's labels)
     "--horizon": {"metavar": "N|rest", "parser": parse_horizon},
     "--scorers": {"metavar": "NAMES"},
+    "--rule": {"metavar": "NAME"},
     "--param": {"metavar": "RULE.KEY=VALUE"},
     "--selection": {"metavar": "per-head|per-token|stochastic[:TAU]"},
     "--checkpoints": {"metavar": "SPEC"},

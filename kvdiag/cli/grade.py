@@ -16,7 +16,7 @@ def grade(
                                            "rule name (kvpress:<Press> and fitted:PATH included)"),
     bench: str = typer.Option("math500-smollm2@1", "--bench", help="benchmark NAME@VERSION shipped in "
                               "data/kvdiag-bench (or its directory)"),
-    rule: str | None = typer.Option(None, "--rule", help="the rule to grade when the plugin registers several"),
+    rule: str | None = common.flag("--rule", None, "the rule to grade when the plugin registers several"),
     param: list[str] | None = common.flag("--param", None, "rule.key=value, repeatable"),
     out: Path | None = common.flag("--out", None, "output directory (default runs/grade/<rule>)"),
     all_: bool = typer.Option(False, "--all", help="grade every built-in rule and gradable kvpress press: the "

@@ -67,6 +67,7 @@ from kvdiag.cli.bench_cli import bench_cli
 from kvdiag.cli.bench_decisions import bench_decisions
 from kvdiag.cli.bench_kernels import bench_kernels
 from kvdiag.cli.bench_label import bench_label
+from kvdiag.cli.bench_padded import bench_padded
 from kvdiag.cli.bench_peak import bench_peak
 from kvdiag.cli.bench_replay import bench_replay
 from kvdiag.cli.bench_scale import bench_scale
@@ -93,7 +94,7 @@ for _name, _fn in [("trace", trace), ("label", label), ("score", score), ("rank-
 for _name, _fn in [
     ("trace", bench_trace), ("label", bench_label), ("score", bench_score), ("kernels", bench_kernels),
     ("scale", bench_scale), ("peak", bench_peak), ("replay", bench_replay), ("cli", bench_cli),
-    ("decisions", bench_decisions),
+    ("decisions", bench_decisions), ("padded", bench_padded),
 ]:
     bench_app.command(_name)(_fn)
 
