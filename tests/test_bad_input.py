@@ -694,6 +694,34 @@ CASES: list[tuple[str, list[str], str]] = [
                                 "--fisher-samples", "0"], "--fisher-samples 0"),
     ("grade-rule-with-name", ["grade", "knorm", "--rule", "tova", "--out", "{out}"], "--rule tova"),
     ("grade-fitted-missing", ["grade", "fitted:/no/model.json", "--out", "{out}"], "/no/model.json"),
+    # ---- #56: a fitted rule's file (unknown feature, wrong shape, an older file), its model family and its
+    # training prompts against what each command runs it on
+    *[(f"score-fitted-{kind}", ["score", "--trace", "{trace}", "--labels", "{labels}", "--scorers",
+                                f"fitted:{{fitted_{kind.replace('-', '_')}}}", "--out", "{out}/s.parquet"], needle)
+      for kind, needle in (("unknown-feature", "unknown feature nope"),
+                           ("coef-shape", "logistic.coef must hold 2 finite numbers, one per feature; it has 1"),
+                           ("tree-outside", "boosted tree 0: node 0 points to node 99, outside the tree"),
+                           ("not-a-tree", "boosted tree 0: not a tree"), ("old", "written by an older kvdiag fit"),
+                           ("other-family", "trained on tiny:qwen3 (family qwen3); --trace"),
+                           ("overlap", "trained on 1 of the 2 prompts of --trace"))],
+    ("score-fitted-param-overlap", ["score", "--trace", "{trace}", "--labels", "{labels}", "--scorers", "fitted",
+                                    "--param", "fitted.path={fitted_overlap}", "--out", "{out}/s.parquet"],
+     "trained on 1 of the 2 prompts"),
+    ("replay-fitted-overlap", ["replay", "--scorers", "fitted:{fitted_overlap}", "--teacher-forced", "{trace}",
+                               "--out", "{out}"], "trained on 1 of the 2 prompts of --teacher-forced"),
+    ("replay-fitted-overlap-free", ["replay", "--scorers", "fitted:{fitted_overlap}", "--model", "tiny:llama",
+                                    "--prompts", "builtin:arith", "--limit", "3", "--out", "{out}"],
+     "trained on 1 of the 3 prompts of --prompts builtin:arith"),
+    ("replay-fitted-other-family", ["replay", "--scorers", "fitted:{fitted_good}", "--model", "tiny:qwen3",
+                                    "--limit", "2", "--out", "{out}"],
+     "runs tiny:qwen3 (family qwen3): fit the rule on labels of that model"),
+    ("grade-fitted-overlap", ["grade", "fitted:{fitted_bench_overlap}", "--out", "{out}"],
+     "trained on 1 of the 10 prompts of --bench math500-smollm2@1"),
+    ("grade-fitted-other-family", ["grade", "fitted:{fitted_other_family}", "--out", "{out}"],
+     "--bench math500-smollm2@1 runs smollm2 (family llama)"),
+    ("grade-fitted-tree-outside", ["grade", "fitted:{fitted_tree_outside}", "--out", "{out}"], "outside the tree"),
+    ("fit-rule-model", ["fit", "--trace", "{trace}", "--labels", "{labels}", "--rule-model", "forest", "--out",
+                        "{out}"], "--rule-model forest: use one of logistic, boosted"),
     ("grade-horizon-0", ["grade", "knorm", "--horizon", "0", "--out", "{out}"], "--horizon 0"),
     ("grade-horizon-past-trace", ["grade", "knorm", "--horizon", "9", "--out", "{out}"], "--horizon <= 8"),
     # ---- messages: user text is printed as given (no rich markup, no emoji codes); fields named
@@ -949,6 +977,35 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
     p = {"trace": str(trace.path), "labels": str(labels), "scores": str(scores), "run": str(root / "run"),
          "head_scores": str(root / "run" / "head-scores.parquet")}
     p["shortest"] = str(min(trace.length(pid) for pid in trace.prompt_ids))  # a horizon past one prompt's end
+    # fitted rules (#56): a small valid file (a logistic regression and one tree), broken copies, and files trained
+    # on another family, on a prompt of the Trace and on one of the shipped benchmark
+    from kvdiag.grade import benchmark
+    from kvdiag.scorers.fitted_file import text_digest
+
+    tree = {"feature": [1, 0, 0], "threshold": [1.0, None, None], "missing_left": [True, False, False],
+            "left": [1, 0, 0], "right": [2, 0, 0], "leaf": [False, True, True], "value": [0.0, -1.0, 1.0]}
+    good = {"kind": "kvdiag_fitted_rule", "rule": "logistic", "features": ["key_norm", "value_norm"],
+            "logistic": {"mean": [0.0, 0.0], "scale": [1.0, 1.0], "coef": [1.0, -1.0], "intercept": 0.0},
+            "boosted": {"baseline": 0.0, "trees": [tree]},
+            "trained_on": {"prompts": [{"id": "elsewhere", "text_sha256": text_digest("another question")}],
+                           "model": {"spec": "tiny:llama", "family": "llama"}}}
+    bench_text = next(iter(json.loads(benchmark.load("math500-smollm2@1").file("trace/manifest.json").read_text())
+                           ["prompts"].values()))["text"]
+    (root / "fitted").mkdir()
+    for kind, changes in {
+        "good": {}, "unknown_feature": {"features": ["key_norm", "nope"]},
+        "coef_shape": {"logistic": {**good["logistic"], "coef": [1.0]}},
+        "tree_outside": {"rule": "boosted", "boosted": {"baseline": 0.0, "trees": [{**tree, "left": [99, 0, 0]}]}},
+        "not_a_tree": {"boosted": {"baseline": 0.0, "trees": [{**tree, "right": [1, 0, 0]}]}},
+        "old": {"kind": "kvdiag_fitted_logreg"},
+        "other_family": {"trained_on": {**good["trained_on"], "model": {"spec": "tiny:qwen3", "family": "qwen3"}}},
+        "overlap": {"trained_on": {**good["trained_on"], "prompts": [
+            {"id": "renamed", "text_sha256": text_digest(trace.manifest["prompts"][trace.prompt_ids[0]]["text"])}]}},
+        "bench_overlap": {"trained_on": {**good["trained_on"], "prompts": [
+            {"id": "renamed", "text_sha256": text_digest(bench_text)}]}},
+    }.items():
+        (root / "fitted" / f"{kind}.json").write_text(json.dumps({**good, **changes}))
+        p[f"fitted_{kind}"] = str(root / "fitted" / f"{kind}.json")
     (root / "file").write_text("a regular file\n")
     p["file"] = str(root / "file")
     (root / "empty").mkdir()

@@ -78,7 +78,8 @@ def test_fitted_scorer_reproduces_the_model(tiny_trace, tmp_path, restore_scorer
     model = json.loads((out / "model.json").read_text())
     feats = pl.read_parquet(out / "features.parquet")
     X = feats.select(model["features"]).to_numpy()
-    logit = ((X - np.array(model["mean"])) / np.array(model["scale"])) @ np.array(model["coef"]) + model["intercept"]
+    lr = model["logistic"]
+    logit = ((X - np.array(lr["mean"])) / np.array(lr["scale"])) @ np.array(lr["coef"]) + lr["intercept"]
     df, _ = score_trace(tiny_trace, keys=feats.select(KEYS), scorers="fitted",
                         params={"fitted": {"path": str(out / "model.json")}}, aggregation="mean_raw")
     # fp32 per-layer features and logits vs float64 on the averaged features

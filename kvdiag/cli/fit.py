@@ -27,14 +27,17 @@ def fit(
     include_unresolved: bool = common.IncludeUnresolved,
     noise_mult: float = common.NoiseMult,
     seed: int = common.Seed,
+    rule_model: str = typer.Option("logistic", "--rule-model", metavar="logistic|boosted", help="the model the "
+                                   "saved rule (model.json, the fitted:PATH scorer) runs; both are saved"),
 ) -> None:
     """Fit logistic regression and gradient-boosted trees to the harmful label from per-entry features, rank their
-    out-of-fold predictions beside the rules, save the logistic regression as a scorer (fitted)."""
+    out-of-fold predictions beside the rules, save both as a rule (fitted:RUN/model.json) that runs one of them."""
     check_outputs({"--out": (out, "dir")}, {"--trace": trace, "--labels": labels, "--scores": scores})
     from kvdiag.fit import FitConfig, check_config
 
     cfg = FitConfig(features=tuple(parsing.parse_list(features, "--features", str)), harm=harm, n_splits=folds,
-                    n_boot=bootstrap, include_unresolved=include_unresolved, noise_mult=noise_mult, seed=seed)
+                    n_boot=bootstrap, include_unresolved=include_unresolved, noise_mult=noise_mult, seed=seed,
+                    rule=rule_model)
     check_config(cfg)  # before the stage's numpy, polars and torch
     from kvdiag.fit import fit_files
     res = fit_files(trace, labels, scores, out, cfg)
@@ -50,5 +53,5 @@ def fit(
                       f"{row['ci_high']:.3f}]",
                       highlight=False)
     console.print("wrote features.parquet, oof_scores.parquet, metrics.csv, table.md, importances.csv, model.json to "
-                  f"{out}",
+                  f"{out}; the fitted rule fitted:{out / 'model.json'} runs the {rule_model} model",
                   highlight=False)

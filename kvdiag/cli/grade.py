@@ -33,8 +33,10 @@ def grade(
     """Grade a rule on a shipped benchmark: how it ranks single-entry damage, and the exact joint damage of its
     decisions at the benchmark's budgets, against the oracle and the built-in rules; prints its leaderboard row."""
     from kvdiag.core.errors import UserError
+    from kvdiag.core.io import read_json
     from kvdiag.core.parsing import parse_params
-    from kvdiag.scorers.names import check_fitted, check_rule_source, is_plugin_spec
+    from kvdiag.scorers.fitted_file import check_fitted, fitted_paths, trace_evaluation
+    from kvdiag.scorers.names import check_rule_source, is_plugin_spec
     from kvdiag.scorers.plugin_check import check_plugin_files
 
     if all_ == (rule_spec is not None):
@@ -45,12 +47,14 @@ def grade(
     if rule_spec is not None and is_plugin_spec(rule_spec):
         check_plugin_files([rule_spec])  # what its source shows, before its import pulls in torch
     params = parse_params(param)
-    check_fitted([rule_spec] if rule_spec else [], params)
     from kvdiag.core.stats import format_test
+    from kvdiag.grade import benchmark as bench_mod
     from kvdiag.grade.run import RANK_METRICS, grade_files  # the stage, once the arguments are checked
 
+    if fitted_paths([rule_spec] if rule_spec else [], params):  # against the benchmark's prompts and model
+        manifest = read_json(bench_mod.load(bench).file("trace/manifest.json"), "the benchmark's trace manifest")
+        check_fitted([rule_spec], params, trace_evaluation(manifest, f"--bench {bench}"))
     if horizon is not None:  # refused on the benchmark's own files, before transformers is imported
-        from kvdiag.grade import benchmark as bench_mod
         from kvdiag.grade.run import horizon_plan
 
         horizon_plan(bench_mod.load(bench), horizon)

@@ -86,10 +86,11 @@ def replay(
     check_outputs({"--out": (out, "dir")}, {"--teacher-forced": teacher_forced, "--outcomes": outcomes,
                                            "--auroc": auroc, "--prompts": prompts, "--plugin": plugin})
     from kvdiag.core.io import check_table
-    from kvdiag.model.specs import DEFAULT_MODEL, check_model_spec, context_of, spec_windows
+    from kvdiag.model.specs import DEFAULT_MODEL, check_model_spec, context_of, spec_model_type, spec_windows
     from kvdiag.model.token_count import light_counter
     from kvdiag.replay.config import ReplaySettings, check_budgets, check_options, check_outcomes, replayed_prompts
     from kvdiag.scorers.fields import check_live_names, check_params
+    from kvdiag.scorers.fitted_file import Evaluation, check_fitted, trace_evaluation
     from kvdiag.scorers.names import ORACLE, REPLAY_ONLY, check_scorer_names
     from kvdiag.scorers.plugin_check import check_plugin_files
     from kvdiag.tasks.prompts import DEFAULT_INSTRUCTION, load_prompts
@@ -132,6 +133,8 @@ def replay(
         trace_files = TraceFiles(teacher_forced)
         recorded = trace_files.manifest["model"].get("attention") or {}
         check_budgets(settings, spec_windows(model, revision) if model is not None else recorded.get("windows"))
+        check_fitted(settings.scorers, settings.params, trace_evaluation(
+            trace_files.manifest, f"--teacher-forced {teacher_forced}", replayed_prompts(trace_files, limit)))
         if outcomes is not None:
             check_outcomes(outcomes, replayed_prompts(trace_files, limit))
         if auroc is not None:
@@ -144,6 +147,8 @@ def replay(
         check_budgets(settings, spec_windows(spec, revision))
         source = prompts or "builtin:arith"
         items = load_prompts(source, limit=limit, seed=seed)
+        check_fitted(settings.scorers, settings.params, Evaluation(
+            f"--prompts {source}", {p.prompt_id: p.text for p in items}, spec, spec_model_type(spec, revision)))
         check_generation_room(items, max_new_tokens, source)  # a lower bound on any model's count
         counter = light_counter(spec, revision)
         if counter is not None:  # the exact counts, as the stage takes them once the model loads

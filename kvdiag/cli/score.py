@@ -43,7 +43,8 @@ def score(
     from kvdiag.core.parsing import GRANULARITIES, joined, parse_checkpoints, parse_list
     from kvdiag.core.schema import check_checkpoint
     from kvdiag.scorers.fields import MODEL_UNUSED, check_params, wo_l2_unused
-    from kvdiag.scorers.names import AGGREGATIONS, check_fitted, check_scorer_names
+    from kvdiag.scorers.fitted_file import check_fitted, trace_evaluation
+    from kvdiag.scorers.names import AGGREGATIONS, check_scorer_names
     from kvdiag.scorers.plugin_check import check_plugin_files
     from kvdiag.trace.manifest import TraceFiles
 
@@ -87,7 +88,7 @@ def score(
     params = parsing.parse_params(param)
     names = parse_list(scorers, "--scorers", str)
     check_params(params)  # the built-ins' parameter names and types, from kvdiag.scorers.fields
-    check_fitted(names, params)
+    check_fitted(names, params, trace_evaluation(trace_files.manifest, f"--trace {trace}"))
     if model is not None and wo_l2_unused(names, params, plugin):
         raise UserError(MODEL_UNUSED.format(model=model))
     from kvdiag.scorers.run import score_files  # the scorers: torch, once the arguments are checked

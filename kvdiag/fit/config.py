@@ -25,6 +25,7 @@ class FitConfig:
     gbt_max_iter: int = 200  # boosting iterations of HistGradientBoostingClassifier
     gbt_learning_rate: float = 0.05
     gbt_max_leaf_nodes: int = 15
+    rule: str = "logistic"  # the model model.json's fitted rule runs: logistic or boosted (both are saved)
     aggregation: str = "mean_raw"  # token rows: mean of the features over layers and KV heads (linear: the fitted
     # scorer's logit, averaged the same way, is exactly the model's)
     extra: dict = field(default_factory=dict)
@@ -36,6 +37,7 @@ class FitConfig:
 
 def check_config(cfg: FitConfig) -> tuple[str, ...]:
     """The features ``cfg`` fits (all when none are named); bad settings are a ``UserError``, before torch."""
+    from kvdiag.scorers.fitted_file import RULES
     from kvdiag.scorers.names import ENTRY_FEATURES as FEATURES  # the names, without torch
 
     cfg.harm_spec  # noqa: B018  (checks the harm settings)
@@ -43,6 +45,8 @@ def check_config(cfg: FitConfig) -> tuple[str, ...]:
     unknown = [f for f in names if f not in FEATURES]
     if unknown:
         raise UserError(f"--features {','.join(unknown)}: unknown; use some of {', '.join(FEATURES)}")
+    if cfg.rule not in RULES:
+        raise UserError(f"--rule-model {cfg.rule}: use one of {', '.join(RULES)}")
     if cfg.n_splits < 2:
         raise UserError(f"--folds {cfg.n_splits}: cross-validation needs at least 2 folds")
     return names

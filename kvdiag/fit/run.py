@@ -14,6 +14,7 @@ from kvdiag.core.errors import UserError
 from kvdiag.core.io import write_csv, write_json, write_table, write_text
 from kvdiag.core.provenance import provenance
 from kvdiag.fit.config import FitConfig, check_config
+from kvdiag.scorers.fitted_file import KIND
 
 MODELS = ("fitted_logreg", "fitted_gbt")
 
@@ -47,8 +48,10 @@ def _models(cfg: FitConfig):
 
     return {
         "fitted_logreg": make_pipeline(StandardScaler(), LogisticRegression(C=cfg.logreg_c, max_iter=2000)),
+        # numeric splits only (no categorical features): what the fitted rule's trees evaluate (boosted_json)
         "fitted_gbt": HistGradientBoostingClassifier(max_iter=cfg.gbt_max_iter, learning_rate=cfg.gbt_learning_rate,
-                                                     max_leaf_nodes=cfg.gbt_max_leaf_nodes, random_state=cfg.seed),
+                                                     max_leaf_nodes=cfg.gbt_max_leaf_nodes, random_state=cfg.seed,
+                                                     categorical_features=None),
     }
 
 
@@ -59,7 +62,8 @@ def fit_ceiling(trace, labels: pl.DataFrame, scores: pl.DataFrame | None, out: s
     Outputs: ``features.parquet`` (keys, features, label), ``oof_scores.parquet`` (keys, the models' out-of-fold
     keep scores ``P(harmful)``: keep what would hurt to evict, and the hand-made rules' scores),
     ``metrics.csv``/``table.md`` (rank-eval of all),
-    ``importances.csv``, ``model.json`` (the logistic regression on all entries), ``config.json``.
+    ``importances.csv``, ``model.json`` (both models fitted on all entries, the fitted rule: ``cfg.rule`` names the
+    one it runs; its training prompts, labels' horizon and model), ``config.json``.
     """
     from kvdiag.rankeval import KEYS
 
@@ -67,8 +71,7 @@ def fit_ceiling(trace, labels: pl.DataFrame, scores: pl.DataFrame | None, out: s
     t0 = time.perf_counter()
     labels = _token_labels(labels)
     feats = feature_table(trace, _labels_y(labels, cfg)[0].select(KEYS), names, progress)
-    return fit_features(feats, labels, scores, out, cfg, labels_meta, scores_meta, getattr(trace, "provenance", None),
-                        t0)
+    return fit_features(feats, labels, scores, out, cfg, labels_meta, scores_meta, trace, t0)
 
 
 def _token_labels(labels: pl.DataFrame) -> pl.DataFrame:
@@ -81,10 +84,11 @@ def _token_labels(labels: pl.DataFrame) -> pl.DataFrame:
 
 def fit_features(feats: pl.DataFrame, labels: pl.DataFrame, scores: pl.DataFrame | None, out: str | Path,
                  cfg: FitConfig, labels_meta: dict | None = None, scores_meta: dict | None = None,
-                 trace_provenance: dict | None = None, t0: float | None = None) -> dict:
+                 trace=None, t0: float | None = None) -> dict:
     """:func:`fit_ceiling` from the features already computed: ``feats`` holds the keys of the analysed token labels,
-    in their order, and one column per feature (``feature_table``; a run's ``features.parquet``). No Trace, no model:
-    the report's tables regenerate from the committed features (tests/test_reports.py)."""
+    in their order, and one column per feature (``feature_table``; a run's ``features.parquet``). No tensors, no
+    model: the report's tables regenerate from the committed features (tests/test_reports.py). ``trace`` (a Trace or
+    its ``TraceFiles``, or None) gives model.json the training prompts' texts and the Trace's provenance."""
     from kvdiag.rankeval import KEYS, to_markdown
 
     names = check_config(cfg)
@@ -107,15 +111,20 @@ def fit_features(feats: pl.DataFrame, labels: pl.DataFrame, scores: pl.DataFrame
         ranked = ranked.join(scores.select(*KEYS, *rules), on=list(KEYS), how="left")
     result = rank_fitted(labels, ranked, cfg, scores_meta)
 
-    final = _models(cfg)["fitted_logreg"].fit(X, y)
+    models = _models(cfg)
+    final = models["fitted_logreg"].fit(X, y)
     scaler, logreg = final[0], final[-1]
     imp = importance_table(names, final, importance)
     model = {
-        "kind": "kvdiag_fitted_logreg", **provenance(), "features": list(names),
-        "mean": scaler.mean_.tolist(), "scale": scaler.scale_.tolist(), "coef": logreg.coef_[0].tolist(),
-        "intercept": float(logreg.intercept_[0]), "harm": cfg.harm, "harm_threshold": threshold,
-        "aggregation": cfg.aggregation, "trained_on": {"n": len(y), "n_harmful": int(y.sum()), "prompts": n_prompts},
-        "labels": labels_meta, "trace": trace_provenance,
+        "kind": KIND, **provenance(), "rule": cfg.rule, "features": list(names),
+        "logistic": {"mean": scaler.mean_.tolist(), "scale": scaler.scale_.tolist(), "coef": logreg.coef_[0].tolist(),
+                     "intercept": float(logreg.intercept_[0])},
+        "boosted": boosted_json(models["fitted_gbt"].fit(X, y)),
+        "harm": cfg.harm, "harm_threshold": threshold, "aggregation": cfg.aggregation,
+        "trained_on": {"n": len(y), "n_harmful": int(y.sum()), "prompts": training_prompts(groups, trace),
+                       "horizon": ((labels_meta or {}).get("config") or {}).get("horizon"),
+                       "model": trained_model(labels_meta, trace)},
+        "labels": labels_meta, "trace": getattr(trace, "provenance", None),
     }
 
     out.mkdir(parents=True, exist_ok=True)
@@ -138,6 +147,47 @@ def fit_features(feats: pl.DataFrame, labels: pl.DataFrame, scores: pl.DataFrame
     write_json(out / "config.json", {"command": "fit", **provenance(), "config": asdict(cfg),
                                      "summary": summary, "inputs": {"labels": labels_meta, "scores": scores_meta}})
     return {"summary": summary, "metrics": result.metrics, "importances": imp, "result": result}
+
+
+def boosted_json(clf) -> dict:
+    """The trees of the fitted binary ``HistGradientBoostingClassifier`` ``clf`` as model.json's ``boosted`` section:
+    ``baseline`` (``_baseline_prediction``, the log-odds before any tree) and per tree the lists of
+    ``kvdiag.scorers.fitted_file.NODE_FIELDS`` from its ``TreePredictor.nodes``. Its ``decision_function`` on raw
+    features is the baseline plus each tree's leaf (``_predict_one_from_raw_data``): ``num_threshold`` is on raw
+    values, so no binning is needed; a split on missing values has threshold +inf, written null (JSON has no inf)."""
+    trees = []
+    for (predictor,) in clf._predictors:  # one tree per iteration (binary)
+        nodes = predictor.nodes
+        trees.append({
+            "feature": nodes["feature_idx"].tolist(),
+            "threshold": [None if np.isposinf(x) else float(x) for x in nodes["num_threshold"]],
+            "missing_left": nodes["missing_go_to_left"].astype(bool).tolist(),
+            "left": nodes["left"].tolist(), "right": nodes["right"].tolist(),
+            "leaf": nodes["is_leaf"].astype(bool).tolist(), "value": nodes["value"].tolist(),
+        })
+    return {"baseline": float(clf._baseline_prediction[0, 0]), "trees": trees}
+
+
+def training_prompts(groups: np.ndarray, trace=None) -> list[dict]:
+    """model.json's training prompts: each prompt of ``groups`` (the labels' prompt ids) with the sha256 of its text
+    from ``trace``'s manifest (null without a Trace): a fitted rule is refused on any prompt of the same text (or, where
+    a text is missing, the same id)."""
+    from kvdiag.scorers.fitted_file import text_digest
+
+    prompts = trace.manifest["prompts"] if trace is not None else {}
+    texts = {pid: (prompts.get(pid) or {}).get("text") for pid in np.unique(groups).tolist()}
+    return [{"id": pid, "text_sha256": None if text is None else text_digest(text)} for pid, text in texts.items()]
+
+
+def trained_model(labels_meta: dict | None, trace=None) -> dict | None:
+    """The model the labels were made with (the Trace's manifest records it, else the labels' metadata): spec,
+    architecture, weights hash and family (its ``model_type``; a fitted rule is refused on a model of another
+    family)."""
+    model = trace.manifest["model"] if trace is not None else (labels_meta or {}).get("model")
+    if model is None:
+        return None
+    return {"spec": model.get("spec"), "architecture": model.get("architecture"),
+            "weights_hash": model.get("weights_hash"), "family": (model.get("attention") or {}).get("family")}
 
 
 def cross_validate(X: np.ndarray, y: np.ndarray, groups: np.ndarray, cfg: FitConfig) -> tuple[dict, dict]:

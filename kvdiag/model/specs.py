@@ -365,6 +365,21 @@ def spec_windows(spec: str, revision: str | None = None) -> list[int | None] | N
         return None  # a missing directory or unreadable config.json: refused where it loads
     if config is None:
         return None
-    model_type = TINY_MODEL_TYPES[TINY[spec.split(":", 1)[1]][0]] if spec.startswith("tiny:") else \
-        config.get("model_type")
-    return config_windows(config, model_type)
+    return config_windows(config, config_model_type(spec, config))
+
+
+def config_model_type(spec: str, config: dict) -> str | None:
+    """The ``model_type`` (kvdiag's family, as a Trace records it) of ``spec`` whose :func:`spec_config` is
+    ``config``: a tiny family's from its config class (its config dict does not carry it)."""
+    return TINY_MODEL_TYPES[TINY[spec.split(":", 1)[1]][0]] if spec.startswith("tiny:") else config.get("model_type")
+
+
+def spec_model_type(spec: str, revision: str | None = None) -> str | None:
+    """The ``model_type`` of the model ``--model spec`` names, from its config alone (:func:`spec_config`), or None
+    when only its load can tell."""
+    spec = split_adapter(spec)[0]
+    try:
+        config = spec_config(spec, revision)
+    except UserError:
+        return None  # a missing directory or unreadable config.json: refused where it loads
+    return None if config is None else config_model_type(spec, config)

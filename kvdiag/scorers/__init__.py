@@ -7,8 +7,9 @@ Flat API::
 Modules: ``base`` (the Scorer template: raw ``score()``, declared ``protected()`` entries and needs), ``context``
 (ScoreContext), ``registry`` (SCORERS, register_scorer, get_scorer, plugins), ``normalization`` (percentile rank,
 z-score, protection, aggregations), ``run`` (score_trace), ``bench``, one module per rule, and ``zoo`` (imports
-every rule). Importable without torch: ``names`` (the built-in names), ``fields`` (their parameters) and
-``plugin_check`` (a plugin file read as source), which the CLI checks its arguments with before torch loads.
+every rule). Importable without torch: ``names`` (the built-in names), ``fields`` (their parameters),
+``plugin_check`` (a plugin file read as source) and ``fitted_file`` (the fitted rule's file and its held-out check),
+which the CLI checks its arguments with before torch loads.
 """
 
 from kvdiag.core.lazy import lazy_exports

@@ -53,33 +53,3 @@ def is_plugin_spec(spec: str) -> bool:
     (``fitted:dir/model.json``, ``kvpress:<Press>``) is a name, its path notwithstanding."""
     prefixed = ":" in spec.split(os.sep, 1)[0] and not os.path.exists(spec)
     return not prefixed and (spec.endswith(".py") or os.sep in spec)
-
-
-def read_fitted_model(path: str) -> dict:
-    """The model.json (written by ``kvdiag fit``) of the ``fitted`` scorer at ``path``, read without torch; no path,
-    an unreadable file or another kind of file is a ``UserError``."""
-    import json
-    from pathlib import Path
-
-    if not path:
-        raise UserError("scorer fitted needs its model: name it fitted:DIR/model.json or pass --param "
-                        "fitted.path=DIR/model.json (written by kvdiag fit)")
-    try:
-        model = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise UserError(f"fitted model {path}: not a readable model.json ({err}); run kvdiag fit") from err
-    if not isinstance(model, dict) or model.get("kind") != "kvdiag_fitted_logreg" or any(
-            f not in ENTRY_FEATURES for f in model.get("features", [])):
-        raise UserError(f"fitted model {path}: not a model.json written by kvdiag fit")
-    return model
-
-
-def check_fitted(names: list[str], params: dict[str, dict]) -> None:
-    """Read the model of every ``fitted`` scorer among ``names`` (``fitted:PATH``, or ``fitted`` with ``--param
-    fitted.path=PATH``): a missing or foreign model is refused before torch."""
-    for name in names:
-        if name.startswith("fitted:"):
-            read_fitted_model(name.split(":", 1)[1])
-        elif name == "fitted":
-            read_fitted_model((params.get("fitted") or {}).get("path", ""))
-
