@@ -488,6 +488,9 @@ REPLAY = {  # run -> the tables its summary writes (committed)
                              "outcomes_summary.csv", "paired.csv"),
     "replay-tf-math500": ("summary.md", "summary.csv", "budget.csv", "decisions.md", "compressions.csv",
                           "correlations.csv", "regret.csv", "beaten.csv"),
+    # the same replay with oracle_future's window the rest of the trace (#54: the regret against it)
+    "replay-tf-math500/rest": ("summary.md", "summary.csv", "budget.csv", "decisions.md", "compressions.csv",
+                               "correlations.csv", "regret.csv", "beaten.csv"),
     "replay-gemma3/recall": ("summary.md", "summary.csv", "budget.csv", "outcomes.md", "outcomes.csv",
                              "outcomes_summary.csv", "paired.csv", "components.md", "components.csv",
                              "components_paired.csv"),
@@ -509,7 +512,8 @@ for _d, _t in REPLAY.items():
 # teacher-forced: the free-running replay its outcomes join (None: no join), and the labels and scores of its
 # single-label AUROC. replay-tf-math500 selects per (layer, KV head) and replay-math500 ran per token: their decisions
 # differ, so no outcome joins them
-REPLAY_TF_INPUTS = {"replay-tf-math500": (None, "math500-smollm2/labels.parquet", "math500-smollm2/scores.parquet")}
+REPLAY_TF_INPUTS = {run: (None, "math500-smollm2/labels.parquet", "math500-smollm2/scores.parquet")
+                    for run in ("replay-tf-math500", "replay-tf-math500/rest")}
 
 
 @pytest.mark.parametrize("run", list(REPLAY))
@@ -659,14 +663,25 @@ def test_fast_labels_horizon(tmp_path):
     assert_same_tables(tmp_path, REPORTS / "fast-labels-horizon", ["report.md"])
 
 
-TF_REPORT = compared("replay-suites/tf", ("report.md",))
+TF_MATH500_WINDOWS = compared("replay-tf-math500", ("windows.md", "windows.csv"))
+
+
+def test_teacher_forced_math500_windows(tmp_path):
+    """replay-tf-math500/windows.py's tables (every policy against the rest-window oracle_future) from the two
+    committed generations.parquet alone."""
+    _script("reports/replay-tf-math500/windows.py").main(REPORTS / "replay-tf-math500", tmp_path)
+    assert_same_tables(tmp_path, REPORTS / "replay-tf-math500", TF_MATH500_WINDOWS[1])
+
+
+TF_REPORT = compared("replay-suites/tf", ("report.md", "regret.csv"))
 
 
 def test_teacher_forced_suites_report(tmp_path):
-    """tf/analyze.py's report.md from the committed teacher-forced and free-running generations alone."""
+    """tf/analyze.py's report.md and regret.csv (the policies' KL against oracle_future_rest's) from the committed
+    teacher-forced and free-running generations alone."""
     _script("reports/replay-suites/tf/analyze.py").main(REPORTS / "replay-suites/tf", REPORTS / "replay-suites",
                                                         tmp_path, plot=False)
-    assert_same_tables(tmp_path, REPORTS / "replay-suites/tf", ["report.md"])
+    assert_same_tables(tmp_path, REPORTS / "replay-suites/tf", TF_REPORT[1])
 
 
 ADAPTER = compared("adapter-vs-base", ("report.md",))

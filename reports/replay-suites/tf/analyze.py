@@ -14,6 +14,13 @@ first 10 prompts) and reports/replay-suites/<suite>/generations.parquet (the fre
 - **Concordance**: per (prompt, rule, budget) present in both, teacher-forced success against free-running success.
 - Wilson 95 % CIs; McNemar's exact test (the Belady oracle oracle_future_rest, else oracle_future, against each
   policy, the same sequences).
+- **Regret against oracle_future_rest** (regret.csv, one row per suite, budget and policy): each policy's mean
+  teacher-forced KL (nats) minus oracle_future_rest's on the same prompts, with its cluster-bootstrap CI; per prompt
+  the ratio policy / oracle_future_rest (geometric mean over prompts with its cluster-bootstrap CI, plain median, the
+  prompts where the policy's KL is lower: its wins) and the exact sign test over the prompts
+  (``kvdiag.replay.predict.regret``, the replay's regret.csv: ``kvdiag.core.stats.compare``, 2000 replicates, seed
+  0); and per budget the prompts on which some policy's KL is below oracle_future_rest's (where it is beaten, it is
+  a reference, not an oracle). Every sequence enters (compressed or not).
 - Policies: oracle_future (per (layer, KV head), the entries the full-cache run's next interval + horizon = 80 queries
   attend most), oracle_future_rest (the same over every query to the end: Belady; its own replay, <suite>-rest/),
   and the six rules, selected per (layer, KV head) at 64 / 128 / 256; and at 256 with one keep set for every layer
@@ -29,9 +36,11 @@ from pathlib import Path
 
 import polars as pl
 
+from kvdiag.core.io import write_csv
 from kvdiag.core.plotting import new_figure, save_figure, style
-from kvdiag.core.stats import format_p, format_test, mcnemar, sign_test, wilson
+from kvdiag.core.stats import PromptBootstrap, format_p, format_test, mcnemar, sign_test, wilson
 from kvdiag.core.tables import markdown_table
+from kvdiag.replay.predict import regret
 from kvdiag.tasks.suites import SUITES, grade
 
 HERE = Path(__file__).parent
@@ -39,6 +48,7 @@ FREE = HERE.parent
 ORACLES = ("oracle", "oracle_future", "oracle_future_rest")  # exact labels; attention of 80 queries; of all (Belady)
 COLORS = dict(zip(ORACLES, ("darkred", "black", "dimgrey"), strict=True))
 SUITE_NAMES = ("keys", "countdown")
+N_BOOT, SEED, LEVEL = 2000, 0, 0.95  # the replay summary's regret.csv (kvdiag.replay.predict.write_predictions)
 
 
 def _rate(k: int, n: int) -> str:
@@ -142,7 +152,54 @@ def horizon_probe(suite: str, pt: pl.DataFrame, here: Path = HERE) -> list[str]:
                 + "; ".join(cells) + "."]
 
 
-def suite_section(suite: str, here: Path = HERE, free_dir: Path = FREE) -> tuple[list[str], dict]:
+def _num(v: float) -> str:
+    return "–" if v is None or v != v else f"{v:.0f}" if abs(v) >= 1000 else f"{v:.3g}"
+
+
+def regret_section(tf_all: pl.DataFrame) -> tuple[list[str], pl.DataFrame]:
+    """Every policy's teacher-forced KL against oracle_future_rest's in ``tf_all`` (the per-head generations and the
+    rest window's, renamed), paired by prompt: the lines of report.md and the rows of regret.csv (empty without the
+    rest window's replay)."""
+    ref = ORACLES[2]
+    if ref not in set(tf_all["scorer"]):
+        return [], pl.DataFrame()
+    boot = PromptBootstrap(tf_all["prompt_id"].unique().to_list(), N_BOOT, SEED, LEVEL)
+    reg = regret(tf_all, boot, ref)
+    wide = tf_all.pivot(on="scorer", index=["prompt_id", "budget"], values="kl_mean")
+    others = [c for c in wide.columns if c not in ("prompt_id", "budget", ref)]
+    lines = ["", f"### Regret against {ref} (teacher-forced KL, nats)", "",
+             f"Each policy's mean teacher-forced KL minus {ref}'s on the same prompts [95 % cluster-bootstrap CI]; "
+             f"per prompt the ratio policy / {ref}: geometric mean over prompts [cluster-bootstrap CI], plain median, "
+             f"wins (prompts where the policy's KL is lower) out of the prompts that entered, exact sign test. Rows "
+             "by budget and regret.", ""]
+    lines.append(markdown_table(
+        ["policy", "budget", "KL", f"{ref} KL", "regret [CI]", "ratio, geometric mean [CI]", "ratio, median",
+         "wins", "p sign"],
+        [[r["scorer"], str(r["budget"]), _num(r["kl"]), _num(r["oracle_kl"]),
+          f"{_num(r['regret'])} [{_num(r['regret_low'])}, {_num(r['regret_high'])}]",
+          f"{_num(r['ratio_geomean'])} [{_num(r['ratio_geomean_low'])}, {_num(r['ratio_geomean_high'])}]",
+          _num(r["ratio_median"]), f"{r['prompts_below_oracle']}/{r['prompts']}",
+          format_p(r["p_value"], r["p_resolution"])] for r in reg.iter_rows(named=True)]))
+    cells, beaten_any = [], False
+    for budget in sorted(wide["budget"].unique()):
+        w = wide.filter(pl.col("budget") == budget).drop_nulls(ref)
+        below = w.filter(pl.any_horizontal(pl.col(c) < pl.col(ref) for c in others))
+        beaten_any |= below.height > 0
+        best = reg.filter((pl.col("budget") == budget) & (pl.col("scorer") != ORACLES[1])).row(0, named=True)
+        cells.append(f"{budget}: some policy lower on {below.height} of {w.height} prompts; the best rule "
+                     f"{best['scorer']} regret {_num(best['regret'])}, ratio {_num(best['ratio_geomean'])} "
+                     f"[{_num(best['ratio_geomean_low'])}, {_num(best['ratio_geomean_high'])}], wins "
+                     f"{best['prompts_below_oracle']}/{best['prompts']}, p {format_p(best['p_value'])}")
+    verdict = ("no policy it is compared with is below it on any prompt at any budget, so on this window (the whole "
+               "teacher-forced trajectory) it is an oracle for these policies" if not beaten_any else
+               "some policy is below it on some prompt, so it is the future-attention reference, not an oracle")
+    lines += ["Per budget (the best rule: the rules' lowest mean KL; oracle_future is not a rule): "
+              + "; ".join(cells) + f". {ref}: {verdict}."]
+    return lines, reg
+
+
+def suite_section(suite: str, here: Path = HERE, free_dir: Path = FREE) -> tuple[list[str], dict, pl.DataFrame]:
+    """The suite's lines of report.md, its plot's points and its rows of regret.csv."""
     tf_all = tf_generations(suite, here)
     tf, free = tf_rows(tf_all), free_rows(suite, free_dir)
     prompts = sorted(tf_all["prompt_id"].unique())
@@ -166,6 +223,8 @@ def suite_section(suite: str, here: Path = HERE, free_dir: Path = FREE) -> tuple
                       f"budget, {both.height} pairs): both succeed {cells[(True, True)]}, both fail "
                       f"{cells[(False, False)]}, teacher-forced only {cells[(True, False)]}, free-running only "
                       f"{cells[(False, True)]}."]
+    reg_lines, reg = regret_section(tf_all)
+    lines += reg_lines
     per_token = here / f"{suite}-per-token" / "generations.parquet"
     if per_token.exists():
         pt = tf_rows(pl.read_parquet(per_token))
@@ -177,7 +236,7 @@ def suite_section(suite: str, here: Path = HERE, free_dir: Path = FREE) -> tuple
         plot.update({("oracle", b): v for (pol, b), v in pt_plot.items() if pol == ORACLES[0]})
         lines += horizon_probe(suite, pt, here)
     plot["full_kv"] = (int(full["free"].sum()), full.height)
-    return [*lines, ""], plot
+    return [*lines, ""], plot, reg.select(pl.lit(suite).alias("suite"), pl.all()) if reg.height else reg
 
 
 def figure(plots: dict, out: Path) -> None:
@@ -219,19 +278,22 @@ def figure(plots: dict, out: Path) -> None:
 
 
 def main(here: Path = HERE, free: Path = FREE, out: Path = HERE, plot: bool = True) -> None:
-    """report.md (and accuracy.png / .pdf unless not ``plot``) in ``out`` from ``here``'s teacher-forced and ``free``'s
-    free-running generations."""
+    """report.md, regret.csv (and accuracy.png / .pdf unless not ``plot``) in ``out`` from ``here``'s teacher-forced
+    and ``free``'s free-running generations."""
     lines = ["# The in-loop oracle policies beside the rules (teacher-forced)", "",
              "Made by reproduce.sh and analyze.py (this folder). Dashed: teacher-forced success (10 prompts, the "
              "full cache's generation fed under each policy); solid: free-running success (50 prompts, the rule's own "
              "generation). The oracle policies read the future queries, so they exist only teacher-forced.", ""]
-    plots = {}
+    plots, regrets = {}, []
     for suite in SUITE_NAMES:
         if not (here / suite / "generations.parquet").exists():
             continue
-        section, plots[suite] = suite_section(suite, here, free)
+        section, plots[suite], reg = suite_section(suite, here, free)
         lines += section
+        regrets += [reg] if reg.height else []
     (out / "report.md").write_text("\n".join(lines))
+    if regrets:
+        write_csv(pl.concat(regrets), out / "regret.csv")
     if plot:
         figure(plots, out)
 

@@ -10,7 +10,8 @@
 # needs, that oracle (greedy on exact labels at H = 16 of every live entry at every compression), oracle_future and
 # the six rules at budget 256 (<suite>-per-token/; the oracle takes about 2 min per prompt, so one budget).
 # Each row records its per-step top-1 agreement with the full cache and the teacher-forced task success
-# (kvdiag.replay.tf_task); analyze.py sets them beside the free-running outcomes of the same prompts.
+# (kvdiag.replay.tf_task); analyze.py sets them beside the free-running outcomes of the same prompts, and sets every
+# policy's teacher-forced KL against oracle_future_rest's (report.md's regret tables, regret.csv).
 # A rerun continues from runs/replay-suites-tf-*. About 10 min per suite, 3 min per rest run and 25 min per per-token
 # run on the idle machine.
 set -euo pipefail
