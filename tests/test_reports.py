@@ -440,6 +440,9 @@ DECISIONS = {  # run -> the tables its summary writes (committed)
     "decisions-math500/smollm2": _SEARCHED,
     "decisions-math500/gemma3": _SEARCHED,
     "decisions-math500/smollm2-stochastic": ("summary.csv", "paired.csv", "stochastic.csv", "summary.md"),
+    # #54: judged on 128 steps, the references reading the first 8 (held out: the 120 after them)
+    "decisions-math500/smollm2-h128": ("summary.csv", "paired.csv", "spearman.csv", "headroom.csv", "search.csv",
+                                       "held_out.csv", "summary.md"),
 }
 for _d, _t in DECISIONS.items():
     compared(_d, _t)
@@ -469,7 +472,8 @@ def test_decisions_summary(run, tmp_path):
     tables = DECISIONS[run]
     assert_same_tables(tmp_path, src, tables)
     assert_same_json(read_json(tmp_path / "summary.json"), read_json(src / "summary.json"), f"{run}/summary.json")
-    for extra in {"pairs_summary.csv", "stochastic.csv", "spearman.csv", "headroom.csv", "search.csv"} - set(tables):
+    for extra in {"pairs_summary.csv", "stochastic.csv", "spearman.csv", "headroom.csv", "search.csv",
+                  "held_out.csv"} - set(tables):
         assert not (tmp_path / extra).is_file() or not (tmp_path / extra).read_text().strip(), f"{run}/{extra}"
 
 

@@ -296,8 +296,9 @@ def _search_cost(decisions: pl.DataFrame, budgets: list[str]) -> pl.DataFrame:
                      "improvement_median": float(g["search_improvement"].median()),
                      "improved": int((g["search_improvement"] > 0).sum()),
                      "converged": int(g["search_converged"].sum()) if "search_converged" in g.columns else None,
-                     "relative_improvement_median": float((g["search_improvement"]
-                                                           / (g["kl_mean"] + g["search_improvement"])).median()),
+                     # relative to the label it searched: the read window's where it read part of the judged one
+                     "relative_improvement_median": float(g.select(pl.col("search_improvement") / (pl.coalesce(
+                         "kl_read", "kl_mean") + pl.col("search_improvement"))).to_series().median()),
                      "starts": ", ".join(f"{s} {n}" for s, n in starts.iter_rows())})
     return pl.DataFrame(rows)
 
@@ -415,6 +416,12 @@ def to_markdown(res: dict, meta: dict) -> str:
             f"row (nats, mean over the horizon), mean over checkpoints, {res.get('level', 95)}% cluster-bootstrap CI "
             f"over prompts (B = {cfg.get('n_boot')}).\n\n")
     heads = res["headline"].get("budgets") or {}
+    read = cfg.get("read_window")
+    if read is not None and read != cfg.get("horizon"):  # the references chose on part of the judged window
+        text += (f"**The references read only the first {read} steps of the {cfg.get('horizon')} judged**: on this "
+                 "window they are references, not oracles (a rule can beat them, and does where the tables say so); "
+                 "below, \"best oracle\" and \"headroom\" are comparisons with them, not bounds. How each does on "
+                 "the steps it read and on those it did not: **In-window and held out**.\n\n")
     if heads:
         text += ("## Headline\n\nPer budget: the best rule; the best oracle (the lowest mean damage among "
                  f"{', '.join(ORACLES)}); the headroom factor, best rule / best oracle: the ratio of mean joint "
@@ -437,7 +444,7 @@ def to_markdown(res: dict, meta: dict) -> str:
         text += md_table(["budget", "best rule", "best oracle", "headroom: ratio of means",
                           "headroom per prompt: geometric mean [CI], median, below 1, p",
                           "oracle_greedy − oracle_single", "oracle_greedy − best rule"], rows, "lllrrrr") + "\n"
-    text += _search_markdown(res, heads)
+    text += _search_markdown(res, heads, read is None or read == cfg.get("horizon"))
     text += _held_out_markdown(res)
     for budget in table["budget"].unique(maintain_order=True).to_list():
         rows = []
@@ -484,19 +491,24 @@ def to_markdown(res: dict, meta: dict) -> str:
     return text
 
 
-def _search_markdown(res: dict, heads: dict) -> str:
+def _search_markdown(res: dict, heads: dict, searched_judged: bool = True) -> str:
     """The headroom against oracle_search (per budget: the best rule's ratio per prompt, its wins, the exact test;
-    every rule's own ratio in headroom.csv) and the search's effort."""
+    every rule's own ratio in headroom.csv) and the search's effort. ``searched_judged``: the search read the whole
+    judged window (else it is a reference here, not a bound, and the text says so)."""
     found = [(b, h["search_headroom"]) for b, h in heads.items() if h.get("search_headroom")]
     if not found:
         return ""
+    bound = ("it is at most every rule's and reference's damage at every checkpoint" if searched_judged else
+             "**here it searched only the first steps of the judged window (--read-window), so on the judged window "
+             "it is not a bound: a rule can do less damage, and its wins count where it does**")
+    wins = "0 by construction" if searched_judged else "counted"
     text = ("## Headroom against oracle_search\n\n`oracle_search` searches the rules' own action space (per (layer, "
             "KV head) sets under per-head selection, token sets under per-token) from the best of every candidate "
-            "(each rule's set and each reference's), accepting only moves with a lower exact joint label: it is at "
-            "most every rule's and reference's damage at every checkpoint. Headroom: best rule / oracle_search per "
+            f"(each rule's set and each reference's), accepting only moves with a lower exact joint label: {bound}. "
+            "Headroom: best rule / oracle_search per "
             "checkpoint (each prompt's geometric mean of its checkpoints' ratios; over prompts the geometric mean "
-            "[cluster-bootstrap CI], the median, and the prompts where the rule did less damage, its wins: 0 by "
-            "construction); the exact paired test of the differences (sign test below 30 prompts). The best rule is "
+            f"[cluster-bootstrap CI], the median, and the prompts where the rule did less damage, its wins: {wins}); "
+            "the exact paired test of the differences (sign test below 30 prompts). The best rule is "
             "chosen (least mean damage) on these same checkpoints, which favours it; every rule's own ratio is in "
             "`headroom.csv`.\n\n")
     rows = []
