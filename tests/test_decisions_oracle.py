@@ -381,7 +381,8 @@ def test_a_read_window_is_judged_on_the_steps_it_did_not_read(decided):
 
 def test_the_search_stops_once_4x_the_rows_gain_under_1_percent():
     """``_Judge``: after each batch of swaps, converged when the label at a quarter of the rows spent, less the label
-    now, is under 1 % of it; with ``stop`` it then allows no more rows, without it (the bench's scaled run) it goes on."""
+    now, is under 1 % of it; with ``stop`` it then allows no more rows, without it (the bench's scaled run) it goes
+    on."""
     from kvdiag.decisions.search import CONVERGED, Candidate, _Judge
 
     class Engine:  # labels each batch of masks with the next values of a script

@@ -191,8 +191,9 @@ def compare(boot: PromptBootstrap, x: np.ndarray, y: np.ndarray, prompts: np.nda
 def ratio_summary(boot: PromptBootstrap, x: np.ndarray, y: np.ndarray, prompts: np.ndarray) -> dict:
     """The per-cluster ratio ``x / y`` of paired positive rows ``[N]`` clustered by ``prompts``: each cluster's ratio
     is the geometric mean of its rows' ratios; over clusters, their geometric mean with its cluster-bootstrap CI,
-    their plain median (of the ratios, not exp of the median log: the two differ for an even number of clusters), and ``below``: the clusters with a ratio below 1 (of ``n``). Rows where either side is not
-    positive cannot enter a ratio: ``dropped`` counts them."""
+    their plain median (of the ratios, not exp of the median log: the two differ for an even number of clusters),
+    and ``below``: the clusters with a ratio below 1 (of ``n``). Rows where either side is not positive cannot enter
+    a ratio: ``dropped`` counts them."""
     x, y, prompts = np.asarray(x, dtype=float), np.asarray(y, dtype=float), np.asarray(prompts)
     ok = (x > 0) & (y > 0)
     ids, logs = cluster_means(np.log(x[ok]) - np.log(y[ok]), prompts[ok]) if ok.any() else ([], np.empty(0))
