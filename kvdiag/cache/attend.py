@@ -9,8 +9,8 @@ keep transformers' own causal mask, which is exact on a compacted cache (kept en
 ``PositionedCache.get_query_offset`` is the physical length), so their kernel path is the one plain decoding takes.
 In a left-padded batch every layer is masked by position (transformers' padding mask indexes slots, which a
 compaction moves), except a full layer's one-token forward once it holds no padding or filler slot (no negative
-position): that query sees every key, and runs unmasked, as unpadded decoding does (#58: the mask cost ~1% of a
-padded batch's decoding).
+position): that query sees every key, and runs unmasked, as unpadded decoding does (#58: building the mask and
+the masked SDPA were about 2% of a padded batch's decoding time).
 A hand-off left unread means the model ran another attention function: the next ``update`` refuses to continue.
 The Trace recorder's attention function (``kvdiag.trace.hooks``) reads the hand-off too (:func:`take_handoff`).
 """
