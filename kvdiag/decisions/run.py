@@ -223,16 +223,17 @@ def _decide_checkpoint(engine, reader, fisher, lm, pid: str, t: int, scores: dic
                 continue
             found = search(reader, t, cands, deterministic.per_token, cfg.search_rows, cfg.search_seconds, visible)
             evict = found.mask[0, 0].nonzero()[:, 0] if deterministic.per_token else mask_set(found.mask)
-            label = found.label
-            if reader is not engine:  # judged on the whole window, the steps it did not read included
-                got, _ = engine.label_sets(t, [evict])
-                label = {key: val[0] for key, val in got.items()}
             decisions.append(dict(decision="oracle_search", kind="reference", budget=b, kept=k, protected=0,
                                   status="ok" if k < t else "nothing_evicted", set=evict, sample=None,
-                                  draw_seed=None, label=label, read_steps=read, cost_rows=found.rows,
+                                  draw_seed=None, label=found.label, read_steps=read, cost_rows=found.rows,
                                   cost_seconds=found.seconds, search_start=found.start,
                                   search_converged=found.converged,
                                   search_improvement=found.improvement))
+        searched = [d for d in decisions if d["decision"] == "oracle_search" and d["set"] is not None]
+        if reader is not engine and searched:  # judged on the whole window, the steps they did not read included:
+            got, _ = engine.label_sets(t, [d["set"] for d in searched])  # one call, one full-cache and null run
+            for j, d in enumerate(searched):
+                d["label"] = {key: val[j] for key, val in got.items()}
     rows = []
     for d in decisions:
         evict, label = d.pop("set"), d.pop("label", None)
