@@ -414,3 +414,45 @@ def test_the_search_stops_once_4x_the_rows_gain_under_1_percent():
     for _ in range(4):  # recombination's rows count toward the effort but never stop it
         judge.label([mask, mask], "recombine")
     assert not judge.converged
+
+
+def test_the_singles_that_helped_alone_are_labeled_together_in_the_next_batch(monkeypatch):
+    """``_swaps``: a batch accepts only its best row, so the next batch labels, on the new set, every single swap of
+    the last batch that lowered the label on its own and still applies there (its drop kept, its restore evicted),
+    together. Four identical cells; the scripted label is the evicted entries' summed cost, plus 100 for a row that
+    changes more than one cell, so the first batch accepts a single and the union is the second batch's first row."""
+    from kvdiag.decisions import search as S
+
+    cost = torch.tensor([5.0, 4.0, 3.0, 2.0, 0.5, 0.4, 0.3, 0.2], dtype=torch.float64)
+    start = torch.tensor([True] * 4 + [False] * 4).expand(4, 1, 8).clone()  # [L=4, Hkv=1, t=8]: 0-3 evicted
+    labeled: list[list[torch.Tensor]] = []
+
+    class Engine:
+        batch_size = 12
+
+        def label_sets(self, t, sets):
+            masks = [S.set_mask(s, 4, 1, 8) for s in sets]
+            labeled.append(masks)
+            kl = torch.tensor([float((cost * m).sum()) + 100.0 * (int((m != start).any(-1).sum()) > 1)
+                               for m in masks], dtype=torch.float64)[:, None]
+            return {"kl": kl, "js": kl, "nll_delta": kl, "flips": torch.zeros(len(sets))}, 0.0
+
+    # d KL / d keep: restoring 0 looks best, then 1; dropping 4 looks free, then 5
+    g = torch.tensor([-5.0, -4.0, -3.0, -2.0, 0.0, -0.1, -0.2, -0.3], dtype=torch.float64).expand(4, 1, 8)
+    monkeypatch.setattr(S, "mask_gradient", lambda engine, t, evicted: (g, 0.0))
+    judge = S._Judge(Engine(), 8, S.Candidate("rule", start, {"kl": torch.tensor([56.0])}), False, rows=24,
+                     seconds=0, stop=False)
+    S._swaps(judge, torch.ones(4, 8, dtype=torch.bool))
+    # batch 1: singles (cell, drop 4, restore 0) x 4 at 51.5 and (cell, drop 5, restore 0) x 4 at 51.4; the first
+    # of the latter is accepted (cell 0); the combos pay the 100
+    cur = start.clone()
+    cur[0, 0, 5], cur[0, 0, 0] = True, False
+    assert len(labeled) == 2 and judge.rows == 24
+    assert any(torch.equal(m, cur) for m in labeled[0])
+    # batch 2's first row: on that set, cells 1-3 each take their (drop 4, restore 0), the first helping single
+    # that still applies in each (cell 0's were made stale by the accepted swap; a cell takes an entry once)
+    union = cur.clone()
+    union[1:, 0, 4], union[1:, 0, 0] = True, False
+    assert torch.equal(labeled[1][0], union)
+    assert not torch.equal(judge.best.mask, union)  # it changes four cells: scripted at +100, so not accepted
+    assert judge.kl < 51.4  # batch 2 went on from the accepted single

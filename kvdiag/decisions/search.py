@@ -10,7 +10,8 @@ At one (checkpoint ``t``, budget) it starts from the best (lowest exact joint ``
 2. swaps from the gradient of the joint KL with respect to a soft keep mask ``m`` (1 kept, 0 evicted; attention
    weights ``m_i exp(s_i) / sum_j m_j exp(s_j)``, exact at a 0/1 mask): per cell the kept entry whose drop is
    predicted to help most and the evicted one whose restoring is, ranked across cells by ``g_restore - g_drop``;
-   a batch of rows holds the best single swaps and the top 2, 4, 8, ... of them together.
+   a batch of rows holds the best single swaps, the top 2, 4, 8, ... of them together, and the last batch's singles
+   that lowered the label on their own, together (a batch accepts only its best row).
 
 Every move keeps each cell's number of evicted entries, and only entries a cell's queries can see (``visible``:
 a sliding layer's window) are swapped. The result is never worse than any candidate: it starts at the best and
@@ -240,24 +241,42 @@ def _recombine(judge: _Judge, others: list[Candidate]) -> None:
 
 def _swaps(judge: _Judge, visible: torch.Tensor) -> None:
     """Move 2: gradient-proposed swaps, a batch per round, until the effort is spent or every proposal was tried
-    (a tried swap is not proposed again)."""
+    (a tried swap is not proposed again). A batch labels singles, the top 2, 4, 8, ... proposals together and, from
+    the second round on, the last batch's singles that lowered the label on their own, together on today's set
+    (a batch accepts one row, so without it all but the best of them would be lost)."""
     batch = judge.engine.batch_size
     tried: set[tuple] = set()
+    improving: list[tuple] = []
     while judge.left() > 0:
         cur = judge.best.mask
         g, _ = mask_gradient(judge.engine, judge.t, cur)
         n = min(batch, judge.left())
         proposals = _proposals(g, cur, visible, judge.per_token, tried, n)
+        union = _distinct([p for p in improving if _applies(cur, p, judge.per_token)], len(improving))
+        masks = [_apply(cur, union, judge.per_token)] if len(union) >= 2 and n >= 2 else []
         if not proposals:
+            if masks:
+                judge.label(masks, "swaps")
             return
-        singles = proposals[: max(1, n - n // 3)]
-        masks = [_apply(cur, [p], judge.per_token) for p in singles]
+        singles = proposals[: max(1, n - n // 3 - len(masks))]
+        first = len(masks)
+        masks += [_apply(cur, [p], judge.per_token) for p in singles]
         k = 2
         while len(masks) < n and k <= len(proposals):
             masks.append(_apply(cur, _distinct(proposals, k), judge.per_token))
             k *= 2
         tried.update(p[1:] for p in singles)
-        judge.label(masks, "swaps")
+        before = judge.kl
+        kl = judge.label(masks, "swaps")
+        improving = [p for p, value in zip(singles, kl[first : first + len(singles)].tolist(), strict=True)
+                     if value < before]
+
+
+def _applies(cur: torch.Tensor, swap: tuple, per_token: bool) -> bool:
+    """Whether ``swap`` is still a swap on ``cur`` [L, Hkv, t]: its drop kept and its restore evicted."""
+    _, (l, h), drop, back = swap
+    cell = cur[0, 0] if per_token else cur[l, h]
+    return not bool(cell[drop]) and bool(cell[back])
 
 
 def _proposals(g: torch.Tensor, cur: torch.Tensor, visible: torch.Tensor, per_token: bool, tried: set[tuple],
