@@ -328,7 +328,9 @@ def regret_lines(tf: pl.DataFrame, boot: PromptBootstrap, reference: str, out_di
     n = int(reg["prompts"].max())
     space = {"per-head": "per (layer, KV head), the rules' own action space",
              "per-token": "token sets (the same positions in every layer and KV head)"}.get(selection, selection)
-    lines = ["", f"In-loop regret against the oracle policy `{reference}` (mean teacher-forced KL minus the oracle's, "
+    lines = ["", f"In-loop regret against the reference policy `{reference}` (it reads the queries it is then judged "
+             "on, so it is a reference, not a bound: see below where a rule beats it; mean teacher-forced KL minus "
+             "the oracle's, "
              "paired by prompt; ratio of means = rule / oracle; per-prompt ratio: geometric mean over prompts of "
              "rule / oracle with its CI, and the prompts where the rule's KL exceeds the oracle's; p sign: "
              + " / ".join(TEST_NAMES[t] for t in sorted(set(reg["test"]))) + "; p perm.: "
