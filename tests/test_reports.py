@@ -443,6 +443,9 @@ DECISIONS = {  # run -> the tables its summary writes (committed)
     # #54: judged on 128 steps, the references reading the first 8 (held out: the 120 after them)
     "decisions-math500/smollm2-h128": ("summary.csv", "paired.csv", "spearman.csv", "headroom.csv", "search.csv",
                                        "held_out.csv", "summary.md"),
+    # #54: every reference reading the whole 128 steps, so oracle_search is at most every decision there
+    "decisions-math500/smollm2-h128-search": ("summary.csv", "paired.csv", "headroom.csv", "search.csv", "summary.md"),
+    "decisions-math500/gemma3-h128-search": ("summary.csv", "paired.csv", "headroom.csv", "search.csv", "summary.md"),
 }
 for _d, _t in DECISIONS.items():
     compared(_d, _t)

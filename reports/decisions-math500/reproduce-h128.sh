@@ -28,30 +28,31 @@ $K decisions --trace $T --scores $D/scores-head.parquet --labels $D/labels-h8.pa
     --keep 0.5,0.25,0.125 --horizon 128 --read-window 8 --infeasible skip --pairs 0 \
     --references oracle_single,fast,random,future_attention,oracle_search --search-rows 256 --search-seconds 60 \
     --out $D/smollm2-h128
-# the long-horizon search, on the first 3 prompts (the compute left that session: about 6 min per checkpoint): every
-# reference reads the whole judged window of 128 steps (no --read-window), so on it oracle_search (from the best of
-# every rule's and reference's set; 512 rows or 45 s per (checkpoint, budget), or converged) is at most every decision
-# by construction; oracle_single is left out (its labels are the 8-step ones)
-.venv/bin/python - "$D" <<'PY'
-import sys
-import polars as pl
-from kvdiag.core.io import read_table, write_table
-from kvdiag.trace import Trace
-d = sys.argv[1]
-df, meta = read_table(f"{d}/scores-head.parquet")
-first = Trace(f"{d}/smollm2-trace").prompt_ids[:3]
-write_table(df.filter(pl.col("prompt_id").is_in(first)), f"{d}/scores-head-first3.parquet", meta)
-PY
-$K decisions --trace $T --scores $D/scores-head-first3.parquet \
+# the long-horizon search, on the same 10 checkpoints: every reference reads the whole judged window of 128 steps (no
+# --read-window), so on it oracle_search (from the best of every rule's and reference's set; 512 rows or 120 s per
+# (checkpoint, budget), or converged) is at most every decision by construction; oracle_single is left out (its
+# labels are the 8-step ones). About 8 min per checkpoint on an idle 2-core CPU; /usr/bin/time -v gives its peak RSS.
+/usr/bin/time -v -o $D/smollm2-h128-search.time $K decisions --trace $T --scores $D/scores-head.parquet \
     --keep 0.5,0.25,0.125 --horizon 128 --infeasible skip --pairs 0 \
-    --references fast,random,future_attention,oracle_search --search-rows 512 --search-seconds 45 \
+    --references fast,random,future_attention,oracle_search --search-rows 512 --search-seconds 120 \
     --out $D/smollm2-h128-search
-for run in smollm2-h128 smollm2-h128-search; do
+# gemma3-270m, the same long-horizon search on the first 5 problems (680 new tokens, one checkpoint after 512): its
+# sliding layers' budgets count only the entries they still attend (the last 512)
+G=$D/gemma3-trace
+[ -f $G/manifest.json ] || $K trace --model gemma3-270m --max-new-tokens 680 --min-new-tokens 680 \
+    --prompts data/math500-first20.jsonl --limit 5 --out $G
+[ -f $D/gemma3-scores-head.parquet ] || $K score --trace $G --checkpoints every:512 --granularity head \
+    --scorers $RULES --out $D/gemma3-scores-head.parquet
+/usr/bin/time -v -o $D/gemma3-h128-search.time $K decisions --trace $G --scores $D/gemma3-scores-head.parquet \
+    --keep 0.5,0.25,0.125 --horizon 128 --infeasible skip --pairs 0 \
+    --references fast,random,future_attention,oracle_search --search-rows 512 --search-seconds 120 \
+    --out $D/gemma3-h128-search
+for run in smollm2-h128 smollm2-h128-search gemma3-h128-search; do
 mkdir -p reports/decisions-math500/$run
 for f in summary.md summary.csv paired.csv spearman.csv headroom.csv search.csv held_out.csv summary.json config.json \
          decisions.png decisions.pdf decisions.parquet pairs.parquet inputs/token_scores.parquet \
          inputs/token_labels.parquet; do
     to=reports/decisions-math500/$run/$f
-    if [ -f $D/$run/$f ]; then mkdir -p "$(dirname $to)" && cp $D/$run/$f $to; fi
+    if [ -f $D/$run/$f ] && [ "$(wc -c < $D/$run/$f)" -gt 1 ]; then mkdir -p "$(dirname $to)" && cp $D/$run/$f $to; fi
 done
 done
