@@ -722,6 +722,9 @@ CASES: list[tuple[str, list[str], str]] = [
     ("grade-fitted-tree-outside", ["grade", "fitted:{fitted_tree_outside}", "--out", "{out}"], "outside the tree"),
     ("fit-rule-model", ["fit", "--trace", "{trace}", "--labels", "{labels}", "--rule-model", "forest", "--out",
                         "{out}"], "--rule-model forest: use one of logistic, boosted"),
+    ("fit-cell-feature-token-rows", ["fit", "--trace", "{trace}", "--labels", "{labels}", "--features",
+                                     "key_norm,cell_layer", "--out", "{out}"], "--features cell_layer: constant within "
+                                                                                "a cell"),
     ("grade-horizon-0", ["grade", "knorm", "--horizon", "0", "--out", "{out}"], "--horizon 0"),
     ("grade-horizon-past-trace", ["grade", "knorm", "--horizon", "9", "--out", "{out}"], "--horizon <= 8"),
     # ---- messages: user text is printed as given (no rich markup, no emoji codes); fields named

@@ -29,7 +29,7 @@ def synthetic_labels(n_prompts=8, n_ckpt=2, n=60, seed=0):
 
 def fake_features(signal: bool):
     """feature_table stand-in: 'noise' columns, plus (signal) one column that orders the KL exactly."""
-    def table(trace, keys, names, progress=False):
+    def table(trace, keys, names, progress=False, cells=False):
         rng = np.random.default_rng(1)
         cols = {n: rng.normal(size=keys.height) for n in names}
         if signal:
@@ -43,7 +43,7 @@ def test_out_of_fold_predictions_are_honest(signal, monkeypatch, tmp_path):
     labels = synthetic_labels()
     keyed = labels.select(*KEYS, _kl=pl.col("kl_mean"))
 
-    def table(trace, keys, names, progress=False):
+    def table(trace, keys, names, progress=False, cells=False):
         return fake_features(signal)(trace, keys.join(keyed, on=list(KEYS)), names)
 
     monkeypatch.setattr(fit_mod, "feature_table", table)

@@ -13,19 +13,19 @@ import torch
 
 from kvdiag.core.errors import UserError
 from kvdiag.fit import FitConfig, boosted_json, fit_ceiling, fit_features
-from kvdiag.fit.run import _labels_y, _models, _token_labels
+from kvdiag.fit.run import _cell_rows, _labels_y, _models, _token_labels
 from kvdiag.rankeval import KEYS
-from kvdiag.scorers.entry_features import LIVE, entry_features
+from kvdiag.scorers.entry_features import CELL_FEATURES, LIVE, entry_features
 from kvdiag.scorers.fitted import Boosted
 from kvdiag.scorers.fitted_file import Evaluation, check_fitted, text_digest, trace_evaluation
 
 ATOL = 1e-9  # float64 on both sides: only the order of the trees' sum (and of the dot product) differs
 
 
-@pytest.fixture(scope="module")
-def fitted(tiny_trace, tmp_path_factory):
-    """``kvdiag fit`` of exact labels (H = 4) of the tiny Trace, the boosted rule saved: (model.json path, the
-    features.parquet table, its config)."""
+@pytest.fixture(scope="module", params=["mean_raw", "cells"])
+def fitted(request, tiny_trace, tmp_path_factory):
+    """``kvdiag fit`` of exact labels (H = 4) of the tiny Trace on token rows (cell-mean features) or on cell rows
+    (``--per-cell``), the boosted rule saved: (model.json path, the features.parquet table, its config)."""
     from kvdiag.core.io import read_meta
     from kvdiag.label import LabelConfig, label_trace
     from kvdiag.model.load import load_model
@@ -35,7 +35,7 @@ def fitted(tiny_trace, tmp_path_factory):
         tiny_trace, load_model("tiny:llama"), root / "labels.parquet",
         LabelConfig(checkpoints="every:8", w_obs=8, horizon=4, candidates="16"), show_progress=False,
     )
-    cfg = FitConfig(n_boot=0, n_splits=2, rule="boosted", gbt_max_iter=40)
+    cfg = FitConfig(n_boot=0, n_splits=2, rule="boosted", gbt_max_iter=40, aggregation=request.param)
     fit_ceiling(tiny_trace, pl.read_parquet(labels_path), None, root / "fit", cfg, labels_meta=read_meta(labels_path))
     return root / "fit" / "model.json", pl.read_parquet(root / "fit" / "features.parquet"), cfg, labels_path
 
@@ -68,6 +68,11 @@ def test_both_fitted_models_score_as_sklearn_decides(fitted, tiny_trace, tmp_pat
     model = json.loads(path.read_text())
     names = model["features"]
     labels, y, _ = _labels_y(_token_labels(pl.read_parquet(labels_path)), cfg)
+    token_of = _cell_rows(feats, labels)
+    per_cell = cfg.aggregation == "cells"
+    assert len(token_of) == labels.height * (tiny_trace.num_layers * tiny_trace.num_kv_heads if per_cell else 1)
+    assert ("cell_layer" in names) == per_cell  # the cell's own features only where each cell is a row
+    y = y[token_of]
     assert (feats["harmful"].to_numpy() == y).all()
     X = feats.select(names).to_numpy().astype(float)
     sk = {"boosted": _models(cfg)["fitted_gbt"].fit(X, y), "logistic": _models(cfg)["fitted_logreg"].fit(X, y)}
@@ -84,6 +89,23 @@ def test_both_fitted_models_score_as_sklearn_decides(fitted, tiny_trace, tmp_pat
                 want = sk[rule].decision_function(cells).reshape(tiny_trace.num_kv_heads, t)
                 np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=ATOL, err_msg=f"{rule} layer {layer}")
                 assert np.unique(want).size > 1  # the trees split these entries
+
+
+def test_cell_rows_hold_each_cells_own_features(fitted, tiny_trace):
+    """``--per-cell``: a labelled token's rows in features.parquet are its (layer, KV head) cells in order, each with
+    the features the rule computes in that cell (same code and shapes, compared within 1e-6 for float32)."""
+    path, feats, cfg, _ = fitted
+    if cfg.aggregation != "cells":
+        pytest.skip("token rows: the cell-mean features")
+    names = json.loads(path.read_text())["features"]
+    pid, t, pos = feats.row(0, named=True)["prompt_id"], feats["checkpoint"][0], feats["position"][0]
+    rows = feats.filter((pl.col("prompt_id") == pid) & (pl.col("checkpoint") == t) & (pl.col("position") == pos))
+    L, Hkv = tiny_trace.num_layers, tiny_trace.num_kv_heads
+    assert rows.select("layer", "kv_head").rows() == [(layer, h) for layer in range(L) for h in range(Hkv)]
+    for layer in range(L):
+        _, cells = cell_features(tiny_trace, names, pid, t, layer)
+        got = rows.filter(pl.col("layer") == layer).select(names).to_numpy()
+        np.testing.assert_allclose(got, cells[[h * t + pos for h in range(Hkv)]], rtol=1e-6, atol=1e-6)
 
 
 def test_the_file_records_its_training_prompts_horizon_and_model(fitted, tiny_trace):
@@ -127,9 +149,10 @@ def live_model(tmp_path, rule: str):
                           "layer": -1, "kv_head": -1, "kl_mean": np.exp(rng.normal(-5, 2, 60)), "noise_floor": 1e-12})
             for p in range(8)]
     labels = pl.concat(rows)
-    feats = labels.select(KEYS).with_columns(pl.Series(n, rng.normal(size=labels.height)) for n in LIVE)
+    live = tuple(n for n in LIVE if n not in CELL_FEATURES)
+    feats = labels.select(KEYS).with_columns(pl.Series(n, rng.normal(size=labels.height)) for n in live)
     feats = feats.with_columns(window_attention=np.log(labels["kl_mean"].to_numpy()))  # a feature that ranks
-    fit_features(feats, labels, None, tmp_path / rule, FitConfig(features=LIVE, n_boot=0, n_splits=2, rule=rule,
+    fit_features(feats, labels, None, tmp_path / rule, FitConfig(features=live, n_boot=0, n_splits=2, rule=rule,
                                                                  gbt_max_iter=20))
     return tmp_path / rule / "model.json"
 

@@ -29,6 +29,9 @@ def fit(
     seed: int = common.Seed,
     rule_model: str = typer.Option("logistic", "--rule-model", metavar="logistic|boosted", help="the model the "
                                    "saved rule (model.json, the fitted:PATH scorer) runs; both are saved"),
+    per_cell: bool = typer.Option(False, "--per-cell", help="fit one row per (layer, KV head) cell of each labelled "
+                                  "token, with the token's label (as the rule scores; allows the features cell_layer "
+                                  "and cell_kv_head), instead of one row of cell-mean features per token"),
 ) -> None:
     """Fit logistic regression and gradient-boosted trees to the harmful label from per-entry features, rank their
     out-of-fold predictions beside the rules, save both as a rule (fitted:RUN/model.json) that runs one of them."""
@@ -37,7 +40,7 @@ def fit(
 
     cfg = FitConfig(features=tuple(parsing.parse_list(features, "--features", str)), harm=harm, n_splits=folds,
                     n_boot=bootstrap, include_unresolved=include_unresolved, noise_mult=noise_mult, seed=seed,
-                    rule=rule_model)
+                    rule=rule_model, aggregation="cells" if per_cell else "mean_raw")
     check_config(cfg)  # before the stage's numpy, polars and torch
     from kvdiag.fit import fit_files
     res = fit_files(trace, labels, scores, out, cfg)

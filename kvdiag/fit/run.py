@@ -19,14 +19,42 @@ from kvdiag.scorers.fitted_file import KIND
 MODELS = ("fitted_logreg", "fitted_gbt")
 
 
-def feature_table(trace, keys: pl.DataFrame, names: tuple[str, ...], progress: bool = False) -> pl.DataFrame:
-    """The label keys with one column per feature (token rows: mean over layers and KV heads)."""
+def feature_table(trace, keys: pl.DataFrame, names: tuple[str, ...], progress: bool = False,
+                  cells: bool = False) -> pl.DataFrame:
+    """The label keys with one column per feature: token rows, the mean over layers and KV heads; or, with
+    ``cells``, one head row per (layer, KV head) cell of each key (the keys' order, cells in layer then head order)."""
     from kvdiag.scorers import score_trace
     from kvdiag.scorers.entry_features import EntryFeature
 
+    if cells:
+        grid = pl.DataFrame({"layer": [layer for layer in range(trace.num_layers) for _ in range(trace.num_kv_heads)],
+                             "kv_head": list(range(trace.num_kv_heads)) * trace.num_layers}, schema={
+                                 "layer": keys.schema["layer"], "kv_head": keys.schema["kv_head"]})
+        keys = (keys.select("prompt_id", "checkpoint", "position").join(grid, how="cross", maintain_order="left")
+                .with_columns(granularity=pl.lit("head", keys.schema["granularity"])).select(keys.columns))
     df, _ = score_trace(trace, keys=keys, scorers={n: EntryFeature(feature=n) for n in names}, aggregation="mean_raw",
                         progress=progress)
     return df
+
+
+def _cell_rows(feats: pl.DataFrame, labels: pl.DataFrame) -> np.ndarray:
+    """[N_rows] the index of each feature row's token among ``labels``' rows (token rows: ``arange``; cell rows:
+    their token's); every label must have its rows."""
+    from kvdiag.rankeval import KEYS
+
+    token = ["prompt_id", "checkpoint", "position"]
+    if (feats["granularity"] == "token").all():
+        if feats.select(KEYS).rows() != labels.select(KEYS).rows():
+            raise UserError("the features' keys are not the analysed token labels' (in their order): compute them "
+                            "from these labels")
+        return np.arange(labels.height)
+    rows = feats.select(token).join(labels.select(token).with_row_index("_row"), on=token, how="left",
+                                    maintain_order="left")["_row"]
+    counts = np.bincount(rows.drop_nulls().to_numpy(), minlength=labels.height)
+    if rows.null_count() or counts.min() == 0 or counts.min() != counts.max():
+        raise UserError("the features' cell rows are not those of the analysed token labels (each label's every "
+                        "cell): compute them from these labels")
+    return rows.to_numpy()
 
 
 def _labels_y(labels: pl.DataFrame, cfg: FitConfig) -> tuple[pl.DataFrame, np.ndarray, float]:
@@ -70,7 +98,8 @@ def fit_ceiling(trace, labels: pl.DataFrame, scores: pl.DataFrame | None, out: s
     names = check_config(cfg)
     t0 = time.perf_counter()
     labels = _token_labels(labels)
-    feats = feature_table(trace, _labels_y(labels, cfg)[0].select(KEYS), names, progress)
+    feats = feature_table(trace, _labels_y(labels, cfg)[0].select(KEYS), names, progress,
+                          cells=cfg.aggregation == "cells")
     return fit_features(feats, labels, scores, out, cfg, labels_meta, scores_meta, trace, t0)
 
 
@@ -95,15 +124,20 @@ def fit_features(feats: pl.DataFrame, labels: pl.DataFrame, scores: pl.DataFrame
     out = Path(out)
     t0 = time.perf_counter() if t0 is None else t0
     labels, y, threshold = _labels_y(_token_labels(labels), cfg)
-    if feats.select(KEYS).rows() != labels.select(KEYS).rows():
-        raise UserError("the features' keys are not the analysed token labels' (in their order): compute them from "
-                        "these labels")
+    token_of = _cell_rows(feats, labels)  # [rows] each feature row's label
+    if (cfg.aggregation == "cells") != (len(token_of) != len(y)):
+        raise UserError(f"aggregation {cfg.aggregation} needs {'cell' if cfg.aggregation == 'cells' else 'token'} "
+                        "rows of features: compute them with the same setting")
     X = feats.select(names).to_numpy().astype(float)
     groups = labels["prompt_id"].to_numpy()
     n_prompts = len(np.unique(groups))
     if n_prompts < 2:
         raise UserError(f"the labels cover {n_prompts} prompt: grouped cross-validation needs at least 2 prompts")
-    oof, importance = cross_validate(X, y, groups, cfg)
+    oof, importance = cross_validate(X, y[token_of], groups[token_of], cfg)
+    if len(token_of) != len(y):  # cell rows: a token's score is the mean of its cells' logits (the rule's mean_raw)
+        n_cells = np.bincount(token_of, minlength=len(y))
+        oof = {m: _sigmoid(np.bincount(token_of, weights=_logit(p), minlength=len(y)) / n_cells)
+               for m, p in oof.items()}
 
     ranked = labels.select(KEYS).with_columns(pl.Series(m, oof[m]) for m in MODELS)  # keep what is likely harmful
     if scores is not None:
@@ -112,14 +146,15 @@ def fit_features(feats: pl.DataFrame, labels: pl.DataFrame, scores: pl.DataFrame
     result = rank_fitted(labels, ranked, cfg, scores_meta)
 
     models = _models(cfg)
-    final = models["fitted_logreg"].fit(X, y)
+    y_rows = y[token_of]
+    final = models["fitted_logreg"].fit(X, y_rows)
     scaler, logreg = final[0], final[-1]
     imp = importance_table(names, final, importance)
     model = {
         "kind": KIND, **provenance(), "rule": cfg.rule, "features": list(names),
         "logistic": {"mean": scaler.mean_.tolist(), "scale": scaler.scale_.tolist(), "coef": logreg.coef_[0].tolist(),
                      "intercept": float(logreg.intercept_[0])},
-        "boosted": boosted_json(models["fitted_gbt"].fit(X, y)),
+        "boosted": boosted_json(models["fitted_gbt"].fit(X, y_rows)),
         "harm": cfg.harm, "harm_threshold": threshold, "aggregation": cfg.aggregation,
         "trained_on": {"n": len(y), "n_harmful": int(y.sum()), "prompts": training_prompts(groups, trace),
                        "horizon": ((labels_meta or {}).get("config") or {}).get("horizon"),
@@ -129,7 +164,7 @@ def fit_features(feats: pl.DataFrame, labels: pl.DataFrame, scores: pl.DataFrame
 
     out.mkdir(parents=True, exist_ok=True)
     write_table(
-        feats.select(*KEYS, *names).with_columns(harmful=pl.Series(y)), out / "features.parquet",
+        feats.select(*KEYS, *names).with_columns(harmful=pl.Series(y_rows)), out / "features.parquet",
         {"kind": "fit_features", "features": list(names)},
     )
     write_table(ranked, out / "oof_scores.parquet", {"kind": "scores", "trace": (labels_meta or {}).get("trace"),
@@ -140,13 +175,22 @@ def fit_features(feats: pl.DataFrame, labels: pl.DataFrame, scores: pl.DataFrame
     write_csv(imp, out / "importances.csv")
     write_json(out / "model.json", model)
     summary = {
-        "n": len(y), "n_harmful": int(y.sum()), "harm_threshold": threshold, "prompts": n_prompts,
+        "n": len(y), "rows": len(y_rows), "n_harmful": int(y.sum()), "harm_threshold": threshold, "prompts": n_prompts,
         "folds": min(cfg.n_splits, n_prompts), "features": list(names), "seconds": round(time.perf_counter() - t0, 1),
         "rank_eval": result.summary,
     }
     write_json(out / "config.json", {"command": "fit", **provenance(), "config": asdict(cfg),
                                      "summary": summary, "inputs": {"labels": labels_meta, "scores": scores_meta}})
     return {"summary": summary, "metrics": result.metrics, "importances": imp, "result": result}
+
+
+def _logit(p: np.ndarray) -> np.ndarray:
+    p = np.clip(p, 1e-15, 1 - 1e-15)
+    return np.log(p) - np.log1p(-p)
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
 
 
 def boosted_json(clf) -> dict:

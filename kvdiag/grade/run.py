@@ -34,13 +34,14 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import polars as pl
 
 from kvdiag.core.errors import UserError
-from kvdiag.core.io import read_table, write_csv, write_json, write_table, write_text
+from kvdiag.core.io import read_json, read_table, write_csv, write_json, write_table, write_text
 from kvdiag.core.parsing import REST, horizon_steps
 from kvdiag.core.schema import KEYS
 from kvdiag.core.tables import ci_text, md_table, number_text
@@ -558,12 +559,15 @@ def write_leaderboard(b: bench_mod.Benchmark, rows: list[dict], paths: list[Path
         write_csv(flat, path.with_suffix(".csv"))
 
 
-def rewrite_leaderboard(bench: str, path: str | os.PathLike, scores: str | os.PathLike | None = None) -> list[dict]:
+def rewrite_leaderboard(bench: str, path: str | os.PathLike, scores: str | os.PathLike | None = None,
+                        graded: Sequence[str | os.PathLike] = ()) -> list[dict]:
     """Rewrite a committed leaderboard (``path``: leaderboard.md beside its leaderboard.csv) without a model: the
     decisions half recomputed from the benchmark's sealed ``builtins.parquet`` and ``references.parquet`` (the joint
     damages ``kvdiag grade --all`` stored); the ranking half recomputed from ``scores`` (the token scores
     ``kvdiag grade --all`` wrote, its ``OUT/scores.parquet``: reports/leaderboard.scores.parquet) or, without it,
-    carried from the csv."""
+    carried from the csv. ``graded``: the ``rows.json`` of single-rule ``kvdiag grade`` runs (rules outside the
+    sealed set, e.g. a fitted rule), listed after the leaderboard as they were graded: their joint damages are in no
+    sealed file, so they are carried, not recomputed (leaderboard.csv keeps the sealed rows only)."""
     from kvdiag.core.stats import PromptBootstrap
 
     b = bench_mod.load(bench)
@@ -599,6 +603,12 @@ def rewrite_leaderboard(bench: str, path: str | os.PathLike, scores: str | os.Pa
                     rank[metric], rank[f"{metric}_ci"] = r[metric], [r[f"{metric}_ci_low"], r[f"{metric}_ci_high"]]
         rows.append({**rank, **_decision_part(r["rule"], dec, refs, builtins, boot, list(s["budgets"]))})
     write_leaderboard(b, rows, [path])
+    if graded:
+        extra = [row for g in graded for row in read_json(g, "a kvdiag grade rows.json")["rows"]]
+        names = ", ".join(f"`{Path(g).as_posix()}`" for g in graded)
+        write_text(path, path.read_text() + "\n## Graded beside the sealed rows\n\n`kvdiag grade RULE` of rules "
+                   f"outside the built-in set, as each run graded them ({names}): their joint damages are in no sealed "
+                   "file, so these rows are carried, not recomputed.\n\n" + leaderboard_rows_markdown(b, extra))
     return rows
 
 

@@ -16,7 +16,10 @@ ENTRY_POINT_GROUP = "kvdiag.scorers"  # installed plugins (kvdiag.scorers.regist
 PREFIXES = ("fitted:", "kvpress:")  # names made on first use by a resolver (kvdiag.scorers.fitted, kvpress_press)
 # the per-entry features of the fitted rule (the keys of kvdiag.scorers.entry_features.FEATURES)
 ENTRY_FEATURES = ("window_attention", "newest_attention", "cumulative_attention", "recurrence", "key_norm",
-                  "value_norm", "redundancy", "log_age", "is_prompt")
+                  "value_norm", "redundancy", "log_age", "is_prompt", "log_position", "relative_position",
+                  "cell_layer", "cell_kv_head",
+                  "rank_snapkv", "rank_cake", "rank_tova", "rank_avokv_e", "rank_vase", "rank_rkv", "rank_obcache")
+CELL_FEATURES = ("cell_layer", "cell_kv_head")  # constant within a (layer, KV head) cell: fitted on cell rows only
 AGGREGATIONS = ("mean_rank", "mean_raw")  # the keys of kvdiag.scorers.AGGREGATIONS
 ORACLE = "oracle"  # the policy name of replay's exact-label policy (teacher-forced only), not a scorer
 # replay's future-attention policy (teacher-forced only): per (layer, KV head), what the full-cache run's future reads
