@@ -44,6 +44,10 @@ NOT_REGENERATED = {
        for f in ("cpu-mfu.md", "kernels.txt", "label-fast.txt", "label-layer.txt", "label.txt", "scale.csv",
                  "score.txt", "trace.txt", "hybrid-miss-rate-h16.txt", "hybrid-miss-rate-h128.txt",
                  "label-horizon.txt", "evicting-padded.txt")},
+    **{f"learned-rule/inputs/{d}variants.csv": "the variants' out-of-fold metrics: fit_variants.py fits them on the "
+       "training features (runs/learned-rule/fit-all, not committed: the model computes them)"
+       for d in ("", "round1/")},
+    "learned-rule/inputs/leaderboard-row.md": "kvdiag grade's row of the learned rule (grading runs the model)",
     **{f"fast-labels-horizon/bench-h{h}.txt": "a measurement: kvdiag bench label --method fast (seconds on this "
        "machine); report.md's cost table reads the JSON beside it" for h in (16, 128)},
 }
@@ -553,6 +557,8 @@ def _md_rows(text: str) -> list[list[str]]:
 
 
 LEADERBOARD_SCORES = REPORTS / "leaderboard.scores.parquet"  # kvdiag grade --all's OUT/scores.parquet
+# single-rule kvdiag grade runs listed after the sealed rows, as graded (their rows.json)
+LEADERBOARD_GRADED = [Path("reports/learned-rule/inputs/grade.json")]
 
 
 def test_leaderboard(tmp_path):
@@ -568,8 +574,9 @@ def test_leaderboard(tmp_path):
     (tmp_path / "leaderboard.md").write_text("")  # rewritten whole, not edited
     pl.read_csv(REPORTS / "leaderboard.csv", infer_schema_length=None).select("rule", "params").write_csv(
         tmp_path / "leaderboard.csv")  # every other column is recomputed
-    rewrite_leaderboard(BENCH, tmp_path / "leaderboard.md", LEADERBOARD_SCORES)
+    rewrite_leaderboard(BENCH, tmp_path / "leaderboard.md", LEADERBOARD_SCORES, LEADERBOARD_GRADED)
     assert_same_tables(tmp_path, REPORTS, LEADERBOARD[1])
+    assert "fitted:reports/learned-rule/model.json" in (tmp_path / "leaderboard.md").read_text()
 
 
 # --------------------------------------------------------------------------- hybrid labels
@@ -638,6 +645,28 @@ def test_horizon_study(tmp_path):
     out.mkdir()
     _script(f"reports/{report}/analyze.py").main(HORIZON_INPUTS, out)
     assert_same_tables(out, REPORTS / report, [name])
+
+
+LEARNED = compared("learned-rule", ("report.md",))
+LEARNED_INPUTS = REPORTS / "learned-rule/inputs"
+
+
+def test_learned_rule(tmp_path):
+    """analyze.py's report.md from the committed inputs (each variant's model, the held-out entries' cell features,
+    the decisions rows, the replay outcomes, the grade row) and reports/horizon-math500's held-out labels and rules'
+    scores; the committed rule is the chosen variant, trained on prompts none of the held-out ones."""
+    report, (name,) = LEARNED
+    rule = json.loads((REPORTS / report / "model.json").read_text())
+    chosen = json.loads((LEARNED_INPUTS / "chosen.json").read_text())["variant"]
+    variant = json.loads((LEARNED_INPUTS / "models" / f"{chosen}.json").read_text())
+    assert rule["kind"] == "kvdiag_fitted_rule" and rule["rule"] == variant["rule"]
+    assert rule["features"] == variant["features"] and rule[rule["rule"]] == variant[variant["rule"]]
+    trained = {p["id"] for p in rule["trained_on"]["prompts"]}
+    held = set(pl.read_parquet(LEARNED_INPUTS / "heldout_features.parquet")["prompt_id"].unique().to_list())
+    assert len(trained) == 16 and len(held) == 10 and not trained & held
+    assert rule["trained_on"]["horizon"] == 128
+    _script(f"reports/{report}/analyze.py").main(LEARNED_INPUTS, tmp_path)
+    assert_same_tables(tmp_path, REPORTS / report, [name])
 
 
 RATIO = compared("replay-suites", ("ratio.md", "ratio.csv"))
