@@ -17,7 +17,7 @@ from kvdiag.scorers.entry_features import FEATURES, entry_features
 from kvdiag.scorers.fitted_file import read_fitted_model
 from kvdiag.scorers.registry import SCORERS, register_scorer
 
-MAX_GATHER = 1 << 24  # elements of one [trees, leaves, entries] product of the boosted trees (chunks beyond it)
+MAX_GATHER = 1 << 24  # elements of one [trees, entries] walk of the boosted trees (chunks of trees beyond it)
 
 
 @dataclass(frozen=True)
@@ -47,82 +47,67 @@ class Boosted:
     ``baseline`` plus, per tree, the value of the leaf an entry reaches from the root (node ``i`` sends
     ``x[feature] <= threshold`` left, NaN left where ``missing_left``, the rest right).
 
-    Evaluated as matrices, not walked node by node: every internal node's test is computed for every entry at once
-    (in float64, on the raw features), and a leaf is reached when every test on its path goes its way: the count of
-    tests that agree with the path, ``path @ go_left + rights`` (one batched product; small integers, exact in
-    float32), equals the path's length. Trees are padded to ``M`` internal nodes and ``L`` leaves: ``feature``
-    [T, M] long, ``threshold`` [T, M] float64, ``missing_left`` [T, M] bool; ``path`` [T, L, M] float32, +1 where
-    the leaf's path leaves the node to the left, -1 to the right; ``rights`` [T, L] its right turns; ``length``
-    [T, L] its tests (-1 for padding: never reached); ``value`` [T, L] float64.
+    The trees are padded to one node count ``M``: ``feature``, ``left``, ``right`` [T, M] long, ``threshold``,
+    ``value`` [T, M] float64, ``missing_left`` [T, M] bool. A leaf (and padding) is its own left and right child, so
+    ``depth`` steps from the root (the deepest leaf's) bring every entry to its leaf in every tree at once.
     """
 
     baseline: float
     feature: torch.Tensor
     threshold: torch.Tensor
     missing_left: torch.Tensor
-    path: torch.Tensor
-    rights: torch.Tensor
-    length: torch.Tensor
+    left: torch.Tensor
+    right: torch.Tensor
     value: torch.Tensor
+    depth: int
 
     @classmethod
     def from_json(cls, section: dict) -> Boosted:
         """From a checked ``boosted`` section (``fitted_file``: children follow their parent, so one pass in node
-        order finds each node's path)."""
-        trees = []
-        for tree in section["trees"]:
-            leaf = tree["leaf"]
-            internal = [i for i in range(len(leaf)) if not leaf[i]]
-            slot = {node: j for j, node in enumerate(internal)}
-            path: dict[int, list[tuple[int, int]]] = {0: []}  # node -> [(internal slot, 1 left / -1 right)]
-            for i in internal:
-                path[tree["left"][i]] = [*path[i], (slot[i], 1)]
-                path[tree["right"][i]] = [*path[i], (slot[i], -1)]
-            leaves = [i for i in range(len(leaf)) if leaf[i]]
-            trees.append((tree, internal, [(path[i], float(tree["value"][i])) for i in leaves]))
-        n_trees = len(trees)
-        m = max(1, *(len(internal) for _, internal, _ in trees))
-        n_leaves = max(len(leaves) for _, _, leaves in trees)
-        f64 = torch.float64
-        feature = torch.zeros(n_trees, m, dtype=torch.long)
-        threshold = torch.full((n_trees, m), float("inf"), dtype=f64)
-        missing_left = torch.zeros(n_trees, m, dtype=torch.bool)
-        path = torch.zeros(n_trees, n_leaves, m)
-        length = torch.full((n_trees, n_leaves), -1.0)
-        value = torch.zeros(n_trees, n_leaves, dtype=f64)
-        for t, (tree, internal, leaves) in enumerate(trees):
-            for j, i in enumerate(internal):
-                feature[t, j] = tree["feature"][i]
-                threshold[t, j] = float("inf") if tree["threshold"][i] is None else tree["threshold"][i]
-                missing_left[t, j] = tree["missing_left"][i]
-            for k, (steps, v) in enumerate(leaves):
-                for j, side in steps:
-                    path[t, k, j] = side
-                length[t, k], value[t, k] = len(steps), v
-        rights = (path < 0).sum(-1).float()
-        return cls(float(section["baseline"]), feature, threshold, missing_left, path, rights, length, value)
+        order finds each node's depth)."""
+        trees = section["trees"]
+        size = max(len(tree["leaf"]) for tree in trees)
+        cols: dict[str, list] = {k: [] for k in ("feature", "threshold", "missing_left", "left", "right", "value")}
+        depth = 0
+        for tree in trees:
+            n, leaf = len(tree["leaf"]), tree["leaf"]
+            pad = range(n, size)
+            cols["feature"].append([0 if leaf[i] else tree["feature"][i] for i in range(n)] + [0] * len(pad))
+            cols["threshold"].append([float("inf") if tree["threshold"][i] is None or leaf[i] else tree["threshold"][i]
+                                      for i in range(n)] + [0.0] * len(pad))
+            cols["missing_left"].append(list(tree["missing_left"]) + [False] * len(pad))
+            for side in ("left", "right"):
+                cols[side].append([i if leaf[i] else tree[side][i] for i in range(n)] + list(pad))
+            cols["value"].append([float(tree["value"][i]) if leaf[i] else 0.0 for i in range(n)] + [0.0] * len(pad))
+            level = [0] * n
+            for i in range(n):
+                if not leaf[i]:
+                    level[tree["left"][i]] = level[tree["right"][i]] = level[i] + 1
+            depth = max(depth, *level)
+        long, f64 = torch.long, torch.float64
+        return cls(float(section["baseline"]), torch.tensor(cols["feature"], dtype=long),
+                   torch.tensor(cols["threshold"], dtype=f64), torch.tensor(cols["missing_left"], dtype=torch.bool),
+                   torch.tensor(cols["left"], dtype=long), torch.tensor(cols["right"], dtype=long),
+                   torch.tensor(cols["value"], dtype=f64), depth)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """[N] the logit of the features ``x [F, N]`` (float64), in chunks of trees of at most :data:`MAX_GATHER`
-        (tree, leaf, entry) triples."""
-        n_trees, n_leaves, m = self.path.shape
-        n = x.shape[1]
-        step = max(1, MAX_GATHER // max(n * max(n_leaves, m), 1))
-        nan = bool(x.isnan().any())
-        leaf_values = []
+        """[N] the logit of the features ``x [F, N]`` (float64): the trees walked in chunks of at most
+        :data:`MAX_GATHER` (tree, entry) pairs."""
+        n_trees, n = self.feature.shape[0], x.shape[1]
+        step = max(1, MAX_GATHER // max(n, 1))
+        total = torch.full((n,), self.baseline, dtype=torch.float64, device=x.device)
         for start in range(0, n_trees, step):
             part = slice(start, start + step)
-            feature, threshold, missing_left, path, rights, length, value = (
-                w[part].to(x.device) for w in (self.feature, self.threshold, self.missing_left, self.path,
-                                               self.rights, self.length, self.value))
-            xs = x[feature.flatten()].view(*feature.shape, n)  # [T, M, N] each node's feature of each entry
-            go_left = xs <= threshold[..., None]
-            if nan:
-                go_left = torch.where(xs.isnan(), missing_left[..., None], go_left)
-            agree = path @ go_left.float() + rights[..., None]  # [T, L, N] tests on the leaf's path that go its way
-            leaf = (agree == length[..., None]).float().argmax(1)  # [T, N] the one leaf each entry reaches
-            leaf_values.append(value.gather(1, leaf))
-        return self.baseline + torch.cat(leaf_values).sum(0)
+            feature, threshold, missing_left, left, right, value = (
+                w[part].to(x.device) for w in (self.feature, self.threshold, self.missing_left, self.left, self.right,
+                                               self.value))
+            node = torch.zeros(feature.shape[0], n, dtype=torch.long, device=x.device)  # [T, N] the root
+            for _ in range(self.depth):
+                xs = x.gather(0, feature.gather(1, node))  # [T, N] each entry's value of its node's feature
+                go_left = torch.where(xs.isnan(), missing_left.gather(1, node), xs <= threshold.gather(1, node))
+                node = torch.where(go_left, left.gather(1, node), right.gather(1, node))
+            total += value.gather(1, node).sum(0)
+        return total
 
 
 @register_scorer("fitted")
