@@ -259,6 +259,10 @@ def test_replay_outputs_and_resume(tiny_llama, tmp_path):
         (out / name).unlink()
     summarize_files(out)
     assert {name: (out / name).read_bytes() for name in tables} == written
+    from kvdiag.replay.run import generation_outcomes  # the same rows without FullKV's outcomes.csv
+
+    want = pl.read_csv(out / "outcomes.csv", infer_schema_length=None).select("prompt_id", "scorer", "correct", "loop")
+    assert generation_outcomes(out).select(want.columns).rows() == want.rows()
     stamp = {p: p.stat().st_mtime_ns for p in (out / "parts").iterdir()}
     replay(tiny_llama, out, settings, prompts=prompts, command="test", show_progress=False)
     assert {p: p.stat().st_mtime_ns for p in (out / "parts").iterdir()} == stamp  # finished parts are reused

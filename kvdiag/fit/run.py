@@ -135,9 +135,11 @@ def fit_features(feats: pl.DataFrame, labels: pl.DataFrame, scores: pl.DataFrame
         raise UserError(f"the labels cover {n_prompts} prompt: grouped cross-validation needs at least 2 prompts")
     oof, importance = cross_validate(X, y[token_of], groups[token_of], cfg)
     if len(token_of) != len(y):  # cell rows: a token's score is the mean of its cells' logits (the rule's mean_raw)
+        from scipy.special import expit, logit
+
         n_cells = np.bincount(token_of, minlength=len(y))
-        oof = {m: _sigmoid(np.bincount(token_of, weights=_logit(p), minlength=len(y)) / n_cells)
-               for m, p in oof.items()}
+        oof = {m: expit(np.bincount(token_of, weights=logit(np.clip(p, 1e-15, 1 - 1e-15)), minlength=len(y))
+                        / n_cells) for m, p in oof.items()}
 
     ranked = labels.select(KEYS).with_columns(pl.Series(m, oof[m]) for m in MODELS)  # keep what is likely harmful
     if scores is not None:
@@ -182,15 +184,6 @@ def fit_features(feats: pl.DataFrame, labels: pl.DataFrame, scores: pl.DataFrame
     write_json(out / "config.json", {"command": "fit", **provenance(), "config": asdict(cfg),
                                      "summary": summary, "inputs": {"labels": labels_meta, "scores": scores_meta}})
     return {"summary": summary, "metrics": result.metrics, "importances": imp, "result": result}
-
-
-def _logit(p: np.ndarray) -> np.ndarray:
-    p = np.clip(p, 1e-15, 1 - 1e-15)
-    return np.log(p) - np.log1p(-p)
-
-
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-x))
 
 
 def boosted_json(clf) -> dict:

@@ -187,6 +187,17 @@ def replayed_auroc(settings: ReplaySettings, auroc: tuple[str | os.PathLike, str
     return single_label_auroc(*auroc, rules, params, seed=seed)
 
 
+def generation_outcomes(out: str | os.PathLike) -> pl.DataFrame:
+    """Each free-running generation's outcomes (``kvdiag.replay.outcomes.outcome_rows``, the suite's components
+    included) from ``out/generations.parquet`` alone, as its metadata says the prompts are graded: also for a replay
+    run with ``--no-full-kv``, which writes no outcomes.csv (its fidelity columns stay empty)."""
+    from kvdiag.core.contracts import read_generations
+    from kvdiag.replay.outcomes import outcome_rows
+
+    df, meta = read_generations(Path(out) / "generations.parquet", "replay")
+    return outcome_rows(df, exact=set(_graded_whole(meta)), suite=_suite(meta))
+
+
 def summarize_files(out: str | os.PathLike, outcomes: str | os.PathLike | None = None,
                     auroc: SingleLabelAUROC | None = None) -> pl.DataFrame:
     """The tables and the figure of a replay (``kvdiag.replay.figure.write_summary``) from ``out/generations.parquet``

@@ -21,6 +21,7 @@ from kvdiag.scorers.context import ScoreContext
 from kvdiag.scorers.features import mean_cosine_redundancy
 from kvdiag.scorers.h2o import H2O
 from kvdiag.scorers.lazyeviction import LazyEviction
+from kvdiag.scorers.names import CELL_FEATURES
 from kvdiag.scorers.normalization import percentile_rank
 from kvdiag.scorers.obcache import OBCache
 from kvdiag.scorers.rkv import RKV
@@ -78,7 +79,6 @@ FEATURES: dict[str, Feature] = {
     "cell_kv_head": Feature(lambda ctx: torch.arange(ctx.num_kv_heads, dtype=torch.float32)[:, None].expand(-1, ctx.t)),
     **{f"rank_{name}": _rule_rank(rule) for name, rule in RANKED_RULES.items()},
 }
-CELL_FEATURES = ("cell_layer", "cell_kv_head")
 LIVE = tuple(name for name, feature in FEATURES.items() if not feature.history)
 
 

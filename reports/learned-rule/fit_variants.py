@@ -7,7 +7,7 @@ are the run's own rows (round 2); cell-row variants need a ``--per-cell`` run.
 Which variant becomes the rule is chosen on the training prompts alone (the highest out-of-fold AUROC, grouped by
 prompt); the held-out prompts only judge it (analyze.py).
 
-    python reports/learned-rule/fit_variants.py RUN_DIR/fit-all LABELS.parquet OUT_DIR
+    python reports/learned-rule/fit_variants.py RUN_DIR/fit-all LABELS.parquet OUT_DIR TRACE_DIR
 """
 
 from __future__ import annotations

@@ -72,15 +72,12 @@ def main() -> None:
     feats.with_columns(pl.col(ALL).cast(pl.Float32)).write_parquet(OUT / "heldout_features.parquet")
 
     shutil.copy(RUN / "bench-score.json", OUT / "bench-score.json")
-    from kvdiag.replay.outcomes import outcome_rows
-    from kvdiag.replay.run import _graded_whole, _suite
+    from kvdiag.replay.run import generation_outcomes
 
     for suite in SUITES:  # a replay or grade run not made yet is left out (analyze.py skips its section)
-        path = RUN / f"replay-{suite}" / "generations.parquet"
-        if path.is_file():  # without FullKV the run writes no outcomes.csv: the same rows, from its generations
-            gen, meta = read_table(path)
-            out = outcome_rows(gen, exact=set(_graded_whole(meta)), suite=_suite(meta))
-            out.drop("final_answer").write_parquet(OUT / f"replay-{suite}.parquet")
+        run = RUN / f"replay-{suite}"
+        if (run / "generations.parquet").is_file():  # without FullKV the run writes no outcomes.csv
+            generation_outcomes(run).drop("final_answer").write_parquet(OUT / f"replay-{suite}.parquet")
     if (RUN / "grade" / "rows.json").is_file():
         grade = json.loads((RUN / "grade" / "rows.json").read_text())
         (OUT / "grade.json").write_text(json.dumps(grade, indent=1) + "\n")
