@@ -1,5 +1,5 @@
 """From decisions to outcomes: how well each compression's joint damage, and each rule's single-label AUROC,
-predict what follows in the loop; and every rule's in-loop regret against the oracle policy.
+predict what follows in the loop; and every rule's in-loop regret against the reference policy.
 
 Inputs: a teacher-forced replay with joint labels (``joint_kl`` per compression, ``kvdiag.replay.oracle``), and
 optionally a free-running replay of the same prompts (fidelity and first divergence per generation,
@@ -12,11 +12,13 @@ optionally a free-running replay of the same prompts (fidelity and first diverge
   fidelity (share of samples whose answer equals FullKV's) and first-divergence step (mean over samples).
 - **Per rule** (each budget, across rules): Spearman between single-label AUROC and minus the mean in-loop KL, and
   between minus the mean joint damage and minus the mean in-loop KL.
-- **Regret**: a rule's mean teacher-forced KL minus the oracle policy's (``oracle_future`` when the sweep ran it,
-  else ``oracle``), paired by prompt, with the ratio of means and per prompt and the paired tests
-  (``kvdiag.core.stats.compare``: exact sign test below 30 prompts; and the exact sign-flip permutation test).
-- **Where a rule beats the oracle** (:func:`beaten`): per (prompt, budget) where its KL is below the oracle's, the
-  compression whose following segment gains it the most, the two joint labels there, and why: ``set`` (the rule's
+- **Regret**: a rule's mean teacher-forced KL minus the reference policy's (``oracle_future`` when the sweep ran
+  it, else ``oracle``; both read the queries they are judged on, so a rule can beat them: a reference, not a
+  bound; the CSV columns keep the name ``oracle_*``), paired by prompt, with the ratio of means and per prompt
+  and the paired tests (``kvdiag.core.stats.compare``: exact sign test below 30 prompts; and the exact sign-flip
+  permutation test).
+- **Where a rule beats the reference** (:func:`beaten`): per (prompt, budget) where its KL is below the reference's,
+  the compression whose following segment gains it the most, the two joint labels there, and why: ``set`` (the rule's
   evicted set has the lower exact label: what the future attends most is not what hurts least to lose) or ``state``
   (its set's label is not lower, yet the KL that follows is: the caches differ by earlier compressions and by what the
   label's horizon does not see; choosing step by step is not optimal over steps).
@@ -48,7 +50,7 @@ from kvdiag.scorers.names import REPLAY_ONLY
 
 
 def reference_policy(tf: pl.DataFrame) -> str | None:
-    """The oracle policy a sweep's regret is measured against: ``oracle_future`` if it ran, else ``oracle``."""
+    """The reference policy a sweep's regret is measured against: ``oracle_future`` if it ran, else ``oracle``."""
     ran = set(tf["scorer"].unique().to_list())
     return next((name for name in (ORACLE_FUTURE, ORACLE) if name in ran), None)
 
@@ -330,9 +332,9 @@ def regret_lines(tf: pl.DataFrame, boot: PromptBootstrap, reference: str, out_di
              "per-token": "token sets (the same positions in every layer and KV head)"}.get(selection, selection)
     lines = ["", f"In-loop regret against the reference policy `{reference}` (it reads the queries it is then judged "
              "on, so it is a reference, not a bound: see below where a rule beats it; mean teacher-forced KL minus "
-             "the oracle's, "
-             "paired by prompt; ratio of means = rule / oracle; per-prompt ratio: geometric mean over prompts of "
-             "rule / oracle with its CI, and the prompts where the rule's KL exceeds the oracle's; p sign: "
+             "the reference's, "
+             "paired by prompt; ratio of means = rule / reference; per-prompt ratio: geometric mean over prompts of "
+             "rule / reference with its CI, and the prompts where the rule's KL exceeds the reference's; p sign: "
              + " / ".join(TEST_NAMES[t] for t in sorted(set(reg["test"]))) + "; p perm.: "
              + " / ".join(TEST_NAMES[t] for t in sorted(set(reg["test_permutation"])))
              + f" of the mean, over prompts). Every policy selects {space}"
@@ -341,8 +343,8 @@ def regret_lines(tf: pl.DataFrame, boot: PromptBootstrap, reference: str, out_di
         lines += [f"With {n} prompts no two-sided exact test can reach p < 0.05 (the smallest p is "
                   f"{2 / 2 ** n:.4g}, all {n} on one side): read the counts and the CIs.", ""]
     lines.append(markdown_table(
-        ["scorer", "budget", "KL", "oracle KL", "regret [CI]", "ratio of means [CI]", "per-prompt ratio [CI]",
-         "above oracle", "p sign", "p perm."],
+        ["scorer", "budget", "KL", "reference KL", "regret [CI]", "ratio of means [CI]", "per-prompt ratio [CI]",
+         "above reference", "p sign", "p perm."],
         [[r["scorer"], str(r["budget"]), num(r["kl"]), num(r["oracle_kl"]),
           f"{num(r['regret'])} [{num(r['regret_low'])}, {num(r['regret_high'])}]",
           f"{num(r['ratio'])} [{num(r['ratio_low'])}, {num(r['ratio_high'])}]",
@@ -351,7 +353,7 @@ def regret_lines(tf: pl.DataFrame, boot: PromptBootstrap, reference: str, out_di
           format_p(r["p_permutation"], r["p_permutation_resolution"])]
          for r in reg.iter_rows(named=True)]))
     negative = reg.filter(pl.col("regret") < 0)
-    lines += ["", f"Where a rule beats `{reference}` (its KL below the oracle's on a prompt; beaten.csv): "
+    lines += ["", f"Where a rule beats `{reference}` (its KL below the reference's on a prompt; beaten.csv): "
               f"{won.height} of {reg['prompts'].sum()} (rule, budget, prompt) runs; mean regret below 0 for "
               f"{negative.height} of {reg.height} (rule, budget) rows"
               + (": " + ", ".join(f"{r['scorer']}@{r['budget']}" for r in negative.iter_rows(named=True))
@@ -360,17 +362,17 @@ def regret_lines(tf: pl.DataFrame, boot: PromptBootstrap, reference: str, out_di
         reasons = won["reason"].value_counts(sort=True)
         wins, compared = first_sets(tf, reference)
         lines += [
-            "For each, the compression after which the rule gains most (gain: the rule's KL minus the oracle's summed "
-            "over the steps to the next compression; share: of the run's whole difference) and the exact joint labels "
-            "of the two evicted sets there. Reason `set`: the rule's set has the lower label, so what the future "
-            "attends most is not what hurts least to lose (attention is not damage); `state`: its set's label is not "
-            "lower, yet the KL that follows is, so the caches differ by earlier compressions or by harm past the "
-            "label's horizon (choosing step by step is not optimal over steps). Reasons: "
+            "For each, the compression after which the rule gains most (gain: the rule's KL minus the reference's "
+            "summed over the steps to the next compression; share: of the run's whole difference) and the exact "
+            "joint labels of the two evicted sets there. Reason `set`: the rule's set has the lower label, so what "
+            "the future attends most is not what hurts least to lose (attention is not damage); `state`: its set's "
+            "label is not lower, yet the KL that follows is, so the caches differ by earlier compressions or by harm "
+            "past the label's horizon (choosing step by step is not optimal over steps). Reasons: "
             + ", ".join(f"{r['reason']} {r['count']}" for r in reasons.iter_rows(named=True))
             + f". At the first compression, where both evict from the same full cache, a rule's set has the lower "
             f"label in {wins} of {compared} runs.", ""]
         lines.append(markdown_table(
-            ["scorer", "budget", "prompt", "regret", "t (c / C)", "gain", "share", "rule joint", "oracle joint",
+            ["scorer", "budget", "prompt", "regret", "t (c / C)", "gain", "share", "rule joint", "reference joint",
              "reason"],
             [[r["scorer"], str(r["budget"]), r["prompt_id"], num(r["regret"]),
               f"{r['t']} ({r['compression']}/{r['compressions']})", num(r["gain"]), num(r["gain_share"], ".0%"),
