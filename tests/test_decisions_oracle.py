@@ -456,3 +456,40 @@ def test_the_singles_that_helped_alone_are_labeled_together_in_the_next_batch(mo
     assert torch.equal(labeled[1][0], union)
     assert not torch.equal(judge.best.mask, union)  # it changes four cells: scripted at +100, so not accepted
     assert judge.kl < 51.4  # batch 2 went on from the accepted single
+
+
+def test_recombination_leaves_half_the_seconds_to_the_swaps(monkeypatch):
+    """``search``: recombination stops once half the seconds are spent, so the swaps get the other half (at H = 128
+    its single-cell rows used to take the whole time bound, and no swap ran). A scripted engine whose every batch
+    takes one second of a fake clock and never improves: three candidates of 4 differing cells each (a batch each),
+    4 seconds: two recombination batches, then swaps."""
+    from types import SimpleNamespace
+
+    from kvdiag.decisions import search as S
+
+    clock = [0.0]
+    monkeypatch.setattr(S, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    class Engine:
+        batch_size = 4
+
+        def label_sets(self, t, sets):
+            clock[0] += 1.0
+            kl = torch.full((len(sets), 1), 2.0, dtype=torch.float64)  # never below the start's 1.0
+            return {"kl": kl, "js": kl, "nll_delta": kl, "flips": torch.zeros(len(sets))}, 0.0
+
+    L, t = 4, 8
+    g = torch.linspace(-1, 1, L * t, dtype=torch.float64).view(L, 1, t)
+    monkeypatch.setattr(S, "mask_gradient", lambda engine, t, evicted: (g, 0.0))
+
+    def cand(name, evicted, kl):
+        m = torch.zeros(L, 1, t, dtype=torch.bool)
+        m[:, 0, evicted] = True
+        return S.Candidate(name, m, {"kl": torch.tensor([kl])})
+
+    cands = [cand("best", [0, 1], 1.0), cand("b", [2, 3], 1.5), cand("c", [4, 5], 1.6), cand("d", [6, 7], 1.7)]
+    found = S.search(Engine(), t, cands, per_token=False, rows=1000, seconds=4.0,
+                     visible=torch.ones(L, t, dtype=torch.bool))
+    assert found.moves["recombine"]["rows"] == 8  # two candidates' 4 cells each; the third came after 2 s
+    assert found.moves["swaps"]["rows"] > 0 and found.start == "best"
+    assert torch.equal(found.mask, cands[0].mask)  # nothing improved: the start stays

@@ -16,9 +16,10 @@ At one (checkpoint ``t``, budget) it starts from the best (lowest exact joint ``
 Every move keeps each cell's number of evicted entries, and only entries a cell's queries can see (``visible``:
 a sliding layer's window) are swapped. The result is never worse than any candidate: it starts at the best and
 accepts only rows with a lower exact label (by more than ``1e-6`` relative and ``1e-9`` nats, so batch rounding is
-never taken for progress). Effort: ``rows`` set rows and ``seconds`` (no new round after it), and it stops earlier
-once converged: when the rows since it had spent a quarter of them (4x more effort) took less than
-``CONVERGED`` (1 %) off the label it had then (checked after each batch of swaps, from ``4 x batch`` rows on).
+never taken for progress). Effort: ``rows`` set rows and ``seconds`` (no new round after it; recombination gets at
+most half of each), and it stops earlier once converged: when the rows since it had spent a quarter of them (4x
+more effort) took less than ``CONVERGED`` (1 %) off the label it had then (checked after each batch of swaps, from
+``4 x batch`` rows on).
 """
 
 from __future__ import annotations
@@ -158,6 +159,12 @@ class _Judge:
             return 0
         return self.max_rows - self.rows
 
+    def recombination_over(self) -> bool:
+        """Recombination's share is spent: half the rows, or half the seconds (at H = 128 its single-cell rows took
+        the whole time bound, so the swaps, which gave a 64-step search its 57-95 %, never ran)."""
+        half_time = self.max_seconds and time.perf_counter() - self.began >= self.max_seconds / 2
+        return bool(half_time) or self.rows >= self.max_rows // 2 or not self.left()
+
     def _check_converged(self) -> None:
         """Converged: from ``4 x batch`` rows on, the label at a quarter of the rows spent, less today's, is under
         ``CONVERGED`` of it (4x the effort gained under 1 %)."""
@@ -203,7 +210,7 @@ def search(engine, t: int, candidates: list[Candidate], per_token: bool, rows: i
 
 
 def _recombine(judge: _Judge, others: list[Candidate]) -> None:
-    """Move 1: each cell from the candidate that does best there (half the row budget at most)."""
+    """Move 1: each cell from the candidate that does best there (half the rows and half the seconds at most)."""
     cur = judge.best.mask
     L, Hkv, _ = cur.shape
     share = judge.max_rows // 2
@@ -212,7 +219,7 @@ def _recombine(judge: _Judge, others: list[Candidate]) -> None:
     source: dict[tuple[int, int], torch.Tensor] = {}
     for cand in others:
         todo = [(l, h) for l, h in cells if not torch.equal(cand.mask[l, h], cur[l, h])]
-        if not todo or judge.rows + len(todo) > share or not judge.left():
+        if not todo or judge.rows + len(todo) > share or judge.recombination_over():
             continue
         masks = []
         for l, h in todo:
@@ -227,7 +234,7 @@ def _recombine(judge: _Judge, others: list[Candidate]) -> None:
             if value > gain[l, h]:
                 gain[l, h], source[(l, h)] = value, cand.mask[l, h]
     helped = sorted(source, key=lambda c: -float(gain[c]))
-    if len(helped) < 2 or not judge.left():
+    if len(helped) < 2 or judge.recombination_over():
         return
     masks, n = [], len(helped)
     while n >= 2:
