@@ -450,6 +450,11 @@ DECISIONS = {  # run -> the tables its summary writes (committed)
     # #54: every reference reading the whole 128 steps, so oracle_search is at most every decision there
     "decisions-math500/smollm2-h128-search": ("summary.csv", "paired.csv", "headroom.csv", "search.csv", "summary.md"),
     "decisions-math500/gemma3-h128-search": ("summary.csv", "paired.csv", "headroom.csv", "search.csv", "summary.md"),
+    # #54's generalisation check: every reference reading the first 64 of the 128 steps judged (held out: the 64 after)
+    "decisions-math500/smollm2-h128-half": ("summary.csv", "paired.csv", "headroom.csv", "search.csv", "held_out.csv",
+                                            "summary.md"),
+    "decisions-math500/gemma3-h128-half": ("summary.csv", "paired.csv", "headroom.csv", "search.csv", "held_out.csv",
+                                           "summary.md"),
 }
 for _d, _t in DECISIONS.items():
     compared(_d, _t)
@@ -707,6 +712,17 @@ def test_teacher_forced_math500_windows(tmp_path):
     committed generations.parquet alone."""
     _script("reports/replay-tf-math500/windows.py").main(REPORTS / "replay-tf-math500", tmp_path)
     assert_same_tables(tmp_path, REPORTS / "replay-tf-math500", TF_MATH500_WINDOWS[1])
+
+
+DECISIONS_GENERALISATION = compared("decisions-math500", ("generalisation.md", "generalisation.csv",
+                                                           "generalisation-best-known.csv"))
+
+
+def test_decisions_generalisation(tmp_path):
+    """decisions-math500/generalisation.py's tables (#54's generalisation check: each reference chosen on steps 0-63
+    against the same reference chosen on 0-127, both judged on 64-127) from the four committed decisions.parquet."""
+    _script("reports/decisions-math500/generalisation.py").main(REPORTS / "decisions-math500", tmp_path)
+    assert_same_tables(tmp_path, REPORTS / "decisions-math500", DECISIONS_GENERALISATION[1])
 
 
 TF_REPORT = compared("replay-suites/tf", ("report.md", "regret.csv"))

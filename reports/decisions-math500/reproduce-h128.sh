@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates smollm2-h128/ and smollm2-h128-search/ (run from the repository root; outputs in
+# Regenerates smollm2-h128/, the -h128-search/ and the -h128-half/ runs (run from the repository root; outputs in
 # runs/decisions-math500-h128). smollm2-h128/: every decision
 # judged on 128 teacher-forced steps (--horizon 128), the references that read the future choosing on the first 8
 # (--read-window 8), as smollm2/'s did, judged on the 120 steps they did not read too (issue #54's cautionary
@@ -47,7 +47,21 @@ G=$D/gemma3-trace
     --keep 0.5,0.25,0.125 --horizon 128 --infeasible skip --pairs 0 \
     --references fast,random,future_attention,oracle_search --search-rows 512 --search-seconds 120 \
     --out $D/gemma3-h128-search
-for run in smollm2-h128 smollm2-h128-search gemma3-h128-search; do
+# the generalisation check (issue #54): every reference, oracle_search included, reads only the first 64 of the 128
+# steps judged, so its held-out figure is the damage on the 64 steps after them, which no decision read; the first 5
+# problems of each model (SmolLM2: the scores filtered to them, as the 3-prompt run did), otherwise as above
+[ -f $D/scores-head-first5.parquet ] || .venv/bin/python -c "import polars as pl, sys; d = pl.read_parquet(sys.argv[1]); \
+ids = d['prompt_id'].unique(maintain_order=True).head(5); d.filter(pl.col('prompt_id').is_in(ids.to_list())).write_parquet(sys.argv[2])" \
+    $D/scores-head.parquet $D/scores-head-first5.parquet
+for m in smollm2 gemma3; do
+    S=$D/scores-head-first5.parquet; TR=$T
+    if [ $m = gemma3 ]; then S=$D/gemma3-scores-head.parquet; TR=$G; fi
+    /usr/bin/time -v -o $D/$m-h128-half.time $K decisions --trace $TR --scores $S --keep 0.5,0.25,0.125 \
+        --horizon 128 --read-window 64 --infeasible skip --pairs 0 \
+        --references fast,random,future_attention,oracle_search --search-rows 512 --search-seconds 120 \
+        --out $D/$m-h128-half
+done
+for run in smollm2-h128 smollm2-h128-search gemma3-h128-search smollm2-h128-half gemma3-h128-half; do
 mkdir -p reports/decisions-math500/$run
 for f in summary.md summary.csv paired.csv spearman.csv headroom.csv search.csv held_out.csv summary.json config.json \
          decisions.png decisions.pdf decisions.parquet pairs.parquet inputs/token_scores.parquet \
@@ -56,3 +70,5 @@ for f in summary.md summary.csv paired.csv spearman.csv headroom.csv search.csv 
     if [ -f $D/$run/$f ] && [ "$(wc -c < $D/$run/$f)" -gt 1 ]; then mkdir -p "$(dirname $to)" && cp $D/$run/$f $to; fi
 done
 done
+# the generalisation check on steps 64-127: the -h128-half runs against the -h128-search runs
+.venv/bin/python reports/decisions-math500/generalisation.py

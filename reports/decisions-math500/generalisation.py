@@ -1,0 +1,184 @@
+"""generalisation.md, generalisation.csv and generalisation-best-known.csv: issue #54's generalisation check.
+
+Reads each model's two committed runs of ``reproduce-h128.sh``: ``MODEL-h128-half/`` (every reference reads the first
+64 of the 128 judged steps, ``--read-window 64``) and ``MODEL-h128-search/`` (every reference reads all 128). On steps
+64-127, which the first run's references never read and the second run's did, the same reference's damage chosen
+without those steps (held out) is set against its damage chosen with them (in-sample): per (checkpoint, budget) the
+mean per-step KL over steps 64-127 of each run's set (``kl_steps``, exact set rows through the chunked engine).
+
+Per model, budget and reference (``fast``, ``future_attention``, ``oracle_search``): the mean damage of each, and per
+prompt the ratio held out / in-sample (``kvdiag.core.stats.compare``: the geometric mean over prompts of each prompt's
+ratio [95 % cluster-bootstrap CI, 2000 replicates, seed 0], the plain median, the prompts where the held-out set did
+less damage, the exact sign test). A ratio near 1 says the set chosen on 128 steps gained nothing on steps 64-127 from
+having read them; below 1, the held-out set is better there: the in-sample search fell short of what a search of the
+first half found, so the 128-step search is not near the best set. The rules read no future; their rows are the
+same decisions in both runs, and the check that they agree (relative 1e-4) guards the pairing.
+
+The second table: the best set known over the whole 128 steps. Both runs judge every set on the same 128 steps of
+the same checkpoints, so per (checkpoint, budget) the lowest ``kl_mean`` among every reference's set of both runs is
+a decision no rule's or reference's set there beats; against it and against the 128-step run's ``oracle_search``,
+the best rule (least mean damage over the 128 steps on these prompts; the rules are the same rows in both runs) per
+prompt (as above), and which set was the best known at how many checkpoints (a tie, the same damage, goes to the
+64-step run's set, listed first).
+
+Run from the repository root: .venv/bin/python reports/decisions-math500/generalisation.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from kvdiag.core.io import write_csv
+from kvdiag.core.stats import PromptBootstrap, compare, format_p
+from kvdiag.core.tables import markdown_table
+
+HERE = Path(__file__).parent
+MODELS = ("smollm2", "gemma3")
+REFERENCES = ("fast", "future_attention", "oracle_search")
+HALF, WHOLE = 64, 128  # the first run's read window; both runs' judged window
+N_BOOT, SEED, LEVEL = 2000, 0, 0.95
+RULE_RTOL = 1e-4  # the rules' rows of the two runs: the same sets through the same engine (batches may differ)
+
+
+def late_damage(path: Path) -> pl.DataFrame:
+    """prompt_id, checkpoint, budget, decision, read_steps, late: the mean KL of steps HALF..WHOLE-1 of each row."""
+    df = pl.read_parquet(path, columns=["prompt_id", "checkpoint", "budget", "decision", "read_steps", "kl_steps",
+                                        "horizon"])
+    if not (df["horizon"] == WHOLE).all():
+        raise ValueError(f"{path}: judged on {sorted(set(df['horizon']))} steps, not {WHOLE}")
+    return df.with_columns(pl.col("kl_steps").list.slice(HALF, WHOLE - HALF).list.mean().alias("late")).drop(
+        "kl_steps", "horizon")
+
+
+def pairs(here: Path, model: str) -> pl.DataFrame:
+    """The two runs' rows on the half run's prompts, joined by (prompt, checkpoint, budget, decision)."""
+    half = late_damage(here / f"{model}-h128-half" / "decisions.parquet")
+    whole = late_damage(here / f"{model}-h128-search" / "decisions.parquet")
+    keys = ["prompt_id", "checkpoint", "budget", "decision"]
+    joined = half.join(whole, on=keys, suffix="_whole")
+    refs = joined.filter(pl.col("decision").is_in(REFERENCES))
+    if not ((refs["read_steps"] == HALF) & (refs["read_steps_whole"] == WHOLE)).all():
+        raise ValueError(f"{model}: the references did not read {HALF} and {WHOLE} steps")
+    rules = joined.filter((pl.col("read_steps") == 0) & pl.col("late").is_not_null())  # skipped: infeasible
+    if not rules.height or not np.allclose(rules["late"], rules["late_whole"], rtol=RULE_RTOL, atol=0):
+        raise ValueError(f"{model}: the rules' rows of the two runs differ beyond {RULE_RTOL} (not the same sets?)")
+    return refs
+
+
+def table(here: Path = HERE) -> pl.DataFrame:
+    rows = []
+    for model in MODELS:
+        p = pairs(here, model)
+        boot = PromptBootstrap(p["prompt_id"].unique().to_list(), N_BOOT, SEED, LEVEL)
+        for budget in sorted(p["budget"].unique().to_list(), key=lambda b: -float(b.removeprefix("keep:"))):
+            for ref in REFERENCES:
+                g = p.filter((pl.col("budget") == budget) & (pl.col("decision") == ref))
+                c = compare(boot, g["late"].to_numpy(), g["late_whole"].to_numpy(), g["prompt_id"].to_numpy())
+                r = c["ratios"]
+                rows.append({"model": model, "budget": budget, "reference": ref, "checkpoints": g.height,
+                             "held_out_damage": float(g["late"].mean()),
+                             "in_sample_damage": float(g["late_whole"].mean()),
+                             "ratio_geomean": r["geomean"], "ratio_low": r["geomean_ci"][0],
+                             "ratio_high": r["geomean_ci"][1], "ratio_median": r["median"],
+                             "held_out_lower": r["below"], "prompts": r["n"], "test": c["test"].test,
+                             "p_value": c["p_value"], "p_resolution": c["test"].resolution})
+    return pl.DataFrame(rows)
+
+
+def best_known(here: Path, model: str) -> pl.DataFrame:
+    """Per (checkpoint, budget) of the half run: prompt_id, budget, best_rule_kl, search_kl (the 128-step run's
+    oracle_search), known_kl and known (the set with the lowest kl_mean among every reference of both runs)."""
+    cols = ["prompt_id", "checkpoint", "budget", "decision", "read_steps", "kl_mean"]
+    half = pl.read_parquet(here / f"{model}-h128-half" / "decisions.parquet", columns=cols)
+    whole = pl.read_parquet(here / f"{model}-h128-search" / "decisions.parquet", columns=cols).filter(
+        pl.col("prompt_id").is_in(half["prompt_id"].unique().to_list()))
+    refs = pl.concat([half.filter(pl.col("read_steps") > 0).with_columns(
+                          (pl.col("decision") + f" (read {HALF})").alias("decision")),
+                      whole.filter(pl.col("read_steps") > 0).with_columns(
+                          (pl.col("decision") + f" (read {WHOLE})").alias("decision"))])
+    rules = whole.filter((pl.col("read_steps") == 0) & (pl.col("decision") != "random"))
+    keys = ["prompt_id", "checkpoint", "budget"]
+    # a rule enters the choice only where it ran at every checkpoint (infeasible rows are null)
+    best_rule = rules.group_by("budget", "decision").agg(pl.col("kl_mean").mean(), pl.col("kl_mean").null_count()
+                                                         .alias("skipped")).filter(pl.col("skipped") == 0).sort(
+        "kl_mean", "decision").group_by("budget", maintain_order=True).first().select(
+        "budget", pl.col("decision").alias("best_rule"))
+    rule_rows = rules.join(best_rule, on="budget").filter(pl.col("decision") == pl.col("best_rule")).select(
+        *keys, "best_rule", pl.col("kl_mean").alias("best_rule_kl"))
+    known = refs.sort("kl_mean").group_by(keys, maintain_order=True).first().select(
+        *keys, pl.col("decision").alias("known"), pl.col("kl_mean").alias("known_kl"))
+    search = whole.filter(pl.col("decision") == "oracle_search").select(*keys, pl.col("kl_mean").alias("search_kl"))
+    return rule_rows.join(search, on=keys).join(known, on=keys)
+
+
+def known_table(here: Path = HERE) -> pl.DataFrame:
+    rows = []
+    for model in MODELS:
+        k = best_known(here, model)
+        boot = PromptBootstrap(k["prompt_id"].unique().to_list(), N_BOOT, SEED, LEVEL)
+        for budget in sorted(k["budget"].unique().to_list(), key=lambda b: -float(b.removeprefix("keep:"))):
+            g = k.filter(pl.col("budget") == budget)
+            row = {"model": model, "budget": budget, "best_rule": g["best_rule"][0], "checkpoints": g.height,
+                   "best_rule_damage": float(g["best_rule_kl"].mean()), "search_damage": float(g["search_kl"].mean()),
+                   "known_damage": float(g["known_kl"].mean()),
+                   "known_by": ", ".join(f"{r['known']} {r['count']}"
+                                         for r in g["known"].value_counts(sort=True).iter_rows(named=True))}
+            for name, col in (("search", "search_kl"), ("known", "known_kl")):
+                c = compare(boot, g["best_rule_kl"].to_numpy(), g[col].to_numpy(), g["prompt_id"].to_numpy())
+                r = c["ratios"]
+                row.update({f"{name}_ratio_geomean": r["geomean"], f"{name}_ratio_low": r["geomean_ci"][0],
+                            f"{name}_ratio_high": r["geomean_ci"][1], f"{name}_ratio_median": r["median"],
+                            f"{name}_rule_lower": r["below"], f"{name}_prompts": r["n"],
+                            f"{name}_p_value": c["p_value"], f"{name}_p_resolution": c["test"].resolution})
+            rows.append(row)
+    return pl.DataFrame(rows)
+
+
+def _num(v: float) -> str:
+    return f"{v:.3g}"
+
+
+def main(here: Path = HERE, out: Path = HERE) -> None:
+    """generalisation.md, generalisation.csv and generalisation-best-known.csv in ``out`` from ``here``'s four runs."""
+    df = table(here)
+    write_csv(df, out / "generalisation.csv")
+    lines = ["# The generalisation check: chosen without steps 64-127, judged on them", "",
+             f"Made by generalisation.py from `MODEL-h128-half/` (every reference read steps 0-{HALF - 1}) and "
+             f"`MODEL-h128-search/` (every reference read steps 0-{WHOLE - 1}), on the half run's prompts. Damage: "
+             f"mean per-step KL (nats) over steps {HALF}-{WHOLE - 1} of each (checkpoint, budget), averaged over "
+             "checkpoints. Held out / in-sample per prompt: geometric mean over prompts [95 % cluster-bootstrap CI], "
+             "plain median, prompts where the held-out set did less damage (of the prompts that entered), exact sign "
+             "test (with 5 prompts the smallest two-sided p is 0.0625).", ""]
+    lines.append(markdown_table(
+        ["model", "budget", "reference", "held out (read 0-63)", "in-sample (read 0-127)",
+         "held out / in-sample [CI]", "median", "held out lower", "p"],
+        [[r["model"], r["budget"], f"`{r['reference']}`", _num(r["held_out_damage"]), _num(r["in_sample_damage"]),
+          f"{_num(r['ratio_geomean'])} [{_num(r['ratio_low'])}, {_num(r['ratio_high'])}]", _num(r["ratio_median"]),
+          f"{r['held_out_lower']}/{r['prompts']}", format_p(r["p_value"], r["p_resolution"])]
+         for r in df.iter_rows(named=True)]))
+    known = known_table(here)
+    write_csv(known, out / "generalisation-best-known.csv")
+    lines += ["", "## The best set known over the 128 steps", "",
+              "Per (checkpoint, budget), the lowest mean damage over all 128 steps among every reference's set of "
+              "both runs (read 64 or 128 steps): no set either run made beats it there. The best rule (least mean "
+              "damage over the 128 steps on these prompts) against it and against the 128-step run's "
+              "`oracle_search`, per prompt as above (rule lower: prompts where the rule did less damage).", ""]
+    lines.append(markdown_table(
+        ["model", "budget", "best rule", "its damage", "`oracle_search` (read 128)", "best known", "best known is",
+         "best rule / search [CI]", "median", "rule lower", "p", "best rule / best known [CI]", "median",
+         "rule lower", "p"],
+        [[r["model"], r["budget"], r["best_rule"], _num(r["best_rule_damage"]), _num(r["search_damage"]),
+          _num(r["known_damage"]), r["known_by"],
+          *(cell for name in ("search", "known") for cell in (
+              f"{_num(r[name + '_ratio_geomean'])} [{_num(r[name + '_ratio_low'])}, {_num(r[name + '_ratio_high'])}]",
+              _num(r[name + "_ratio_median"]), f"{r[name + '_rule_lower']}/{r[name + '_prompts']}",
+              format_p(r[name + "_p_value"], r[name + "_p_resolution"])))]
+         for r in known.iter_rows(named=True)]))
+    (out / "generalisation.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
