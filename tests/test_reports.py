@@ -455,6 +455,9 @@ DECISIONS = {  # run -> the tables its summary writes (committed)
                                             "summary.md"),
     "decisions-math500/gemma3-h128-half": ("summary.csv", "paired.csv", "headroom.csv", "search.csv", "held_out.csv",
                                            "summary.md"),
+    # #54: the 128-step search rerun (3 prompts) after recombination stopped at half the seconds
+    "decisions-math500/smollm2-h128-search-split": ("summary.csv", "paired.csv", "headroom.csv", "search.csv",
+                                                    "summary.md"),
 }
 for _d, _t in DECISIONS.items():
     compared(_d, _t)
@@ -715,7 +718,7 @@ def test_teacher_forced_math500_windows(tmp_path):
 
 
 DECISIONS_GENERALISATION = compared("decisions-math500", ("generalisation.md", "generalisation.csv",
-                                                           "generalisation-best-known.csv"))
+                                                           "generalisation-best-known.csv", "generalisation-split.csv"))
 
 
 def test_decisions_generalisation(tmp_path):

@@ -50,9 +50,13 @@ G=$D/gemma3-trace
 # the generalisation check (issue #54): every reference, oracle_search included, reads only the first 64 of the 128
 # steps judged, so its held-out figure is the damage on the 64 steps after them, which no decision read; the first 5
 # problems of each model (SmolLM2: the scores filtered to them, as the 3-prompt run did), otherwise as above
-[ -f $D/scores-head-first5.parquet ] || .venv/bin/python -c "import polars as pl, sys; d = pl.read_parquet(sys.argv[1]); \
-ids = d['prompt_id'].unique(maintain_order=True).head(5); d.filter(pl.col('prompt_id').is_in(ids.to_list())).write_parquet(sys.argv[2])" \
-    $D/scores-head.parquet $D/scores-head-first5.parquet
+# (kvdiag's own table I/O keeps the scores' metadata: the Trace they were made from)
+first() { .venv/bin/python -c "import sys, polars as pl; from kvdiag.core.io import read_table, write_table
+d, meta = read_table(sys.argv[1]); ids = sys.argv[3].split(',')
+write_table(d.filter(pl.col('prompt_id').is_in(ids)), sys.argv[2], meta)" "$@"; }
+P5=test_precalculus_807.json,test_intermediate_algebra_1994.json,test_algebra_2584.json,test_number_theory_572.json
+P5=$P5,test_algebra_1349.json
+[ -f $D/scores-head-first5.parquet ] || first $D/scores-head.parquet $D/scores-head-first5.parquet $P5
 for m in smollm2 gemma3; do
     S=$D/scores-head-first5.parquet; TR=$T
     if [ $m = gemma3 ]; then S=$D/gemma3-scores-head.parquet; TR=$G; fi
@@ -61,7 +65,15 @@ for m in smollm2 gemma3; do
         --references fast,random,future_attention,oracle_search --search-rows 512 --search-seconds 120 \
         --out $D/$m-h128-half
 done
-for run in smollm2-h128 smollm2-h128-search gemma3-h128-search smollm2-h128-half gemma3-h128-half; do
+# the 128-step search again on the first 3 problems, with recombination stopped at half the seconds (86401e2)
+[ -f $D/scores-head-first3.parquet ] || first $D/scores-head.parquet $D/scores-head-first3.parquet \
+    test_algebra_1349.json,test_algebra_2584.json,test_intermediate_algebra_1994.json
+/usr/bin/time -v -o $D/smollm2-h128-search-split.time $K decisions --trace $T --scores $D/scores-head-first3.parquet \
+    --keep 0.5,0.25,0.125 --horizon 128 --infeasible skip --pairs 0 \
+    --references fast,random,future_attention,oracle_search --search-rows 512 --search-seconds 120 \
+    --out $D/smollm2-h128-search-split
+for run in smollm2-h128 smollm2-h128-search gemma3-h128-search smollm2-h128-half gemma3-h128-half \
+           smollm2-h128-search-split; do
 mkdir -p reports/decisions-math500/$run
 for f in summary.md summary.csv paired.csv spearman.csv headroom.csv search.csv held_out.csv summary.json config.json \
          decisions.png decisions.pdf decisions.parquet pairs.parquet inputs/token_scores.parquet \
