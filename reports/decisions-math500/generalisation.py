@@ -71,23 +71,38 @@ def pairs(here: Path, model: str) -> pl.DataFrame:
     return refs
 
 
+def _budgets(df: pl.DataFrame) -> list[str]:
+    """``df``'s budgets, largest keep fraction first."""
+    return sorted(df["budget"].unique().to_list(), key=lambda b: -float(b.removeprefix("keep:")))
+
+
+def _bootstrap(df: pl.DataFrame) -> PromptBootstrap:
+    return PromptBootstrap(df["prompt_id"].unique().to_list(), N_BOOT, SEED, LEVEL)
+
+
+def _paired(boot: PromptBootstrap, g: pl.DataFrame, x: str, y: str, prefix: str, lower: str) -> dict:
+    """Columns ``prefix + ...`` of the per-prompt ratio ``g[x] / g[y]`` (``kvdiag.core.stats.compare``): its geometric
+    mean with CI, plain median, the prompts where ``x`` is lower (column ``prefix + lower``), and the paired test."""
+    c = compare(boot, g[x].to_numpy(), g[y].to_numpy(), g["prompt_id"].to_numpy())
+    r = c["ratios"]
+    return {f"{prefix}ratio_geomean": r["geomean"], f"{prefix}ratio_low": r["geomean_ci"][0],
+            f"{prefix}ratio_high": r["geomean_ci"][1], f"{prefix}ratio_median": r["median"],
+            f"{prefix}{lower}": r["below"], f"{prefix}prompts": r["n"], f"{prefix}test": c["test"].test,
+            f"{prefix}p_value": c["p_value"], f"{prefix}p_resolution": c["test"].resolution}
+
+
 def table(here: Path = HERE) -> pl.DataFrame:
     rows = []
     for model in MODELS:
         p = pairs(here, model)
-        boot = PromptBootstrap(p["prompt_id"].unique().to_list(), N_BOOT, SEED, LEVEL)
-        for budget in sorted(p["budget"].unique().to_list(), key=lambda b: -float(b.removeprefix("keep:"))):
+        boot = _bootstrap(p)
+        for budget in _budgets(p):
             for ref in REFERENCES:
                 g = p.filter((pl.col("budget") == budget) & (pl.col("decision") == ref))
-                c = compare(boot, g["late"].to_numpy(), g["late_whole"].to_numpy(), g["prompt_id"].to_numpy())
-                r = c["ratios"]
                 rows.append({"model": model, "budget": budget, "reference": ref, "checkpoints": g.height,
                              "held_out_damage": float(g["late"].mean()),
                              "in_sample_damage": float(g["late_whole"].mean()),
-                             "ratio_geomean": r["geomean"], "ratio_low": r["geomean_ci"][0],
-                             "ratio_high": r["geomean_ci"][1], "ratio_median": r["median"],
-                             "held_out_lower": r["below"], "prompts": r["n"], "test": c["test"].test,
-                             "p_value": c["p_value"], "p_resolution": c["test"].resolution})
+                             **_paired(boot, g, "late", "late_whole", "", "held_out_lower")})
     return pl.DataFrame(rows)
 
 
@@ -121,21 +136,16 @@ def known_table(here: Path = HERE) -> pl.DataFrame:
     rows = []
     for model in MODELS:
         k = best_known(here, model)
-        boot = PromptBootstrap(k["prompt_id"].unique().to_list(), N_BOOT, SEED, LEVEL)
-        for budget in sorted(k["budget"].unique().to_list(), key=lambda b: -float(b.removeprefix("keep:"))):
+        boot = _bootstrap(k)
+        for budget in _budgets(k):
             g = k.filter(pl.col("budget") == budget)
             row = {"model": model, "budget": budget, "best_rule": g["best_rule"][0], "checkpoints": g.height,
                    "best_rule_damage": float(g["best_rule_kl"].mean()), "search_damage": float(g["search_kl"].mean()),
                    "known_damage": float(g["known_kl"].mean()),
                    "known_by": ", ".join(f"{r['known']} {r['count']}"
                                          for r in g["known"].value_counts(sort=True).iter_rows(named=True))}
-            for name, col in (("search", "search_kl"), ("known", "known_kl")):
-                c = compare(boot, g["best_rule_kl"].to_numpy(), g[col].to_numpy(), g["prompt_id"].to_numpy())
-                r = c["ratios"]
-                row.update({f"{name}_ratio_geomean": r["geomean"], f"{name}_ratio_low": r["geomean_ci"][0],
-                            f"{name}_ratio_high": r["geomean_ci"][1], f"{name}_ratio_median": r["median"],
-                            f"{name}_rule_lower": r["below"], f"{name}_prompts": r["n"],
-                            f"{name}_p_value": c["p_value"], f"{name}_p_resolution": c["test"].resolution})
+            for name in ("search", "known"):
+                row.update(_paired(boot, g, "best_rule_kl", f"{name}_kl", f"{name}_", "rule_lower"))
             rows.append(row)
     return pl.DataFrame(rows)
 
@@ -157,25 +167,26 @@ def split_table(here: Path = HERE) -> pl.DataFrame:
 
     j = searched(SPLIT, "rerun").join(searched("smollm2-h128-search", "before"), on=keys).join(
         searched("smollm2-h128-half", "half"), on=keys)
-    boot = PromptBootstrap(j["prompt_id"].unique().to_list(), N_BOOT, SEED, LEVEL)
+    boot = _bootstrap(j)
     rows = []
-    for budget in sorted(j["budget"].unique().to_list(), key=lambda b: -float(b.removeprefix("keep:"))):
+    for budget in _budgets(j):
         g = j.filter(pl.col("budget") == budget)
         row = {"budget": budget, "checkpoints": g.height, "rerun": float(g["rerun"].mean()),
                "before": float(g["before"].mean()), "half": float(g["half"].mean()),
                **{f"{run}_rows_median": float(g[f"{run}_rows"].median()) for run in ("rerun", "before", "half")}}
         for other in ("before", "half"):
-            c = compare(boot, g["rerun"].to_numpy(), g[other].to_numpy(), g["prompt_id"].to_numpy())
-            r = c["ratios"]
-            row.update({f"{other}_ratio_geomean": r["geomean"], f"{other}_ratio_median": r["median"],
-                        f"{other}_rerun_lower": r["below"], f"{other}_prompts": r["n"],
-                        f"{other}_p_value": c["p_value"], f"{other}_p_resolution": c["test"].resolution})
+            row.update(_paired(boot, g, "rerun", other, f"{other}_", "rerun_lower"))
         rows.append(row)
     return pl.DataFrame(rows)
 
 
 def _num(v: float) -> str:
     return f"{v:.3g}"
+
+
+def _ci(r: dict, prefix: str = "") -> str:
+    """``prefix``'s ratio as ``geomean [low, high]``."""
+    return f"{_num(r[prefix + 'ratio_geomean'])} [{_num(r[prefix + 'ratio_low'])}, {_num(r[prefix + 'ratio_high'])}]"
 
 
 def main(here: Path = HERE, out: Path = HERE) -> None:
@@ -193,7 +204,7 @@ def main(here: Path = HERE, out: Path = HERE) -> None:
         ["model", "budget", "reference", "held out (read 0-63)", "in-sample (read 0-127)",
          "held out / in-sample [CI]", "median", "held out lower", "p"],
         [[r["model"], r["budget"], f"`{r['reference']}`", _num(r["held_out_damage"]), _num(r["in_sample_damage"]),
-          f"{_num(r['ratio_geomean'])} [{_num(r['ratio_low'])}, {_num(r['ratio_high'])}]", _num(r["ratio_median"]),
+          _ci(r), _num(r["ratio_median"]),
           f"{r['held_out_lower']}/{r['prompts']}", format_p(r["p_value"], r["p_resolution"])]
          for r in df.iter_rows(named=True)]))
     known = known_table(here)
@@ -210,8 +221,7 @@ def main(here: Path = HERE, out: Path = HERE) -> None:
         [[r["model"], r["budget"], r["best_rule"], _num(r["best_rule_damage"]), _num(r["search_damage"]),
           _num(r["known_damage"]), r["known_by"],
           *(cell for name in ("search", "known") for cell in (
-              f"{_num(r[name + '_ratio_geomean'])} [{_num(r[name + '_ratio_low'])}, {_num(r[name + '_ratio_high'])}]",
-              _num(r[name + "_ratio_median"]), f"{r[name + '_rule_lower']}/{r[name + '_prompts']}",
+              _ci(r, name + "_"), _num(r[name + "_ratio_median"]), f"{r[name + '_rule_lower']}/{r[name + '_prompts']}",
               format_p(r[name + "_p_value"], r[name + "_p_resolution"])))]
          for r in known.iter_rows(named=True)]))
     split = split_table(here)
