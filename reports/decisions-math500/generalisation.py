@@ -232,16 +232,16 @@ def main(here: Path = HERE, out: Path = HERE) -> None:
               "swaps), against the committed 128-step search and the 64-step search at the same checkpoints, all "
               "judged on the same 128 steps: mean damage, the searches' set rows (rerun / before / 64-step; the "
               "rerun ran alone, the committed searches shared the 2 cores with another run, so they got fewer rows "
-              "in their 120 s), and per prompt the ratio rerun / other (geometric mean, "
+              "in their 120 s), and per prompt the ratio rerun / other (geometric mean [95 % cluster-bootstrap CI], "
               "plain median, prompts where the rerun did less damage, exact sign test; with 3 prompts the smallest "
               "two-sided p is 0.25).", ""]
     lines.append(markdown_table(
-        ["budget", "rerun", "before", "64-step search", "rows (median)", "rerun / before", "median", "rerun lower",
-         "p", "rerun / 64-step", "median", "rerun lower", "p"],
+        ["budget", "rerun", "before", "64-step search", "rows (median)", "rerun / before [CI]", "median",
+         "rerun lower", "p", "rerun / 64-step [CI]", "median", "rerun lower", "p"],
         [[r["budget"], _num(r["rerun"]), _num(r["before"]), _num(r["half"]),
           " / ".join(f"{r[run + '_rows_median']:.0f}" for run in ("rerun", "before", "half")),
           *(cell for o in ("before", "half") for cell in (
-              _num(r[o + "_ratio_geomean"]), _num(r[o + "_ratio_median"]),
+              _ci(r, o + "_"), _num(r[o + "_ratio_median"]),
               f"{r[o + '_rerun_lower']}/{r[o + '_prompts']}", format_p(r[o + "_p_value"], r[o + "_p_resolution"])))]
          for r in split.iter_rows(named=True)]))
     (out / "generalisation.md").write_text("\n".join(lines) + "\n")
