@@ -43,7 +43,7 @@ NOT_REGENERATED = {
     **{f"bench/{f}": "a measurement: seconds and memory of runs of the model on this machine"
        for f in ("cpu-mfu.md", "kernels.txt", "label-fast.txt", "label-layer.txt", "label.txt", "scale.csv",
                  "score.txt", "trace.txt", "hybrid-miss-rate-h16.txt", "hybrid-miss-rate-h128.txt",
-                 "label-horizon.txt", "evicting-padded.txt")},
+                 "label-horizon.txt", "evicting-padded.txt", "decisions-h128.txt")},
     **{f"learned-rule/inputs/{d}variants.csv": "the variants' out-of-fold metrics: fit_variants.py fits them on the "
        "training features (runs/learned-rule/fit-all, not committed: the model computes them)"
        for d in ("", "round1/")},
@@ -458,6 +458,9 @@ DECISIONS = {  # run -> the tables its summary writes (committed)
     # #54: the 128-step search rerun (3 prompts) after recombination stopped at half the seconds
     "decisions-math500/smollm2-h128-search-split": ("summary.csv", "paired.csv", "headroom.csv", "search.csv",
                                                     "summary.md"),
+    # #54: the same rerun after oracle_search dropped recombination for swaps alone
+    "decisions-math500/smollm2-h128-search-swaps": ("summary.csv", "paired.csv", "headroom.csv", "search.csv",
+                                                    "summary.md"),
 }
 for _d, _t in DECISIONS.items():
     compared(_d, _t)
@@ -718,7 +721,8 @@ def test_teacher_forced_math500_windows(tmp_path):
 
 
 DECISIONS_GENERALISATION = compared("decisions-math500", ("generalisation.md", "generalisation.csv",
-                                                           "generalisation-best-known.csv", "generalisation-split.csv"))
+                                                           "generalisation-best-known.csv", "generalisation-split.csv",
+                                                           "generalisation-swaps.csv"))
 
 
 def test_decisions_generalisation(tmp_path):

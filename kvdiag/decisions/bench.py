@@ -164,6 +164,6 @@ def run_search_bench(lm: LoadedModel, prefix_len: int = 640, horizon: int = 16, 
                         "seconds": found.seconds, "converged": found.converged, "start": found.start,
                         "start_kl": labels[best], "kl": kl,
                         "improvement": labels[best] - kl, "relative": (labels[best] - kl) / labels[best]
-                        if labels[best] > 0 else float("nan"), "moves": found.moves, "candidates": labels})
+                        if labels[best] > 0 else float("nan"), "candidates": labels})
     return {"model": lm.spec, "prefix": prefix_len, "horizon": horizon, "selection": selection, "rules": list(rules),
             "setup_seconds": round(built["seconds"], 3), "rows": out}

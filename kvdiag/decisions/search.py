@@ -1,25 +1,25 @@
 """``oracle_search``: the best evicted set kvdiag can find in the rules' own action space, judged by exact set rows.
 
 At one (checkpoint ``t``, budget) it starts from the best (lowest exact joint ``kl_mean``) of every candidate set
-(every rule's, ``fast``, ``oracle_single``, ``future_attention``, ...) and improves it by moves, each labeled exactly
-(``OracleEngine.label_sets``) and accepted only if its joint label is lower:
+(every rule's, ``fast``, ``oracle_single``, ``future_attention``, ...) and improves it by swaps, each batch labeled
+exactly (``OracleEngine.label_sets``) and a swap accepted only if its joint label is lower. The swaps come from the
+gradient of the joint KL with respect to a soft keep mask ``m`` (1 kept, 0 evicted; attention weights
+``m_i exp(s_i) / sum_j m_j exp(s_j)``, exact at a 0/1 mask): per cell the kept entry whose drop is predicted to help
+most and the evicted one whose restoring is, ranked across cells by ``g_restore - g_drop``; a batch of rows holds the
+best single swaps, the top 2, 4, 8, ... of them together, and the last batch's singles that lowered the label on
+their own, together (a batch accepts only its best row).
 
-1. cell-wise recombination (per-head sets): for the next-best candidates, label the current set with one (layer, KV
-   head) cell replaced by that candidate's cell (a batch of rows); then the current set with every cell taken from
-   whichever candidate did best there, and with only the top 1/2, 1/4, ... of those cells, labeled jointly;
-2. swaps from the gradient of the joint KL with respect to a soft keep mask ``m`` (1 kept, 0 evicted; attention
-   weights ``m_i exp(s_i) / sum_j m_j exp(s_j)``, exact at a 0/1 mask): per cell the kept entry whose drop is
-   predicted to help most and the evicted one whose restoring is, ranked across cells by ``g_restore - g_drop``;
-   a batch of rows holds the best single swaps, the top 2, 4, 8, ... of them together, and the last batch's singles
-   that lowered the label on their own, together (a batch accepts only its best row).
+There is no cell-wise recombination of the candidates any more: on SmolLM2 at t = 640, H = 128, in 120 s, the search
+with it (half the seconds) ended at 0.00447, 0.0356 and 0.131 nats at keep 0.5, 0.25, 0.125, and swaps alone at
+0.00384, 0.0205 and 0.0642 (docs/benchmarks.md): its single-cell rows cost as much as a swap's and gained a
+fraction as much.
 
-Every move keeps each cell's number of evicted entries, and only entries a cell's queries can see (``visible``:
+Every swap keeps each cell's number of evicted entries, and only entries a cell's queries can see (``visible``:
 a sliding layer's window) are swapped. The result is never worse than any candidate: it starts at the best and
 accepts only rows with a lower exact label (by more than ``1e-6`` relative and ``1e-9`` nats, so batch rounding is
-never taken for progress). Effort: ``rows`` set rows and ``seconds`` (no new round after it; recombination gets at
-most half of each), and it stops earlier once converged: when the rows since it had spent a quarter of them (4x
-more effort) took less than ``CONVERGED`` (1 %) off the label it had then (checked after each batch of swaps, from
-``4 x batch`` rows on).
+never taken for progress). Effort: ``rows`` set rows and ``seconds`` (no new round after it), and it stops earlier
+once converged: when the rows since it had spent a quarter of them (4x more effort) took less than ``CONVERGED``
+(1 %) off the label it had then (checked after each batch, from ``4 x batch`` rows on).
 """
 
 from __future__ import annotations
@@ -131,7 +131,6 @@ class Searched:
     start_kl: float
     rows: int
     seconds: float
-    moves: dict  # move -> {"rows": set rows it labeled, "gain": nats of kl_mean it took off}
     converged: bool = False  # it stopped because 4x more rows gained under CONVERGED (not at its row or time bound)
 
     @property
@@ -148,7 +147,6 @@ class _Judge:
         self.best = start
         self.kl = float(start.label["kl"].double().mean())
         self.rows, self.max_rows, self.began, self.max_seconds = 0, rows, time.perf_counter(), seconds
-        self.moves = {"recombine": {"rows": 0, "gain": 0.0}, "swaps": {"rows": 0, "gain": 0.0}}
         self.history = [(0, self.kl)]  # (rows spent, best label then), after each batch
         self.converged, self.stop = False, stop
 
@@ -159,12 +157,6 @@ class _Judge:
             return 0
         return self.max_rows - self.rows
 
-    def recombination_over(self) -> bool:
-        """Recombination's share is spent: half the rows, or half the seconds (at H = 128 its single-cell rows took
-        the whole time bound, so the swaps, which gave a 64-step search its 57-95 %, never ran)."""
-        half_time = self.max_seconds and time.perf_counter() - self.began >= self.max_seconds / 2
-        return bool(half_time) or self.rows >= self.max_rows // 2 or not self.left()
-
     def _check_converged(self) -> None:
         """Converged: from ``4 x batch`` rows on, the label at a quarter of the rows spent, less today's, is under
         ``CONVERGED`` of it (4x the effort gained under 1 %)."""
@@ -173,21 +165,18 @@ class _Judge:
         then = min(kl for rows, kl in self.history if rows <= self.rows / 4)
         self.converged = self.converged or then - self.kl < CONVERGED * then
 
-    def label(self, masks: list[torch.Tensor], move: str) -> torch.Tensor:
-        """[N] exact joint kl_mean of ``masks`` (rows of ``move``); the best replaces the current set if lower."""
+    def label(self, masks: list[torch.Tensor]) -> torch.Tensor:
+        """[N] exact joint kl_mean of ``masks``; the best replaces the current set if lower."""
         sets = [mask[0, 0].nonzero()[:, 0] if self.per_token else mask_set(mask) for mask in masks]
         res, _ = self.engine.label_sets(self.t, sets)
         self.rows += len(masks)
-        self.moves[move]["rows"] += len(masks)
         kl = res["kl"].double().mean(1)
         j = int(kl.argmin())
         if float(kl[j]) < self.kl - max(ACCEPT_ABS, ACCEPT_REL * self.kl):
             self.best = Candidate("oracle_search", masks[j], {key: val[j] for key, val in res.items()})
-            self.moves[move]["gain"] += self.kl - float(kl[j])
             self.kl = float(kl[j])
         self.history.append((self.rows, self.kl))
-        if move == "swaps":  # stopped only in the last move: recombination's rows count, but it always runs
-            self._check_converged()
+        self._check_converged()
         return kl
 
 
@@ -198,56 +187,16 @@ def search(engine, t: int, candidates: list[Candidate], per_token: bool, rows: i
     [L, t] the entries each layer can see (default: :func:`visible_entries`); ``stop``: stop once converged (False:
     spend the whole effort, what ``kvdiag bench decisions`` checks convergence with)."""
     began = time.perf_counter()
-    ranked = sorted(candidates, key=lambda c: (float(c.label["kl"].double().mean()), c.name))
-    start = ranked[0]
+    start = min(candidates, key=lambda c: (float(c.label["kl"].double().mean()), c.name))
     visible = visible_entries(engine, t) if visible is None else visible
     judge = _Judge(engine, t, start, per_token, rows, seconds, stop)
-    if not per_token:
-        _recombine(judge, ranked[1:])
     _swaps(judge, visible)
     return Searched(judge.best.mask, judge.best.label, start.name, float(start.label["kl"].double().mean()),
-                    judge.rows, round(time.perf_counter() - began, 3), judge.moves, judge.converged)
-
-
-def _recombine(judge: _Judge, others: list[Candidate]) -> None:
-    """Move 1: each cell from the candidate that does best there (half the rows and half the seconds at most)."""
-    cur = judge.best.mask
-    L, Hkv, _ = cur.shape
-    share = judge.max_rows // 2
-    cells = [(l, h) for l in range(L) for h in range(Hkv)]
-    gain = torch.zeros(L, Hkv, dtype=torch.float64)
-    source: dict[tuple[int, int], torch.Tensor] = {}
-    for cand in others:
-        todo = [(l, h) for l, h in cells if not torch.equal(cand.mask[l, h], cur[l, h])]
-        if not todo or judge.rows + len(todo) > share or judge.recombination_over():
-            continue
-        masks = []
-        for l, h in todo:
-            m = cur.clone()
-            m[l, h] = cand.mask[l, h]
-            masks.append(m)
-        before = judge.kl
-        kl = judge.label(masks, "recombine")
-        if judge.kl < before:  # a single cell already improved: the rows below compare with the new set
-            return _recombine(judge, others) if judge.rows < share else None
-        for (l, h), value in zip(todo, (before - kl).tolist(), strict=True):
-            if value > gain[l, h]:
-                gain[l, h], source[(l, h)] = value, cand.mask[l, h]
-    helped = sorted(source, key=lambda c: -float(gain[c]))
-    if len(helped) < 2 or judge.recombination_over():
-        return
-    masks, n = [], len(helped)
-    while n >= 2:
-        m = cur.clone()
-        for l, h in helped[:n]:
-            m[l, h] = source[(l, h)]
-        masks.append(m)
-        n //= 2
-    judge.label(masks, "recombine")
+                    judge.rows, round(time.perf_counter() - began, 3), judge.converged)
 
 
 def _swaps(judge: _Judge, visible: torch.Tensor) -> None:
-    """Move 2: gradient-proposed swaps, a batch per round, until the effort is spent or every proposal was tried
+    """Gradient-proposed swaps, a batch per round, until the effort is spent or every proposal was tried
     (a tried swap is not proposed again). A batch labels singles, the top 2, 4, 8, ... proposals together and, from
     the second round on, the last batch's singles that lowered the label on their own, together on today's set
     (a batch accepts one row, so without it all but the best of them would be lost)."""
@@ -258,12 +207,14 @@ def _swaps(judge: _Judge, visible: torch.Tensor) -> None:
         cur = judge.best.mask
         g, _ = mask_gradient(judge.engine, judge.t, cur)
         n = min(batch, judge.left())
+        if n == 0:  # the time ran out during the gradient: no new batch
+            return
         proposals = _proposals(g, cur, visible, judge.per_token, tried, n)
         union = _distinct([p for p in improving if _applies(cur, p, judge.per_token)], len(improving))
         masks = [_apply(cur, union, judge.per_token)] if len(union) >= 2 and n >= 2 else []
         if not proposals:
             if masks:
-                judge.label(masks, "swaps")
+                judge.label(masks)
             return
         singles = proposals[: max(1, n - n // 3 - len(masks))]
         first = len(masks)
@@ -274,7 +225,7 @@ def _swaps(judge: _Judge, visible: torch.Tensor) -> None:
             k *= 2
         tried.update(p[1:] for p in singles)
         before = judge.kl
-        kl = judge.label(masks, "swaps")
+        kl = judge.label(masks)
         improving = [p for p, value in zip(singles, kl[first : first + len(singles)].tolist(), strict=True)
                      if value < before]
 

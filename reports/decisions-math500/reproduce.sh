@@ -8,8 +8,10 @@
 # and improves it by exact set rows (at most 512 rows or 120 s per (checkpoint, budget)). gemma3-270m: the first 5
 # problems, the same settings; its sliding layers' budgets count only the entries they still attend (the last 512).
 # About 1 h on a 2-core CPU (SmolLM2: trace 6 min, labels of every entry 3 min, scores 2 min, decisions 12 min).
+# oracle_search then began with a cell-wise recombination of the candidates, which kvdiag dropped after commit
+# dfe37b9: to remake these runs exactly, set K to the kvdiag of a checkout of dfe37b9 (see reproduce-h128.sh).
 set -euo pipefail
-K=.venv/bin/kvdiag
+K=${K:-.venv/bin/kvdiag}
 D=runs/decisions-math500
 mkdir -p "$D"
 G="--max-new-tokens 520 --min-new-tokens 520 --prompts data/math500-first20.jsonl"
