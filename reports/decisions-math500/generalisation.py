@@ -1,4 +1,4 @@
-"""generalisation.md and its CSVs (-best-known, -split): issue #54's generalisation check.
+"""generalisation.md and its CSVs (-best-known, -split, -swaps): issue #54's generalisation check.
 
 Reads each model's two committed runs of ``reproduce-h128.sh``: ``MODEL-h128-half/`` (every reference reads the first
 64 of the 128 judged steps, ``--read-window 64``) and ``MODEL-h128-search/`` (every reference reads all 128). On steps
@@ -23,6 +23,8 @@ prompt (as above), and which set was the best known at how many checkpoints (a t
 
 The third table: ``smollm2-h128-search-split/``, the 128-step search rerun on the first 3 problems after
 ``oracle_search`` stopped recombination at half its seconds, against both searches above (:func:`split_table`).
+The fourth: ``smollm2-h128-search-swaps/``, the same rerun after the search dropped recombination for swaps alone,
+against the third and both searches above (:func:`swaps_table`).
 
 Run from the repository root: .venv/bin/python reports/decisions-math500/generalisation.py
 """
@@ -151,12 +153,13 @@ def known_table(here: Path = HERE) -> pl.DataFrame:
 
 
 SPLIT = "smollm2-h128-search-split"  # the 128-step search rerun after recombination's time cap (86401e2), 3 prompts
+SWAPS = "smollm2-h128-search-swaps"  # the same, after the search dropped recombination for swaps alone
 
 
-def split_table(here: Path = HERE) -> pl.DataFrame:
-    """Per budget, ``oracle_search``'s damage over the 128 steps in the rerun (recombination stops at half the
-    seconds) against the committed 128-step search and the 64-step search at the same checkpoints: per prompt the
-    ratio rerun / other (geometric mean, plain median, prompts where the rerun did less damage, exact sign test)."""
+def rerun_table(run: str, others: dict[str, str], here: Path = HERE) -> pl.DataFrame:
+    """Per budget, ``oracle_search``'s damage over the 128 steps in the rerun ``run`` against each of ``others``
+    (name -> run) at the same checkpoints: per prompt the ratio rerun / other (geometric mean, plain median, prompts
+    where the rerun did less damage, exact sign test), and each search's set rows (median)."""
     cols = ["prompt_id", "checkpoint", "budget", "decision", "kl_mean", "cost_rows"]
     keys = ["prompt_id", "checkpoint", "budget"]
 
@@ -165,19 +168,45 @@ def split_table(here: Path = HERE) -> pl.DataFrame:
             pl.col("decision") == "oracle_search").select(*keys, pl.col("kl_mean").alias(name),
                                                          pl.col("cost_rows").alias(f"{name}_rows"))
 
-    j = searched(SPLIT, "rerun").join(searched("smollm2-h128-search", "before"), on=keys).join(
-        searched("smollm2-h128-half", "half"), on=keys)
+    j = searched(run, "rerun")
+    for name, other in others.items():
+        j = j.join(searched(other, name), on=keys)
     boot = _bootstrap(j)
     rows = []
     for budget in _budgets(j):
         g = j.filter(pl.col("budget") == budget)
-        row = {"budget": budget, "checkpoints": g.height, "rerun": float(g["rerun"].mean()),
-               "before": float(g["before"].mean()), "half": float(g["half"].mean()),
-               **{f"{run}_rows_median": float(g[f"{run}_rows"].median()) for run in ("rerun", "before", "half")}}
-        for other in ("before", "half"):
+        runs = ["rerun", *others]
+        row = {"budget": budget, "checkpoints": g.height, **{name: float(g[name].mean()) for name in runs},
+               **{f"{name}_rows_median": float(g[f"{name}_rows"].median()) for name in runs}}
+        for other in others:
             row.update(_paired(boot, g, "rerun", other, f"{other}_", "rerun_lower"))
         rows.append(row)
     return pl.DataFrame(rows)
+
+
+def split_table(here: Path = HERE) -> pl.DataFrame:
+    """The rerun with recombination capped at half the seconds against the committed 128-step search ("before") and
+    the 64-step search ("half")."""
+    return rerun_table(SPLIT, {"before": "smollm2-h128-search", "half": "smollm2-h128-half"}, here)
+
+
+def swaps_table(here: Path = HERE) -> pl.DataFrame:
+    """The rerun by swaps alone against the rerun with recombination ("split"; both ran alone on the idle machine),
+    the committed 128-step search ("before") and the 64-step search ("half")."""
+    return rerun_table(SWAPS, {"split": SPLIT, "before": "smollm2-h128-search", "half": "smollm2-h128-half"}, here)
+
+
+def _rerun_lines(table: pl.DataFrame, others: dict[str, str]) -> list[str]:
+    """A rerun table in Markdown: mean damage of each search, their rows, and the rerun / other ratios."""
+    return [markdown_table(
+        ["budget", "rerun", *others.values(), "rows (median)",
+         *(h for label in others.values() for h in (f"rerun / {label} [CI]", "median", "rerun lower", "p"))],
+        [[r["budget"], _num(r["rerun"]), *(_num(r[o]) for o in others),
+          " / ".join(f"{r[run + '_rows_median']:.0f}" for run in ("rerun", *others)),
+          *(cell for o in others for cell in (
+              _ci(r, o + "_"), _num(r[o + "_ratio_median"]),
+              f"{r[o + '_rerun_lower']}/{r[o + '_prompts']}", format_p(r[o + "_p_value"], r[o + "_p_resolution"])))]
+         for r in table.iter_rows(named=True)])]
 
 
 def _num(v: float) -> str:
@@ -190,7 +219,8 @@ def _ci(r: dict, prefix: str = "") -> str:
 
 
 def main(here: Path = HERE, out: Path = HERE) -> None:
-    """generalisation.md, generalisation.csv, -best-known.csv and -split.csv in ``out`` from ``here``'s runs."""
+    """generalisation.md, generalisation.csv, -best-known.csv, -split.csv and -swaps.csv in ``out`` from ``here``'s
+    runs."""
     df = table(here)
     write_csv(df, out / "generalisation.csv")
     lines = ["# The generalisation check: chosen without steps 64-127, judged on them", "",
@@ -224,26 +254,27 @@ def main(here: Path = HERE, out: Path = HERE) -> None:
               _ci(r, name + "_"), _num(r[name + "_ratio_median"]), f"{r[name + '_rule_lower']}/{r[name + '_prompts']}",
               format_p(r[name + "_p_value"], r[name + "_p_resolution"])))]
          for r in known.iter_rows(named=True)]))
-    split = split_table(here)
-    write_csv(split, out / "generalisation-split.csv")
-    lines += ["", "## The 128-step search with recombination capped at half its seconds", "",
-              f"`{SPLIT}/`: the 128-step search rerun on the first 3 problems after `oracle_search` stopped "
-              "recombination at half its seconds (before: at half its rows only, and in 120 s it never reached its "
-              "swaps), against the committed 128-step search and the 64-step search at the same checkpoints, all "
-              "judged on the same 128 steps: mean damage, the searches' set rows (rerun / before / 64-step; the "
-              "rerun ran alone, the committed searches shared the 2 cores with another run, so they got fewer rows "
-              "in their 120 s), and per prompt the ratio rerun / other (geometric mean [95 % cluster-bootstrap CI], "
-              "plain median, prompts where the rerun did less damage, exact sign test; with 3 prompts the smallest "
-              "two-sided p is 0.25).", ""]
-    lines.append(markdown_table(
-        ["budget", "rerun", "before", "64-step search", "rows (median)", "rerun / before [CI]", "median",
-         "rerun lower", "p", "rerun / 64-step [CI]", "median", "rerun lower", "p"],
-        [[r["budget"], _num(r["rerun"]), _num(r["before"]), _num(r["half"]),
-          " / ".join(f"{r[run + '_rows_median']:.0f}" for run in ("rerun", "before", "half")),
-          *(cell for o in ("before", "half") for cell in (
-              _ci(r, o + "_"), _num(r[o + "_ratio_median"]),
-              f"{r[o + '_rerun_lower']}/{r[o + '_prompts']}", format_p(r[o + "_p_value"], r[o + "_p_resolution"])))]
-         for r in split.iter_rows(named=True)]))
+    reruns = [
+        (split_table, "generalisation-split.csv", "The 128-step search with recombination capped at half its seconds",
+         f"`{SPLIT}/`: the 128-step search rerun on the first 3 problems after `oracle_search` stopped "
+         "recombination at half its seconds (before: at half its rows only, and in 120 s it never reached its "
+         "swaps), against the committed 128-step search and the 64-step search at the same checkpoints, all "
+         "judged on the same 128 steps: mean damage, the searches' set rows (rerun / before / 64-step; the "
+         "rerun ran alone, the committed searches shared the 2 cores with another run, so they got fewer rows "
+         "in their 120 s), and per prompt the ratio rerun / other (geometric mean [95 % cluster-bootstrap CI], "
+         "plain median, prompts where the rerun did less damage, exact sign test; with 3 prompts the smallest "
+         "two-sided p is 0.25).", {"before": "before", "half": "64-step search"}),
+        (swaps_table, "generalisation-swaps.csv", "The 128-step search by swaps alone",
+         f"`{SWAPS}/`: the 128-step search rerun on the same 3 problems after `oracle_search` dropped "
+         "recombination (every row goes to gradient-proposed swaps), against the rerun above (with "
+         "recombination for half its seconds; both ran alone on the idle 2 cores, at 512 rows or 120 s), the "
+         "committed 128-step search and the 64-step search, all judged on the same 128 steps; columns as above.",
+         {"split": "with recombination", "before": "before", "half": "64-step search"}),
+    ]
+    for make, csv, heading, text, others in reruns:
+        rerun = make(here)
+        write_csv(rerun, out / csv)
+        lines += ["", f"## {heading}", "", text, "", *_rerun_lines(rerun, others)]
     (out / "generalisation.md").write_text("\n".join(lines) + "\n")
 
 
