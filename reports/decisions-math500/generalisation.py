@@ -31,6 +31,7 @@ Run from the repository root: .venv/bin/python reports/decisions-math500/general
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -73,13 +74,12 @@ def pairs(here: Path, model: str) -> pl.DataFrame:
     return refs
 
 
-def _budgets(df: pl.DataFrame) -> list[str]:
-    """``df``'s budgets, largest keep fraction first."""
-    return sorted(df["budget"].unique().to_list(), key=lambda b: -float(b.removeprefix("keep:")))
-
-
-def _bootstrap(df: pl.DataFrame) -> PromptBootstrap:
-    return PromptBootstrap(df["prompt_id"].unique().to_list(), N_BOOT, SEED, LEVEL)
+def _by_budget(df: pl.DataFrame) -> Iterator[tuple[PromptBootstrap, str, pl.DataFrame]]:
+    """(bootstrap over ``df``'s prompts, budget, ``df``'s rows of it) per budget, largest keep fraction first; one
+    bootstrap serves every budget of ``df``."""
+    boot = PromptBootstrap(df["prompt_id"].unique().to_list(), N_BOOT, SEED, LEVEL)
+    for budget in sorted(df["budget"].unique().to_list(), key=lambda b: -float(b.removeprefix("keep:"))):
+        yield boot, budget, df.filter(pl.col("budget") == budget)
 
 
 def _paired(boot: PromptBootstrap, g: pl.DataFrame, x: str, y: str, prefix: str, lower: str) -> dict:
@@ -96,11 +96,9 @@ def _paired(boot: PromptBootstrap, g: pl.DataFrame, x: str, y: str, prefix: str,
 def table(here: Path = HERE) -> pl.DataFrame:
     rows = []
     for model in MODELS:
-        p = pairs(here, model)
-        boot = _bootstrap(p)
-        for budget in _budgets(p):
+        for boot, budget, b in _by_budget(pairs(here, model)):
             for ref in REFERENCES:
-                g = p.filter((pl.col("budget") == budget) & (pl.col("decision") == ref))
+                g = b.filter(pl.col("decision") == ref)
                 rows.append({"model": model, "budget": budget, "reference": ref, "checkpoints": g.height,
                              "held_out_damage": float(g["late"].mean()),
                              "in_sample_damage": float(g["late_whole"].mean()),
@@ -137,10 +135,7 @@ def best_known(here: Path, model: str) -> pl.DataFrame:
 def known_table(here: Path = HERE) -> pl.DataFrame:
     rows = []
     for model in MODELS:
-        k = best_known(here, model)
-        boot = _bootstrap(k)
-        for budget in _budgets(k):
-            g = k.filter(pl.col("budget") == budget)
+        for boot, budget, g in _by_budget(best_known(here, model)):
             row = {"model": model, "budget": budget, "best_rule": g["best_rule"][0], "checkpoints": g.height,
                    "best_rule_damage": float(g["best_rule_kl"].mean()), "search_damage": float(g["search_kl"].mean()),
                    "known_damage": float(g["known_kl"].mean()),
@@ -171,11 +166,9 @@ def rerun_table(run: str, others: dict[str, str], here: Path = HERE) -> pl.DataF
     j = searched(run, "rerun")
     for name, other in others.items():
         j = j.join(searched(other, name), on=keys)
-    boot = _bootstrap(j)
+    runs = ["rerun", *others]
     rows = []
-    for budget in _budgets(j):
-        g = j.filter(pl.col("budget") == budget)
-        runs = ["rerun", *others]
+    for boot, budget, g in _by_budget(j):
         row = {"budget": budget, "checkpoints": g.height, **{name: float(g[name].mean()) for name in runs},
                **{f"{name}_rows_median": float(g[f"{name}_rows"].median()) for name in runs}}
         for other in others:
