@@ -169,13 +169,66 @@ def test_the_soft_mask_forward_is_exact_at_a_binary_mask(decided):
     row = df.filter((pl.col("decision") == "attention") & (pl.col("status") == "ok")).row(0, named=True)
     t = row["checkpoint"]
     eng = OracleEngine(lm, trace.token_ids(trace.prompt_ids[0]), HORIZON)
-    g, kl = mask_gradient(eng, t, unpack_set(row["evicted_mask"], L, Hkv, t))
+    g, kl, _ = mask_gradient(eng, t, unpack_set(row["evicted_mask"], L, Hkv, t))
     assert kl == pytest.approx(row["kl_mean"], rel=1e-4, abs=1e-6)
     for l in range(L):
         window = trace.layer_attention(l).window
         if window is not None:
             assert (g[l, :, : t - window + 1] == 0).all()
             assert (g[l, :, t - window + 1 :] != 0).any()
+
+
+def test_reach_is_each_entrys_largest_attention_weight_over_the_kept_entries(decided):
+    """``mask_gradient``'s reach: an entry's largest weight over the horizon queries of its KV head's query heads,
+    ``e^s / Z`` with ``Z`` over the kept entries, for an evicted entry too. The stored set is evicted in the last layer
+    only, so every layer's queries are the full run's; reference: the model's own eager attention over the whole
+    sequence, renormalised without the evicted entries in the last layer (``p / (1 - p(evicted))``; the sliding
+    window and GQA groups as the model has them). fp32 on two paths, and 1 / (1 - p(evicted)) (up to ~1e3 here)
+    scales their rounding: rtol 1e-3, atol 1e-6."""
+    trace, lm, df = decided["trace"], decided["lm"], decided["df"]
+    L, Hkv = trace.num_layers, trace.num_kv_heads
+    row = df.filter((pl.col("decision") == "attention") & (pl.col("status") == "ok")).row(0, named=True)
+    t = row["checkpoint"]
+    ids = trace.token_ids(trace.prompt_ids[0])
+    evicted = torch.zeros(L, Hkv, t, dtype=torch.bool)
+    evicted[-1] = unpack_set(row["evicted_mask"], L, Hkv, t)[-1]
+    _, _, reach = mask_gradient(OracleEngine(lm, ids, HORIZON), t, evicted)
+    model = lm.model
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            probs = model(ids[None, : t + HORIZON], output_attentions=True).attentions  # per layer [1, Hq, T, T]
+    finally:
+        model.set_attn_implementation(previous)
+    for l in range(L):
+        p = probs[l][0, :, t : t + HORIZON, :t].double()  # [Hq, H, t]
+        g = p.shape[0] // Hkv
+        lost = (p * evicted[l].repeat_interleave(g, 0)[:, None, :]).sum(-1, keepdim=True)
+        want = (p / (1 - lost)).view(Hkv, g, HORIZON, t).amax((1, 2))
+        torch.testing.assert_close(reach[l], want, rtol=1e-3, atol=1e-6)
+    assert evicted[-1].any() and (reach[-1][evicted[-1]] > 0).any()
+    assert (reach[-1] > 1).any()  # a renormalised weight the rest no longer bounds (an evicted entry's)
+
+
+def test_swaps_move_only_entries_of_small_reach_while_any_such_swap_is_untried():
+    """``_proposals``: g is linear in the mask, but dropping an entry of weight w rescales the rest by 1 / (1 - w) and a
+    restored weight saturates, so entries whose reach exceeds ``REACH`` are not moved while a swap among the others is
+    untried; then every visible entry is. Entries 0-3 evicted, 4-7 kept; restoring 0 and dropping 4 look best but
+    reach 3.0 and 0.9."""
+    from kvdiag.decisions import search as S
+
+    g = torch.tensor([-5.0, -4.0, -3.0, -2.0, 0.0, -0.1, -0.2, -0.3], dtype=torch.float64).view(1, 1, 8)
+    cur = torch.tensor([True] * 4 + [False] * 4).view(1, 1, 8)
+    reach = torch.zeros(1, 1, 8, dtype=torch.float64)
+    reach[0, 0, 0], reach[0, 0, 4] = 3.0, 0.9
+    visible = torch.ones(1, 8, dtype=torch.bool)
+    small = S._proposals(g, reach, cur, visible, False, set(), 100)
+    assert [p[2:] for p in small[:2]] == [(5, 1), (6, 1)]  # drop 5 restore 1 (-3.9), then drop 6 restore 1 (-3.8)
+    assert {p[2:] for p in small} == {(a, b) for a in (5, 6, 7) for b in (1, 2, 3)}
+    rest = S._proposals(g, reach, cur, visible, False, {p[1:] for p in small}, 100)
+    assert rest[0][2:] == (4, 0) and len(rest) == 16 - 9  # the large-reach swaps, best first
+    assert all(0 in p[2:] or 4 in p[2:] for p in rest)
 
 
 def test_a_sliding_layers_budget_counts_only_what_it_still_sees(decided):
@@ -433,23 +486,24 @@ def test_the_singles_that_helped_alone_are_labeled_together_in_the_next_batch(mo
 
     # d KL / d keep: restoring 0 looks best, then 1; dropping 4 looks free, then 5
     g = torch.tensor([-5.0, -4.0, -3.0, -2.0, 0.0, -0.1, -0.2, -0.3], dtype=torch.float64).expand(4, 1, 8)
-    monkeypatch.setattr(S, "mask_gradient", lambda engine, t, evicted: (g, 0.0))
+    monkeypatch.setattr(S, "mask_gradient", lambda engine, t, evicted: (g, 0.0, torch.zeros_like(g)))
     judge = S._Judge(Engine(), 8, S.Candidate("rule", start, {"kl": torch.tensor([56.0])}), False, rows=24,
                      seconds=0, stop=False)
     S._swaps(judge, torch.ones(4, 8, dtype=torch.bool))
-    # batch 1: singles (cell, drop 4, restore 0) x 4 at 51.5 and (cell, drop 5, restore 0) x 4 at 51.4; the first
-    # of the latter is accepted (cell 0); the combos pay the 100
+    # batch 1: singles touch distinct entries of a cell: (cell, drop 4, restore 0) x 4 at 51.5, then (cell, drop 5,
+    # restore 1) x 4 at 52.4; the first is accepted (cell 0); the combos pay the 100
     cur = start.clone()
-    cur[0, 0, 5], cur[0, 0, 0] = True, False
+    cur[0, 0, 4], cur[0, 0, 0] = True, False
     assert len(labeled) == 2 and judge.rows == 24
     assert any(torch.equal(m, cur) for m in labeled[0])
-    # batch 2's first row: on that set, cells 1-3 each take their (drop 4, restore 0), the first helping single
-    # that still applies in each (cell 0's were made stale by the accepted swap; a cell takes an entry once)
+    # batch 2's first row: on that set, every helping single that still applies, together: cells 1-3 take their
+    # (drop 4, restore 0) and every cell its (drop 5, restore 1); cell 0's (drop 4, restore 0) is stale
     union = cur.clone()
     union[1:, 0, 4], union[1:, 0, 0] = True, False
+    union[:, 0, 5], union[:, 0, 1] = True, False
     assert torch.equal(labeled[1][0], union)
     assert not torch.equal(judge.best.mask, union)  # it changes four cells: scripted at +100, so not accepted
-    assert judge.kl < 51.4  # batch 2 went on from the accepted single
+    assert judge.kl < 51.5  # batch 2 went on from the accepted single
 
 
 def test_no_batch_is_labeled_once_the_seconds_ran_out_during_the_gradient(monkeypatch):
@@ -478,7 +532,7 @@ def test_no_batch_is_labeled_once_the_seconds_ran_out_during_the_gradient(monkey
 
     def gradient(engine, t, evicted):
         clock[0] += 1.0
-        return g, 0.0
+        return g, 0.0, torch.zeros_like(g)
 
     monkeypatch.setattr(S, "mask_gradient", gradient)
 

@@ -461,6 +461,9 @@ DECISIONS = {  # run -> the tables its summary writes (committed)
     # #54: the same rerun after oracle_search dropped recombination for swaps alone
     "decisions-math500/smollm2-h128-search-swaps": ("summary.csv", "paired.csv", "headroom.csv", "search.csv",
                                                     "summary.md"),
+    # #54: the same rerun after the swaps left entries of large attention weight alone while others remain
+    "decisions-math500/smollm2-h128-search-reach": ("summary.csv", "paired.csv", "headroom.csv", "search.csv",
+                                                    "summary.md"),
 }
 for _d, _t in DECISIONS.items():
     compared(_d, _t)
@@ -722,7 +725,8 @@ def test_teacher_forced_math500_windows(tmp_path):
 
 DECISIONS_GENERALISATION = compared("decisions-math500", ("generalisation.md", "generalisation.csv",
                                                            "generalisation-best-known.csv", "generalisation-split.csv",
-                                                           "generalisation-swaps.csv"))
+                                                           "generalisation-swaps.csv",
+                                                           "generalisation-reach.csv"))
 
 
 def test_decisions_generalisation(tmp_path):

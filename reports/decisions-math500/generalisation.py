@@ -1,4 +1,4 @@
-"""generalisation.md and its CSVs (-best-known, -split, -swaps): issue #54's generalisation check.
+"""generalisation.md and its CSVs (-best-known, -split, -swaps, -reach): issue #54's generalisation check.
 
 Reads each model's two committed runs of ``reproduce-h128.sh``: ``MODEL-h128-half/`` (every reference reads the first
 64 of the 128 judged steps, ``--read-window 64``) and ``MODEL-h128-search/`` (every reference reads all 128). On steps
@@ -24,7 +24,9 @@ prompt (as above), and which set was the best known at how many checkpoints (a t
 The third table: ``smollm2-h128-search-split/``, the 128-step search rerun on the first 3 problems after
 ``oracle_search`` stopped recombination at half its seconds, against both searches above (:func:`split_table`).
 The fourth: ``smollm2-h128-search-swaps/``, the same rerun after the search dropped recombination for swaps alone,
-against the third and both searches above (:func:`swaps_table`).
+against the third and both searches above (:func:`swaps_table`). The fifth: ``smollm2-h128-search-reach/``, the same
+rerun after the swaps stopped moving entries of large attention weight while others are left, against the fourth and
+both searches above (:func:`reach_table`).
 
 Run from the repository root: .venv/bin/python reports/decisions-math500/generalisation.py
 """
@@ -149,6 +151,7 @@ def known_table(here: Path = HERE) -> pl.DataFrame:
 
 SPLIT = "smollm2-h128-search-split"  # the 128-step search rerun after recombination's time cap (86401e2), 3 prompts
 SWAPS = "smollm2-h128-search-swaps"  # the same, after the search dropped recombination for swaps alone
+REACH = "smollm2-h128-search-reach"  # the same, after the swaps left entries of large attention weight alone
 
 
 def rerun_table(run: str, others: dict[str, str], here: Path = HERE) -> pl.DataFrame:
@@ -189,6 +192,12 @@ def swaps_table(here: Path = HERE) -> pl.DataFrame:
     return rerun_table(SWAPS, {"split": SPLIT, "before": "smollm2-h128-search", "half": "smollm2-h128-half"}, here)
 
 
+def reach_table(here: Path = HERE) -> pl.DataFrame:
+    """The rerun whose swaps leave entries of large attention weight alone against the rerun by swaps alone ("swaps";
+    both ran alone on the idle machine), the committed 128-step search ("before") and the 64-step search ("half")."""
+    return rerun_table(REACH, {"swaps": SWAPS, "before": "smollm2-h128-search", "half": "smollm2-h128-half"}, here)
+
+
 def _rerun_lines(table: pl.DataFrame, others: dict[str, str]) -> list[str]:
     """A rerun table in Markdown: mean damage of each search, their rows, and the rerun / other ratios."""
     return [markdown_table(
@@ -212,8 +221,8 @@ def _ci(r: dict, prefix: str = "") -> str:
 
 
 def main(here: Path = HERE, out: Path = HERE) -> None:
-    """generalisation.md, generalisation.csv, -best-known.csv, -split.csv and -swaps.csv in ``out`` from ``here``'s
-    runs."""
+    """generalisation.md, generalisation.csv, -best-known.csv, -split.csv, -swaps.csv and -reach.csv in ``out`` from
+    ``here``'s runs."""
     df = table(here)
     write_csv(df, out / "generalisation.csv")
     lines = ["# The generalisation check: chosen without steps 64-127, judged on them", "",
@@ -263,6 +272,13 @@ def main(here: Path = HERE, out: Path = HERE) -> None:
          "recombination for half its seconds; both ran alone on the idle 2 cores, at 512 rows or 120 s), the "
          "committed 128-step search and the 64-step search, all judged on the same 128 steps; columns as above.",
          {"split": "with recombination", "before": "before", "half": "64-step search"}),
+        (reach_table, "generalisation-reach.csv", "The 128-step search with swaps of small attention weight first",
+         f"`{REACH}/`: the 128-step search rerun on the same 3 problems after `oracle_search`'s swaps stopped "
+         "moving entries whose attention weight exceeds 0.5 while any other swap is untried (the gradient's "
+         "linear prediction fails for them), against the rerun by swaps alone above (both ran alone on the idle "
+         "2 cores, at 512 rows or 120 s), the committed 128-step search and the 64-step search, all judged on the "
+         "same 128 steps; columns as above.",
+         {"swaps": "swaps alone", "before": "before", "half": "64-step search"}),
     ]
     for make, csv, heading, text, others in reruns:
         rerun = make(here)

@@ -12,7 +12,7 @@
 # converged); oracle_greedy is left out (about 1,300 relabelled rows per checkpoint). Per-head selection, keep 0.5 /
 # 0.25 / 0.125. About 1 h 40 min on a 2-core CPU shared with other jobs (trace 25 min, scores 1 min, labels 3 min,
 # decisions about 5 min per checkpoint).
-# Every run here but smollm2-h128-search-swaps/ was made by oracle_search with its cell-wise recombination, which
+# Every run here but smollm2-h128-search-swaps/ and -reach/ was made by oracle_search with its cell-wise recombination, which
 # kvdiag dropped after commit dfe37b9: to remake those exactly, run this with K set to the kvdiag of a checkout of
 # dfe37b9 (git worktree add ../kvdiag-dfe37b9 dfe37b9 && make -C ../kvdiag-dfe37b9 venv; K=../kvdiag-dfe37b9/.venv/bin/kvdiag).
 set -euo pipefail
@@ -75,13 +75,19 @@ done
     --keep 0.5,0.25,0.125 --horizon 128 --infeasible skip --pairs 0 \
     --references fast,random,future_attention,oracle_search --search-rows 512 --search-seconds 120 \
     --out $D/smollm2-h128-search-split
-# and again with today's search: swaps alone, no recombination (the runs above need K from dfe37b9 to be remade)
+# and again by swaps alone, no recombination (the runs above need K from dfe37b9 to be remade, this one K from a4bdfb6:
+# its swaps still moved entries of any attention weight)
 /usr/bin/time -v -o $D/smollm2-h128-search-swaps.time $K decisions --trace $T --scores $D/scores-head-first3.parquet \
     --keep 0.5,0.25,0.125 --horizon 128 --infeasible skip --pairs 0 \
     --references fast,random,future_attention,oracle_search --search-rows 512 --search-seconds 120 \
     --out $D/smollm2-h128-search-swaps
+# and again after the swaps stopped moving entries of attention weight above 0.5 while any other swap is untried
+/usr/bin/time -v -o $D/smollm2-h128-search-reach.time $K decisions --trace $T --scores $D/scores-head-first3.parquet \
+    --keep 0.5,0.25,0.125 --horizon 128 --infeasible skip --pairs 0 \
+    --references fast,random,future_attention,oracle_search --search-rows 512 --search-seconds 120 \
+    --out $D/smollm2-h128-search-reach
 for run in smollm2-h128 smollm2-h128-search gemma3-h128-search smollm2-h128-half gemma3-h128-half \
-           smollm2-h128-search-split smollm2-h128-search-swaps; do
+           smollm2-h128-search-split smollm2-h128-search-swaps smollm2-h128-search-reach; do
 mkdir -p reports/decisions-math500/$run
 for f in summary.md summary.csv paired.csv spearman.csv headroom.csv search.csv held_out.csv summary.json config.json \
          decisions.png decisions.pdf decisions.parquet pairs.parquet inputs/token_scores.parquet \
