@@ -464,6 +464,8 @@ DECISIONS = {  # run -> the tables its summary writes (committed)
     # #54: the same rerun after the swaps left entries of large attention weight alone while others remain
     "decisions-math500/smollm2-h128-search-reach": ("summary.csv", "paired.csv", "headroom.csv", "search.csv",
                                                     "summary.md"),
+    "decisions-math500/gemma3-h128-search-reach": ("summary.csv", "paired.csv", "headroom.csv", "search.csv",
+                                                   "summary.md"),
 }
 for _d, _t in DECISIONS.items():
     compared(_d, _t)
@@ -726,7 +728,8 @@ def test_teacher_forced_math500_windows(tmp_path):
 DECISIONS_GENERALISATION = compared("decisions-math500", ("generalisation.md", "generalisation.csv",
                                                            "generalisation-best-known.csv", "generalisation-split.csv",
                                                            "generalisation-swaps.csv",
-                                                           "generalisation-reach.csv"))
+                                                           "generalisation-reach.csv",
+                                                           "generalisation-gemma3-reach.csv"))
 
 
 def test_decisions_generalisation(tmp_path):

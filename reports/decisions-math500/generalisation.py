@@ -1,4 +1,5 @@
-"""generalisation.md and its CSVs (-best-known, -split, -swaps, -reach): issue #54's generalisation check.
+"""generalisation.md and its CSVs (-best-known, -split, -swaps, -reach, -gemma3-reach): issue #54's generalisation
+check.
 
 Reads each model's two committed runs of ``reproduce-h128.sh``: ``MODEL-h128-half/`` (every reference reads the first
 64 of the 128 judged steps, ``--read-window 64``) and ``MODEL-h128-search/`` (every reference reads all 128). On steps
@@ -26,7 +27,9 @@ The third table: ``smollm2-h128-search-split/``, the 128-step search rerun on th
 The fourth: ``smollm2-h128-search-swaps/``, the same rerun after the search dropped recombination for swaps alone,
 against the third and both searches above (:func:`swaps_table`). The fifth: ``smollm2-h128-search-reach/``, the same
 rerun after the swaps stopped moving entries of large attention weight while others are left, against the fourth and
-both searches above (:func:`reach_table`).
+both searches above (:func:`reach_table`). The sixth: ``gemma3-h128-search-reach/``, gemma3-270m's 128-step search rerun
+on the same 3 problems with that search, against its committed searches of 128 and 64 steps
+(:func:`gemma3_reach_table`).
 
 Run from the repository root: .venv/bin/python reports/decisions-math500/generalisation.py
 """
@@ -152,6 +155,7 @@ def known_table(here: Path = HERE) -> pl.DataFrame:
 SPLIT = "smollm2-h128-search-split"  # the 128-step search rerun after recombination's time cap (86401e2), 3 prompts
 SWAPS = "smollm2-h128-search-swaps"  # the same, after the search dropped recombination for swaps alone
 REACH = "smollm2-h128-search-reach"  # the same, after the swaps left entries of large attention weight alone
+GEMMA3_REACH = "gemma3-h128-search-reach"  # gemma3-270m's 128-step search rerun so, on the same 3 problems
 
 
 def rerun_table(run: str, others: dict[str, str], here: Path = HERE) -> pl.DataFrame:
@@ -198,6 +202,12 @@ def reach_table(here: Path = HERE) -> pl.DataFrame:
     return rerun_table(REACH, {"swaps": SWAPS, "before": "smollm2-h128-search", "half": "smollm2-h128-half"}, here)
 
 
+def gemma3_reach_table(here: Path = HERE) -> pl.DataFrame:
+    """gemma3-270m's rerun with the search of :func:`reach_table` against its committed 128-step search ("before") and
+    its 64-step search ("half")."""
+    return rerun_table(GEMMA3_REACH, {"before": "gemma3-h128-search", "half": "gemma3-h128-half"}, here)
+
+
 def _rerun_lines(table: pl.DataFrame, others: dict[str, str]) -> list[str]:
     """A rerun table in Markdown: mean damage of each search, their rows, and the rerun / other ratios."""
     return [markdown_table(
@@ -221,8 +231,8 @@ def _ci(r: dict, prefix: str = "") -> str:
 
 
 def main(here: Path = HERE, out: Path = HERE) -> None:
-    """generalisation.md, generalisation.csv, -best-known.csv, -split.csv, -swaps.csv and -reach.csv in ``out`` from
-    ``here``'s runs."""
+    """generalisation.md, generalisation.csv, -best-known.csv, -split.csv, -swaps.csv, -reach.csv and
+    -gemma3-reach.csv in ``out`` from ``here``'s runs."""
     df = table(here)
     write_csv(df, out / "generalisation.csv")
     lines = ["# The generalisation check: chosen without steps 64-127, judged on them", "",
@@ -279,6 +289,11 @@ def main(here: Path = HERE, out: Path = HERE) -> None:
          "2 cores, at 512 rows or 120 s), the committed 128-step search and the 64-step search, all judged on the "
          "same 128 steps; columns as above.",
          {"swaps": "swaps alone", "before": "before", "half": "64-step search"}),
+        (gemma3_reach_table, "generalisation-gemma3-reach.csv", "gemma3-270m: the 128-step search as above",
+         f"`{GEMMA3_REACH}/`: gemma3-270m's 128-step search rerun on the same 3 problems with the search of the "
+         "table above (alone on the idle 2 cores, 512 rows or 120 s), against its committed 128-step search "
+         "(with recombination, sharing the cores) and its 64-step search at the same checkpoints, all judged on the "
+         "same 128 steps; columns as above.", {"before": "before", "half": "64-step search"}),
     ]
     for make, csv, heading, text, others in reruns:
         rerun = make(here)

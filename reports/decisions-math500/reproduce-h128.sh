@@ -12,7 +12,7 @@
 # converged); oracle_greedy is left out (about 1,300 relabelled rows per checkpoint). Per-head selection, keep 0.5 /
 # 0.25 / 0.125. About 1 h 40 min on a 2-core CPU shared with other jobs (trace 25 min, scores 1 min, labels 3 min,
 # decisions about 5 min per checkpoint).
-# Every run here but smollm2-h128-search-swaps/ and -reach/ was made by oracle_search with its cell-wise recombination, which
+# Every run here but smollm2-h128-search-swaps/ and the two -reach/ was made by oracle_search with its cell-wise recombination, which
 # kvdiag dropped after commit dfe37b9: to remake those exactly, run this with K set to the kvdiag of a checkout of
 # dfe37b9 (git worktree add ../kvdiag-dfe37b9 dfe37b9 && make -C ../kvdiag-dfe37b9 venv; K=../kvdiag-dfe37b9/.venv/bin/kvdiag).
 set -euo pipefail
@@ -86,8 +86,15 @@ done
     --keep 0.5,0.25,0.125 --horizon 128 --infeasible skip --pairs 0 \
     --references fast,random,future_attention,oracle_search --search-rows 512 --search-seconds 120 \
     --out $D/smollm2-h128-search-reach
+# gemma3-270m's 128-step search rerun with that search on the same 3 problems
+[ -f $D/gemma3-scores-head-first3.parquet ] || first $D/gemma3-scores-head.parquet $D/gemma3-scores-head-first3.parquet \
+    test_algebra_1349.json,test_algebra_2584.json,test_intermediate_algebra_1994.json
+/usr/bin/time -v -o $D/gemma3-h128-search-reach.time $K decisions --trace $G --scores $D/gemma3-scores-head-first3.parquet \
+    --keep 0.5,0.25,0.125 --horizon 128 --infeasible skip --pairs 0 \
+    --references fast,random,future_attention,oracle_search --search-rows 512 --search-seconds 120 \
+    --out $D/gemma3-h128-search-reach
 for run in smollm2-h128 smollm2-h128-search gemma3-h128-search smollm2-h128-half gemma3-h128-half \
-           smollm2-h128-search-split smollm2-h128-search-swaps smollm2-h128-search-reach; do
+           smollm2-h128-search-split smollm2-h128-search-swaps smollm2-h128-search-reach gemma3-h128-search-reach; do
 mkdir -p reports/decisions-math500/$run
 for f in summary.md summary.csv paired.csv spearman.csv headroom.csv search.csv held_out.csv summary.json config.json \
          decisions.png decisions.pdf decisions.parquet pairs.parquet inputs/token_scores.parquet \
