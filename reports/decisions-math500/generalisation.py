@@ -23,13 +23,13 @@ prompt (as above), and which set was the best known at how many checkpoints (a t
 64-step run's set, listed first).
 
 The third table: ``smollm2-h128-search-split/``, the 128-step search rerun on the first 3 problems after
-``oracle_search`` stopped recombination at half its seconds, against both searches above (:func:`split_table`).
+``oracle_search`` stopped recombination at half its seconds, against both searches above.
 The fourth: ``smollm2-h128-search-swaps/``, the same rerun after the search dropped recombination for swaps alone,
-against the third and both searches above (:func:`swaps_table`). The fifth: ``smollm2-h128-search-reach/``, the same
+against the third and both searches above. The fifth: ``smollm2-h128-search-reach/``, the same
 rerun after the swaps stopped moving entries of large attention weight while others are left, against the fourth and
-both searches above (:func:`reach_table`). The sixth: ``gemma3-h128-search-reach/``, gemma3-270m's 128-step search rerun
-on the same 3 problems with that search, against its committed searches of 128 and 64 steps
-(:func:`gemma3_reach_table`).
+both searches above. The sixth: ``gemma3-h128-search-reach/``, gemma3-270m's 128-step search rerun
+on the same 3 problems with that search, against its committed searches of 128 and 64 steps. Each rerun table
+comes from :func:`rerun_table` with its row of ``RERUNS``.
 
 Run from the repository root: .venv/bin/python reports/decisions-math500/generalisation.py
 """
@@ -158,6 +158,42 @@ REACH = "smollm2-h128-search-reach"  # the same, after the swaps left entries of
 GEMMA3_REACH = "gemma3-h128-search-reach"  # gemma3-270m's 128-step search rerun so, on the same 3 problems
 
 
+# The rerun tables, in order: (rerun, CSV, heading, text, the searches it is set against: name -> (run, label)).
+RERUNS = [
+    (SPLIT, "generalisation-split.csv", "The 128-step search with recombination capped at half its seconds",
+     f"`{SPLIT}/`: the 128-step search rerun on the first 3 problems after `oracle_search` stopped "
+     "recombination at half its seconds (before: at half its rows only, and in 120 s it never reached its "
+     "swaps), against the committed 128-step search and the 64-step search at the same checkpoints, all "
+     "judged on the same 128 steps: mean damage, the searches' set rows (rerun / before / 64-step; the "
+     "rerun ran alone, the committed searches shared the 2 cores with another run, so they got fewer rows "
+     "in their 120 s), and per prompt the ratio rerun / other (geometric mean [95 % cluster-bootstrap CI], "
+     "plain median, prompts where the rerun did less damage, exact sign test; with 3 prompts the smallest "
+     "two-sided p is 0.25).",
+     {"before": ("smollm2-h128-search", "before"), "half": ("smollm2-h128-half", "64-step search")}),
+    (SWAPS, "generalisation-swaps.csv", "The 128-step search by swaps alone",
+     f"`{SWAPS}/`: the 128-step search rerun on the same 3 problems after `oracle_search` dropped "
+     "recombination (every row goes to gradient-proposed swaps), against the rerun above (with "
+     "recombination for half its seconds; both ran alone on the idle 2 cores, at 512 rows or 120 s), the "
+     "committed 128-step search and the 64-step search, all judged on the same 128 steps; columns as above.",
+     {"split": (SPLIT, "with recombination"), "before": ("smollm2-h128-search", "before"),
+      "half": ("smollm2-h128-half", "64-step search")}),
+    (REACH, "generalisation-reach.csv", "The 128-step search with swaps of small attention weight first",
+     f"`{REACH}/`: the 128-step search rerun on the same 3 problems after `oracle_search`'s swaps stopped "
+     "moving entries whose attention weight exceeds 0.5 while any other swap is untried (the gradient's "
+     "linear prediction fails for them), against the rerun by swaps alone above (both ran alone on the idle "
+     "2 cores, at 512 rows or 120 s), the committed 128-step search and the 64-step search, all judged on the "
+     "same 128 steps; columns as above.",
+     {"swaps": (SWAPS, "swaps alone"), "before": ("smollm2-h128-search", "before"),
+      "half": ("smollm2-h128-half", "64-step search")}),
+    (GEMMA3_REACH, "generalisation-gemma3-reach.csv", "gemma3-270m: the 128-step search as above",
+     f"`{GEMMA3_REACH}/`: gemma3-270m's 128-step search rerun on the same 3 problems with the search of the "
+     "table above (alone on the idle 2 cores, 512 rows or 120 s), against its committed 128-step search "
+     "(with recombination, sharing the cores) and its 64-step search at the same checkpoints, all judged on the "
+     "same 128 steps; columns as above.",
+     {"before": ("gemma3-h128-search", "before"), "half": ("gemma3-h128-half", "64-step search")}),
+]
+
+
 def rerun_table(run: str, others: dict[str, str], here: Path = HERE) -> pl.DataFrame:
     """Per budget, ``oracle_search``'s damage over the 128 steps in the rerun ``run`` against each of ``others``
     (name -> run) at the same checkpoints: per prompt the ratio rerun / other (geometric mean, plain median, prompts
@@ -182,30 +218,6 @@ def rerun_table(run: str, others: dict[str, str], here: Path = HERE) -> pl.DataF
             row.update(_paired(boot, g, "rerun", other, f"{other}_", "rerun_lower"))
         rows.append(row)
     return pl.DataFrame(rows)
-
-
-def split_table(here: Path = HERE) -> pl.DataFrame:
-    """The rerun with recombination capped at half the seconds against the committed 128-step search ("before") and
-    the 64-step search ("half")."""
-    return rerun_table(SPLIT, {"before": "smollm2-h128-search", "half": "smollm2-h128-half"}, here)
-
-
-def swaps_table(here: Path = HERE) -> pl.DataFrame:
-    """The rerun by swaps alone against the rerun with recombination ("split"; both ran alone on the idle machine),
-    the committed 128-step search ("before") and the 64-step search ("half")."""
-    return rerun_table(SWAPS, {"split": SPLIT, "before": "smollm2-h128-search", "half": "smollm2-h128-half"}, here)
-
-
-def reach_table(here: Path = HERE) -> pl.DataFrame:
-    """The rerun whose swaps leave entries of large attention weight alone against the rerun by swaps alone ("swaps";
-    both ran alone on the idle machine), the committed 128-step search ("before") and the 64-step search ("half")."""
-    return rerun_table(REACH, {"swaps": SWAPS, "before": "smollm2-h128-search", "half": "smollm2-h128-half"}, here)
-
-
-def gemma3_reach_table(here: Path = HERE) -> pl.DataFrame:
-    """gemma3-270m's rerun with the search of :func:`reach_table` against its committed 128-step search ("before") and
-    its 64-step search ("half")."""
-    return rerun_table(GEMMA3_REACH, {"before": "gemma3-h128-search", "half": "gemma3-h128-half"}, here)
 
 
 def _rerun_lines(table: pl.DataFrame, others: dict[str, str]) -> list[str]:
@@ -266,39 +278,11 @@ def main(here: Path = HERE, out: Path = HERE) -> None:
               _ci(r, name + "_"), _num(r[name + "_ratio_median"]), f"{r[name + '_rule_lower']}/{r[name + '_prompts']}",
               format_p(r[name + "_p_value"], r[name + "_p_resolution"])))]
          for r in known.iter_rows(named=True)]))
-    reruns = [
-        (split_table, "generalisation-split.csv", "The 128-step search with recombination capped at half its seconds",
-         f"`{SPLIT}/`: the 128-step search rerun on the first 3 problems after `oracle_search` stopped "
-         "recombination at half its seconds (before: at half its rows only, and in 120 s it never reached its "
-         "swaps), against the committed 128-step search and the 64-step search at the same checkpoints, all "
-         "judged on the same 128 steps: mean damage, the searches' set rows (rerun / before / 64-step; the "
-         "rerun ran alone, the committed searches shared the 2 cores with another run, so they got fewer rows "
-         "in their 120 s), and per prompt the ratio rerun / other (geometric mean [95 % cluster-bootstrap CI], "
-         "plain median, prompts where the rerun did less damage, exact sign test; with 3 prompts the smallest "
-         "two-sided p is 0.25).", {"before": "before", "half": "64-step search"}),
-        (swaps_table, "generalisation-swaps.csv", "The 128-step search by swaps alone",
-         f"`{SWAPS}/`: the 128-step search rerun on the same 3 problems after `oracle_search` dropped "
-         "recombination (every row goes to gradient-proposed swaps), against the rerun above (with "
-         "recombination for half its seconds; both ran alone on the idle 2 cores, at 512 rows or 120 s), the "
-         "committed 128-step search and the 64-step search, all judged on the same 128 steps; columns as above.",
-         {"split": "with recombination", "before": "before", "half": "64-step search"}),
-        (reach_table, "generalisation-reach.csv", "The 128-step search with swaps of small attention weight first",
-         f"`{REACH}/`: the 128-step search rerun on the same 3 problems after `oracle_search`'s swaps stopped "
-         "moving entries whose attention weight exceeds 0.5 while any other swap is untried (the gradient's "
-         "linear prediction fails for them), against the rerun by swaps alone above (both ran alone on the idle "
-         "2 cores, at 512 rows or 120 s), the committed 128-step search and the 64-step search, all judged on the "
-         "same 128 steps; columns as above.",
-         {"swaps": "swaps alone", "before": "before", "half": "64-step search"}),
-        (gemma3_reach_table, "generalisation-gemma3-reach.csv", "gemma3-270m: the 128-step search as above",
-         f"`{GEMMA3_REACH}/`: gemma3-270m's 128-step search rerun on the same 3 problems with the search of the "
-         "table above (alone on the idle 2 cores, 512 rows or 120 s), against its committed 128-step search "
-         "(with recombination, sharing the cores) and its 64-step search at the same checkpoints, all judged on the "
-         "same 128 steps; columns as above.", {"before": "before", "half": "64-step search"}),
-    ]
-    for make, csv, heading, text, others in reruns:
-        rerun = make(here)
+    for run, csv, heading, text, others in RERUNS:
+        rerun = rerun_table(run, {name: other for name, (other, _) in others.items()}, here)
         write_csv(rerun, out / csv)
-        lines += ["", f"## {heading}", "", text, "", *_rerun_lines(rerun, others)]
+        labels = {name: label for name, (_, label) in others.items()}
+        lines += ["", f"## {heading}", "", text, "", *_rerun_lines(rerun, labels)]
     (out / "generalisation.md").write_text("\n".join(lines) + "\n")
 
 
