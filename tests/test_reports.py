@@ -447,8 +447,11 @@ DECISIONS = {  # run -> the tables its summary writes (committed)
     # #54: judged on 128 steps, the references reading the first 8 (held out: the 120 after them)
     "decisions-math500/smollm2-h128": ("summary.csv", "paired.csv", "spearman.csv", "headroom.csv", "search.csv",
                                        "held_out.csv", "summary.md"),
-    # #54: every reference reading the whole 128 steps, so oracle_search is at most every decision there
+    # #54: every reference reading the whole 128 steps, so oracle_search is at most every decision there (SmolLM2:
+    # the search as it is now; -recombined: the same run by the search of dfe37b9, with cell-wise recombination)
     "decisions-math500/smollm2-h128-search": ("summary.csv", "paired.csv", "headroom.csv", "search.csv", "summary.md"),
+    "decisions-math500/smollm2-h128-search-recombined": ("summary.csv", "paired.csv", "headroom.csv", "search.csv",
+                                                         "summary.md"),
     "decisions-math500/gemma3-h128-search": ("summary.csv", "paired.csv", "headroom.csv", "search.csv", "summary.md"),
     # #54's generalisation check: every reference reading the first 64 of the 128 steps judged (held out: the 64 after)
     "decisions-math500/smollm2-h128-half": ("summary.csv", "paired.csv", "headroom.csv", "search.csv", "held_out.csv",
@@ -726,15 +729,19 @@ def test_teacher_forced_math500_windows(tmp_path):
 
 
 DECISIONS_GENERALISATION = compared("decisions-math500", ("generalisation.md", "generalisation.csv",
-                                                           "generalisation-best-known.csv", "generalisation-split.csv",
+                                                           "generalisation-best-known.csv",
+                                                           "generalisation-current-known.csv",
+                                                           "generalisation-split.csv",
                                                            "generalisation-swaps.csv",
                                                            "generalisation-reach.csv",
-                                                           "generalisation-gemma3-reach.csv"))
+                                                           "generalisation-gemma3-reach.csv",
+                                                           "generalisation-search.csv"))
 
 
 def test_decisions_generalisation(tmp_path):
     """decisions-math500/generalisation.py's tables (#54's generalisation check: each reference chosen on steps 0-63
-    against the same reference chosen on 0-127, both judged on 64-127) from the four committed decisions.parquet."""
+    against the same reference chosen on 0-127, both judged on 64-127, and the searches' reruns) from the committed
+    runs' decisions.parquet."""
     _script("reports/decisions-math500/generalisation.py").main(REPORTS / "decisions-math500", tmp_path)
     assert_same_tables(tmp_path, REPORTS / "decisions-math500", DECISIONS_GENERALISATION[1])
 

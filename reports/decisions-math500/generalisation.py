@@ -1,8 +1,9 @@
-"""generalisation.md and its CSVs (-best-known, -split, -swaps, -reach, -gemma3-reach): issue #54's generalisation
-check.
+"""generalisation.md and its CSVs (-best-known, -current-known, -split, -swaps, -reach, -gemma3-reach, -search):
+issue #54's generalisation check.
 
-Reads each model's two committed runs of ``reproduce-h128.sh``: ``MODEL-h128-half/`` (every reference reads the first
-64 of the 128 judged steps, ``--read-window 64``) and ``MODEL-h128-search/`` (every reference reads all 128). On steps
+Reads each model's two committed runs of ``reproduce-h128.sh`` made by the same search (dfe37b9's, with cell-wise
+recombination): ``MODEL-h128-half/`` (every reference reads the first 64 of the 128 judged steps, ``--read-window
+64``) and the 128-step search of ``WHOLE_RUNS`` (every reference reads all 128). On steps
 64-127, which the first run's references never read and the second run's did, the same reference's damage chosen
 without those steps (held out) is set against its damage chosen with them (in-sample): per (checkpoint, budget) the
 mean per-step KL over steps 64-127 of each run's set (``kl_steps``, exact set rows through the chunked engine).
@@ -20,16 +21,19 @@ the same checkpoints, so per (checkpoint, budget) the lowest ``kl_mean`` among e
 a decision no rule's or reference's set there beats; against it and against the 128-step run's ``oracle_search``,
 the best rule (least mean damage over the 128 steps on these prompts; the rules are the same rows in both runs) per
 prompt (as above), and which set was the best known at how many checkpoints (a tie, the same damage, goes to the
-64-step run's set, listed first).
+64-step run's set, listed first). The third table: SmolLM2's 128-step search by the current search (``SEARCH``)
+against that best known set (:func:`current_known_table`).
 
-The third table: ``smollm2-h128-search-split/``, the 128-step search rerun on the first 3 problems after
+The fourth table: ``smollm2-h128-search-split/``, the 128-step search rerun on the first 3 problems after
 ``oracle_search`` stopped recombination at half its seconds, against both searches above.
-The fourth: ``smollm2-h128-search-swaps/``, the same rerun after the search dropped recombination for swaps alone,
-against the third and both searches above. The fifth: ``smollm2-h128-search-reach/``, the same
-rerun after the swaps stopped moving entries of large attention weight while others are left, against the fourth and
-both searches above. The sixth: ``gemma3-h128-search-reach/``, gemma3-270m's 128-step search rerun
-on the same 3 problems with that search, against its committed searches of 128 and 64 steps. Each rerun table
-comes from :func:`rerun_table` with its row of ``RERUNS``.
+The fifth: ``smollm2-h128-search-swaps/``, the same rerun after the search dropped recombination for swaps alone,
+against the fourth and both searches above. The sixth: ``smollm2-h128-search-reach/``, the same
+rerun after the swaps stopped moving entries of large attention weight while others are left, against the fifth and
+both searches above. The seventh: ``gemma3-h128-search-reach/``, gemma3-270m's 128-step search rerun
+on the same 3 problems with that search, against its committed searches of 128 and 64 steps. The eighth:
+``smollm2-h128-search/``, SmolLM2's 128-step search on all 10 problems by that search, against the same run by
+dfe37b9's (``smollm2-h128-search-recombined/``). Each rerun table comes from :func:`rerun_table` with its row of
+``RERUNS``.
 
 Run from the repository root: .venv/bin/python reports/decisions-math500/generalisation.py
 """
@@ -52,6 +56,10 @@ REFERENCES = ("fast", "future_attention", "oracle_search")
 HALF, WHOLE = 64, 128  # the first run's read window; both runs' judged window
 N_BOOT, SEED, LEVEL = 2000, 0, 0.95
 RULE_RTOL = 1e-4  # the rules' rows of the two runs: the same sets through the same engine (batches may differ)
+RECOMBINED = "smollm2-h128-search-recombined"  # SmolLM2's 128-step search, 10 prompts, by dfe37b9's search
+# each model's 128-step search by the search its -h128-half run was made with (dfe37b9's), so that the held-out /
+# in-sample ratio compares reading 64 steps with reading 128, not two searches
+WHOLE_RUNS = {"smollm2": RECOMBINED, "gemma3": "gemma3-h128-search"}
 
 
 def late_damage(path: Path) -> pl.DataFrame:
@@ -67,7 +75,7 @@ def late_damage(path: Path) -> pl.DataFrame:
 def pairs(here: Path, model: str) -> pl.DataFrame:
     """The two runs' rows on the half run's prompts, joined by (prompt, checkpoint, budget, decision)."""
     half = late_damage(here / f"{model}-h128-half" / "decisions.parquet")
-    whole = late_damage(here / f"{model}-h128-search" / "decisions.parquet")
+    whole = late_damage(here / WHOLE_RUNS[model] / "decisions.parquet")
     keys = ["prompt_id", "checkpoint", "budget", "decision"]
     joined = half.join(whole, on=keys, suffix="_whole")
     refs = joined.filter(pl.col("decision").is_in(REFERENCES))
@@ -116,7 +124,7 @@ def best_known(here: Path, model: str) -> pl.DataFrame:
     oracle_search), known_kl and known (the set with the lowest kl_mean among every reference of both runs)."""
     cols = ["prompt_id", "checkpoint", "budget", "decision", "read_steps", "kl_mean"]
     half = pl.read_parquet(here / f"{model}-h128-half" / "decisions.parquet", columns=cols)
-    whole = pl.read_parquet(here / f"{model}-h128-search" / "decisions.parquet", columns=cols).filter(
+    whole = pl.read_parquet(here / WHOLE_RUNS[model] / "decisions.parquet", columns=cols).filter(
         pl.col("prompt_id").is_in(half["prompt_id"].unique().to_list()))
     refs = pl.concat([half.filter(pl.col("read_steps") > 0).with_columns(
                           (pl.col("decision") + f" (read {HALF})").alias("decision")),
@@ -156,6 +164,7 @@ SPLIT = "smollm2-h128-search-split"  # the 128-step search rerun after recombina
 SWAPS = "smollm2-h128-search-swaps"  # the same, after the search dropped recombination for swaps alone
 REACH = "smollm2-h128-search-reach"  # the same, after the swaps left entries of large attention weight alone
 GEMMA3_REACH = "gemma3-h128-search-reach"  # gemma3-270m's 128-step search rerun so, on the same 3 problems
+SEARCH = "smollm2-h128-search"  # SmolLM2's 128-step search on all 10 problems by that search
 
 
 # The rerun tables, in order: (rerun, CSV, heading, text, the searches it is set against: name -> (run, label)).
@@ -169,13 +178,13 @@ RERUNS = [
      "in their 120 s), and per prompt the ratio rerun / other (geometric mean [95 % cluster-bootstrap CI], "
      "plain median, prompts where the rerun did less damage, exact sign test; with 3 prompts the smallest "
      "two-sided p is 0.25).",
-     {"before": ("smollm2-h128-search", "before"), "half": ("smollm2-h128-half", "64-step search")}),
+     {"before": (RECOMBINED, "before"), "half": ("smollm2-h128-half", "64-step search")}),
     (SWAPS, "generalisation-swaps.csv", "The 128-step search by swaps alone",
      f"`{SWAPS}/`: the 128-step search rerun on the same 3 problems after `oracle_search` dropped "
      "recombination (every row goes to gradient-proposed swaps), against the rerun above (with "
      "recombination for half its seconds; both ran alone on the idle 2 cores, at 512 rows or 120 s), the "
      "committed 128-step search and the 64-step search, all judged on the same 128 steps; columns as above.",
-     {"split": (SPLIT, "with recombination"), "before": ("smollm2-h128-search", "before"),
+     {"split": (SPLIT, "with recombination"), "before": (RECOMBINED, "before"),
       "half": ("smollm2-h128-half", "64-step search")}),
     (REACH, "generalisation-reach.csv", "The 128-step search with swaps of small attention weight first",
      f"`{REACH}/`: the 128-step search rerun on the same 3 problems after `oracle_search`'s swaps stopped "
@@ -183,7 +192,7 @@ RERUNS = [
      "linear prediction fails for them), against the rerun by swaps alone above (both ran alone on the idle "
      "2 cores, at 512 rows or 120 s), the committed 128-step search and the 64-step search, all judged on the "
      "same 128 steps; columns as above.",
-     {"swaps": (SWAPS, "swaps alone"), "before": ("smollm2-h128-search", "before"),
+     {"swaps": (SWAPS, "swaps alone"), "before": (RECOMBINED, "before"),
       "half": ("smollm2-h128-half", "64-step search")}),
     (GEMMA3_REACH, "generalisation-gemma3-reach.csv", "gemma3-270m: the 128-step search as above",
      f"`{GEMMA3_REACH}/`: gemma3-270m's 128-step search rerun on the same 3 problems with the search of the "
@@ -191,7 +200,27 @@ RERUNS = [
      "(with recombination, sharing the cores) and its 64-step search at the same checkpoints, all judged on the "
      "same 128 steps; columns as above.",
      {"before": ("gemma3-h128-search", "before"), "half": ("gemma3-h128-half", "64-step search")}),
+    (SEARCH, "generalisation-search.csv", "SmolLM2: the 128-step search on all 10 problems",
+     f"`{SEARCH}/`: SmolLM2's 128-step search on all 10 problems by the search of the two tables above (alone on "
+     f"the idle 2 cores, 512 rows or 120 s), against `{RECOMBINED}/`, the same run by dfe37b9's search (with "
+     "recombination, sharing the cores), all judged on the same 128 steps; columns as above (with 10 prompts the "
+     "smallest two-sided p is 0.002).",
+     {"before": (RECOMBINED, "before")}),
 ]
+
+
+def current_known_table(here: Path = HERE) -> pl.DataFrame:
+    """Per budget, SmolLM2's 128-step search by the current search (``SEARCH``) against the best set known of the
+    second table (from the two runs by dfe37b9's search) on the half run's prompts: per prompt the ratio current /
+    best known (geometric mean, plain median, prompts where the current search did less damage, exact sign test)."""
+    keys = ["prompt_id", "checkpoint", "budget"]
+    current = pl.read_parquet(here / SEARCH / "decisions.parquet", columns=[*keys, "decision", "kl_mean"]).filter(
+        pl.col("decision") == "oracle_search").select(*keys, pl.col("kl_mean").alias("current_kl"))
+    j = best_known(here, "smollm2").join(current, on=keys)
+    return pl.DataFrame([{"budget": budget, "checkpoints": g.height, "current_damage": float(g["current_kl"].mean()),
+                          "known_damage": float(g["known_kl"].mean()),
+                          **_paired(boot, g, "current_kl", "known_kl", "", "current_lower")}
+                         for boot, budget, g in _by_budget(j)])
 
 
 def rerun_table(run: str, others: dict[str, str], here: Path = HERE) -> pl.DataFrame:
@@ -243,13 +272,14 @@ def _ci(r: dict, prefix: str = "") -> str:
 
 
 def main(here: Path = HERE, out: Path = HERE) -> None:
-    """generalisation.md, generalisation.csv, -best-known.csv, -split.csv, -swaps.csv, -reach.csv and
-    -gemma3-reach.csv in ``out`` from ``here``'s runs."""
+    """generalisation.md, generalisation.csv, -best-known.csv, -current-known.csv, -split.csv, -swaps.csv, -reach.csv,
+    -gemma3-reach.csv and -search.csv in ``out`` from ``here``'s runs."""
     df = table(here)
     write_csv(df, out / "generalisation.csv")
     lines = ["# The generalisation check: chosen without steps 64-127, judged on them", "",
              f"Made by generalisation.py from `MODEL-h128-half/` (every reference read steps 0-{HALF - 1}) and "
-             f"`MODEL-h128-search/` (every reference read steps 0-{WHOLE - 1}), on the half run's prompts. Damage: "
+             f"the same search's 128-step run (every reference read steps 0-{WHOLE - 1}: `{WHOLE_RUNS['smollm2']}/`, "
+             f"`{WHOLE_RUNS['gemma3']}/`), on the half run's prompts. Damage: "
              f"mean per-step KL (nats) over steps {HALF}-{WHOLE - 1} of each (checkpoint, budget), averaged over "
              "checkpoints. Held out / in-sample per prompt: geometric mean over prompts [95 % cluster-bootstrap CI], "
              "plain median, prompts where the held-out set did less damage (of the prompts that entered), exact sign "
@@ -278,6 +308,18 @@ def main(here: Path = HERE, out: Path = HERE) -> None:
               _ci(r, name + "_"), _num(r[name + "_ratio_median"]), f"{r[name + '_rule_lower']}/{r[name + '_prompts']}",
               format_p(r[name + "_p_value"], r[name + "_p_resolution"])))]
          for r in known.iter_rows(named=True)]))
+    current = current_known_table(here)
+    write_csv(current, out / "generalisation-current-known.csv")
+    lines += ["", "## SmolLM2: the current search against the best set known", "",
+              f"`{SEARCH}/`'s `oracle_search` (the 128-step search by the search of the reach tables below) against "
+              "the best set known of the table above, on the same 5 prompts and 128 steps: mean damage, and per "
+              "prompt the ratio current / best known as above (current lower: prompts where the current search did "
+              "less damage).", ""]
+    lines.append(markdown_table(
+        ["budget", "current search", "best known", "current / best known [CI]", "median", "current lower", "p"],
+        [[r["budget"], _num(r["current_damage"]), _num(r["known_damage"]), _ci(r), _num(r["ratio_median"]),
+          f"{r['current_lower']}/{r['prompts']}", format_p(r["p_value"], r["p_resolution"])]
+         for r in current.iter_rows(named=True)]))
     for run, csv, heading, text, others in RERUNS:
         rerun = rerun_table(run, {name: other for name, (other, _) in others.items()}, here)
         write_csv(rerun, out / csv)

@@ -12,9 +12,11 @@
 # converged); oracle_greedy is left out (about 1,300 relabelled rows per checkpoint). Per-head selection, keep 0.5 /
 # 0.25 / 0.125. About 1 h 40 min on a 2-core CPU shared with other jobs (trace 25 min, scores 1 min, labels 3 min,
 # decisions about 5 min per checkpoint).
-# Every run here but smollm2-h128-search-swaps/ and the two -reach/ was made by oracle_search with its cell-wise recombination, which
-# kvdiag dropped after commit dfe37b9: to remake those exactly, run this with K set to the kvdiag of a checkout of
-# dfe37b9 (git worktree add ../kvdiag-dfe37b9 dfe37b9 && make -C ../kvdiag-dfe37b9 venv; K=../kvdiag-dfe37b9/.venv/bin/kvdiag).
+# Every run here but smollm2-h128-search/, smollm2-h128-search-swaps/ and the two -reach/ was made by oracle_search
+# with its cell-wise recombination, which kvdiag dropped after commit dfe37b9: to remake those exactly, run this with K
+# set to the kvdiag of a checkout of dfe37b9 (git worktree add ../kvdiag-dfe37b9 dfe37b9 && make -C ../kvdiag-dfe37b9
+# venv; K=../kvdiag-dfe37b9/.venv/bin/kvdiag); smollm2-h128-search-recombined/ is the smollm2-h128-search command
+# below run so, with --out $D/smollm2-h128-search-recombined.
 set -euo pipefail
 K=${K:-.venv/bin/kvdiag}
 D=runs/decisions-math500-h128
@@ -34,7 +36,8 @@ $K decisions --trace $T --scores $D/scores-head.parquet --labels $D/labels-h8.pa
 # the long-horizon search, on the same 10 checkpoints: every reference reads the whole judged window of 128 steps (no
 # --read-window), so on it oracle_search (from the best of every rule's and reference's set; 512 rows or 120 s per
 # (checkpoint, budget), or converged) is at most every decision by construction; oracle_single is left out (its
-# labels are the 8-step ones). About 8 min per checkpoint on an idle 2-core CPU; /usr/bin/time -v gives its peak RSS.
+# labels are the 8-step ones). About 7 min per checkpoint on an idle 2-core CPU; /usr/bin/time -v gives its peak RSS.
+# Made by the search as it is now (swaps that leave entries of attention weight above 0.5 alone while others remain).
 /usr/bin/time -v -o $D/smollm2-h128-search.time $K decisions --trace $T --scores $D/scores-head.parquet \
     --keep 0.5,0.25,0.125 --horizon 128 --infeasible skip --pairs 0 \
     --references fast,random,future_attention,oracle_search --search-rows 512 --search-seconds 120 \
@@ -93,7 +96,8 @@ done
     --keep 0.5,0.25,0.125 --horizon 128 --infeasible skip --pairs 0 \
     --references fast,random,future_attention,oracle_search --search-rows 512 --search-seconds 120 \
     --out $D/gemma3-h128-search-reach
-for run in smollm2-h128 smollm2-h128-search gemma3-h128-search smollm2-h128-half gemma3-h128-half \
+for run in smollm2-h128 smollm2-h128-search smollm2-h128-search-recombined gemma3-h128-search smollm2-h128-half \
+           gemma3-h128-half \
            smollm2-h128-search-split smollm2-h128-search-swaps smollm2-h128-search-reach gemma3-h128-search-reach; do
 mkdir -p reports/decisions-math500/$run
 for f in summary.md summary.csv paired.csv spearman.csv headroom.csv search.csv held_out.csv summary.json config.json \
