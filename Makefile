@@ -30,7 +30,7 @@ demo: $(STAMP)
 	$(BIN)/kvdiag demo --out runs/demo
 
 test: $(STAMP) browser
-	$(BIN)/python -m pytest -n 2 -q
+	$(BIN)/python -m pytest -n 2 --dist worksteal -q
 
 # ruff: pyflakes, import order, bugbear, 120 columns (pyproject.toml [tool.ruff])
 lint: $(STAMP)
