@@ -85,12 +85,13 @@ def _soft_mask_attention(module, query, key, value, attention_mask, dropout=0.0,
     weights = (logits - top).exp()
     keep = torch.cat([rec.keep[layer].repeat_interleave(g, 0)[None, :, None, :].expand(1, hq, w, -1),
                       torch.ones(1, hq, w, w, device=query.device)], -1)
-    z = (weights * keep).sum(-1, keepdim=True)
+    kept = weights * keep
+    z = kept.sum(-1, keepdim=True)
     if spec.sinks is not None:
         z = z + (sink - top).exp()
     hkv, t = pk.shape[0], pk.shape[1]
     rec.reach[layer] = (weights[0, :, :, :t] / z[0]).detach().view(hkv, g, w, t).amax((1, 2))  # e^s / Z, evicted too
-    out = (weights * keep / z) @ v
+    out = (kept / z) @ v
     return out.transpose(1, 2).to(query.dtype), None
 
 

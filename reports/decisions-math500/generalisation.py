@@ -55,6 +55,7 @@ MODELS = ("smollm2", "gemma3")
 REFERENCES = ("fast", "future_attention", "oracle_search")
 HALF, WHOLE = 64, 128  # the first run's read window; both runs' judged window
 N_BOOT, SEED, LEVEL = 2000, 0, 0.95
+KEYS = ["prompt_id", "checkpoint", "budget"]  # one (checkpoint, budget) of a prompt
 RULE_RTOL = 1e-4  # the rules' rows of the two runs: the same sets through the same engine (batches may differ)
 RECOMBINED = "smollm2-h128-search-recombined"  # SmolLM2's 128-step search, 10 prompts, by dfe37b9's search
 # each model's 128-step search by the search its -h128-half run was made with (dfe37b9's), so that the held-out /
@@ -131,18 +132,17 @@ def best_known(here: Path, model: str) -> pl.DataFrame:
                       whole.filter(pl.col("read_steps") > 0).with_columns(
                           (pl.col("decision") + f" (read {WHOLE})").alias("decision"))])
     rules = whole.filter((pl.col("read_steps") == 0) & (pl.col("decision") != "random"))
-    keys = ["prompt_id", "checkpoint", "budget"]
     # a rule enters the choice only where it ran at every checkpoint (infeasible rows are null)
     best_rule = rules.group_by("budget", "decision").agg(pl.col("kl_mean").mean(), pl.col("kl_mean").null_count()
                                                          .alias("skipped")).filter(pl.col("skipped") == 0).sort(
         "kl_mean", "decision").group_by("budget", maintain_order=True).first().select(
         "budget", pl.col("decision").alias("best_rule"))
     rule_rows = rules.join(best_rule, on="budget").filter(pl.col("decision") == pl.col("best_rule")).select(
-        *keys, "best_rule", pl.col("kl_mean").alias("best_rule_kl"))
-    known = refs.sort("kl_mean").group_by(keys, maintain_order=True).first().select(
-        *keys, pl.col("decision").alias("known"), pl.col("kl_mean").alias("known_kl"))
-    search = whole.filter(pl.col("decision") == "oracle_search").select(*keys, pl.col("kl_mean").alias("search_kl"))
-    return rule_rows.join(search, on=keys).join(known, on=keys)
+        *KEYS, "best_rule", pl.col("kl_mean").alias("best_rule_kl"))
+    known = refs.sort("kl_mean").group_by(KEYS, maintain_order=True).first().select(
+        *KEYS, pl.col("decision").alias("known"), pl.col("kl_mean").alias("known_kl"))
+    search = whole.filter(pl.col("decision") == "oracle_search").select(*KEYS, pl.col("kl_mean").alias("search_kl"))
+    return rule_rows.join(search, on=KEYS).join(known, on=KEYS)
 
 
 def known_table(here: Path = HERE) -> pl.DataFrame:
@@ -209,14 +209,20 @@ RERUNS = [
 ]
 
 
+def _searched(here: Path, run: str, name: str) -> pl.DataFrame:
+    """``run``'s ``oracle_search`` rows: KEYS, its damage over the judged steps as ``name``, its set rows as
+    ``name + '_rows'``."""
+    cols = [*KEYS, "decision", "kl_mean", "cost_rows"]
+    return pl.read_parquet(here / run / "decisions.parquet", columns=cols).filter(
+        pl.col("decision") == "oracle_search").select(*KEYS, pl.col("kl_mean").alias(name),
+                                                     pl.col("cost_rows").alias(f"{name}_rows"))
+
+
 def current_known_table(here: Path = HERE) -> pl.DataFrame:
     """Per budget, SmolLM2's 128-step search by the current search (``SEARCH``) against the best set known of the
     second table (from the two runs by dfe37b9's search) on the half run's prompts: per prompt the ratio current /
     best known (geometric mean, plain median, prompts where the current search did less damage, exact sign test)."""
-    keys = ["prompt_id", "checkpoint", "budget"]
-    current = pl.read_parquet(here / SEARCH / "decisions.parquet", columns=[*keys, "decision", "kl_mean"]).filter(
-        pl.col("decision") == "oracle_search").select(*keys, pl.col("kl_mean").alias("current_kl"))
-    j = best_known(here, "smollm2").join(current, on=keys)
+    j = best_known(here, "smollm2").join(_searched(here, SEARCH, "current_kl"), on=KEYS)
     return pl.DataFrame([{"budget": budget, "checkpoints": g.height, "current_damage": float(g["current_kl"].mean()),
                           "known_damage": float(g["known_kl"].mean()),
                           **_paired(boot, g, "current_kl", "known_kl", "", "current_lower")}
@@ -227,17 +233,9 @@ def rerun_table(run: str, others: dict[str, str], here: Path = HERE) -> pl.DataF
     """Per budget, ``oracle_search``'s damage over the 128 steps in the rerun ``run`` against each of ``others``
     (name -> run) at the same checkpoints: per prompt the ratio rerun / other (geometric mean, plain median, prompts
     where the rerun did less damage, exact sign test), and each search's set rows (median)."""
-    cols = ["prompt_id", "checkpoint", "budget", "decision", "kl_mean", "cost_rows"]
-    keys = ["prompt_id", "checkpoint", "budget"]
-
-    def searched(run: str, name: str) -> pl.DataFrame:
-        return pl.read_parquet(here / run / "decisions.parquet", columns=cols).filter(
-            pl.col("decision") == "oracle_search").select(*keys, pl.col("kl_mean").alias(name),
-                                                         pl.col("cost_rows").alias(f"{name}_rows"))
-
-    j = searched(run, "rerun")
+    j = _searched(here, run, "rerun")
     for name, other in others.items():
-        j = j.join(searched(other, name), on=keys)
+        j = j.join(_searched(here, other, name), on=KEYS)
     runs = ["rerun", *others]
     rows = []
     for boot, budget, g in _by_budget(j):
