@@ -1,4 +1,5 @@
-"""generalisation.md and its CSVs (-best-known, -current-known, -split, -swaps, -reach, -gemma3-reach, -search):
+"""generalisation.md and its CSVs (-best-known, -current-known, -split, -swaps, -reach, -gemma3-reach, -search,
+-gemma3-search):
 issue #54's generalisation check.
 
 Reads each model's two committed runs of ``reproduce-h128.sh`` made by the same search (dfe37b9's, with cell-wise
@@ -21,7 +22,7 @@ the same checkpoints, so per (checkpoint, budget) the lowest ``kl_mean`` among e
 a decision no rule's or reference's set there beats; against it and against the 128-step run's ``oracle_search``,
 the best rule (least mean damage over the 128 steps on these prompts; the rules are the same rows in both runs) per
 prompt (as above), and which set was the best known at how many checkpoints (a tie, the same damage, goes to the
-64-step run's set, listed first). The third table: SmolLM2's 128-step search by the current search (``SEARCH``)
+64-step run's set, listed first). The third table: each model's 128-step search by the current search (``CURRENT``)
 against that best known set (:func:`current_known_table`).
 
 The fourth table: ``smollm2-h128-search-split/``, the 128-step search rerun on the first 3 problems after
@@ -32,8 +33,9 @@ rerun after the swaps stopped moving entries of large attention weight while oth
 both searches above. The seventh: ``gemma3-h128-search-reach/``, gemma3-270m's 128-step search rerun
 on the same 3 problems with that search, against its committed searches of 128 and 64 steps. The eighth:
 ``smollm2-h128-search/``, SmolLM2's 128-step search on all 10 problems by that search, against the same run by
-dfe37b9's (``smollm2-h128-search-recombined/``). Each rerun table comes from :func:`rerun_table` with its row of
-``RERUNS``.
+dfe37b9's (``smollm2-h128-search-recombined/``). The ninth: ``gemma3-h128-search/``, gemma3-270m's on all 5 problems
+by that search, against the same run by dfe37b9's (``gemma3-h128-search-recombined/``) and the 64-step search. Each
+rerun table comes from :func:`rerun_table` with its row of ``RERUNS``.
 
 Run from the repository root: .venv/bin/python reports/decisions-math500/generalisation.py
 """
@@ -58,9 +60,10 @@ N_BOOT, SEED, LEVEL = 2000, 0, 0.95
 KEYS = ["prompt_id", "checkpoint", "budget"]  # one (checkpoint, budget) of a prompt
 RULE_RTOL = 1e-4  # the rules' rows of the two runs: the same sets through the same engine (batches may differ)
 RECOMBINED = "smollm2-h128-search-recombined"  # SmolLM2's 128-step search, 10 prompts, by dfe37b9's search
+GEMMA3_RECOMBINED = "gemma3-h128-search-recombined"  # gemma3-270m's, 5 prompts, by dfe37b9's search
 # each model's 128-step search by the search its -h128-half run was made with (dfe37b9's), so that the held-out /
 # in-sample ratio compares reading 64 steps with reading 128, not two searches
-WHOLE_RUNS = {"smollm2": RECOMBINED, "gemma3": "gemma3-h128-search"}
+WHOLE_RUNS = {"smollm2": RECOMBINED, "gemma3": GEMMA3_RECOMBINED}
 
 
 def late_damage(path: Path) -> pl.DataFrame:
@@ -165,6 +168,8 @@ SWAPS = "smollm2-h128-search-swaps"  # the same, after the search dropped recomb
 REACH = "smollm2-h128-search-reach"  # the same, after the swaps left entries of large attention weight alone
 GEMMA3_REACH = "gemma3-h128-search-reach"  # gemma3-270m's 128-step search rerun so, on the same 3 problems
 SEARCH = "smollm2-h128-search"  # SmolLM2's 128-step search on all 10 problems by that search
+GEMMA3_SEARCH = "gemma3-h128-search"  # gemma3-270m's on all 5 problems by that search
+CURRENT = {"smollm2": SEARCH, "gemma3": GEMMA3_SEARCH}  # each model's 128-step search by the current search
 
 
 # The rerun tables, in order: (rerun, CSV, heading, text, the searches it is set against: name -> (run, label)).
@@ -199,13 +204,19 @@ RERUNS = [
      "table above (alone on the idle 2 cores, 512 rows or 120 s), against its committed 128-step search "
      "(with recombination, sharing the cores) and its 64-step search at the same checkpoints, all judged on the "
      "same 128 steps; columns as above.",
-     {"before": ("gemma3-h128-search", "before"), "half": ("gemma3-h128-half", "64-step search")}),
+     {"before": (GEMMA3_RECOMBINED, "before"), "half": ("gemma3-h128-half", "64-step search")}),
     (SEARCH, "generalisation-search.csv", "SmolLM2: the 128-step search on all 10 problems",
      f"`{SEARCH}/`: SmolLM2's 128-step search on all 10 problems by the search of the two tables above (alone on "
      f"the idle 2 cores, 512 rows or 120 s), against `{RECOMBINED}/`, the same run by dfe37b9's search (with "
      "recombination, sharing the cores), all judged on the same 128 steps; columns as above (with 10 prompts the "
      "smallest two-sided p is 0.002).",
      {"before": (RECOMBINED, "before")}),
+    (GEMMA3_SEARCH, "generalisation-gemma3-search.csv", "gemma3-270m: the 128-step search on all 5 problems",
+     f"`{GEMMA3_SEARCH}/`: gemma3-270m's 128-step search on all 5 problems by the same search (alone on the idle 2 "
+     f"cores, 512 rows or 120 s), against `{GEMMA3_RECOMBINED}/`, the same run by dfe37b9's search (with "
+     "recombination, sharing the cores), and the 64-step search at the same checkpoints, all judged on the same 128 "
+     "steps; columns as above (with 5 prompts the smallest two-sided p is 0.0625).",
+     {"before": (GEMMA3_RECOMBINED, "before"), "half": ("gemma3-h128-half", "64-step search")}),
 ]
 
 
@@ -219,14 +230,17 @@ def _searched(here: Path, run: str, name: str) -> pl.DataFrame:
 
 
 def current_known_table(here: Path = HERE) -> pl.DataFrame:
-    """Per budget, SmolLM2's 128-step search by the current search (``SEARCH``) against the best set known of the
-    second table (from the two runs by dfe37b9's search) on the half run's prompts: per prompt the ratio current /
+    """Per model and budget, the 128-step search by the current search (``CURRENT``) against the best set known of
+    the second table (from the two runs by dfe37b9's search) on the half run's prompts: per prompt the ratio current /
     best known (geometric mean, plain median, prompts where the current search did less damage, exact sign test)."""
-    j = best_known(here, "smollm2").join(_searched(here, SEARCH, "current_kl"), on=KEYS)
-    return pl.DataFrame([{"budget": budget, "checkpoints": g.height, "current_damage": float(g["current_kl"].mean()),
-                          "known_damage": float(g["known_kl"].mean()),
-                          **_paired(boot, g, "current_kl", "known_kl", "", "current_lower")}
-                         for boot, budget, g in _by_budget(j)])
+    rows = []
+    for model in MODELS:
+        j = best_known(here, model).join(_searched(here, CURRENT[model], "current_kl"), on=KEYS)
+        rows += [{"model": model, "budget": budget, "checkpoints": g.height,
+                  "current_damage": float(g["current_kl"].mean()), "known_damage": float(g["known_kl"].mean()),
+                  **_paired(boot, g, "current_kl", "known_kl", "", "current_lower")}
+                 for boot, budget, g in _by_budget(j)]
+    return pl.DataFrame(rows)
 
 
 def rerun_table(run: str, others: dict[str, str], here: Path = HERE) -> pl.DataFrame:
@@ -271,7 +285,7 @@ def _ci(r: dict, prefix: str = "") -> str:
 
 def main(here: Path = HERE, out: Path = HERE) -> None:
     """generalisation.md, generalisation.csv, -best-known.csv, -current-known.csv, -split.csv, -swaps.csv, -reach.csv,
-    -gemma3-reach.csv and -search.csv in ``out`` from ``here``'s runs."""
+    -gemma3-reach.csv, -search.csv and -gemma3-search.csv in ``out`` from ``here``'s runs."""
     df = table(here)
     write_csv(df, out / "generalisation.csv")
     lines = ["# The generalisation check: chosen without steps 64-127, judged on them", "",
@@ -308,14 +322,15 @@ def main(here: Path = HERE, out: Path = HERE) -> None:
          for r in known.iter_rows(named=True)]))
     current = current_known_table(here)
     write_csv(current, out / "generalisation-current-known.csv")
-    lines += ["", "## SmolLM2: the current search against the best set known", "",
-              f"`{SEARCH}/`'s `oracle_search` (the 128-step search by the search of the reach tables below) against "
-              "the best set known of the table above, on the same 5 prompts and 128 steps: mean damage, and per "
-              "prompt the ratio current / best known as above (current lower: prompts where the current search did "
-              "less damage).", ""]
+    lines += ["", "## The current search against the best set known", "",
+              f"`{SEARCH}/`'s and `{GEMMA3_SEARCH}/`'s `oracle_search` (each model's 128-step search by the search "
+              "of the reach tables below) against the best set known of the table above, on the same 5 prompts and "
+              "128 steps: mean damage, and per prompt the ratio current / best known as above (current lower: "
+              "prompts where the current search did less damage).", ""]
     lines.append(markdown_table(
-        ["budget", "current search", "best known", "current / best known [CI]", "median", "current lower", "p"],
-        [[r["budget"], _num(r["current_damage"]), _num(r["known_damage"]), _ci(r), _num(r["ratio_median"]),
+        ["model", "budget", "current search", "best known", "current / best known [CI]", "median", "current lower",
+         "p"],
+        [[r["model"], r["budget"], _num(r["current_damage"]), _num(r["known_damage"]), _ci(r), _num(r["ratio_median"]),
           f"{r['current_lower']}/{r['prompts']}", format_p(r["p_value"], r["p_resolution"])]
          for r in current.iter_rows(named=True)]))
     for run, csv, heading, text, others in RERUNS:

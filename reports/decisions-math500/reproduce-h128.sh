@@ -12,11 +12,11 @@
 # converged); oracle_greedy is left out (about 1,300 relabelled rows per checkpoint). Per-head selection, keep 0.5 /
 # 0.25 / 0.125. About 1 h 40 min on a 2-core CPU shared with other jobs (trace 25 min, scores 1 min, labels 3 min,
 # decisions about 5 min per checkpoint).
-# Every run here but smollm2-h128-search/, smollm2-h128-search-swaps/ and the two -reach/ was made by oracle_search
+# Every run here but the two -h128-search/, smollm2-h128-search-swaps/ and the two -reach/ was made by oracle_search
 # with its cell-wise recombination, which kvdiag dropped after commit dfe37b9: to remake those exactly, run this with K
 # set to the kvdiag of a checkout of dfe37b9 (git worktree add ../kvdiag-dfe37b9 dfe37b9 && make -C ../kvdiag-dfe37b9
-# venv; K=../kvdiag-dfe37b9/.venv/bin/kvdiag); smollm2-h128-search-recombined/ is the smollm2-h128-search command
-# below run so, with --out $D/smollm2-h128-search-recombined.
+# venv; K=../kvdiag-dfe37b9/.venv/bin/kvdiag); smollm2-h128-search-recombined/ and gemma3-h128-search-recombined/ are
+# the smollm2-h128-search and gemma3-h128-search commands below run so, with --out $D/MODEL-h128-search-recombined.
 set -euo pipefail
 K=${K:-.venv/bin/kvdiag}
 D=runs/decisions-math500-h128
@@ -43,7 +43,7 @@ $K decisions --trace $T --scores $D/scores-head.parquet --labels $D/labels-h8.pa
     --references fast,random,future_attention,oracle_search --search-rows 512 --search-seconds 120 \
     --out $D/smollm2-h128-search
 # gemma3-270m, the same long-horizon search on the first 5 problems (680 new tokens, one checkpoint after 512): its
-# sliding layers' budgets count only the entries they still attend (the last 512)
+# sliding layers' budgets count only the entries they still attend (the last 512); made by the search as it is now
 G=$D/gemma3-trace
 [ -f $G/manifest.json ] || $K trace --model gemma3-270m --max-new-tokens 680 --min-new-tokens 680 \
     --prompts data/math500-first20.jsonl --limit 5 --out $G
@@ -96,8 +96,8 @@ done
     --keep 0.5,0.25,0.125 --horizon 128 --infeasible skip --pairs 0 \
     --references fast,random,future_attention,oracle_search --search-rows 512 --search-seconds 120 \
     --out $D/gemma3-h128-search-reach
-for run in smollm2-h128 smollm2-h128-search smollm2-h128-search-recombined gemma3-h128-search smollm2-h128-half \
-           gemma3-h128-half \
+for run in smollm2-h128 smollm2-h128-search smollm2-h128-search-recombined gemma3-h128-search \
+           gemma3-h128-search-recombined smollm2-h128-half gemma3-h128-half \
            smollm2-h128-search-split smollm2-h128-search-swaps smollm2-h128-search-reach gemma3-h128-search-reach; do
 mkdir -p reports/decisions-math500/$run
 for f in summary.md summary.csv paired.csv spearman.csv headroom.csv search.csv held_out.csv summary.json config.json \
