@@ -301,6 +301,28 @@ def test_bench_decisions_reports_rows_seconds_and_improvement(tmp_path):
         assert r["kl"] <= min(r["candidates"].values()) + 1e-12 and r["start_kl"] == min(r["candidates"].values())
         assert {"fast", "future_attention", "snapkv"} <= set(r["candidates"])
         assert r["improvement"] == pytest.approx(r["start_kl"] - r["kl"], abs=1e-12) and r["improvement"] >= 0
+        # its curve: one entry per batch, rows and seconds rising, the label never rising, ending at the result
+        rows, seconds, kl = zip(*r["history"], strict=True)
+        assert rows[0] == 0 and rows[-1] == r["rows"] and kl[0] == r["start_kl"] and kl[-1] == r["kl"]
+        assert list(rows) == sorted(set(rows)) and list(seconds) == sorted(seconds) and list(kl) == sorted(kl)[::-1]
+        assert r["quarters"][-1]["rows"] == r["rows"] and r["quarters"][-1]["gain"] is None
+
+
+def test_quarters_gives_the_label_at_each_4x_step_of_the_rows():
+    """``quarters``: the best label after R, R/4, R/16, ... rows (the last batch at or below each), down to the first
+    batch, with what the 4x more rows after each took off it: the convergence rule's figure at every step."""
+    from kvdiag.decisions.bench import quarters
+
+    history = [(0, 0.0, 1.0), (4, 1.0, 0.8), (8, 2.0, 0.5), (16, 4.0, 0.4), (32, 8.0, 0.3), (64, 16.0, 0.2)]
+    got = quarters(history)
+    assert [(q["rows"], q["kl"]) for q in got] == [(4, 0.8), (16, 0.4), (64, 0.2)]
+    assert got[0]["gain"] == pytest.approx(0.5) and got[1]["gain"] == pytest.approx(0.5) and got[2]["gain"] is None
+    assert got[1]["seconds"] == 4.0
+    # R/4 between batches: the last batch at or below it (rows 8 for 40 / 4 = 10); below the first batch, no entry
+    got = quarters([(0, 0.0, 1.0), (8, 1.0, 0.6), (24, 3.0, 0.5), (40, 5.0, 0.45)])
+    assert [(q["rows"], q["kl"]) for q in got] == [(8, 0.6), (40, 0.45)]
+    assert got[0]["gain"] == pytest.approx(0.25)
+    assert quarters([(0, 0.0, 1.0)]) == [{"rows": 0, "seconds": 0.0, "kl": 1.0, "gain": None}]
 
 
 def test_cli_runs_both_references_with_a_window_to_the_end(decided):

@@ -64,6 +64,12 @@ def bench_decisions(
         gain = (one["kl"] - more["kl"]) / one["kl"] if one["kl"] > 0 else float("nan")
         plain_console().print(f"keep {f:g}: {scale}x the effort took {gain:.2%} off the 1x search's label "
                               f"({'converged' if gain < 0.01 else 'not converged'}: the bar is 1 %)")
+        steps = more["quarters"]  # the scaled search's own curve: each 4x step of its rows
+        if len(steps) > 1:
+            plain_console().print(
+                f"keep {f:g}, the {scale}x search after "
+                + ", ".join(f"{q['rows']} rows ({q['seconds']:.0f} s): {q['kl']:.4g}" for q in steps)
+                + "; each 4x more rows took " + ", ".join(f"{q['gain']:.1%}" for q in steps[:-1]) + " off")
     if out is not None:
         from pathlib import Path
 

@@ -140,6 +140,26 @@ def search_candidates(lm: LoadedModel, ids: torch.Tensor, t: int, horizon: int, 
             "seconds": time.perf_counter() - began}
 
 
+def quarters(history: list[tuple[int, float, float]]) -> list[dict]:
+    """The convergence curve of one search (``Searched.history``: (rows, seconds, best label) after each batch): the
+    best label after R, R/4, R/16, ... rows (R the rows spent; down to the first batch), last first, each with the
+    share of it the 4x more rows after it took off (``gain``; None for the last): the convergence rule's figure at
+    every 4x step of the effort, not only at the end."""
+    rows = history[-1][0]
+    first = next((r for r, _, _ in history if r > 0), rows)
+    out: list[dict] = []
+    at = float(rows)
+    while True:
+        r, sec, kl = max((h for h in history if h[0] <= at), key=lambda h: h[0])
+        out.append({"rows": r, "seconds": sec, "kl": kl, "gain": None})
+        at /= 4
+        if at < first or at < 1:  # below the first batch (or no rows at all): nothing earlier to compare with
+            break
+    for later, earlier in zip(out, out[1:], strict=False):  # each entry with the one 4x fewer rows before it
+        earlier["gain"] = (earlier["kl"] - later["kl"]) / earlier["kl"] if earlier["kl"] > 0 else float("nan")
+    return out[::-1]
+
+
 def run_search_bench(lm: LoadedModel, prefix_len: int = 640, horizon: int = 16, keep: tuple[float, ...] = (0.5,),
                      rules: tuple[str, ...] = ("snapkv", "tova", "h2o", "streamingllm", "knorm"), rows: int = 512,
                      seconds: float = 120.0, scale: int = 4, selection: str = "per-head") -> dict:
@@ -162,6 +182,7 @@ def run_search_bench(lm: LoadedModel, prefix_len: int = 640, horizon: int = 16, 
             kl = float(found.label["kl"].double().mean())
             out.append({"keep": f, "effort": effort, "rows_limit": rows * effort, "rows": found.rows,
                         "seconds": found.seconds, "converged": found.converged, "start": found.start,
+                        "history": [list(h) for h in found.history], "quarters": quarters(found.history),
                         "start_kl": labels[best], "kl": kl,
                         "improvement": labels[best] - kl, "relative": (labels[best] - kl) / labels[best]
                         if labels[best] > 0 else float("nan"), "candidates": labels})

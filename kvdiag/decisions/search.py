@@ -146,6 +146,7 @@ class Searched:
     rows: int
     seconds: float
     converged: bool = False  # it stopped because 4x more rows gained under CONVERGED (not at its row or time bound)
+    history: list[tuple[int, float, float]] = field(default_factory=list)  # (rows, seconds, best label) per batch
 
     @property
     def improvement(self) -> float:
@@ -161,7 +162,7 @@ class _Judge:
         self.best = start
         self.kl = float(start.label["kl"].double().mean())
         self.rows, self.max_rows, self.began, self.max_seconds = 0, rows, time.perf_counter(), seconds
-        self.history = [(0, self.kl)]  # (rows spent, best label then), after each batch
+        self.history = [(0, 0.0, self.kl)]  # (rows spent, seconds, best label then), after each batch
         self.converged, self.stop = False, stop
 
     def left(self) -> int:
@@ -176,7 +177,7 @@ class _Judge:
         ``CONVERGED`` of it (4x the effort gained under 1 %)."""
         if self.rows < 4 * self.engine.batch_size:
             return
-        then = min(kl for rows, kl in self.history if rows <= self.rows / 4)
+        then = min(kl for rows, _, kl in self.history if rows <= self.rows / 4)
         self.converged = self.converged or then - self.kl < CONVERGED * then
 
     def label(self, masks: list[torch.Tensor]) -> torch.Tensor:
@@ -189,7 +190,7 @@ class _Judge:
         if float(kl[j]) < self.kl - max(ACCEPT_ABS, ACCEPT_REL * self.kl):
             self.best = Candidate("oracle_search", masks[j], {key: val[j] for key, val in res.items()})
             self.kl = float(kl[j])
-        self.history.append((self.rows, self.kl))
+        self.history.append((self.rows, round(time.perf_counter() - self.began, 3), self.kl))
         self._check_converged()
         return kl
 
@@ -206,7 +207,7 @@ def search(engine, t: int, candidates: list[Candidate], per_token: bool, rows: i
     judge = _Judge(engine, t, start, per_token, rows, seconds, stop)
     _swaps(judge, visible)
     return Searched(judge.best.mask, judge.best.label, start.name, float(start.label["kl"].double().mean()),
-                    judge.rows, round(time.perf_counter() - began, 3), judge.converged)
+                    judge.rows, round(time.perf_counter() - began, 3), judge.converged, judge.history)
 
 
 def _swaps(judge: _Judge, visible: torch.Tensor) -> None:
