@@ -142,15 +142,17 @@ def search_candidates(lm: LoadedModel, ids: torch.Tensor, t: int, horizon: int, 
 
 def quarters(history: list[tuple[int, float, float]]) -> list[dict]:
     """The convergence curve of one search (``Searched.history``: (rows, seconds, best label) after each batch): the
-    best label after R, R/4, R/16, ... rows (R the rows spent; down to the first batch), last first, each with the
-    share of it the 4x more rows after it took off (``gain``; None for the last): the convergence rule's figure at
-    every 4x step of the effort, not only at the end."""
+    best label after R, R/4, R/16, ... rows (R the rows spent; down to the first batch), fewest rows first, each
+    with the share of it the 4x more rows after it took off (``gain``; None for the last): the convergence rule's
+    figure at every 4x step of the effort, not only at the end."""
+    from kvdiag.decisions.search import after
+
     rows = history[-1][0]
     first = next((r for r, _, _ in history if r > 0), rows)
     out: list[dict] = []
     at = float(rows)
     while True:
-        r, sec, kl = max((h for h in history if h[0] <= at), key=lambda h: h[0])
+        r, sec, kl = after(history, at)
         out.append({"rows": r, "seconds": sec, "kl": kl, "gain": None})
         at /= 4
         if at < first or at < 1:  # below the first batch (or no rows at all): nothing earlier to compare with

@@ -153,6 +153,12 @@ class Searched:
         return self.start_kl - float(self.label["kl"].double().mean())
 
 
+def after(history: list[tuple[int, float, float]], rows: float) -> tuple[int, float, float]:
+    """The entry of a search's ``history`` (rows, seconds, best label; rows rising, the label never rising) that was
+    current after ``rows`` rows: the last at or below it."""
+    return max((h for h in history if h[0] <= rows), key=lambda h: h[0])
+
+
 class _Judge:
     """Labels batches of masks exactly and keeps the best; counts rows and time."""
 
@@ -177,7 +183,7 @@ class _Judge:
         ``CONVERGED`` of it (4x the effort gained under 1 %)."""
         if self.rows < 4 * self.engine.batch_size:
             return
-        then = min(kl for rows, _, kl in self.history if rows <= self.rows / 4)
+        then = after(self.history, self.rows / 4)[2]
         self.converged = self.converged or then - self.kl < CONVERGED * then
 
     def label(self, masks: list[torch.Tensor]) -> torch.Tensor:

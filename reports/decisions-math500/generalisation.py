@@ -148,10 +148,11 @@ def best_known(here: Path, model: str) -> pl.DataFrame:
     return rule_rows.join(search, on=KEYS).join(known, on=KEYS)
 
 
-def known_table(here: Path = HERE) -> pl.DataFrame:
+def known_table(known: dict[str, pl.DataFrame]) -> pl.DataFrame:
+    """The second table from each model's :func:`best_known` frame (``known``: model -> frame)."""
     rows = []
-    for model in MODELS:
-        for boot, budget, g in _by_budget(best_known(here, model)):
+    for model, frame in known.items():
+        for boot, budget, g in _by_budget(frame):
             row = {"model": model, "budget": budget, "best_rule": g["best_rule"][0], "checkpoints": g.height,
                    "best_rule_damage": float(g["best_rule_kl"].mean()), "search_damage": float(g["search_kl"].mean()),
                    "known_damage": float(g["known_kl"].mean()),
@@ -229,13 +230,14 @@ def _searched(here: Path, run: str, name: str) -> pl.DataFrame:
                                                      pl.col("cost_rows").alias(f"{name}_rows"))
 
 
-def current_known_table(here: Path = HERE) -> pl.DataFrame:
+def current_known_table(known: dict[str, pl.DataFrame], here: Path = HERE) -> pl.DataFrame:
     """Per model and budget, the 128-step search by the current search (``CURRENT``) against the best set known of
-    the second table (from the two runs by dfe37b9's search) on the half run's prompts: per prompt the ratio current /
-    best known (geometric mean, plain median, prompts where the current search did less damage, exact sign test)."""
+    the second table (``known``: model -> its :func:`best_known` frame, from the two runs by dfe37b9's search) on the
+    half run's prompts: per prompt the ratio current / best known (geometric mean, plain median, prompts where the
+    current search did less damage, exact sign test)."""
     rows = []
-    for model in MODELS:
-        j = best_known(here, model).join(_searched(here, CURRENT[model], "current_kl"), on=KEYS)
+    for model, frame in known.items():
+        j = frame.join(_searched(here, CURRENT[model], "current_kl"), on=KEYS)
         rows += [{"model": model, "budget": budget, "checkpoints": g.height,
                   "current_damage": float(g["current_kl"].mean()), "known_damage": float(g["known_kl"].mean()),
                   **_paired(boot, g, "current_kl", "known_kl", "", "current_lower")}
@@ -303,7 +305,8 @@ def main(here: Path = HERE, out: Path = HERE) -> None:
           _ci(r), _num(r["ratio_median"]),
           f"{r['held_out_lower']}/{r['prompts']}", format_p(r["p_value"], r["p_resolution"])]
          for r in df.iter_rows(named=True)]))
-    known = known_table(here)
+    best = {model: best_known(here, model) for model in MODELS}  # read once: the second and third tables share it
+    known = known_table(best)
     write_csv(known, out / "generalisation-best-known.csv")
     lines += ["", "## The best set known over the 128 steps", "",
               "Per (checkpoint, budget), the lowest mean damage over all 128 steps among every reference's set of "
@@ -320,7 +323,7 @@ def main(here: Path = HERE, out: Path = HERE) -> None:
               _ci(r, name + "_"), _num(r[name + "_ratio_median"]), f"{r[name + '_rule_lower']}/{r[name + '_prompts']}",
               format_p(r[name + "_p_value"], r[name + "_p_resolution"])))]
          for r in known.iter_rows(named=True)]))
-    current = current_known_table(here)
+    current = current_known_table(best, here)
     write_csv(current, out / "generalisation-current-known.csv")
     lines += ["", "## The current search against the best set known", "",
               f"`{SEARCH}/`'s and `{GEMMA3_SEARCH}/`'s `oracle_search` (each model's 128-step search by the search "
