@@ -303,7 +303,9 @@ def test_bench_decisions_reports_rows_seconds_and_improvement(tmp_path):
         assert r["improvement"] == pytest.approx(r["start_kl"] - r["kl"], abs=1e-12) and r["improvement"] >= 0
         # its curve: one entry per batch, rows and seconds rising, the label never rising, ending at the result
         rows, seconds, kl = zip(*r["history"], strict=True)
-        assert rows[0] == 0 and rows[-1] == r["rows"] and kl[0] == r["start_kl"] and kl[-1] == r["kl"]
+        assert rows[0] == 0 and rows[-1] == r["rows"] and kl[0] == r["start_kl"]  # the same tensor, the same mean
+        # the same doubles, reduced over the batch's [N, H] rows (history) or over the one row (result): 1e-12 relative
+        assert kl[-1] == pytest.approx(r["kl"], rel=1e-12, abs=0)
         assert list(rows) == sorted(set(rows)) and list(seconds) == sorted(seconds) and list(kl) == sorted(kl)[::-1]
         assert r["quarters"][-1]["rows"] == r["rows"] and r["quarters"][-1]["gain"] is None
 
