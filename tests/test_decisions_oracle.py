@@ -211,24 +211,86 @@ def test_reach_is_each_entrys_largest_attention_weight_over_the_kept_entries(dec
     assert (reach[-1] > 1).any()  # a renormalised weight the rest no longer bounds (an evicted entry's)
 
 
-def test_swaps_move_only_entries_of_small_reach_while_any_such_swap_is_untried():
-    """``_proposals``: g is linear in the mask, but dropping an entry of weight w rescales the rest by 1 / (1 - w) and a
-    restored weight saturates, so entries whose reach exceeds ``REACH`` are not moved while a swap among the others is
-    untried; then every visible entry is. Entries 0-3 evicted, 4-7 kept; restoring 0 and dropping 4 look best but
-    reach 3.0 and 0.9."""
+class ScriptedEngine:
+    """Labels every set with ``kl`` (the engine's exact row, scripted); counts the rows."""
+
+    def __init__(self, kl: float):
+        self.kl, self.rows = kl, 0
+
+    def label_sets(self, t, sets):
+        self.rows += len(sets)
+        kl = torch.full((len(sets), 1), self.kl, dtype=torch.float64)
+        return {"kl": kl, "js": kl, "nll_delta": kl, "flips": torch.zeros(len(sets))}, 0.0
+
+
+def scripted_gradient(monkeypatch, g, kls, reach=None, seen=None):
+    """``mask_gradient`` returning ``g`` and ``reach`` every step and the next of ``kls`` as the set's KL; the masks it
+    was called with go to ``seen``."""
     from kvdiag.decisions import search as S
 
-    g = torch.tensor([-5.0, -4.0, -3.0, -2.0, 0.0, -0.1, -0.2, -0.3], dtype=torch.float64).view(1, 1, 8)
-    cur = torch.tensor([True] * 4 + [False] * 4).view(1, 1, 8)
-    reach = torch.zeros(1, 1, 8, dtype=torch.float64)
-    reach[0, 0, 0], reach[0, 0, 4] = 3.0, 0.9
-    visible = torch.ones(1, 8, dtype=torch.bool)
-    small = S._proposals(g, reach, cur, visible, False, set(), 100)
-    assert [p[2:] for p in small[:2]] == [(5, 1), (6, 1)]  # drop 5 restore 1 (-3.9), then drop 6 restore 1 (-3.8)
-    assert {p[2:] for p in small} == {(a, b) for a in (5, 6, 7) for b in (1, 2, 3)}
-    rest = S._proposals(g, reach, cur, visible, False, {p[1:] for p in small}, 100)
-    assert rest[0][2:] == (4, 0) and len(rest) == 16 - 9  # the large-reach swaps, best first
-    assert all(0 in p[2:] or 4 in p[2:] for p in rest)
+    kls = iter(kls)
+
+    def gradient(engine, t, evicted):
+        if seen is not None:
+            seen.append(evicted.clone())
+        return g, next(kls), torch.zeros_like(g) if reach is None else reach
+
+    monkeypatch.setattr(S, "mask_gradient", gradient)
+
+
+def test_a_step_evicts_each_cells_lowest_scores_and_leaves_large_reach_kept_entries_alone(monkeypatch):
+    """``search``'s descent: scores +1 kept / -1 evicted move by -0.1 x a momentum (0.9) of g / max |g|; each set
+    evicts per cell as many entries as the start, the lowest-scoring; a kept entry of reach > ``REACH`` gets no push
+    from its own gradient; entries no query sees keep their status. Cell 0: entries 0-3 evicted, 4-7 kept; dropping 4
+    looks best but its reach is 0.9; restoring 3 looks best but 3 is not visible. Restoring 0 (g -1) and dropping 5
+    (g 0.8) cross when 0.1 S (1 + 0.8) > 2, S the summed momenta 1, 2.9, 5.61, 9.05, 13.2: after step 5, so the
+    sixth set is the first to differ, by exactly that swap. Cell 1 (g 0) never moves. The result: the best set the
+    steps labeled, relabeled exactly, if lower than the start."""
+    from kvdiag.decisions import search as S
+
+    start = torch.tensor([True] * 4 + [False] * 4).expand(2, 1, 8).clone()  # [L=2, Hkv=1, t=8]
+    g = torch.zeros(2, 1, 8, dtype=torch.float64)
+    g[0, 0] = torch.tensor([-1.0, -0.5, -0.2, -3.0, 2.0, 0.8, 0.1, 0.0])
+    reach = torch.zeros_like(g)
+    reach[0, 0, 4] = 0.9
+    visible = torch.ones(2, 8, dtype=torch.bool)
+    visible[0, 3] = False
+    seen: list[torch.Tensor] = []
+    # the start's label 1.0; the steps' KLs: the sixth set (the swap) is the lowest
+    cands = [S.Candidate("rule", start, {"kl": torch.tensor([1.0])})]
+    for exact, accepted in ((0.5, True), (1.5, False)):
+        seen.clear()
+        scripted_gradient(monkeypatch, g, [1.0, 1.0, 1.0, 1.0, 1.0, 0.4, 0.6], reach, seen)
+        engine = ScriptedEngine(exact)
+        found = S.search(engine, 8, cands, per_token=False, rows=8, seconds=0, visible=visible)
+        assert len(seen) == 7 and all(torch.equal(m, start) for m in seen[:5])
+        swapped = start.clone()
+        swapped[0, 0, 0], swapped[0, 0, 5] = False, True
+        assert torch.equal(seen[5], swapped) and (seen[6].sum(-1) == 4).all() and bool(seen[6][0, 0, 3])
+        assert all(torch.equal(m[1], start[1]) and not bool(m[0, 0, 4]) for m in seen)
+        assert [h[0] for h in found.history] == list(range(8)) and [h[2] for h in found.history][-2:] == [0.4, 0.4]
+        assert engine.rows == 1 and found.rows == 8  # 7 steps and the exact row of the best (the sixth set)
+        assert torch.equal(found.mask, swapped if accepted else start)
+        assert float(found.label["kl"].mean()) == (exact if accepted else 1.0) and found.start == "rule"
+
+
+def test_a_token_set_moves_as_one_cell(monkeypatch):
+    """Per-token: the descent's one cell takes the gradient summed over the (layer, KV head) cells, and its set is the
+    same in every cell. Tokens 0-1 evicted; restoring 0 (g -1 in one cell) and dropping 3 (g 1 in another) cross when
+    0.2 S > 2: after step 5, so the sixth set is the first to differ."""
+    from kvdiag.decisions import search as S
+
+    start = torch.tensor([True] * 2 + [False] * 2).expand(3, 2, 4).clone()
+    g = torch.zeros(3, 2, 4, dtype=torch.float64)
+    g[0, 0, 0], g[2, 1, 3] = -1.0, 1.0
+    seen: list[torch.Tensor] = []
+    scripted_gradient(monkeypatch, g, [1.0] * 5 + [0.5] + [0.6] * 6, seen=seen)
+    found = S.search(ScriptedEngine(0.5), 4, [S.Candidate("rule", start, {"kl": torch.tensor([2.0])})], True,
+                     rows=13, seconds=0, visible=torch.ones(3, 4, dtype=torch.bool))
+    want = torch.tensor([False, True, False, True]).expand(3, 2, 4)
+    assert len(seen) == 12 and all(torch.equal(m, start) for m in seen[:5]) and torch.equal(seen[5], want)
+    assert all(torch.equal(m, m[0, 0].expand(3, 2, 4)) for m in seen)  # a token set: every cell the same
+    assert torch.equal(found.mask, want) and found.rows == 13
 
 
 def test_a_sliding_layers_budget_counts_only_what_it_still_sees(decided):
@@ -301,13 +363,15 @@ def test_bench_decisions_reports_rows_seconds_and_improvement(tmp_path):
         assert r["kl"] <= min(r["candidates"].values()) + 1e-12 and r["start_kl"] == min(r["candidates"].values())
         assert {"fast", "future_attention", "snapkv"} <= set(r["candidates"])
         assert r["improvement"] == pytest.approx(r["start_kl"] - r["kl"], abs=1e-12) and r["improvement"] >= 0
-        # its curve: one entry per batch, rows and seconds rising, the label never rising, ending at the result
+        # its curve: one entry per step, steps and seconds rising, the label never rising, ending at the result: its
+        # steps, and the exact row of the best set when lower than the start; the steps' labels are the soft-mask
+        # forward's, the result's the engine's (two fp32 attention paths: rel 1e-4, abs 1e-6, as the exactness test)
         rows, seconds, kl = zip(*r["history"], strict=True)
-        assert rows[0] == 0 and rows[-1] == r["rows"] and kl[0] == r["start_kl"]  # the same tensor, the same mean
-        # the same doubles, reduced over the batch's [N, H] rows (history) or over the one row (result): 1e-12 relative
-        assert kl[-1] == pytest.approx(r["kl"], rel=1e-12, abs=0)
+        assert rows[0] == 0 and kl[0] == r["start_kl"]  # the same tensor, the same mean
+        assert r["rows"] == rows[-1] + (r["kl"] < r["start_kl"]) and r["rows"] <= r["rows_limit"]
+        assert kl[-1] == pytest.approx(r["kl"], rel=1e-4, abs=1e-6)
         assert list(rows) == sorted(set(rows)) and list(seconds) == sorted(seconds) and list(kl) == sorted(kl)[::-1]
-        assert r["quarters"][-1]["rows"] == r["rows"] and r["quarters"][-1]["gain"] is None
+        assert r["quarters"][-1]["rows"] == rows[-1] and r["quarters"][-1]["gain"] is None
 
 
 def test_quarters_gives_the_label_at_each_4x_step_of_the_rows():
@@ -454,119 +518,52 @@ def test_a_read_window_is_judged_on_the_steps_it_did_not_read(decided):
     assert "## In-window and held out" in (out / "summary.md").read_text()
 
 
-def test_the_search_stops_once_4x_the_rows_gain_under_1_percent():
-    """``_Judge``: after each batch of swaps, converged when the label at a quarter of the rows spent, less the label
-    now, is under 1 % of it; with ``stop`` it then allows no more rows, without it (the bench's scaled run) it goes
-    on."""
-    from kvdiag.decisions.search import CONVERGED, Candidate, _Judge
-
-    class Engine:  # labels each batch of masks with the next values of a script
-        batch_size = 2
-
-        def __init__(self, script):
-            self.script = iter(script)
-
-        def label_sets(self, t, sets):
-            kl = torch.tensor(next(self.script), dtype=torch.float64)[:, None]
-            return {"kl": kl, "js": kl, "nll_delta": kl, "flips": torch.zeros(len(sets))}, 0.0
-
-    mask = torch.zeros(1, 1, 4, dtype=torch.bool)
-    start = Candidate("rule", mask, {"kl": torch.tensor([1.0])})
-    # 2 rows per batch; a 10 % gain at rows 2, then 0.5 % in all until rows 10: at rows 8 the label at rows 2 (0.9)
-    # less now (0.8955) is 0.5 %: converged
-    script = [[0.9, 1.0], [0.899, 1.0], [0.8975, 1.0], [0.8955, 1.0], [0.895, 1.0]]
-    for stop in (True, False):
-        judge = _Judge(Engine(script), 4, start, True, rows=100, seconds=0, stop=stop)
-        for _ in range(4):
-            judge.label([mask, mask])
-        assert judge.converged and (0.9 - 0.8955) < CONVERGED * 0.9
-        assert judge.left() == (0 if stop else 100 - 8)
-    judge = _Judge(Engine(script), 4, start, True, rows=100, seconds=0)
-    for _ in range(3):  # 6 rows: below 4 x batch = 8, never judged converged
-        judge.label([mask, mask])
-    assert not judge.converged and judge.left() == 94
-
-
-def test_the_singles_that_helped_alone_are_labeled_together_in_the_next_batch(monkeypatch):
-    """``_swaps``: a batch accepts only its best row, so the next batch labels, on the new set, every single swap of
-    the last batch that lowered the label on its own and still applies there (its drop kept, its restore evicted),
-    together. Four identical cells; the scripted label is the evicted entries' summed cost, plus 100 for a row that
-    changes more than one cell, so the first batch accepts a single and the union is the second batch's first row."""
+def test_the_search_stops_once_4x_the_steps_gain_under_1_percent(monkeypatch):
+    """``search``: after each step from ``WARMUP`` on, converged when the best label after a quarter of the steps,
+    less the best now, is under 1 % of it; with ``stop`` it then takes no more steps, without it (the bench's scaled
+    run) it goes on to its rows. Scripted KLs: 0.9 at the first step, 0.5 from step 16 (a quarter of 64), 0.499 from
+    step 20: at step 64 the steps since 16 took 0.2 % off."""
     from kvdiag.decisions import search as S
 
-    cost = torch.tensor([5.0, 4.0, 3.0, 2.0, 0.5, 0.4, 0.3, 0.2], dtype=torch.float64)
-    start = torch.tensor([True] * 4 + [False] * 4).expand(4, 1, 8).clone()  # [L=4, Hkv=1, t=8]: 0-3 evicted
-    labeled: list[list[torch.Tensor]] = []
-
-    class Engine:
-        batch_size = 12
-
-        def label_sets(self, t, sets):
-            masks = [S.set_mask(s, 4, 1, 8) for s in sets]
-            labeled.append(masks)
-            kl = torch.tensor([float((cost * m).sum()) + 100.0 * (int((m != start).any(-1).sum()) > 1)
-                               for m in masks], dtype=torch.float64)[:, None]
-            return {"kl": kl, "js": kl, "nll_delta": kl, "flips": torch.zeros(len(sets))}, 0.0
-
-    # d KL / d keep: restoring 0 looks best, then 1; dropping 4 looks free, then 5
-    g = torch.tensor([-5.0, -4.0, -3.0, -2.0, 0.0, -0.1, -0.2, -0.3], dtype=torch.float64).expand(4, 1, 8)
-    monkeypatch.setattr(S, "mask_gradient", lambda engine, t, evicted: (g, 0.0, torch.zeros_like(g)))
-    judge = S._Judge(Engine(), 8, S.Candidate("rule", start, {"kl": torch.tensor([56.0])}), False, rows=24,
-                     seconds=0, stop=False)
-    S._swaps(judge, torch.ones(4, 8, dtype=torch.bool))
-    # batch 1: singles touch distinct entries of a cell: (cell, drop 4, restore 0) x 4 at 51.5, then (cell, drop 5,
-    # restore 1) x 4 at 52.4; the first is accepted (cell 0); the combos pay the 100
-    cur = start.clone()
-    cur[0, 0, 4], cur[0, 0, 0] = True, False
-    assert len(labeled) == 2 and judge.rows == 24
-    assert any(torch.equal(m, cur) for m in labeled[0])
-    # batch 2's first row: on that set, every helping single that still applies, together: cells 1-3 take their
-    # (drop 4, restore 0) and every cell its (drop 5, restore 1); cell 0's (drop 4, restore 0) is stale
-    union = cur.clone()
-    union[1:, 0, 4], union[1:, 0, 0] = True, False
-    union[:, 0, 5], union[:, 0, 1] = True, False
-    assert torch.equal(labeled[1][0], union)
-    assert not torch.equal(judge.best.mask, union)  # it changes four cells: scripted at +100, so not accepted
-    assert judge.kl < 51.5  # batch 2 went on from the accepted single
+    kls = [0.9] * 15 + [0.5] * 4 + [0.499] * 200
+    g = torch.linspace(-1, 1, 8, dtype=torch.float64).view(1, 1, 8)
+    start = torch.tensor([True] * 4 + [False] * 4).view(1, 1, 8)
+    cands = [S.Candidate("rule", start, {"kl": torch.tensor([1.0])})]
+    for stop, steps in ((True, S.WARMUP), (False, 99)):
+        scripted_gradient(monkeypatch, g, kls)
+        found = S.search(ScriptedEngine(0.499), 8, cands, False, rows=100, seconds=0,
+                         visible=torch.ones(1, 8, dtype=torch.bool), stop=stop)
+        assert found.converged and found.history[-1][0] == steps
+        assert S.after(found.history, S.WARMUP / 4)[2] == 0.5 and (0.5 - 0.499) < S.CONVERGED * 0.5
+    # 0.9 -> 0.5 between steps 15 and 16: at step 63 the label at 15 (0.9) is 80 % higher; before WARMUP never judged
+    scripted_gradient(monkeypatch, g, [0.9] * 15 + [0.5] * 200)
+    found = S.search(ScriptedEngine(0.5), 8, cands, False, rows=64, seconds=0,
+                     visible=torch.ones(1, 8, dtype=torch.bool))
+    assert not found.converged and found.history[-1][0] == 63
 
 
-def test_no_batch_is_labeled_once_the_seconds_ran_out_during_the_gradient(monkeypatch):
-    """``search``: no new round after its seconds, and none of the round whose gradient spent them (it used to label
-    one row there). A scripted engine whose every batch and every gradient take one second of a fake clock and never
-    improve; 2.5 seconds: gradient (1 s), a batch (2 s), gradient (3 s), then stop: one batch, ``batch_size`` rows."""
+def test_no_step_is_taken_once_the_seconds_ran_out(monkeypatch):
+    """``search``: no new step after its seconds. A fake clock whose every gradient takes one second; 2.5 seconds:
+    steps at 0, 1 and 2 s, none at 3 s; the best set the steps found is then labeled exactly (one more row)."""
     from types import SimpleNamespace
 
     from kvdiag.decisions import search as S
 
     clock = [0.0]
     monkeypatch.setattr(S, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    batches = []
-
-    class Engine:
-        batch_size = 4
-
-        def label_sets(self, t, sets):
-            clock[0] += 1.0
-            batches.append(len(sets))
-            kl = torch.full((len(sets), 1), 2.0, dtype=torch.float64)  # never below the start's 1.0
-            return {"kl": kl, "js": kl, "nll_delta": kl, "flips": torch.zeros(len(sets))}, 0.0
-
     L, t = 4, 8
     g = torch.linspace(-1, 1, L * t, dtype=torch.float64).view(L, 1, t)
+    calls = []
 
     def gradient(engine, t, evicted):
         clock[0] += 1.0
-        return g, 0.0, torch.zeros_like(g)
+        calls.append(evicted.clone())
+        return g, 1.0, torch.zeros_like(g)
 
     monkeypatch.setattr(S, "mask_gradient", gradient)
-
-    def cand(name, evicted, kl):
-        m = torch.zeros(L, 1, t, dtype=torch.bool)
-        m[:, 0, evicted] = True
-        return S.Candidate(name, m, {"kl": torch.tensor([kl])})
-
-    cands = [cand("b", [2, 3], 1.5), cand("best", [0, 1], 1.0)]
-    found = S.search(Engine(), t, cands, per_token=False, rows=1000, seconds=2.5,
-                     visible=torch.ones(L, t, dtype=torch.bool))
-    assert batches == [4] and found.rows == 4 and found.start == "best" and not found.converged
-    assert torch.equal(found.mask, cands[1].mask)  # nothing improved: the start stays
+    start = torch.zeros(L, 1, t, dtype=torch.bool)
+    start[:, 0, :2] = True
+    found = S.search(ScriptedEngine(2.0), t, [S.Candidate("best", start, {"kl": torch.tensor([1.0])})],
+                     per_token=False, rows=1000, seconds=2.5, visible=torch.ones(L, t, dtype=torch.bool))
+    assert len(calls) == 3 and found.rows == 3 and found.start == "best" and not found.converged
+    assert torch.equal(found.mask, start)  # no step's set was lower than the start: nothing to relabel

@@ -20,7 +20,8 @@ def bench_decisions(
     scorers: list[str] = common.flag("--scorers", ["snapkv,tova,h2o,streamingllm,knorm"], "the rules whose sets "
                                       "are candidates (with fast and future_attention)"),
     selection: str = common.flag("--selection", "per-head", "per-head | per-token"),
-    search_rows: int = common.flag("--search-rows", 512, "oracle_search's set rows per budget"),
+    search_rows: int = common.flag("--search-rows", 512, "oracle_search's sets labeled per budget (a descent "
+                                    "step each)"),
     search_seconds: float = common.flag("--search-seconds", 120.0, "oracle_search's time per budget (0: none)"),
     scale: int = typer.Option(4, "--scale", help="also search at this multiple of the effort"),
     out: str = common.flag("--out", None, "also write the result as JSON here"),
@@ -64,12 +65,12 @@ def bench_decisions(
         gain = (one["kl"] - more["kl"]) / one["kl"] if one["kl"] > 0 else float("nan")
         plain_console().print(f"keep {f:g}: {scale}x the effort took {gain:.2%} off the 1x search's label "
                               f"({'converged' if gain < 0.01 else 'not converged'}: the bar is 1 %)")
-        steps = more["quarters"]  # the scaled search's own curve: each 4x step of its rows
+        steps = more["quarters"]  # the scaled search's own curve: each 4x step of its steps
         if len(steps) > 1:
             plain_console().print(
                 f"keep {f:g}, the {scale}x search after "
-                + ", ".join(f"{q['rows']} rows ({q['seconds']:.0f} s): {q['kl']:.4g}" for q in steps)
-                + "; each 4x more rows took " + ", ".join(f"{q['gain']:.1%}" for q in steps[:-1]) + " off")
+                + ", ".join(f"{q['rows']} steps ({q['seconds']:.0f} s): {q['kl']:.4g}" for q in steps)
+                + "; each 4x more steps took " + ", ".join(f"{q['gain']:.1%}" for q in steps[:-1]) + " off")
     if out is not None:
         from pathlib import Path
 

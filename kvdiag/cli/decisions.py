@@ -43,9 +43,9 @@ def decisions(
                                            "the whole judged window"),
     future_window: str | None = typer.Option(None, "--future-window", help="future_attention: the future queries "
                                              "read, N or rest (to the end of the prompt); default: --read-window"),
-    search_rows: int = common.flag("--search-rows", 512, "oracle_search: set rows per (checkpoint, budget) "
-                                    "beyond its candidates'"),
-    search_seconds: float = common.flag("--search-seconds", 120.0, "oracle_search: no new round after this "
+    search_rows: int = common.flag("--search-rows", 512, "oracle_search: sets labeled per (checkpoint, budget) "
+                                    "beyond its candidates' (a descent step each, and the result's exact row)"),
+    search_seconds: float = common.flag("--search-seconds", 120.0, "oracle_search: no new step after this "
                                          "many seconds per (checkpoint, budget) (0: no time bound)"),
     greedy_chunk: float = typer.Option(0.125, "--greedy-chunk", help="oracle_greedy evicts ceil(F * t) entries per "
                                        "step, relabelling the survivors each step"),

@@ -99,8 +99,9 @@ class DecisionsConfig:
         are held out: the summary reports each reference's damage there beside the damage on what it read.
     future_window : ``future_attention`` sums the attention of the queries ``t .. t + W - 1``: W (None: the read
         window's steps) or ``"rest"`` (to the end of the prompt).
-    search_rows, search_seconds : ``oracle_search``'s effort per (checkpoint, budget): at most this many set rows
-        beyond its candidates', and it starts no new round after this many seconds (0: no time bound).
+    search_rows, search_seconds : ``oracle_search``'s effort per (checkpoint, budget): at most this many sets labeled
+        beyond its candidates' (one per descent step, one for the result's exact row), and it takes no new step
+        after this many seconds (0: no time bound).
     """
 
     budgets: tuple[Budget, ...]

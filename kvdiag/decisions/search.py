@@ -1,27 +1,33 @@
-"""``oracle_search``: the best evicted set kvdiag can find in the rules' own action space, judged by exact set rows.
+"""``oracle_search``: the best evicted set kvdiag can find in the rules' own action space, judged by exact labels.
 
 At one (checkpoint ``t``, budget) it starts from the best (lowest exact joint ``kl_mean``) of every candidate set
-(every rule's, ``fast``, ``oracle_single``, ``future_attention``, ...) and improves it by swaps, each batch labeled
-exactly (``OracleEngine.label_sets``) and a swap accepted only if its joint label is lower. The swaps come from the
-gradient of the joint KL with respect to a soft keep mask ``m`` (1 kept, 0 evicted; attention weights
-``m_i exp(s_i) / sum_j m_j exp(s_j)``, exact at a 0/1 mask): per cell the kept entry whose drop is predicted to help
-most and the evicted one whose restoring is, ranked across cells by ``g_restore - g_drop``; a batch of rows holds the
-best single swaps (each entry in one of them), the top 2, 4, 8, ... of them together, and the last batch's singles
-that lowered the label on their own, together (a batch accepts only its best row). The prediction is linear in the
-mask, so it fails for an entry of large attention weight (position 0 above all): while any other swap is untried,
-only entries whose weight (``reach``, from the gradient's forward) is at most ``REACH`` move.
+(every rule's, ``fast``, ``oracle_single``, ``future_attention``, ...) and improves it by straight-through descent on
+a keep score per entry. The scores start at ``+GAP`` (kept) and ``-GAP`` (evicted); each step labels the current set
+with the soft-mask forward (attention weights ``m_i exp(s_i) / sum_j m_j exp(s_j)`` with ``m`` the 0/1 keep mask:
+exact there, the same KL as the set's row) and takes the gradient ``g = d KL / d m`` of that forward's backward; the
+scores move by ``-LR`` times a momentum (``MOMENTUM``) of ``g / max |g|``, and the next set evicts, in each cell, as
+many entries as the start did: the lowest-scoring. The best set the steps labeled is labeled once more through the
+engine (``OracleEngine.label_sets``) and is the result only if that exact label is lower than the start's (by more
+than ``1e-6`` relative and ``1e-9`` nats, so rounding is never taken for progress): the result is never worse than
+any candidate.
 
-There is no cell-wise recombination of the candidates any more: on SmolLM2 at t = 640, H = 128, in 120 s, the search
-with it (half the seconds) ended at 0.00447, 0.0356 and 0.131 nats at keep 0.5, 0.25, 0.125, and swaps alone at
-0.00384, 0.0205 and 0.0642 (docs/benchmarks.md): its single-cell rows cost as much as a swap's and gained a
-fraction as much.
+Why a descent and not swaps: the search it replaces labeled batches of gradient-proposed swaps exactly and accepted
+the best row of each (a gradient and 16 rows, about 8 s per accepted move). On SmolLM2 at t = 640, H = 128, keep
+0.25 (from ``future_attention``, 0.0660 nats), the swaps were at 0.0100 after 120 s and 0.00204 after 1,920 s; the
+descent, one gradient per step (about 1 s, every step a move), at 0.00224 after 180 s, 0.00183 after 300 s and
+0.00133 after 600 s (docs/benchmarks.md). Momentum carries a gradient whose sign holds over steps: an entry's score
+crosses its cell's boundary only after several steps push it the same way (2 to 27 entries moved per step in that
+run).
 
-Every swap keeps each cell's number of evicted entries, and only entries a cell's queries can see (``visible``:
-a sliding layer's window) are swapped. The result is never worse than any candidate: it starts at the best and
-accepts only rows with a lower exact label (by more than ``1e-6`` relative and ``1e-9`` nats, so batch rounding is
-never taken for progress). Effort: ``rows`` set rows and ``seconds`` (no new round after it), and it stops earlier
-once converged: when the rows since it had spent a quarter of them (4x more effort) took less than ``CONVERGED``
-(1 %) off the label it had then (checked after each batch, from ``4 x batch`` rows on).
+The prediction is linear in the mask, so it fails for an entry of large attention weight (position 0 above all: a
+drop scales the rest by 1 / (1 - w)): a kept entry whose weight (``reach``, from the gradient's forward) exceeds
+``REACH`` gets no push toward eviction from its own gradient. Only entries a cell's queries can see (``visible``: a
+sliding layer's window) move; the rest keep the start's status, so every cell keeps its number of evicted entries.
+
+Effort: ``rows`` sets labeled (a step's forward is one; the final exact row another) and ``seconds`` (no new step
+after it); it stops earlier once converged: when the steps since it had spent a quarter of them (4x more effort)
+took less than ``CONVERGED`` (1 %) off the best label it had then (checked after each step, from ``WARMUP`` steps
+on: the first steps only move scores toward the boundary).
 """
 
 from __future__ import annotations
@@ -39,12 +45,14 @@ from kvdiag.model.adapters import LayerAttention, check_kwargs
 from kvdiag.model.attention import attention_context
 
 SOFT_MASK_ATTN = "kvdiag_soft_mask"
-ACCEPT_REL, ACCEPT_ABS = 1e-6, 1e-9  # a move must lower the exact label by more than this (batch rounding is not)
-CONVERGED = 0.01  # 4x more rows took less than this share off the label: converged
-# Swaps move entries of attention weight (``reach``) at most this while any such swap is untried: g is linear in the
-# mask, but a drop scales the rest by 1 / (1 - w) and a restored weight saturates (w / (1 + w)), so above it the
-# prediction fails. SmolLM2, t = 640, H = 128, keep 0.25, after 60 s of search: of the 32 best-predicted single swaps
-# 6 lowered the label (9 of the best 12 moved position 0); of the 32 best among entries of reach <= 0.5, 32.
+ACCEPT_REL, ACCEPT_ABS = 1e-6, 1e-9  # the result must be lower than the start by more than this (rounding is not)
+CONVERGED = 0.01  # 4x more steps took less than this share off the best label: converged
+WARMUP = 64  # steps before convergence is judged: from +-GAP the first swap takes about 10 steps at LR 0.1
+GAP, LR, MOMENTUM = 1.0, 0.1, 0.9  # the descent's start scores, step and momentum (measured as in the docstring)
+# A kept entry of attention weight (``reach``) above this gets no push toward eviction from its own gradient: g is
+# linear in the mask, but a drop scales the rest by 1 / (1 - w), so above it the prediction fails. SmolLM2, t = 640,
+# H = 128, keep 0.25, after 60 s of search: of the 32 best-predicted single swaps 6 lowered the label (9 of the best
+# 12 moved position 0); of the 32 best among entries of reach <= 0.5, 32.
 REACH = 0.5
 
 
@@ -145,8 +153,8 @@ class Searched:
     start_kl: float
     rows: int
     seconds: float
-    converged: bool = False  # it stopped because 4x more rows gained under CONVERGED (not at its row or time bound)
-    history: list[tuple[int, float, float]] = field(default_factory=list)  # (rows, seconds, best label) per batch
+    converged: bool = False  # 4x more steps gained under CONVERGED (it stopped there, unless told to go on)
+    history: list[tuple[int, float, float]] = field(default_factory=list)  # (steps, seconds, best label) per step
 
     @property
     def improvement(self) -> float:
@@ -159,163 +167,66 @@ def after(history: list[tuple[int, float, float]], rows: float) -> tuple[int, fl
     return max((h for h in history if h[0] <= rows), key=lambda h: h[0])
 
 
-class _Judge:
-    """Labels batches of masks exactly and keeps the best; counts rows and time."""
-
-    def __init__(self, engine, t: int, start: Candidate, per_token: bool, rows: int, seconds: float,
-                 stop: bool = True):
-        self.engine, self.t, self.per_token = engine, t, per_token
-        self.best = start
-        self.kl = float(start.label["kl"].double().mean())
-        self.rows, self.max_rows, self.began, self.max_seconds = 0, rows, time.perf_counter(), seconds
-        self.history = [(0, 0.0, self.kl)]  # (rows spent, seconds, best label then), after each batch
-        self.converged, self.stop = False, stop
-
-    def left(self) -> int:
-        """Rows still allowed (0 once the time is up or the search has converged)."""
-        timed_out = self.max_seconds and time.perf_counter() - self.began >= self.max_seconds
-        if (self.converged and self.stop) or timed_out:
-            return 0
-        return self.max_rows - self.rows
-
-    def _check_converged(self) -> None:
-        """Converged: from ``4 x batch`` rows on, the label at a quarter of the rows spent, less today's, is under
-        ``CONVERGED`` of it (4x the effort gained under 1 %)."""
-        if self.rows < 4 * self.engine.batch_size:
-            return
-        then = after(self.history, self.rows / 4)[2]
-        self.converged = self.converged or then - self.kl < CONVERGED * then
-
-    def label(self, masks: list[torch.Tensor]) -> torch.Tensor:
-        """[N] exact joint kl_mean of ``masks``; the best replaces the current set if lower."""
-        sets = [mask[0, 0].nonzero()[:, 0] if self.per_token else mask_set(mask) for mask in masks]
-        res, _ = self.engine.label_sets(self.t, sets)
-        self.rows += len(masks)
-        kl = res["kl"].double().mean(1)
-        j = int(kl.argmin())
-        if float(kl[j]) < self.kl - max(ACCEPT_ABS, ACCEPT_REL * self.kl):
-            self.best = Candidate("oracle_search", masks[j], {key: val[j] for key, val in res.items()})
-            self.kl = float(kl[j])
-        self.history.append((self.rows, round(time.perf_counter() - self.began, 3), self.kl))
-        self._check_converged()
-        return kl
-
-
 def search(engine, t: int, candidates: list[Candidate], per_token: bool, rows: int, seconds: float,
            visible: torch.Tensor | None = None, stop: bool = True) -> Searched:
     """``oracle_search`` at checkpoint ``t`` and one budget (module docstring): ``candidates`` labeled sets of the
     same budget (per-token: token sets, the same mask in every cell); ``rows``/``seconds`` its effort; ``visible``
     [L, t] the entries each layer can see (default: :func:`visible_entries`); ``stop``: stop once converged (False:
-    spend the whole effort, what ``kvdiag bench decisions`` checks convergence with)."""
+    spend the whole effort, what ``kvdiag bench decisions`` checks convergence with). ``history``: (sets labeled,
+    seconds, the best label so far) after each step, the labels the soft-mask forward's (the result's is the
+    engine's: the same KL through another attention path)."""
     began = time.perf_counter()
     start = min(candidates, key=lambda c: (float(c.label["kl"].double().mean()), c.name))
+    start_kl = float(start.label["kl"].double().mean())
     visible = visible_entries(engine, t) if visible is None else visible
-    judge = _Judge(engine, t, start, per_token, rows, seconds, stop)
-    _swaps(judge, visible)
-    return Searched(judge.best.mask, judge.best.label, start.name, float(start.label["kl"].double().mean()),
-                    judge.rows, round(time.perf_counter() - began, 3), judge.converged, judge.history)
+    L, Hkv = start.mask.shape[:2]
+    # the descent's cells: every (layer, KV head), or one for a token set (its gradient summed over the cells)
+    cur = start.mask[:1, :1].clone() if per_token else start.mask.clone()  # evicted [L | 1, Hkv | 1, t]
+    movable = visible.any(0)[None, None] if per_token else visible[:, None].expand_as(cur)
+    score = torch.where(cur, -GAP, GAP).double()
+    velocity = torch.zeros_like(score)
+    count = cur.sum(-1, keepdim=True)
+    best, best_kl = cur, float("inf")
+    history = [(0, 0.0, start_kl)]
+    steps, converged = 0, False
+    while steps < rows - 1 and not (converged and stop) and not (seconds and time.perf_counter() - began >= seconds):
+        g, kl, reach = mask_gradient(engine, t, cur.expand(L, Hkv, -1) if per_token else cur)
+        steps += 1
+        if per_token:
+            g, reach = g.sum((0, 1))[None, None], reach.amax((0, 1))[None, None]
+        if kl < best_kl:
+            best, best_kl = cur, kl
+        history.append((steps, round(time.perf_counter() - began, 3), min(history[-1][2], kl)))
+        converged = converged or (steps >= WARMUP and _gain(history, steps) < CONVERGED)
+        g = torch.where(movable & ~(~cur & (reach > REACH)), g, 0.0)
+        velocity = MOMENTUM * velocity + g / g.abs().max().clamp_min(1e-300)
+        score = score - LR * velocity
+        cur = _lowest(score, cur, movable, count)
+    label, mask, used = start.label, start.mask, steps
+    if not torch.equal(best.expand_as(start.mask), start.mask):  # a step found a lower set: label it exactly
+        full = best.expand(L, Hkv, -1).clone() if per_token else best
+        res, _ = engine.label_sets(t, [full[0, 0].nonzero()[:, 0] if per_token else mask_set(full)])
+        used += 1
+        kl = float(res["kl"].double().mean())
+        if kl < start_kl - max(ACCEPT_ABS, ACCEPT_REL * start_kl):
+            label, mask = {key: val[0] for key, val in res.items()}, full
+    return Searched(mask, label, start.name, start_kl, used, round(time.perf_counter() - began, 3), converged,
+                    history)
 
 
-def _swaps(judge: _Judge, visible: torch.Tensor) -> None:
-    """Gradient-proposed swaps, a batch per round, until the effort is spent or every proposal was tried
-    (a tried swap is not proposed again). A batch labels singles, the top 2, 4, 8, ... proposals together and, from
-    the second round on, the last batch's singles that lowered the label on their own, together on today's set
-    (a batch accepts one row, so without it all but the best of them would be lost)."""
-    batch = judge.engine.batch_size
-    tried: set[tuple] = set()
-    improving: list[tuple] = []
-    while judge.left() > 0:
-        cur = judge.best.mask
-        g, _, reach = mask_gradient(judge.engine, judge.t, cur)
-        n = min(batch, judge.left())
-        if n == 0:  # the time ran out during the gradient: no new batch
-            return
-        proposals = _proposals(g, reach, cur, visible, judge.per_token, tried, n)
-        union = _distinct([p for p in improving if _applies(cur, p, judge.per_token)], len(improving))
-        masks = [_apply(cur, union, judge.per_token)] if len(union) >= 2 and n >= 2 else []
-        if not proposals:
-            if masks:
-                judge.label(masks)
-            return
-        singles = _distinct(proposals, max(1, n - n // 3 - len(masks)))
-        first = len(masks)
-        masks += [_apply(cur, [p], judge.per_token) for p in singles]
-        k = 2
-        while len(masks) < n and k <= len(proposals):
-            masks.append(_apply(cur, _distinct(proposals, k), judge.per_token))
-            k *= 2
-        tried.update(p[1:] for p in singles)
-        before = judge.kl
-        kl = judge.label(masks)
-        improving = [p for p, value in zip(singles, kl[first : first + len(singles)].tolist(), strict=True)
-                     if value < before]
+def _gain(history: list[tuple[int, float, float]], steps: int) -> float:
+    """The share of the best label after a quarter of ``steps`` that the steps since took off."""
+    then, now = after(history, steps / 4)[2], history[-1][2]
+    return (then - now) / then if then > 0 else 0.0
 
 
-def _applies(cur: torch.Tensor, swap: tuple, per_token: bool) -> bool:
-    """Whether ``swap`` is still a swap on ``cur`` [L, Hkv, t]: its drop kept and its restore evicted."""
-    _, (l, h), drop, back = swap
-    cell = cur[0, 0] if per_token else cur[l, h]
-    return not bool(cell[drop]) and bool(cell[back])
-
-
-def _proposals(g: torch.Tensor, reach: torch.Tensor, cur: torch.Tensor, visible: torch.Tensor, per_token: bool,
-               tried: set[tuple], want: int) -> list[tuple]:
-    """Swaps (predicted change, cell, drop, restore), most promising first: per cell the kept visible entries with the
-    largest ``g`` (dropping one lowers the KL by about its ``g``) against the evicted visible ones with the smallest
-    (restoring one changes it by about its ``g``), the top ``d`` of each, ``d`` doubling until ``want`` untried swaps
-    are found or the cell has no more. Only entries whose ``reach`` is at most ``REACH`` move while any such swap is
-    left untried (then every visible entry). Per-token: ``g`` summed over cells, ``reach`` its largest."""
-    if per_token:
-        g, reach = g.sum((0, 1))[None, None], reach.amax((0, 1))[None, None]
-        cur, visible = cur[:1, :1], visible.any(0)[None]
-    small = _swap_candidates(g, cur, visible[:, None] & (reach <= REACH), tried, want)
-    return small if small else _swap_candidates(g, cur, visible[:, None].expand_as(cur), tried, want)
-
-
-def _swap_candidates(g: torch.Tensor, cur: torch.Tensor, movable: torch.Tensor, tried: set[tuple],
-                     want: int) -> list[tuple]:
-    """:func:`_proposals` among the ``movable`` [L, Hkv, t] entries."""
-    t = cur.shape[-1]
-    drop_g = torch.where(~cur & movable, g, float("-inf"))
-    back_g = torch.where(cur & movable, g, float("inf"))
-    depth, out = 2, []
-    while True:
-        d = min(depth, t)
-        drops, backs = drop_g.topk(d, -1), back_g.topk(d, -1, largest=False)
-        change = backs.values[..., None, :] - drops.values[..., :, None]  # [L, Hkv, d, d]: restore b, drop a
-        ok = torch.isfinite(change)
-        out = [(float(change[l, h, a, b]), (l, h), int(drops.indices[l, h, a]), int(backs.indices[l, h, b]))
-               for l, h, a, b in ok.nonzero().tolist()]
-        out = [p for p in out if p[1:] not in tried]
-        if len(out) >= want or d == t:
-            break
-        depth *= 2
-    out.sort(key=lambda p: p[0])
-    return out
-
-
-def _distinct(proposals: list[tuple], k: int) -> list[tuple]:
-    """The first ``k`` proposals that touch distinct entries (a cell's entry is dropped or restored once)."""
-    used, out = set(), []
-    for p in proposals:
-        cell = p[1]
-        if (cell, p[2]) in used or (cell, p[3]) in used:
-            continue
-        used.update({(cell, p[2]), (cell, p[3])})
-        out.append(p)
-        if len(out) == k:
-            break
-    return out
-
-
-def _apply(cur: torch.Tensor, swaps: list[tuple], per_token: bool) -> torch.Tensor:
-    """``cur`` [L, Hkv, t] with each swap's drop evicted and its restore kept: in its cell, or (``per_token``) in
-    every cell."""
-    m = cur.clone()
-    for _, (l, h), drop, back in swaps:
-        target = m if per_token else m[l, h]
-        target[..., drop], target[..., back] = True, False
-    return m
+def _lowest(score: torch.Tensor, cur: torch.Tensor, movable: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """The set evicting, per cell, its ``count`` [C.., 1] lowest-``score`` entries [C.., t], entries not ``movable``
+    keeping their status in ``cur`` (ties: the lower position first)."""
+    fixed = torch.where(cur, float("-inf"), float("inf")).to(score.dtype)
+    order = torch.where(movable, score, fixed).argsort(dim=-1, stable=True)
+    out = torch.zeros_like(cur)
+    return out.scatter_(-1, order, torch.arange(cur.shape[-1]).expand_as(order) < count)
 
 
 def candidate(name: str, evict: torch.Tensor, label: dict, num_layers: int, num_kv_heads: int, t: int) -> Candidate:
