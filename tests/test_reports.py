@@ -448,9 +448,12 @@ DECISIONS = {  # run -> the tables its summary writes (committed)
     # #54: judged on 128 steps, the references reading the first 8 (held out: the 120 after them)
     "decisions-math500/smollm2-h128": ("summary.csv", "paired.csv", "spearman.csv", "headroom.csv", "search.csv",
                                        "held_out.csv", "summary.md"),
-    # #54: every reference reading the whole 128 steps, so oracle_search is at most every decision there (the search
-    # as it is now; -recombined: the same run by the search of dfe37b9, with cell-wise recombination)
+    # #54: every reference reading the whole 128 steps, so oracle_search is at most every decision there (SmolLM2's by
+    # the descent; -reach10: the same run by the swap search it replaced; -recombined: by the search of dfe37b9, with
+    # cell-wise recombination)
     "decisions-math500/smollm2-h128-search": ("summary.csv", "paired.csv", "headroom.csv", "search.csv", "summary.md"),
+    "decisions-math500/smollm2-h128-search-reach10": ("summary.csv", "paired.csv", "headroom.csv", "search.csv",
+                                                      "summary.md"),
     "decisions-math500/smollm2-h128-search-recombined": ("summary.csv", "paired.csv", "headroom.csv", "search.csv",
                                                          "summary.md"),
     "decisions-math500/gemma3-h128-search": ("summary.csv", "paired.csv", "headroom.csv", "search.csv", "summary.md"),
@@ -739,7 +742,8 @@ DECISIONS_GENERALISATION = compared("decisions-math500", ("generalisation.md", "
                                                            "generalisation-reach.csv",
                                                            "generalisation-gemma3-reach.csv",
                                                            "generalisation-search.csv",
-                                                           "generalisation-gemma3-search.csv"))
+                                                           "generalisation-gemma3-search.csv",
+                                                           "generalisation-descent.csv"))
 
 
 def test_decisions_generalisation(tmp_path):

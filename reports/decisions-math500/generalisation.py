@@ -1,5 +1,5 @@
 """generalisation.md and its CSVs (-best-known, -current-known, -split, -swaps, -reach, -gemma3-reach, -search,
--gemma3-search):
+-gemma3-search, -descent):
 issue #54's generalisation check.
 
 Reads each model's two committed runs of ``reproduce-h128.sh`` made by the same search (dfe37b9's, with cell-wise
@@ -22,7 +22,7 @@ the same checkpoints, so per (checkpoint, budget) the lowest ``kl_mean`` among e
 a decision no rule's or reference's set there beats; against it and against the 128-step run's ``oracle_search``,
 the best rule (least mean damage over the 128 steps on these prompts; the rules are the same rows in both runs) per
 prompt (as above), and which set was the best known at how many checkpoints (a tie, the same damage, goes to the
-64-step run's set, listed first). The third table: each model's 128-step search by the current search (``CURRENT``)
+64-step run's set, listed first). The third table: each model's latest 128-step search (``CURRENT``)
 against that best known set (:func:`current_known_table`).
 
 The fourth table: ``smollm2-h128-search-split/``, the 128-step search rerun on the first 3 problems after
@@ -32,9 +32,11 @@ against the fourth and both searches above. The sixth: ``smollm2-h128-search-rea
 rerun after the swaps stopped moving entries of large attention weight while others are left, against the fifth and
 both searches above. The seventh: ``gemma3-h128-search-reach/``, gemma3-270m's 128-step search rerun
 on the same 3 problems with that search, against its committed searches of 128 and 64 steps. The eighth:
-``smollm2-h128-search/``, SmolLM2's 128-step search on all 10 problems by that search, against the same run by
-dfe37b9's (``smollm2-h128-search-recombined/``). The ninth: ``gemma3-h128-search/``, gemma3-270m's on all 5 problems
-by that search, against the same run by dfe37b9's (``gemma3-h128-search-recombined/``) and the 64-step search. Each
+``smollm2-h128-search-reach10/``, SmolLM2's 128-step search on all 10 problems by that search, against the same
+run by dfe37b9's (``smollm2-h128-search-recombined/``). The ninth: ``gemma3-h128-search/``, gemma3-270m's on all 5
+problems by that search, against the same run by dfe37b9's (``gemma3-h128-search-recombined/``) and the 64-step
+search. The tenth: ``smollm2-h128-search/``, SmolLM2's on all 10 problems by the descent that replaced the swaps,
+against the eighth and dfe37b9's. Each
 rerun table comes from :func:`rerun_table` with its row of ``RERUNS``.
 
 Run from the repository root: .venv/bin/python reports/decisions-math500/generalisation.py
@@ -168,9 +170,10 @@ SPLIT = "smollm2-h128-search-split"  # the 128-step search rerun after recombina
 SWAPS = "smollm2-h128-search-swaps"  # the same, after the search dropped recombination for swaps alone
 REACH = "smollm2-h128-search-reach"  # the same, after the swaps left entries of large attention weight alone
 GEMMA3_REACH = "gemma3-h128-search-reach"  # gemma3-270m's 128-step search rerun so, on the same 3 problems
-SEARCH = "smollm2-h128-search"  # SmolLM2's 128-step search on all 10 problems by that search
+REACH10 = "smollm2-h128-search-reach10"  # SmolLM2's 128-step search on all 10 problems by that search
 GEMMA3_SEARCH = "gemma3-h128-search"  # gemma3-270m's on all 5 problems by that search
-CURRENT = {"smollm2": SEARCH, "gemma3": GEMMA3_SEARCH}  # each model's 128-step search by the current search
+SEARCH = "smollm2-h128-search"  # SmolLM2's on all 10 problems by the descent that replaced the swaps
+CURRENT = {"smollm2": SEARCH, "gemma3": GEMMA3_SEARCH}  # each model's latest 128-step search
 
 
 # The rerun tables, in order: (rerun, CSV, heading, text, the searches it is set against: name -> (run, label)).
@@ -206,8 +209,8 @@ RERUNS = [
      "(with recombination, sharing the cores) and its 64-step search at the same checkpoints, all judged on the "
      "same 128 steps; columns as above.",
      {"before": (GEMMA3_RECOMBINED, "before"), "half": ("gemma3-h128-half", "64-step search")}),
-    (SEARCH, "generalisation-search.csv", "SmolLM2: the 128-step search on all 10 problems",
-     f"`{SEARCH}/`: SmolLM2's 128-step search on all 10 problems by the search of the two tables above (alone on "
+    (REACH10, "generalisation-search.csv", "SmolLM2: the 128-step search on all 10 problems",
+     f"`{REACH10}/`: SmolLM2's 128-step search on all 10 problems by the search of the two tables above (alone on "
      f"the idle 2 cores, 512 rows or 120 s), against `{RECOMBINED}/`, the same run by dfe37b9's search (with "
      "recombination, sharing the cores), all judged on the same 128 steps; columns as above (with 10 prompts the "
      "smallest two-sided p is 0.002).",
@@ -218,6 +221,14 @@ RERUNS = [
      "recombination, sharing the cores), and the 64-step search at the same checkpoints, all judged on the same 128 "
      "steps; columns as above (with 5 prompts the smallest two-sided p is 0.0625).",
      {"before": (GEMMA3_RECOMBINED, "before"), "half": ("gemma3-h128-half", "64-step search")}),
+    (SEARCH, "generalisation-descent.csv", "SmolLM2: the 128-step search by descent",
+     f"`{SEARCH}/`: SmolLM2's 128-step search on all 10 problems by `oracle_search`'s straight-through descent "
+     "(127 steps and one exact row per (checkpoint, budget): `--search-rows 128 --search-seconds 0`, a bound that "
+     f"does not depend on the machine's load), against `{REACH10}/` (the swap search of the tables above, 512 rows "
+     f"or 120 s alone on the idle 2 cores) and `{RECOMBINED}/` (dfe37b9's search), all judged on the same 128 "
+     "steps; columns as above (rows: the sets each search labeled; with 10 prompts the smallest two-sided p is "
+     "0.002).",
+     {"swaps": (REACH10, "swaps"), "before": (RECOMBINED, "before")}),
 ]
 
 
@@ -231,7 +242,7 @@ def _searched(here: Path, run: str, name: str) -> pl.DataFrame:
 
 
 def current_known_table(known: dict[str, pl.DataFrame], here: Path = HERE) -> pl.DataFrame:
-    """Per model and budget, the 128-step search by the current search (``CURRENT``) against the best set known of
+    """Per model and budget, the latest 128-step search (``CURRENT``) against the best set known of
     the second table (``known``: model -> its :func:`best_known` frame, from the two runs by dfe37b9's search) on the
     half run's prompts: per prompt the ratio current / best known (geometric mean, plain median, prompts where the
     current search did less damage, exact sign test)."""
@@ -287,7 +298,7 @@ def _ci(r: dict, prefix: str = "") -> str:
 
 def main(here: Path = HERE, out: Path = HERE) -> None:
     """generalisation.md, generalisation.csv, -best-known.csv, -current-known.csv, -split.csv, -swaps.csv, -reach.csv,
-    -gemma3-reach.csv, -search.csv and -gemma3-search.csv in ``out`` from ``here``'s runs."""
+    -gemma3-reach.csv, -search.csv, -gemma3-search.csv and -descent.csv in ``out`` from ``here``'s runs."""
     df = table(here)
     write_csv(df, out / "generalisation.csv")
     lines = ["# The generalisation check: chosen without steps 64-127, judged on them", "",
@@ -325,13 +336,14 @@ def main(here: Path = HERE, out: Path = HERE) -> None:
          for r in known.iter_rows(named=True)]))
     current = current_known_table(best, here)
     write_csv(current, out / "generalisation-current-known.csv")
-    lines += ["", "## The current search against the best set known", "",
-              f"`{SEARCH}/`'s and `{GEMMA3_SEARCH}/`'s `oracle_search` (each model's 128-step search by the search "
-              "of the reach tables below) against the best set known of the table above, on the same 5 prompts and "
-              "128 steps: mean damage, and per prompt the ratio current / best known as above (current lower: "
-              "prompts where the current search did less damage).", ""]
+    lines += ["", "## The latest searches against the best set known", "",
+              f"`{SEARCH}/`'s `oracle_search` (SmolLM2's 128-step search by the descent of the last table below) and "
+              f"`{GEMMA3_SEARCH}/`'s (gemma3-270m's, by the swap search of the reach tables) against the best set "
+              "known of the table above, on the same 5 prompts and "
+              "128 steps: mean damage, and per prompt the ratio latest / best known as above (latest lower: "
+              "prompts where the latest search did less damage).", ""]
     lines.append(markdown_table(
-        ["model", "budget", "current search", "best known", "current / best known [CI]", "median", "current lower",
+        ["model", "budget", "latest search", "best known", "latest / best known [CI]", "median", "latest lower",
          "p"],
         [[r["model"], r["budget"], _num(r["current_damage"]), _num(r["known_damage"]), _ci(r), _num(r["ratio_median"]),
           f"{r['current_lower']}/{r['prompts']}", format_p(r["p_value"], r["p_resolution"])]

@@ -12,8 +12,10 @@
 # converged); oracle_greedy is left out (about 1,300 relabelled rows per checkpoint). Per-head selection, keep 0.5 /
 # 0.25 / 0.125. About 1 h 40 min on a 2-core CPU shared with other jobs (trace 25 min, scores 1 min, labels 3 min,
 # decisions about 5 min per checkpoint).
-# Every run here but the two -h128-search/, smollm2-h128-search-swaps/ and the two -reach/ was made by oracle_search
-# with its cell-wise recombination, which kvdiag dropped after commit dfe37b9: to remake those exactly, run this with K
+# smollm2-h128-search/ is made by oracle_search's descent (kvdiag after d334f7e); gemma3-h128-search/,
+# smollm2-h128-search-reach10/, smollm2-h128-search-swaps/ and the two -reach/ by its swaps (K from d334f7e, or
+# a4bdfb6 for -swaps/); every other run here by the swaps with a cell-wise recombination of the candidates first,
+# which kvdiag dropped after commit dfe37b9: to remake those exactly, run this with K
 # set to the kvdiag of a checkout of dfe37b9 (git worktree add ../kvdiag-dfe37b9 dfe37b9 && make -C ../kvdiag-dfe37b9
 # venv; K=../kvdiag-dfe37b9/.venv/bin/kvdiag); smollm2-h128-search-recombined/ and gemma3-h128-search-recombined/ are
 # the smollm2-h128-search and gemma3-h128-search commands below run so, with --out $D/MODEL-h128-search-recombined.
@@ -37,13 +39,21 @@ $K decisions --trace $T --scores $D/scores-head.parquet --labels $D/labels-h8.pa
 # --read-window), so on it oracle_search (from the best of every rule's and reference's set; 512 rows or 120 s per
 # (checkpoint, budget), or converged) is at most every decision by construction; oracle_single is left out (its
 # labels are the 8-step ones). About 7 min per checkpoint on an idle 2-core CPU; /usr/bin/time -v gives its peak RSS.
-# Made by the search as it is now (swaps that leave entries of attention weight above 0.5 alone while others remain).
+# Made by the search as it is now (straight-through descent), bounded by sets labeled alone (127 steps and the
+# result's exact row per (checkpoint, budget): --search-seconds 0), so that the machine's load does not change it.
 /usr/bin/time -v -o $D/smollm2-h128-search.time $K decisions --trace $T --scores $D/scores-head.parquet \
     --keep 0.5,0.25,0.125 --horizon 128 --infeasible skip --pairs 0 \
-    --references fast,random,future_attention,oracle_search --search-rows 512 --search-seconds 120 \
+    --references fast,random,future_attention,oracle_search --search-rows 128 --search-seconds 0 \
     --out $D/smollm2-h128-search
+# the same by the swap search the descent replaced (K from d334f7e: swaps that leave entries of attention weight
+# above 0.5 alone while others remain; 512 rows or 120 s, alone on the idle 2 cores)
+/usr/bin/time -v -o $D/smollm2-h128-search-reach10.time $K decisions --trace $T --scores $D/scores-head.parquet \
+    --keep 0.5,0.25,0.125 --horizon 128 --infeasible skip --pairs 0 \
+    --references fast,random,future_attention,oracle_search --search-rows 512 --search-seconds 120 \
+    --out $D/smollm2-h128-search-reach10
 # gemma3-270m, the same long-horizon search on the first 5 problems (680 new tokens, one checkpoint after 512): its
-# sliding layers' budgets count only the entries they still attend (the last 512); made by the search as it is now
+# sliding layers' budgets count only the entries they still attend (the last 512); made by the swap search (K from
+# d334f7e)
 G=$D/gemma3-trace
 [ -f $G/manifest.json ] || $K trace --model gemma3-270m --max-new-tokens 680 --min-new-tokens 680 \
     --prompts data/math500-first20.jsonl --limit 5 --out $G
@@ -96,7 +106,7 @@ done
     --keep 0.5,0.25,0.125 --horizon 128 --infeasible skip --pairs 0 \
     --references fast,random,future_attention,oracle_search --search-rows 512 --search-seconds 120 \
     --out $D/gemma3-h128-search-reach
-for run in smollm2-h128 smollm2-h128-search smollm2-h128-search-recombined gemma3-h128-search \
+for run in smollm2-h128 smollm2-h128-search smollm2-h128-search-reach10 smollm2-h128-search-recombined gemma3-h128-search \
            gemma3-h128-search-recombined smollm2-h128-half gemma3-h128-half \
            smollm2-h128-search-split smollm2-h128-search-swaps smollm2-h128-search-reach gemma3-h128-search-reach; do
 mkdir -p reports/decisions-math500/$run
