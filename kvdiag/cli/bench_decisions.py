@@ -65,7 +65,7 @@ def bench_decisions(
         gain = (one["kl"] - more["kl"]) / one["kl"] if one["kl"] > 0 else float("nan")
         plain_console().print(f"keep {f:g}: {scale}x the effort took {gain:.2%} off the 1x search's label "
                               f"({'converged' if gain < 0.01 else 'not converged'}: the bar is 1 %)")
-        steps = more["quarters"]  # the scaled search's own curve: each 4x step of its steps
+        steps = more["quarters"]  # the scaled search's own curve: at each 4x of its steps
         if len(steps) > 1:
             plain_console().print(
                 f"keep {f:g}, the {scale}x search after "

@@ -141,10 +141,10 @@ def search_candidates(lm: LoadedModel, ids: torch.Tensor, t: int, horizon: int, 
 
 
 def quarters(history: list[tuple[int, float, float]]) -> list[dict]:
-    """The convergence curve of one search (``Searched.history``: (rows, seconds, best label) after each batch): the
-    best label after R, R/4, R/16, ... rows (R the rows spent; down to the first batch), fewest rows first, each
-    with the share of it the 4x more rows after it took off (``gain``; None for the last): the convergence rule's
-    figure at every 4x step of the effort, not only at the end."""
+    """The convergence curve of one search (``Searched.history``: (steps, seconds, best label) after each step): the
+    best label after R, R/4, R/16, ... steps (R the steps taken; down to the first step), fewest steps first, each
+    with the share of it the 4x more steps after it took off (``gain``; None for the last): the convergence rule's
+    figure at every 4x of the effort, not only at the end. The keys keep the JSON's name ``rows``."""
     from kvdiag.decisions.search import after
 
     rows = history[-1][0]
@@ -155,7 +155,7 @@ def quarters(history: list[tuple[int, float, float]]) -> list[dict]:
         r, sec, kl = after(history, at)
         out.append({"rows": r, "seconds": sec, "kl": kl, "gain": None})
         at /= 4
-        if at < first or at < 1:  # below the first batch (or no rows at all): nothing earlier to compare with
+        if at < first or at < 1:  # below the first step (or no steps at all): nothing earlier to compare with
             break
     for later, earlier in zip(out, out[1:], strict=False):  # each entry with the one 4x fewer rows before it
         earlier["gain"] = (earlier["kl"] - later["kl"]) / earlier["kl"] if earlier["kl"] > 0 else float("nan")
