@@ -399,3 +399,28 @@ def test_sampled_labels_and_another_model_are_refused_before_the_model_loads(run
                   "tiny:qwen3", "--keep", "0.5", "--out", tmp_path / "o")
     assert "--model tiny:qwen3 is not the Trace's model (tiny:llama)" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_the_figure_gives_each_rule_its_own_line_style(monkeypatch, tmp_path):
+    """decisions.png: 25 rules (more than tab20's colours and the default cycle's 10) each get their own (colour,
+    marker); the references are dotted, black (the oracles) or grey (random), each its own marker. The lines are read
+    off the figure as drawn (``save_figure`` replaced by a recorder)."""
+    from kvdiag.decisions import summary as S
+
+    rules = [f"rule{i}" for i in range(25)]
+    oracles = ["oracle_single", "oracle_greedy", "fast", "future_attention", "oracle_search"]
+    names = [*rules, *oracles, "random_reference"]
+    table = pl.DataFrame({"decision": [n for n in names for _ in range(2)], "budget": ["keep:0.5", "keep:0.25"] * 31,
+                          "kind": ["rule"] * 50 + ["reference"] * 12, "mean_kl": [0.1, 0.2] * 31})
+    drawn = {}
+
+    def record(fig, out, name):
+        drawn.update({line.get_label(): line for line in fig.axes[0].get_lines()})
+        return []
+
+    monkeypatch.setattr("kvdiag.core.plotting.save_figure", record)
+    S.figure(table, tmp_path)
+    pairs = {(tuple(drawn[r].get_color()), drawn[r].get_marker()) for r in rules}
+    assert len(pairs) == 25 and all(drawn[r].get_linestyle() == "-" for r in rules)
+    assert all(drawn[o].get_color() == "black" and drawn[o].get_linestyle() == ":" for o in oracles)
+    assert len({drawn[o].get_marker() for o in oracles}) == 5 and drawn["random_reference"].get_color() == "grey"

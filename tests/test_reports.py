@@ -457,6 +457,8 @@ DECISIONS = {  # run -> the tables its summary writes (committed)
     "decisions-math500/smollm2-h128-search-recombined": ("summary.csv", "paired.csv", "headroom.csv", "search.csv",
                                                          "summary.md"),
     "decisions-math500/gemma3-h128-search": ("summary.csv", "paired.csv", "headroom.csv", "search.csv", "summary.md"),
+    "decisions-math500/gemma3-h128-search-reach5": ("summary.csv", "paired.csv", "headroom.csv", "search.csv",
+                                                    "summary.md"),
     "decisions-math500/gemma3-h128-search-recombined": ("summary.csv", "paired.csv", "headroom.csv", "search.csv",
                                                         "summary.md"),
     # #54's generalisation check: every reference reading the first 64 of the 128 steps judged (held out: the 64 after)
@@ -743,7 +745,8 @@ DECISIONS_GENERALISATION = compared("decisions-math500", ("generalisation.md", "
                                                            "generalisation-gemma3-reach.csv",
                                                            "generalisation-search.csv",
                                                            "generalisation-gemma3-search.csv",
-                                                           "generalisation-descent.csv"))
+                                                           "generalisation-descent.csv",
+                                                           "generalisation-gemma3-descent.csv"))
 
 
 def test_decisions_generalisation(tmp_path):

@@ -44,6 +44,7 @@ def bench_decisions(
                         "per-token")
     parsing.check_device_name(device)
     from kvdiag.decisions.bench import run_search_bench
+    from kvdiag.decisions.search import CONVERGED, gain
     from kvdiag.model.load import load_model
 
     common.quiet_transformers()
@@ -62,14 +63,16 @@ def bench_decisions(
     plain_console().print(table)
     for f in fractions:  # the convergence figure: what the scaled effort took off the 1x search's label
         one, more = (next(r for r in res["rows"] if r["keep"] == f and r["effort"] == e) for e in (1, scale))
-        gain = (one["kl"] - more["kl"]) / one["kl"] if one["kl"] > 0 else float("nan")
-        plain_console().print(f"keep {f:g}: {scale}x the effort took {gain:.2%} off the 1x search's label "
-                              f"({'converged' if gain < 0.01 else 'not converged'}: the bar is 1 %)")
+        took = gain(one["kl"], more["kl"])
+        plain_console().print(f"keep {f:g}: {scale}x the effort took {took:.2%} off the 1x search's label "
+                              f"({'converged' if took < CONVERGED else 'not converged'}: the bar is "
+                              f"{CONVERGED * 100:g} %)")
         steps = more["quarters"]  # the scaled search's own curve: at each 4x of its steps
         if len(steps) > 1:
             plain_console().print(
                 f"keep {f:g}, the {scale}x search after "
-                + ", ".join(f"{q['rows']} steps ({q['seconds']:.0f} s): {q['kl']:.4g}" for q in steps)
+                + ", ".join(f"{q['rows']} step{'' if q['rows'] == 1 else 's'} ({q['seconds']:.0f} s): {q['kl']:.4g}"
+                           for q in steps)
                 + "; each 4x more steps took " + ", ".join(f"{q['gain']:.1%}" for q in steps[:-1]) + " off")
     if out is not None:
         from pathlib import Path

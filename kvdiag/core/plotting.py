@@ -26,6 +26,18 @@ def style():
         yield
 
 
+# one (colour, marker) pair per line: tab20's 20 colours, then the next marker (lines 0-19, 20-39, ...)
+PALETTE_SIZE, MARKERS = 20, (".", "x", "^", "s")
+
+
+def line_styles(names: list[str]) -> dict[str, tuple[tuple[float, float, float], str]]:
+    """Each of ``names`` its own (colour, marker): colour ``i % 20`` of tab20, marker ``i // 20``. A default colour
+    cycle repeats after 10 lines and the zoo has more rules, so colour alone would give two rules one line style."""
+    palette = sns.color_palette("tab20", PALETTE_SIZE)
+    return {name: (palette[i % PALETTE_SIZE], MARKERS[i // PALETTE_SIZE % len(MARKERS)])
+            for i, name in enumerate(names)}
+
+
 def new_figure(ncols: int, width: float, height: float) -> tuple[Figure, list]:
     """A figure on the Agg canvas (never a display backend, no pyplot state) with ``ncols`` axes."""
     fig = Figure(figsize=(width, height), layout="constrained")

@@ -145,7 +145,7 @@ def quarters(history: list[tuple[int, float, float]]) -> list[dict]:
     best label after R, R/4, R/16, ... steps (R the steps taken; down to the first step), fewest steps first, each
     with the share of it the 4x more steps after it took off (``gain``; None for the last): the convergence rule's
     figure at every 4x of the effort, not only at the end. The keys keep the JSON's name ``rows``."""
-    from kvdiag.decisions.search import after
+    from kvdiag.decisions.search import after, gain
 
     rows = history[-1][0]
     first = next((r for r, _, _ in history if r > 0), rows)
@@ -158,7 +158,7 @@ def quarters(history: list[tuple[int, float, float]]) -> list[dict]:
         if at < first or at < 1:  # below the first step (or no steps at all): nothing earlier to compare with
             break
     for later, earlier in zip(out, out[1:], strict=False):  # each entry with the one 4x fewer rows before it
-        earlier["gain"] = (earlier["kl"] - later["kl"]) / earlier["kl"] if earlier["kl"] > 0 else float("nan")
+        earlier["gain"] = gain(earlier["kl"], later["kl"])
     return out[::-1]
 
 

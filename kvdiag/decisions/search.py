@@ -27,7 +27,8 @@ sliding layer's window) move; the rest keep the start's status, so every cell ke
 Effort: ``rows`` sets labeled (a step's forward is one; the final exact row another) and ``seconds`` (no new step
 after it); it stops earlier once converged: when the steps since it had spent a quarter of them (4x more effort)
 took less than ``CONVERGED`` (1 %) off the best label it had then (checked after each step, from ``WARMUP`` steps
-on: the first steps only move scores toward the boundary).
+on: the first steps only move scores toward the boundary; and only once a step found a set below the start, so that a
+search that found nothing never counts as converged).
 """
 
 from __future__ import annotations
@@ -190,7 +191,8 @@ def search(engine, t: int, candidates: list[Candidate], per_token: bool, rows: i
     count = cur.sum(-1, keepdim=True)
     best, best_kl = cur, float("inf")
     history = [(0, 0.0, start_kl)]
-    steps, converged = 0, False
+    steps, converged, first = 0, False, start_kl
+    margin = max(ACCEPT_ABS, ACCEPT_REL * start_kl)  # below the start by more than rounding
     while steps < rows - 1 and not (converged and stop) and not (seconds and time.perf_counter() - began >= seconds):
         g, kl, reach = mask_gradient(engine, t, cur.expand(L, Hkv, -1) if per_token else cur)
         steps += 1
@@ -198,8 +200,11 @@ def search(engine, t: int, candidates: list[Candidate], per_token: bool, rows: i
             g, reach = g.sum((0, 1))[None, None], reach.amax((0, 1))[None, None]
         if kl < best_kl:
             best, best_kl = cur, kl
+        first = kl if steps == 1 else first  # the start's own label through this forward's path
         history.append((steps, round(time.perf_counter() - began, 3), min(history[-1][2], kl)))
-        converged = converged or (steps >= WARMUP and _gain(history, steps) < CONVERGED)
+        # judged once a step found a set below the start (both labels through this forward: the engine's start_kl
+        # is another attention path, a rounding apart): a search that has found nothing has not converged
+        converged = converged or (steps >= WARMUP and best_kl < first - margin and _gain(history, steps) < CONVERGED)
         g = torch.where(movable & ~(~cur & (reach > REACH)), g, 0.0)
         velocity = MOMENTUM * velocity + g / g.abs().max().clamp_min(1e-300)
         score = score - LR * velocity
@@ -210,16 +215,21 @@ def search(engine, t: int, candidates: list[Candidate], per_token: bool, rows: i
         res, _ = engine.label_sets(t, [full[0, 0].nonzero()[:, 0] if per_token else mask_set(full)])
         used += 1
         kl = float(res["kl"].double().mean())
-        if kl < start_kl - max(ACCEPT_ABS, ACCEPT_REL * start_kl):
+        if kl < start_kl - margin:
             label, mask = {key: val[0] for key, val in res.items()}, full
     return Searched(mask, label, start.name, start_kl, used, round(time.perf_counter() - began, 3), converged,
                     history)
 
 
+def gain(then: float, now: float) -> float:
+    """The share of the label ``then`` that more effort took off to ``now`` (the convergence rule's figure; 0 when
+    ``then`` is already 0: nothing left to take off)."""
+    return (then - now) / then if then > 0 else 0.0
+
+
 def _gain(history: list[tuple[int, float, float]], steps: int) -> float:
     """The share of the best label after a quarter of ``steps`` that the steps since took off."""
-    then, now = after(history, steps / 4)[2], history[-1][2]
-    return (then - now) / then if then > 0 else 0.0
+    return gain(after(history, steps / 4)[2], history[-1][2])
 
 
 def _lowest(score: torch.Tensor, cur: torch.Tensor, movable: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

@@ -533,10 +533,10 @@ def _search_markdown(res: dict, heads: dict, searched_judged: bool = True) -> st
                          "llrrrr") + "\n"
     cost = res.get("search")
     if cost is not None and cost.height:
-        text += ("oracle_search's effort per (checkpoint, budget): set rows and seconds (medians), its improvement "
-                 "over its starting candidate (median, nats and relative; checkpoints improved), the checkpoints "
-                 "where it stopped converged (4x more rows had taken under 1 % off its label) rather than at its "
-                 "row or time bound, and where it started:\n\n")
+        text += ("oracle_search's effort per (checkpoint, budget): sets labeled and seconds (medians), its "
+                 "improvement over its starting candidate (median, nats and relative; checkpoints improved), the "
+                 "checkpoints where it stopped converged (4x more effort had taken under 1 % off its label) rather "
+                 "than at its bound of sets or seconds, and where it started:\n\n")
         rows = [[r["budget"], number_text(r["rows_median"], 4), number_text(r["seconds_median"], 3),
                  number_text(r["improvement_median"], 3), number_text(r["relative_improvement_median"], 3),
                  f"{r['improved']}/{r['n']}", "n/a" if r.get("converged") is None else f"{r['converged']}/{r['n']}",
@@ -590,11 +590,14 @@ def _per_prompt(c: dict | None) -> str:
             f"{r['below']}/{r['n']} below 1{dropped}, {format_test(c['test'], wins=False)}")
 
 
+REFERENCE_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
 def figure(table: pl.DataFrame, out: Path) -> list[Path]:
     """decisions.png/.pdf: joint damage against the budget per decision on the judged window, log y, the oracles
     dotted; beside it, when some reference read only part of the window, each decision's damage on the judged steps
     after the ones it read (``mean_kl_held_out``: a rule reads none, so its held-out damage is its whole window's)."""
-    from kvdiag.core.plotting import new_figure, save_figure, style
+    from kvdiag.core.plotting import line_styles, new_figure, save_figure, style
 
     budgets = table["budget"].unique(maintain_order=True).to_list()
     x = {b: Budget.parse(b).value for b in budgets}
@@ -602,10 +605,17 @@ def figure(table: pl.DataFrame, out: Path) -> list[Path]:
         (pl.col("kind") == "reference") & (pl.col("n_held_out") > 0) & (pl.col("read_steps_median") > 0)).height > 0
     panels = [("mean_kl", "judged window")] + ([("mean_kl_held_out", "held out: steps after what each read")]
                                                if held else [])
+    names = table["decision"].unique(maintain_order=True).to_list()
+    # each rule its own (colour, marker); the references dotted, black (the oracles) or grey (random), each its own
+    # marker
+    styles = line_styles([n for n in names if n not in ORACLES and not n.startswith("random")])
+    refs = [n for n in names if n not in styles]
+    styles |= {n: ("black" if n in ORACLES else "grey", REFERENCE_MARKERS[i % len(REFERENCE_MARKERS)])
+               for i, n in enumerate(refs)}
     with style():
         fig, axes = new_figure(len(panels), 7.5 if len(panels) == 1 else 12, 4.5)
         for ax, (column, title) in zip(axes, panels, strict=True):
-            for name in table["decision"].unique(maintain_order=True).to_list():
+            for name in names:
                 sub = table.filter((pl.col("decision") == name) & pl.col(column).is_not_nan()
                                    & pl.col(column).is_not_null()).sort("budget")
                 if not sub.height:
@@ -613,10 +623,10 @@ def figure(table: pl.DataFrame, out: Path) -> list[Path]:
                 xs = [x[b] for b in sub["budget"]]
                 order = np.argsort(xs)
                 ys = np.maximum(sub[column].to_numpy(), 1e-9)[order]
-                ref = name in ORACLES or name.startswith("random")
-                ax.plot(np.array(xs)[order], ys, ls=":" if ref else "-", marker="o", ms=3, lw=1.6 if ref else 1,
-                        color="black" if name in ORACLES else ("grey" if name.startswith("random") else None),
-                        label=name)
+                color, marker = styles[name]
+                ref = name in refs
+                ax.plot(np.array(xs)[order], ys, ls=":" if ref else "-", marker=marker, ms=4 if ref else 5,
+                        lw=1.6 if ref else 1, color=color, label=name)
             ax.set(yscale="log", xlabel="keep fraction" if budgets[0].startswith("keep") else "budget (entries)",
                    ylabel="joint damage (mean KL, nats)", title=title if held else None)
             if budgets[0].startswith("keep"):

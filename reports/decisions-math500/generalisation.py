@@ -1,5 +1,5 @@
 """generalisation.md and its CSVs (-best-known, -current-known, -split, -swaps, -reach, -gemma3-reach, -search,
--gemma3-search, -descent):
+-gemma3-search, -descent, -gemma3-descent):
 issue #54's generalisation check.
 
 Reads each model's two committed runs of ``reproduce-h128.sh`` made by the same search (dfe37b9's, with cell-wise
@@ -33,10 +33,11 @@ rerun after the swaps stopped moving entries of large attention weight while oth
 both searches above. The seventh: ``gemma3-h128-search-reach/``, gemma3-270m's 128-step search rerun
 on the same 3 problems with that search, against its committed searches of 128 and 64 steps. The eighth:
 ``smollm2-h128-search-reach10/``, SmolLM2's 128-step search on all 10 problems by that search, against the same
-run by dfe37b9's (``smollm2-h128-search-recombined/``). The ninth: ``gemma3-h128-search/``, gemma3-270m's on all 5
-problems by that search, against the same run by dfe37b9's (``gemma3-h128-search-recombined/``) and the 64-step
+run by dfe37b9's (``smollm2-h128-search-recombined/``). The ninth: ``gemma3-h128-search-reach5/``, gemma3-270m's on
+all 5 problems by that search, against the same run by dfe37b9's (``gemma3-h128-search-recombined/``) and the 64-step
 search. The tenth: ``smollm2-h128-search/``, SmolLM2's on all 10 problems by the descent that replaced the swaps,
-against the eighth and dfe37b9's. Each
+against the eighth and dfe37b9's. The eleventh: ``gemma3-h128-search/``, gemma3-270m's on all 5 problems by the
+descent, against the ninth, dfe37b9's and the 64-step search. Each
 rerun table comes from :func:`rerun_table` with its row of ``RERUNS``.
 
 Run from the repository root: .venv/bin/python reports/decisions-math500/generalisation.py
@@ -171,8 +172,9 @@ SWAPS = "smollm2-h128-search-swaps"  # the same, after the search dropped recomb
 REACH = "smollm2-h128-search-reach"  # the same, after the swaps left entries of large attention weight alone
 GEMMA3_REACH = "gemma3-h128-search-reach"  # gemma3-270m's 128-step search rerun so, on the same 3 problems
 REACH10 = "smollm2-h128-search-reach10"  # SmolLM2's 128-step search on all 10 problems by that search
-GEMMA3_SEARCH = "gemma3-h128-search"  # gemma3-270m's on all 5 problems by that search
+GEMMA3_REACH5 = "gemma3-h128-search-reach5"  # gemma3-270m's on all 5 problems by that search
 SEARCH = "smollm2-h128-search"  # SmolLM2's on all 10 problems by the descent that replaced the swaps
+GEMMA3_SEARCH = "gemma3-h128-search"  # gemma3-270m's on all 5 problems by the descent
 CURRENT = {"smollm2": SEARCH, "gemma3": GEMMA3_SEARCH}  # each model's latest 128-step search
 
 
@@ -215,8 +217,8 @@ RERUNS = [
      "recombination, sharing the cores), all judged on the same 128 steps; columns as above (with 10 prompts the "
      "smallest two-sided p is 0.002).",
      {"before": (RECOMBINED, "before")}),
-    (GEMMA3_SEARCH, "generalisation-gemma3-search.csv", "gemma3-270m: the 128-step search on all 5 problems",
-     f"`{GEMMA3_SEARCH}/`: gemma3-270m's 128-step search on all 5 problems by the same search (alone on the idle 2 "
+    (GEMMA3_REACH5, "generalisation-gemma3-search.csv", "gemma3-270m: the 128-step search on all 5 problems",
+     f"`{GEMMA3_REACH5}/`: gemma3-270m's 128-step search on all 5 problems by the same search (alone on the idle 2 "
      f"cores, 512 rows or 120 s), against `{GEMMA3_RECOMBINED}/`, the same run by dfe37b9's search (with "
      "recombination, sharing the cores), and the 64-step search at the same checkpoints, all judged on the same 128 "
      "steps; columns as above (with 5 prompts the smallest two-sided p is 0.0625).",
@@ -229,6 +231,13 @@ RERUNS = [
      "steps; columns as above (rows: the sets each search labeled; with 10 prompts the smallest two-sided p is "
      "0.002).",
      {"swaps": (REACH10, "swaps"), "before": (RECOMBINED, "before")}),
+    (GEMMA3_SEARCH, "generalisation-gemma3-descent.csv", "gemma3-270m: the 128-step search by descent",
+     f"`{GEMMA3_SEARCH}/`: gemma3-270m's 128-step search on all 5 problems by the descent (127 steps and one exact "
+     f"row per (checkpoint, budget), as `{SEARCH}/`), against `{GEMMA3_REACH5}/` (the swap search, 512 rows or 120 s "
+     f"alone on the idle 2 cores), `{GEMMA3_RECOMBINED}/` (dfe37b9's search) and the 64-step search, all judged on "
+     "the same 128 steps; columns as above (with 5 prompts the smallest two-sided p is 0.0625).",
+     {"swaps": (GEMMA3_REACH5, "swaps"), "before": (GEMMA3_RECOMBINED, "before"),
+      "half": ("gemma3-h128-half", "64-step search")}),
 ]
 
 
@@ -298,7 +307,8 @@ def _ci(r: dict, prefix: str = "") -> str:
 
 def main(here: Path = HERE, out: Path = HERE) -> None:
     """generalisation.md, generalisation.csv, -best-known.csv, -current-known.csv, -split.csv, -swaps.csv, -reach.csv,
-    -gemma3-reach.csv, -search.csv, -gemma3-search.csv and -descent.csv in ``out`` from ``here``'s runs."""
+    -gemma3-reach.csv, -search.csv, -gemma3-search.csv, -descent.csv and -gemma3-descent.csv in ``out`` from
+    ``here``'s runs."""
     df = table(here)
     write_csv(df, out / "generalisation.csv")
     lines = ["# The generalisation check: chosen without steps 64-127, judged on them", "",
@@ -337,8 +347,8 @@ def main(here: Path = HERE, out: Path = HERE) -> None:
     current = current_known_table(best, here)
     write_csv(current, out / "generalisation-current-known.csv")
     lines += ["", "## The latest searches against the best set known", "",
-              f"`{SEARCH}/`'s `oracle_search` (SmolLM2's 128-step search by the descent of the last table below) and "
-              f"`{GEMMA3_SEARCH}/`'s (gemma3-270m's, by the swap search of the reach tables) against the best set "
+              f"`{SEARCH}/`'s and `{GEMMA3_SEARCH}/`'s `oracle_search` (each model's 128-step search by the descent "
+              "of the last two tables below) against the best set "
               "known of the table above, on the same 5 prompts and "
               "128 steps: mean damage, and per prompt the ratio latest / best known as above (latest lower: "
               "prompts where the latest search did less damage).", ""]

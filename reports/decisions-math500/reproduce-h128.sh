@@ -12,13 +12,14 @@
 # converged); oracle_greedy is left out (about 1,300 relabelled rows per checkpoint). Per-head selection, keep 0.5 /
 # 0.25 / 0.125. About 1 h 40 min on a 2-core CPU shared with other jobs (trace 25 min, scores 1 min, labels 3 min,
 # decisions about 5 min per checkpoint).
-# smollm2-h128-search/ is made by oracle_search's descent (kvdiag after d334f7e); gemma3-h128-search/,
-# smollm2-h128-search-reach10/, smollm2-h128-search-swaps/ and the two -reach/ by its swaps (K from d334f7e, or
+# smollm2-h128-search/ and gemma3-h128-search/ are made by oracle_search's descent (kvdiag after a2f43b1: its 1 %
+# rule judged only once a step found a set below the start); gemma3-h128-search-reach5/, smollm2-h128-search-reach10/, smollm2-h128-search-swaps/ and the two -reach/ by its swaps (K from d334f7e, or
 # a4bdfb6 for -swaps/); every other run here by the swaps with a cell-wise recombination of the candidates first,
 # which kvdiag dropped after commit dfe37b9: to remake those exactly, run this with K
 # set to the kvdiag of a checkout of dfe37b9 (git worktree add ../kvdiag-dfe37b9 dfe37b9 && make -C ../kvdiag-dfe37b9
 # venv; K=../kvdiag-dfe37b9/.venv/bin/kvdiag); smollm2-h128-search-recombined/ and gemma3-h128-search-recombined/ are
-# the smollm2-h128-search and gemma3-h128-search commands below run so, with --out $D/MODEL-h128-search-recombined.
+# the smollm2-h128-search and gemma3-h128-search commands below run so (with the swap search's effort:
+# --search-rows 512 --search-seconds 120), with --out $D/MODEL-h128-search-recombined.
 set -euo pipefail
 K=${K:-.venv/bin/kvdiag}
 D=runs/decisions-math500-h128
@@ -36,8 +37,8 @@ $K decisions --trace $T --scores $D/scores-head.parquet --labels $D/labels-h8.pa
     --references oracle_single,fast,random,future_attention,oracle_search --search-rows 256 --search-seconds 60 \
     --out $D/smollm2-h128
 # the long-horizon search, on the same 10 checkpoints: every reference reads the whole judged window of 128 steps (no
-# --read-window), so on it oracle_search (from the best of every rule's and reference's set; 512 rows or 120 s per
-# (checkpoint, budget), or converged) is at most every decision by construction; oracle_single is left out (its
+# --read-window), so on it oracle_search (from the best of every rule's and reference's set; 127 steps and one exact
+# row per (checkpoint, budget), or converged) is at most every decision by construction; oracle_single is left out (its
 # labels are the 8-step ones). About 7 min per checkpoint on an idle 2-core CPU; /usr/bin/time -v gives its peak RSS.
 # Made by the search as it is now (straight-through descent), bounded by sets labeled alone (127 steps and the
 # result's exact row per (checkpoint, budget): --search-seconds 0), so that the machine's load does not change it.
@@ -52,8 +53,7 @@ $K decisions --trace $T --scores $D/scores-head.parquet --labels $D/labels-h8.pa
     --references fast,random,future_attention,oracle_search --search-rows 512 --search-seconds 120 \
     --out $D/smollm2-h128-search-reach10
 # gemma3-270m, the same long-horizon search on the first 5 problems (680 new tokens, one checkpoint after 512): its
-# sliding layers' budgets count only the entries they still attend (the last 512); made by the swap search (K from
-# d334f7e)
+# sliding layers' budgets count only the entries they still attend (the last 512); by the descent as above
 G=$D/gemma3-trace
 [ -f $G/manifest.json ] || $K trace --model gemma3-270m --max-new-tokens 680 --min-new-tokens 680 \
     --prompts data/math500-first20.jsonl --limit 5 --out $G
@@ -61,8 +61,13 @@ G=$D/gemma3-trace
     --scorers $RULES --out $D/gemma3-scores-head.parquet
 /usr/bin/time -v -o $D/gemma3-h128-search.time $K decisions --trace $G --scores $D/gemma3-scores-head.parquet \
     --keep 0.5,0.25,0.125 --horizon 128 --infeasible skip --pairs 0 \
-    --references fast,random,future_attention,oracle_search --search-rows 512 --search-seconds 120 \
+    --references fast,random,future_attention,oracle_search --search-rows 128 --search-seconds 0 \
     --out $D/gemma3-h128-search
+# the same by the swap search (K from d334f7e; 512 rows or 120 s, alone on the idle 2 cores)
+/usr/bin/time -v -o $D/gemma3-h128-search-reach5.time $K decisions --trace $G --scores $D/gemma3-scores-head.parquet \
+    --keep 0.5,0.25,0.125 --horizon 128 --infeasible skip --pairs 0 \
+    --references fast,random,future_attention,oracle_search --search-rows 512 --search-seconds 120 \
+    --out $D/gemma3-h128-search-reach5
 # the generalisation check (issue #54): every reference, oracle_search included, reads only the first 64 of the 128
 # steps judged, so its held-out figure is the damage on the 64 steps after them, which no decision read; the first 5
 # problems of each model (SmolLM2: the scores filtered to them, as the 3-prompt run did), otherwise as above
@@ -107,7 +112,7 @@ done
     --references fast,random,future_attention,oracle_search --search-rows 512 --search-seconds 120 \
     --out $D/gemma3-h128-search-reach
 for run in smollm2-h128 smollm2-h128-search smollm2-h128-search-reach10 smollm2-h128-search-recombined gemma3-h128-search \
-           gemma3-h128-search-recombined smollm2-h128-half gemma3-h128-half \
+           gemma3-h128-search-reach5 gemma3-h128-search-recombined smollm2-h128-half gemma3-h128-half \
            smollm2-h128-search-split smollm2-h128-search-swaps smollm2-h128-search-reach gemma3-h128-search-reach; do
 mkdir -p reports/decisions-math500/$run
 for f in summary.md summary.csv paired.csv spearman.csv headroom.csv search.csv held_out.csv summary.json config.json \
