@@ -402,12 +402,12 @@ def test_sampled_labels_and_another_model_are_refused_before_the_model_loads(run
 
 
 def test_the_figure_gives_each_rule_its_own_line_style(monkeypatch, tmp_path):
-    """decisions.png: 25 rules (more than tab20's colours and the default cycle's 10) each get their own (colour,
-    marker); the references are dotted, black (the oracles) or grey (random), each its own marker. The lines are read
-    off the figure as drawn (``save_figure`` replaced by a recorder)."""
+    """decisions.png: 25 rules (more than tab20's colours and the default cycle's 10; the zoo's ``random`` among them)
+    each get their own (colour, marker), solid; the references are dotted, black (the oracles) or grey (random), each
+    its own marker. The lines are read off the figure as drawn (``save_figure`` replaced by a recorder)."""
     from kvdiag.decisions import summary as S
 
-    rules = [f"rule{i}" for i in range(25)]
+    rules = [f"rule{i}" for i in range(24)] + ["random"]  # the zoo's random rule is a rule, drawn as one
     oracles = ["oracle_single", "oracle_greedy", "fast", "future_attention", "oracle_search"]
     names = [*rules, *oracles, "random_reference"]
     table = pl.DataFrame({"decision": [n for n in names for _ in range(2)], "budget": ["keep:0.5", "keep:0.25"] * 31,

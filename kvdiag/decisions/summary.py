@@ -606,10 +606,11 @@ def figure(table: pl.DataFrame, out: Path) -> list[Path]:
     panels = [("mean_kl", "judged window")] + ([("mean_kl_held_out", "held out: steps after what each read")]
                                                if held else [])
     names = table["decision"].unique(maintain_order=True).to_list()
-    # each rule its own (colour, marker); the references dotted, black (the oracles) or grey (random), each its own
-    # marker
-    styles = line_styles([n for n in names if n not in ORACLES and not n.startswith("random")])
-    refs = [n for n in names if n not in styles]
+    # each rule its own (colour, marker) (the zoo's `random` rule too: it is a rule); the references (by kind) dotted,
+    # black (the oracles) or grey (the random reference), each its own marker
+    kinds = set(table.filter(pl.col("kind") == "reference")["decision"].to_list())
+    refs = [n for n in names if n in kinds]
+    styles = line_styles([n for n in names if n not in kinds])
     styles |= {n: ("black" if n in ORACLES else "grey", REFERENCE_MARKERS[i % len(REFERENCE_MARKERS)])
                for i, n in enumerate(refs)}
     with style():
