@@ -466,6 +466,11 @@ DECISIONS = {  # run -> the tables its summary writes (committed)
                                             "summary.md"),
     "decisions-math500/gemma3-h128-half": ("summary.csv", "paired.csv", "headroom.csv", "search.csv", "held_out.csv",
                                            "summary.md"),
+    # the same by the descent (the first by dfe37b9's search)
+    "decisions-math500/smollm2-h128-half-descent": ("summary.csv", "paired.csv", "headroom.csv", "search.csv",
+                                                    "held_out.csv", "summary.md"),
+    "decisions-math500/gemma3-h128-half-descent": ("summary.csv", "paired.csv", "headroom.csv", "search.csv",
+                                                   "held_out.csv", "summary.md"),
     # #54: the 128-step search rerun (3 prompts) after recombination stopped at half the seconds
     "decisions-math500/smollm2-h128-search-split": ("summary.csv", "paired.csv", "headroom.csv", "search.csv",
                                                     "summary.md"),
@@ -746,7 +751,10 @@ DECISIONS_GENERALISATION = compared("decisions-math500", ("generalisation.md", "
                                                            "generalisation-search.csv",
                                                            "generalisation-gemma3-search.csv",
                                                            "generalisation-descent.csv",
-                                                           "generalisation-gemma3-descent.csv"))
+                                                           "generalisation-gemma3-descent.csv",
+                                                           "generalisation-descent-half.csv",
+                                                           "generalisation-gemma3-descent-half.csv",
+                                                           "generalisation-held-out-descent.csv"))
 
 
 def test_decisions_generalisation(tmp_path):

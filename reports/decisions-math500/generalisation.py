@@ -1,10 +1,11 @@
 """generalisation.md and its CSVs (-best-known, -current-known, -split, -swaps, -reach, -gemma3-reach, -search,
--gemma3-search, -descent, -gemma3-descent):
-issue #54's generalisation check.
+-gemma3-search, -descent, -gemma3-descent, -descent-half, -gemma3-descent-half, -held-out-descent): issue #54's
+generalisation check.
 
-Reads each model's two committed runs of ``reproduce-h128.sh`` made by the same search (dfe37b9's, with cell-wise
-recombination): ``MODEL-h128-half/`` (every reference reads the first 64 of the 128 judged steps, ``--read-window
-64``) and the 128-step search of ``WHOLE_RUNS`` (every reference reads all 128). On steps
+The first and the last table each read, per model, two committed runs of ``reproduce-h128.sh`` made by one search
+(``RUN_PAIRS``: dfe37b9's search with cell-wise recombination, and the descent, which supersedes it): one where every
+reference reads the first 64 of the 128 judged steps (``--read-window 64``: ``MODEL-h128-half/``,
+``MODEL-h128-half-descent/``) and one where every reference reads all 128 (the 128-step search's run). On steps
 64-127, which the first run's references never read and the second run's did, the same reference's damage chosen
 without those steps (held out) is set against its damage chosen with them (in-sample): per (checkpoint, budget) the
 mean per-step KL over steps 64-127 of each run's set (``kl_steps``, exact set rows through the chunked engine).
@@ -17,28 +18,24 @@ having read them; below 1, the held-out set is better there: the in-sample searc
 first half found, so the 128-step search is not near the best set. The rules read no future; their rows are the
 same decisions in both runs, and the check that they agree (relative 1e-4) guards the pairing.
 
-The second table: the best set known over the whole 128 steps. Both runs judge every set on the same 128 steps of
-the same checkpoints, so per (checkpoint, budget) the lowest ``kl_mean`` among every reference's set of both runs is
-a decision no rule's or reference's set there beats; against it and against the 128-step run's ``oracle_search``,
-the best rule (least mean damage over the 128 steps on these prompts; the rules are the same rows in both runs) per
-prompt (as above), and which set was the best known at how many checkpoints (a tie, the same damage, goes to the
-64-step run's set, listed first). The third table: each model's latest 128-step search (``CURRENT``)
-against that best known set (:func:`current_known_table`).
+The second table: the best set known over the whole 128 steps. Both runs by dfe37b9's search judge every set on the
+same 128 steps of the same checkpoints, so per (checkpoint, budget) the lowest ``kl_mean`` among every reference's
+set of both runs is a decision no rule's or reference's set there beats; against it and against the 128-step run's
+``oracle_search``, the best rule (least mean damage over the 128 steps on these prompts; the rules are the same rows
+in both runs) per prompt (as above), and which set was the best known at how many checkpoints (a tie, the same
+damage, goes to the 64-step run's set, listed first). The third table: each model's latest 128-step search
+(``CURRENT``) against that best known set (:func:`current_known_table`).
 
-The fourth table: ``smollm2-h128-search-split/``, the 128-step search rerun on the first 3 problems after
-``oracle_search`` stopped recombination at half its seconds, against both searches above.
-The fifth: ``smollm2-h128-search-swaps/``, the same rerun after the search dropped recombination for swaps alone,
-against the fourth and both searches above. The sixth: ``smollm2-h128-search-reach/``, the same
-rerun after the swaps stopped moving entries of large attention weight while others are left, against the fifth and
-both searches above. The seventh: ``gemma3-h128-search-reach/``, gemma3-270m's 128-step search rerun
-on the same 3 problems with that search, against its committed searches of 128 and 64 steps. The eighth:
-``smollm2-h128-search-reach10/``, SmolLM2's 128-step search on all 10 problems by that search, against the same
-run by dfe37b9's (``smollm2-h128-search-recombined/``). The ninth: ``gemma3-h128-search-reach5/``, gemma3-270m's on
-all 5 problems by that search, against the same run by dfe37b9's (``gemma3-h128-search-recombined/``) and the 64-step
-search. The tenth: ``smollm2-h128-search/``, SmolLM2's on all 10 problems by the descent that replaced the swaps,
-against the eighth and dfe37b9's. The eleventh: ``gemma3-h128-search/``, gemma3-270m's on all 5 problems by the
-descent, against the ninth, dfe37b9's and the 64-step search. Each
-rerun table comes from :func:`rerun_table` with its row of ``RERUNS``.
+Then the rerun tables, each from :func:`rerun_table` with its row of ``RERUNS``: ``smollm2-h128-search-split/``,
+the 128-step search rerun on the first 3 problems after ``oracle_search`` stopped recombination at half its seconds,
+against both searches above; ``smollm2-h128-search-swaps/``, the same rerun after the search dropped recombination
+for swaps alone; ``smollm2-h128-search-reach/``, the same rerun after the swaps stopped moving entries of large
+attention weight while others are left; ``gemma3-h128-search-reach/``, gemma3-270m's 128-step search rerun on the
+same 3 problems with that search; ``smollm2-h128-search-reach10/`` and ``gemma3-h128-search-reach5/``, each model's
+128-step search on all its problems by that search, against the same run by dfe37b9's; ``smollm2-h128-search/`` and
+``gemma3-h128-search/``, the same by the descent that replaced the swaps; and each model's 128-step descent against
+its 64-step descent (``MODEL-h128-half-descent/``) over all 128 steps. Last, the first table's check made by the
+descent (``generalisation-held-out-descent.csv``).
 
 Run from the repository root: .venv/bin/python reports/decisions-math500/generalisation.py
 """
@@ -64,9 +61,15 @@ KEYS = ["prompt_id", "checkpoint", "budget"]  # one (checkpoint, budget) of a pr
 RULE_RTOL = 1e-4  # the rules' rows of the two runs: the same sets through the same engine (batches may differ)
 RECOMBINED = "smollm2-h128-search-recombined"  # SmolLM2's 128-step search, 10 prompts, by dfe37b9's search
 GEMMA3_RECOMBINED = "gemma3-h128-search-recombined"  # gemma3-270m's, 5 prompts, by dfe37b9's search
-# each model's 128-step search by the search its -h128-half run was made with (dfe37b9's), so that the held-out /
-# in-sample ratio compares reading 64 steps with reading 128, not two searches
-WHOLE_RUNS = {"smollm2": RECOMBINED, "gemma3": GEMMA3_RECOMBINED}
+SEARCH = "smollm2-h128-search"  # SmolLM2's on all 10 problems by the descent that replaced the swaps
+GEMMA3_SEARCH = "gemma3-h128-search"  # gemma3-270m's on all 5 problems by the descent
+# each model's (run reading 64 steps, run reading 128) made by one search, so that the held-out / in-sample ratio
+# compares reading 64 steps with reading 128, not two searches: by dfe37b9's (the first table) and by the descent (the
+# last, which supersedes it)
+WHOLE_RUNS = {"smollm2": RECOMBINED, "gemma3": GEMMA3_RECOMBINED}  # the -h128-half runs' pair (dfe37b9's search)
+RUN_PAIRS = {"generalisation.csv": {model: (f"{model}-h128-half", WHOLE_RUNS[model]) for model in MODELS},
+             "generalisation-held-out-descent.csv": {"smollm2": ("smollm2-h128-half-descent", SEARCH),
+                                                     "gemma3": ("gemma3-h128-half-descent", GEMMA3_SEARCH)}}
 
 
 def late_damage(path: Path) -> pl.DataFrame:
@@ -79,10 +82,11 @@ def late_damage(path: Path) -> pl.DataFrame:
         "kl_steps", "horizon")
 
 
-def pairs(here: Path, model: str) -> pl.DataFrame:
-    """The two runs' rows on the half run's prompts, joined by (prompt, checkpoint, budget, decision)."""
-    half = late_damage(here / f"{model}-h128-half" / "decisions.parquet")
-    whole = late_damage(here / WHOLE_RUNS[model] / "decisions.parquet")
+def pairs(here: Path, model: str, runs: tuple[str, str]) -> pl.DataFrame:
+    """The two runs' (``runs``: the one reading 64 steps, the one reading 128) rows on the first's prompts, joined by
+    (prompt, checkpoint, budget, decision)."""
+    half = late_damage(here / runs[0] / "decisions.parquet")
+    whole = late_damage(here / runs[1] / "decisions.parquet")
     keys = ["prompt_id", "checkpoint", "budget", "decision"]
     joined = half.join(whole, on=keys, suffix="_whole")
     refs = joined.filter(pl.col("decision").is_in(REFERENCES))
@@ -113,10 +117,11 @@ def _paired(boot: PromptBootstrap, g: pl.DataFrame, x: str, y: str, prefix: str,
             f"{prefix}p_value": c["p_value"], f"{prefix}p_resolution": c["test"].resolution}
 
 
-def table(here: Path = HERE) -> pl.DataFrame:
+def table(runs: dict[str, tuple[str, str]], here: Path = HERE) -> pl.DataFrame:
+    """The held-out / in-sample table of one ``RUN_PAIRS`` entry (model -> (run reading 64 steps, run reading 128))."""
     rows = []
-    for model in MODELS:
-        for boot, budget, b in _by_budget(pairs(here, model)):
+    for model, pair in runs.items():
+        for boot, budget, b in _by_budget(pairs(here, model, pair)):
             for ref in REFERENCES:
                 g = b.filter(pl.col("decision") == ref)
                 rows.append({"model": model, "budget": budget, "reference": ref, "checkpoints": g.height,
@@ -173,8 +178,6 @@ REACH = "smollm2-h128-search-reach"  # the same, after the swaps left entries of
 GEMMA3_REACH = "gemma3-h128-search-reach"  # gemma3-270m's 128-step search rerun so, on the same 3 problems
 REACH10 = "smollm2-h128-search-reach10"  # SmolLM2's 128-step search on all 10 problems by that search
 GEMMA3_REACH5 = "gemma3-h128-search-reach5"  # gemma3-270m's on all 5 problems by that search
-SEARCH = "smollm2-h128-search"  # SmolLM2's on all 10 problems by the descent that replaced the swaps
-GEMMA3_SEARCH = "gemma3-h128-search"  # gemma3-270m's on all 5 problems by the descent
 CURRENT = {"smollm2": SEARCH, "gemma3": GEMMA3_SEARCH}  # each model's latest 128-step search
 
 
@@ -238,6 +241,15 @@ RERUNS = [
      "the same 128 steps; columns as above (with 5 prompts the smallest two-sided p is 0.0625).",
      {"swaps": (GEMMA3_REACH5, "swaps"), "before": (GEMMA3_RECOMBINED, "before"),
       "half": ("gemma3-h128-half", "64-step search")}),
+    (SEARCH, "generalisation-descent-half.csv", "SmolLM2: the 128-step descent against the 64-step descent",
+     f"`{SEARCH}/` against `smollm2-h128-half-descent/` (the same descent, 127 steps and one exact row per "
+     "(checkpoint, budget), reading only the first 64 steps) on the latter's 5 problems, both judged on all 128 "
+     "steps; columns as above (rerun: the 128-step descent).",
+     {"half": ("smollm2-h128-half-descent", "64-step descent")}),
+    (GEMMA3_SEARCH, "generalisation-gemma3-descent-half.csv",
+     "gemma3-270m: the 128-step descent against the 64-step descent",
+     f"`{GEMMA3_SEARCH}/` against `gemma3-h128-half-descent/`, as above.",
+     {"half": ("gemma3-h128-half-descent", "64-step descent")}),
 ]
 
 
@@ -305,35 +317,44 @@ def _ci(r: dict, prefix: str = "") -> str:
     return f"{_num(r[prefix + 'ratio_geomean'])} [{_num(r[prefix + 'ratio_low'])}, {_num(r[prefix + 'ratio_high'])}]"
 
 
+def _held_out_lines(csv: str, search: str, out: Path, here: Path) -> list[str]:
+    """Write ``csv`` (:func:`table` of ``RUN_PAIRS[csv]``, made by ``search``) to ``out``; its text and table in
+    Markdown."""
+    runs = RUN_PAIRS[csv]
+    df = table(runs, here)
+    write_csv(df, out / csv)
+    return [f"Made by generalisation.py from each model's two runs by {search}: "
+            f"{', '.join(f'`{half}/`' for half, _ in runs.values())} (every reference read steps 0-{HALF - 1}) and "
+            f"{', '.join(f'`{whole}/`' for _, whole in runs.values())} (every reference read steps 0-{WHOLE - 1}), "
+            f"on the first run's prompts. Damage: mean per-step KL (nats) over steps {HALF}-{WHOLE - 1} of each "
+            "(checkpoint, budget), averaged over checkpoints. Held out / in-sample per prompt: geometric mean over "
+            "prompts [95 % cluster-bootstrap CI], plain median, prompts where the held-out set did less damage (of the "
+            "prompts that entered), exact sign test (with 5 prompts the smallest two-sided p is 0.0625).", "",
+            markdown_table(
+                ["model", "budget", "reference", "held out (read 0-63)", "in-sample (read 0-127)",
+                 "held out / in-sample [CI]", "median", "held out lower", "p"],
+                [[r["model"], r["budget"], f"`{r['reference']}`", _num(r["held_out_damage"]),
+                  _num(r["in_sample_damage"]), _ci(r), _num(r["ratio_median"]),
+                  f"{r['held_out_lower']}/{r['prompts']}", format_p(r["p_value"], r["p_resolution"])]
+                 for r in df.iter_rows(named=True)])]
+
+
 def main(here: Path = HERE, out: Path = HERE) -> None:
     """generalisation.md, generalisation.csv, -best-known.csv, -current-known.csv, -split.csv, -swaps.csv, -reach.csv,
-    -gemma3-reach.csv, -search.csv, -gemma3-search.csv, -descent.csv and -gemma3-descent.csv in ``out`` from
-    ``here``'s runs."""
-    df = table(here)
-    write_csv(df, out / "generalisation.csv")
+    -gemma3-reach.csv, -search.csv, -gemma3-search.csv, -descent.csv, -gemma3-descent.csv, -descent-half.csv,
+    -gemma3-descent-half.csv and -held-out-descent.csv in ``out`` from ``here``'s runs."""
     lines = ["# The generalisation check: chosen without steps 64-127, judged on them", "",
-             f"Made by generalisation.py from `MODEL-h128-half/` (every reference read steps 0-{HALF - 1}) and "
-             f"the same search's 128-step run (every reference read steps 0-{WHOLE - 1}: `{WHOLE_RUNS['smollm2']}/`, "
-             f"`{WHOLE_RUNS['gemma3']}/`), on the half run's prompts. Damage: "
-             f"mean per-step KL (nats) over steps {HALF}-{WHOLE - 1} of each (checkpoint, budget), averaged over "
-             "checkpoints. Held out / in-sample per prompt: geometric mean over prompts [95 % cluster-bootstrap CI], "
-             "plain median, prompts where the held-out set did less damage (of the prompts that entered), exact sign "
-             "test (with 5 prompts the smallest two-sided p is 0.0625).", ""]
-    lines.append(markdown_table(
-        ["model", "budget", "reference", "held out (read 0-63)", "in-sample (read 0-127)",
-         "held out / in-sample [CI]", "median", "held out lower", "p"],
-        [[r["model"], r["budget"], f"`{r['reference']}`", _num(r["held_out_damage"]), _num(r["in_sample_damage"]),
-          _ci(r), _num(r["ratio_median"]),
-          f"{r['held_out_lower']}/{r['prompts']}", format_p(r["p_value"], r["p_resolution"])]
-         for r in df.iter_rows(named=True)]))
+             "The first table is the check made by dfe37b9's search, the last the same check made by the descent "
+             "(`oracle_search` as it is now): the descent's supersedes it.", "",
+             *_held_out_lines("generalisation.csv", "dfe37b9's search", out, here)]
     best = {model: best_known(here, model) for model in MODELS}  # read once: the second and third tables share it
     known = known_table(best)
     write_csv(known, out / "generalisation-best-known.csv")
     lines += ["", "## The best set known over the 128 steps", "",
               "Per (checkpoint, budget), the lowest mean damage over all 128 steps among every reference's set of "
-              "both runs (read 64 or 128 steps): no set either run made beats it there. The best rule (least mean "
-              "damage over the 128 steps on these prompts) against it and against the 128-step run's "
-              "`oracle_search`, per prompt as above (rule lower: prompts where the rule did less damage).", ""]
+              "both runs by dfe37b9's search (read 64 or 128 steps): no set either run made beats it there. The "
+              "best rule (least mean damage over the 128 steps on these prompts) against it and against the 128-step "
+              "run's `oracle_search`, per prompt as above (rule lower: prompts where the rule did less damage).", ""]
     lines.append(markdown_table(
         ["model", "budget", "best rule", "its damage", "`oracle_search` (read 128)", "best known", "best known is",
          "best rule / search [CI]", "median", "rule lower", "p", "best rule / best known [CI]", "median",
@@ -348,7 +369,8 @@ def main(here: Path = HERE, out: Path = HERE) -> None:
     write_csv(current, out / "generalisation-current-known.csv")
     lines += ["", "## The latest searches against the best set known", "",
               f"`{SEARCH}/`'s and `{GEMMA3_SEARCH}/`'s `oracle_search` (each model's 128-step search by the descent "
-              "of the last two tables below) against the best set "
+              "of the tables 'SmolLM2: the 128-step search by descent' and 'gemma3-270m: the 128-step search by "
+              "descent' below) against the best set "
               "known of the table above, on the same 5 prompts and "
               "128 steps: mean damage, and per prompt the ratio latest / best known as above (latest lower: "
               "prompts where the latest search did less damage).", ""]
@@ -363,6 +385,8 @@ def main(here: Path = HERE, out: Path = HERE) -> None:
         write_csv(rerun, out / csv)
         labels = {name: label for name, (_, label) in others.items()}
         lines += ["", f"## {heading}", "", text, "", *_rerun_lines(rerun, labels)]
+    lines += ["", "## The generalisation check by the descent", "",
+              *_held_out_lines("generalisation-held-out-descent.csv", "the descent", out, here)]
     (out / "generalisation.md").write_text("\n".join(lines) + "\n")
 
 

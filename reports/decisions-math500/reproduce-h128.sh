@@ -13,11 +13,12 @@
 # 0.25 / 0.125. About 1 h 40 min on a 2-core CPU shared with other jobs (trace 25 min, scores 1 min, labels 3 min,
 # decisions about 5 min per checkpoint).
 # smollm2-h128-search/ and gemma3-h128-search/ are made by oracle_search's descent (kvdiag after a2f43b1: its 1 %
-# rule judged only once a step found a set below the start); gemma3-h128-search-reach5/, smollm2-h128-search-reach10/, smollm2-h128-search-swaps/ and the two -reach/ by its swaps (K from d334f7e, or
-# a4bdfb6 for -swaps/); every other run here by the swaps with a cell-wise recombination of the candidates first,
-# which kvdiag dropped after commit dfe37b9: to remake those exactly, run this with K
-# set to the kvdiag of a checkout of dfe37b9 (git worktree add ../kvdiag-dfe37b9 dfe37b9 && make -C ../kvdiag-dfe37b9
-# venv; K=../kvdiag-dfe37b9/.venv/bin/kvdiag); smollm2-h128-search-recombined/ and gemma3-h128-search-recombined/ are
+# rule judged only once a step found a set below the start), and so are the two -h128-half-descent/;
+# gemma3-h128-search-reach5/, smollm2-h128-search-reach10/, smollm2-h128-search-swaps/ and the two -reach/ by its
+# swaps (K from d334f7e, or a4bdfb6 for -swaps/); every other run here by the swaps with a cell-wise recombination
+# of the candidates first, which kvdiag dropped after commit dfe37b9: to remake those exactly, run this with K set to
+# the kvdiag of a checkout of dfe37b9 (git worktree add ../kvdiag-dfe37b9 dfe37b9 && make -C ../kvdiag-dfe37b9 venv;
+# K=../kvdiag-dfe37b9/.venv/bin/kvdiag); smollm2-h128-search-recombined/ and gemma3-h128-search-recombined/ are
 # the smollm2-h128-search and gemma3-h128-search commands below run so (with the swap search's effort:
 # --search-rows 512 --search-seconds 120), with --out $D/MODEL-h128-search-recombined.
 set -euo pipefail
@@ -85,6 +86,12 @@ for m in smollm2 gemma3; do
         --horizon 128 --read-window 64 --infeasible skip --pairs 0 \
         --references fast,random,future_attention,oracle_search --search-rows 512 --search-seconds 120 \
         --out $D/$m-h128-half
+    # the same by the descent (127 steps and one exact row per (checkpoint, budget) on the 64 steps it reads), so that
+    # the generalisation check's headline compares the descent reading 64 steps with the descent reading 128
+    /usr/bin/time -v -o $D/$m-h128-half-descent.time $K decisions --trace $TR --scores $S --keep 0.5,0.25,0.125 \
+        --horizon 128 --read-window 64 --infeasible skip --pairs 0 \
+        --references fast,random,future_attention,oracle_search --search-rows 128 --search-seconds 0 \
+        --out $D/$m-h128-half-descent
 done
 # the 128-step search again on the first 3 problems, with recombination stopped at half the seconds (86401e2)
 [ -f $D/scores-head-first3.parquet ] || first $D/scores-head.parquet $D/scores-head-first3.parquet \
@@ -113,6 +120,7 @@ done
     --out $D/gemma3-h128-search-reach
 for run in smollm2-h128 smollm2-h128-search smollm2-h128-search-reach10 smollm2-h128-search-recombined gemma3-h128-search \
            gemma3-h128-search-reach5 gemma3-h128-search-recombined smollm2-h128-half gemma3-h128-half \
+           smollm2-h128-half-descent gemma3-h128-half-descent \
            smollm2-h128-search-split smollm2-h128-search-swaps smollm2-h128-search-reach gemma3-h128-search-reach; do
 mkdir -p reports/decisions-math500/$run
 for f in summary.md summary.csv paired.csv spearman.csv headroom.csv search.csv held_out.csv summary.json config.json \
@@ -122,5 +130,6 @@ for f in summary.md summary.csv paired.csv spearman.csv headroom.csv search.csv 
     if [ -f $D/$run/$f ] && [ "$(wc -c < $D/$run/$f)" -gt 1 ]; then mkdir -p "$(dirname $to)" && cp $D/$run/$f $to; fi
 done
 done
-# the generalisation check on steps 64-127: the -h128-half runs against the -h128-search runs
+# the generalisation check on steps 64-127: the -h128-half-descent runs against the -h128-search runs (and the
+# -h128-half runs against the -h128-search-recombined runs, both by dfe37b9's search)
 .venv/bin/python reports/decisions-math500/generalisation.py
