@@ -50,7 +50,8 @@ ACCEPT_REL, ACCEPT_ABS = 1e-6, 1e-9  # the result must be lower than the start b
 CONVERGED = 0.01  # 4x more steps took less than this share off the best label: converged
 WARMUP = 64  # steps before convergence is judged: from +-GAP the first swap takes about 10 steps at LR 0.1
 # the descent's start scores, step and momentum: on the docstring's checkpoint LR 0.05 was at 0.0104 nats after 60 s
-# where LR 0.1 was at 0.0058 after 66 s
+# where LR 0.1 was at 0.0058 after 66 s; held out on two MATH-500 checkpoints (docs/benchmarks.md) LR 0.1 gave the
+# lowest label at 2 of 4 (checkpoint, budget) and 0.2 at the other 2 (0.05 at none), neither far from the other
 GAP, LR, MOMENTUM = 1.0, 0.1, 0.9
 # A kept entry of attention weight (``reach``) above this gets no push toward eviction from its own gradient: g is
 # linear in the mask, but a drop scales the rest by 1 / (1 - w), so above it the prediction fails. SmolLM2, t = 640,
