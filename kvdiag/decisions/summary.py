@@ -625,7 +625,7 @@ def figure(table: pl.DataFrame, out: Path) -> list[Path]:
                 order = np.argsort(xs)
                 ys = np.maximum(sub[column].to_numpy(), 1e-9)[order]
                 color, marker = styles[name]
-                ref = name in refs
+                ref = name in kinds
                 ax.plot(np.array(xs)[order], ys, ls=":" if ref else "-", marker=marker, ms=4 if ref else 5,
                         lw=1.6 if ref else 1, color=color, label=name)
             ax.set(yscale="log", xlabel="keep fraction" if budgets[0].startswith("keep") else "budget (entries)",

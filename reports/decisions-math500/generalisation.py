@@ -66,8 +66,8 @@ GEMMA3_SEARCH = "gemma3-h128-search"  # gemma3-270m's on all 5 problems by the d
 # each model's (run reading 64 steps, run reading 128) made by one search, so that the held-out / in-sample ratio
 # compares reading 64 steps with reading 128, not two searches: by dfe37b9's (the first table) and by the descent (the
 # last, which supersedes it)
-WHOLE_RUNS = {"smollm2": RECOMBINED, "gemma3": GEMMA3_RECOMBINED}  # the -h128-half runs' pair (dfe37b9's search)
-RUN_PAIRS = {"generalisation.csv": {model: (f"{model}-h128-half", WHOLE_RUNS[model]) for model in MODELS},
+RUN_PAIRS = {"generalisation.csv": {"smollm2": ("smollm2-h128-half", RECOMBINED),
+                                    "gemma3": ("gemma3-h128-half", GEMMA3_RECOMBINED)},
              "generalisation-held-out-descent.csv": {"smollm2": ("smollm2-h128-half-descent", SEARCH),
                                                      "gemma3": ("gemma3-h128-half-descent", GEMMA3_SEARCH)}}
 
@@ -133,10 +133,12 @@ def table(runs: dict[str, tuple[str, str]], here: Path = HERE) -> pl.DataFrame:
 
 def best_known(here: Path, model: str) -> pl.DataFrame:
     """Per (checkpoint, budget) of the half run: prompt_id, budget, best_rule_kl, search_kl (the 128-step run's
-    oracle_search), known_kl and known (the set with the lowest kl_mean among every reference of both runs)."""
+    oracle_search), known_kl and known (the set with the lowest kl_mean among every reference of both runs: the first
+    table's pair, by dfe37b9's search)."""
     cols = ["prompt_id", "checkpoint", "budget", "decision", "read_steps", "kl_mean"]
-    half = pl.read_parquet(here / f"{model}-h128-half" / "decisions.parquet", columns=cols)
-    whole = pl.read_parquet(here / WHOLE_RUNS[model] / "decisions.parquet", columns=cols).filter(
+    half_run, whole_run = RUN_PAIRS["generalisation.csv"][model]
+    half = pl.read_parquet(here / half_run / "decisions.parquet", columns=cols)
+    whole = pl.read_parquet(here / whole_run / "decisions.parquet", columns=cols).filter(
         pl.col("prompt_id").is_in(half["prompt_id"].unique().to_list()))
     refs = pl.concat([half.filter(pl.col("read_steps") > 0).with_columns(
                           (pl.col("decision") + f" (read {HALF})").alias("decision")),
