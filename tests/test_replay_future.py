@@ -93,7 +93,7 @@ def test_regret_is_against_oracle_future_with_exact_paired_tests(sweep):
         d = (mine["kl_mean"] - oracle["kl_mean"]).to_numpy()
         assert r["prompts"] == len(d) == 2 and abs(r["regret"] - d.mean()) < 1e-12
         above, below = int((d > 0).sum()), int((d < 0).sum())
-        assert (r["prompts_above_oracle"], r["prompts_below_oracle"]) == (above, below)
+        assert (r["prompts_above_reference"], r["prompts_below_reference"]) == (above, below)
         assert r["test"] == "sign" and r["p_value"] == pytest.approx(binomtest(above, above + below).pvalue)
         # exact sign-flip permutation over 2 prompts: the 4 sign patterns, p = share with |mean| >= the observed
         flips = np.array([[s1, s2] for s1 in (1, -1) for s2 in (1, -1)]) * d
@@ -116,8 +116,8 @@ def test_beaten_rows_say_where_and_why(sweep):
                                                                                 r["budget"])]
         c = r["compression"] - 1
         assert mine["compression_steps"][c] == r["t"]
-        assert (r["joint"], r["oracle_joint"]) == (mine["joint_kl"][c], oracle["joint_kl"][c])
-        assert r["reason"] == ("set" if r["joint"] < r["oracle_joint"] else "state")
+        assert (r["joint"], r["reference_joint"]) == (mine["joint_kl"][c], oracle["joint_kl"][c])
+        assert r["reason"] == ("set" if r["joint"] < r["reference_joint"] else "state")
         assert r["gain"] < 0 and 0 < r["gain_share"]
 
 
@@ -175,6 +175,6 @@ def test_beaten_finds_the_segment_and_the_reason_by_hand():
     a, b = won.row(0, named=True), won.row(1, named=True)
     assert (a["t"], a["compression"], a["compressions"], a["reason"]) == (7, 2, 2, "set")
     assert a["gain"] == pytest.approx(-0.45) and a["gain_share"] == pytest.approx(1.0)
-    assert (a["joint"], a["oracle_joint"]) == (0.2, 0.4)
+    assert (a["joint"], a["reference_joint"]) == (0.2, 0.4)
     assert (b["t"], b["compression"], b["reason"]) == (4, 1, "state") and b["gain"] == pytest.approx(-0.3)
     assert first_sets(tf, "oracle_future") == (1, 3)  # only c's first set has the lower label (0.1 < 0.3)

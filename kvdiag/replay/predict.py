@@ -165,21 +165,21 @@ def regret(tf: pl.DataFrame, boot: PromptBootstrap, reference: str = ORACLE) -> 
         r, t = c["ratios"], c["test"]
         perm = permutation_test(cluster_means(x - o, prompts)[1])
         rows.append({"scorer": scorer, "budget": budget, "reference": reference, "kl": float(x.mean()),
-                     "oracle_kl": float(o.mean()),
+                     "reference_kl": float(o.mean()),
                      "regret": c["diff"], "regret_low": c["diff_ci"][0], "regret_high": c["diff_ci"][1],
                      "ratio": c["ratio"], "ratio_low": c["ratio_ci"][0], "ratio_high": c["ratio_ci"][1],
                      "ratio_geomean": r["geomean"], "ratio_geomean_low": r["geomean_ci"][0],
                      "ratio_geomean_high": r["geomean_ci"][1], "ratio_median": r["median"],
-                     "prompts_above_oracle": t.above, "prompts_below_oracle": t.below, "test": t.test,
+                     "prompts_above_reference": t.above, "prompts_below_reference": t.below, "test": t.test,
                      "p_value": t.p, "p_resolution": t.resolution, "test_permutation": perm.test,
                      "p_permutation": perm.p, "p_permutation_resolution": perm.resolution, "prompts": t.n})
     return pl.DataFrame(rows).sort("budget", "regret") if rows else pl.DataFrame()
 
 
 BEATEN_SCHEMA = {
-    "scorer": pl.String, "budget": pl.Int64, "prompt_id": pl.String, "kl": pl.Float64, "oracle_kl": pl.Float64,
+    "scorer": pl.String, "budget": pl.Int64, "prompt_id": pl.String, "kl": pl.Float64, "reference_kl": pl.Float64,
     "regret": pl.Float64, "t": pl.Int64, "compression": pl.Int64, "compressions": pl.Int64, "gain": pl.Float64,
-    "gain_share": pl.Float64, "joint": pl.Float64, "oracle_joint": pl.Float64, "reason": pl.String,
+    "gain_share": pl.Float64, "joint": pl.Float64, "reference_joint": pl.Float64, "reason": pl.String,
 }
 
 
@@ -209,14 +209,14 @@ def beaten(tf: pl.DataFrame, reference: str) -> pl.DataFrame:
         gains = np.subtract(segment_kl(r), segment_kl(o))
         c = int(np.argmin(gains))
         total = (r["kl_mean"] - o["kl_mean"]) * len(r["kl_steps"])
-        joint, oracle_joint = ((r["joint_kl"][c], o["joint_kl"][c]) if r["joint_kl"] and o["joint_kl"]
+        joint, reference_joint = ((r["joint_kl"][c], o["joint_kl"][c]) if r["joint_kl"] and o["joint_kl"]
                                else (None, None))
-        reason = "no joint labels" if joint is None else "set" if joint < oracle_joint else "state"
+        reason = "no joint labels" if joint is None else "set" if joint < reference_joint else "state"
         rows.append({"scorer": scorer, "budget": budget, "prompt_id": pid, "kl": r["kl_mean"],
-                     "oracle_kl": o["kl_mean"], "regret": r["kl_mean"] - o["kl_mean"],
+                     "reference_kl": o["kl_mean"], "regret": r["kl_mean"] - o["kl_mean"],
                      "t": r["compression_steps"][c], "compression": c + 1, "compressions": len(gains),
                      "gain": float(gains[c]), "gain_share": float(gains[c] / total), "joint": joint,
-                     "oracle_joint": oracle_joint, "reason": reason})
+                     "reference_joint": reference_joint, "reason": reason})
     return pl.DataFrame(rows, schema=BEATEN_SCHEMA).sort("budget", "scorer", "prompt_id")
 
 
@@ -345,11 +345,11 @@ def regret_lines(tf: pl.DataFrame, boot: PromptBootstrap, reference: str, out_di
     lines.append(markdown_table(
         ["scorer", "budget", "KL", "reference KL", "regret [CI]", "ratio of means [CI]", "per-prompt ratio [CI]",
          "above reference", "p sign", "p perm."],
-        [[r["scorer"], str(r["budget"]), num(r["kl"]), num(r["oracle_kl"]),
+        [[r["scorer"], str(r["budget"]), num(r["kl"]), num(r["reference_kl"]),
           f"{num(r['regret'])} [{num(r['regret_low'])}, {num(r['regret_high'])}]",
           f"{num(r['ratio'])} [{num(r['ratio_low'])}, {num(r['ratio_high'])}]",
           f"{num(r['ratio_geomean'])} [{num(r['ratio_geomean_low'])}, {num(r['ratio_geomean_high'])}]",
-          f"{r['prompts_above_oracle']}/{r['prompts']}", format_p(r["p_value"], r["p_resolution"]),
+          f"{r['prompts_above_reference']}/{r['prompts']}", format_p(r["p_value"], r["p_resolution"]),
           format_p(r["p_permutation"], r["p_permutation_resolution"])]
          for r in reg.iter_rows(named=True)]))
     negative = reg.filter(pl.col("regret") < 0)
@@ -376,7 +376,7 @@ def regret_lines(tf: pl.DataFrame, boot: PromptBootstrap, reference: str, out_di
              "reason"],
             [[r["scorer"], str(r["budget"]), r["prompt_id"], num(r["regret"]),
               f"{r['t']} ({r['compression']}/{r['compressions']})", num(r["gain"]), num(r["gain_share"], ".0%"),
-              num(r["joint"]), num(r["oracle_joint"]), r["reason"]] for r in won.iter_rows(named=True)]))
+              num(r["joint"]), num(r["reference_joint"]), r["reason"]] for r in won.iter_rows(named=True)]))
     cost = tf.group_by("scorer", maintain_order=True).agg(
         (pl.col("label_seconds").sum() / pl.col("compressions").sum()).alias("s"),
         (pl.col("label_rows").sum() / pl.col("compressions").sum()).alias("rows"))

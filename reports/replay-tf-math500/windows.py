@@ -62,10 +62,10 @@ def main(here: Path = HERE, out: Path = HERE) -> None:
     lines.append(markdown_table(
         ["policy", "budget", "KL", f"{REST} KL", "regret [CI]", "ratio, geometric mean [CI]", "ratio, median", "wins",
          "p sign"],
-        [[r["scorer"], str(r["budget"]), _num(r["kl"]), _num(r["oracle_kl"]),
+        [[r["scorer"], str(r["budget"]), _num(r["kl"]), _num(r["reference_kl"]),
           f"{_num(r['regret'])} [{_num(r['regret_low'])}, {_num(r['regret_high'])}]",
           f"{_num(r['ratio_geomean'])} [{_num(r['ratio_geomean_low'])}, {_num(r['ratio_geomean_high'])}]",
-          _num(r["ratio_median"]), f"{r['prompts_below_oracle']}/{r['prompts']}",
+          _num(r["ratio_median"]), f"{r['prompts_below_reference']}/{r['prompts']}",
           format_p(r["p_value"], r["p_resolution"])] for r in reg.iter_rows(named=True)]))
     cells, by_rule, by_short = [], 0, 0
     for budget in sorted(wide["budget"].unique()):
@@ -78,7 +78,7 @@ def main(here: Path = HERE, out: Path = HERE) -> None:
                      f"the best rule {best['scorer']} regret {_num(best['regret'])}, ratio "
                      f"{_num(best['ratio_geomean'])} [{_num(best['ratio_geomean_low'])}, "
                      f"{_num(best['ratio_geomean_high'])}], median {_num(best['ratio_median'])}, wins "
-                     f"{best['prompts_below_oracle']}/{best['prompts']}, p {format_p(best['p_value'])}")
+                     f"{best['prompts_below_reference']}/{best['prompts']}, p {format_p(best['p_value'])}")
     verdict = ("no policy it is compared with is below it on any prompt at any budget, so on this window (the whole "
                "teacher-forced trajectory) it is an oracle for these policies" if not by_rule + by_short else
                f"no rule is below it on any prompt, but {SHORT} is on {by_short} (prompt, budget) pairs, so it is the "

@@ -88,7 +88,7 @@ def tf_rows(df: pl.DataFrame) -> pl.DataFrame:
         pl.col("top1_agree").list.eval(pl.element().cast(pl.Float64)).list.mean().alias("agree"), "kl_mean")
 
 
-def oracle_kl(tf: pl.DataFrame) -> list[str]:
+def reference_kl(tf: pl.DataFrame) -> list[str]:
     """The exact-label oracle's teacher-forced KL against every other policy at its budget, paired by prompt (exact
     sign test: 10 prompts)."""
     out = []
@@ -175,10 +175,10 @@ def regret_section(tf_all: pl.DataFrame) -> tuple[list[str], pl.DataFrame]:
     lines.append(markdown_table(
         ["policy", "budget", "KL", f"{ref} KL", "regret [CI]", "ratio, geometric mean [CI]", "ratio, median",
          "wins", "p sign"],
-        [[r["scorer"], str(r["budget"]), _num(r["kl"]), _num(r["oracle_kl"]),
+        [[r["scorer"], str(r["budget"]), _num(r["kl"]), _num(r["reference_kl"]),
           f"{_num(r['regret'])} [{_num(r['regret_low'])}, {_num(r['regret_high'])}]",
           f"{_num(r['ratio_geomean'])} [{_num(r['ratio_geomean_low'])}, {_num(r['ratio_geomean_high'])}]",
-          _num(r["ratio_median"]), f"{r['prompts_below_oracle']}/{r['prompts']}",
+          _num(r["ratio_median"]), f"{r['prompts_below_reference']}/{r['prompts']}",
           format_p(r["p_value"], r["p_resolution"])] for r in reg.iter_rows(named=True)]))
     cells, beaten_any = [], False
     for budget in sorted(wide["budget"].unique()):
@@ -189,7 +189,7 @@ def regret_section(tf_all: pl.DataFrame) -> tuple[list[str], pl.DataFrame]:
         cells.append(f"{budget}: some policy lower on {below.height} of {w.height} prompts; the best rule "
                      f"{best['scorer']} regret {_num(best['regret'])}, ratio {_num(best['ratio_geomean'])} "
                      f"[{_num(best['ratio_geomean_low'])}, {_num(best['ratio_geomean_high'])}], wins "
-                     f"{best['prompts_below_oracle']}/{best['prompts']}, p {format_p(best['p_value'])}")
+                     f"{best['prompts_below_reference']}/{best['prompts']}, p {format_p(best['p_value'])}")
     verdict = ("no policy it is compared with is below it on any prompt at any budget, so on this window (the whole "
                "teacher-forced trajectory) it is an oracle for these policies" if not beaten_any else
                "some policy is below it on some prompt, so it is the future-attention reference, not an oracle")
@@ -232,7 +232,7 @@ def suite_section(suite: str, here: Path = HERE, free_dir: Path = FREE) -> tuple
         lines += ["", "### One keep set for every layer and KV head (per-token selection), as the exact-label oracle "
                       "needs", "",
                   f"The same sequences at budget 256 ({suite}-per-token/); the free-running replay selected per head, "
-                  "so it has no row here.", "", *table, *oracle_kl(pt)]
+                  "so it has no row here.", "", *table, *reference_kl(pt)]
         plot.update({("oracle", b): v for (pol, b), v in pt_plot.items() if pol == ORACLES[0]})
         lines += horizon_probe(suite, pt, here)
     plot["full_kv"] = (int(full["free"].sum()), full.height)
