@@ -614,7 +614,7 @@ def figure(table: pl.DataFrame, out: Path) -> list[Path]:
     styles |= {n: ("black" if n in ORACLES else "grey", REFERENCE_MARKERS[i % len(REFERENCE_MARKERS)])
                for i, n in enumerate(refs)}
     with style():
-        fig, axes = new_figure(len(panels), 7.5 if len(panels) == 1 else 12, 4.5)
+        fig, axes = new_figure(len(panels), 9 if len(panels) == 1 else 13.5, 4.5)
         for ax, (column, title) in zip(axes, panels, strict=True):
             for name in names:
                 sub = table.filter((pl.col("decision") == name) & pl.col(column).is_not_nan()
@@ -632,7 +632,9 @@ def figure(table: pl.DataFrame, out: Path) -> list[Path]:
                    ylabel="joint damage (mean KL, nats)", title=title if held else None)
             if budgets[0].startswith("keep"):
                 ax.set_xscale("log", base=2)
-        axes[0].legend(fontsize=6, ncol=2, loc="best")
+        # outside the axes: inside, a legend of 20-40 lines covers some decision's line wherever it goes
+        fig.legend(*axes[0].get_legend_handles_labels(), fontsize=6, ncol=1 if len(names) <= 30 else 2,
+                   loc="outside right upper")
         return save_figure(fig, out, "decisions")
 
 
