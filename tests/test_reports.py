@@ -754,7 +754,8 @@ DECISIONS_GENERALISATION = compared("decisions-math500", ("generalisation.md", "
                                                            "generalisation-gemma3-descent.csv",
                                                            "generalisation-descent-half.csv",
                                                            "generalisation-gemma3-descent-half.csv",
-                                                           "generalisation-held-out-descent.csv"))
+                                                           "generalisation-held-out-descent.csv",
+                                                           "generalisation-pooled-known.csv"))
 
 
 def test_decisions_generalisation(tmp_path):

@@ -1,6 +1,6 @@
 """generalisation.md and its CSVs (-best-known, -current-known, -split, -swaps, -reach, -gemma3-reach, -search,
--gemma3-search, -descent, -gemma3-descent, -descent-half, -gemma3-descent-half, -held-out-descent): issue #54's
-generalisation check.
+-gemma3-search, -descent, -gemma3-descent, -descent-half, -gemma3-descent-half, -held-out-descent, -pooled-known):
+issue #54's generalisation check.
 
 The first and the last table each read, per model, two committed runs of ``reproduce-h128.sh`` made by one search
 (``RUN_PAIRS``: dfe37b9's search with cell-wise recombination, and the descent, which supersedes it): one where every
@@ -35,7 +35,8 @@ same 3 problems with that search; ``smollm2-h128-search-reach10/`` and ``gemma3-
 128-step search on all its problems by that search, against the same run by dfe37b9's; ``smollm2-h128-search/`` and
 ``gemma3-h128-search/``, the same by the descent that replaced the swaps; and each model's 128-step descent against
 its 64-step descent (``MODEL-h128-half-descent/``) over all 128 steps. Last, the first table's check made by the
-descent (``generalisation-held-out-descent.csv``).
+descent (``generalisation-held-out-descent.csv``), and each model's latest 128-step search against the best of every
+set every committed 128-step run made (``generalisation-pooled-known.csv``, :func:`pooled_table`).
 
 Run from the repository root: .venv/bin/python reports/decisions-math500/generalisation.py
 """
@@ -279,6 +280,60 @@ def current_known_table(known: dict[str, pl.DataFrame], here: Path = HERE) -> pl
     return pl.DataFrame(rows)
 
 
+def pooled_known(here: Path, model: str) -> tuple[pl.DataFrame, int, int]:
+    """Every committed set judged on the same 128 steps pooled: per (checkpoint, budget) of the latest 128-step
+    search (``CURRENT[model]``), KEYS, latest_kl (its ``oracle_search``), known_kl (the lowest ``kl_mean`` of any set,
+    rule or reference, of every ``MODEL-h128*/`` run judged on 128 steps, the latest included), known (``run:decision``
+    of that set; a tie goes to the latest search) and runs (how many runs have that (checkpoint, budget)); with it the
+    rule rows ((checkpoint, budget, rule)) whose set differs between runs, and all of them. A set that two runs both
+    made must label the same in both (``RULE_RTOL``): the same checkpoints and steps, so the sets are comparable. Not
+    every rule makes the same set in every run: each set is pooled as the set it is."""
+    cols = [*KEYS, "decision", "kind", "horizon", "kl_mean", "evicted_mask"]
+    rows = []
+    for path in sorted(here.glob(f"{model}-h128*/decisions.parquet")):
+        run = path.parent.name
+        df = pl.read_parquet(path, columns=cols).filter(pl.col("kl_mean").is_not_null())
+        if set(df["horizon"].unique().to_list()) != {WHOLE}:
+            raise ValueError(f"{path}: judged on {sorted(df['horizon'].unique().to_list())} steps, not {WHOLE}")
+        rows.append(df.with_columns(pl.lit(run).alias("run"), pl.lit(run == CURRENT[model]).alias("latest")))
+    sets = pl.concat(rows)
+    same = sets.group_by(*KEYS, "evicted_mask").agg(pl.len().alias("rows"), (
+        (pl.col("kl_mean").max() - pl.col("kl_mean").min()) / pl.col("kl_mean").max().clip(1e-12)).alias("rel"))
+    same = same.filter(pl.col("rows") > 1)
+    if same.height == 0 or float(same["rel"].max()) > RULE_RTOL:
+        raise ValueError(f"{model}: a set labels differently across the 128-step runs (relative "
+                         f"{same['rel'].max() if same.height else None})")
+    rules = sets.filter(pl.col("kind") == "rule").group_by(*KEYS, "decision").agg(pl.col("evicted_mask").n_unique())
+    latest = sets.filter(pl.col("latest") & (pl.col("decision") == "oracle_search")).select(
+        *KEYS, pl.col("kl_mean").alias("latest_kl"))
+    ranked = sets.join(latest.select(KEYS), on=KEYS).sort("kl_mean", pl.col("latest").not_(), "run", "decision")
+    known = ranked.group_by(KEYS, maintain_order=True).agg(
+        pl.col("kl_mean").first().alias("known_kl"), (pl.col("run") + ":" + pl.col("decision")).first().alias("known"),
+        pl.col("run").n_unique().alias("runs"))
+    return latest.join(known, on=KEYS), rules.filter(pl.col("evicted_mask") > 1).height, rules.height
+
+
+def pooled_table(here: Path = HERE) -> pl.DataFrame:
+    """Per model and budget, :func:`pooled_known`: the latest search / the best set known per prompt (geometric mean,
+    plain median, prompts where the latest search is lower, exact sign test), the checkpoints where the latest search
+    is the best set known, and which sets are where it is not."""
+    rows = []
+    for model in MODELS:
+        frame, differing, rule_rows = pooled_known(here, model)
+        for boot, budget, g in _by_budget(frame):
+            others = g.filter(pl.col("latest_kl") > pl.col("known_kl"))
+            rows.append({"model": model, "budget": budget, "checkpoints": g.height,
+                         "runs_min": int(g["runs"].min()), "runs_max": int(g["runs"].max()),
+                         "latest_damage": float(g["latest_kl"].mean()), "known_damage": float(g["known_kl"].mean()),
+                         "latest_is_known": g.height - others.height,
+                         "known_by": ", ".join(f"{r['known']} {r['count']}" for r in others["known"].value_counts(
+                             sort=True).sort("count", "known", descending=[True, False]).iter_rows(named=True)),
+                         "worst_ratio": float((g["latest_kl"] / g["known_kl"]).max()),
+                         "rule_rows_differing": differing, "rule_rows": rule_rows,
+                         **_paired(boot, g, "latest_kl", "known_kl", "", "latest_lower")})
+    return pl.DataFrame(rows)
+
+
 def rerun_table(run: str, others: dict[str, str], here: Path = HERE) -> pl.DataFrame:
     """Per budget, ``oracle_search``'s damage over the 128 steps in the rerun ``run`` against each of ``others``
     (name -> run) at the same checkpoints: per prompt the ratio rerun / other (geometric mean, plain median, prompts
@@ -344,7 +399,7 @@ def _held_out_lines(csv: str, search: str, out: Path, here: Path) -> list[str]:
 def main(here: Path = HERE, out: Path = HERE) -> None:
     """generalisation.md, generalisation.csv, -best-known.csv, -current-known.csv, -split.csv, -swaps.csv, -reach.csv,
     -gemma3-reach.csv, -search.csv, -gemma3-search.csv, -descent.csv, -gemma3-descent.csv, -descent-half.csv,
-    -gemma3-descent-half.csv and -held-out-descent.csv in ``out`` from ``here``'s runs."""
+    -gemma3-descent-half.csv, -held-out-descent.csv and -pooled-known.csv in ``out`` from ``here``'s runs."""
     lines = ["# The generalisation check: chosen without steps 64-127, judged on them", "",
              "The first table is the check made by dfe37b9's search, the last the same check made by the descent "
              "(`oracle_search` as it is now): the descent's supersedes it.", "",
@@ -389,6 +444,29 @@ def main(here: Path = HERE, out: Path = HERE) -> None:
         lines += ["", f"## {heading}", "", text, "", *_rerun_lines(rerun, labels)]
     lines += ["", "## The generalisation check by the descent", "",
               *_held_out_lines("generalisation-held-out-descent.csv", "the descent", out, here)]
+    pooled = pooled_table(here)
+    write_csv(pooled, out / "generalisation-pooled-known.csv")
+    lines += ["", "## The latest searches against every set committed", "",
+              f"Every set of every `MODEL-h128*/` run (each judged on the same {WHOLE} steps of the same checkpoints: "
+              "a set that two runs made labels the same in both, relative 1e-4; not every rule made the same set in "
+              "every run: " + ", ".join(f"{m} {d} of {n}" for m, d, n in pooled.select(
+                  "model", "rule_rows_differing", "rule_rows").unique(maintain_order=True).iter_rows()) +
+              " (checkpoint, budget, rule) rows evict another set in some runs than in others (lazyeviction's at "
+              "gemma3's algebra_1349, keep 0.5: two entries of one cell swapped), and each set is pooled as the set "
+              "it is), rule or reference, whatever it read and whichever "
+              f"search made it, pooled per (checkpoint, budget) of `{SEARCH}/` and `{GEMMA3_SEARCH}/`: the lowest "
+              "mean damage over the 128 steps is the best set known there (a tie goes to the latest search). "
+              "Latest is best: the checkpoints where the latest `oracle_search` is that set; where it is not, the "
+              "run and decision that beat it, with the largest latest / best known ratio. Per prompt the ratio "
+              "latest / best known as above (at 1 where the latest is the best).", "",
+              markdown_table(
+                  ["model", "budget", "checkpoints", "runs pooled", "latest search", "best known", "latest is best",
+                   "beaten by", "largest ratio", "latest / best known [CI]", "median"],
+                  [[r["model"], r["budget"], str(r["checkpoints"]),
+                    f"{r['runs_min']}" if r["runs_min"] == r["runs_max"] else f"{r['runs_min']}-{r['runs_max']}",
+                    _num(r["latest_damage"]), _num(r["known_damage"]), f"{r['latest_is_known']}/{r['checkpoints']}",
+                    r["known_by"] or "-", _num(r["worst_ratio"]), _ci(r), _num(r["ratio_median"])]
+                   for r in pooled.iter_rows(named=True)])]
     (out / "generalisation.md").write_text("\n".join(lines) + "\n")
 
 
