@@ -900,6 +900,26 @@ CASES: list[tuple[str, list[str], str]] = [
     ("decisions-search-without-oracle", ["decisions", "--trace", "{trace}", "--scores", "{head_scores}", "--keep",
                                          "0.5", "--search-rows", "64", "--out", "{out}"],
      "--search-rows does not apply without oracle_search"),
+    *[(f"decisions-search-from-{name}", ["decisions", "--trace", "{trace}", "--scores", "{head_scores}", "--keep",
+                                        "0.5", *refs, "--search-from", path, "--out", out], needle)
+      for name, refs, path, out, needle in [
+          ("without-oracle", [], "{earlier}/decisions.parquet", "{out}",
+           "--search-from does not apply without oracle_search"),
+          ("missing", ["--references", "oracle_search"], "{out}/no.parquet", "{out}/run", "does not exist"),
+          ("directory", ["--references", "oracle_search"], "{earlier}", "{out}", "is a directory"),
+          ("labels", ["--references", "oracle_search"], "{labels}", "{out}", "lacks columns"),
+          ("other-trace", ["--references", "oracle_search"], "{decisions_other_trace}", "{out}",
+           "made from another Trace"),
+          ("other-budget", ["--references", "oracle_search"], "{decisions_other_budget}", "{out}",
+           "shares no labeled set"),
+          ("per-token", ["--references", "oracle_search"], "{decisions_per_token}", "{out}",
+           "holds per-token sets where this run selects per-head"),
+          ("inside-out", ["--references", "oracle_search"], "{earlier}/decisions.parquet", "{earlier}",
+           "contains the input --search-from")]],
+    ("decisions-search-from-65", ["decisions", "--trace", "{trace}", "--scores", "{head_scores}", "--keep", "0.5",
+                                  "--references", "oracle_search",
+                                  *[a for _ in range(65) for a in ("--search-from", "{earlier}/decisions.parquet")],
+                                  "--out", "{out}"], "at most 64 files"),
     ("decisions-scores-string-column", ["decisions", "--trace", "{trace}", "--scores", "{scores_str}", "--keep", "0.5",
                                         "--out", "{out}"], "neither keys nor numeric scores: note (String)"),
     ("decisions-labels-keyless", ["decisions", "--trace", "{trace}", "--scores", "{head_scores}", "--labels",
@@ -1042,6 +1062,23 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
     ]:
         write_table(broken, root / f"scores-{name}.parquet", broken_meta)
         p[f"scores_{name}"] = str(root / f"scores-{name}.parquet")
+    # --search-from: decisions tables (one oracle_search row at a head-scores checkpoint) of another Trace, of
+    # another budget, of another selection; and one inside a directory used as --out
+    from kvdiag.decisions import DECISION_SCHEMA
+
+    hdf = read_table(root / "run" / "head-scores.parquet")[0]
+    pid, t = hdf["prompt_id"][0], int(hdf["checkpoint"][0])
+    row = {"prompt_id": pid, "checkpoint": t, "decision": "oracle_search", "kind": "reference", "budget": "keep:0.5",
+           "kept": t // 2, "selection": "per-head", "status": "ok", "kl_mean": 0.1, "evicted_mask": b"\x00"}
+    dmeta = {"kind": "decisions", "trace": smeta["trace"]}
+    for name, changes, m in [("other_trace", {}, {**dmeta, "trace": {**dmeta["trace"], "fingerprint": "0" * 16}}),
+                             ("other_budget", {"budget": "keep:0.9"}, dmeta),
+                             ("per_token", {"selection": "per-token"}, dmeta)]:
+        write_table(pl.DataFrame([{**row, **changes}], schema=DECISION_SCHEMA), root / f"decisions-{name}.parquet", m)
+        p[f"decisions_{name}"] = str(root / f"decisions-{name}.parquet")
+    (root / "earlier").mkdir()
+    write_table(pl.DataFrame([row], schema=DECISION_SCHEMA), root / "earlier" / "decisions.parquet", dmeta)
+    p["earlier"] = str(root / "earlier")
     # a free-running replay of other prompts than the Trace's, and broken copies of it (the generations contract)
     gen = pl.DataFrame({"prompt_id": ["elsewhere000"] * 2, "scorer": ["full_kv", "knorm"], "budget": [None, 16],
                         "sample": [0, 0], "mode": ["free"] * 2, "generated": [4, 4], "compressions": [0, 1],

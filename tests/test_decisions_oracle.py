@@ -149,6 +149,46 @@ def test_oracle_search_is_at_most_every_rule_and_reference(decided):
     assert (df.filter(pl.col("decision") == "oracle_search")["search_improvement"] > 0).any()
 
 
+def test_search_from_starts_from_an_earlier_runs_lowest_set(decided):
+    """A run with --search-from the fixture's decisions and no descent step (search_rows 1): at each (checkpoint,
+    budget) its oracle_search is the lowest of its own candidates and the earlier run's lowest set (labeled again
+    here: the same set and steps through the same engine in another batch, fp32: rtol 1e-4, as against physical
+    deletion above); where the earlier search had
+    gone below every candidate, that set is the result, bit for bit."""
+    from kvdiag.core.errors import UserError
+
+    trace, lm, root, first = decided["trace"], decided["lm"], decided["root"], decided["df"]
+    earlier = root / "out" / "decisions.parquet"
+    out = decide(trace, lm, decided["scores"], decided["meta"], root / "warm",
+                 config(search_rows=1, search_from=(str(earlier),)), show_progress=False)
+    df = read_table(out / "decisions.parquet")[0]
+    taken = 0
+    for (t, b), g in df.filter(pl.col("status") == "ok").group_by("checkpoint", "budget"):
+        mine = g.filter(pl.col("decision") == "oracle_search").row(0, named=True)
+        was = first.filter((pl.col("checkpoint") == t) & (pl.col("budget") == b))
+        searched = was.filter(pl.col("decision") == "oracle_search").row(0, named=True)
+        assert mine["kl_mean"] <= g.filter(pl.col("decision") != "oracle_search")["kl_mean"].min() + 1e-12
+        assert mine["kl_mean"] <= searched["kl_mean"] * (1 + 1e-4) + 1e-12, (t, b)
+        assert mine["cost_rows"] == 0  # no step: the result is a labeled candidate
+        if searched["search_improvement"] > 0:  # the earlier search beat every candidate the two runs share
+            assert mine["search_start"] == "search_from1:oracle_search", (t, b)
+            assert mine["evicted_mask"] == searched["evicted_mask"]
+            assert mine["kl_mean"] == pytest.approx(searched["kl_mean"], rel=1e-4, abs=1e-12)
+            taken += 1
+    assert taken >= 1
+    # a set the run could not have made (another budget's, under this budget's name) is refused before any work
+    other = first.with_columns(pl.when(pl.col("budget") == "keep:0.25").then(pl.lit("keep:0.5"))
+                               .when(pl.col("budget") == "keep:0.5").then(pl.lit("keep:0.25"))
+                               .otherwise(pl.col("budget")).alias("budget"))
+    from kvdiag.core.io import read_meta, write_table
+
+    write_table(other, root / "swapped.parquet", read_meta(earlier))
+    with pytest.raises(UserError, match="swapped.parquet: .* keeps .* where this run's sets keep"):
+        decide(trace, lm, decided["scores"], decided["meta"], root / "refused",
+               config(search_rows=1, search_from=(str(root / "swapped.parquet"),)), show_progress=False)
+    assert not (root / "refused").exists()
+
+
 def test_oracle_search_under_per_token_selection_stays_a_token_set(decided):
     lm, trace = decided["lm"], decided["trace"]
     if decided["lm"].spec != "tiny:llama":

@@ -47,6 +47,10 @@ def decisions(
                                     "beyond its candidates' (a descent step each, and the result's exact row)"),
     search_seconds: float = common.flag("--search-seconds", 120.0, "oracle_search: no new step after this "
                                          "many seconds per (checkpoint, budget) (0: no time bound)"),
+    search_from: list[Path] | None = typer.Option(None, "--search-from", help="oracle_search: also start from the "
+                                                 "lowest set of this earlier run's decisions.parquet (the same Trace "
+                                                 "and selection) at each checkpoint and budget it shares with this "
+                                                 "run, labeled again here; repeatable (continues an earlier search)"),
     greedy_chunk: float = typer.Option(0.125, "--greedy-chunk", help="oracle_greedy evicts ceil(F * t) entries per "
                                        "step, relabelling the survivors each step"),
     pairs: int = typer.Option(1, "--pairs", help="per checkpoint, the most damaging sets searched for superadditive "
@@ -69,7 +73,8 @@ def decisions(
     quiet: bool = common.Quiet,
 ) -> None:
     """Label the set each rule evicts under each budget exactly and compare the decisions with oracle references."""
-    check_outputs({"--out": (out, "dir")}, {"--trace": trace, "--scores": scores, "--labels": labels})
+    check_outputs({"--out": (out, "dir")}, {"--trace": trace, "--scores": scores, "--labels": labels,
+                                           "--search-from": search_from})
     from kvdiag.core.errors import UserError
     from kvdiag.core.harm import HarmSpec
     from kvdiag.core.io import check_table
@@ -87,7 +92,8 @@ def decisions(
     if labels is None and references is None:
         refs = [r for r in refs if r != "oracle_single"]  # by default it joins only when labels can define it
     if "oracle_search" not in refs:
-        common.refuse_given(ctx, ["search_rows", "search_seconds"], "without oracle_search in --references")
+        common.refuse_given(ctx, ["search_rows", "search_seconds", "search_from"],
+                            "without oracle_search in --references")
     label_meta = check_table(labels, "--labels") if labels is not None else {}
     if horizon is None and read_window is None:
         horizon = (label_meta.get("config") or {}).get("horizon")
@@ -97,7 +103,7 @@ def decisions(
         greedy_chunk=greedy_chunk, pairs=pairs, pair_candidates=pair_candidates, infeasible=infeasible, seed=seed,
         n_boot=bootstrap, reference=reference, batch_size=batch_size, backend=backend,
         harm=HarmSpec(harm, noise_mult, include_unresolved), read_window=read_window, future_window=future_window,
-        search_rows=search_rows, search_seconds=search_seconds,
+        search_rows=search_rows, search_seconds=search_seconds, search_from=tuple(search_from or ()),
     )
     parsing.check_backend(backend, device)
     parsing.check_device_name(device)
@@ -116,7 +122,12 @@ def decisions(
         from kvdiag.model.specs import check_model_spec, check_trace_model
 
         check_trace_model(check_model_spec(model), trace_files.manifest["model"])
-    cfg.check_future(trace_files.manifest, checkpoints_of(score_df, trace_files, cfg)[0])
+    items = checkpoints_of(score_df, trace_files, cfg)[0]
+    cfg.check_future(trace_files.manifest, items)
+    if cfg.search_from:  # each file a decisions table of this Trace and selection, sharing a checkpoint and budget
+        from kvdiag.decisions.imported import check_search_from
+
+        check_search_from(trace_files, cfg, items)
     from kvdiag.decisions import decisions_files  # the stage: torch and the model, once the arguments are checked
 
     common.quiet_transformers()

@@ -7,6 +7,7 @@ Parquet key-value metadata key ``kvdiag``; ``read_table`` returns both.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import tempfile
@@ -25,6 +26,15 @@ os.umask(_UMASK)  # ... and put it back
 
 
 FULL = (errno.ENOSPC, errno.EDQUOT)  # a full disk or quota
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The sha256 of a file's bytes, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def write_atomically(path: str | os.PathLike, write) -> Path:

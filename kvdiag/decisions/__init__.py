@@ -7,8 +7,9 @@ Flat API::
 
     from kvdiag.decisions import DecisionsConfig, Budget, budgets_from, decide, decisions_files, summarize
 
-Modules: ``config`` (settings, budgets), ``sets`` (every decision's evicted set), ``run`` (the work items and their
-parts), ``interactions`` (superadditive pairs), ``summary`` (means, CIs, paired tests, Spearman, figure).
+Modules: ``config`` (settings, budgets), ``sets`` (every decision's evicted set), ``search`` (``oracle_search``),
+``imported`` (``--search-from``: earlier runs' sets as its candidates), ``run`` (the work items and their parts),
+``interactions`` (superadditive pairs), ``summary`` (means, CIs, paired tests, Spearman, figure).
 """
 
 from __future__ import annotations

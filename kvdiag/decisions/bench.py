@@ -105,7 +105,7 @@ def search_candidates(lm: LoadedModel, ids: torch.Tensor, t: int, horizon: int, 
     sel = Selection.parse(selection)
     eng = OracleEngine(lm, ids, horizon, batch_size=16)
     L, Hkv = eng.num_layers, eng.num_kv_heads
-    visible = visible_entries(eng, t)
+    visible = visible_entries(eng.attention.layers, t)
     window = None if bool(visible.all()) or sel.per_token else visible
     layers = rebuild_layers(lm, ids[: t + horizon], torch.float32)
     values = {}

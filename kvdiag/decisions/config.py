@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from kvdiag.core.errors import UserError, check_choice
 from kvdiag.core.harm import HarmSpec
+from kvdiag.core.io import file_sha256
 from kvdiag.core.parsing import REST, Selection, horizon_steps, parse_horizon
 from kvdiag.core.schema import HORIZON, N_BOOT
 
@@ -20,6 +21,7 @@ DEFAULT_REFERENCES = ("oracle_single", "oracle_greedy", "fast", "random")
 REFERENCES = (*DEFAULT_REFERENCES, "future_attention", "oracle_search")
 RANDOM_REFERENCE = "random_reference"  # the random reference's decision name: the zoo has a rule named random
 INFEASIBLE = ("refuse", "skip")
+MAX_SEARCH_FROM = 64  # --search-from files: each adds one set row per (checkpoint, budget) it shares with the run
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,10 @@ class DecisionsConfig:
     search_rows, search_seconds : ``oracle_search``'s effort per (checkpoint, budget): at most this many sets labeled
         beyond its candidates' (one per descent step, one for the result's exact row), and it takes no new step
         after this many seconds (0: no time bound).
+    search_from : ``decisions.parquet`` files of earlier runs on the same Trace (at most :data:`MAX_SEARCH_FROM`):
+        at each (checkpoint, budget) they share with this run, each file's lowest set (its own ``kl_mean``) is
+        labeled here and joins ``oracle_search``'s candidates (``kvdiag.decisions.imported``), so the search starts
+        from the best of them too (and continues an earlier search).
     """
 
     budgets: tuple[Budget, ...]
@@ -125,6 +131,7 @@ class DecisionsConfig:
     future_window: int | str | None = None
     search_rows: int = 512
     search_seconds: float = 120.0
+    search_from: tuple[str, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "selection", Selection.parse(self.selection))
@@ -163,6 +170,13 @@ class DecisionsConfig:
                             "(checkpoint, budget), e.g. 512")
         if not self.search_seconds >= 0:
             raise UserError(f"--search-seconds {self.search_seconds:g}: must be >= 0 (0: no time bound), e.g. 120")
+        object.__setattr__(self, "search_from", tuple(str(p) for p in self.search_from))
+        if self.search_from and "oracle_search" not in self.references:
+            raise UserError("--search-from gives oracle_search sets to start from: add oracle_search to --references, "
+                            "or drop --search-from")
+        if len(self.search_from) > MAX_SEARCH_FROM:
+            raise UserError(f"--search-from is given {len(self.search_from)} times: at most {MAX_SEARCH_FROM} files "
+                            "(each adds a set row per (checkpoint, budget))")
 
     @property
     def read_horizon(self) -> int | str:
@@ -205,8 +219,11 @@ class DecisionsConfig:
                 "pair_candidates": self.pair_candidates, "infeasible": self.infeasible, "seed": self.seed,
                 "harm": self.harm.to_config(), "future_window": self.future_window, "search_rows": self.search_rows,
                 "search_seconds": self.search_seconds,
-                # only when set: a run without it keeps the stamp its parts were written with
-                **({"read_window": self.read_window} if self.read_window is not None else {})}
+                # only when set: a run without them keeps the stamp its parts were written with
+                **({"read_window": self.read_window} if self.read_window is not None else {}),
+                # a --search-from file's sets are candidates: a part made from another version of it is another
+                **({"search_from": [{"path": p, "sha256": file_sha256(p)} for p in self.search_from]}
+                   if self.search_from else {})}
 
 
 # --------------------------------------------------------------------------- the inputs, read without torch

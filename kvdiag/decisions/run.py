@@ -32,6 +32,7 @@ from kvdiag.core.parts import PartStore, part_name
 from kvdiag.core.progress import progress_bar
 from kvdiag.core.provenance import provenance
 from kvdiag.decisions.config import RANDOM_REFERENCE, DecisionsConfig, check_reference, checkpoints_of, rule_columns
+from kvdiag.decisions.imported import read_search_from
 from kvdiag.decisions.interactions import PAIR_SCHEMA, superadditive_pairs
 from kvdiag.decisions.search import candidate, search, visible_entries
 from kvdiag.decisions.sets import (
@@ -139,15 +140,19 @@ def check_protection(rules: dict, items: dict[str, list[int]], cfg: DecisionsCon
 
 def _decide_checkpoint(engine, reader, fisher, lm, pid: str, t: int, scores: dict[str, torch.Tensor], rules: dict,
                        singles: torch.Tensor | None, cfg: DecisionsConfig, harm_threshold: float,
-                       progress, future: torch.Tensor | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+                       progress, future: torch.Tensor | None = None,
+                       imported: dict[str, list[tuple[str, torch.Tensor]]] | None = None
+                       ) -> tuple[pl.DataFrame, pl.DataFrame]:
     """One checkpoint's set rows, judged by ``engine`` (the judged window); ``reader``: the engine of the window the
-    references that read the future choose on (``engine`` itself when the two are one window)."""
+    references that read the future choose on (``engine`` itself when the two are one window); ``imported``: budget
+    -> the ``--search-from`` sets (name, set) that join ``oracle_search``'s candidates there."""
     L, Hkv = engine.num_layers, engine.num_kv_heads
     read = reader.steps(t)  # steps oracle_single's labels, fast, oracle_greedy and oracle_search read
     kept = {b.name: b.entries(t) for b in cfg.budgets}
     stochastic = cfg.selection.stochastic
     deterministic = cfg.selection.deterministic  # what the references and the comparison use
-    visible = visible_entries(engine, t)  # [L, t]: a sliding layer's budget counts only what it still sees
+    # [L, t]: a sliding layer's budget counts only what it still sees
+    visible = visible_entries(engine.attention.layers, t)
     window = None if bool(visible.all()) or deterministic.per_token else visible
     decisions: list[dict] = []  # one per set row: its fields, its set
     for name, values in scores.items():
@@ -213,10 +218,15 @@ def _decide_checkpoint(engine, reader, fisher, lm, pid: str, t: int, scores: dic
         else:  # the search reads only its window: its candidates are labeled there too
             got, _ = reader.label_sets(t, [d["set"] for d in starts], progress)
             read_labels = [{key: val[j] for key, val in got.items()} for j in range(len(starts))]
+        extra = [(b, name, evict) for b, sets in (imported or {}).items() for name, evict in sets]
+        if extra:  # earlier runs' sets: labeled here, on the window the search reads, like every candidate
+            got, _ = reader.label_sets(t, [evict for _, _, evict in extra], progress)
+            extra = [(b, candidate(name, evict, {key: val[j] for key, val in got.items()}, L, Hkv, t))
+                     for j, (b, name, evict) in enumerate(extra)]
         for b, k in kept.items():
             cands = [candidate(d["decision"], d["set"], lab, L, Hkv, t) for d, lab in zip(starts, read_labels,
                                                                                           strict=True)
-                     if d["budget"] == b]
+                     if d["budget"] == b] + [c for eb, c in extra if eb == b]
             if not cands:
                 decisions.append(dict(decision="oracle_search", kind="reference", budget=b, kept=k, protected=0,
                                       status="no_candidate", set=None, sample=None, draw_seed=None))
@@ -305,6 +315,7 @@ def decide(trace, lm, scores: pl.DataFrame, scores_meta: dict, out: str | os.Pat
                       stacklevel=2)
     check_oracle_single(labels, items, cfg)
     cfg.check_future(trace.manifest, items)
+    imported = read_search_from(trace, cfg, items) if cfg.search_from else {}
     rules = rule_instances(names, scores_meta)
     check_stochastic(rules, cfg)
     over = check_protection(rules, items, cfg)
@@ -357,7 +368,8 @@ def decide(trace, lm, scores: pl.DataFrame, scores_meta: dict, out: str | os.Pat
                           if "future_attention" in cfg.references else None)
                 table, pairs = _decide_checkpoint(
                     engine, reader, fisher, lm, pid, t, head_scores(scores, names, pid, t, L, Hkv), rules,
-                    single_labels(labels, pid, t), cfg, threshold, lambda k: bar.advance(rows_task, k), future)
+                    single_labels(labels, pid, t), cfg, threshold, lambda k: bar.advance(rows_task, k), future,
+                    {b: sets for (p, c, b), sets in imported.items() if (p, c) == (pid, t)})
                 parts.write(part_name(pid, "pairs", f"{t:07d}"), pairs, meta)  # the pairs first: the table marks done
                 parts.write(part_name(pid, f"{t:07d}"), table, meta)
                 bar.advance(task)
@@ -403,6 +415,8 @@ def decisions_files(trace: str | os.PathLike, scores: str | os.PathLike, out: st
     items, _ = checkpoints_of(score_df, tr, cfg)
     check_oracle_single(None if label_df is None else label_df.filter(pl.col("granularity") == "token"), items, cfg)
     cfg.check_future(tr.manifest, items)
+    if cfg.search_from:
+        read_search_from(tr, cfg, items)
     rules = rule_instances(names, score_meta)
     check_stochastic(rules, cfg)
     check_protection(rules, items, cfg)

@@ -130,10 +130,11 @@ def mask_gradient(engine, t: int, evicted: torch.Tensor) -> tuple[torch.Tensor, 
     return torch.stack([g.detach().cpu().double() for g in grads]), float(kl.detach()), reach
 
 
-def visible_entries(engine, t: int) -> torch.Tensor:
-    """bool [L, t]: the entries of [0, t) that some horizon query of each layer sees (a sliding layer's window:
-    the query at ``t`` sees keys ``> t - window``, later queries fewer)."""
-    return torch.stack([torch.arange(t) >= layer.first_visible(t) for layer in engine.attention.layers])
+def visible_entries(layers: list[LayerAttention], t: int) -> torch.Tensor:
+    """bool [L, t]: the entries of [0, t) that some horizon query of each layer sees (``layers``: each layer's
+    attention, the model's or a Trace's record; a sliding layer's window: the query at ``t`` sees keys
+    ``> t - window``, later queries fewer)."""
+    return torch.stack([torch.arange(t) >= layer.first_visible(t) for layer in layers])
 
 
 @dataclass
@@ -182,7 +183,7 @@ def search(engine, t: int, candidates: list[Candidate], per_token: bool, rows: i
     began = time.perf_counter()
     start = min(candidates, key=lambda c: (float(c.label["kl"].double().mean()), c.name))
     start_kl = float(start.label["kl"].double().mean())
-    visible = visible_entries(engine, t) if visible is None else visible
+    visible = visible_entries(engine.attention.layers, t) if visible is None else visible
     L, Hkv = start.mask.shape[:2]
     # the descent's cells: every (layer, KV head), or one for a token set (its gradient summed over the cells)
     cur = start.mask[:1, :1].clone() if per_token else start.mask.clone()  # evicted [L | 1, Hkv | 1, t]

@@ -21,15 +21,9 @@ from pathlib import Path
 
 import torch
 
+from kvdiag.core.io import file_sha256
+
 GoldenRun = tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]  # prefix[l] = (k, v) [Hkv, t, d]; logp [H, V]
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 class GoldenStore:
@@ -53,7 +47,7 @@ class GoldenStore:
             runs = {}
             for t in ts:
                 file = entry["files"][str(t)]
-                if _sha256(folder / file["name"]) != file["sha256"]:
+                if file_sha256(folder / file["name"]) != file["sha256"]:
                     return None
                 tensors = load_file(folder / file["name"])
                 layers = len([k for k in tensors if k.startswith("k.")])
@@ -83,7 +77,7 @@ class GoldenWriter:
         tensors = {f"{kv}.{l}": x.contiguous() for l, pair in enumerate(prefix) for kv, x in zip("kv", pair,
                                                                                                  strict=True)}
         save_file({**tensors, "logp": logp.contiguous()}, str(self.tmp / name))
-        self.files[str(t)] = {"name": name, "sha256": _sha256(self.tmp / name)}
+        self.files[str(t)] = {"name": name, "sha256": file_sha256(self.tmp / name)}
 
     def commit(self) -> None:
         """Place the entry (replacing an older one); a failure leaves the store as it was."""
