@@ -47,10 +47,10 @@ def decisions(
                                     "beyond its candidates' (a descent step each, and the result's exact row)"),
     search_seconds: float = common.flag("--search-seconds", 120.0, "oracle_search: no new step after this "
                                          "many seconds per (checkpoint, budget) (0: no time bound)"),
-    search_from: list[Path] | None = typer.Option(None, "--search-from", help="oracle_search: also start from the "
-                                                 "lowest set of this earlier run's decisions.parquet (the same Trace "
-                                                 "and selection) at each checkpoint and budget it shares with this "
-                                                 "run, labeled again here; repeatable (continues an earlier search)"),
+    search_from: list[Path] | None = typer.Option(
+        None, "--search-from", metavar="PARQUET", help="oracle_search: also start from the lowest set of this "
+        "earlier run's decisions.parquet (the same Trace and selection) at each checkpoint and budget it shares with "
+        "this run, labeled again here; repeatable (continues an earlier search)"),
     greedy_chunk: float = typer.Option(0.125, "--greedy-chunk", help="oracle_greedy evicts ceil(F * t) entries per "
                                        "step, relabelling the survivors each step"),
     pairs: int = typer.Option(1, "--pairs", help="per checkpoint, the most damaging sets searched for superadditive "
