@@ -471,6 +471,11 @@ DECISIONS = {  # run -> the tables its summary writes (committed)
                                                     "held_out.csv", "summary.md"),
     "decisions-math500/gemma3-h128-half-descent": ("summary.csv", "paired.csv", "headroom.csv", "search.csv",
                                                    "held_out.csv", "summary.md"),
+    # #54: the 128-step search started from every committed run's lowest set as well (--search-from)
+    "decisions-math500/smollm2-h128-search-from": ("summary.csv", "paired.csv", "headroom.csv", "search.csv",
+                                                   "summary.md"),
+    "decisions-math500/gemma3-h128-search-from": ("summary.csv", "paired.csv", "headroom.csv", "search.csv",
+                                                  "summary.md"),
     # #54: the 128-step search rerun (3 prompts) after recombination stopped at half the seconds
     "decisions-math500/smollm2-h128-search-split": ("summary.csv", "paired.csv", "headroom.csv", "search.csv",
                                                     "summary.md"),
@@ -755,7 +760,8 @@ DECISIONS_GENERALISATION = compared("decisions-math500", ("generalisation.md", "
                                                            "generalisation-descent-half.csv",
                                                            "generalisation-gemma3-descent-half.csv",
                                                            "generalisation-held-out-descent.csv",
-                                                           "generalisation-pooled-known.csv"))
+                                                           "generalisation-pooled-known.csv",
+                                                           "generalisation-search-from.csv"))
 
 
 def test_decisions_generalisation(tmp_path):

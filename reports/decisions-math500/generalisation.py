@@ -182,6 +182,9 @@ GEMMA3_REACH = "gemma3-h128-search-reach"  # gemma3-270m's 128-step search rerun
 REACH10 = "smollm2-h128-search-reach10"  # SmolLM2's 128-step search on all 10 problems by that search
 GEMMA3_REACH5 = "gemma3-h128-search-reach5"  # gemma3-270m's on all 5 problems by that search
 CURRENT = {"smollm2": SEARCH, "gemma3": GEMMA3_SEARCH}  # each model's latest 128-step search
+# each model's search started from every set of the runs above as well (--search-from): SmolLM2 at keep 0.5 and 0.25,
+# gemma3 at keep 0.5, where the pooled table found a set below the latest search
+SEARCH_FROM = {"smollm2": "smollm2-h128-search-from", "gemma3": "gemma3-h128-search-from"}
 
 
 # The rerun tables, in order: (rerun, CSV, heading, text, the searches it is set against: name -> (run, label)).
@@ -281,17 +284,20 @@ def current_known_table(known: dict[str, pl.DataFrame], here: Path = HERE) -> pl
 
 
 def pooled_known(here: Path, model: str) -> tuple[pl.DataFrame, int, int]:
-    """Every committed set judged on the same 128 steps pooled: per (checkpoint, budget) of the latest 128-step
-    search (``CURRENT[model]``), KEYS, latest_kl (its ``oracle_search``), known_kl (the lowest ``kl_mean`` of any set,
-    rule or reference, of every ``MODEL-h128*/`` run judged on 128 steps, the latest included), known (``run:decision``
-    of that set; a tie goes to the latest search) and runs (how many runs have that (checkpoint, budget)); with it the
-    rule rows ((checkpoint, budget, rule)) whose set differs between runs, and all of them. A set that two runs both
-    made must label the same in both (``RULE_RTOL``): the same checkpoints and steps, so the sets are comparable. Not
-    every rule makes the same set in every run: each set is pooled as the set it is."""
+    """Every committed set judged on the same 128 steps pooled (but ``SEARCH_FROM``'s run, which starts from them):
+    per (checkpoint, budget) of the latest 128-step search (``CURRENT[model]``), KEYS, latest_kl and latest_mask (its
+    ``oracle_search``), known_kl and known_mask (the lowest ``kl_mean`` of any set, rule or reference, of every
+    ``MODEL-h128*/`` run judged on 128 steps, the latest included), known (``run:decision`` of that set; a tie goes to
+    the latest search) and runs (how many runs have that (checkpoint, budget)); with it the rule rows ((checkpoint,
+    budget, rule)) whose set differs between runs, and all of them. A set that two runs both made must label the same
+    in both (``RULE_RTOL``): the same checkpoints and steps, so the sets are comparable. Not every rule makes the same
+    set in every run: each set is pooled as the set it is."""
     cols = [*KEYS, "decision", "kind", "horizon", "kl_mean", "evicted_mask"]
     rows = []
     for path in sorted(here.glob(f"{model}-h128*/decisions.parquet")):
         run = path.parent.name
+        if run == SEARCH_FROM[model]:  # it started from these sets: the table after it sets it against them
+            continue
         df = pl.read_parquet(path, columns=cols).filter(pl.col("kl_mean").is_not_null())
         if set(df["horizon"].unique().to_list()) != {WHOLE}:
             raise ValueError(f"{path}: judged on {sorted(df['horizon'].unique().to_list())} steps, not {WHOLE}")
@@ -305,11 +311,11 @@ def pooled_known(here: Path, model: str) -> tuple[pl.DataFrame, int, int]:
                          f"{same['rel'].max() if same.height else None})")
     rules = sets.filter(pl.col("kind") == "rule").group_by(*KEYS, "decision").agg(pl.col("evicted_mask").n_unique())
     latest = sets.filter(pl.col("latest") & (pl.col("decision") == "oracle_search")).select(
-        *KEYS, pl.col("kl_mean").alias("latest_kl"))
+        *KEYS, pl.col("kl_mean").alias("latest_kl"), pl.col("evicted_mask").alias("latest_mask"))
     ranked = sets.join(latest.select(KEYS), on=KEYS).sort("kl_mean", pl.col("latest").not_(), "run", "decision")
     known = ranked.group_by(KEYS, maintain_order=True).agg(
         pl.col("kl_mean").first().alias("known_kl"), (pl.col("run") + ":" + pl.col("decision")).first().alias("known"),
-        pl.col("run").n_unique().alias("runs"))
+        pl.col("evicted_mask").first().alias("known_mask"), pl.col("run").n_unique().alias("runs"))
     return latest.join(known, on=KEYS), rules.filter(pl.col("evicted_mask") > 1).height, rules.height
 
 
@@ -331,6 +337,38 @@ def pooled_table(here: Path = HERE) -> pl.DataFrame:
                          "worst_ratio": float((g["latest_kl"] / g["known_kl"]).max()),
                          "rule_rows_differing": differing, "rule_rows": rule_rows,
                          **_paired(boot, g, "latest_kl", "known_kl", "", "latest_lower")})
+    return pl.DataFrame(rows)
+
+
+def search_from_table(here: Path = HERE) -> pl.DataFrame:
+    """Per model and budget of ``SEARCH_FROM``'s run: its ``oracle_search`` (from every set of the pooled runs as
+    well) against the best set known before it (:func:`pooled_known`) and against the latest search, per prompt
+    (geometric mean [CI], plain median, prompts where it is lower, exact sign test; where it is the same set, the
+    pair is level), the checkpoints where it is at most the best known, where it is that very set, and where its
+    search started from an earlier run's set."""
+    rows = []
+    for model, run in SEARCH_FROM.items():
+        frame, _, _ = pooled_known(here, model)
+        found = pl.read_parquet(here / run / "decisions.parquet", columns=[*KEYS, "decision", "kl_mean",
+                                                                           "search_start", "evicted_mask"]).filter(
+            pl.col("decision") == "oracle_search").select(*KEYS, "search_start", pl.col("kl_mean").alias("from_kl"),
+                                                           pl.col("evicted_mask").alias("from_mask"))
+        # the same set as the best known (or the latest search's) is the same decision: its two labels differ only
+        # by another batch's rounding, so the pair is set level (ratio 1, neither lower)
+        j = frame.join(found, on=KEYS).with_columns(
+            pl.when(pl.col("from_mask") == pl.col("known_mask")).then(pl.col("known_kl")).otherwise(
+                pl.col("from_kl")).alias("from_kl_vs_known"),
+            pl.when(pl.col("from_mask") == pl.col("latest_mask")).then(pl.col("latest_kl")).otherwise(
+                pl.col("from_kl")).alias("from_kl_vs_latest"))
+        for boot, budget, g in _by_budget(j):
+            rows.append({"model": model, "budget": budget, "checkpoints": g.height,
+                         "from_damage": float(g["from_kl"].mean()), "known_damage": float(g["known_kl"].mean()),
+                         "latest_damage": float(g["latest_kl"].mean()),
+                         "at_most_known": int((g["from_kl_vs_known"] <= g["known_kl"]).sum()),
+                         "same_set_as_known": int((g["from_mask"] == g["known_mask"]).sum()),
+                         "started_from_earlier": int(g["search_start"].str.starts_with("search_from").sum()),
+                         **_paired(boot, g, "from_kl_vs_known", "known_kl", "known_", "from_lower"),
+                         **_paired(boot, g, "from_kl_vs_latest", "latest_kl", "latest_", "from_lower")})
     return pl.DataFrame(rows)
 
 
@@ -447,7 +485,8 @@ def main(here: Path = HERE, out: Path = HERE) -> None:
     pooled = pooled_table(here)
     write_csv(pooled, out / "generalisation-pooled-known.csv")
     lines += ["", "## The latest searches against every set committed", "",
-              f"Every set of every `MODEL-h128*/` run (each judged on the same {WHOLE} steps of the same checkpoints: "
+              f"Every set of every `MODEL-h128*/` run but the `-search-from/` ones, which start from these sets (the "
+              f"next table) (each judged on the same {WHOLE} steps of the same checkpoints: "
               "a set that two runs made labels the same in both, relative 1e-4; not every rule made the same set in "
               "every run: " + ", ".join(f"{m} {d} of {n}" for m, d, n in pooled.select(
                   "model", "rule_rows_differing", "rule_rows").unique(maintain_order=True).iter_rows()) +
@@ -467,6 +506,32 @@ def main(here: Path = HERE, out: Path = HERE) -> None:
                     _num(r["latest_damage"]), _num(r["known_damage"]), f"{r['latest_is_known']}/{r['checkpoints']}",
                     r["known_by"] or "-", _num(r["worst_ratio"]), _ci(r), _num(r["ratio_median"])]
                    for r in pooled.iter_rows(named=True)])]
+    started = search_from_table(here)
+    write_csv(started, out / "generalisation-search-from.csv")
+    lines += ["", "## The search from every set committed", "",
+              f"{', '.join(f'`{r}/`' for r in SEARCH_FROM.values())}: each model's 128-step search again "
+              "(`--search-rows 128 --search-seconds 0`, the descent) at the budgets where the table above found a set "
+              "below the latest search, started from the best of its own candidates and of every pooled run's lowest "
+              "set at each (checkpoint, budget) (`--search-from`, each labeled again). Against the best set known "
+              "before it (the table above) and the latest search: mean damage over the 128 steps, per prompt the "
+              "ratio (geometric mean [95 % cluster-bootstrap CI], plain median, prompts where the new search is "
+              "lower, exact sign test; where it is the very same set the pair counts as level: its two labels differ "
+              "only by another batch's rounding); at most: checkpoints where it is at most the best known; same set: "
+              "where it is that set (its steps found nothing lower); started: where its start was an earlier run's "
+              "set.", "",
+              markdown_table(
+                  ["model", "budget", "checkpoints", "search from all", "best known before", "latest search",
+                   "at most best known", "same set", "started from an earlier set", "new / best known [CI]", "median",
+                   "lower",
+                   "p", "new / latest [CI]", "median", "lower", "p"],
+                  [[r["model"], r["budget"], str(r["checkpoints"]), _num(r["from_damage"]), _num(r["known_damage"]),
+                    _num(r["latest_damage"]), f"{r['at_most_known']}/{r['checkpoints']}",
+                    f"{r['same_set_as_known']}/{r['checkpoints']}", f"{r['started_from_earlier']}/{r['checkpoints']}",
+                    *(cell for name in ("known", "latest") for cell in (
+                        _ci(r, name + "_"), _num(r[name + "_ratio_median"]),
+                        f"{r[name + '_from_lower']}/{r[name + '_prompts']}",
+                        format_p(r[name + "_p_value"], r[name + "_p_resolution"])))]
+                   for r in started.iter_rows(named=True)])]
     (out / "generalisation.md").write_text("\n".join(lines) + "\n")
 
 

@@ -130,6 +130,28 @@ for f in summary.md summary.csv paired.csv spearman.csv headroom.csv search.csv 
     if [ -f $D/$run/$f ] && [ "$(wc -c < $D/$run/$f)" -gt 1 ]; then mkdir -p "$(dirname $to)" && cp $D/$run/$f $to; fi
 done
 done
+# each model's 128-step search again where generalisation.md's pooled table found a set below it (gemma3 at keep 0.5,
+# SmolLM2 at keep 0.5 and 0.25), started from every committed 128-step run's lowest set as well (--search-from: the
+# report's copies made above; each labeled again), by the descent as above
+from() { for r in "$@"; do printf -- "--search-from %s " "reports/decisions-math500/$r/decisions.parquet"; done; }
+/usr/bin/time -v -o $D/gemma3-h128-search-from.time $K decisions --trace $G --scores $D/gemma3-scores-head.parquet \
+    --keep 0.5 --horizon 128 --infeasible skip --pairs 0 \
+    --references fast,random,future_attention,oracle_search --search-rows 128 --search-seconds 0 \
+    $(from gemma3-h128-search gemma3-h128-half-descent gemma3-h128-half gemma3-h128-search-recombined \
+           gemma3-h128-search-reach5 gemma3-h128-search-reach) \
+    --out $D/gemma3-h128-search-from
+/usr/bin/time -v -o $D/smollm2-h128-search-from.time $K decisions --trace $T --scores $D/scores-head.parquet \
+    --keep 0.5,0.25 --horizon 128 --infeasible skip --pairs 0 \
+    --references fast,random,future_attention,oracle_search --search-rows 128 --search-seconds 0 \
+    $(from smollm2-h128-search smollm2-h128 smollm2-h128-half-descent smollm2-h128-half smollm2-h128-search-recombined \
+           smollm2-h128-search-reach10 smollm2-h128-search-reach smollm2-h128-search-split smollm2-h128-search-swaps) \
+    --out $D/smollm2-h128-search-from
+for run in smollm2-h128-search-from gemma3-h128-search-from; do
+for f in summary.md summary.csv paired.csv headroom.csv search.csv summary.json config.json decisions.png \
+         decisions.pdf decisions.parquet pairs.parquet; do
+    if [ -f $D/$run/$f ]; then mkdir -p reports/decisions-math500/$run && cp $D/$run/$f reports/decisions-math500/$run/; fi
+done
+done
 # the generalisation check on steps 64-127: the -h128-half-descent runs against the -h128-search runs (and the
 # -h128-half runs against the -h128-search-recombined runs, both by dfe37b9's search)
 .venv/bin/python reports/decisions-math500/generalisation.py
