@@ -27,8 +27,8 @@ from kvdiag.decisions.config import DecisionsConfig
 if TYPE_CHECKING:  # torch loads with the stage: the CLI checks the files (check_search_from) before
     import torch
 
-# (prompt_id, checkpoint, budget name) -> [(candidate name, evicted set [E] or [L, Hkv, E])]
-Imported = dict[tuple[str, int, str], list[tuple[str, "torch.Tensor"]]]
+# (prompt_id, checkpoint) -> budget name -> [(candidate name, evicted set [E] or [L, Hkv, E])]
+Imported = dict[tuple[str, int], dict[str, list[tuple[str, "torch.Tensor"]]]]
 
 
 def check_search_from(trace, cfg: DecisionsConfig, items: dict[str, list[int]]) -> list[pl.DataFrame]:
@@ -83,7 +83,7 @@ def read_search_from(trace, cfg: DecisionsConfig, items: dict[str, list[int]]) -
             _check_set(mask, budgets[b].entries(t), visible_entries(layers, t), sel.per_token,
                        f"--search-from {path}: {r['decision']}'s set at checkpoint {t} of {pid!r}, {b}")
             evict = mask[0, 0].nonzero()[:, 0] if sel.per_token else mask_set(mask)
-            out.setdefault((pid, t, b), []).append((f"search_from{i}:{r['decision']}", evict))
+            out.setdefault((pid, t), {}).setdefault(b, []).append((f"search_from{i}:{r['decision']}", evict))
     return out
 
 

@@ -218,11 +218,12 @@ def _decide_checkpoint(engine, reader, fisher, lm, pid: str, t: int, scores: dic
         else:  # the search reads only its window: its candidates are labeled there too
             got, _ = reader.label_sets(t, [d["set"] for d in starts], progress)
             read_labels = [{key: val[j] for key, val in got.items()} for j in range(len(starts))]
-        extra = [(b, name, evict) for b, sets in (imported or {}).items() for name, evict in sets]
-        if extra:  # earlier runs' sets: labeled here, on the window the search reads, like every candidate
-            got, _ = reader.label_sets(t, [evict for _, _, evict in extra], progress)
+        given = [(b, name, evict) for b, sets in (imported or {}).items() for name, evict in sets]
+        extra = []  # (budget, Candidate): earlier runs' sets, labeled here on the window the search reads
+        if given:
+            got, _ = reader.label_sets(t, [evict for _, _, evict in given], progress)
             extra = [(b, candidate(name, evict, {key: val[j] for key, val in got.items()}, L, Hkv, t))
-                     for j, (b, name, evict) in enumerate(extra)]
+                     for j, (b, name, evict) in enumerate(given)]
         for b, k in kept.items():
             cands = [candidate(d["decision"], d["set"], lab, L, Hkv, t) for d, lab in zip(starts, read_labels,
                                                                                           strict=True)
@@ -369,7 +370,7 @@ def decide(trace, lm, scores: pl.DataFrame, scores_meta: dict, out: str | os.Pat
                 table, pairs = _decide_checkpoint(
                     engine, reader, fisher, lm, pid, t, head_scores(scores, names, pid, t, L, Hkv), rules,
                     single_labels(labels, pid, t), cfg, threshold, lambda k: bar.advance(rows_task, k), future,
-                    {b: sets for (p, c, b), sets in imported.items() if (p, c) == (pid, t)})
+                    imported.get((pid, t)))
                 parts.write(part_name(pid, "pairs", f"{t:07d}"), pairs, meta)  # the pairs first: the table marks done
                 parts.write(part_name(pid, f"{t:07d}"), table, meta)
                 bar.advance(task)
