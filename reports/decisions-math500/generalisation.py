@@ -309,23 +309,23 @@ def pooled_known(here: Path, model: str) -> tuple[pl.DataFrame, int, int]:
     if same.height == 0 or float(same["rel"].max()) > RULE_RTOL:
         raise ValueError(f"{model}: a set labels differently across the 128-step runs (relative "
                          f"{same['rel'].max() if same.height else None})")
-    rules = sets.filter(pl.col("kind") == "rule").group_by(*KEYS, "decision").agg(pl.col("evicted_mask").n_unique())
+    rules = sets.filter(pl.col("kind") == "rule").group_by(*KEYS, "decision").agg(
+        pl.col("evicted_mask").n_unique().alias("sets"))
     latest = sets.filter(pl.col("latest") & (pl.col("decision") == "oracle_search")).select(
         *KEYS, pl.col("kl_mean").alias("latest_kl"), pl.col("evicted_mask").alias("latest_mask"))
     ranked = sets.join(latest.select(KEYS), on=KEYS).sort("kl_mean", pl.col("latest").not_(), "run", "decision")
     known = ranked.group_by(KEYS, maintain_order=True).agg(
         pl.col("kl_mean").first().alias("known_kl"), (pl.col("run") + ":" + pl.col("decision")).first().alias("known"),
         pl.col("evicted_mask").first().alias("known_mask"), pl.col("run").n_unique().alias("runs"))
-    return latest.join(known, on=KEYS), rules.filter(pl.col("evicted_mask") > 1).height, rules.height
+    return latest.join(known, on=KEYS), rules.filter(pl.col("sets") > 1).height, rules.height
 
 
-def pooled_table(here: Path = HERE) -> pl.DataFrame:
-    """Per model and budget, :func:`pooled_known`: the latest search / the best set known per prompt (geometric mean,
-    plain median, prompts where the latest search is lower, exact sign test), the checkpoints where the latest search
-    is the best set known, and which sets are where it is not."""
+def pooled_table(pooled: dict[str, tuple[pl.DataFrame, int, int]]) -> pl.DataFrame:
+    """Per model and budget, from each model's :func:`pooled_known` (``pooled``: model -> it): the latest search /
+    the best set known per prompt (geometric mean, plain median, prompts where the latest search is lower, exact sign
+    test), the checkpoints where the latest search is the best set known, and which sets are where it is not."""
     rows = []
-    for model in MODELS:
-        frame, differing, rule_rows = pooled_known(here, model)
+    for model, (frame, differing, rule_rows) in pooled.items():
         for boot, budget, g in _by_budget(frame):
             others = g.filter(pl.col("latest_kl") > pl.col("known_kl"))
             rows.append({"model": model, "budget": budget, "checkpoints": g.height,
@@ -340,15 +340,15 @@ def pooled_table(here: Path = HERE) -> pl.DataFrame:
     return pl.DataFrame(rows)
 
 
-def search_from_table(here: Path = HERE) -> pl.DataFrame:
+def search_from_table(pooled: dict[str, tuple[pl.DataFrame, int, int]], here: Path = HERE) -> pl.DataFrame:
     """Per model and budget of ``SEARCH_FROM``'s run: its ``oracle_search`` (from every set of the pooled runs as
-    well) against the best set known before it (:func:`pooled_known`) and against the latest search, per prompt
-    (geometric mean [CI], plain median, prompts where it is lower, exact sign test; where it is the same set, the
-    pair is level), the checkpoints where it is at most the best known, where it is that very set, and where its
-    search started from an earlier run's set."""
+    well) against the best set known before it (``pooled``: model -> its :func:`pooled_known`) and against the latest
+    search, per prompt (geometric mean [CI], plain median, prompts where it is lower, exact sign test; where it is
+    the same set, the pair is level), the checkpoints where it is at most the best known, where it is that very set,
+    and where its search started from an earlier run's set."""
     rows = []
     for model, run in SEARCH_FROM.items():
-        frame, _, _ = pooled_known(here, model)
+        frame = pooled[model][0]
         found = pl.read_parquet(here / run / "decisions.parquet", columns=[*KEYS, "decision", "kl_mean",
                                                                            "search_start", "evicted_mask"]).filter(
             pl.col("decision") == "oracle_search").select(*KEYS, "search_start", pl.col("kl_mean").alias("from_kl"),
@@ -482,7 +482,8 @@ def main(here: Path = HERE, out: Path = HERE) -> None:
         lines += ["", f"## {heading}", "", text, "", *_rerun_lines(rerun, labels)]
     lines += ["", "## The generalisation check by the descent", "",
               *_held_out_lines("generalisation-held-out-descent.csv", "the descent", out, here)]
-    pooled = pooled_table(here)
+    known_sets = {model: pooled_known(here, model) for model in MODELS}  # read once: the last two tables share it
+    pooled = pooled_table(known_sets)
     write_csv(pooled, out / "generalisation-pooled-known.csv")
     lines += ["", "## The latest searches against every set committed", "",
               f"Every set of every `MODEL-h128*/` run but the `-search-from/` ones, which start from these sets (the "
@@ -506,7 +507,7 @@ def main(here: Path = HERE, out: Path = HERE) -> None:
                     _num(r["latest_damage"]), _num(r["known_damage"]), f"{r['latest_is_known']}/{r['checkpoints']}",
                     r["known_by"] or "-", _num(r["worst_ratio"]), _ci(r), _num(r["ratio_median"])]
                    for r in pooled.iter_rows(named=True)])]
-    started = search_from_table(here)
+    started = search_from_table(known_sets, here)
     write_csv(started, out / "generalisation-search-from.csv")
     lines += ["", "## The search from every set committed", "",
               f"{', '.join(f'`{r}/`' for r in SEARCH_FROM.values())}: each model's 128-step search again "
