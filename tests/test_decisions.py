@@ -196,6 +196,28 @@ def test_a_rerun_continues_from_its_parts(run, decided, monkeypatch):
 
 
 
+def test_a_rerun_given_other_scores_or_labels_is_refused_not_mixed(run, decided):
+    """A scores (or labels) table remade with other contents is refused on a rerun into the same --out: its parts
+    were made from the old contents. The run's config.json names what it was made from."""
+    from kvdiag.core.errors import UserError
+    from kvdiag.core.io import read_json, table_sha256
+
+    out, _ = decided
+    made = read_json(out / "config.json")["inputs"]
+    assert made["scores_sha256"] == table_sha256(run["scores"])
+    assert made["labels_sha256"] == table_sha256(run["labels"].filter(pl.col("granularity") == "token"))
+    moved = run["scores"].with_columns(pl.when(pl.int_range(pl.len()) == 0).then(pl.col("h2o") + 1e-3)
+                                       .otherwise(pl.col("h2o")).alias("h2o"))
+    assert table_sha256(moved) != made["scores_sha256"]
+    with pytest.raises(UserError, match="other settings"):
+        decide(run["trace"], run["lm"], moved, run["scores_meta"], out, config(selection="per-token"),
+               run["labels"], run["labels_meta"], show_progress=False)
+    relabeled = run["labels"].with_columns(pl.col("kl_mean") * 2)
+    with pytest.raises(UserError, match="other settings"):
+        decide(run["trace"], run["lm"], run["scores"], run["scores_meta"], out, config(selection="per-token"),
+               relabeled, run["labels_meta"], show_progress=False)
+
+
 def test_bad_input_is_refused_before_work(run, capsys, tmp_path):
     base = ["decisions", "--trace", run["trace"].path, "--scores", run["scores_path"], "--out", tmp_path / "o",
             "--horizon", HORIZON]

@@ -43,7 +43,9 @@ BASE: dict[str, list[str]] = {
     "report": ["report", "--run", "{run}", "--out", "{out}"],
     "replay": ["replay", "--model", "tiny:llama", "--prompts", "builtin:arith:1", "--scorers", "knorm", "--budget",
                "16", "--interval", "8", "--max-new-tokens", "8", "--out", "{out}"],
-    "decisions": ["decisions", "--trace", "{trace}", "--scores", "{head_scores}", "--keep", "0.5", "--out", "{out}"],
+    # oracle_search in the base line, so that the search's options (--search-from's files) reach their own checks
+    "decisions": ["decisions", "--trace", "{trace}", "--scores", "{head_scores}", "--keep", "0.5", "--references",
+                  "oracle_single,oracle_search", "--out", "{out}"],
     "grade": ["grade", "knorm", "--out", "{out}"],
     "fit": ["fit", "--trace", "{trace}", "--labels", "{labels}", "--out", "{out}"],
     "demo": ["demo", "--model", "tiny:llama", "--limit", "1", "--out", "{out}"],

@@ -37,6 +37,23 @@ def file_sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def table_sha256(df: pl.DataFrame) -> str:
+    """The sha256 of a table's contents: each column's name, type and values in row order (numbers as their bytes,
+    the rest as text). A run's stamp takes it where its input is a table in memory and not a file (``kvdiag grade``
+    scores in memory): a rerun given other contents is refused, not mixed with parts made from the old ones."""
+    import polars as pl
+
+    h = hashlib.sha256()
+    for name in df.columns:
+        col = df[name]
+        h.update(f"{name}\x1f{col.dtype}\x1e".encode())
+        if col.dtype.is_numeric() or col.dtype == pl.Boolean:
+            h.update(col.to_numpy().tobytes())
+        else:
+            h.update("\x1f".join(map(str, col.to_list())).encode())
+    return h.hexdigest()
+
+
 def write_atomically(path: str | os.PathLike, write) -> Path:
     """Call ``write(tmp)`` on a hidden file beside ``path``, then rename it over ``path``: readers and
     interrupted runs never see half a file."""

@@ -27,7 +27,7 @@ import torch
 
 from kvdiag.core.contracts import belongs
 from kvdiag.core.errors import UserError
-from kvdiag.core.io import check_writable, write_json
+from kvdiag.core.io import check_writable, table_sha256, write_json
 from kvdiag.core.parts import PartStore, part_name
 from kvdiag.core.progress import progress_bar
 from kvdiag.core.provenance import provenance
@@ -324,7 +324,11 @@ def decide(trace, lm, scores: pl.DataFrame, scores_meta: dict, out: str | os.Pat
         warnings.warn("a budget keeps every entry at some checkpoint: those rows record zero evictions", stacklevel=2)
     spec = cfg.harm
     threshold = None if labels is None else spec.threshold(spec.analysed(labels, require=False)["kl_mean"].to_numpy())
-    meta = {"kind": "decisions", **provenance(), "trace": trace.provenance, "model": lm.info,
+    # the contents of the scores and labels: a rerun given other ones (a scores file remade) is refused, not mixed
+    # with parts made from these, and the run says which it was made from
+    inputs = {"scores_sha256": table_sha256(scores),
+              "labels_sha256": table_sha256(labels) if labels is not None else None}
+    meta = {"kind": "decisions", **provenance(), "trace": trace.provenance, "model": lm.info, "inputs": inputs,
             "config": {**cfg.settings(), "rules": names, "n_boot": cfg.n_boot, "reference": cfg.reference},
             "rules": {n: (r.params if r is not None else None) for n, r in rules.items()},
             "labels": {"method": ((labels_meta or {}).get("config") or {}).get("method", "exact"),
@@ -333,7 +337,7 @@ def decide(trace, lm, scores: pl.DataFrame, scores_meta: dict, out: str | os.Pat
             "left_out": [{"prompt_id": pid, "checkpoint": t, "why": "no room for the horizon"} for pid, t in short]}
     parts = PartStore(out / "parts", out)
     parts.stamp("config.json", {"trace": trace.fingerprint, "model": lm.info["weights_hash"], **cfg.settings(),
-                                "rules": names})
+                                "rules": names, "inputs": inputs})
     L, Hkv = trace.num_layers, trace.num_kv_heads
     all_items = [(pid, t) for pid, ts in items.items() for t in ts]
     todo = {pid: [t for t in ts if not parts.done(part_name(pid, f"{t:07d}"))] for pid, ts in items.items()}
