@@ -492,8 +492,12 @@ def main(here: Path = HERE, out: Path = HERE) -> None:
               "every run: " + ", ".join(f"{m} {d} of {n}" for m, d, n in pooled.select(
                   "model", "rule_rows_differing", "rule_rows").unique(maintain_order=True).iter_rows()) +
               " (checkpoint, budget, rule) rows evict another set in some runs than in others (lazyeviction's at "
-              "gemma3's algebra_1349, keep 0.5: two entries of one cell swapped), and each set is pooled as the set "
-              "it is), rule or reference, whatever it read and whichever "
+              "gemma3's algebra_1349, keep 0.5: two entries of one cell swapped; on gemma3 `-h128-half/`, "
+              "`-h128-search-reach/` and `-h128-search-recombined/` against the rest: those three, made before the "
+              "gemma3 Trace and scores were remade on 2026-12-07, read another scores file, not kept: the scores "
+              "recompute bit for bit from the current Trace at kvdiag f1fbfd6 and now, and rank the two swapped "
+              "entries 0.5006 against 0.4749, no tie; decisions runs now record their scores' sha256), and each set "
+              "is pooled as the set it is), rule or reference, whatever it read and whichever "
               f"search made it, pooled per (checkpoint, budget) of `{SEARCH}/` and `{GEMMA3_SEARCH}/`: the lowest "
               "mean damage over the 128 steps is the best set known there (a tie goes to the latest search). "
               "Latest is best: the checkpoints where the latest `oracle_search` is that set; where it is not, the "
