@@ -179,3 +179,18 @@ def test_the_generations_contract(tmp_path):
     for name, df, meta, needle in cases:
         with pytest.raises(UserError, match=needle):
             read_generations(write_table(df, tmp_path / f"{name}.parquet", meta))
+
+
+@pytest.mark.parametrize("reader, what", [("read_scores", "--scores"), ("read_labels", "--labels"),
+                                          ("read_decisions", "--search-from"), ("read_generations", "--outcomes")])
+def test_a_missing_or_unreadable_table_is_named_once(reader, what, tmp_path):
+    """The one line names the flag and the path once (it said '--scores PATH PATH does not exist')."""
+    import kvdiag.core.contracts as contracts
+
+    (tmp_path / "cut.parquet").write_bytes(b"PAR1 not a table")
+    for name, needle in [("missing.parquet", "does not exist"), ("cut.parquet", "is not a readable Parquet file")]:
+        path = tmp_path / name
+        with pytest.raises(UserError) as err:
+            getattr(contracts, reader)(path, what)
+        assert str(err.value).startswith(f"{what} {path} {needle}"), str(err.value)
+        assert str(err.value).count(str(path)) == 1, str(err.value)

@@ -60,8 +60,8 @@ def read_scores(path: str | os.PathLike, what: str = "--scores") -> tuple[pl.Dat
     """A scores table written by ``kvdiag score`` and its metadata: keyed, non-empty, unique keys, at least one score
     column, every score finite (``Scorer.scores`` refuses non-finite scores when they are made)."""
     fix = "pass a scores file written by `kvdiag score` (or rescore)"
+    df, meta = read_table(path, what)  # its messages name the path after ``what``
     what = f"{what} {path}"
-    df, meta = read_table(path, what)
     df = check_rows(df, what, fix)
     columns = score_columns(df)
     if not columns:
@@ -78,8 +78,8 @@ def read_labels(path: str | os.PathLike, what: str = "--labels", full: bool = Tr
     else the keys, ``kl_mean`` and ``noise_floor``: all that rank-eval reads), keyed, non-empty, unique keys,
     ``kl_mean`` finite, ``noise_floor`` finite where given."""
     fix = "pass a labels file written by `kvdiag label` (or relabel)"
+    df, meta = read_table(path, what)  # its messages name the path after ``what``
     what = f"{what} {path}"
-    df, meta = read_table(path, what)
     missing = sorted(set(LABEL_SCHEMA if full else [*KEYS, "kl_mean", "noise_floor"]) - set(df.columns))
     if missing:
         raise UserError(f"{what} lacks columns {missing}: it is not a kvdiag labels file; {fix}")
@@ -109,8 +109,8 @@ def read_decisions(path: str | os.PathLike, what: str = "decisions") -> tuple[pl
     """A ``decisions.parquet`` written by ``kvdiag decisions`` and its metadata: its key and status columns,
     non-empty, one row per (prompt, checkpoint, kind, decision, budget, sample), ``kl_mean`` finite where labeled."""
     fix = "pass the decisions.parquet of a finished `kvdiag decisions` run"
+    df, meta = read_table(path, what)  # its messages name the path after ``what``
     what = f"{what} {path}"
-    df, meta = read_table(path, what)
     missing = sorted({*DECISION_KEYS, "status", "kl_mean"} - set(df.columns))
     if missing:
         raise UserError(f"{what} lacks columns {missing}: {fix}")
@@ -141,8 +141,8 @@ def read_generations(path: str | os.PathLike, what: str = "generations") -> tupl
     the run it came from: a replay's metadata (mode, settings, the prompt ids it replayed, and, teacher-forced, its
     Trace's fingerprint) that names every row's prompt and mode."""
     fix = "pass the generations.parquet of a finished `kvdiag replay` run (or rerun it)"
+    df, meta = read_table(path, what)  # its messages name the path after ``what``
     what = f"{what} {path}"
-    df, meta = read_table(path, what)
     missing = sorted(set(GENERATION_SCHEMA) - set(df.columns))
     if missing:
         raise UserError(f"{what} lacks columns {missing}: it is not a kvdiag replay's generations; {fix}")

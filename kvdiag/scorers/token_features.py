@@ -113,7 +113,7 @@ def read_token_features(scores: str | os.PathLike) -> tuple[pl.DataFrame, dict] 
     path = features_path(scores)
     if not path.is_file():
         return None
-    df, meta = read_table(path, what=str(path))
+    df, meta = read_table(path, "the features table")
     return df, {**meta, "file": path.name}
 
 
