@@ -1563,7 +1563,7 @@ def test_the_output_guard(inputs, tmp_path):
         ({"--out": (labels.parent, "dir")}, {"--labels": labels}, "contains the input --labels"),
         ({"--out": trace / "x" / "s.parquet"}, {"--trace": trace}, "lies inside the input --trace"),
         ({"--out": trace / "x.parquet"}, {}, "lies inside the Trace directory"),
-        ({"--out": (trace, "dir")}, {}, "is the Trace directory"),
+        ({"--out": (trace, "dir")}, {}, "is a Trace directory"),
     ]
     for outputs, ins, needle in refused:
         with pytest.raises(UserError, match=needle):

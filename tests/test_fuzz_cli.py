@@ -107,6 +107,24 @@ def options() -> list[tuple[str, str, bool]]:
 
 
 OPTIONS = options()
+
+
+def path_options() -> list[tuple[str, str]]:
+    """(command, option) for every option that takes one path (``Path`` or a repeatable ``list[Path]``)."""
+    found = []
+
+    def walk(command, names=()):
+        for name, sub in getattr(command, "commands", {}).items():
+            walk(sub, (*names, name))
+        if not hasattr(command, "commands"):
+            found.extend((" ".join(names), p.opts[0]) for p in command.params
+                         if p.param_type_name == "option" and str(p.bare_type()) in ("Path", "list[Path]"))
+
+    walk(root_command())
+    return sorted(found)
+
+
+PATH_OPTIONS = path_options()
 DIGITS = "\u00b2\u2460\u0663\u0966\uff13\u00bd"  # superscript two, circled one, Arabic-Indic 3, Devanagari 0, ...
 HOSTILE = ["", " ", "-1", "0", "1e9", "1e999", "nan", "-nan", "inf", "-inf", "2.5", str(2**64), str(-2**63),
            "9" * 40, "REST", "rest ", "all", "[red]x[/red]", "x[1]*?", "*", "..", ".", "-", "--", "a,b,,c",
@@ -203,29 +221,54 @@ def test_hostile_values(command, option, flag, run, stubbed, tmp_path_factory, c
     def check(value):
         count[0] += 1
         argv = command_line(command, option, flag, value, paths, files, scratch / f"out{count[0]}")
-        start = time.monotonic()
-        previous = signal.signal(signal.SIGALRM, alarm)
-        # aimed at this thread: a process-wide alarm may land on one of polars' threads and leave a blocked read here
-        timer = threading.Timer(SECONDS, signal.pthread_kill, (threading.main_thread().ident, signal.SIGALRM))
-        timer.start()
-        try:
-            main(argv)
-            code = 0
-        except SystemExit as exc:
-            code = exc.code
-        except StageReached:
-            code = 0
-        except Hung:
-            code = "hung"
-        finally:
-            timer.cancel()
-            signal.signal(signal.SIGALRM, previous)
-        seconds = time.monotonic() - start
-        err = capsys.readouterr().err.strip().splitlines()
-        assert seconds < SECONDS, (argv, seconds)
-        assert code in (0, 2), (argv, code, err)
-        if code == 2:
-            assert len(err) == 1 and err[0].startswith("error:"), (argv, err)
-        assert digest(watched) == before, (argv, "an input changed")
+        judge(argv, files.get(value), watched, before, capsys)
 
     check()
+
+
+@pytest.mark.parametrize("command, option", PATH_OPTIONS, ids=[f"{c}:{o}" for c, o in PATH_OPTIONS])
+def test_every_special_file_on_every_path_option(command, option, run, stubbed, tmp_path_factory, capsys,
+                                                 monkeypatch):
+    """Each special file (a link, a hard link, '..', a FIFO, a directory, a missing, truncated or empty file,
+    /dev/null, another kind of table) on each option that takes a path: the draws above reach few of them."""
+    assert len(PATH_OPTIONS) > 30
+    paths, files = run
+    scratch = tmp_path_factory.mktemp("cwd")
+    monkeypatch.chdir(scratch)
+    watched = Path(paths["run"])
+    before = digest(watched)
+    for i, value in enumerate(FILES):
+        argv = command_line(command, option, False, value, paths, files, scratch / f"out{i}")
+        judge(argv, files[value], watched, before, capsys)
+
+
+def judge(argv: list[str], path: str | None, watched: Path, before: dict[str, str], capsys) -> None:
+    """Run ``argv``: exit 0 (or the stubbed stage reached) or exit 2 with one line that prints ``path`` (the drawn
+    file, if any) at most once per option given it, within SECONDS; never exit 1, never a changed input under
+    ``watched``."""
+    start = time.monotonic()
+    previous = signal.signal(signal.SIGALRM, alarm)
+    # aimed at this thread: a process-wide alarm may land on one of polars' threads and leave a blocked read here
+    timer = threading.Timer(SECONDS, signal.pthread_kill, (threading.main_thread().ident, signal.SIGALRM))
+    timer.start()
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    except StageReached:
+        code = 0
+    except Hung:
+        code = "hung"
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGALRM, previous)
+    seconds = time.monotonic() - start
+    err = capsys.readouterr().err.strip().splitlines()
+    assert seconds < SECONDS, (argv, seconds)
+    assert code in (0, 2), (argv, code, err)
+    if code == 2:
+        assert len(err) == 1 and err[0].startswith("error:"), (argv, err)
+        if path is not None:  # printed verbatim, once per option that holds it (not 'PATH PATH does not exist')
+            assert err[0].count(path) <= max(1, argv.count(path)), (argv, err)
+    assert digest(watched) == before, (argv, "an input changed")

@@ -120,8 +120,8 @@ def check_outputs(outputs: Mapping[str, PathLike | tuple | None],
         if not writes_trace:
             trace = next((p for p in [out, *out.parents] if is_trace_dir(p)), None)
             if trace is not None:
-                raise UserError(f"{flag} {path} {'is' if trace == out else 'lies inside'} the Trace directory "
-                                f"{trace}: writing there would corrupt the Trace; choose another {flag}")
+                where = "is a Trace directory" if trace == out else f"lies inside the Trace directory {trace}"
+                raise UserError(f"{flag} {path} {where}: writing there would corrupt the Trace; choose another {flag}")
         if os.path.lexists(out) and not (out.is_file() or out.is_dir()):
             raise UserError(f"{flag} {path} exists and is not a regular file or directory (a FIFO, device or "
                             f"socket); choose a path to a file")
