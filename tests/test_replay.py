@@ -268,6 +268,28 @@ def test_replay_outputs_and_resume(tiny_llama, tmp_path):
     assert {p: p.stat().st_mtime_ns for p in (out / "parts").iterdir()} == stamp  # finished parts are reused
 
 
+def test_a_replay_without_fullkv_writes_the_rules_outcomes(tiny_llama, tmp_path):
+    """--no-full-kv: no FullKV row, and still each rule's outcomes (outcomes.csv, outcomes.md; fidelity and the
+    paired test need FullKV: left out, said so); summary.md does not speak of a FullKV row it lacks."""
+    from kvdiag.replay.run import summarize_files
+    from kvdiag.tasks.prompts import load_prompts
+
+    settings = ReplaySettings(scorers=["knorm"], budgets=[16], interval=8, max_new_tokens=24, full_kv=False,
+                              chat=False, instruction=None)
+    out = replay(tiny_llama, tmp_path / "r", settings, prompts=load_prompts("builtin:arith", limit=2),
+                 command="test", show_progress=False)
+    rows = pl.read_csv(out / "outcomes.csv", infer_schema_length=None)
+    assert rows["scorer"].to_list() == ["knorm", "knorm"] and rows["correct"].is_not_null().all()
+    assert not (out / "paired.csv").exists() and "without FullKV" in (out / "outcomes.md").read_text()
+    assert "FullKV" not in (out / "summary.md").read_text()
+    tables = ("summary.md", "summary.csv", "outcomes.md", "outcomes.csv", "outcomes_summary.csv")
+    written = {name: (out / name).read_bytes() for name in tables}
+    for name in tables:
+        (out / name).unlink()
+    summarize_files(out)
+    assert {name: (out / name).read_bytes() for name in tables} == written
+
+
 def test_teacher_forced_replay_of_a_trace(tiny_trace, tmp_path):
     from kvdiag.cli.main import main
 

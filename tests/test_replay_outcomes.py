@@ -123,3 +123,26 @@ def test_a_budget_no_rule_compressed_at_has_no_paired_test():
                                                                    compressed=pl.lit(False))
     both = pl.concat([out, whole.select(out.columns)])
     assert paired_tests(both, n_boot=200).equals(paired_tests(out, n_boot=200))
+
+
+def test_without_fullkv_the_rules_outcomes_are_written_and_its_comparisons_left_out(tmp_path):
+    """A replay run with --no-full-kv has no FullKV rows: each rule's outcomes (accuracy, loops, length hits, KL) are
+    written as with them; fidelity, divergence and the paired fidelity test, which compare with FullKV's
+    generation, are not measured (null, no paired.csv) and outcomes.md says why."""
+    df = _frame().with_columns(correct=pl.col("text") == pl.lit("answer ") + pl.col("prompt_id").str.slice(1))
+    with_full, without = tmp_path / "with", tmp_path / "without"
+    with_full.mkdir(), without.mkdir()
+    write_outcomes(df, with_full, n_boot=100)
+    write_outcomes(df.filter(pl.col("scorer") != "full_kv"), without, n_boot=100)
+    assert (with_full / "paired.csv").is_file() and not (without / "paired.csv").exists()
+    got, had = (pl.read_csv(d / "outcomes_summary.csv", infer_schema_length=None) for d in (without, with_full))
+    assert got["scorer"].to_list() == ["good", "bad"]
+    for col in ("correct", "correct_lo", "correct_hi", "loop", "kl_mean", "generations"):
+        assert got[col].to_list() == had.filter(pl.col("scorer") != "full_kv")[col].to_list(), col
+    assert got["correct"].to_list() == [1.0, 0.4]
+    assert got["fidelity"].fill_nan(None).is_null().all() and got["fidelity_n"].to_list() == [0, 0]
+    rows = pl.read_csv(without / "outcomes.csv", infer_schema_length=None)
+    assert rows.height == 20 and rows["fidelity"].is_null().all() and rows["first_divergence"].is_null().all()
+    text = (without / "outcomes.md").read_text()
+    assert "without FullKV (--no-full-kv)" in text and "Paired" not in text
+    assert "without FullKV" not in (with_full / "outcomes.md").read_text()

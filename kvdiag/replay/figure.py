@@ -73,7 +73,7 @@ def markdown(table: pl.DataFrame, budgets: list[int], prompts: int, teacher_forc
         "KL: mean over prompts of the mean per-step KL(P_full || P_policy) in nats"
         + (" on the Trace's tokens." if teacher_forced else ", along each policy's own generation."),
     ]
-    if not teacher_forced:
+    if not teacher_forced and FULL_LABEL in table["scorer"].to_list():
         notes.append(f"{FULL_LABEL} (uncompressed) does not depend on the budget: its values repeat under every "
                      "budget.")
     return markdown_table(head, rows, "l" * len(head)) + "\n" + "\n".join(notes) + "\n"
@@ -144,7 +144,7 @@ def write_summary(df: pl.DataFrame, out_dir: Path, scorers: list[str], budgets: 
     write_text(out_dir / "summary.md", markdown(table, sorted(budgets), prompts, teacher_forced, samples))
     write_csv(summary, out_dir / "budget.csv")
     budget_figure(summary, scorers, out_dir)
-    if not teacher_forced and (df["scorer"] == "full_kv").any():
+    if not teacher_forced:  # without FullKV (--no-full-kv) its comparisons are left out, the rest is written
         from kvdiag.replay.outcomes import write_outcomes
 
         write_outcomes(df, out_dir, exact=exact, suite=suite)

@@ -296,8 +296,8 @@ METRICS = [("correct", "acc %"), ("fidelity", "fidelity %"), ("diverged", "diver
 def write_outcomes(df: pl.DataFrame, out_dir, n_boot: int = 2000, seed: int = 0, level: float = 0.95,
                    exact: set[str] = frozenset(), suite: Suite | None = None) -> pl.DataFrame:
     """``outcomes.csv`` (every generation's outcomes), ``outcomes_summary.csv``, ``paired.csv`` and
-    ``outcomes.md`` from free-running ``generations.parquet`` rows that include FullKV (``exact``, ``suite``: as
-    :func:`outcome_rows`); with a ``suite`` that has components, also :func:`write_components` and, where the
+    ``outcomes.md`` from free-running ``generations.parquet`` rows (without FullKV's, from ``--no-full-kv``: no
+    fidelity and no paired.csv) (``exact``, ``suite``: as :func:`outcome_rows`); with a ``suite`` that has components, also :func:`write_components` and, where the
     generations record needed tokens, ``kvdiag.replay.kept_needed.write_needed``."""
     out = outcome_rows(df, exact, suite)
     if suite is not None and suite.components:
@@ -307,10 +307,12 @@ def write_outcomes(df: pl.DataFrame, out_dir, n_boot: int = 2000, seed: int = 0,
 
             write_needed(df, suite, out_dir, n_boot, seed, level)
     summary = summarize_outcomes(out, n_boot, seed, level)
-    paired = paired_tests(out, n_boot, seed, level)
+    full = bool((out["scorer"] == FULL_KV).any())  # fidelity and its paired tests compare with FullKV's generation
+    paired = paired_tests(out, n_boot, seed, level) if full else None
     write_csv(out, out_dir / "outcomes.csv")
     write_csv(summary, out_dir / "outcomes_summary.csv")
-    write_csv(paired, out_dir / "paired.csv")
+    if paired is not None:
+        write_csv(paired, out_dir / "paired.csv")
     single = summary["generations"].max() == summary["prompts"].max()
     head = ["scorer", "budget", "compressed", "fidelity n", *(label for _, label in METRICS),
             "first div. (median step)"]
@@ -340,8 +342,12 @@ def write_outcomes(df: pl.DataFrame, out_dir, n_boot: int = 2000, seed: int = 0,
         + "); diverged: the generated tokens differ from FullKV's; "
         f"loops: a {LOOP_NGRAM}-token span repeated {LOOP_REPEATS}+ times; length ratio: generated / FullKV's.",
     ]
+    if not full:
+        notes.append("This replay ran without FullKV (--no-full-kv): fidelity, diverged, length ratio and first "
+                     "divergence compare with FullKV's generation and are not measured (–), nor is the paired "
+                     "fidelity test (no paired.csv); rerun with FullKV for them.")
     text = markdown_table(head, rows, "l" * len(head)) + "\n" + "\n".join(notes) + "\n"
-    if paired.height:
+    if paired is not None and paired.height:
         text += ("\nPaired (paired.csv): at each budget the rule with the highest fidelity against each other rule, on "
                  "the (prompt, sample) units where either compressed: the difference in fidelity with its "
                  f"{level:.0%} CI, and p ("

@@ -189,8 +189,8 @@ def replayed_auroc(settings: ReplaySettings, auroc: tuple[str | os.PathLike, str
 
 def generation_outcomes(out: str | os.PathLike) -> pl.DataFrame:
     """Each free-running generation's outcomes (``kvdiag.replay.outcomes.outcome_rows``, the suite's components
-    included) from ``out/generations.parquet`` alone, as its metadata says the prompts are graded: also for a replay
-    run with ``--no-full-kv``, which writes no outcomes.csv (its fidelity columns stay empty)."""
+    included) from ``out/generations.parquet`` alone, as its metadata says the prompts are graded (a replay run with
+    ``--no-full-kv``: its fidelity columns stay empty)."""
     from kvdiag.core.contracts import read_generations
     from kvdiag.replay.outcomes import outcome_rows
 
