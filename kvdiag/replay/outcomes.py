@@ -297,8 +297,9 @@ def write_outcomes(df: pl.DataFrame, out_dir, n_boot: int = 2000, seed: int = 0,
                    exact: set[str] = frozenset(), suite: Suite | None = None) -> pl.DataFrame:
     """``outcomes.csv`` (every generation's outcomes), ``outcomes_summary.csv``, ``paired.csv`` and
     ``outcomes.md`` from free-running ``generations.parquet`` rows (without FullKV's, from ``--no-full-kv``: no
-    fidelity and no paired.csv) (``exact``, ``suite``: as :func:`outcome_rows`); with a ``suite`` that has components, also :func:`write_components` and, where the
-    generations record needed tokens, ``kvdiag.replay.kept_needed.write_needed``."""
+    fidelity and no paired.csv) (``exact``, ``suite``: as :func:`outcome_rows`); with a ``suite`` that has
+    components, also :func:`write_components` and, where the generations record needed tokens,
+    ``kvdiag.replay.kept_needed.write_needed``."""
     out = outcome_rows(df, exact, suite)
     if suite is not None and suite.components:
         write_components(out, suite, out_dir, n_boot, seed, level)
