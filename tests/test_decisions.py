@@ -218,6 +218,29 @@ def test_a_rerun_given_other_scores_or_labels_is_refused_not_mixed(run, decided)
                relabeled, run["labels_meta"], show_progress=False)
 
 
+def test_the_command_refuses_other_inputs_into_its_parts_before_the_model_loads(run, tmp_path, monkeypatch, capsys):
+    """kvdiag decisions into an --out whose parts were made from another scores file (or other settings) is refused
+    with one line before the model loads."""
+    from kvdiag.core.io import write_table
+
+    base = ["decisions", "--trace", str(run["trace"].path), "--labels", str(run["labels_path"]), "--keep", "0.5",
+            "--horizon", str(HORIZON), "--references", "oracle_single,random", "--pairs", "0", "--out",
+            str(tmp_path / "o")]
+    with pytest.raises(SystemExit) as done:
+        kvdiag.cli.main.main([*base, "--scores", str(run["scores_path"])])
+    assert done.value.code == 0 and (tmp_path / "o" / "parts" / "config.json").is_file()
+    moved = run["scores"].with_columns(pl.col("h2o") * 2)
+    write_table(moved, tmp_path / "moved.parquet", run["scores_meta"])
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr("kvdiag.model.load.load_model", no_load)
+    capsys.readouterr()
+    for extra in (["--scores", str(tmp_path / "moved.parquet")], ["--scores", str(run["scores_path"]), "--seed", "1"]):
+        assert "holds parts made with other settings" in exits_2(capsys, *base, *extra)
+
+
 def test_bad_input_is_refused_before_work(run, capsys, tmp_path):
     base = ["decisions", "--trace", run["trace"].path, "--scores", run["scores_path"], "--out", tmp_path / "o",
             "--horizon", HORIZON]

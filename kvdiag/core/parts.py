@@ -27,6 +27,19 @@ def part_name(*fields: object) -> str:
     return "__".join(safe_id(str(field)) for field in fields) + ".parquet"
 
 
+def check_stamp(root: str | os.PathLike, name: str, want: dict) -> None:
+    """Refuse, as :meth:`PartStore.stamp` would, parts in ``root`` stamped ``name`` with other settings than
+    ``want``: before the model loads, and creating nothing."""
+    path = Path(root) / name
+    if path.is_file() and json.loads(path.read_text()) != want:
+        raise _mixing(root)
+
+
+def _mixing(root: str | os.PathLike) -> UserError:
+    return UserError(f"{root} holds parts made with other settings or another Trace; use another --out or delete "
+                     f"{root}")
+
+
 class PartStore:
     """Parts in the directory ``root`` (created here; ``out`` names the output in error messages)."""
 
@@ -67,8 +80,7 @@ class PartStore:
 
     def refuse_mixing(self) -> None:
         """The ``UserError`` of a stamp check: these parts were made with other settings."""
-        raise UserError(f"{self.root} holds parts made with other settings or another Trace; use another --out or "
-                        f"delete {self.root}")
+        raise _mixing(self.root)
 
     def _same_as(self, want) -> Callable[[dict], None]:
         def check(have: dict) -> None:

@@ -28,7 +28,7 @@ import torch
 from kvdiag.core.contracts import belongs
 from kvdiag.core.errors import UserError
 from kvdiag.core.io import check_writable, table_sha256, write_json
-from kvdiag.core.parts import PartStore, part_name
+from kvdiag.core.parts import PartStore, check_stamp, part_name
 from kvdiag.core.progress import progress_bar
 from kvdiag.core.provenance import provenance
 from kvdiag.decisions.config import RANDOM_REFERENCE, DecisionsConfig, check_reference, checkpoints_of, rule_columns
@@ -293,6 +293,16 @@ def _keep(writer, engine, t: int):
     return writer
 
 
+def parts_stamp(fingerprint: str, weights_hash: str, cfg: DecisionsConfig, rules: list[str], scores: pl.DataFrame,
+                labels: pl.DataFrame | None) -> dict:
+    """What changes a part's content: the Trace, its model's weights, the settings, the rules graded and the
+    contents of the scores and the token labels (``labels``: their token rows) -- a rerun given other ones (a scores
+    file remade) is refused, not mixed with parts made from these; config.json names them as ``inputs``."""
+    return {"trace": fingerprint, "model": weights_hash, **cfg.settings(), "rules": rules,
+            "inputs": {"scores_sha256": table_sha256(scores),
+                       "labels_sha256": table_sha256(labels) if labels is not None else None}}
+
+
 def decide(trace, lm, scores: pl.DataFrame, scores_meta: dict, out: str | os.PathLike, cfg: DecisionsConfig,
            labels: pl.DataFrame | None = None, labels_meta: dict | None = None, show_progress: bool = True,
            golden=None) -> Path:
@@ -324,11 +334,9 @@ def decide(trace, lm, scores: pl.DataFrame, scores_meta: dict, out: str | os.Pat
         warnings.warn("a budget keeps every entry at some checkpoint: those rows record zero evictions", stacklevel=2)
     spec = cfg.harm
     threshold = None if labels is None else spec.threshold(spec.analysed(labels, require=False)["kl_mean"].to_numpy())
-    # the contents of the scores and labels: a rerun given other ones (a scores file remade) is refused, not mixed
-    # with parts made from these, and the run says which it was made from
-    inputs = {"scores_sha256": table_sha256(scores),
-              "labels_sha256": table_sha256(labels) if labels is not None else None}
-    meta = {"kind": "decisions", **provenance(), "trace": trace.provenance, "model": lm.info, "inputs": inputs,
+    stamp = parts_stamp(trace.fingerprint, lm.info["weights_hash"], cfg, names, scores, labels)
+    meta = {"kind": "decisions", **provenance(), "trace": trace.provenance, "model": lm.info,
+            "inputs": stamp["inputs"],
             "config": {**cfg.settings(), "rules": names, "n_boot": cfg.n_boot, "reference": cfg.reference},
             "rules": {n: (r.params if r is not None else None) for n, r in rules.items()},
             "labels": {"method": ((labels_meta or {}).get("config") or {}).get("method", "exact"),
@@ -336,8 +344,7 @@ def decide(trace, lm, scores: pl.DataFrame, scores_meta: dict, out: str | os.Pat
             "harm": {**spec.to_config(), "threshold": threshold}, "over_budget": over, "status": STATUS,
             "left_out": [{"prompt_id": pid, "checkpoint": t, "why": "no room for the horizon"} for pid, t in short]}
     parts = PartStore(out / "parts", out)
-    parts.stamp("config.json", {"trace": trace.fingerprint, "model": lm.info["weights_hash"], **cfg.settings(),
-                                "rules": names, "inputs": inputs})
+    parts.stamp("config.json", stamp)
     L, Hkv = trace.num_layers, trace.num_kv_heads
     all_items = [(pid, t) for pid, ts in items.items() for t in ts]
     todo = {pid: [t for t in ts if not parts.done(part_name(pid, f"{t:07d}"))] for pid, ts in items.items()}
@@ -428,6 +435,11 @@ def decisions_files(trace: str | os.PathLike, scores: str | os.PathLike, out: st
     had = tr.manifest["model"]
     if model is not None:
         check_trace_model(model, had)
+    # a rerun into parts made with other settings or inputs: refused now, not after the load (the model must be the
+    # Trace's, so its weights hash is the Trace's)
+    check_stamp(Path(out) / "parts", "config.json", parts_stamp(
+        tr.fingerprint, had["weights_hash"], cfg, names, score_df,
+        None if label_df is None else label_df.filter(pl.col("granularity") == "token")))
     lm = load_model(model or had["spec"], dtype=dtype or had.get("dtype", "float32"), device=device)
     lm.check_model_of(had, "--model", "drop --model")
     decide(tr, lm, score_df, score_meta, out, cfg, label_df, label_meta, show_progress)
