@@ -218,3 +218,30 @@ def test_include_labels_listed_positions_as_all_candidates_would(tiny_llama, tin
     assert joined.height == both.height
     assert_frame_equal(joined.select(pl.col("kl_mean").alias("kl")), joined.select(pl.col("kl_mean_all").alias("kl")),
                        rel_tol=1e-4, abs_tol=1e-6)
+
+
+def test_the_command_refuses_parts_of_other_settings_before_the_model_loads(tiny_trace, tmp_path, monkeypatch,
+                                                                            capsys):
+    """kvdiag label into an --out whose parts were made with another horizon: one line, exit 2, the model never
+    loaded; the same command again goes on (its stamp is the one the check builds)."""
+    from tests.conftest import exits_2
+
+    out = tmp_path / "l.parquet"
+    base = ["label", "--trace", str(tiny_trace.path), "--out", str(out), "--checkpoints", "every:10", "--w-obs", "10",
+            "--candidates", "6"]
+    import kvdiag.cli.main
+
+    with pytest.raises(SystemExit) as done:
+        kvdiag.cli.main.main([*base, "--horizon", "4"])
+    assert done.value.code == 0 and out.is_file()
+    import kvdiag.label.run
+
+    load = kvdiag.label.run.load_model
+    loads = []
+    monkeypatch.setattr(kvdiag.label.run, "load_model", lambda *a, **k: loads.append(a) or load(*a, **k))
+    capsys.readouterr()
+    assert "holds parts made with other settings" in exits_2(capsys, *base, "--horizon", "3")
+    assert loads == []
+    with pytest.raises(SystemExit) as again:
+        kvdiag.cli.main.main([*base, "--horizon", "4"])
+    assert again.value.code == 0 and len(loads) == 1

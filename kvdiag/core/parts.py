@@ -27,12 +27,14 @@ def part_name(*fields: object) -> str:
     return "__".join(safe_id(str(field)) for field in fields) + ".parquet"
 
 
-def check_stamp(root: str | os.PathLike, name: str, want: dict) -> None:
+def check_stamp(root: str | os.PathLike, name: str, want: dict | Callable[[dict], bool]) -> None:
     """Refuse, as :meth:`PartStore.stamp` would, parts in ``root`` stamped ``name`` with other settings than
-    ``want``: before the model loads, and creating nothing."""
+    ``want`` (a stamp, or whether the one on disk is the same): before the model loads, and creating nothing."""
     path = Path(root) / name
-    if path.is_file() and json.loads(path.read_text()) != want:
-        raise _mixing(root)
+    if path.is_file():
+        have = json.loads(path.read_text())
+        if not (want(have) if callable(want) else have == want):
+            raise _mixing(root)
 
 
 def _mixing(root: str | os.PathLike) -> UserError:

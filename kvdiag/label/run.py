@@ -20,7 +20,7 @@ from kvdiag.core.contracts import (
 from kvdiag.core.distributed import Group, parse_shard
 from kvdiag.core.errors import UserError
 from kvdiag.core.io import check_writable, write_table
-from kvdiag.core.parts import PartStore, part_name
+from kvdiag.core.parts import PartStore, check_stamp, part_name
 from kvdiag.core.progress import plain_console, progress_bar
 from kvdiag.core.provenance import provenance
 from kvdiag.label.config import (  # noqa: F401  (run's API)
@@ -146,7 +146,7 @@ def label_trace(
     parts = PartStore(out.with_name(out.name + ".parts"), out)
     meta = labels_meta(trace, lm, cfg)
     items = work_items(trace, cfg)
-    _stamp_parts(parts, meta)
+    _stamp_parts(parts, trace, lm, cfg)
     hybrid = HybridParams(**cfg.params) if cfg.method == HYBRID else None
     target = None if hybrid is None else hybrid.miss_target
     if target is not None and shard[1] > 1:
@@ -273,19 +273,25 @@ def noise_floor_warning(df: pl.DataFrame, dtype: str) -> str | None:
             f"({near:.0%} of labels are): in {dtype} most labels are numerical noise; {fix}")
 
 
-def _stamp_parts(parts: PartStore, meta: dict) -> None:
+def label_stamp(fingerprint: str, weights_hash: str, cfg: LabelConfig) -> dict:
+    """The parts' settings stamp: only what changes a part's content (the schedule, batch size and backend may
+    differ between runs)."""
+    config = asdict(cfg)
+    return {"trace": fingerprint, "model": weights_hash,
+            **{k: config[k] for k in ("horizon", "candidates", "include", "granularity", "layers", "seed", "method",
+                                     "params")}}
+
+
+def same_stamp(have: dict, want: dict) -> bool:
+    """Whether the stamp on disk ``have`` is ``want`` (one written before approximate methods or include existed:
+    exact, none)."""
+    return {"method": "exact", "params": {}, "include": None, **have} == want
+
+
+def _stamp_parts(parts: PartStore, trace: Trace, lm: LoadedModel, cfg: LabelConfig) -> None:
     """A parts directory made with other settings or another Trace must not be mixed in."""
-    cfg = meta["config"]
-    # only what changes a part's content; the schedule, batch size and backend may differ between runs
-    want = {"trace": meta["trace"]["fingerprint"], "model": meta["model"]["weights_hash"],
-            **{k: cfg[k] for k in ("horizon", "candidates", "include", "granularity", "layers", "seed", "method",
-                                  "params")}}
-
-    def same(have: dict) -> None:  # a stamp written before approximate methods (or include) existed: exact, none
-        if {"method": "exact", "params": {}, "include": None, **have} != want:
-            parts.refuse_mixing()
-
-    parts.stamp("config.json", want, same)
+    want = label_stamp(trace.fingerprint, lm.info["weights_hash"], cfg)
+    parts.stamp("config.json", want, lambda have: None if same_stamp(have, want) else parts.refuse_mixing())
 
 
 def label_files(
@@ -302,6 +308,9 @@ def label_files(
     check_writable(out.with_name(out.name + ".parts"), "--out", "dir")
     parse_dtype(dtype or tr.manifest["model"]["dtype"])
     check_device(device)
+    if not force:  # parts made with other settings: refused now, not after the load (the model is the Trace's)
+        want = label_stamp(tr.fingerprint, tr.manifest["model"]["weights_hash"], cfg)
+        check_stamp(out.with_name(out.name + ".parts"), "config.json", lambda have: same_stamp(have, want))
     with Group(device, part) as group:
         spec = model or tr.manifest["model"]["spec"]
         lm = load_model(spec, dtype=dtype or tr.manifest["model"]["dtype"], device=group.device)
