@@ -628,6 +628,18 @@ CASES: list[tuple[str, list[str], str]] = [
                                     "{truncated_labels}", "--keep", "0.5", "--out", "{out}"], "truncated.parquet"),
     ("rank-eval-scores-nan", ["rank-eval", "--labels", "{labels}", "--scores", "{scores_nan}", "--out", "{out}"],
      "null, NaN or infinite"),
+    *[(f"{command}-labels-{name}", argv, needle)
+      for name, needle in [("text", "columns of another type: kl_mean (String, not Float64)"),
+                           ("negative", "column 'kl_mean' is negative in"), ("floor", "'noise_floor' is negative in")]
+      for command, argv in [
+          ("rank-eval", ["rank-eval", "--labels", f"{{labels_{name}}}", "--scores", "{scores}", "--out", "{out}"]),
+          ("figures", ["figures", "--trace", "{trace}", "--labels", f"{{labels_{name}}}", "--scores", "{scores}",
+                       "--out", "{out}"]),
+          ("fit", ["fit", "--trace", "{trace}", "--labels", f"{{labels_{name}}}", "--out", "{out}"]),
+          ("validate", ["validate-labels", "--exact", "{labels}", "--approx", f"{{labels_{name}}}", "--out",
+                        "{out}"])]],
+    ("fit-labels-horizon", ["fit", "--trace", "{trace}", "--labels", "{labels_horizon}", "--out", "{out}"],
+     "column 'horizon' is below 1 in"),
     ("rank-eval-labels-empty", ["rank-eval", "--labels", "{labels_empty}", "--scores", "{scores}", "--out", "{out}"],
      "has no rows"),
     ("rank-eval-noise-mult-inf", ["rank-eval", "--labels", "{labels}", "--scores", "{scores}", "--noise-mult", "inf",
@@ -1049,6 +1061,15 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
     p["foreign_labels"] = str(root / "foreign.parquet")
     write_table(df.head(0), root / "labels-empty.parquet", meta)
     p["labels_empty"] = str(root / "labels-empty.parquet")
+    # hand-altered labels (found by feeding altered copies of a run's labels to every command that reads them): the
+    # label as text passed the finite check's cast and failed deep in a stage (exit 1); a negative divergence, a
+    # negative floor and a horizon of 0 were taken as they were
+    for name, broken in [("text", df.with_columns(pl.col("kl_mean").cast(pl.String))),
+                         ("negative", df.with_columns(pl.col("kl_mean") * -1)),
+                         ("floor", df.with_columns(pl.lit(-1.0).alias("noise_floor"))),
+                         ("horizon", df.with_columns(pl.lit(0, pl.Int64).alias("horizon")))]:
+        write_table(broken, root / f"labels-{name}.parquet", meta)
+        p[f"labels_{name}"] = str(root / f"labels-{name}.parquet")
     sdf, smeta = read_table(scores)
     first = pl.int_range(pl.len()) == 0
     for name, broken, broken_meta in [

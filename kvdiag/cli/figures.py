@@ -56,8 +56,8 @@ def figures(
     from kvdiag.core.io import check_table
     from kvdiag.trace.manifest import TraceFiles
 
-    # the settings, the inputs' files and the Trace they were made from, before torch and matplotlib are imported
-    # (their contents: figures_files)
+    # the settings, the inputs (their contracts: polars only) and the Trace they were made from, before torch and
+    # matplotlib are imported (what needs the Trace's tensors: figures_files)
     params = FigureParams(
         w_obs=w_obs, w_delay=w_delay, payload=payload, harm=harm, include_unresolved=include_unresolved,
         noise_mult=noise_mult, low_attention_quantile=low_attention_quantile,
@@ -66,10 +66,12 @@ def figures(
         max_age=max_age, eligible=eligible,
     )
     trace_files = TraceFiles(trace)
-    from kvdiag.core.contracts import belongs  # polars: only now
+    from kvdiag.core.contracts import belongs, read_labels, read_scores  # polars: only now
 
     belongs(trace_files, check_table(labels, "--labels"), f"--labels {labels}")
     belongs(trace_files, check_table(scores, "--scores"), f"--scores {scores}")
+    read_labels(labels)
+    read_scores(scores)
     if rank_eval is not None:
         from kvdiag.rankeval.run import load_metrics  # polars: only now
 

@@ -83,12 +83,37 @@ def read_labels(path: str | os.PathLike, what: str = "--labels", full: bool = Tr
     missing = sorted(set(LABEL_SCHEMA if full else [*KEYS, "kl_mean", "noise_floor"]) - set(df.columns))
     if missing:
         raise UserError(f"{what} lacks columns {missing}: it is not a kvdiag labels file; {fix}")
+    # a column of another type (kl_mean as text) would pass the finite check's cast and fail deep in a stage
+    wrong = [f"{c} ({df.schema[c]}, not {want})" for c, want in LABEL_SCHEMA.items()
+             if c in df.columns and c not in KEYS and not _fits(df.schema[c], want)]
+    if wrong:
+        raise UserError(f"{what} has columns of another type: {', '.join(wrong)}; {fix}")
     df = check_rows(df, what, fix)
     check_finite(df, ["kl_mean"], what, fix)
     floor = df["noise_floor"].cast(pl.Float64).drop_nulls().drop_nans()
     if floor.len() and not bool(floor.is_finite().all()):
         raise UserError(f"{what} column 'noise_floor' is infinite in {int((~floor.is_finite()).sum())} rows; {fix}")
+    # kvdiag writes a divergence clamped at 0 (rounding) and a floor that is one: below 0 the file was altered
+    for c in ("kl_mean", "noise_floor", *(["kl_max", "js_mean"] if full else [])):
+        below = int((df[c].cast(pl.Float64).fill_nan(None) < 0).sum())
+        if below:
+            raise UserError(f"{what} column {c!r} is negative in {below} of {df.height} rows: a divergence is at "
+                            f"least 0; {fix}")
+    if full and (short := int((df["horizon"] < 1).sum())):
+        raise UserError(f"{what} column 'horizon' is below 1 in {short} rows: a label reads at least one step; {fix}")
     return df, meta
+
+
+def _fits(have: pl.DataType, want: pl.DataType) -> bool:
+    """Whether a column of type ``have`` can stand for :data:`LABEL_SCHEMA`'s ``want``: a number for a number (an
+    integer column of KL is still numbers), a list of numbers for a list, nulls only for anything."""
+    if have == pl.Null:
+        return True
+    if want.is_numeric():
+        return have.is_numeric()
+    if isinstance(want, pl.List):
+        return isinstance(have, pl.List) and (have.inner.is_numeric() or have.inner == pl.Null)
+    return have == want
 
 
 
