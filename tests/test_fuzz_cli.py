@@ -11,6 +11,11 @@ by the same checks (every number's range: ``kvdiag.cli.common.BOUNDS``) and is t
 tests. Draws are derandomized (the same examples on every run); a failing one is kept as an explicit row of
 tests/test_bad_input.py (``KEPT`` below lists them).
 
+Hostile contents as well: the tiny run's labels and scores altered one way per draw (a value NaN, infinite, null,
+negative, huge; a column as text, as integers, dropped; a row doubled; no rows) must be refused by their contract
+with one line, or be a table every stage can read, and rank-eval (the stage that reads both, no model) then ends
+with exit 0 or 2, never 1.
+
 Not drawn: a NUL byte (no shell passes one to a process) and absolute paths from free text (the scratch directory
 is the current directory; drawn paths are built there).
 """
@@ -272,3 +277,82 @@ def judge(argv: list[str], path: str | None, watched: Path, before: dict[str, st
         if path is not None:  # printed verbatim, once per option that holds it (not 'PATH PATH does not exist')
             assert err[0].count(path) <= max(1, argv.count(path)), (argv, err)
     assert digest(watched) == before, (argv, "an input changed")
+
+
+# --------------------------------------------------------------------------- hostile contents
+# The tiny run's labels and scores altered one way each (a value of a column made NaN, infinite, null, negative,
+# huge, text or an integer; the column dropped; a row doubled; every row dropped). A contract either refuses the file
+# (one UserError) or returns a table every stage can read: the label and score columns numeric, the label a finite
+# divergence (>= 0), the scores finite, the keys unique. rank-eval, which reads both and nothing heavier, then runs
+# to the end on what the contracts accepted.
+OPS = ["nan", "inf", "null", "negative", "huge", "text", "integer", "drop", "double", "empty"]
+
+
+def _alter(df, column: str, op: str, row: int):
+    import polars as pl
+
+    at = pl.int_range(pl.len()) == row % max(df.height, 1)
+    value = {"nan": float("nan"), "inf": float("inf"), "null": None, "huge": 1e308}.get(op)
+    if op in ("nan", "inf", "null", "huge"):
+        if not df.schema[column].is_numeric():
+            return df.with_columns(pl.when(at).then(None).otherwise(pl.col(column)).alias(column))
+        return df.with_columns(pl.when(at).then(value).otherwise(pl.col(column).cast(pl.Float64)).alias(column))
+    if op == "negative" and df.schema[column].is_numeric():
+        return df.with_columns(pl.when(at).then(-pl.col(column) - 1).otherwise(pl.col(column)).alias(column))
+    if op == "text":
+        return df.with_columns(pl.col(column).cast(pl.String))
+    if op == "integer" and df.schema[column].is_numeric():
+        return df.with_columns(pl.col(column).cast(pl.Int64))
+    if op == "drop":
+        return df.drop(column)
+    if op == "double":
+        return pl.concat([df, df.filter(at)])
+    if op == "empty":
+        return df.head(0)
+    return df
+
+
+@pytest.mark.parametrize("kind", ["labels", "scores"])
+def test_hostile_contents_are_refused_or_readable(kind, run, tmp_path_factory, capsys, monkeypatch):
+    import polars as pl
+
+    from kvdiag.core.contracts import KEYS, LABEL_SCHEMA, read_labels, read_scores, score_columns
+    from kvdiag.core.errors import UserError
+    from kvdiag.core.io import read_table, write_table
+
+    paths, _ = run
+    df, meta = read_table(paths[kind])
+    scratch = tmp_path_factory.mktemp("contents")
+    monkeypatch.chdir(scratch)
+    count = [0]
+
+    @settings(max_examples=8 * EXAMPLES, derandomize=True, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(column=st.sampled_from(df.columns), op=st.sampled_from(OPS), row=st.integers(0, 10**6))
+    def check(column, op, row):
+        count[0] += 1
+        path = write_table(_alter(df, column, op, row), scratch / f"{kind}{count[0]}.parquet", meta)
+        try:
+            got, _ = read_labels(path) if kind == "labels" else read_scores(path)
+        except UserError:
+            accepted = False
+        else:
+            accepted = True
+            assert not got.select(KEYS).is_duplicated().any(), (column, op)
+            values = ["kl_mean", "noise_floor"] if kind == "labels" else score_columns(got)
+            assert all(got.schema[c].is_numeric() or got.schema[c] == pl.Null for c in values), (column, op)
+            if kind == "labels":
+                assert all(got.schema[c].is_numeric() or got.schema[c] == pl.Null
+                           for c in LABEL_SCHEMA if c in got.columns and c not in KEYS and c != "kl_steps")
+                kl = got["kl_mean"].cast(pl.Float64)
+                assert bool(kl.is_finite().all()) and float(kl.min()) >= 0, (column, op)
+            else:
+                assert all(bool(got[c].cast(pl.Float64).is_finite().all()) for c in values), (column, op)
+        if not accepted and count[0] % 3:  # the stage below runs on every accepted file, on a third of the rest
+            return
+        files = {"labels": paths["labels"], "scores": paths["scores"], kind: str(path)}
+        argv = ["rank-eval", "--labels", files["labels"], "--scores", files["scores"], "--bootstrap", "0",
+                "--out", str(scratch / f"out{count[0]}")]
+        judge(argv, None, Path(paths["run"]), digest(Path(paths["run"])), capsys)
+
+    check()
