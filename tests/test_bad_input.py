@@ -927,7 +927,13 @@ CASES: list[tuple[str, list[str], str]] = [
           ("per-token", ["--references", "oracle_search"], "{decisions_per_token}", "{out}",
            "holds per-token sets where this run selects per-head"),
           ("inside-out", ["--references", "oracle_search"], "{earlier}/decisions.parquet", "{earlier}",
-           "contains the input --search-from")]],
+           "contains the input --search-from"),
+          ("checkpoint-text", ["--references", "oracle_search"], "{decisions_checkpoint_typed}", "{out}",
+           "columns of another type: checkpoint (String, not Int64)"),
+          ("mask-text", ["--references", "oracle_search"], "{decisions_mask_typed}", "{out}",
+           "columns of another type: evicted_mask (String, not Binary)"),
+          ("budget-number", ["--references", "oracle_search"], "{decisions_budget_typed}", "{out}",
+           "columns of another type: budget (Int32, not String)")]],
     ("decisions-search-from-65", ["decisions", "--trace", "{trace}", "--scores", "{head_scores}", "--keep", "0.5",
                                   "--references", "oracle_search",
                                   *[a for _ in range(65) for a in ("--search-from", "{earlier}/decisions.parquet")],
@@ -1100,6 +1106,14 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
     (root / "earlier").mkdir()
     write_table(pl.DataFrame([row], schema=DECISION_SCHEMA), root / "earlier" / "decisions.parquet", dmeta)
     p["earlier"] = str(root / "earlier")
+    # an earlier run's table altered by hand: a checkpoint or a set as text, a budget as a number (each passed the
+    # contract and failed in a filter or the set's decoding: exit 1)
+    earlier = pl.DataFrame([row], schema=DECISION_SCHEMA)
+    for name, col in [("checkpoint", pl.col("checkpoint").cast(pl.String)), ("mask", pl.lit("abc")),
+                      ("budget", pl.lit(5))]:
+        alias = "evicted_mask" if name == "mask" else name
+        write_table(earlier.with_columns(col.alias(alias)), root / f"decisions-{name}-typed.parquet", dmeta)
+        p[f"decisions_{name}_typed"] = str(root / f"decisions-{name}-typed.parquet")
     # a free-running replay of other prompts than the Trace's, and broken copies of it (the generations contract)
     gen = pl.DataFrame({"prompt_id": ["elsewhere000"] * 2, "scorer": ["full_kv", "knorm"], "budget": [None, 16],
                         "sample": [0, 0], "mode": ["free"] * 2, "generated": [4, 4], "compressions": [0, 1],

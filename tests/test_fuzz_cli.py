@@ -280,11 +280,11 @@ def judge(argv: list[str], path: str | None, watched: Path, before: dict[str, st
 
 
 # --------------------------------------------------------------------------- hostile contents
-# The tiny run's labels and scores altered one way each (a value of a column made NaN, infinite, null, negative,
-# huge, text or an integer; the column dropped; a row doubled; every row dropped). A contract either refuses the file
-# (one UserError) or returns a table every stage can read: the label and score columns numeric, the label a finite
-# divergence (>= 0), the scores finite, the keys unique. rank-eval, which reads both and nothing heavier, then runs
-# to the end on what the contracts accepted.
+# The tiny run's labels, scores and a decisions table altered one way each (a value of a column made NaN, infinite,
+# null, negative, huge, text or an integer; the column dropped; a row doubled; every row dropped). A contract either
+# refuses the file (one UserError) or returns a table every stage can read: the label and score columns numeric, the
+# label a finite divergence (>= 0), the scores finite, the keys unique; a decisions table typed as kvdiag writes it.
+# rank-eval, which reads labels and scores and nothing heavier, then runs to the end on what the contracts accepted.
 OPS = ["nan", "inf", "null", "negative", "huge", "text", "integer", "drop", "double", "empty"]
 
 
@@ -312,16 +312,25 @@ def _alter(df, column: str, op: str, row: int):
     return df
 
 
-@pytest.mark.parametrize("kind", ["labels", "scores"])
+@pytest.mark.parametrize("kind", ["labels", "scores", "decisions"])
 def test_hostile_contents_are_refused_or_readable(kind, run, tmp_path_factory, capsys, monkeypatch):
     import polars as pl
 
-    from kvdiag.core.contracts import KEYS, LABEL_SCHEMA, read_labels, read_scores, score_columns
+    from kvdiag.core.contracts import (
+        DECISION_SCHEMA,
+        KEYS,
+        LABEL_SCHEMA,
+        check_types,
+        read_decisions,
+        read_labels,
+        read_scores,
+        score_columns,
+    )
     from kvdiag.core.errors import UserError
     from kvdiag.core.io import read_table, write_table
 
     paths, _ = run
-    df, meta = read_table(paths[kind])
+    df, meta = read_table(paths[kind] if kind != "decisions" else Path(paths["earlier"]) / "decisions.parquet")
     scratch = tmp_path_factory.mktemp("contents")
     monkeypatch.chdir(scratch)
     count = [0]
@@ -332,6 +341,14 @@ def test_hostile_contents_are_refused_or_readable(kind, run, tmp_path_factory, c
     def check(column, op, row):
         count[0] += 1
         path = write_table(_alter(df, column, op, row), scratch / f"{kind}{count[0]}.parquet", meta)
+        if kind == "decisions":  # read by --search-from: the contract gives it typed as kvdiag decisions writes it
+            try:
+                got, _ = read_decisions(path)
+            except UserError:
+                return
+            check_types(got, DECISION_SCHEMA, "accepted", "")
+            assert got["kl_mean"].filter(got["status"] == "ok").cast(pl.Float64).is_finite().all(), (column, op)
+            return
         try:
             got, _ = read_labels(path) if kind == "labels" else read_scores(path)
         except UserError:

@@ -83,11 +83,7 @@ def read_labels(path: str | os.PathLike, what: str = "--labels", full: bool = Tr
     missing = sorted(set(LABEL_SCHEMA if full else [*KEYS, "kl_mean", "noise_floor"]) - set(df.columns))
     if missing:
         raise UserError(f"{what} lacks columns {missing}: it is not a kvdiag labels file; {fix}")
-    # a column of another type (kl_mean as text) would pass the finite check's cast and fail deep in a stage
-    wrong = [f"{c} ({df.schema[c]}, not {want})" for c, want in LABEL_SCHEMA.items()
-             if c in df.columns and c not in KEYS and not _fits(df.schema[c], want)]
-    if wrong:
-        raise UserError(f"{what} has columns of another type: {', '.join(wrong)}; {fix}")
+    check_types(df, {c: t for c, t in LABEL_SCHEMA.items() if c not in KEYS}, what, fix)  # keys: check_rows
     df = check_rows(df, what, fix)
     check_finite(df, ["kl_mean"], what, fix)
     floor = df["noise_floor"].cast(pl.Float64).drop_nulls().drop_nans()
@@ -104,11 +100,23 @@ def read_labels(path: str | os.PathLike, what: str = "--labels", full: bool = Tr
     return df, meta
 
 
+def check_types(df: pl.DataFrame, schema: dict, what: str, fix: str) -> None:
+    """Refuse a column of ``df`` that ``schema`` types otherwise (:func:`_fits`): a label or a checkpoint as text would
+    pass a cast or a filter and fail deep in a stage."""
+    wrong = [f"{c} ({df.schema[c]}, not {want})" for c, want in schema.items()
+             if c in df.columns and not _fits(df.schema[c], want)]
+    if wrong:
+        raise UserError(f"{what} has columns of another type: {', '.join(wrong)}; {fix}")
+
+
 def _fits(have: pl.DataType, want: pl.DataType) -> bool:
-    """Whether a column of type ``have`` can stand for :data:`LABEL_SCHEMA`'s ``want``: a number for a number (an
-    integer column of KL is still numbers), a list of numbers for a list, nulls only for anything."""
+    """Whether a column of type ``have`` can stand for ``want``: an integer for an integer, a number for a float (an
+    integer column of KL is still numbers), a list of numbers for a list of numbers, nulls only for anything, else
+    the same type."""
     if have == pl.Null:
         return True
+    if want.is_integer():  # a checkpoint or a count: 217.0 would not join with 217
+        return have.is_integer()
     if want.is_numeric():
         return have.is_numeric()
     if isinstance(want, pl.List):
@@ -128,6 +136,17 @@ def read_keys(trace, path: str | os.PathLike, what: str = "--labels") -> pl.Data
 
 # one decision row: a rule and a reference may share a name (random), a stochastic selection has samples
 DECISION_KEYS = ["prompt_id", "checkpoint", "kind", "decision", "budget", "sample"]
+# the columns of decisions.parquet (kvdiag decisions writes them; read_decisions checks their types)
+DECISION_SCHEMA = {
+    "prompt_id": pl.String, "checkpoint": pl.Int64, "decision": pl.String, "kind": pl.String, "budget": pl.String,
+    "kept": pl.Int64, "evicted": pl.Int64, "selection": pl.String, "horizon": pl.Int64, "status": pl.String,
+    "protected": pl.Int64, "kl_mean": pl.Float64, "kl_max": pl.Float64, "kl_steps": pl.List(pl.Float64),
+    "js_mean": pl.Float64, "nll_delta": pl.Float64, "top1_flips": pl.Int64, "noise_floor": pl.Float64,
+    "sum_single": pl.Float64, "evicted_positions": pl.List(pl.Int64), "evicted_heads": pl.List(pl.Int64),
+    "cost_rows": pl.Int64, "cost_seconds": pl.Float64, "sample": pl.Int64, "draw_seed": pl.Int64,
+    "evicted_mask": pl.Binary, "search_start": pl.String, "search_improvement": pl.Float64, "read_steps": pl.Int64,
+    "search_converged": pl.Boolean,
+}
 
 
 def read_decisions(path: str | os.PathLike, what: str = "decisions") -> tuple[pl.DataFrame, dict]:
@@ -139,6 +158,7 @@ def read_decisions(path: str | os.PathLike, what: str = "decisions") -> tuple[pl
     missing = sorted({*DECISION_KEYS, "status", "kl_mean"} - set(df.columns))
     if missing:
         raise UserError(f"{what} lacks columns {missing}: {fix}")
+    check_types(df, DECISION_SCHEMA, what, fix)
     if df.height == 0:
         raise UserError(f"{what} has no rows: {fix}")
     dup = df.filter(pl.struct(DECISION_KEYS).is_duplicated())

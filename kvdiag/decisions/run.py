@@ -25,7 +25,7 @@ import numpy as np
 import polars as pl
 import torch
 
-from kvdiag.core.contracts import belongs
+from kvdiag.core.contracts import DECISION_SCHEMA, belongs
 from kvdiag.core.errors import UserError
 from kvdiag.core.io import check_writable, table_sha256, write_json
 from kvdiag.core.parts import PartStore, check_stamp, part_name
@@ -47,16 +47,6 @@ from kvdiag.decisions.sets import (
 )
 from kvdiag.model.attention import future_attention
 
-DECISION_SCHEMA = {
-    "prompt_id": pl.String, "checkpoint": pl.Int64, "decision": pl.String, "kind": pl.String, "budget": pl.String,
-    "kept": pl.Int64, "evicted": pl.Int64, "selection": pl.String, "horizon": pl.Int64, "status": pl.String,
-    "protected": pl.Int64, "kl_mean": pl.Float64, "kl_max": pl.Float64, "kl_steps": pl.List(pl.Float64),
-    "js_mean": pl.Float64, "nll_delta": pl.Float64, "top1_flips": pl.Int64, "noise_floor": pl.Float64,
-    "sum_single": pl.Float64, "evicted_positions": pl.List(pl.Int64), "evicted_heads": pl.List(pl.Int64),
-    "cost_rows": pl.Int64, "cost_seconds": pl.Float64, "sample": pl.Int64, "draw_seed": pl.Int64,
-    "evicted_mask": pl.Binary, "search_start": pl.String, "search_improvement": pl.Float64, "read_steps": pl.Int64,
-    "search_converged": pl.Boolean,
-}
 STATUS = {"ok": "labeled", "nothing_evicted": "the budget keeps every entry: nothing is evicted (label 0)",
           "over_budget": "the rule protects more entries than the budget keeps: no decision (--infeasible skip)",
           "no_candidate": "oracle_search had no labeled set of that budget to start from (every rule over budget)"}
