@@ -163,7 +163,8 @@ def test_the_generations_contract(tmp_path):
     cases = [
         ("empty", GENERATIONS.head(0), META, "has no rows"),
         ("columns", GENERATIONS.drop("seconds"), META, "lacks columns"),
-        ("type", GENERATIONS.with_columns(pl.col("generated").cast(pl.String)), META, "'generated' is String"),
+        ("type", GENERATIONS.with_columns(pl.col("generated").cast(pl.String)), META,
+         r"generated \(String, not Int64\)"),
         ("dup", pl.concat([GENERATIONS, GENERATIONS.tail(1)]), META, "repeat"),
         ("nan", GENERATIONS.with_columns(pl.when(first).then(float("nan")).otherwise("kl_mean").alias("kl_mean")),
          META, "'kl_mean' is NaN or infinite in 1 of 4"),

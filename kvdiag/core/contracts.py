@@ -192,10 +192,7 @@ def read_generations(path: str | os.PathLike, what: str = "generations") -> tupl
     if missing:
         raise UserError(f"{what} lacks columns {missing}: it is not a kvdiag replay's generations; {fix}")
     keys = [k for k in GENERATION_KEYS if k in df.columns]
-    typed = {**GENERATION_SCHEMA, **({"sample": pl.Int64} if "sample" in df.columns else {})}
-    for c, dtype in typed.items():
-        if df.schema[c] != dtype and not (dtype.is_numeric() and df.schema[c].is_numeric()):
-            raise UserError(f"{what} column {c!r} is {df.schema[c]}, not {dtype}; {fix}")
+    check_types(df, {**GENERATION_SCHEMA, "sample": pl.Int64}, what, fix)
     if df.height == 0:
         raise UserError(f"{what} has no rows; {fix}")
     for c in NEVER_NULL + (["sample"] if "sample" in df.columns else []):
