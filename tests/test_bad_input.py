@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import polars as pl
@@ -182,6 +183,13 @@ CASES: list[tuple[str, list[str], str]] = [
         "label-tokens-truncated", ["label", "--trace", "{trace_bad_tokens}", "--out", "{out}/l.parquet"],
         "tokens.parquet",
     ),
+    *[(f"{command}-manifest-{name}", [command, "--trace", f"{{trace_edited_{name}}}", "--checkpoints", "every:16",
+                                        "--out", "{out}/x.parquet"], needle)
+      for name, needle in [("layers", "(malformed: num_layers '30')"), ("heads", "(malformed: num_kv_heads 0)"),
+                           ("length", "its prompt_len and length"),
+                           ("tokens", "tokens.parquet holds"), ("dtype", "(malformed: storage_dtype 'float99')"),
+                           ("format", "format_version 999 (this kvdiag reads up to 1)")]
+      for command in ("label", "score")],
     ("label-out-below-file", ["label", "--trace", "{trace}", *FITS, "--out", "{file}/l.parquet"], "--out"),
     (
         "label-other-model",
@@ -1172,6 +1180,24 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
         (d / "manifest.json").write_text(json.dumps(manifest))
 
     p["trace_kv"] = broken_trace("t-kv", keys_only)
+
+    def edited(**changes) -> Callable[[Path], None]:  # a manifest edited by hand: fields no kvdiag trace writes
+        def edit(d: Path) -> None:
+            manifest = json.loads((d / "manifest.json").read_text())
+            for key, value in changes.items():
+                if key == "length":
+                    manifest["prompts"][trace.prompt_ids[0]]["length"] = value
+                else:
+                    manifest[key] = value
+            (d / "manifest.json").write_text(json.dumps(manifest))
+        return edit
+
+    # each was read as it was: a layer count as text (exit 1), a prompt of 10**9 tokens (label sized buffers by it
+    # until memory ran out), another storage dtype (exit 1), a newer format (read as this one)
+    for name, changes in [("layers", {"num_layers": "30"}), ("heads", {"num_kv_heads": 0}),
+                          ("length", {"length": 10**9}), ("tokens", {"length": trace.length(trace.prompt_ids[0]) - 1}),
+                          ("dtype", {"storage_dtype": "float99"}), ("format", {"format_version": 999})]:
+        p[f"trace_edited_{name}"] = broken_trace(f"t-edited-{name}", edited(**changes))
     for name, positions in (("shape", {"p": "1,2"}), ("unknown", {"nope": [1]}),
                             ("beyond", {trace.prompt_ids[0]: [3, 10**6]})):
         (root / f"include-{name}.json").write_text(json.dumps(positions))

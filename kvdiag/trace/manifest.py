@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvdiag.core.errors import UserError
+from kvdiag.core.parsing import STORAGE_DTYPE_NAMES
 
 if TYPE_CHECKING:  # polars loads once the manifest is read: a missing or corrupt one is refused without it
     import polars as pl
@@ -41,6 +43,9 @@ def read_trace_files(path: str | Path) -> tuple[dict, pl.DataFrame]:
     if missing or not isinstance(m["prompts"], dict) or not isinstance(m["model"], dict):
         raise UserError(f"--trace {path}: manifest.json is not a kvdiag Trace manifest (missing or malformed: "
                         f"{', '.join(missing) or 'prompts/model'}); re-run `kvdiag trace` into a new directory")
+    if bad := _malformed(m):
+        raise UserError(f"--trace {path}: manifest.json is not a kvdiag Trace manifest (malformed: {bad}); re-run "
+                        "`kvdiag trace` into a new directory")
     import polars as pl
 
     try:
@@ -51,7 +56,45 @@ def read_trace_files(path: str | Path) -> tuple[dict, pl.DataFrame]:
     if missing := {"prompt_id", "position", "token_id"} - set(tokens_df.columns):
         raise UserError(f"--trace {path}: tokens.parquet lacks the column(s) {', '.join(sorted(missing))}; "
                         "the Trace is corrupt")
+    # every prompt's tokens, as many as the manifest says (a length edited to 10**9 sized buffers by it)
+    counts = dict(tokens_df.group_by("prompt_id").len().iter_rows())
+    for pid, prompt in m["prompts"].items():
+        if counts.get(pid) != prompt["length"]:
+            raise UserError(f"--trace {path}: tokens.parquet holds {counts.get(pid, 0)} tokens of prompt {pid!r} "
+                            f"where manifest.json says {prompt['length']}; the Trace is corrupt: re-run `kvdiag trace` "
+                            "into a new directory")
     return manifest, tokens_df
+
+
+MAX_SHAPE, MAX_TOKENS = 1 << 16, 1 << 24  # layers, heads, head dim; tokens of one prompt
+FORMAT_VERSION = 1  # the manifest's format_version kvdiag trace writes (kvdiag.trace.writer)
+
+
+def _malformed(m: dict) -> str:
+    """The first field of a manifest that no ``kvdiag trace`` writes ('' when none): the model's shape as counts
+    (num_heads a multiple of num_kv_heads), a storage dtype kvdiag knows, a format version up to this kvdiag's, a
+    positive finite scale (or none), each prompt's lengths as ``1 <= prompt_len <= length``."""
+    def count(v, top: int) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= top
+
+    for key in ("num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        if not count(m[key], MAX_SHAPE):
+            return f"{key} {m[key]!r}"
+    if m["num_heads"] % m["num_kv_heads"]:
+        return f"num_heads {m['num_heads']} is not a multiple of num_kv_heads {m['num_kv_heads']}"
+    if m.get("storage_dtype", "float16") not in STORAGE_DTYPE_NAMES:
+        return f"storage_dtype {m['storage_dtype']!r}"
+    if not count(m.get("format_version", 1), FORMAT_VERSION):  # a newer kvdiag's Trace may store other things
+        return f"format_version {m['format_version']!r} (this kvdiag reads up to {FORMAT_VERSION})"
+    scale = m["scale"]
+    if scale is not None and not (isinstance(scale, int | float) and not isinstance(scale, bool)
+                                  and math.isfinite(scale) and scale > 0):
+        return f"scale {scale!r}"
+    for pid, p in m["prompts"].items():
+        if not (isinstance(p, dict) and count(p.get("prompt_len"), MAX_TOKENS)
+                and count(p.get("length"), MAX_TOKENS) and p["prompt_len"] <= p["length"]):
+            return f"prompt {pid!r}: its prompt_len and length"
+    return ""
 
 
 class TraceFiles:

@@ -37,8 +37,8 @@ from kvdiag.model.load import LoadedModel, check_device, load_model, parse_dtype
 from kvdiag.tasks.prompts import Prompt, encode_prompt
 from kvdiag.trace.config import GenerationSettings  # noqa: F401  (the writer's API)
 from kvdiag.trace.hooks import TRACE_ATTN, Recorder, attention_scale, recording
+from kvdiag.trace.manifest import FORMAT_VERSION
 
-FORMAT_VERSION = 1
 STORAGE_DTYPES = {name: getattr(torch, name) for name in STORAGE_DTYPE_NAMES}
 
 
