@@ -373,3 +373,53 @@ def test_hostile_contents_are_refused_or_readable(kind, run, tmp_path_factory, c
         judge(argv, None, Path(paths["run"]), digest(Path(paths["run"])), capsys)
 
     check()
+
+
+MANIFEST_VALUES = ["x", "", -1, 0, 1, 2.5, 1e308, float("nan"), None, True, [], {}, 10**9, "float99", 999]
+
+
+def test_hostile_manifests_are_refused_or_readable(run, tmp_path_factory, capsys, monkeypatch):
+    """A Trace manifest edited by hand (one field of the model's shape, the format, the storage dtype or a prompt's
+    lengths set to a hostile JSON value): TraceFiles refuses it with one UserError, or what it accepts holds
+    counts where counts belong and every prompt's tokens; score (tiny model, one rule) then ends with exit 0 or 2."""
+    import json
+    import math
+    import shutil
+
+    from kvdiag.core.errors import UserError
+    from kvdiag.trace.manifest import TraceFiles
+
+    paths, _ = run
+    source = Path(paths["trace"])
+    manifest = json.loads((source / "manifest.json").read_text())
+    first = next(iter(manifest["prompts"]))
+    fields = ["num_layers", "num_heads", "num_kv_heads", "head_dim", "scale", "storage_dtype", "format_version",
+              "prompts", "model", "prompt_len", "length"]
+    scratch = tmp_path_factory.mktemp("manifests")
+    monkeypatch.chdir(scratch)
+    count = [0]
+
+    @settings(max_examples=8 * EXAMPLES, derandomize=True, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(field=st.sampled_from(fields), value=st.sampled_from(MANIFEST_VALUES))
+    def check(field, value):
+        count[0] += 1
+        copy = scratch / f"trace{count[0]}"
+        shutil.copytree(source, copy)
+        edited = json.loads(json.dumps(manifest))
+        (edited["prompts"][first] if field in ("prompt_len", "length") else edited)[field] = value
+        (copy / "manifest.json").write_text(json.dumps(edited))
+        try:
+            tf = TraceFiles(copy)
+        except UserError:
+            return
+        for key in ("num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            assert type(getattr(tf, key)) is int and getattr(tf, key) >= 1, (field, value)
+        assert tf.scale is None or (math.isfinite(tf.scale) and tf.scale > 0), (field, value)
+        for pid in tf.prompt_ids:
+            assert 1 <= tf.prompt_len(pid) <= tf.length(pid) == tf.tokens.filter(
+                tf.tokens["prompt_id"] == pid).height, (field, value)
+        judge(["score", "--trace", str(copy), "--checkpoints", "every:16", "--scorers", "knorm", "--out",
+               str(scratch / f"s{count[0]}.parquet")], None, source, digest(source), capsys)
+
+    check()
