@@ -190,6 +190,12 @@ CASES: list[tuple[str, list[str], str]] = [
                            ("tokens", "tokens.parquet holds"), ("dtype", "(malformed: storage_dtype 'float99')"),
                            ("format", "format_version 999 (this kvdiag reads up to 1)")]
       for command in ("label", "score")],
+    *[(f"{command}-tokens-{name}", [command, "--trace", f"{{trace_tokens_{name}}}", "--checkpoints", "every:16",
+                                     "--out", "{out}/x.parquet"], needle)
+      for name, needle in [("text", "holds token_id (String) where integers belong"),
+                           ("negative", "holds token id -7 in prompt"),
+                           ("position", "positions where manifest.json says")]
+      for command in ("label", "score")],
     ("label-out-below-file", ["label", "--trace", "{trace}", *FITS, "--out", "{file}/l.parquet"], "--out"),
     (
         "label-other-model",
@@ -1198,6 +1204,19 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
                           ("length", {"length": 10**9}), ("tokens", {"length": trace.length(trace.prompt_ids[0]) - 1}),
                           ("dtype", {"storage_dtype": "float99"}), ("format", {"format_version": 999})]:
         p[f"trace_edited_{name}"] = broken_trace(f"t-edited-{name}", edited(**changes))
+
+    def retokened(change) -> Callable[[Path], None]:  # tokens.parquet edited by hand
+        def edit(d: Path) -> None:
+            tokens = pl.read_parquet(d / "tokens.parquet")
+            change(tokens, pl.int_range(pl.len()) == 3).write_parquet(d / "tokens.parquet")
+        return edit
+
+    # a token id as text (exit 1), a negative one (exit 1 in label), a position twice and another missing (read on)
+    for name, change in [
+            ("text", lambda t, at: t.with_columns(pl.col("token_id").cast(pl.String))),
+            ("negative", lambda t, at: t.with_columns(pl.when(at).then(-7).otherwise("token_id").alias("token_id"))),
+            ("position", lambda t, at: t.with_columns(pl.when(at).then(2).otherwise("position").alias("position")))]:
+        p[f"trace_tokens_{name}"] = broken_trace(f"t-tokens-{name}", retokened(change))
     for name, positions in (("shape", {"p": "1,2"}), ("unknown", {"nope": [1]}),
                             ("beyond", {trace.prompt_ids[0]: [3, 10**6]})):
         (root / f"include-{name}.json").write_text(json.dumps(positions))

@@ -138,3 +138,30 @@ def test_truncated_trace_is_a_clear_error(tiny_llama, tmp_path):
     with pytest.raises(UserError, match="not a Trace"):
         Trace(tmp_path)
     assert tr.length("arith000") > 0
+
+
+def test_a_token_beyond_the_vocabulary_is_refused_with_the_model(tiny_llama, tiny_trace, tmp_path):
+    """tokens.parquet edited to hold a token id the model has no embedding for: the commands that feed the Trace's
+    tokens to its model (label, decisions, teacher-forced replay) refuse it once the model is loaded, where the
+    embedding lookup failed mid-run (IndexError)."""
+    import shutil
+
+    import polars as pl
+
+    from kvdiag.core.errors import UserError
+    from kvdiag.label import LabelConfig, label_trace
+    from kvdiag.trace import Trace
+
+    copy = tmp_path / "trace"
+    shutil.copytree(tiny_trace.path, copy)
+    size = tiny_llama.model.get_input_embeddings().num_embeddings
+    tokens = pl.read_parquet(copy / "tokens.parquet")
+    tokens.with_columns(pl.when(pl.int_range(pl.len()) == 3).then(size).otherwise("token_id").alias("token_id")) \
+        .write_parquet(copy / "tokens.parquet")
+    Trace(tiny_trace.path).check_vocabulary(tiny_llama)  # the Trace as written fits
+    with pytest.raises(UserError, match=f"token id {size}, beyond the vocabulary"):
+        Trace(copy).check_vocabulary(tiny_llama)
+    with pytest.raises(UserError, match="beyond the vocabulary"):
+        label_trace(Trace(copy), tiny_llama, tmp_path / "l.parquet", LabelConfig(checkpoints="every:10", w_obs=10,
+                                                                               horizon=2, candidates="4"),
+                    show_progress=False)

@@ -432,6 +432,7 @@ def decisions_files(trace: str | os.PathLike, scores: str | os.PathLike, out: st
         None if label_df is None else label_df.filter(pl.col("granularity") == "token")))
     lm = load_model(model or had["spec"], dtype=dtype or had.get("dtype", "float32"), device=device)
     lm.check_model_of(had, "--model", "drop --model")
+    tr.check_vocabulary(lm)
     decide(tr, lm, score_df, score_meta, out, cfg, label_df, label_meta, show_progress)
     summarize_files(out, labels=labels, scores=scores)
     return Path(out)

@@ -134,6 +134,7 @@ def check_model(trace: Trace, lm: LoadedModel, force: bool) -> None:
     if not (force or lm.is_model_of(had, config=True)):
         raise UserError(f"--model {lm.spec} is not the model of the Trace ({had['spec']}, weights "
                         f"{had['weights_hash']}); drop --model or pass --force")
+    trace.check_vocabulary(lm)
 
 
 def label_trace(

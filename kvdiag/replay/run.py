@@ -103,6 +103,7 @@ def replay_files(
             trust_remote_code=trust_remote_code, seed=seed,
         )
         lm.check_model_of(had, "--model", "drop --model")
+        tr.check_vocabulary(lm)
         ids = replayed_prompts(tr, limit)
         return replay(
             lm, out, settings, trace=tr, prompt_ids=ids, source=str(teacher_forced), show_progress=show_progress,

@@ -56,13 +56,22 @@ def read_trace_files(path: str | Path) -> tuple[dict, pl.DataFrame]:
     if missing := {"prompt_id", "position", "token_id"} - set(tokens_df.columns):
         raise UserError(f"--trace {path}: tokens.parquet lacks the column(s) {', '.join(sorted(missing))}; "
                         "the Trace is corrupt")
-    # every prompt's tokens, as many as the manifest says (a length edited to 10**9 sized buffers by it)
-    counts = dict(tokens_df.group_by("prompt_id").len().iter_rows())
+    corrupt = "the Trace is corrupt: re-run `kvdiag trace` into a new directory"
+    if wrong := [f"{c} ({tokens_df.schema[c]})" for c in ("position", "token_id")
+                 if not tokens_df.schema[c].is_integer()]:
+        raise UserError(f"--trace {path}: tokens.parquet holds {', '.join(wrong)} where integers belong; {corrupt}")
+    # every prompt's tokens at positions 0 .. length - 1, once each (a length edited to 10**9 sized buffers by it)
+    got = {r[0]: r[1:] for r in tokens_df.group_by("prompt_id").agg(
+        pl.len(), pl.col("position").n_unique().alias("unique"), pl.col("position").min().alias("low"),
+        pl.col("position").max().alias("high"), pl.col("token_id").min().alias("token")).iter_rows()}
     for pid, prompt in m["prompts"].items():
-        if counts.get(pid) != prompt["length"]:
-            raise UserError(f"--trace {path}: tokens.parquet holds {counts.get(pid, 0)} tokens of prompt {pid!r} "
-                            f"where manifest.json says {prompt['length']}; the Trace is corrupt: re-run `kvdiag trace` "
-                            "into a new directory")
+        n, unique, low, high, token = got.get(pid, (0, 0, None, None, None))
+        if not n == unique == prompt["length"] or low != 0 or high != n - 1:
+            raise UserError(f"--trace {path}: tokens.parquet holds {n} tokens of prompt {pid!r} at {unique} "
+                            f"positions where manifest.json says {prompt['length']} (0 to {prompt['length'] - 1}); "
+                            f"{corrupt}")
+        if token < 0:
+            raise UserError(f"--trace {path}: tokens.parquet holds token id {token} in prompt {pid!r}; {corrupt}")
     return manifest, tokens_df
 
 

@@ -133,6 +133,15 @@ class Trace(TraceFiles):
             self._check_model(lm)
             self._model = lm
 
+    def check_vocabulary(self, lm) -> None:
+        """Refuse a Trace holding a token id beyond ``lm``'s vocabulary (an edited tokens.parquet; with the Trace's
+        own model nothing else writes one): the embedding lookup would fail mid-run."""
+        size = lm.model.get_input_embeddings().num_embeddings
+        top = int(self.tokens["token_id"].max())
+        if top >= size:
+            raise UserError(f"--trace {self.path}: tokens.parquet holds token id {top}, beyond the vocabulary of "
+                            f"{lm.spec} ({size}); the Trace is corrupt or of another model: re-run `kvdiag trace`")
+
     def _check_model(self, lm) -> None:
         had = self.manifest["model"]
         lm.check_model_of(had, f"--trace {self.path}: model", "cannot rebuild its tensors with it")
