@@ -72,7 +72,7 @@ def _headline(table: pl.DataFrame, labeled: pl.DataFrame, boot: PromptBootstrap,
     space = table.filter((pl.col("budget") == budget) & (pl.col("decision") == best_rule))["space"]
     if space.len():  # like with like: an oracle in the best rule's action space
         sub = sub.filter(pl.col("space") == space[0])
-    best_oracle = sub.sort("mean_kl").row(0, named=True)["decision"] if sub.height else None
+    best_oracle = sub.sort("mean_kl", maintain_order=True).row(0, named=True)["decision"] if sub.height else None
     out = {"best_rule": best_rule, "best_oracle": best_oracle, "space": space[0] if space.len() else None,
            "headroom": None, "greedy_vs_single": None, "greedy_vs_best_rule": None}
     if best_rule is not None and best_oracle is not None:
@@ -134,7 +134,7 @@ def summarize(decisions: pl.DataFrame, meta: dict, pairs: pl.DataFrame | None = 
     for budget in budgets:
         cand = table.filter((pl.col("budget") == budget) & (pl.col("kind") == "rule") & pl.col("mean_kl").is_not_nan())
         cand = cand.filter(pl.col("n") == pl.col("n_total"))  # a rule undefined somewhere cannot be "the best"
-        best[budget] = cand.sort("mean_kl").row(0, named=True)["decision"] if cand.height else None
+        best[budget] = cand.sort("mean_kl", maintain_order=True).row(0, named=True)["decision"] if cand.height else None
     reference = cfg.get("reference", "best")
     paired_rows = []
     for budget in budgets:
@@ -243,7 +243,7 @@ def _held_out(labeled: pl.DataFrame, boot: PromptBootstrap, budgets: list[str], 
     if not rows:
         return pl.DataFrame()
     order = pl.col("budget").replace_strict(budgets, list(range(len(budgets))), return_dtype=pl.Int64)
-    return pl.DataFrame(rows).sort(order, "reference", "held_out_ratio_geomean")
+    return pl.DataFrame(rows).sort(order, "reference", "held_out_ratio_geomean", maintain_order=True)
 
 
 def _space(rows: pl.DataFrame) -> str:
@@ -273,7 +273,7 @@ def _search_headroom(labeled: pl.DataFrame, boot: PromptBootstrap, budgets: list
     if not rows:
         return pl.DataFrame()
     order = pl.col("budget").replace_strict(budgets, list(range(len(budgets))), return_dtype=pl.Int64)
-    return pl.DataFrame(rows).sort(order, "ratio_geomean")  # the budgets in the run's order
+    return pl.DataFrame(rows).sort(order, "ratio_geomean", maintain_order=True)  # ties: the rules' order
 
 
 def _search_cost(decisions: pl.DataFrame, budgets: list[str]) -> pl.DataFrame:
@@ -446,7 +446,7 @@ def to_markdown(res: dict, meta: dict) -> str:
     text += _held_out_markdown(res)
     for budget in table["budget"].unique(maintain_order=True).to_list():
         rows = []
-        sub = table.filter(pl.col("budget") == budget).sort("mean_kl", nulls_last=True)
+        sub = table.filter(pl.col("budget") == budget).sort("mean_kl", nulls_last=True, maintain_order=True)
         regret = {r["decision"]: r for r in paired.filter((pl.col("budget") == budget) & (pl.col("what") == "regret"))
                   .iter_rows(named=True)} if paired.height else {}
         for r in sub.iter_rows(named=True):
