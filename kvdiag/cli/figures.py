@@ -53,7 +53,6 @@ def figures(
     """Draw the attention-only blind spot, the delayed-read effect and the AvoKV-E component figure."""
     check_outputs({"--out": (out, "dir")},
                   {"--trace": trace, "--labels": labels, "--scores": scores, "--rank-eval": rank_eval})
-    from kvdiag.core.io import check_table
     from kvdiag.trace.manifest import TraceFiles
 
     # the settings, the inputs (their contracts: polars only) and the Trace they were made from, before torch and
@@ -68,10 +67,8 @@ def figures(
     trace_files = TraceFiles(trace)
     from kvdiag.core.contracts import belongs, read_labels, read_scores  # polars: only now
 
-    belongs(trace_files, check_table(labels, "--labels"), f"--labels {labels}")
-    belongs(trace_files, check_table(scores, "--scores"), f"--scores {scores}")
-    read_labels(labels)
-    read_scores(scores)
+    belongs(trace_files, read_labels(labels)[1], f"--labels {labels}")
+    belongs(trace_files, read_scores(scores)[1], f"--scores {scores}")
     if rank_eval is not None:
         from kvdiag.rankeval.run import load_metrics  # polars: only now
 

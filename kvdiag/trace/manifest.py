@@ -81,25 +81,24 @@ FORMAT_VERSION = 1  # the manifest's format_version kvdiag trace writes (kvdiag.
 
 def _malformed(m: dict) -> str:
     """The first field of a manifest that no ``kvdiag trace`` writes ('' when none): the model's shape as counts
-    (num_heads a multiple of num_kv_heads), the model's spec, weights hash and dtype as text, a storage dtype kvdiag
-    knows, a format version up to this kvdiag's, a
+    equal to the recorded model's (num_heads a multiple of num_kv_heads, one attention record per layer), the model's
+    spec, weights hash and dtype as text, a storage dtype kvdiag knows, a format version up to this kvdiag's, a
     positive finite scale (or none), each prompt's lengths as ``1 <= prompt_len <= length``."""
     def count(v, top: int) -> bool:
         return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= top
 
+    model = m["model"]
     for key in ("num_layers", "num_heads", "num_kv_heads", "head_dim"):
         if not count(m[key], MAX_SHAPE):
             return f"{key} {m[key]!r}"
+        if key in model and model[key] != m[key]:  # the shape is the recorded model's
+            return f"{key} {m[key]} where model.{key} is {model[key]!r}"
     if m["num_heads"] % m["num_kv_heads"]:
         return f"num_heads {m['num_heads']} is not a multiple of num_kv_heads {m['num_kv_heads']}"
-    model = m["model"]
     for key in ("spec", "weights_hash", "dtype"):  # what names and loads the Trace's model, and its fingerprint
         if not isinstance(model.get(key), str) or not model[key]:
             return f"model.{key} {model.get(key)!r}"
-    for key in ("num_layers", "num_heads", "num_kv_heads", "head_dim"):  # the shape is the recorded model's
-        if key in model and model[key] != m[key]:
-            return f"{key} {m[key]} where model.{key} is {model[key]!r}"
-    layers = (model.get("attention") or {}).get("layers") if isinstance(model.get("attention"), dict) else None
+    layers = model["attention"].get("layers") if isinstance(model.get("attention"), dict) else None
     if layers is not None and (not isinstance(layers, list) or len(layers) != m["num_layers"]):
         return f"model.attention.layers (not one per layer of {m['num_layers']})"
     if m.get("storage_dtype", "float16") not in STORAGE_DTYPE_NAMES:
