@@ -46,7 +46,7 @@ def superadditive_pairs(engine, pid: str, t: int, table: pl.DataFrame, singles: 
     a two-entry set row; returns the pairs in ``PAIR_SCHEMA``."""
     L, Hkv = engine.num_layers, engine.num_kv_heads
     ranked = table.filter((pl.col("status") == "ok") & ~pl.col("decision").is_in(["random", RANDOM_REFERENCE]))
-    ranked = ranked.sort("kl_mean", descending=True)
+    ranked = ranked.sort("kl_mean", descending=True, maintain_order=True)  # ties (equal sets): the table's order
     ids = engine.ids.cpu()
     prefix, _ = engine.golden(t)
     rows = []

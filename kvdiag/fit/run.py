@@ -255,7 +255,7 @@ def importance_table(names: tuple[str, ...], final, importance: dict[str, np.nda
         "feature": list(names), "logreg_std_coef": [std_coef[n] for n in names],
         "logreg_permutation_auroc_drop": importance["fitted_logreg"].tolist(),
         "gbt_permutation_auroc_drop": importance["fitted_gbt"].tolist(),
-    }).sort("gbt_permutation_auroc_drop", descending=True)
+    }).sort("gbt_permutation_auroc_drop", descending=True, maintain_order=True)
 
 
 def fit_files(trace: str | Path, labels: str | Path, scores: str | Path | None, out: str | Path, cfg: FitConfig,

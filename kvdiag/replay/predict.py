@@ -173,7 +173,8 @@ def regret(tf: pl.DataFrame, boot: PromptBootstrap, reference: str = ORACLE) -> 
                      "prompts_above_reference": t.above, "prompts_below_reference": t.below, "test": t.test,
                      "p_value": t.p, "p_resolution": t.resolution, "test_permutation": perm.test,
                      "p_permutation": perm.p, "p_permutation_resolution": perm.resolution, "prompts": t.n})
-    return pl.DataFrame(rows).sort("budget", "regret") if rows else pl.DataFrame()
+    # rules with the same sets tie: maintain_order keeps them in the rules' order (polars may order ties either way)
+    return pl.DataFrame(rows).sort("budget", "regret", maintain_order=True) if rows else pl.DataFrame()
 
 
 BEATEN_SCHEMA = {
