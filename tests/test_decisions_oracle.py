@@ -263,6 +263,11 @@ class ScriptedEngine:
         return {"kl": kl, "js": kl, "nll_delta": kl, "flips": torch.zeros(len(sets))}, 0.0
 
 
+def no_reconstruction(engine, t, start, movable):
+    """The reconstruction start (tested on its own) left out: the scripted tests drive the descent from their start."""
+    return start.clone()
+
+
 def scripted_gradient(monkeypatch, g, kls, reach=None, seen=None):
     """``mask_gradient`` returning ``g`` and ``reach`` every step and the next of ``kls`` as the set's KL; the masks it
     was called with go to ``seen``."""
@@ -276,6 +281,7 @@ def scripted_gradient(monkeypatch, g, kls, reach=None, seen=None):
         return g, next(kls), torch.zeros_like(g) if reach is None else reach
 
     monkeypatch.setattr(S, "mask_gradient", gradient)
+    monkeypatch.setattr(S, "reconstruction_set", no_reconstruction)
 
 
 def test_a_step_evicts_each_cells_lowest_scores_and_leaves_large_reach_kept_entries_alone(monkeypatch):
@@ -386,7 +392,8 @@ def test_summary_states_the_headroom_against_oracle_search(decided):
 
 def test_bench_decisions_reports_rows_seconds_and_improvement(tmp_path):
     """``kvdiag bench decisions`` on tiny:llama: per budget and effort, at most the rows allowed, never worse than the
-    best candidate (the same exact rows on both sides: 1e-12 nats), the candidates it started from."""
+    best candidate (the same exact rows on both sides: 1e-12 nats), the candidates it started from, the reconstruction
+    start's label."""
     from kvdiag.cli.main import main
 
     out = tmp_path / "bench.json"
@@ -410,7 +417,10 @@ def test_bench_decisions_reports_rows_seconds_and_improvement(tmp_path):
         rows, seconds, kl = zip(*r["history"], strict=True)
         assert rows[0] == 0 and kl[0] == r["start_kl"]  # the same tensor, the same mean
         assert r["rows"] - rows[-1] in (0, 1) and r["rows"] <= r["rows_limit"]
-        assert r["rows"] - rows[-1] == 1 or r["kl"] == r["start_kl"]
+        # the reconstruction start is the first row (per-head), its exact label the curve's there; a result that is
+        # that set itself needs no exact row at the end
+        assert rows[1] == 1 and kl[1] == min(r["start_kl"], r["reconstruction_kl"])
+        assert r["rows"] - rows[-1] == 1 or r["kl"] in (r["start_kl"], r["reconstruction_kl"])
         assert kl[-1] == pytest.approx(r["kl"], rel=1e-4, abs=1e-6)
         assert list(rows) == sorted(set(rows)) and list(seconds) == sorted(seconds) and list(kl) == sorted(kl)[::-1]
         assert r["quarters"][-1]["rows"] == rows[-1] and r["quarters"][-1]["gain"] is None
@@ -611,6 +621,7 @@ def test_no_step_is_taken_once_the_seconds_ran_out(monkeypatch):
         return g, 1.0, torch.zeros_like(g)
 
     monkeypatch.setattr(S, "mask_gradient", gradient)
+    monkeypatch.setattr(S, "reconstruction_set", no_reconstruction)
     start = torch.zeros(L, 1, t, dtype=torch.bool)
     start[:, 0, :2] = True
     found = S.search(ScriptedEngine(2.0), t, [S.Candidate("best", start, {"kl": torch.tensor([1.0])})],

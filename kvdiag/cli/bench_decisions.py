@@ -53,13 +53,14 @@ def bench_decisions(
                            str(cfg.selection))
     table = Table(title=f"oracle_search on {lm.spec} at t = {prefix} (H = {horizon}, {cfg.selection}; candidates "
                         f"built in {res['setup_seconds']:.1f} s)")
-    for col in ("keep", "effort", "rows", "seconds", "converged", "start", "start kl", "search kl", "improvement",
-                "relative"):
+    for col in ("keep", "effort", "rows", "seconds", "converged", "start", "start kl", "reconstruction", "search kl",
+                "improvement", "relative"):
         table.add_column(col, justify="left" if col == "start" else "right")
     for r in res["rows"]:
         table.add_row(f"{r['keep']:g}", f"{r['effort']}x", str(r["rows"]), f"{r['seconds']:.1f}",
-                      "yes" if r["converged"] else "no", r["start"],
-                      f"{r['start_kl']:.4g}", f"{r['kl']:.4g}", f"{r['improvement']:.3g}", f"{r['relative']:.1%}")
+                      "yes" if r["converged"] else "no", r["start"], f"{r['start_kl']:.4g}",
+                      "-" if r["reconstruction_kl"] is None else f"{r['reconstruction_kl']:.4g}", f"{r['kl']:.4g}",
+                      f"{r['improvement']:.3g}", f"{r['relative']:.1%}")
     plain_console().print(table)
     for f in fractions:  # the convergence figure: what the scaled effort took off the 1x search's label
         one, more = (next(r for r in res["rows"] if r["keep"] == f and r["effort"] == e) for e in (1, scale))

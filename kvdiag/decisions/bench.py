@@ -185,7 +185,7 @@ def run_search_bench(lm: LoadedModel, prefix_len: int = 640, horizon: int = 16, 
             out.append({"keep": f, "effort": effort, "rows_limit": rows * effort, "rows": found.rows,
                         "seconds": found.seconds, "converged": found.converged, "start": found.start,
                         "history": [list(h) for h in found.history], "quarters": quarters(found.history),
-                        "start_kl": labels[best], "kl": kl,
+                        "start_kl": labels[best], "reconstruction_kl": found.reconstruction, "kl": kl,
                         "improvement": labels[best] - kl, "relative": (labels[best] - kl) / labels[best]
                         if labels[best] > 0 else float("nan"), "candidates": labels})
     return {"model": lm.spec, "prefix": prefix_len, "horizon": horizon, "selection": selection, "rules": list(rules),

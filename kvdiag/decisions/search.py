@@ -1,15 +1,17 @@
 """``oracle_search``: the best evicted set kvdiag can find in the rules' own action space, judged by exact labels.
 
-At one (checkpoint ``t``, budget) it starts from the best (lowest exact joint ``kl_mean``) of every candidate set
-(every rule's, ``fast``, ``oracle_single``, ``future_attention``, ...) and improves it by straight-through descent on
-a keep score per entry. The scores start at ``+GAP`` (kept) and ``-GAP`` (evicted); each step labels the current set
-with the soft-mask forward (attention weights ``m_i exp(s_i) / sum_j m_j exp(s_j)`` with ``m`` the 0/1 keep mask:
-exact there, the same KL as the set's row) and takes the gradient ``g = d KL / d m`` of that forward's backward; the
-scores move by ``-LR`` times a momentum (``MOMENTUM``) of ``g / max |g|``, and the next set evicts, in each cell, as
-many entries as the start did: the lowest-scoring. The best set the steps labeled is labeled once more through the
-engine (``OracleEngine.label_sets``) and is the result only if that exact label is lower than the start's (by more
-than ``1e-6`` relative and ``1e-9`` nats, so rounding is never taken for progress): the result is never worse than
-any candidate.
+At one (checkpoint ``t``, budget) it takes the best (lowest exact joint ``kl_mean``) of every candidate set (every
+rule's, ``fast``, ``oracle_single``, ``future_attention``, ...) and, per-head, the reconstruction set
+(:mod:`kvdiag.decisions.reconstruction`: per cell, the set whose attention outputs over the read steps stay closest
+to the full cache's; one more exact row), starts from the lower of the two, and improves it by straight-through
+descent on a keep score per entry. The scores start at ``+GAP`` (kept) and ``-GAP`` (evicted); each step labels the
+current set with the soft-mask forward (attention weights ``m_i exp(s_i) / sum_j m_j exp(s_j)`` with ``m`` the 0/1
+keep mask: exact there, the same KL as the set's row) and takes the gradient ``g = d KL / d m`` of that forward's
+backward; the scores move by ``-LR`` times a momentum (``MOMENTUM``) of ``g / max |g|``, and the next set evicts, in
+each cell, as many entries as the start did: the lowest-scoring. The best set the steps labeled is labeled once more
+through the engine (``OracleEngine.label_sets``) and is the result only if that exact label is lower than the
+descent's start's (by more than ``1e-6`` relative and ``1e-9`` nats, so rounding is never taken for progress; the
+reconstruction set likewise against the best candidate): the result is never worse than any candidate.
 
 Why a descent and not swaps: the search it replaces labeled batches of gradient-proposed swaps exactly and accepted
 the best row of each (a gradient and 16 rows, about 8 s per accepted move). On SmolLM2 at t = 640, H = 128, keep
@@ -24,11 +26,12 @@ drop scales the rest by 1 / (1 - w)): a kept entry whose weight (``reach``, from
 ``REACH`` gets no push toward eviction from its own gradient. Only entries a cell's queries can see (``visible``: a
 sliding layer's window) move; the rest keep the start's status, so every cell keeps its number of evicted entries.
 
-Effort: ``rows`` sets labeled (a step's forward is one; the final exact row another) and ``seconds`` (no new step
-after it); it stops earlier once converged: when the steps since it had spent a quarter of them (4x more effort)
-took less than ``CONVERGED`` (1 %) off the best label it had then (checked after each step, from ``WARMUP`` steps
-on: the first steps only move scores toward the boundary; and only once a step found a set below the start, so that a
-search that found nothing never counts as converged).
+Effort: ``rows`` sets labeled (the reconstruction set's row is one, a step's forward one, the final exact row
+another) and ``seconds`` (counted from the call, the reconstruction included; no new step after it); it stops earlier
+once converged: when the steps since it had spent a quarter of them (4x more effort) took less than ``CONVERGED``
+(1 %) off the best label it had then (checked after each step, from ``WARMUP`` steps on: the first steps only move
+scores toward the boundary; and only once the search found a set below the best candidate, so that a search that
+found nothing never counts as converged).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from kvdiag.decisions.reconstruction import reconstruction_set
 from kvdiag.decisions.sets import mask_set, set_mask
 from kvdiag.model.adapters import LayerAttention, check_kwargs
 from kvdiag.model.attention import attention_context
@@ -160,6 +164,7 @@ class Searched:
     seconds: float
     converged: bool = False  # 4x more steps gained under CONVERGED (it stopped there, unless told to go on)
     history: list[tuple[int, float, float]] = field(default_factory=list)  # (steps, seconds, best label) per step
+    reconstruction: float | None = None  # the reconstruction start's exact label (None: not built)
 
     @property
     def improvement(self) -> float:
@@ -188,13 +193,26 @@ def search(engine, t: int, candidates: list[Candidate], per_token: bool, rows: i
     # the descent's cells: every (layer, KV head), or one for a token set (its gradient summed over the cells)
     cur = start.mask[:1, :1].clone() if per_token else start.mask.clone()  # evicted [L | 1, Hkv | 1, t]
     movable = visible.any(0)[None, None] if per_token else visible[:, None].expand_as(cur)
+    margin = max(ACCEPT_ABS, ACCEPT_REL * start_kl)  # below the start by more than rounding
+    history = [(0, 0.0, start_kl)]
+    # base: the set the descent starts from, with its exact label; reconstruction: that start's label when built
+    steps, base, reconstruction = 0, (start.mask, start.label, start_kl), None
+    if not per_token and rows > 1 and bool((cur & movable).any()):  # the reconstruction start: one exact row
+        rec = reconstruction_set(engine, t, cur, movable)
+        if not torch.equal(rec.sum(-1), cur.sum(-1)):  # another budget would be no candidate: never take it
+            raise RuntimeError("oracle_search: the reconstruction set evicts another number of entries than its start")
+        if not torch.equal(rec, cur):
+            res, _ = engine.label_sets(t, [mask_set(rec)])
+            steps, rec_kl = 1, float(res["kl"].double().mean())
+            reconstruction = rec_kl
+            history.append((1, round(time.perf_counter() - began, 3), min(start_kl, rec_kl)))
+            if rec_kl < start_kl - margin:
+                cur, base = rec.clone(), (rec, {key: val[0] for key, val in res.items()}, rec_kl)
     score = torch.where(cur, -GAP, GAP).double()
     velocity = torch.zeros_like(score)
     count = cur.sum(-1, keepdim=True)
     best, best_kl = cur, float("inf")
-    history = [(0, 0.0, start_kl)]
-    steps, converged, first = 0, False, start_kl
-    margin = max(ACCEPT_ABS, ACCEPT_REL * start_kl)  # below the start by more than rounding
+    converged, first, found = False, None, base[0] is not start.mask
     while steps < rows - 1 and not (converged and stop) and not (seconds and time.perf_counter() - began >= seconds):
         g, kl, reach = mask_gradient(engine, t, cur.expand(L, Hkv, -1) if per_token else cur)
         steps += 1
@@ -202,25 +220,28 @@ def search(engine, t: int, candidates: list[Candidate], per_token: bool, rows: i
             g, reach = g.sum((0, 1))[None, None], reach.amax((0, 1))[None, None]
         if kl < best_kl:
             best, best_kl = cur, kl
-        first = kl if steps == 1 else first  # the start's own label through this forward's path
+        first = kl if first is None else first  # the descent's start's own label through this forward's path
+        found = found or best_kl < first - margin
         history.append((steps, round(time.perf_counter() - began, 3), min(history[-1][2], kl)))
-        # judged once a step found a set below the start (both labels through this forward: the engine's start_kl
-        # is another attention path, a rounding apart): a search that has found nothing has not converged
-        converged = converged or (steps >= WARMUP and best_kl < first - margin and _gain(history, steps) < CONVERGED)
+        # judged once the search found a set below the best candidate (the reconstruction start, or a step below
+        # the descent's start: both labels through this forward, as the engine's start_kl is another attention path,
+        # a rounding apart): a search that has found nothing has not converged
+        converged = converged or (steps >= WARMUP and found and _gain(history, steps) < CONVERGED)
         g = torch.where(movable & ~(~cur & (reach > REACH)), g, 0.0)
         velocity = MOMENTUM * velocity + g / g.abs().max().clamp_min(1e-300)
         score = score - LR * velocity
         cur = _lowest(score, cur, movable, count)
-    label, mask, used = start.label, start.mask, steps
-    if not torch.equal(best.expand_as(start.mask), start.mask):  # a step found a lower set: label it exactly
+    mask, label, base_kl = base
+    used = steps
+    if not torch.equal(best.expand_as(mask), mask):  # a step found a lower set: label it exactly
         full = best.expand(L, Hkv, -1).clone() if per_token else best
         res, _ = engine.label_sets(t, [full[0, 0].nonzero()[:, 0] if per_token else mask_set(full)])
         used += 1
         kl = float(res["kl"].double().mean())
-        if kl < start_kl - margin:
+        if kl < base_kl - margin:
             label, mask = {key: val[0] for key, val in res.items()}, full
     return Searched(mask, label, start.name, start_kl, used, round(time.perf_counter() - began, 3), converged,
-                    history)
+                    history, reconstruction)
 
 
 def gain(then: float, now: float) -> float:
