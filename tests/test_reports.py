@@ -44,7 +44,7 @@ NOT_REGENERATED = {
        for f in ("cpu-mfu.md", "kernels.txt", "label-fast.txt", "label-layer.txt", "label.txt", "scale.csv",
                  "score.txt", "trace.txt", "hybrid-miss-rate-h16.txt", "hybrid-miss-rate-h128.txt",
                  "label-horizon.txt", "evicting-padded.txt", "decisions-h128.txt",
-                 "decisions-h128-x16.txt", "decisions-h128-descent.txt")},
+                 "decisions-h128-x16.txt", "decisions-h128-descent.txt", "decisions-h128-reconstruction.txt")},
     **{f"learned-rule/inputs/{d}variants.csv": "the variants' out-of-fold metrics: fit_variants.py fits them on the "
        "training features (runs/learned-rule/fit-all, not committed: the model computes them)"
        for d in ("", "round1/")},
