@@ -457,6 +457,9 @@ DECISIONS = {  # run -> the tables its summary writes (committed)
     "decisions-math500/smollm2-h128-search-recombined": ("summary.csv", "paired.csv", "headroom.csv", "search.csv",
                                                          "summary.md"),
     "decisions-math500/gemma3-h128-search": ("summary.csv", "paired.csv", "headroom.csv", "search.csv", "summary.md"),
+    # the same SmolLM2 run at keep 0.25 by the descent from the reconstruction set
+    "decisions-math500/smollm2-h128-search-reconstruction": ("summary.csv", "paired.csv", "headroom.csv", "search.csv",
+                                                             "summary.md"),
     "decisions-math500/gemma3-h128-search-reach5": ("summary.csv", "paired.csv", "headroom.csv", "search.csv",
                                                     "summary.md"),
     "decisions-math500/gemma3-h128-search-recombined": ("summary.csv", "paired.csv", "headroom.csv", "search.csv",
@@ -755,6 +758,7 @@ DECISIONS_GENERALISATION = compared("decisions-math500", ("generalisation.md", "
                                                            "generalisation-gemma3-reach.csv",
                                                            "generalisation-search.csv",
                                                            "generalisation-gemma3-search.csv",
+                                                           "generalisation-reconstruction.csv",
                                                            "generalisation-descent.csv",
                                                            "generalisation-gemma3-descent.csv",
                                                            "generalisation-descent-half.csv",

@@ -152,6 +152,17 @@ for f in summary.md summary.csv paired.csv headroom.csv search.csv summary.json 
     if [ -f $D/$run/$f ]; then mkdir -p reports/decisions-math500/$run && cp $D/$run/$f reports/decisions-math500/$run/; fi
 done
 done
+# SmolLM2's 128-step search again at keep 0.25, by the descent started from the reconstruction set
+# (kvdiag/decisions/reconstruction.py; the same 128 rows per (checkpoint, budget): its row, 126 steps, the result's)
+/usr/bin/time -v -o $D/smollm2-h128-search-reconstruction.time $K decisions --trace $T --scores $D/scores-head.parquet \
+    --keep 0.25 --horizon 128 --infeasible skip --pairs 0 \
+    --references fast,random,future_attention,oracle_search --search-rows 128 --search-seconds 0 \
+    --out $D/smollm2-h128-search-reconstruction
+for f in summary.md summary.csv paired.csv headroom.csv search.csv summary.json config.json decisions.png \
+         decisions.pdf decisions.parquet pairs.parquet; do
+    to=reports/decisions-math500/smollm2-h128-search-reconstruction
+    if [ -f $D/smollm2-h128-search-reconstruction/$f ]; then mkdir -p $to && cp $D/smollm2-h128-search-reconstruction/$f $to/; fi
+done
 # the generalisation check on steps 64-127: the -h128-half-descent runs against the -h128-search runs (and the
 # -h128-half runs against the -h128-search-recombined runs, both by dfe37b9's search)
 .venv/bin/python reports/decisions-math500/generalisation.py
