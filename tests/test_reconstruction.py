@@ -93,9 +93,9 @@ def test_each_round_evicts_what_deleting_hurts_least(spec, monkeypatch):
     mods = attention_modules(lm.model)
     for l, x in enumerate(layers):
         attention, wo = lm.attention.layers[l], output_projection(mods[l]).weight.detach()
+        layer = R._Layer(x["q"], x["k"], x["v"], attention, wo, t, S)
         keep = (movable[l] | ~start[l]).double()  # as reconstruction_set starts: every movable entry kept
         for _ in range(int((start[l] & movable[l]).sum(-1).max())):
-            layer = R._Layer(x["q"], x["k"], x["v"], attention, wo, t, S)
             count = ((keep == 1) & movable[l]).sum(-1) - (~got[l] & movable[l]).sum(-1)  # still to evict per cell
             after = layer.evict(keep, movable[l], count.clamp(max=1))
             for h in (count > 0).nonzero()[:, 0].tolist():

@@ -212,6 +212,7 @@ def search(engine, t: int, candidates: list[Candidate], per_token: bool, rows: i
     velocity = torch.zeros_like(score)
     count = cur.sum(-1, keepdim=True)
     best, best_kl = cur, float("inf")
+    # found: a set below the best candidate (from the start when the reconstruction set is the descent's start)
     converged, first, found = False, None, base[0] is not start.mask
     while steps < rows - 1 and not (converged and stop) and not (seconds and time.perf_counter() - began >= seconds):
         g, kl, reach = mask_gradient(engine, t, cur.expand(L, Hkv, -1) if per_token else cur)
