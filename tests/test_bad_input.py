@@ -194,6 +194,7 @@ CASES: list[tuple[str, list[str], str]] = [
                                      "--out", "{out}/x.parquet"], needle)
       for name, needle in [("text", "holds token_id (String) where integers belong"),
                            ("negative", "holds token id -7 in prompt"),
+                           ("beyond", "holds token id 1000000, beyond the vocabulary of its model"),
                            ("position", "positions where manifest.json says")]
       for command in ("label", "score")],
     ("label-out-below-file", ["label", "--trace", "{trace}", *FITS, "--out", "{file}/l.parquet"], "--out"),
@@ -1211,10 +1212,13 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
             change(tokens, pl.int_range(pl.len()) == 3).write_parquet(d / "tokens.parquet")
         return edit
 
-    # a token id as text (exit 1), a negative one (exit 1 in label), a position twice and another missing (read on)
+    # a token id as text (exit 1), a negative one (exit 1 in label), one beyond the vocabulary, a position twice
+    # and another missing (read on)
     for name, change in [
             ("text", lambda t, at: t.with_columns(pl.col("token_id").cast(pl.String))),
             ("negative", lambda t, at: t.with_columns(pl.when(at).then(-7).otherwise("token_id").alias("token_id"))),
+            # beyond the model's vocabulary (score rebuilding q/k/v: IndexError in the embedding, exit 1)
+            ("beyond", lambda t, at: t.with_columns(pl.when(at).then(10**6).otherwise("token_id").alias("token_id"))),
             ("position", lambda t, at: t.with_columns(pl.when(at).then(2).otherwise("position").alias("position")))]:
         p[f"trace_tokens_{name}"] = broken_trace(f"t-tokens-{name}", retokened(change))
     for name, positions in (("shape", {"p": "1,2"}), ("unknown", {"nope": [1]}),

@@ -140,28 +140,52 @@ def test_truncated_trace_is_a_clear_error(tiny_llama, tmp_path):
     assert tr.length("arith000") > 0
 
 
-def test_a_token_beyond_the_vocabulary_is_refused_with_the_model(tiny_llama, tiny_trace, tmp_path):
-    """tokens.parquet edited to hold a token id the model has no embedding for: the commands that feed the Trace's
-    tokens to its model (label, decisions, teacher-forced replay) refuse it once the model is loaded, where the
-    embedding lookup failed mid-run (IndexError)."""
+def test_a_token_beyond_the_vocabulary_is_refused(tiny_llama, tiny_trace, tmp_path, monkeypatch):
+    """tokens.parquet edited to hold a token id the model has no embedding for (the embedding lookup failed
+    mid-run, IndexError): refused when the Trace is read, where the model's config tells its vocabulary (before
+    torch: tiny:llama's byte vocabulary); where only a load tells (a .gguf, random:), by every stage that feeds the
+    Trace's tokens to a model: label, decisions, teacher-forced replay, and the Trace's own model that rebuilds the
+    tensors it does not store (score, figures, fit). Another ``--model`` (``label --force``) whose config's
+    vocabulary is smaller is refused before it loads."""
+    import json
     import shutil
 
     import polars as pl
 
     from kvdiag.core.errors import UserError
     from kvdiag.label import LabelConfig, label_trace
+    from kvdiag.model import specs
     from kvdiag.trace import Trace
+    from kvdiag.trace.manifest import TraceFiles
 
     copy = tmp_path / "trace"
     shutil.copytree(tiny_trace.path, copy)
     size = tiny_llama.model.get_input_embeddings().num_embeddings
+    assert specs.spec_vocabulary("tiny:llama") == size  # the light config's vocabulary is the loaded model's
     tokens = pl.read_parquet(copy / "tokens.parquet")
     tokens.with_columns(pl.when(pl.int_range(pl.len()) == 3).then(size).otherwise("token_id").alias("token_id")) \
         .write_parquet(copy / "tokens.parquet")
     Trace(tiny_trace.path).check_vocabulary(tiny_llama)  # the Trace as written fits
+    with pytest.raises(UserError, match=f"token id {size}, beyond the vocabulary of its model tiny:llama"):
+        TraceFiles(copy)
+    monkeypatch.setattr(specs, "spec_vocabulary", lambda spec, revision=None: None)  # only a load can tell
+    tr = Trace(copy)
     with pytest.raises(UserError, match=f"token id {size}, beyond the vocabulary"):
-        Trace(copy).check_vocabulary(tiny_llama)
+        tr.check_vocabulary(tiny_llama)
+    with pytest.raises(UserError, match="beyond the vocabulary"):
+        tr.use_model(tiny_llama)  # the rebuild of what the Trace does not store (score)
     with pytest.raises(UserError, match="beyond the vocabulary"):
         label_trace(Trace(copy), tiny_llama, tmp_path / "l.parquet", LabelConfig(checkpoints="every:10", w_obs=10,
                                                                                horizon=2, candidates="4"),
                     show_progress=False)
+    monkeypatch.undo()
+    small = tmp_path / "small"
+    small.mkdir()
+    (small / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 100}))
+    files = TraceFiles(tiny_trace.path)
+    files.check_vocabulary_of("tiny:llama")
+    top = int(files.tokens["token_id"].max())
+    assert top >= 100  # the byte tokens of the arithmetic prompts
+    with pytest.raises(UserError, match=f"--model {small} has a vocabulary of 100 tokens and the Trace .* holds "
+                                        f"token id {top}"):
+        files.check_vocabulary_of(str(small))

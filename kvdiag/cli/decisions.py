@@ -122,6 +122,7 @@ def decisions(
         from kvdiag.model.specs import check_model_spec, check_trace_model
 
         check_trace_model(check_model_spec(model), trace_files.manifest["model"])
+        trace_files.check_vocabulary_of(model)
     items = checkpoints_of(score_df, trace_files, cfg)[0]
     cfg.check_future(trace_files.manifest, items)
     if cfg.search_from:  # each file a decisions table of this Trace and selection, sharing a checkpoint and budget

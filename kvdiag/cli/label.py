@@ -103,6 +103,8 @@ def label(
     work_items(trace_files, cfg)  # the settings against the Trace's prompts and model shape
     if model is not None and not force:  # another model than the Trace's, told from names and configs before it loads
         check_trace_model(model, trace_files.manifest["model"], "drop --model or pass --force")
+    if model is not None:  # --force too: the tokens must fit the model they are fed to
+        trace_files.check_vocabulary_of(model)
     from kvdiag.label.run import label_files  # the engine: torch and the model, once the arguments are checked
 
     common.quiet_transformers()

@@ -131,6 +131,8 @@ def replay(
     parsing.check_backend(backend, device)
     if teacher_forced is not None:
         trace_files = TraceFiles(teacher_forced)
+        if model is not None:
+            trace_files.check_vocabulary_of(model, revision)
         recorded = trace_files.manifest["model"].get("attention") or {}
         check_budgets(settings, spec_windows(model, revision) if model is not None else recorded.get("windows"))
         check_fitted(settings.scorers, settings.params, trace_evaluation(

@@ -85,6 +85,7 @@ def score(
 
         check_trace_model(check_model_spec(model), trace_files.manifest["model"],
                           f"pass {trace_files.manifest['model']['spec']}")
+        trace_files.check_vocabulary_of(model)
     params = parsing.parse_params(param)
     names = parse_list(scorers, "--scorers", str)
     check_params(params)  # the built-ins' parameter names and types, from kvdiag.scorers.fields

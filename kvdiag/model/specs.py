@@ -224,9 +224,11 @@ def check_model_spec(spec: str) -> str:
 # config.json has them (tests/test_contracts.py compares them with that file where it has been converted).
 EMBEDDED_CONFIG: dict[str, dict] = {
     "smollm2": dict(model_type="llama", num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                    max_position_embeddings=8192, hidden_size=576, intermediate_size=1536, head_dim=64),
+                    max_position_embeddings=8192, hidden_size=576, intermediate_size=1536, head_dim=64,
+                    vocab_size=49152),
     "gemma3-270m": dict(model_type="gemma3_text", num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
                         max_position_embeddings=32768, hidden_size=640, intermediate_size=2048, head_dim=256,
+                        vocab_size=262144,
                         sliding_window=512,  # every sixth layer full
                         layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)]),
 }
@@ -256,7 +258,8 @@ def spec_config(spec: str, revision: str | None = None) -> dict | None:
     A directory without a readable config.json is refused. An adapter keeps its base's config."""
     spec = split_adapter(spec)[0]
     if spec.startswith("tiny:"):
-        config = {**TINY_COMMON, **TINY[check_model_spec(spec).split(":", 1)[1]][1]}
+        # the byte tokenizer sets a tiny model's vocabulary (kvdiag.model.load._tiny_config)
+        config = {**TINY_COMMON, "vocab_size": BYTE_VOCAB, **TINY[check_model_spec(spec).split(":", 1)[1]][1]}
         return {k: v for k, v in config.items() if v is not None}  # gpt_neox: no num_key_value_heads
     if spec in EMBEDDED_CONFIG:
         return dict(EMBEDDED_CONFIG[spec])
@@ -351,6 +354,18 @@ def known_shape(spec: str, revision: str | None = None) -> dict | None:
     if config is None:
         return None
     return {k: config.get(k) for k in ("num_hidden_layers", "max_position_embeddings")}
+
+
+def spec_vocabulary(spec: str, revision: str | None = None) -> int | None:
+    """``vocab_size`` of the model ``--model spec`` names (at ``revision``), from its config alone
+    (:func:`spec_config`), or None when only its load can tell (a ``.gguf``, ``random:``, an uncached hub id, a
+    missing directory or unreadable config: refused where it loads)."""
+    try:
+        config = spec_config(spec, revision)
+    except UserError:
+        return None
+    value = (config or {}).get("vocab_size")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def spec_windows(spec: str, revision: str | None = None) -> list[int | None] | None:

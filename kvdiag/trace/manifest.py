@@ -63,15 +63,22 @@ def read_trace_files(path: str | Path) -> tuple[dict, pl.DataFrame]:
     # every prompt's tokens at positions 0 .. length - 1, once each (a length edited to 10**9 sized buffers by it)
     got = {r[0]: r[1:] for r in tokens_df.group_by("prompt_id").agg(
         pl.len(), pl.col("position").n_unique().alias("unique"), pl.col("position").min().alias("low"),
-        pl.col("position").max().alias("high"), pl.col("token_id").min().alias("token")).iter_rows()}
+        pl.col("position").max().alias("high"), pl.col("token_id").min().alias("token"),
+        pl.col("token_id").max().alias("top")).iter_rows()}
     for pid, prompt in m["prompts"].items():
-        n, unique, low, high, token = got.get(pid, (0, 0, None, None, None))
+        n, unique, low, high, token, _ = got.get(pid, (0, 0, None, None, None, None))
         if not n == unique == prompt["length"] or low != 0 or high != n - 1:
             raise UserError(f"--trace {path}: tokens.parquet holds {n} tokens of prompt {pid!r} at {unique} "
                             f"positions where manifest.json says {prompt['length']} (0 to {prompt['length'] - 1}); "
                             f"{corrupt}")
         if token < 0:
             raise UserError(f"--trace {path}: tokens.parquet holds token id {token} in prompt {pid!r}; {corrupt}")
+    from kvdiag.model.specs import spec_vocabulary  # None where only a load can tell: Trace.check_vocabulary then
+
+    top = max((r[-1] for r in got.values()), default=-1)
+    if (size := spec_vocabulary(m["model"]["spec"], m["model"].get("revision"))) is not None and top >= size:
+        raise UserError(f"--trace {path}: tokens.parquet holds token id {top}, beyond the vocabulary of its model "
+                        f"{m['model']['spec']} ({size}); {corrupt}")
     return manifest, tokens_df
 
 
@@ -127,6 +134,16 @@ class TraceFiles:
         self.prompt_ids: list[str] = list(m["prompts"])
         self.num_layers, self.num_heads = m["num_layers"], m["num_heads"]
         self.num_kv_heads, self.head_dim, self.scale = m["num_kv_heads"], m["head_dim"], m["scale"]
+
+    def check_vocabulary_of(self, spec: str, revision: str | None = None) -> None:
+        """Before ``--model spec`` loads (another model than the Trace's, ``--force``): refuse it when its config's
+        vocabulary lacks a token id of the Trace, where feeding the tokens to it would fail mid-run."""
+        from kvdiag.model.specs import spec_vocabulary
+
+        size, top = spec_vocabulary(spec, revision), int(self.tokens["token_id"].max())
+        if size is not None and top >= size:
+            raise UserError(f"--model {spec} has a vocabulary of {size} tokens and the Trace {self.path} holds token "
+                            f"id {top}; use the Trace's model ({self.manifest['model']['spec']})")
 
     def _prompt(self, pid: str) -> dict:
         if pid not in self.manifest["prompts"]:

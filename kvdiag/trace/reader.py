@@ -123,6 +123,7 @@ class Trace(TraceFiles):
                     "with --store all"
                 ) from err
             self._check_model(lm)
+            self.check_vocabulary(lm)  # a .gguf or random: model's vocabulary is known only now
             self._model = lm
         return self._model
 
@@ -131,6 +132,7 @@ class Trace(TraceFiles):
         one) rather than loading another copy."""
         if self._model is not lm:
             self._check_model(lm)
+            self.check_vocabulary(lm)
             self._model = lm
 
     def check_vocabulary(self, lm) -> None:
