@@ -188,13 +188,18 @@ CASES: list[tuple[str, list[str], str]] = [
       for name, needle in [("layers", "(malformed: num_layers '30')"), ("heads", "(malformed: num_kv_heads 0)"),
                            ("length", "its prompt_len and length"),
                            ("tokens", "tokens.parquet holds"), ("dtype", "(malformed: storage_dtype 'float99')"),
-                           ("format", "format_version 999 (this kvdiag reads up to 1)")]
+                           ("format", "format_version 999 (this kvdiag reads up to 1)"),
+                           ("lscale", "(malformed: model.attention.layers[0].scale 'x')"),
+                           ("lwindow", "(malformed: model.attention.layers[0].window -5)"),
+                           ("lsinks", "(malformed: model.attention.layers[0].sinks (not"),
+                           ("store", "(malformed: store (its mode")]
       for command in ("label", "score")],
     *[(f"{command}-tokens-{name}", [command, "--trace", f"{{trace_tokens_{name}}}", "--checkpoints", "every:16",
                                      "--out", "{out}/x.parquet"], needle)
       for name, needle in [("text", "holds token_id (String) where integers belong"),
                            ("negative", "holds token id -7 in prompt"),
                            ("beyond", "holds token id 1000000, beyond the vocabulary of its model"),
+                           ("null", "holds empty (null) token_id"), ("stranger", "tokens of prompt 'zzz', which"),
                            ("position", "positions where manifest.json says")]
       for command in ("label", "score")],
     ("label-out-below-file", ["label", "--trace", "{trace}", *FITS, "--out", "{file}/l.parquet"], "--out"),
@@ -1194,6 +1199,8 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
             for key, value in changes.items():
                 if key == "length":
                     manifest["prompts"][trace.prompt_ids[0]]["length"] = value
+                elif key in ("scale_0", "window_0", "sinks_0"):  # layer 0's attention record
+                    manifest["model"]["attention"]["layers"][0][key[:-2]] = value
                 else:
                     manifest[key] = value
             (d / "manifest.json").write_text(json.dumps(manifest))
@@ -1203,7 +1210,11 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
     # until memory ran out), another storage dtype (exit 1), a newer format (read as this one)
     for name, changes in [("layers", {"num_layers": "30"}), ("heads", {"num_kv_heads": 0}),
                           ("length", {"length": 10**9}), ("tokens", {"length": trace.length(trace.prompt_ids[0]) - 1}),
-                          ("dtype", {"storage_dtype": "float99"}), ("format", {"format_version": 999})]:
+                          ("dtype", {"storage_dtype": "float99"}), ("format", {"format_version": 999}),
+                          # a layer's attention record score, label and figures recompute attention with: exit 1,
+                          # or a window of -5 taken as read (wrong numbers)
+                          ("lscale", {"scale_0": "x"}), ("lwindow", {"window_0": -5}), ("lsinks", {"sinks_0": "yes"}),
+                          ("store", {"store": {"mode": "all", "layers": [0, 7]}})]:
         p[f"trace_edited_{name}"] = broken_trace(f"t-edited-{name}", edited(**changes))
 
     def retokened(change) -> Callable[[Path], None]:  # tokens.parquet edited by hand
@@ -1219,6 +1230,8 @@ def inputs(tiny_llama, tmp_path_factory) -> dict[str, str]:
             ("negative", lambda t, at: t.with_columns(pl.when(at).then(-7).otherwise("token_id").alias("token_id"))),
             # beyond the model's vocabulary (score rebuilding q/k/v: IndexError in the embedding, exit 1)
             ("beyond", lambda t, at: t.with_columns(pl.when(at).then(10**6).otherwise("token_id").alias("token_id"))),
+            ("null", lambda t, at: t.with_columns(pl.when(at).then(None).otherwise("token_id").alias("token_id"))),
+            ("stranger", lambda t, at: pl.concat([t, t.head(3).with_columns(pl.lit("zzz").alias("prompt_id"))])),
             ("position", lambda t, at: t.with_columns(pl.when(at).then(2).otherwise("position").alias("position")))]:
         p[f"trace_tokens_{name}"] = broken_trace(f"t-tokens-{name}", retokened(change))
     for name, positions in (("shape", {"p": "1,2"}), ("unknown", {"nope": [1]}),

@@ -88,3 +88,22 @@ def test_fitted_scorer_reproduces_the_model(tiny_trace, tmp_path, restore_scorer
     df2, meta = score_trace(tiny_trace, keys=feats.select(KEYS), scorers=named, aggregation="mean_raw")
     np.testing.assert_allclose(df2[named].to_numpy(), df["fitted"].to_numpy(), rtol=0, atol=1e-12)
     assert meta["scorers"][named] == {"path": str(out / "model.json")}
+
+
+def test_a_fold_of_one_class_is_refused_before_any_feature(monkeypatch):
+    """A fold whose training or held-out prompts hold only harmless (or only harmful) labels: sklearn's fit or the
+    fold's AUROC failed with an internal error (kvdiag fit on two tiny prompts). check_labels refuses it from the
+    labels alone (fit_files calls it before the Trace's tensors), naming the fold and its prompts; cross_validate
+    refuses it again for a direct call. Labels of two prompts where one prompt holds every harmful entry."""
+    from kvdiag.core.errors import UserError
+
+    labels = synthetic_labels(n_prompts=2)
+    labels = labels.with_columns(pl.when(pl.col("prompt_id") == "p0").then(1e-9).otherwise("kl_mean")
+                                 .alias("kl_mean"))  # p0 below every threshold, p1's top 10 % above
+    cfg = FitConfig(features=("key_norm",), n_boot=0, n_splits=2)
+    with pytest.raises(UserError, match=r"fold \d: its (training|held-out) prompts \(p0\) hold only harmless labels"):
+        fit_mod.check_labels(labels, cfg)
+    y = (labels["prompt_id"] == "p1").to_numpy().astype(int)  # one class per prompt: each side of a fold is one class
+    with pytest.raises(UserError, match=r"fold 1: its training prompts \(p\d\) hold only"):
+        fit_mod.cross_validate(np.zeros((len(y), 1)), y, labels["prompt_id"].to_numpy(), cfg)
+    fit_mod.check_labels(synthetic_labels(n_prompts=8), FitConfig(features=("key_norm",), n_splits=4))  # both classes

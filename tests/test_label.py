@@ -245,3 +245,28 @@ def test_the_command_refuses_parts_of_other_settings_before_the_model_loads(tiny
     with pytest.raises(SystemExit) as again:
         kvdiag.cli.main.main([*base, "--horizon", "4"])
     assert again.value.code == 0 and len(loads) == 1
+
+
+def test_a_model_that_is_not_the_traced_one_is_named(tiny_llama, tiny_qwen3, tiny_trace, tmp_path):
+    """label_trace refuses a model whose weights are not the Trace's, saying which case it is: another --model
+    (drop it or pass --force), or the Trace's own model spec loading other weights than were traced (its files
+    changed, or manifest.json was edited: the message named a --model the user had not passed)."""
+    import json
+    import shutil
+
+    from kvdiag.core.errors import UserError
+    from kvdiag.label import LabelConfig, label_trace
+    from kvdiag.trace import Trace
+
+    cfg = LabelConfig(checkpoints="every:10", w_obs=10, horizon=2, candidates="4")
+    with pytest.raises(UserError, match="--model tiny:qwen3 is not the model of the Trace .* drop --model or pass"):
+        label_trace(Trace(tiny_trace.path), tiny_qwen3, tmp_path / "a.parquet", cfg, show_progress=False)
+    copy = tmp_path / "trace"
+    shutil.copytree(tiny_trace.path, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["model"]["weights_hash"] = "0" * 16
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match=f"its model tiny:llama loads with weights {tiny_llama.weights_hash}, the "
+                                        "Trace records 0000000000000000"):
+        label_trace(Trace(copy), tiny_llama, tmp_path / "b.parquet", cfg, show_progress=False)
+    assert not (tmp_path / "a.parquet").exists() and not (tmp_path / "b.parquet").exists()

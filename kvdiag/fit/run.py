@@ -130,9 +130,7 @@ def fit_features(feats: pl.DataFrame, labels: pl.DataFrame, scores: pl.DataFrame
                         "rows of features: compute them with the same setting")
     X = feats.select(names).to_numpy().astype(float)
     groups = labels["prompt_id"].to_numpy()
-    n_prompts = len(np.unique(groups))
-    if n_prompts < 2:
-        raise UserError(f"the labels cover {n_prompts} prompt: grouped cross-validation needs at least 2 prompts")
+    n_prompts = _check_prompts(groups)
     oof, importance = cross_validate(X, y[token_of], groups[token_of], cfg)
     if len(token_of) != len(y):  # cell rows: a token's score is the mean of its cells' logits (the rule's mean_raw)
         from scipy.special import expit, logit
@@ -227,17 +225,50 @@ def trained_model(labels_meta: dict | None, trace=None) -> dict | None:
             "weights_hash": model.get("weights_hash"), "family": (model.get("attention") or {}).get("family")}
 
 
+def folds_of(y: np.ndarray, groups: np.ndarray, cfg: FitConfig) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The (train, held-out) row indices of ``min(n_splits, prompts)`` folds grouped by prompt (``groups [N]``),
+    refused unless each side of every fold holds both classes of ``y [N]``: a classifier cannot learn one class, nor
+    AUROC score it (sklearn's error was an internal one)."""
+    from sklearn.model_selection import GroupKFold
+
+    splits = list(GroupKFold(n_splits=min(cfg.n_splits, len(np.unique(groups)))).split(y, y, groups))
+    for i, (train, test) in enumerate(splits):
+        for part, rows in (("training", train), ("held-out", test)):
+            if y[rows].min() == y[rows].max():
+                prompts = ", ".join(sorted(map(str, np.unique(groups[rows]))))
+                raise UserError(f"fold {i + 1}: its {part} prompts ({prompts}) hold only "
+                                f"{'harmful' if y[rows][0] else 'harmless'} labels under --harm {cfg.harm}; every "
+                                "fold needs both classes: label more prompts, pass fewer --folds or another --harm")
+    return splits
+
+
+def check_labels(labels: pl.DataFrame, cfg: FitConfig) -> None:
+    """What the labels alone must allow, before the Trace's tensors or any features: token rows, two classes under
+    ``--harm``, at least 2 prompts and both classes in every grouped fold (of the token rows; a per-cell fit repeats
+    each token's rows once per cell, and :func:`cross_validate` checks its own folds again)."""
+    labels, y, _ = _labels_y(_token_labels(labels), cfg)
+    groups = labels["prompt_id"].to_numpy()
+    _check_prompts(groups)
+    folds_of(y, groups, cfg)
+
+
+def _check_prompts(groups: np.ndarray) -> int:
+    """The prompts ``groups`` cover, refused below 2."""
+    if (n := len(np.unique(groups))) < 2:
+        raise UserError(f"the labels cover {n} prompt: grouped cross-validation needs at least 2 prompts")
+    return n
+
+
 def cross_validate(X: np.ndarray, y: np.ndarray, groups: np.ndarray, cfg: FitConfig) -> tuple[dict, dict]:
     """Each model over ``min(n_splits, prompts)`` folds grouped by prompt: features ``X [N, F]``, harm labels
     ``y [N]``, prompts ``groups [N]``. Returns ``({model: out-of-fold P(harmful) [N]}, {model: permutation AUROC
     drop [F]})``, the drops averaged over folds weighted by their held-out rows (5 seeded repeats per fold)."""
     from sklearn.inspection import permutation_importance
-    from sklearn.model_selection import GroupKFold
 
-    folds = GroupKFold(n_splits=min(cfg.n_splits, len(np.unique(groups))))
+    splits = folds_of(y, groups, cfg)
     oof = {m: np.zeros(len(y)) for m in MODELS}
     importance = {m: np.zeros(X.shape[1]) for m in MODELS}
-    for train, test in folds.split(X, y, groups):
+    for train, test in splits:
         for name, model in _models(cfg).items():
             model.fit(X[train], y[train])
             oof[name][test] = model.predict_proba(X[test])[:, 1]
@@ -276,6 +307,7 @@ def fit_files(trace: str | Path, labels: str | Path, scores: str | Path | None, 
     if scores is not None:
         belongs(trace_files, score_meta, f"--scores {scores}")
         check_inputs(label_meta, score_meta)
+    check_labels(label_df, cfg)
     from kvdiag.trace import Trace  # torch, once the arguments and files are checked
 
     tr = Trace(trace)

@@ -132,6 +132,10 @@ def labels_meta(trace: Trace, lm: LoadedModel, cfg: LabelConfig) -> dict:
 def check_model(trace: Trace, lm: LoadedModel, force: bool) -> None:
     had = trace.manifest["model"]
     if not (force or lm.is_model_of(had, config=True)):
+        if lm.spec == had["spec"]:  # the Trace's own model (no --model): its weights changed, or the manifest did
+            raise UserError(f"--trace {trace.path}: its model {lm.spec} loads with weights {lm.weights_hash}, the "
+                            f"Trace records {had['weights_hash']}: the model's files changed since it was traced, or "
+                            "manifest.json was edited; trace again, or pass --model with the traced weights")
         raise UserError(f"--model {lm.spec} is not the model of the Trace ({had['spec']}, weights "
                         f"{had['weights_hash']}); drop --model or pass --force")
     trace.check_vocabulary(lm)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvdiag.core.errors import UserError
-from kvdiag.core.parsing import STORAGE_DTYPE_NAMES
+from kvdiag.core.parsing import STORAGE_DTYPE_NAMES, STORE_WORDS
 
 if TYPE_CHECKING:  # polars loads once the manifest is read: a missing or corrupt one is refused without it
     import polars as pl
@@ -60,6 +60,8 @@ def read_trace_files(path: str | Path) -> tuple[dict, pl.DataFrame]:
     if wrong := [f"{c} ({tokens_df.schema[c]})" for c in ("position", "token_id")
                  if not tokens_df.schema[c].is_integer()]:
         raise UserError(f"--trace {path}: tokens.parquet holds {', '.join(wrong)} where integers belong; {corrupt}")
+    if nulls := [c for c in ("prompt_id", "position", "token_id") if tokens_df[c].null_count()]:
+        raise UserError(f"--trace {path}: tokens.parquet holds empty (null) {', '.join(nulls)}; {corrupt}")
     # every prompt's tokens at positions 0 .. length - 1, once each (a length edited to 10**9 sized buffers by it)
     got = {r[0]: r[1:] for r in tokens_df.group_by("prompt_id").agg(
         pl.len(), pl.col("position").n_unique().alias("unique"), pl.col("position").min().alias("low"),
@@ -73,6 +75,9 @@ def read_trace_files(path: str | Path) -> tuple[dict, pl.DataFrame]:
                             f"{corrupt}")
         if token < 0:
             raise UserError(f"--trace {path}: tokens.parquet holds token id {token} in prompt {pid!r}; {corrupt}")
+    if extra := sorted(set(got) - set(m["prompts"]), key=str):
+        raise UserError(f"--trace {path}: tokens.parquet holds tokens of prompt {extra[0]!r}, which manifest.json "
+                        f"does not list; {corrupt}")
     from kvdiag.model.specs import spec_vocabulary  # None where only a load can tell: Trace.check_vocabulary then
 
     top = max((r[-1] for r in got.values()), default=-1)
@@ -105,9 +110,24 @@ def _malformed(m: dict) -> str:
     for key in ("spec", "weights_hash", "dtype"):  # what names and loads the Trace's model, and its fingerprint
         if not isinstance(model.get(key), str) or not model[key]:
             return f"model.{key} {model.get(key)!r}"
-    layers = model["attention"].get("layers") if isinstance(model.get("attention"), dict) else None
+    attention = model["attention"] if isinstance(model.get("attention"), dict) else {}
+    layers = attention.get("layers")
     if layers is not None and (not isinstance(layers, list) or len(layers) != m["num_layers"]):
         return f"model.attention.layers (not one per layer of {m['num_layers']})"
+    for i, layer in enumerate(layers or []):  # what every attention recomputed from the Trace honours
+        if bad := _bad_layer(layer, m["num_heads"]):
+            return f"model.attention.layers[{i}].{bad}"
+    windows = attention.get("windows")
+    if windows is not None and not (isinstance(windows, list) and len(windows) == m["num_layers"]
+                                    and all(w is None or count(w, MAX_TOKENS) for w in windows)):
+        return "model.attention.windows (not one window, none or a positive count, per layer)"
+    store = m.get("store")
+    if store is not None and not (
+            isinstance(store, dict) and store.get("mode") in (*STORE_WORDS, "layers")
+            and isinstance(store.get("layers"), list) and len(set(map(repr, store["layers"]))) == len(store["layers"])
+            and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < m["num_layers"]
+                    for x in store["layers"])):
+        return "store (its mode is not all, kv, none or layers, or its layers are not distinct layers of the model)"
     if m.get("storage_dtype", "float16") not in STORAGE_DTYPE_NAMES:
         return f"storage_dtype {m['storage_dtype']!r}"
     if not count(m.get("format_version", 1), FORMAT_VERSION):  # a newer kvdiag's Trace may store other things
@@ -120,6 +140,28 @@ def _malformed(m: dict) -> str:
         if not (isinstance(p, dict) and count(p.get("prompt_len"), MAX_TOKENS)
                 and count(p.get("length"), MAX_TOKENS) and p["prompt_len"] <= p["length"]):
             return f"prompt {pid!r}: its prompt_len and length"
+    return ""
+
+
+def _bad_layer(layer, num_heads: int) -> str:
+    """The first field of one layer's attention record (``LayerAttention.to_info``) that no trace writes ('' when
+    none): scale a positive finite number, window none or a positive count, softcap none or positive finite, sinks
+    none or one finite number per query head."""
+    def number(v) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+    if not isinstance(layer, dict):
+        return f"{layer!r}"
+    scale, window, softcap, sinks = (layer.get(k) for k in ("scale", "window", "softcap", "sinks"))
+    if not (number(scale) and scale > 0):
+        return f"scale {scale!r}"
+    if window is not None and not (isinstance(window, int) and not isinstance(window, bool)
+                                   and 1 <= window <= MAX_TOKENS):
+        return f"window {window!r}"
+    if softcap is not None and not (number(softcap) and softcap > 0):
+        return f"softcap {softcap!r}"
+    if sinks is not None and not (isinstance(sinks, list) and len(sinks) == num_heads and all(map(number, sinks))):
+        return f"sinks (not {num_heads} finite numbers, one per query head)"
     return ""
 
 
