@@ -189,3 +189,25 @@ def test_a_token_beyond_the_vocabulary_is_refused(tiny_llama, tiny_trace, tmp_pa
     with pytest.raises(UserError, match=f"--model {small} has a vocabulary of 100 tokens and the Trace .* holds "
                                         f"token id {top}"):
         files.check_vocabulary_of(str(small))
+
+
+def test_stored_tensors_of_other_shapes_are_refused(tiny_trace, tmp_path):
+    """A layer file whose q, k or v has other heads or head dims than the manifest says (an edited or foreign file of
+    the right length): the scorers' shape errors were 'internal error'; the reader names the shapes."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from kvdiag.core.errors import UserError
+    from kvdiag.trace import Trace
+    from kvdiag.trace.writer import layer_file
+
+    copy = tmp_path / "trace"
+    shutil.copytree(tiny_trace.path, copy)
+    pid = Trace(copy).prompt_ids[0]
+    path = layer_file(copy, pid, 0)
+    tensors = load_file(str(path))
+    assert Trace(copy).layer(pid, 0).k.shape == tensors["k"].shape  # as written, it reads
+    save_file({**tensors, "k": tensors["k"][:1].contiguous()}, str(path))  # one KV head of two
+    with pytest.raises(UserError, match=r"layer 0 of .* holds q, k, v of shapes .*\(1, \d+, 16\).* manifest says"):
+        Trace(copy).layer(pid, 0)

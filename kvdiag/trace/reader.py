@@ -74,7 +74,17 @@ class Trace(TraceFiles):
         if qkv.q.shape[1] != T or qkv.k.shape[1] != T:
             raise UserError(f"--trace {self.path}: layer {layer} of {pid} holds {qkv.k.shape[1]} positions, manifest "
                             f"says {T}; the Trace is corrupt")
+        if (got := tuple(tuple(x.shape) for x in (qkv.q, qkv.k, qkv.v))) != (want := self._shapes(T)):
+            raise UserError(f"--trace {self.path}: layer {layer} of {pid} holds q, k, v of shapes {got}, manifest says "
+                            f"{want}; the Trace is corrupt")
         return qkv
+
+    def _shapes(self, T: int) -> tuple[tuple[int, ...], ...]:
+        """The shapes of q, k, v of a layer of ``T`` positions the manifest says: heads, positions and (where the
+        model's attention record has them) the q/k and v head dims, else head_dim."""
+        attention = self.manifest["model"].get("attention") or {}
+        qk, vd = attention.get("qk_head_dim", self.head_dim), attention.get("v_head_dim", self.head_dim)
+        return (self.num_heads, T, qk), (self.num_kv_heads, T, qk), (self.num_kv_heads, T, vd)
 
     def _read(self, pid: str, layer: int, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         """The stored tensors ``names`` of one layer file (a missing or unreadable file is a truncated Trace)."""
