@@ -211,3 +211,41 @@ def test_stored_tensors_of_other_shapes_are_refused(tiny_trace, tmp_path):
     save_file({**tensors, "k": tensors["k"][:1].contiguous()}, str(path))  # one KV head of two
     with pytest.raises(UserError, match=r"layer 0 of .* holds q, k, v of shapes .*\(1, \d+, 16\).* manifest says"):
         Trace(copy).layer(pid, 0)
+
+
+def test_non_finite_tensors_are_refused_on_read_and_never_written(tiny_trace, tmp_path):
+    """A NaN or inf in a stored q/k/v (a flipped byte; a value past float16's range): score refused it blaming the
+    scorer, figures wrote its figures from NaN attention (silently wrong). The reader refuses it naming layer,
+    tensor and position; the writer never writes one: a model whose values overflow the storage dtype is refused
+    with --storage-dtype float32 as the fix, and nothing of that prompt is left in the Trace."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from kvdiag.core.errors import UserError
+    from kvdiag.model.load import load_model
+    from kvdiag.trace import Trace
+    from kvdiag.trace.writer import layer_file
+    from tests.conftest import make_trace
+
+    copy = tmp_path / "trace"
+    shutil.copytree(tiny_trace.path, copy)
+    pid = Trace(copy).prompt_ids[0]
+    path = layer_file(copy, pid, 1)
+    tensors = load_file(str(path))
+    q = tensors["q"].clone()
+    q[0, 5, 0] = float("nan")
+    save_file({**tensors, "q": q}, str(path))
+    with pytest.raises(UserError, match="layer 1 of .* holds a non-finite q value at position 5 \\(stored in"):
+        Trace(copy).layer(pid, 1)
+    Trace(copy).layer(pid, 0)  # the other layer reads
+
+    lm = load_model("tiny:llama")
+    with torch.no_grad():
+        lm.model.model.layers[0].self_attn.v_proj.weight.mul_(1e6)  # v past float16's 65504
+    out = tmp_path / "overflow"
+    with pytest.raises(UserError, match="layer 0's v holds a value that is not finite in torch.float16 .* "
+                                        "--storage-dtype float32"):
+        make_trace(lm, out, n_prompts=1, max_new_tokens=4, storage_dtype="float16")
+    assert not list((out / "tensors").glob("*/layer_*.safetensors"))

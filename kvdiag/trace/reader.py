@@ -71,12 +71,20 @@ class Trace(TraceFiles):
             rebuilt = self._rebuild(pid, layer, [n for n in "qkv" if n not in found])
             found = {**rebuilt, **found}  # stored tensors win: exact, and the rebuild only fills the gaps
         qkv = LayerQKV(found["q"], found["k"], found["v"])
-        if qkv.q.shape[1] != T or qkv.k.shape[1] != T:
-            raise UserError(f"--trace {self.path}: layer {layer} of {pid} holds {qkv.k.shape[1]} positions, manifest "
-                            f"says {T}; the Trace is corrupt")
         if (got := tuple(tuple(x.shape) for x in (qkv.q, qkv.k, qkv.v))) != (want := self._shapes(T)):
+            if all(len(shape) == 3 for shape in got) and got[1][1] != T:  # another prompt's file, or a cut one
+                raise UserError(f"--trace {self.path}: layer {layer} of {pid} holds {got[1][1]} positions, manifest "
+                                f"says {T}; the Trace is corrupt")
             raise UserError(f"--trace {self.path}: layer {layer} of {pid} holds q, k, v of shapes {got}, manifest says "
                             f"{want}; the Trace is corrupt")
+        dtype = str(self.storage_dtype).removeprefix("torch.")
+        for name in "qkv":  # a flipped byte or a value past the storage dtype's range: every stage would read it
+            if not bool(torch.isfinite(found[name]).all()):
+                where = int((~torch.isfinite(found[name])).nonzero()[0, 1])
+                raise UserError(f"--trace {self.path}: layer {layer} of {pid} holds a non-finite {name} value at "
+                                f"position {where} ({'stored' if name in names else 'rebuilt'} in {dtype}); the "
+                                "Trace is corrupt or its values overflow its storage dtype: re-run `kvdiag trace` "
+                                "into a new directory (--storage-dtype float32 for values past float16's range)")
         return qkv
 
     def _shapes(self, T: int) -> tuple[tuple[int, ...], ...]:

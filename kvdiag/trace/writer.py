@@ -308,6 +308,11 @@ def _commit_prompt(root: Path, parts: PartStore, prompt: Prompt, record: dict) -
     for layer, qkv in enumerate(record["layers"]):
         if not qkv:  # not stored (--store): rebuilt on demand by the reader
             continue
+        for name, x in qkv.items():  # the reader refuses a non-finite value: never write one
+            if not bool(torch.isfinite(x).all()):
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise UserError(f"prompt {pid}: layer {layer}'s {name} holds a value that is not finite in {x.dtype} "
+                                "(past its range, or the model's own overflow); trace with --storage-dtype float32")
         save_file(qkv, str(tmp / f"layer_{layer:03d}.safetensors"), metadata={"prompt_id": pid, "layer": str(layer)})
     shutil.rmtree(tensors, ignore_errors=True)  # leftovers of an interrupted attempt
     os.replace(tmp, tensors)
