@@ -208,3 +208,35 @@ def test_cli_report(run, tmp_path):
     result = CliRunner().invoke(kvdiag.cli.main.app, ["report", "--run", str(run["root"]), "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "report.html").stat().st_size > 100_000 and "## Figures" in (tmp_path / "report.md").read_text()
+
+
+# a piece of the run edited by hand -> what the report says (a refusal, or the piece shown unreadable); each of these
+# ended in "internal error" (polars' NoDataError, ColumnNotFoundError, ComputeError; AttributeError, KeyError)
+HOSTILE = {
+    "rank-eval/metrics.csv": ("", "unread", "metrics.csv cannot be read \\(--run .* is not the table kvdiag writes"),
+    "rank-eval/config.json": ("[1, 2]", "unread", "rank-eval is unreadable: config.json .* is not the JSON object"),
+    "figures/figures.json": ("42", "unread", "figures.json .* is not the JSON object kvdiag figures writes"),
+    "commands.json": ("[1]", "unread", "is not a list of commands \\(each an object with its argv\\)"),
+    "figures/blind_spot_stats.csv": ("x\n1\n", "refused", "blind_spot_stats.csv lacks the column\\(s\\) statistic, "
+                                                          "value, note; re-run kvdiag figures"),
+    "figures/components.csv": ("", "refused", "components.csv is not the table kvdiag writes \\(NoDataError"),
+    "rank-eval/paired.csv": ('q\n"\n', "refused", "paired.csv is not the table kvdiag writes \\(ComputeError"),
+}
+
+
+@pytest.mark.parametrize("piece", list(HOSTILE))
+def test_a_hand_edited_piece_is_refused_or_shown_unreadable(run, tmp_path, piece):
+    """Each file the report reads beyond the tables' contracts: an empty, foreign or truncated one is one line
+    naming the file and the command that rewrites it (exit 2), or, for a piece the report lists, that piece shown
+    unreadable with the reason (the rest of the report written)."""
+    text, outcome, message = HOSTILE[piece]
+    edited = tmp_path / "run"
+    shutil.copytree(run["root"], edited)
+    (edited / piece).write_text(text)
+    if outcome == "refused":
+        with pytest.raises(UserError, match=message):
+            report_files(edited, tmp_path / "out")
+        assert not (tmp_path / "out" / "report.md").exists()
+    else:
+        md = report_files(edited, tmp_path / "out")[0].read_text()
+        assert re.search(message, md), md[:2000]

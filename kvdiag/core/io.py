@@ -166,6 +166,26 @@ def read_json(path: str | os.PathLike, what: str = "file"):
         raise UserError(f"{what} {path} is not valid JSON ({err}): regenerate it") from err
 
 
+def read_csv(path: str | os.PathLike, columns: dict, what: str, fix: str, keys: tuple[str, ...] = ()) -> pl.DataFrame:
+    """A CSV table a kvdiag stage wrote (rank-eval's metrics, the figures' statistics): its ``columns`` (name ->
+    polars dtype) read as those dtypes, the rest inferred from every row; ``keys`` unique. An empty, malformed or
+    foreign file, a missing column, a value of another type or a duplicated key is one ``UserError`` naming ``what``
+    (the file) and ``fix`` (the command that writes it)."""
+    import polars as pl
+
+    try:
+        df = pl.read_csv(path, schema_overrides=columns, infer_schema_length=None, glob=False)
+    except (pl.exceptions.PolarsError, OSError, UnicodeDecodeError) as err:  # empty, unparseable, a value of a type
+        reason = " ".join(str(err).split())[:160]
+        raise UserError(f"{what} {path} is not the table kvdiag writes ({type(err).__name__}: {reason}); {fix}") \
+            from err
+    if missing := [c for c in columns if c not in df.columns]:
+        raise UserError(f"{what} {path} lacks the column(s) {', '.join(missing)}; {fix}")
+    if keys and df.select(keys).is_duplicated().any():
+        raise UserError(f"{what} {path} holds a row twice (the same {', '.join(keys)}); {fix}")
+    return df
+
+
 def read_input(path: str | os.PathLike, what: str) -> bytes:
     """The bytes of a user's input file ``path`` (``what``: its flag): a regular file, else one ``UserError`` (a FIFO
     would block the read forever; a directory or device is no input file)."""

@@ -218,4 +218,7 @@ def load_summary(path: str | os.PathLike) -> dict:
     info = Path(path) / "figures.json"
     if not info.is_file():
         raise UserError("figures.json is missing (kvdiag figures did not finish)")
-    return read_json(info, "figures.json")
+    summary = read_json(info, "figures.json")
+    if not isinstance(summary, dict) or not all(isinstance(summary.get(k, {}), dict) for k in ("params", "summary")):
+        raise UserError(f"figures.json {info} is not the JSON object kvdiag figures writes; re-run it")
+    return summary

@@ -373,7 +373,7 @@ def _paired(est: dict, names: list[str], cfg: RankEvalConfig, n_prompts: int, pe
             family = [r for r in rows if r["metric"] == metric and r["scope"] == scope]
             for r, p_holm in zip(family, holm(np.array([r["p_value"] for r in family])), strict=True):
                 r["p_holm"] = float(p_holm)
-    return pl.DataFrame(rows, schema=_PAIRED_SCHEMA)
+    return pl.DataFrame(rows, schema=PAIRED_SCHEMA)
 
 
 def _join_notes(*notes: str) -> str:
@@ -422,7 +422,7 @@ def rank_eval(labels: pl.DataFrame, scores: pl.DataFrame, config: RankEvalConfig
                         n_boot=n_valid, note=note,
                     )
                 )
-    metrics = pl.DataFrame(rows, schema=_METRICS_SCHEMA)
+    metrics = pl.DataFrame(rows, schema=METRICS_SCHEMA)
 
     exact = cfg.reference is not None and 1 < data.n_prompts < EXACT_BELOW
     per_prompt = _estimates(data, names, cfg, np.eye(data.n_prompts, dtype=np.int64)) if exact else None
@@ -468,13 +468,13 @@ def _budget_curves(data: _Data, names: list[str], cfg: RankEvalConfig, mult: np.
     return pl.DataFrame(rows, schema=_CURVES_SCHEMA)
 
 
-_METRICS_SCHEMA = {
+METRICS_SCHEMA = {
     "scorer": pl.String, "metric": pl.String, "scope": pl.String, "value": pl.Float64, "ci_low": pl.Float64,
     "ci_high": pl.Float64, "n": pl.Int64, "n_boot": pl.Int64, "note": pl.String,
 }
 _CURVES_SCHEMA = {"scorer": pl.String, "rho": pl.Float64, "metric": pl.String, "value": pl.Float64,
                   "ci_low": pl.Float64, "ci_high": pl.Float64}
-_PAIRED_SCHEMA = {
+PAIRED_SCHEMA = {
     "scorer": pl.String, "reference": pl.String, "metric": pl.String, "scope": pl.String, "value": pl.Float64,
     "reference_value": pl.Float64, "diff": pl.Float64, "ci_low": pl.Float64, "ci_high": pl.Float64,
     "p_value": pl.Float64, "p_holm": pl.Float64, "n_boot": pl.Int64, "test": pl.String, "prompts": pl.Int64,

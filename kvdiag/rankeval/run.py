@@ -64,13 +64,19 @@ def load_summary(path: str | os.PathLike) -> dict:
     if not config.is_file():
         raise UserError("config.json is missing (rank-eval did not finish)")
     table = path / "table.md"
-    return {"config": read_json(config, "config.json"), "table.md": table.read_text() if table.is_file() else None,
+    info = read_json(config, "config.json")
+    if not isinstance(info, dict):
+        raise UserError(f"config.json {config} is not the JSON object kvdiag rank-eval writes; re-run it")
+    return {"config": info, "table.md": table.read_text() if table.is_file() else None,
             "has_budget_curves": (path / "budget_curves.png").is_file()}
 
 
 def load_metrics(path: str | os.PathLike, what: str = "--rank-eval") -> pl.DataFrame:
     """The metrics table (metrics.csv) ``kvdiag rank-eval`` wrote into the directory ``path``."""
+    from kvdiag.core.io import read_csv
+    from kvdiag.rankeval.evaluate import METRICS_SCHEMA
+
     metrics = Path(path) / "metrics.csv"
     if not metrics.is_file():
         raise UserError(f"{what} {path} has no metrics.csv: pass a directory written by kvdiag rank-eval")
-    return pl.read_csv(metrics, schema_overrides={"note": pl.String}, glob=False)
+    return read_csv(metrics, METRICS_SCHEMA, what, "re-run kvdiag rank-eval", keys=("scorer", "metric", "scope"))

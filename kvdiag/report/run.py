@@ -32,12 +32,13 @@ from markdown_it import MarkdownIt
 from kvdiag import __version__
 from kvdiag.core.errors import UserError
 from kvdiag.core.harm import HarmSpec
-from kvdiag.core.io import write_json
+from kvdiag.core.io import read_csv, write_json
 from kvdiag.core.provenance import timestamp
 from kvdiag.core.run_layout import LAYOUT, REPORT_FILES, check_run_dir
 from kvdiag.core.tables import cell_text, md_table
 from kvdiag.figures.run import load_summary as figures_summary
 from kvdiag.fit import load_summary as fit_summary
+from kvdiag.rankeval.evaluate import PAIRED_SCHEMA
 from kvdiag.rankeval.run import load_summary as rank_eval_summary
 
 # piece -> (path in the run, command that makes it)
@@ -66,8 +67,10 @@ def _read_commands(path: Path) -> list[dict]:
         commands = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise UserError(f"{path} is not valid JSON ({err.msg}): fix or delete it") from err
-    if not isinstance(commands, list):
-        raise UserError(f"{path} is not a list of commands: fix or delete it")
+    if not isinstance(commands, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("argv"), list) and all(isinstance(a, str) for a in c["argv"])
+            for c in commands):
+        raise UserError(f"{path} is not a list of commands (each an object with its argv): fix or delete it")
     return commands
 
 
@@ -273,7 +276,7 @@ def _ranking_finding(r: _Run) -> str | None:
     cfg = r.rank_eval["config"].get("config", {})
     scope = cfg.get("table_scope", "pooled")
     try:
-        metrics = load_metrics(r.run / LAYOUT["rank-eval"][0])
+        metrics = load_metrics(r.run / LAYOUT["rank-eval"][0], "--run")
     except (UserError, OSError, ValueError) as err:
         return f"- **Ranking:** rank-eval's metrics.csv cannot be read ({err})."
     auroc = metrics.filter((pl.col("metric") == "auroc") & (pl.col("scope") == scope) & pl.col("value").is_not_nan())
@@ -299,7 +302,8 @@ def _ranking_finding(r: _Run) -> str | None:
     out += "."
     paired = r.run / LAYOUT["rank-eval"][0] / "paired.csv"
     if paired.is_file():  # the paired difference rank-eval already tested: best rule against its reference rule
-        p = pl.read_csv(paired, schema_overrides={"note": pl.String}, infer_schema_length=None, glob=False).filter(
+        p = read_csv(paired, PAIRED_SCHEMA, "--run", "re-run kvdiag rank-eval",
+                     keys=("scorer", "reference", "metric", "scope")).filter(
             (pl.col("scorer") == best["scorer"]) & (pl.col("metric") == "auroc") & (pl.col("scope") == scope))
         if p.height:
             d = p.row(0, named=True)
@@ -432,7 +436,9 @@ def _ceiling_section(r: _Run) -> str:
 
 
 def _stats_table(path: Path) -> str:
-    df = pl.read_csv(path, schema_overrides={"value": pl.Float64, "note": pl.String}, glob=False)
+    from kvdiag.core.plotting import STATS_SCHEMA
+
+    df = read_csv(path, STATS_SCHEMA, "--run", "re-run kvdiag figures", keys=("statistic",))
     return md_table(
         ["statistic", "value", "note"],
         [[r["statistic"], r["value"], r["note"] or ""] for r in df.iter_rows(named=True)], "lrl",
@@ -440,12 +446,10 @@ def _stats_table(path: Path) -> str:
 
 
 def _components_table(path: Path) -> str:
-    from kvdiag.figures.components import RANDOM_SCORER
+    from kvdiag.figures.components import RANDOM_SCORER, TABLE_SCHEMA
     from kvdiag.rankeval import metrics_where
 
-    df = pl.read_csv(
-        path, schema_overrides={"value": pl.Float64, "ci_low": pl.Float64, "ci_high": pl.Float64, "note": pl.String},
-        glob=False)
+    df = read_csv(path, TABLE_SCHEMA, "--run", "re-run kvdiag figures", keys=("scorer", "variant", "metric", "scope"))
     cells = {(r["variant"], r["metric"]): r for r in df.filter(pl.col("scorer") != RANDOM_SCORER).iter_rows(named=True)}
 
     def cell(r: dict | None) -> str:
