@@ -240,3 +240,21 @@ def test_a_hand_edited_piece_is_refused_or_shown_unreadable(run, tmp_path, piece
     else:
         md = report_files(edited, tmp_path / "out")[0].read_text()
         assert re.search(message, md), md[:2000]
+
+
+def test_an_unreadable_optional_piece_is_said_not_dropped(run, tmp_path):
+    """fit/ and decisions/ are optional: absent, their sections are left out; present but unreadable (a config.json
+    of another shape: the fit section's KeyError was 'internal error'), their section says why instead of vanishing."""
+    edited = tmp_path / "run"
+    shutil.copytree(run["root"], edited)
+    (edited / "fit").mkdir()
+    (edited / "fit" / "config.json").write_text('{"summary": {"n": 3}}')
+    (edited / "fit" / "table.md").write_text("")
+    (edited / "fit" / "importances.csv").write_text("feature\nx\n")
+    (edited / "decisions").mkdir()
+    for name, text in (("config.json", "{}"), ("summary.md", "# s\n"), ("summary.json", "3")):
+        (edited / "decisions" / name).write_text(text)
+    md = report_files(edited, tmp_path / "out")[0].read_text()
+    assert "`fit/` is unreadable: config.json" in md and "not the object kvdiag fit writes" in md
+    assert "`decisions/` is unreadable: " in md and "summary.json is not the JSON object kvdiag decisions" in md
+    assert "`fit/` is unreadable" not in run["md"] and "## Decisions" not in run["md"]  # absent: no section

@@ -683,6 +683,9 @@ def load_summary(path: str | os.PathLike) -> dict:
     missing = [f for f in ("config.json", "summary.md", "summary.json") if not (path / f).is_file()]
     if missing:
         raise UserError(f"{', '.join(missing)} missing (kvdiag decisions did not finish)")
-    return {"config": read_json(path / "config.json", "config.json"), "summary.md": (path / "summary.md").read_text(),
-            "summary": read_json(path / "summary.json", "summary.json"),
-            "has_figure": (path / "decisions.png").is_file()}
+    out = {"config": read_json(path / "config.json", "config.json"), "summary.md": (path / "summary.md").read_text(),
+           "summary": read_json(path / "summary.json", "summary.json"),
+           "has_figure": (path / "decisions.png").is_file()}
+    if bad := [f"{k}.json" for k in ("config", "summary") if not isinstance(out[k], dict)]:
+        raise UserError(f"{path}: {', '.join(bad)} is not the JSON object kvdiag decisions writes; re-run it")
+    return out

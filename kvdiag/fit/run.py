@@ -277,6 +277,10 @@ def cross_validate(X: np.ndarray, y: np.ndarray, groups: np.ndarray, cfg: FitCon
     return oof, importance
 
 
+IMPORTANCES_SCHEMA = {"feature": pl.String, "logreg_std_coef": pl.Float64, "logreg_permutation_auroc_drop": pl.Float64,
+                      "gbt_permutation_auroc_drop": pl.Float64}
+
+
 def importance_table(names: tuple[str, ...], final, importance: dict[str, np.ndarray]) -> pl.DataFrame:
     """importances.csv: per feature the standardized coefficient of the logistic regression fitted on every entry
     (``final``, a scaler + logistic regression pipeline) and each model's out-of-fold permutation AUROC drop
@@ -286,7 +290,7 @@ def importance_table(names: tuple[str, ...], final, importance: dict[str, np.nda
         "feature": list(names), "logreg_std_coef": [std_coef[n] for n in names],
         "logreg_permutation_auroc_drop": importance["fitted_logreg"].tolist(),
         "gbt_permutation_auroc_drop": importance["fitted_gbt"].tolist(),
-    }).sort("gbt_permutation_auroc_drop", descending=True, maintain_order=True)
+    }, schema=IMPORTANCES_SCHEMA).sort("gbt_permutation_auroc_drop", descending=True, maintain_order=True)
 
 
 def fit_files(trace: str | Path, labels: str | Path, scores: str | Path | None, out: str | Path, cfg: FitConfig,
@@ -331,11 +335,19 @@ def rank_fitted(labels: pl.DataFrame, ranked: pl.DataFrame, cfg: FitConfig, scor
 def load_summary(path: str | Path) -> dict:
     """What ``kvdiag fit`` wrote into the directory ``path``: ``{"config": config.json, "table.md": text,
     "importances": DataFrame}``; an unfinished directory is a ``UserError``."""
-    from kvdiag.core.io import read_json
+    from kvdiag.core.io import read_csv, read_json
 
     path = Path(path)
     missing = [f for f in ("config.json", "table.md", "importances.csv") if not (path / f).is_file()]
     if missing:
         raise UserError(f"{', '.join(missing)} missing (kvdiag fit did not finish)")
-    return {"config": read_json(path / "config.json", "config.json"), "table.md": (path / "table.md").read_text(),
-            "importances": pl.read_csv(path / "importances.csv", glob=False)}
+    config = read_json(path / "config.json", "config.json")
+    summary = config.get("summary") if isinstance(config, dict) else None
+    if not (isinstance(summary, dict) and isinstance(summary.get("features"), list)
+            and all(isinstance(summary.get(k), int) and not isinstance(summary.get(k), bool)
+                    for k in ("n", "n_harmful", "folds"))):
+        raise UserError(f"config.json {path / 'config.json'} is not the object kvdiag fit writes (its summary's "
+                        "features, n, n_harmful, folds); re-run kvdiag fit")
+    return {"config": config, "table.md": (path / "table.md").read_text(),
+            "importances": read_csv(path / "importances.csv", IMPORTANCES_SCHEMA, "--run", "re-run kvdiag fit",
+                                    keys=("feature",))}

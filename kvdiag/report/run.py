@@ -96,6 +96,7 @@ class _Run:
         self.rank_eval = self._load("rank-eval", rank_eval_summary)
         self.figures = self._load("figures", figures_summary)
         self.commands = self._load("commands", _read_commands)
+        self.unread: dict[str, str] = {}  # optional pieces (fit/, decisions/, ...) that could not be read -> why
 
     def _load(self, piece: str, loader):
         path = self.run / LAYOUT[piece][0]
@@ -129,8 +130,16 @@ class _Run:
             return None
         try:
             return loader(path)
-        except (UserError, OSError, ValueError):
+        except (UserError, OSError, ValueError) as err:  # its section says so (:meth:`unreadable`)
+            self.unread[rel] = str(err)
             return None
+
+    def unreadable(self, rel: str, heading: str, command: str) -> str:
+        """The section (under ``heading``) of an optional piece that :meth:`optional` could not read ('' when it was
+        read or is absent)."""
+        if rel not in self.unread:
+            return ""
+        return f"{heading}\n\n`{rel}/` is unreadable: {self.unread[rel]}; `{command}` rewrites it.\n"
 
 
 def _contents(r: _Run) -> str:
@@ -419,7 +428,7 @@ def _ceiling_section(r: _Run) -> str:
     """The fitted ceiling (``kvdiag fit`` in RUN/fit), when present."""
     fit = r.optional("fit", fit_summary)
     if fit is None:
-        return ""
+        return r.unreadable("fit", "\n### Fitted ceiling for feature-based rules", "kvdiag fit")
     s, imp = fit["config"]["summary"], fit["importances"]
     rows = [[f["feature"], f"{f['logreg_std_coef']:+.3f}", f"{f['logreg_permutation_auroc_drop']:.4f}",
              f"{f['gbt_permutation_auroc_drop']:.4f}"] for f in imp.iter_rows(named=True)]
@@ -499,7 +508,7 @@ def _decisions_section(r: _Run, rel: str) -> str:
 
     d = r.optional("decisions", load_summary)
     if d is None:
-        return ""
+        return r.unreadable("decisions", "## Decisions", "kvdiag decisions")
     body = d["summary.md"].split("\n", 1)[1] if d["summary.md"].startswith("# ") else d["summary.md"]
     body = "\n".join(("#" + line) if line.startswith("## ") else line for line in body.splitlines())
     out = ("## Decisions: the joint damage of each rule's evicted set\n\n`kvdiag decisions` (docs/decisions.md): "
