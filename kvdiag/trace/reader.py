@@ -13,7 +13,7 @@ from kvdiag.core.errors import UserError
 from kvdiag.model.adapters import LayerAttention, ModelAttention
 from kvdiag.model.attention import attention_rows
 from kvdiag.trace.manifest import MANIFEST_KEYS, TraceFiles, read_trace_files  # noqa: F401  (the reader's API)
-from kvdiag.trace.writer import STORAGE_DTYPES, layer_file, stored_names
+from kvdiag.trace.writer import MAX_VALUE, STORAGE_DTYPES, layer_file, stored_names
 
 REBUILD_CHUNK = 8192  # prefill positions per forward when rebuilding: bounds activations ([chunk, T] scores)
 
@@ -78,13 +78,19 @@ class Trace(TraceFiles):
             raise UserError(f"--trace {self.path}: layer {layer} of {pid} holds q, k, v of shapes {got}, manifest says "
                             f"{want}; the Trace is corrupt")
         dtype = str(self.storage_dtype).removeprefix("torch.")
+        if other := [f"{n} ({found[n].dtype})" for n in "qkv" if found[n].dtype != self.storage_dtype]:
+            raise UserError(f"--trace {self.path}: layer {layer} of {pid} holds {', '.join(other)} where the manifest "
+                            f"says {dtype}; the Trace is corrupt")
         for name in "qkv":  # a flipped byte or a value past the storage dtype's range: every stage would read it
-            if not bool(torch.isfinite(found[name]).all()):
-                where = int((~torch.isfinite(found[name])).nonzero()[0, 1])
-                raise UserError(f"--trace {self.path}: layer {layer} of {pid} holds a non-finite {name} value at "
-                                f"position {where} ({'stored' if name in names else 'rebuilt'} in {dtype}); the "
-                                "Trace is corrupt or its values overflow its storage dtype: re-run `kvdiag trace` "
-                                "into a new directory (--storage-dtype float32 for values past float16's range)")
+            x = found[name]
+            bad = ~(torch.isfinite(x) & (x.abs() <= MAX_VALUE))  # (MAX_VALUE is inf in float16)
+            if bool(bad.any()):
+                where = int(bad.nonzero()[0, 1])
+                raise UserError(f"--trace {self.path}: layer {layer} of {pid} holds a {name} value that is not "
+                                f"finite or past {MAX_VALUE:.0e} at position {where} "
+                                f"({'stored' if name in names else 'rebuilt'} in {dtype}); the Trace is corrupt or "
+                                "its values overflow its storage dtype: re-run `kvdiag trace` into a new directory "
+                                "(--storage-dtype float32 for values past float16's range)")
         return qkv
 
     def _shapes(self, T: int) -> tuple[tuple[int, ...], ...]:

@@ -42,6 +42,11 @@ from kvdiag.trace.manifest import FORMAT_VERSION
 STORAGE_DTYPES = {name: getattr(torch, name) for name in STORAGE_DTYPE_NAMES}
 
 
+# the largest |q|, |k|, |v| a Trace holds: q.k over a head dim up to 2^16 and a squared norm stay below float32's
+# 3.4e38 (2^48 * 2^48 * 2^16 = 2^112), so no stage's fp32 arithmetic overflows; no model's attention inputs come near
+MAX_VALUE = float(2**48)
+
+
 def stored_names(store: dict, layer: int) -> tuple[str, ...]:
     """The tensors of ``layer`` written to disk under ``store`` (a manifest without one: every q/k/v)."""
     if layer not in store["layers"]:
@@ -308,11 +313,12 @@ def _commit_prompt(root: Path, parts: PartStore, prompt: Prompt, record: dict) -
     for layer, qkv in enumerate(record["layers"]):
         if not qkv:  # not stored (--store): rebuilt on demand by the reader
             continue
-        for name, x in qkv.items():  # the reader refuses a non-finite value: never write one
-            if not bool(torch.isfinite(x).all()):
+        for name, x in qkv.items():  # the reader refuses such a value: never write one
+            if not bool((torch.isfinite(x) & (x.abs() <= MAX_VALUE)).all()):  # (MAX_VALUE is inf in float16)
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise UserError(f"prompt {pid}: layer {layer}'s {name} holds a value that is not finite in {x.dtype} "
-                                "(past its range, or the model's own overflow); trace with --storage-dtype float32")
+                                f"or past {MAX_VALUE:.0e} (past the dtype's range, or the model's own overflow); "
+                                "trace with --storage-dtype float32")
         save_file(qkv, str(tmp / f"layer_{layer:03d}.safetensors"), metadata={"prompt_id": pid, "layer": str(layer)})
     shutil.rmtree(tensors, ignore_errors=True)  # leftovers of an interrupted attempt
     os.replace(tmp, tensors)
