@@ -94,9 +94,6 @@ def refused_or_read(path: Path) -> None:
         assert "\n" not in str(err).strip(), "a refusal is one line"
 
 
-MANIFEST_FIELDS = None
-
-
 @settings(max_examples=120, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_hostile_manifest_fields(base, tmp_path_factory, data):
@@ -118,11 +115,9 @@ COLUMNS = ("prompt_id", "position", "token_id")
 def test_hostile_token_values(base, tmp_path_factory, column, row, value):
     path = copy(base, tmp_path_factory)
     tokens = pl.read_parquet(path / "tokens.parquet")
-    new = pl.when(pl.int_range(pl.len()) == row).then(pl.lit(value, dtype=tokens.schema[column] if column != "prompt_id"
-                                                              else pl.String)).otherwise(column)
-    if column == "prompt_id":
-        new = pl.when(pl.int_range(pl.len()) == row).then(pl.lit(None if value is None else str(value))) \
-            .otherwise(column)
+    if column == "prompt_id":  # a prompt id as text: another prompt's, or none
+        value = None if value is None else str(value)
+    new = pl.when(pl.int_range(pl.len()) == row).then(pl.lit(value, dtype=tokens.schema[column])).otherwise(column)
     tokens.with_columns(new.alias(column)).write_parquet(path / "tokens.parquet")
     refused_or_read(path)
 

@@ -124,9 +124,9 @@ def _malformed(m: dict) -> str:
     store = m.get("store")
     if store is not None and not (
             isinstance(store, dict) and store.get("mode") in (*STORE_WORDS, "layers")
-            and isinstance(store.get("layers"), list) and len(set(map(repr, store["layers"]))) == len(store["layers"])
+            and isinstance(store.get("layers"), list)
             and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < m["num_layers"]
-                    for x in store["layers"])):
+                    for x in store["layers"]) and len(set(store["layers"])) == len(store["layers"])):
         return "store (its mode is not all, kv, none or layers, or its layers are not distinct layers of the model)"
     if m.get("storage_dtype", "float16") not in STORAGE_DTYPE_NAMES:
         return f"storage_dtype {m['storage_dtype']!r}"

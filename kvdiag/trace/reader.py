@@ -13,7 +13,7 @@ from kvdiag.core.errors import UserError
 from kvdiag.model.adapters import LayerAttention, ModelAttention
 from kvdiag.model.attention import attention_rows
 from kvdiag.trace.manifest import MANIFEST_KEYS, TraceFiles, read_trace_files  # noqa: F401  (the reader's API)
-from kvdiag.trace.writer import MAX_VALUE, STORAGE_DTYPES, layer_file, stored_names
+from kvdiag.trace.writer import MAX_VALUE, STORAGE_DTYPES, layer_file, out_of_range, stored_names
 
 REBUILD_CHUNK = 8192  # prefill positions per forward when rebuilding: bounds activations ([chunk, T] scores)
 
@@ -82,8 +82,7 @@ class Trace(TraceFiles):
             raise UserError(f"--trace {self.path}: layer {layer} of {pid} holds {', '.join(other)} where the manifest "
                             f"says {dtype}; the Trace is corrupt")
         for name in "qkv":  # a flipped byte or a value past the storage dtype's range: every stage would read it
-            x = found[name]
-            bad = ~(torch.isfinite(x) & (x.abs() <= MAX_VALUE))  # (MAX_VALUE is inf in float16)
+            bad = out_of_range(found[name])
             if bool(bad.any()):
                 where = int(bad.nonzero()[0, 1])
                 raise UserError(f"--trace {self.path}: layer {layer} of {pid} holds a {name} value that is not "

@@ -47,6 +47,12 @@ STORAGE_DTYPES = {name: getattr(torch, name) for name in STORAGE_DTYPE_NAMES}
 MAX_VALUE = float(2**48)
 
 
+def out_of_range(x: torch.Tensor) -> torch.Tensor:
+    """bool, x's shape: where a q/k/v value is not finite or past ``MAX_VALUE`` (which is inf in float16, whose own
+    overflow is inf: caught as not finite)."""
+    return ~(torch.isfinite(x) & (x.abs() <= MAX_VALUE))
+
+
 def stored_names(store: dict, layer: int) -> tuple[str, ...]:
     """The tensors of ``layer`` written to disk under ``store`` (a manifest without one: every q/k/v)."""
     if layer not in store["layers"]:
@@ -314,7 +320,7 @@ def _commit_prompt(root: Path, parts: PartStore, prompt: Prompt, record: dict) -
         if not qkv:  # not stored (--store): rebuilt on demand by the reader
             continue
         for name, x in qkv.items():  # the reader refuses such a value: never write one
-            if not bool((torch.isfinite(x) & (x.abs() <= MAX_VALUE)).all()):  # (MAX_VALUE is inf in float16)
+            if bool(out_of_range(x).any()):
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise UserError(f"prompt {pid}: layer {layer}'s {name} holds a value that is not finite in {x.dtype} "
                                 f"or past {MAX_VALUE:.0e} (past the dtype's range, or the model's own overflow); "
